@@ -1,0 +1,92 @@
+"""The ``hpcrl`` command.
+
+    hpcrl run CONFIG [key=value ...] --run-dir DIR [--executor local|slurm|auto] [--dry-run] [--resume]
+    hpcrl trainer RUN_DIR                 # job entry points (used by sbatch/ scripts)
+    hpcrl rollout RUN_DIR --writer-rank W
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from hpcrl.config import ConfigError, dump_config, load_config
+
+
+def _cmd_run(a) -> int:
+    from hpcrl.launch.follow import RunFollower
+    from hpcrl.launch.prepare import prepare_run_dir
+    from hpcrl.launch.submit import plan_jobs, resolve_executor, submit_jobs
+    from hpcrl.run_dir import RunDir
+
+    try:
+        if a.resume and a.config is None:
+            cfg = RunDir(a.run_dir).load_config()
+        else:
+            cfg = load_config(a.config, a.overrides)
+        kind = resolve_executor(a.executor)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"hpcrl: error: {e}", file=sys.stderr)
+        return 2
+    if a.dry_run:
+        print(f"# executor: {kind}; run directory: {Path(a.run_dir).resolve()}")
+        print(f"# R={cfg.groups_per_update} groups per update, K={cfg.async_training.trigger_parameter_sync_step}, "
+              f"budget B={cfg.admission_budget} groups per version, {cfg.total_updates} updates, "
+              f"max lag bound {cfg.max_lag_bound}")
+        for job in plan_jobs(cfg, RunDir(a.run_dir)):
+            print("would submit " + job.describe())
+        print("# resolved config:")
+        print(dump_config(cfg), end="")
+        return 0
+    try:
+        rd = prepare_run_dir(cfg, Path(a.run_dir), a.resume)
+    except ConfigError as e:
+        print(f"hpcrl: error: {e}", file=sys.stderr)
+        return 2
+    jobs = submit_jobs(cfg, rd, kind)
+    print(f"submitted ({kind}): " + ", ".join(f"{n}={j.job_id}" for n, j in jobs.items()) + f"; run dir {rd.root}")
+    timeout_s = a.timeout_min * 60 if a.timeout_min else cfg.resources.trainer.timeout_min * 60
+    try:
+        return RunFollower(rd, jobs).follow(timeout_s)
+    except KeyboardInterrupt:
+        print("interrupted: cancelling the run's jobs (resume later with --resume)", file=sys.stderr)
+        RunFollower(rd, jobs).cancel_all()
+        return 130
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="hpcrl", description="asynchronous RL post-training on Slurm")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="launch a run (trainer + rollout jobs) and follow it")
+    r.add_argument("config", nargs="?", help="YAML config, e.g. configs/tiny.yaml (omit with --resume)")
+    r.add_argument("overrides", nargs="*", help="dotted overrides, e.g. async_training.staleness_threshold=0.5")
+    r.add_argument("--run-dir", required=True, help="run directory on the shared filesystem")
+    r.add_argument("--executor", default="auto", help="local, slurm or auto (slurm when srun is on PATH)")
+    r.add_argument("--dry-run", action="store_true", help="check the config and print what would be submitted")
+    r.add_argument("--resume", action="store_true", help="continue the run already in --run-dir")
+    r.add_argument("--timeout-min", type=float, default=None,
+                   help="give up following after this long (default: resources.trainer.timeout_min)")
+    t = sub.add_parser("trainer", help="run the trainer job in this process")
+    t.add_argument("run_dir")
+    ro = sub.add_parser("rollout", help="run one rollout job in this process")
+    ro.add_argument("run_dir")
+    ro.add_argument("--writer-rank", type=int, default=0)
+    a = p.parse_args(argv)
+    if a.cmd == "run":
+        if a.config is not None and "=" in a.config:  # `hpcrl run key=value --resume`
+            a.overrides.insert(0, a.config)
+            a.config = None
+        return _cmd_run(a)
+    if a.cmd == "trainer":
+        from hpcrl.trainer.main import trainer_main
+
+        trainer_main(a.run_dir)
+        return 0
+    from hpcrl.rollout.main import rollout_main
+
+    rollout_main(a.run_dir, a.writer_rank)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

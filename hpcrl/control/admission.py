@@ -1,0 +1,91 @@
+"""The admission budget shared by every rollout job of a run.
+
+DESIGN.md "Flow control": per weight version the fleet may *start* at most
+``B = floor((1 + s) * K * R)`` groups, counting carry-over (groups in flight or
+committed but not yet consumed). Counting from the start of the run this is one
+inequality, checked before each group starts::
+
+    started_total  <  consumed_groups(v) + B
+
+where ``v`` is the version the asking job generates with and
+``consumed_groups(v)`` is written by the trainer into v's weight manifest.
+
+``started_total`` is the sum of per-writer counters in ``control/admission.json``,
+read-modified-written under an exclusive ``flock`` on ``control/admission.lock``
+(the file itself is replaced atomically, so readers without the lock never see
+a torn file). A writer that restarts resets its own counter to the number of
+groups it has committed: the groups its dead predecessor had in flight are
+released, and their prompts are regenerated.
+
+Shared filesystems: flock works on local disks, NFSv4 and Lustre mounted with
+``-o flock``; on a Lustre mount without it ``flock`` fails with ENOSYS and the
+job stops with an error saying so.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+from contextlib import contextmanager
+
+from hpcrl.fsio import read_json, write_json_atomic
+from hpcrl.run_dir import RunDir
+
+
+class AdmissionLockUnsupported(RuntimeError):
+    pass
+
+
+@contextmanager
+def _locked(run_dir: RunDir):
+    run_dir.control.mkdir(parents=True, exist_ok=True)
+    fd = os.open(run_dir.admission_lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as e:
+            if e.errno in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP):
+                raise AdmissionLockUnsupported(
+                    f"flock on {run_dir.admission_lock} failed ({e}); the shared admission budget needs file "
+                    "locks: mount Lustre with -o flock, or put the run directory on a filesystem with locking") from e
+            raise
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+class Admission:
+    def __init__(self, run_dir: RunDir, writer: str, budget: int):
+        self.run_dir = run_dir
+        self.writer = writer
+        self.budget = budget
+
+    def _read(self) -> dict:
+        return read_json(self.run_dir.admission) or {"started": {}}
+
+    def reset_writer(self, committed_groups: int) -> None:
+        """At writer start: groups in flight in a previous life of this writer are released."""
+        with _locked(self.run_dir):
+            state = self._read()
+            state["started"][self.writer] = committed_groups
+            write_json_atomic(self.run_dir.admission, state)
+
+    def try_start(self, consumed_groups_at_version: int) -> bool:
+        """Reserve one group start if the budget allows; True if reserved."""
+        with _locked(self.run_dir):
+            state = self._read()
+            if sum(state["started"].values()) >= consumed_groups_at_version + self.budget:
+                return False
+            state["started"][self.writer] = state["started"].get(self.writer, 0) + 1
+            write_json_atomic(self.run_dir.admission, state)
+            return True
+
+    def release(self, n: int = 1) -> None:
+        """Return ``n`` reserved starts that will never be generated."""
+        with _locked(self.run_dir):
+            state = self._read()
+            state["started"][self.writer] = max(0, state["started"].get(self.writer, 0) - n)
+            write_json_atomic(self.run_dir.admission, state)
+
+    def started_total(self) -> int:
+        return sum(self._read()["started"].values())

@@ -1,0 +1,143 @@
+"""Small JSON control records in ``RUN/control/`` (each written tmp -> fsync -> replace).
+
+=====================================  ===========  ======================================
+record                                 written by   read by
+=====================================  ===========  ======================================
+heartbeat/<job>.json  (Heartbeat)      every job    launcher, trainer (waiting), retention
+loading/<writer>.json (LoadingAnn.)    rollout job  trainer weight retention
+trainer_done.json     (TrainerDone)    trainer      rollout jobs (stop), launcher
+admission.json                         rollout job  rollout jobs (see admission.py)
+=====================================  ===========  ======================================
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from hpcrl.fsio import read_json, write_json_atomic
+from hpcrl.run_dir import RunDir
+
+
+@dataclass
+class Heartbeat:
+    job: str
+    """``trainer`` or ``rollout-<writer>``."""
+    role: str
+    host: str
+    pid: int
+    time_s: float
+    """Unix time of this beat; older than timeouts.heartbeat_stale_s = dead."""
+    param_version: int = -1
+    """Trainer: newest published version. Rollout: version it generates with."""
+    state: str = "starting"
+    """Free text: starting, generating, waiting_weights, training, waiting_samples, done, failed."""
+    stats: dict = field(default_factory=dict)
+    """Counters for the status view (groups committed/consumed, idle ratio, ...)."""
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class LoadingAnnouncement:
+    writer: str
+    version: int
+    state: str
+    """``loading`` pins the version against deletion; ``loaded`` releases it."""
+    time_s: float
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class TrainerDone:
+    trainer_step: int
+    param_version: int
+    consumed_groups: int
+    time_s: float
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def read_heartbeats(run_dir: RunDir) -> dict[str, dict]:
+    out = {}
+    folder = run_dir.control / "heartbeat"
+    if folder.is_dir():
+        for p in sorted(folder.glob("*.json")):
+            d = read_json(p)
+            if d:
+                out[d["job"]] = d
+    return out
+
+
+def live_jobs(run_dir: RunDir, heartbeat_stale_s: float) -> set[str]:
+    """Writers/jobs whose heartbeat is fresh. Rollout jobs are keyed by writer name too."""
+    now = time.time()
+    alive = set()
+    for job, d in read_heartbeats(run_dir).items():
+        if now - d["time_s"] <= heartbeat_stale_s and d.get("state") not in ("done", "failed"):
+            alive.add(job)
+            if job.startswith("rollout-"):
+                alive.add(job[len("rollout-"):])
+    return alive
+
+
+def describe_heartbeats(run_dir: RunDir, role: Optional[str] = None) -> str:
+    """One line for wait messages: each job, its state and its heartbeat age."""
+    now = time.time()
+    parts = [f"{job}: {d.get('state')} v{d.get('param_version')} heartbeat {now - d['time_s']:.0f}s ago"
+             for job, d in read_heartbeats(run_dir).items() if role is None or d.get("role") == role]
+    return f"run dir {run_dir.root}; " + ("; ".join(parts) if parts else f"no {role or ''} heartbeat yet".replace("  ", " "))
+
+
+class HeartbeatThread:
+    """Rewrites ``control/heartbeat/<job>.json`` every ``interval_s`` from a daemon thread.
+
+    The owner updates ``state``, ``param_version`` and ``stats``; a crash stops the
+    beats, and readers see the heartbeat age grow past ``heartbeat_stale_s``.
+    """
+
+    def __init__(self, run_dir: RunDir, job: str, role: str, interval_s: float):
+        self.path = run_dir.heartbeat(job)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.beat = Heartbeat(job=job, role=role, host=socket.gethostname(), pid=os.getpid(), time_s=time.time())
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{job}", daemon=True)
+
+    def start(self) -> "HeartbeatThread":
+        self.write()
+        self._thread.start()
+        return self
+
+    def update(self, **fields) -> None:
+        with self._lock:
+            for k, v in fields.items():
+                setattr(self.beat, k, v)
+
+    def write(self) -> None:
+        with self._lock:
+            self.beat.time_s = time.time()
+            record = self.beat.to_json()
+        write_json_atomic(self.path, record)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.write()
+            except OSError:
+                pass  # a transient filesystem error must not kill the job; next beat retries
+
+    def stop(self, final_state: str) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.update(state=final_state)
+        self.write()

@@ -1,0 +1,123 @@
+"""Crash-safe file primitives: every file another job reads goes through here.
+
+Two patterns only (DESIGN.md "The run directory"):
+- whole files: write ``x.tmp`` -> fsync -> ``os.replace(x.tmp, x)`` -> fsync the folder;
+- append-only logs: one JSON object per line, each ``write`` + ``fsync``; a reader
+  skips a last line without its newline (the writer died mid-line).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+
+def fsync_dir(path: os.PathLike | str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_bytes_atomic(path: os.PathLike | str, data: bytes) -> None:
+    path = Path(path)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def write_json_atomic(path: os.PathLike | str, obj: Any) -> None:
+    write_bytes_atomic(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+
+
+def read_json(path: os.PathLike | str) -> Optional[Any]:
+    """The JSON in ``path``, or None if it does not exist (atomic writes: never torn)."""
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read())
+    except FileNotFoundError:
+        return None
+
+
+class JsonlAppender:
+    """Append JSON lines durably (write + flush + fsync per call) to one file.
+
+    One writer per file. A crash can leave at most the last line incomplete,
+    which :func:`read_jsonl` skips.
+    """
+
+    def __init__(self, path: os.PathLike | str, fsync: bool = True):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fsync = fsync
+        self._f = open(self.path, "ab")
+        # A previous writer killed mid-line left a fragment: end it so our first
+        # record starts on its own line (the fragment is then skipped as invalid).
+        if self._f.tell() > 0:
+            with open(self.path, "rb") as r:
+                r.seek(-1, os.SEEK_END)
+                if r.read(1) != b"\n":
+                    self._f.write(b"\n")
+
+    def append(self, record: dict) -> None:
+        self.append_many([record])
+
+    def append_many(self, records: list[dict]) -> None:
+        if not records:
+            return
+        data = b"".join(json.dumps(r, sort_keys=True).encode() + b"\n" for r in records)
+        self._f.write(data)
+        self._f.flush()
+        if self._fsync:
+            os.fsync(self._f.fileno())
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def read_jsonl(path: os.PathLike | str, on_bad_line: Optional[Callable[[int, str], None]] = None) -> Iterator[dict]:
+    """Yield the complete JSON lines of ``path``; a torn or invalid line is skipped
+    (and reported through ``on_bad_line(lineno, text)``)."""
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        return
+    with f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.endswith(b"\n"):
+                if on_bad_line:
+                    on_bad_line(lineno, raw.decode(errors="replace"))
+                return
+            try:
+                yield json.loads(raw)
+            except json.JSONDecodeError:
+                if on_bad_line:
+                    on_bad_line(lineno, raw.decode(errors="replace"))
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout_s: float, poll_s: float, log: Any,
+             log_every_s: float = 10.0, describe: Optional[Callable[[], str]] = None) -> Any:
+    """Poll ``check()`` until it returns something truthy; log what we wait for;
+    raise TimeoutError naming it after ``timeout_s``."""
+    start = time.monotonic()
+    last_log = start
+    while True:
+        result = check()
+        if result:
+            return result
+        now = time.monotonic()
+        if now - start > timeout_s:
+            extra = f" ({describe()})" if describe else ""
+            raise TimeoutError(f"gave up after {timeout_s:.0f}s waiting for {what}{extra}")
+        if now - last_log >= log_every_s:
+            extra = f" ({describe()})" if describe else ""
+            log.info("waiting %.0fs so far for %s%s", now - start, what, extra)
+            last_log = now
+        time.sleep(poll_s)

@@ -1,0 +1,109 @@
+"""Follow a submitted run from the login node: one line per weight version.
+
+Liveness comes from the job handles (process / squeue state) and from the run
+directory's heartbeats, never from ``job.wait()`` (without accounting, submitit
+cannot see a killed job's state, FACTS.md). Every wait here has a deadline.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Callable
+
+from hpcrl.fsio import read_json, read_jsonl
+from hpcrl.run_dir import RunDir
+
+log = logging.getLogger(__name__)
+
+
+def tail(path: Path, lines: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return f"(no file {path})"
+
+
+def job_failure_report(rd: RunDir, name: str, job) -> str:
+    parts = [f"--- {rd.job_logs / (name + '.log')} (last lines) ---", tail(rd.job_logs / f"{name}.log")]
+    try:
+        parts += [f"--- {job.paths.stderr} (last lines) ---", tail(Path(job.paths.stderr))]
+    except Exception:  # a handle without paths: nothing more to show
+        pass
+    return "\n".join(parts)
+
+
+class RunFollower:
+    def __init__(self, rd: RunDir, jobs: dict, emit: Callable[[str], None] = print):
+        self.rd = rd
+        self.jobs = jobs
+        self.emit = emit
+        self.cfg = rd.load_config()
+        self._metrics_seen = 0
+        self._rows_by_version: dict[int, list[dict]] = defaultdict(list)
+
+    def _rollout_idle(self) -> str:
+        vals = []
+        for p in sorted(self.rd.logs.glob("rollout-*.jsonl")):
+            rows = list(read_jsonl(p))
+            if rows:
+                vals.append(rows[-1].get("rollouter/idle_ratio", float("nan")))
+        return "/".join(f"{v:.2f}" for v in vals) if vals else "n/a"
+
+    def _print_new_versions(self) -> None:
+        rows = list(read_jsonl(self.rd.metrics))
+        K = self.cfg.async_training.trigger_parameter_sync_step
+        for row in rows[self._metrics_seen:]:
+            self._rows_by_version[row["param_version"]].append(row)
+            if row["step"] % K == 0 or row["step"] == self.cfg.total_updates:
+                rs = self._rows_by_version.pop(row["param_version"])
+                reward = sum(r["reward/mean"] for r in rs) / len(rs)
+                lag_mean = sum(r["fully_async/lag/mean"] for r in rs) / len(rs)
+                lag_max = max(r["fully_async/lag/max"] for r in rs)
+                idle = sum(r["trainer/idle_ratio"] for r in rs) / len(rs)
+                tps = sum(r["throughput/tokens_per_s"] for r in rs) / len(rs)
+                self.emit(f"v{row['param_version'] + 1:<4d} step {row['step']:>5d}/{self.cfg.total_updates} "
+                          f"reward {reward:.3f}  lag mean {lag_mean:.2f} max {lag_max}  "
+                          f"idle trainer {idle:.2f} rollout {self._rollout_idle()}  tokens/s {tps:.0f}")
+        self._metrics_seen = len(rows)
+
+    def follow(self, timeout_s: float, poll_s: float = 1.0) -> int:
+        """Return 0 when the trainer finished, 1 on a failed job or the deadline."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._print_new_versions()
+            done = read_json(self.rd.trainer_done)
+            if done is not None:
+                self._finish_rollouts()
+                self._print_new_versions()
+                self.emit(f"run finished: {done['trainer_step']} updates, version {done['param_version']}, "
+                          f"{done['consumed_groups']} groups; logs in {self.rd.logs}")
+                return 0
+            for name, job in self.jobs.items():
+                if job.done():
+                    self.emit(f"job {name} ({job.job_id}) ended before the trainer finished: cancelling the run")
+                    self.emit(job_failure_report(self.rd, name, job))
+                    self.cancel_all()
+                    return 1
+            if time.monotonic() > deadline:
+                self.emit(f"gave up after {timeout_s:.0f}s waiting for the trainer to finish "
+                          f"(no {self.rd.trainer_done}); cancelling the run")
+                self.cancel_all()
+                return 1
+            time.sleep(poll_s)
+
+    def _finish_rollouts(self, grace_s: float = 60.0) -> None:
+        """Rollout jobs stop on their own once trainer_done exists; give them a moment."""
+        end = time.monotonic() + grace_s
+        while time.monotonic() < end and not all(j.done() for j in self.jobs.values()):
+            time.sleep(0.5)
+        for name, job in self.jobs.items():
+            if not job.done():
+                log.warning("job %s still running %ds after the trainer finished; cancelling it", name, grace_s)
+                job.cancel()
+
+    def cancel_all(self) -> None:
+        for job in self.jobs.values():
+            if not job.done():
+                job.cancel()

@@ -1,0 +1,42 @@
+"""Everything that happens on the login node before a job is submitted.
+
+The config is validated (by :func:`hpcrl.config.load_config`), the run
+directory is created, ``builtin:tiny`` is built into ``RUN/base_model``, the
+config is frozen into ``RUN/config.yaml`` and the broadcast secret is written
+(mode 0600). Nothing is submitted if any of this fails.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+from hpcrl.config import ConfigError, RunConfig, dump_config
+from hpcrl.run_dir import RunDir
+
+
+def prepare_run_dir(cfg: RunConfig, run_dir: Path, resume: bool) -> RunDir:
+    rd = RunDir(run_dir)
+    if rd.config_path.exists():
+        if not resume:
+            raise ConfigError(f"run directory {rd.root} already holds a run; pass --resume to continue it "
+                              "or choose another --run-dir")
+        frozen = rd.load_config()
+        if dump_config(frozen) != dump_config(cfg):
+            raise ConfigError(f"--resume: the config differs from the one frozen in {rd.config_path}; "
+                              "resume without CONFIG/overrides to use the frozen one, or start a new run directory")
+        return rd
+    if resume:
+        raise ConfigError(f"--resume: {rd.root} holds no run (no config.yaml)")
+    rd.create()
+    if cfg.model.path == "builtin:tiny" and not rd.base_model.exists():
+        from hpcrl.tiny.model import build_tiny_model
+
+        build_tiny_model(rd.base_model, seed=cfg.model.seed)
+    secret = rd.root / "secret"
+    if not secret.exists():
+        fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+    rd.freeze_config(cfg)
+    return rd

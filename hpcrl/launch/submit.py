@@ -1,0 +1,85 @@
+"""Submit the trainer and rollout jobs of a run through submitit.
+
+``executor``: ``local`` runs both jobs as local processes (submitit's
+LocalExecutor), ``slurm`` submits them to Slurm, ``auto`` picks Slurm when
+``srun`` is on PATH. The job functions receive only the run directory path;
+everything else they read from the frozen config.
+
+submitit pickles the submitted callables into its own folder. That folder is
+kept *outside* the run directory, in a private (0700) folder of the submitting
+user (``~/.hpcrl/submitit/<run name>``), so no job ever unpickles anything from the
+shared run directory.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpcrl.config import JobResources, RunConfig
+from hpcrl.run_dir import RunDir
+
+
+def resolve_executor(name: str) -> str:
+    if name == "auto":
+        return "slurm" if shutil.which("srun") else "local"
+    if name not in ("local", "slurm"):
+        raise ValueError(f"--executor {name!r}: allowed local, slurm, auto")
+    return name
+
+
+def submitit_folder(rd: RunDir) -> Path:
+    digest = hashlib.sha256(str(rd.root).encode()).hexdigest()[:8]
+    folder = Path(os.environ.get("HPCRL_SUBMITIT_DIR", Path.home() / ".hpcrl" / "submitit")) / f"{rd.root.name}-{digest}"
+    folder.mkdir(parents=True, exist_ok=True)
+    os.chmod(folder, 0o700)
+    return folder
+
+
+@dataclass
+class PlannedJob:
+    name: str
+    function: str
+    args: tuple
+    resources: JobResources
+
+    def describe(self) -> str:
+        r = self.resources
+        return (f"{self.name}: {self.function}{self.args} nodes={r.nodes} tasks_per_node={r.tasks_per_node} "
+                f"cpus_per_task={r.cpus_per_task} gpus_per_node={r.gpus_per_node} mem_gb={r.mem_gb} "
+                f"timeout_min={r.timeout_min}")
+
+
+def plan_jobs(cfg: RunConfig, rd: RunDir) -> list[PlannedJob]:
+    jobs = [PlannedJob("trainer", "hpcrl.trainer.main.trainer_main", (str(rd.root),), cfg.resources.trainer)]
+    for w in range(cfg.resources.rollout_jobs):
+        jobs.append(PlannedJob(f"rollout-w{w:03d}", "hpcrl.rollout.main.rollout_main", (str(rd.root), w),
+                               cfg.resources.rollout))
+    return jobs
+
+
+def _executor(kind: str, folder: Path, job: PlannedJob):
+    import submitit
+
+    ex = submitit.AutoExecutor(folder=folder / job.name, cluster=kind)
+    r = job.resources
+    ex.update_parameters(name=job.name, timeout_min=r.timeout_min, nodes=r.nodes, tasks_per_node=r.tasks_per_node,
+                         cpus_per_task=r.cpus_per_task, mem_gb=r.mem_gb)
+    if kind == "slurm" and r.gpus_per_node:
+        ex.update_parameters(gpus_per_node=r.gpus_per_node)
+    return ex
+
+
+def submit_jobs(cfg: RunConfig, rd: RunDir, kind: str) -> dict:
+    """Submit every planned job; return {name: submitit Job}."""
+    from hpcrl.rollout.main import rollout_main
+    from hpcrl.trainer.main import trainer_main
+
+    functions = {"hpcrl.trainer.main.trainer_main": trainer_main, "hpcrl.rollout.main.rollout_main": rollout_main}
+    folder = submitit_folder(rd)
+    jobs = {}
+    for planned in plan_jobs(cfg, rd):
+        jobs[planned.name] = _executor(kind, folder, planned).submit(functions[planned.function], *planned.args)
+    return jobs

@@ -1,0 +1,132 @@
+"""Run logs: metrics and the staleness log, append-only JSONL, one writer per file.
+
+- ``logs/metrics.jsonl`` (trainer): one row per local update, verl's metric names
+  where they exist (``trainer/idle_ratio``, ``fully_async/count/stale_samples_processed``,
+  ``timing_s/param_sync``, ...).
+- ``logs/rollout-<writer>.jsonl`` (each rollout job): one row per weight version
+  it generated with (``rollouter/idle_ratio``, tokens/s, ...).
+- ``logs/staleness.jsonl`` (trainer): one row per consumed trajectory; columns in
+  :data:`STALENESS_COLUMNS`.
+
+Each row is written and fsync'd at once; a writer killed mid-row leaves at most
+one partial last line, which the readers skip. A resumed trainer truncates its
+two logs back to the byte offsets saved in its checkpoint, so rows of work that
+the checkpoint does not contain are not counted twice.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from hpcrl.fsio import JsonlAppender, read_jsonl
+from hpcrl.run_dir import RunDir
+
+log = logging.getLogger(__name__)
+
+STALENESS_COLUMNS = [
+    "sample_id",        # "<writer>/<prompt_index>/<j>": trajectory j of that group
+    "group_id",         # "<writer>/<prompt_index>"
+    "writer",
+    "shard",
+    "version_start",    # oldest policy version among the trajectory's tokens
+    "version_end",      # newest policy version among its tokens
+    "trainer_version",  # newest published version when the trainer consumed it
+    "trainer_step",     # local update that consumed it (1-based)
+    "lag",              # trainer_version - version_start
+    "n_tokens",         # response tokens (mask 1)
+    "reward",
+    "created_s", "finished_s", "committed_s", "consumed_s",  # unix times
+    "dropped",          # "" if trained on; else why it was dropped (e.g. "max_staleness")
+]
+
+
+def truncate_to(path: Path, size_bytes: int) -> None:
+    """Roll an append-only log back to ``size_bytes`` (used on resume)."""
+    if path.exists() and path.stat().st_size > size_bytes:
+        with open(path, "r+b") as f:
+            f.truncate(size_bytes)
+            os.fsync(f.fileno())
+
+
+def log_size(path: Path) -> int:
+    return path.stat().st_size if path.exists() else 0
+
+
+class StalenessLog:
+    def __init__(self, run_dir: RunDir):
+        self._out = JsonlAppender(run_dir.staleness)
+
+    def write_groups(self, groups, trainer_version: int, trainer_step: int, consumed_s: float,
+                     dropped: str = "") -> None:
+        rows = []
+        for g in groups:
+            for j, t in enumerate(g.trajectories):
+                vs = int(t.token_versions.min()) if len(t.token_versions) else g.version_start
+                ve = int(t.token_versions.max()) if len(t.token_versions) else g.version_end
+                rows.append({
+                    "sample_id": f"{g.sample_id}/{j}", "group_id": g.sample_id, "writer": g.writer, "shard": g.shard,
+                    "version_start": vs, "version_end": ve, "trainer_version": trainer_version,
+                    "trainer_step": trainer_step, "lag": trainer_version - vs,
+                    "n_tokens": int(t.response_mask.sum()), "reward": float(t.reward),
+                    "created_s": g.created_s, "finished_s": g.finished_s, "committed_s": g.committed_s,
+                    "consumed_s": consumed_s, "dropped": dropped})
+        self._out.append_many(rows)
+
+    def close(self) -> None:
+        self._out.close()
+
+
+def _warn(path):
+    return lambda n, text: log.warning("%s line %d is incomplete or invalid, skipped: %r", path, n, text[:80])
+
+
+def read_staleness(run_dir: os.PathLike | str | RunDir):
+    """The staleness log as a pandas DataFrame (columns :data:`STALENESS_COLUMNS`)."""
+    import pandas as pd
+
+    rd = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
+    rows = list(read_jsonl(rd.staleness, on_bad_line=_warn(rd.staleness)))
+    return pd.DataFrame(rows, columns=STALENESS_COLUMNS)
+
+
+def read_metrics(run_dir: os.PathLike | str | RunDir):
+    """Trainer metrics (one row per local update) as a DataFrame."""
+    import pandas as pd
+
+    rd = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
+    return pd.DataFrame(list(read_jsonl(rd.metrics, on_bad_line=_warn(rd.metrics))))
+
+
+def read_rollout_metrics(run_dir: os.PathLike | str | RunDir):
+    """Rollout metrics of every writer (one row per writer and weight version)."""
+    import pandas as pd
+
+    rd = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
+    rows = []
+    for p in sorted(rd.logs.glob("rollout-*.jsonl")):
+        rows.extend(read_jsonl(p, on_bad_line=_warn(p)))
+    return pd.DataFrame(rows)
+
+
+class MetricsLog:
+    def __init__(self, path: Path):
+        self._out = JsonlAppender(path)
+
+    def write(self, row: dict) -> None:
+        self._out.append(row)
+
+    def close(self) -> None:
+        self._out.close()
+
+
+def setup_logging(job: str, level: str = "INFO", log_file: Path | None = None) -> None:
+    """``logging`` with the job name in every line (the version/step go in messages)."""
+    fmt = f"%(asctime)s {job} %(levelname)s %(name)s: %(message)s"
+    handlers: list[logging.Handler] = [logging.StreamHandler()]
+    if log_file is not None:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        handlers.append(logging.FileHandler(log_file))
+    logging.basicConfig(level=getattr(logging, level), format=fmt, handlers=handlers, force=True)
+    for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "urllib3", "filelock", "matplotlib"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -1,0 +1,283 @@
+"""Rollout job: generate groups with the newest weights and commit them as shards.
+
+Order of events in :meth:`RolloutJob.run`, one iteration of the loop:
+
+1. **stop?** the trainer wrote ``control/trainer_done.json``: seal and exit 0.
+2. **new weights?** a newer complete version exists: stop admitting, let the
+   groups in flight finish (no partial rollout), seal them, load the version.
+3. **admit**: while fewer than ``rollout.max_concurrent_groups`` groups are in
+   flight, take the next prompt index and reserve a start in the shared
+   admission budget (``control/admission.py``); refused = wait for weights.
+4. **collect**: finished groups (n responses + rewards) go to the shard buffer.
+5. **seal** the buffer when it is full, old, or the job has nothing in flight.
+
+If the trainer dies, this job keeps its committed shards and waits for a new
+weight version; it gives up after ``timeouts.wait_weights_s`` with an error
+naming the trainer's heartbeat. If *this* job dies, nothing committed is lost;
+its successor (same writer name) recovers from the manifest, releases the
+budget its predecessor held for groups in flight, and regenerates exactly the
+prompts that were never committed.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from hpcrl.control.admission import Admission
+from hpcrl.control.records import HeartbeatThread, describe_heartbeats
+from hpcrl.fsio import wait_for
+from hpcrl.logs import MetricsLog, setup_logging
+from hpcrl.rollout.dataset import PromptStream, WriterPositions, load_rows
+from hpcrl.rollout.engine import TransformersEngine
+from hpcrl.rollout.rewards import REWARDS
+from hpcrl.run_dir import RunDir
+from hpcrl.samples.schema import Group, Trajectory
+from hpcrl.samples.writer import ShardWriter
+from hpcrl.weights.filesystem import WeightVersionGone, load_version, newest_version, read_manifest
+
+log = logging.getLogger("hpcrl.rollout")
+
+
+def writer_name(rank: int) -> str:
+    return f"w{rank:03d}"
+
+
+def model_dir(run_dir: RunDir, path: str):
+    return run_dir.base_model if path == "builtin:tiny" else path
+
+
+@dataclass
+class VersionStats:
+    """What this job did with one weight version (one row of logs/rollout-<writer>.jsonl)."""
+
+    param_version: int
+    started_s: float = field(default_factory=time.time)
+    groups: int = 0
+    trajectories: int = 0
+    tokens: int = 0
+    idle_s: float = 0.0
+    load_s: float = 0.0
+    reward_sum: float = 0.0
+
+    def row(self, writer: str) -> dict:
+        wall = max(time.time() - self.started_s, 1e-9)
+        return {"writer": writer, "param_version": self.param_version, "groups": self.groups,
+                "trajectories": self.trajectories, "tokens": self.tokens, "wall_s": wall,
+                "rollouter/idle_ratio": min(1.0, self.idle_s / wall), "timing_s/load_weights": self.load_s,
+                "throughput/tokens_per_s": self.tokens / wall,
+                "reward_mean": self.reward_sum / max(self.trajectories, 1), "time_s": time.time()}
+
+
+class RolloutJob:
+    def __init__(self, run_dir: RunDir, writer_rank: int):
+        self.run_dir = run_dir
+        self.cfg = run_dir.load_config()
+        self.writer = writer_name(writer_rank)
+        self.writer_rank = writer_rank
+        self.num_writers = self.cfg.resources.rollout_jobs
+        if not 0 <= writer_rank < self.num_writers:
+            raise ValueError(f"writer rank {writer_rank} outside [0, resources.rollout_jobs={self.num_writers})")
+        self.version = -1
+        self.consumed_at_version = 0
+        self.in_flight: dict[Future, int] = {}
+
+    # ---- setup
+    def _build(self) -> None:
+        cfg = self.cfg
+        torch.set_num_threads(cfg.rollout.torch_threads)
+        from transformers import AutoTokenizer
+
+        mdir = model_dir(self.run_dir, cfg.model.path)
+        self.tokenizer = AutoTokenizer.from_pretrained(mdir)
+        self.engine = TransformersEngine(mdir, cfg.rollout.response_length, cfg.rollout.temperature, cfg.rollout.top_p)
+        self.reward_fn = REWARDS[cfg.reward.name]
+        self.stream = PromptStream(load_rows(cfg.data, cfg.rollout.response_length), cfg.data.seed)
+        self.shards = ShardWriter(self.run_dir, self.writer, cfg.rollout.seal_groups, cfg.rollout.seal_interval_s)
+        self.admission = Admission(self.run_dir, self.writer, cfg.admission_budget)
+        self.admission.reset_writer(self.shards.committed_groups)
+        self.positions = WriterPositions(self.writer_rank, self.num_writers, self.shards.committed_prompt_indices)
+        self.metrics = MetricsLog(self.run_dir.rollout_metrics(self.writer))
+        self.pool = ThreadPoolExecutor(cfg.rollout.max_concurrent_groups, thread_name_prefix="group")
+
+    # ---- the group task (runs in a pool thread)
+    def _generate_group(self, prompt_index: int, version: int) -> Group:
+        row = self.stream[prompt_index]
+        created = time.time()
+        prompt_ids = self.tokenizer(row["prompt"])["input_ids"]
+        if not prompt_ids:
+            raise ValueError(f"prompt {prompt_index} tokenizes to nothing: {row['prompt']!r}")
+        seed = (self.cfg.data.seed * 1_000_003 + prompt_index) % (2**63)
+        trajs = []
+        for s in self.engine.generate(prompt_ids, self.cfg.rollout.n, seed=seed):
+            text = self.tokenizer.decode(s.response_ids.tolist(), skip_special_tokens=True)
+            trajs.append(Trajectory(prompt_ids=prompt_ids, response_ids=s.response_ids,
+                                    response_mask=np.ones(len(s.response_ids), np.int8), logprobs=s.logprobs,
+                                    token_versions=np.full(len(s.response_ids), version, np.int32),
+                                    reward=float(self.reward_fn(text, row["answer"]))))
+        return Group(writer=self.writer, prompt_index=prompt_index, trajectories=trajs, created_s=created,
+                     finished_s=time.time())
+
+    # ---- steps of the loop
+    def _trainer_done(self) -> bool:
+        return self.run_dir.trainer_done.exists()
+
+    def _load_newest(self) -> None:
+        """Load the newest complete version (waiting for v0 at start)."""
+        t0 = time.time()
+        while True:
+            v = newest_version(self.run_dir)
+            try:
+                manifest, state = load_version(self.run_dir, v, self.writer)
+                break
+            except WeightVersionGone as e:
+                log.warning("%s; picking the newest again", e)
+        self.engine.load_weights(state)
+        if self.version >= 0:
+            self._write_version_stats()
+        self.version, self.consumed_at_version = manifest.param_version, manifest.consumed_groups
+        self.stats = VersionStats(self.version, load_s=time.time() - t0)
+        self.heartbeat.update(param_version=self.version, state="generating")
+        log.info("loaded weight version %d in %.2fs (trainer step %d, consumed %d groups)", self.version,
+                 time.time() - t0, manifest.trainer_step, manifest.consumed_groups)
+
+    def _switch_weights_if_newer(self) -> None:
+        v = newest_version(self.run_dir)
+        if v is None or v <= self.version:
+            return
+        self._drain()
+        self._seal()
+        self._load_newest()
+
+    def _admit(self) -> bool:
+        admitted = False
+        while len(self.in_flight) < self.cfg.rollout.max_concurrent_groups:
+            if not self.admission.try_start(self.consumed_at_version):
+                break
+            index = self.positions.next()
+            self.in_flight[self.pool.submit(self._generate_group, index, self.version)] = index
+            admitted = True
+        return admitted
+
+    def _collect(self, timeout_s: float) -> bool:
+        if not self.in_flight:
+            return False
+        done, _ = wait(list(self.in_flight), timeout=timeout_s, return_when=FIRST_COMPLETED)
+        for fut in done:
+            self.in_flight.pop(fut)
+            group = fut.result()  # an exception in generation stops the job, loudly
+            self.shards.add(group)
+            self.stats.groups += 1
+            self.stats.trajectories += len(group.trajectories)
+            self.stats.tokens += sum(len(t.response_ids) for t in group.trajectories)
+            self.stats.reward_sum += sum(t.reward for t in group.trajectories)
+        return bool(done)
+
+    def _drain(self) -> None:
+        while self.in_flight:
+            self._collect(timeout_s=1.0)
+
+    def _seal(self) -> None:
+        line = self.shards.seal()
+        if line is not None:
+            self.heartbeat.update(stats={"groups_committed": self.shards.committed_groups})
+            log.debug("committed %s (%d groups)", line.shard, line.n_groups)
+
+    def _write_version_stats(self) -> None:
+        self.metrics.write(self.stats.row(self.writer))
+
+    def _wait_for_weights_or_done(self, waited_s: float) -> None:
+        if waited_s > self.cfg.timeouts.wait_weights_s:
+            raise TimeoutError(
+                f"rollout {self.writer}: budget used up for weight version {self.version} and no newer version "
+                f"appeared in {self.run_dir.weights} for {waited_s:.0f}s ({describe_heartbeats(self.run_dir, 'trainer')})")
+
+    # ---- the loop
+    def run(self) -> None:
+        cfg = self.cfg
+        self.heartbeat = HeartbeatThread(self.run_dir, f"rollout-{self.writer}", "rollout",
+                                         cfg.timeouts.heartbeat_interval_s).start()
+        final_state = "failed"
+        try:
+            self._build()
+            wait_for(f"weight version 0 in {self.run_dir.weights}", lambda: newest_version(self.run_dir) is not None,
+                     cfg.timeouts.wait_weights_s, cfg.timeouts.poll_interval_s, log,
+                     describe=lambda: describe_heartbeats(self.run_dir, "trainer"))
+            self._load_newest()
+            waiting_since = None
+            last_done_check = 0.0
+            while True:
+                now = time.monotonic()
+                if now - last_done_check > 0.5:
+                    last_done_check = now
+                    if self._trainer_done():
+                        log.info("trainer is done; stopping")
+                        break
+                self._switch_weights_if_newer()
+                admitted = self._admit()
+                t0 = time.monotonic()
+                collected = self._collect(timeout_s=cfg.timeouts.poll_interval_s)
+                if not self.in_flight:
+                    self.stats.idle_s += time.monotonic() - t0
+                if self.shards.seal_due() or (not self.in_flight and self.shards.buffered):
+                    self._seal()
+                if not self.in_flight and not admitted and not collected:
+                    waiting_since = waiting_since or time.monotonic()
+                    self.heartbeat.update(state="waiting_weights")
+                    self._wait_for_weights_or_done(time.monotonic() - waiting_since)
+                    time.sleep(cfg.timeouts.poll_interval_s)
+                    self.stats.idle_s += cfg.timeouts.poll_interval_s
+                else:
+                    if waiting_since is not None:
+                        self.heartbeat.update(state="generating")
+                    waiting_since = None
+            final_state = "done"
+        finally:
+            self._shutdown(final_state)
+
+    def _shutdown(self, final_state: str) -> None:
+        if hasattr(self, "pool"):
+            for fut in self.in_flight:
+                fut.cancel()
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            for fut in list(self.in_flight):  # finished while shutting down: complete groups are still worth keeping
+                if fut.done() and not fut.cancelled() and fut.exception() is None:
+                    self.shards.add(fut.result())
+            self.shards.close()
+            self._write_version_stats()
+            self.metrics.close()
+        self.heartbeat.stop(final_state)
+        log.info("rollout %s %s: %d groups committed in total", self.writer, final_state,
+                 getattr(getattr(self, "shards", None), "committed_groups", 0))
+
+
+def _raise_on_term(signum, frame):
+    raise SystemExit(f"received signal {signum}")
+
+
+def rollout_main(run_dir: str, writer_rank: int) -> None:
+    rd = RunDir(run_dir)
+    cfg = rd.load_config()
+    setup_logging(f"rollout-{writer_name(writer_rank)}", cfg.logging.level,
+                  rd.job_logs / f"rollout-{writer_name(writer_rank)}.log")
+    signal.signal(signal.SIGTERM, _raise_on_term)  # scancel: seal complete groups, then exit
+    RolloutJob(rd, writer_rank).run()
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description="hpcrl rollout job (normally started by `hpcrl run` or sbatch/)")
+    p.add_argument("run_dir")
+    p.add_argument("--writer-rank", type=int, default=int(os.environ.get("SLURM_ARRAY_TASK_ID", 0)))
+    a = p.parse_args(argv)
+    rollout_main(a.run_dir, a.writer_rank)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""SampleReader: the trainer side of the sample exchange, exactly-once.
+
+The reader tails every writer's ``manifest.jsonl`` (only complete lines count),
+opens the listed shards (sealed, immutable: safe on NFS), checks their size and
+checksum, and hands groups out in commit order.
+
+The **cursor** ``{writer: {"line": L, "row": r}}`` names the next group not yet
+handed out: manifest line ``L`` of that writer, row ``r`` inside its shard. It
+is saved in the trainer checkpoint with the model and optimizer, so a resumed
+trainer re-reads from exactly where the checkpointed model stopped: nothing
+consumed twice, nothing skipped.
+
+A shard that is truncated, corrupted or inconsistent is reported (file and
+reason), counted and skipped; it never stops the trainer.
+"""
+from __future__ import annotations
+
+import heapq
+import json
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import h5py
+import numpy as np
+
+from hpcrl.run_dir import RunDir
+from hpcrl.samples.schema import SCHEMA_VERSION, Group, ShardFormatError, ShardManifestLine, arrays_to_groups
+from hpcrl.samples.writer import file_sha256
+
+log = logging.getLogger(__name__)
+
+
+class ShardCorrupt(Exception):
+    pass
+
+
+def read_shard(path: Path, line: ShardManifestLine, writer: str) -> list[Group]:
+    """Read and verify one sealed shard against its manifest line."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise ShardCorrupt("file listed in the manifest is missing") from None
+    if size != line.size_bytes:
+        raise ShardCorrupt(f"size {size} bytes, manifest says {line.size_bytes} (truncated or overwritten)")
+    digest = file_sha256(path)
+    if digest != line.sha256:
+        raise ShardCorrupt(f"sha256 {digest[:12]}.. differs from manifest {line.sha256[:12]}.. (corrupted)")
+    try:
+        with h5py.File(path, "r", locking=False) as f:
+            version = int(f.attrs.get("schema_version", -1))
+            if version != SCHEMA_VERSION:
+                raise ShardCorrupt(f"schema_version {version}, this hpcrl reads {SCHEMA_VERSION}")
+            arrays = {}
+            f.visititems(lambda name, obj: arrays.__setitem__(name, obj[()]) if isinstance(obj, h5py.Dataset) else None)
+        groups = arrays_to_groups(arrays, writer)
+    except (OSError, KeyError, ShardFormatError) as e:
+        raise ShardCorrupt(f"unreadable HDF5: {e}") from None
+    if [g.prompt_index for g in groups] != list(line.prompt_indices):
+        raise ShardCorrupt("prompt indices differ from the manifest line")
+    for g in groups:
+        g.committed_s = line.committed_s
+        g.shard = line.shard
+    return groups
+
+
+@dataclass
+class _WriterState:
+    line: int = 0            # next manifest line to hand out groups from
+    row: int = 0             # next row inside that line's shard
+    manifest_offset: int = 0  # bytes of manifest.jsonl already parsed
+    lines: list = field(default_factory=list)  # parsed manifest lines (all of them)
+    pending: deque = field(default_factory=deque)  # loaded groups not yet handed out, in row order
+    loaded_upto: int = 0     # manifest lines whose groups are loaded into `pending` (or skipped)
+
+
+class SampleReader:
+    def __init__(self, run_dir: RunDir, cursor: Optional[dict] = None, verify_retries: int = 2):
+        self.run_dir = run_dir
+        self.verify_retries = verify_retries
+        self._writers: dict[str, _WriterState] = {}
+        for writer, pos in (cursor or {}).items():
+            self._writers[writer] = _WriterState(line=int(pos["line"]), row=int(pos["row"]),
+                                                 loaded_upto=int(pos["line"]))
+        self.skipped: list[dict] = []  # {"writer", "shard", "reason", "n_groups"}
+
+    # ---- discovering committed groups
+    def _tail_manifest(self, writer: str, st: _WriterState) -> None:
+        path = self.run_dir.shard_manifest(writer)
+        try:
+            with open(path, "rb") as f:
+                f.seek(st.manifest_offset)
+                data = f.read()
+        except FileNotFoundError:
+            return
+        end = data.rfind(b"\n") + 1  # only complete lines are committed
+        for raw in data[:end].splitlines():
+            try:
+                st.lines.append(ShardManifestLine.from_json(json.loads(raw)))
+            except (json.JSONDecodeError, TypeError) as e:
+                # a writer killed mid-line leaves a fragment, then appends a newline after it
+                log.warning("writer %s: unparsable manifest line skipped (%s): %r", writer, e, raw[:80])
+        st.manifest_offset += end
+
+    def _load_next_shards(self, writer: str, st: _WriterState) -> None:
+        while st.loaded_upto < len(st.lines) and not st.pending:
+            line = st.lines[st.loaded_upto]
+            path = self.run_dir.writer_dir(writer) / line.shard
+            groups = self._read_verified(path, line, writer)
+            if groups is None:  # skipped
+                if st.line == st.loaded_upto:
+                    st.line, st.row = st.loaded_upto + 1, 0
+            else:
+                start_row = st.row if st.line == st.loaded_upto else 0
+                st.pending.extend(groups[start_row:])
+                if not st.pending and st.line == st.loaded_upto:
+                    st.line, st.row = st.loaded_upto + 1, 0
+            st.loaded_upto += 1
+
+    def _read_verified(self, path: Path, line: ShardManifestLine, writer: str) -> Optional[list[Group]]:
+        for attempt in range(self.verify_retries + 1):
+            try:
+                return read_shard(path, line, writer)
+            except ShardCorrupt as e:
+                if attempt < self.verify_retries:
+                    time.sleep(0.2)  # a lagging shared-filesystem client may not show the bytes yet
+                    continue
+                log.error("SKIPPING shard %s (%d groups): %s", path, line.n_groups, e)
+                self.skipped.append({"writer": writer, "shard": line.shard, "reason": str(e), "n_groups": line.n_groups})
+        return None
+
+    def poll(self) -> int:
+        """Discover new writers and commits; return how many groups are ready."""
+        for writer in self.run_dir.writers():
+            st = self._writers.setdefault(writer, _WriterState())
+            self._tail_manifest(writer, st)
+            self._load_next_shards(writer, st)
+        return self.ready()
+
+    def ready(self) -> int:
+        return sum(len(st.pending) + sum(l.n_groups for l in st.lines[st.loaded_upto:])
+                   for st in self._writers.values())
+
+    def committed_total(self) -> int:
+        return sum(sum(l.n_groups for l in st.lines) for st in self._writers.values())
+
+    # ---- handing groups out
+    def take(self, n: int) -> list[Group]:
+        """Pop up to ``n`` loaded groups, oldest commit first, advancing the cursor."""
+        out: list[Group] = []
+        heap = [(st.pending[0].committed_s, w) for w, st in self._writers.items() if st.pending]
+        heapq.heapify(heap)
+        while heap and len(out) < n:
+            _, writer = heapq.heappop(heap)
+            st = self._writers[writer]
+            g = st.pending.popleft()
+            out.append(g)
+            st.row = g.row + 1
+            if not st.pending:
+                st.line, st.row = st.line + 1, 0
+                self._load_next_shards(writer, st)
+            if st.pending:
+                heapq.heappush(heap, (st.pending[0].committed_s, writer))
+        return out
+
+    def cursor(self) -> dict:
+        """Position of the next group not handed out, per writer (JSON-able)."""
+        return {w: {"line": st.line, "row": st.row} for w, st in sorted(self._writers.items())}

@@ -1,0 +1,52 @@
+"""The tiny default model: a word-level tokenizer and a random-init Qwen2 causal LM,
+built locally (no hub access), saved as an ordinary HF folder.
+
+Sizes follow FACTS.md ("Tiny models"): vocab 64, hidden 128, 2 layers, head dim
+32; ~0.3M parameters, thousands of tokens/s on one CPU core.
+"""
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import torch
+
+PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
+WORDS = ["repeat", "copy", "say", "=", ":", "?", "yes", "no", "the", "a", "and", "is", "of", "to", "in", "it",
+         "!", ".", ",", "+", "-", "*", "(", ")", "[", "]"]
+
+
+def tiny_vocab() -> list[str]:
+    vocab = [PAD, EOS, UNK] + list(string.ascii_lowercase) + list(string.digits) + WORDS
+    assert len(vocab) == len(set(vocab))
+    return vocab[:64]
+
+
+def build_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(tiny_vocab())}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token=UNK)
+
+
+def build_tiny_model(out_dir: Path | str, seed: int = 0) -> Path:
+    """Write tokenizer + random-init model to ``out_dir`` (an HF folder) and return it."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    out_dir = Path(out_dir)
+    tokenizer = build_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(out_dir)
+    return out_dir

@@ -1,0 +1,317 @@
+"""Trainer job: consume committed groups, update the policy with DeepSpeed, publish weights.
+
+One local update (:meth:`TrainerJob.run`):
+
+1. **take** ``R = ppo_mini_batch_size * require_batches`` groups in commit order
+   (groups over ``max_staleness`` are dropped, counted and replaced);
+2. **update**: GRPO advantages, PPO clip loss, ``ppo_epochs`` passes of
+   ``require_batches`` optimizer steps (DeepSpeed, any ZeRO stage, gloo on CPU);
+3. **log** one staleness row per trajectory and one metrics row;
+4. every ``K = trigger_parameter_sync_step`` updates **publish** version ``v+1``
+   (filesystem), then apply weight retention;
+5. every ``trainer.checkpoint_every_updates`` updates (always right after a
+   publish) **checkpoint** model, optimizer, cursor and log offsets together.
+
+If a rollout job dies, this job waits for committed groups, logging which writers
+it waits for and their heartbeat ages, and fails after ``timeouts.wait_samples_s``.
+If *this* job dies, a restart resumes from the newest checkpoint: it rolls its
+logs back to the checkpoint, removes weight versions published after it (they
+are re-published from the restored model) and re-reads from the saved cursor,
+so every committed group is trained on exactly once.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import signal
+import socket
+import time
+
+import torch
+
+from hpcrl.control.records import HeartbeatThread, TrainerDone, describe_heartbeats
+from hpcrl.fsio import write_json_atomic
+from hpcrl.logs import MetricsLog, StalenessLog, log_size, setup_logging, truncate_to
+from hpcrl.run_dir import RunDir
+from hpcrl.samples.reader import SampleReader
+from hpcrl.samples.schema import Group
+from hpcrl.trainer import checkpoint
+from hpcrl.trainer.batch import Batch, build_batch, policy_logprobs
+from hpcrl.trainer.grpo import ppo_clip_loss
+from hpcrl.weights.filesystem import apply_retention, publish_version, published_versions
+
+log = logging.getLogger("hpcrl.trainer")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> None:
+    """A one-rank gloo world unless the launcher (srun / submitit) set one up."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+
+
+class TrainerJob:
+    def __init__(self, run_dir: RunDir):
+        self.run_dir = run_dir
+        self.cfg = run_dir.load_config()
+        self.state = checkpoint.TrainerState()
+
+    # ---- setup
+    def _build(self) -> None:
+        import deepspeed
+        from transformers import AutoModelForCausalLM
+
+        cfg = self.cfg
+        torch.manual_seed(cfg.model.seed)
+        torch.set_num_threads(cfg.trainer.torch_threads)
+        path = self.run_dir.base_model if cfg.model.path == "builtin:tiny" else cfg.model.path
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        self.model_config_json = model.config.to_json_string()
+        self.pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay)
+        micro_per_mini = cfg.actor.ppo_mini_batch_size // cfg.actor.ppo_micro_batch_size
+        ds_config = {
+            "train_micro_batch_size_per_gpu": 1,  # one "micro step" = one backward of ppo_micro_batch_size groups
+            "gradient_accumulation_steps": micro_per_mini,
+            "gradient_clipping": cfg.actor.grad_clip,
+            "zero_optimization": {"stage": cfg.actor.zero_stage},
+            "zero_allow_untested_optimizer": True,  # a plain torch AdamW: no JIT-compiled fused_adam on CPU
+            "bf16": {"enabled": cfg.actor.bf16},
+            "steps_per_print": 10**9,
+        }
+        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+        from hpcrl.trainer.safe_checkpoint import SafeCheckpointEngine
+
+        self.engine.checkpoint_engine = SafeCheckpointEngine()
+        self.micro_per_mini = micro_per_mini
+
+    def _resume_or_start(self) -> None:
+        rd = self.run_dir
+        state = checkpoint.load_latest(self.engine, rd)
+        if state is None:
+            # A fresh start: anything published by an earlier attempt that died before its
+            # first checkpoint belongs to a model we no longer have.
+            self._remove_versions_after(-1)
+            truncate_to(rd.metrics, 0)
+            truncate_to(rd.staleness, 0)
+            self.state = checkpoint.TrainerState()
+        else:
+            self.state = state
+            self._remove_versions_after(state.param_version)
+            truncate_to(rd.metrics, state.metrics_bytes)
+            truncate_to(rd.staleness, state.staleness_bytes)
+        self.reader = SampleReader(rd, cursor=self.state.cursor)
+        self.metrics = MetricsLog(rd.metrics)
+        self.staleness = StalenessLog(rd)
+        if self.state.param_version not in published_versions(rd):
+            self._publish(self.state.param_version)
+        if state is None:
+            self._checkpoint()
+
+    def _remove_versions_after(self, version: int) -> None:
+        for v in published_versions(self.run_dir):
+            if v > version:
+                folder = self.run_dir.weight_version_dir(v)
+                log.warning("removing weight version %d published after the checkpoint we resume from", v)
+                (folder / "manifest.json").unlink(missing_ok=True)
+                shutil.rmtree(folder, ignore_errors=True)
+
+    # ---- steps
+    def _take_groups(self) -> tuple[list[Group], list[Group], float]:
+        """R groups to train on, plus those dropped for staleness; and the seconds waited."""
+        cfg = self.cfg
+        need = cfg.groups_per_update
+        kept: list[Group] = []
+        dropped: list[Group] = []
+        t0 = time.monotonic()
+        last_log = t0
+        while len(kept) < need:
+            self.reader.poll()
+            self._count_skipped()
+            for g in self.reader.take(need - len(kept)):
+                lag = self.state.param_version - g.version_start  # the version this update starts from
+                max_st = cfg.async_training.max_staleness
+                (dropped if max_st is not None and lag > max_st else kept).append(g)
+            if len(kept) >= need:
+                break
+            waited = time.monotonic() - t0
+            if waited > cfg.timeouts.wait_samples_s:
+                raise TimeoutError(f"trainer: waited {waited:.0f}s for committed groups in {self.run_dir.samples} "
+                                   f"(have {len(kept)}/{need}; {describe_heartbeats(self.run_dir, 'rollout')})")
+            if time.monotonic() - last_log > 10:
+                log.info("waiting %.0fs for committed groups (%d/%d) in %s; %s", waited, len(kept), need,
+                         self.run_dir.samples, describe_heartbeats(self.run_dir, "rollout"))
+                last_log = time.monotonic()
+            self.heartbeat.update(state="waiting_samples")
+            time.sleep(cfg.timeouts.poll_interval_s)
+        self.heartbeat.update(state="training")
+        return kept, dropped, time.monotonic() - t0
+
+    def _count_skipped(self) -> None:
+        while self.reader.skipped:
+            s = self.reader.skipped.pop(0)
+            self.state.consumed_groups += s["n_groups"]
+            c = self.state.counters
+            c["fully_async/count/corrupt_groups_skipped"] = c.get("fully_async/count/corrupt_groups_skipped", 0) + s["n_groups"]
+
+    def _update(self, groups: list[Group]) -> dict:
+        cfg = self.cfg
+        batch = build_batch(groups, self.pad_id, cfg.algorithm.norm_adv_by_std_in_grpo)
+        n = cfg.rollout.n
+        if not cfg.async_training.use_rollout_log_probs:
+            with torch.no_grad():
+                batch.logp_old = policy_logprobs(self.engine.module, batch, cfg.actor.temperature).float()
+        stats: dict[str, float] = {}
+        rows_per_mini = cfg.actor.ppo_mini_batch_size * n
+        rows_per_micro = cfg.actor.ppo_micro_batch_size * n
+        n_steps = 0
+        for _ in range(cfg.actor.ppo_epochs):
+            for m0 in range(0, len(batch), rows_per_mini):
+                mini = batch.slice(slice(m0, m0 + rows_per_mini))
+                tokens = mini.n_tokens
+                for u0 in range(0, len(mini), rows_per_micro):
+                    micro = mini.slice(slice(u0, u0 + rows_per_micro))
+                    logp = policy_logprobs(self.engine, micro, cfg.actor.temperature)
+                    loss, s = ppo_clip_loss(logp, micro.logp_old, micro.advantages, micro.mask,
+                                            cfg.actor.clip_ratio, tokens)
+                    # DeepSpeed divides by gradient_accumulation_steps; undo it so the micro losses
+                    # add up to the token mean over the mini-batch.
+                    self.engine.backward(loss * self.micro_per_mini)
+                    self.engine.step()
+                    for k, v in s.items():
+                        stats[k] = stats.get(k, 0.0) + v
+                    stats["actor/pg_loss"] = stats.get("actor/pg_loss", 0.0) + float(loss) * self.micro_per_mini
+                    n_steps += 1
+        out = {k: v / max(n_steps, 1) for k, v in stats.items()}
+        out["actor/grad_norm"] = float(self.engine.get_global_grad_norm() or 0.0)
+        out["reward/mean"] = float(batch.rewards.mean())
+        out["reward/std"] = float(batch.rewards.std()) if len(batch.rewards) > 1 else 0.0
+        out["response_length/mean"] = float(batch.mask.sum(1).mean())
+        out["n_tokens"] = int(batch.mask.sum())
+        return out
+
+    def _gathered_state_dict(self) -> dict[str, torch.Tensor]:
+        if self.cfg.actor.zero_stage == 3:
+            return self.engine._zero3_consolidated_16bit_state_dict()
+        return self.engine.module.state_dict()
+
+    def _publish(self, version: int) -> float:
+        t0 = time.monotonic()
+        state_dict = self._gathered_state_dict()
+        if self.engine.global_rank == 0:
+            publish_version(self.run_dir, version, state_dict, self.model_config_json, self.state.step,
+                            self.state.consumed_groups)
+            deleted = apply_retention(self.run_dir, self.cfg.weights.keep_versions, self.cfg.timeouts.heartbeat_stale_s)
+            if deleted:
+                log.debug("retention deleted versions %s", deleted)
+        self.state.param_version = version
+        self.heartbeat.update(param_version=version)
+        return time.monotonic() - t0
+
+    def _checkpoint(self) -> None:
+        self.state.cursor = self.reader.cursor()
+        self.state.metrics_bytes = log_size(self.run_dir.metrics)
+        self.state.staleness_bytes = log_size(self.run_dir.staleness)
+        tag = checkpoint.save(self.engine, self.run_dir, self.state, self.cfg.trainer.keep_checkpoints)
+        log.info("checkpoint %s (version %d, %d groups consumed)", tag, self.state.param_version,
+                 self.state.consumed_groups)
+
+    def _log_update(self, kept: list[Group], dropped: list[Group], upd: dict, wait_s: float, update_s: float,
+                    sync_s: float, version_seen: int) -> dict:
+        """Staleness rows (lag against the version the trainer had when it took the groups) and one metrics row."""
+        st, c = self.state, self.state.counters
+        now = time.time()
+        self.staleness.write_groups(kept, version_seen, st.step, now)
+        if dropped:
+            self.staleness.write_groups(dropped, version_seen, st.step, now, dropped="max_staleness")
+        lags = [version_seen - g.version_start for g in kept]
+        stale = [g for g in kept if version_seen - g.version_start > 0]
+        c["fully_async/count/stale_samples_processed"] = c.get("fully_async/count/stale_samples_processed", 0) + len(stale)
+        c["fully_async/count/stale_trajectory_processed"] = (
+            c.get("fully_async/count/stale_trajectory_processed", 0) + sum(len(g.trajectories) for g in stale))
+        c["fully_async/count/dropped_max_staleness"] = c.get("fully_async/count/dropped_max_staleness", 0) + len(dropped)
+        total_s = wait_s + update_s + sync_s
+        row = {"step": st.step, "param_version": version_seen, "consumed_groups": st.consumed_groups,
+               **upd, **c, "fully_async/lag/mean": sum(lags) / len(lags), "fully_async/lag/max": max(lags),
+               "trainer/idle_ratio": wait_s / max(total_s, 1e-9), "timing_s/wait_samples": wait_s,
+               "timing_s/update": update_s, "timing_s/param_sync": sync_s,
+               "throughput/tokens_per_s": upd["n_tokens"] / max(total_s, 1e-9), "time_s": now}
+        self.metrics.write(row)
+        self.heartbeat.update(stats={"step": st.step, "consumed_groups": st.consumed_groups,
+                                     "reward_mean": upd["reward/mean"], "idle_ratio": row["trainer/idle_ratio"]})
+        return row
+
+    # ---- the loop
+    def run(self) -> None:
+        cfg = self.cfg
+        K = cfg.async_training.trigger_parameter_sync_step
+        self.heartbeat = HeartbeatThread(self.run_dir, "trainer", "trainer", cfg.timeouts.heartbeat_interval_s).start()
+        final_state = "failed"
+        try:
+            self._build()
+            self._resume_or_start()
+            log.info("training %d -> %d local updates, R=%d groups each, K=%d, budget B=%d groups per version",
+                     self.state.step, cfg.total_updates, cfg.groups_per_update, K, cfg.admission_budget)
+            last_ckpt_step = self.state.step
+            while self.state.step < cfg.total_updates:
+                version_seen = self.state.param_version
+                kept, dropped, wait_s = self._take_groups()
+                t0 = time.monotonic()
+                upd = self._update(kept)
+                update_s = time.monotonic() - t0
+                self.state.step += 1
+                self.state.consumed_groups += len(kept) + len(dropped)
+                publish = self.state.step % K == 0 or self.state.step == cfg.total_updates
+                sync_s = self._publish(version_seen + 1) if publish else 0.0
+                row = self._log_update(kept, dropped, upd, wait_s, update_s, sync_s, version_seen)
+                if publish:
+                    log.info("v%d step %d/%d reward %.3f lag mean %.2f max %d idle %.2f; published in %.2fs",
+                             self.state.param_version, self.state.step, cfg.total_updates, row["reward/mean"],
+                             row["fully_async/lag/mean"], row["fully_async/lag/max"], row["trainer/idle_ratio"], sync_s)
+                    if (self.state.step - last_ckpt_step >= cfg.trainer.checkpoint_every_updates
+                            or self.state.step == cfg.total_updates):
+                        self._checkpoint()
+                        last_ckpt_step = self.state.step
+            write_json_atomic(self.run_dir.trainer_done, TrainerDone(
+                self.state.step, self.state.param_version, self.state.consumed_groups, time.time()).to_json())
+            final_state = "done"
+            log.info("done: %d updates, version %d, %d groups consumed", self.state.step, self.state.param_version,
+                     self.state.consumed_groups)
+        finally:
+            self.heartbeat.stop(final_state)
+
+
+def _raise_on_term(signum, frame):
+    raise SystemExit(f"received signal {signum}")
+
+
+def trainer_main(run_dir: str) -> None:
+    rd = RunDir(run_dir)
+    cfg = rd.load_config()
+    setup_logging("trainer", cfg.logging.level, rd.job_logs / "trainer.log")
+    signal.signal(signal.SIGTERM, _raise_on_term)
+    init_distributed()
+    TrainerJob(rd).run()
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description="hpcrl trainer job (normally started by `hpcrl run` or sbatch/)")
+    p.add_argument("run_dir")
+    a = p.parse_args(argv)
+    trainer_main(a.run_dir)
+
+
+if __name__ == "__main__":
+    main()
