@@ -41,6 +41,7 @@ from hpcrl.rollout.rewards import REWARDS
 from hpcrl.run_dir import RunDir
 from hpcrl.samples.schema import Group, Trajectory
 from hpcrl.samples.writer import ShardWriter
+from hpcrl.tiny.model import load_tokenizer
 from hpcrl.weights.filesystem import WeightVersionGone, load_version, newest_version, read_manifest
 
 log = logging.getLogger("hpcrl.rollout")
@@ -93,10 +94,8 @@ class RolloutJob:
     def _build(self) -> None:
         cfg = self.cfg
         torch.set_num_threads(cfg.rollout.torch_threads)
-        from transformers import AutoTokenizer
-
         mdir = model_dir(self.run_dir, cfg.model.path)
-        self.tokenizer = AutoTokenizer.from_pretrained(mdir)
+        self.tokenizer = load_tokenizer(mdir)
         self.engine = TransformersEngine(mdir, cfg.rollout.response_length, cfg.rollout.temperature, cfg.rollout.top_p)
         self.reward_fn = REWARDS[cfg.reward.name]
         self.stream = PromptStream(load_rows(cfg.data, cfg.rollout.response_length), cfg.data.seed)

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
-WORDS = ["repeat", "copy", "say", "=", ":", "?", "yes", "no", "the", "a", "and", "is", "of", "to", "in", "it",
+WORDS = ["repeat", "copy", "say", "=", ":", "?", "yes", "no", "the", "an", "and", "is", "of", "to", "in", "it",
          "!", ".", ",", "+", "-", "*", "(", ")", "[", "]"]
 
 
@@ -50,3 +50,23 @@ def build_tiny_model(out_dir: Path | str, seed: int = 0) -> Path:
     tokenizer.save_pretrained(tmp)
     tmp.rename(out_dir)
     return out_dir
+
+
+def load_tokenizer(model_dir: Path | str):
+    """The tokenizer saved in ``model_dir``.
+
+    transformers 5's ``AutoTokenizer`` picks the tokenizer class from the model
+    type (Qwen2 -> a byte-level BPE rebuilt from the vocab), which silently
+    ignores a generic ``tokenizer.json`` such as the tiny model's word-level one.
+    A folder whose tokenizer config names the generic class is loaded as exactly
+    that file.
+    """
+    import json
+
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    cfg_path = Path(model_dir) / "tokenizer_config.json"
+    cls = json.loads(cfg_path.read_text()).get("tokenizer_class") if cfg_path.is_file() else None
+    if cls in ("TokenizersBackend", "PreTrainedTokenizerFast") and (Path(model_dir) / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(model_dir)
+    return AutoTokenizer.from_pretrained(model_dir)
