@@ -169,7 +169,7 @@ class RolloutConfig:
     """Generation engine: ``transformers`` (CPU or GPU, any HF causal LM)."""
     n: int = 8
     """Responses per prompt (the group size GRPO normalises over)."""
-    total_rollout_steps: int = 480
+    total_rollout_steps: int = 1200
     """Groups the trainer trains on in the whole run (verl: total prompts).
     The trainer makes total_rollout_steps // R local updates."""
     response_length: int = 8

@@ -148,9 +148,14 @@ class RolloutJob:
                  time.time() - t0, manifest.trainer_step, manifest.consumed_groups)
 
     def _switch_weights_if_newer(self) -> None:
+        """Load a newer version; also an *older* newest one: the trainer was restarted from
+        a checkpoint and withdrew the versions published after it."""
         v = newest_version(self.run_dir)
-        if v is None or v <= self.version:
+        if v is None or v == self.version:
             return
+        if v < self.version:
+            log.warning("newest weight version is %d, below ours (%d): the trainer rolled back; reloading",
+                        v, self.version)
         self._drain()
         self._seal()
         self._load_newest()
