@@ -61,6 +61,8 @@ class TrainerDone:
     param_version: int
     consumed_groups: int
     time_s: float
+    cursor: dict = field(default_factory=dict)
+    """Final sample cursor: every committed group before it was consumed, none after."""
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

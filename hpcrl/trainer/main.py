@@ -192,7 +192,7 @@ class TrainerJob:
                     self.engine.step()
                     for k, v in s.items():
                         stats[k] = stats.get(k, 0.0) + v
-                    stats["actor/pg_loss"] = stats.get("actor/pg_loss", 0.0) + float(loss) * self.micro_per_mini
+                    stats["actor/pg_loss"] = stats.get("actor/pg_loss", 0.0) + loss.item() * self.micro_per_mini
                     n_steps += 1
         out = {k: v / max(n_steps, 1) for k, v in stats.items()}
         out["actor/grad_norm"] = float(self.engine.get_global_grad_norm() or 0.0)
@@ -285,7 +285,8 @@ class TrainerJob:
                         self._checkpoint()
                         last_ckpt_step = self.state.step
             write_json_atomic(self.run_dir.trainer_done, TrainerDone(
-                self.state.step, self.state.param_version, self.state.consumed_groups, time.time()).to_json())
+                self.state.step, self.state.param_version, self.state.consumed_groups, time.time(),
+                cursor=self.reader.cursor()).to_json())
             final_state = "done"
             log.info("done: %d updates, version %d, %d groups consumed", self.state.step, self.state.param_version,
                      self.state.consumed_groups)

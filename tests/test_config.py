@@ -1,0 +1,73 @@
+"""Config: every shipped file parses; bad input fails with the key, the allowed values and a fix."""
+from pathlib import Path
+
+import pytest
+
+from hpcrl.cli import main as cli_main
+from hpcrl.config import ConfigError, load_config
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+
+
+def test_there_are_configs():
+    assert CONFIGS, "configs/ must hold at least the tiny default"
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_config_file_parses_and_validates(path):
+    cfg = load_config(path)
+    assert cfg.total_updates >= 1
+    assert cfg.admission_budget >= cfg.groups_per_version
+
+
+def test_overrides_apply_with_types():
+    cfg = load_config(CONFIGS[0], ["async_training.staleness_threshold=0.5", "rollout.n=4",
+                                   "async_training.max_staleness=null"])
+    assert cfg.async_training.staleness_threshold == 0.5 and cfg.rollout.n == 4
+    assert cfg.async_training.max_staleness is None
+
+
+@pytest.mark.parametrize("override, fragment", [
+    (["async_training.staleness_treshold=0.5"], "async_training.staleness_treshold"),  # typo: unknown key
+    (["async_training.staleness_threshold=-1"], "a number >= 0"),
+    (["rollout.n=zero"], "rollout.n"),
+    (["actor.zero_stage=4"], "[0, 3]"),
+    (["actor.ppo_micro_batch_size=3"], "divisor"),
+    (["rollout.total_rollout_steps=2"], "at least R"),
+    (["rollout.temperature=0.7"], "equal to rollout.temperature"),
+    (["data.source=/nonexistent/prompts.jsonl"], "existing file"),
+    (["model.path=/nonexistent/model"], "config.json"),
+    (["async_training.partial_rollout=true"], "not implemented"),
+    (["nosuchsection.x=1"], "known keys"),
+    (["rollout"], "key=value"),
+])
+def test_bad_values_are_refused_with_a_clear_message(override, fragment):
+    with pytest.raises(ConfigError) as e:
+        load_config(CONFIGS[0], override)
+    assert fragment in str(e.value)
+    assert "config" in str(e.value) or "override" in str(e.value)
+
+
+def test_derived_budget_matches_design():
+    cfg = load_config(CONFIGS[0], ["actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size=2",
+                                   "async_training.require_batches=2", "async_training.trigger_parameter_sync_step=3",
+                                   "async_training.staleness_threshold=0.5"])
+    assert cfg.groups_per_update == 8 and cfg.groups_per_version == 24
+    assert cfg.admission_budget == 36  # floor(1.5 * 3 * 8)
+    assert cfg.max_lag_bound == 1      # floor((36 - 1) / 24)
+
+
+def test_cli_bad_config_fails_before_submitting(tmp_path, capsys):
+    rc = cli_main(["run", str(CONFIGS[0]), "rollout.n=1", "--run-dir", str(tmp_path / "r"), "--executor", "local"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "rollout.n" in err and "Traceback" not in err
+    assert not (tmp_path / "r").exists(), "nothing may be created or submitted for a bad config"
+
+
+def test_cli_dry_run_prints_jobs_and_submits_nothing(tmp_path, capsys):
+    rc = cli_main(["run", str(CONFIGS[0]), "--run-dir", str(tmp_path / "r"), "--executor", "local", "--dry-run"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "would submit trainer" in out and "would submit rollout-w000" in out
+    assert not (tmp_path / "r").exists()
