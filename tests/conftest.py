@@ -34,6 +34,7 @@ class Job:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen([sys.executable, "-m", "hpcrl", *args], stdout=self._log, stderr=subprocess.STDOUT,
                                      env=env, cwd=REPO)
+        _JOBS.append(self)
 
     def wait(self, timeout_s: float) -> int:
         try:
@@ -60,14 +61,30 @@ def start_rollout(rd, rank: int = 0) -> Job:
     return Job(["rollout", str(rd.root), "--writer-rank", str(rank)], rd.root / f"rollout{rank}.out")
 
 
-def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.1):
+def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.1, jobs: tuple = ()):
+    """Poll ``predicate``; fail at once if one of ``jobs`` exits meanwhile."""
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         value = predicate()
         if value:
             return value
+        for job in jobs:
+            if job.proc.poll() is not None:
+                raise AssertionError(f"job {job.proc.args[3:]} exited ({job.proc.returncode}) while waiting for "
+                                     f"{what}:\n{job.tail()}")
         time.sleep(poll_s)
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+_JOBS: list = []
+
+
+@pytest.fixture(autouse=True)
+def _kill_leftover_jobs():
+    """A failed test must not leave job processes running into the next one."""
+    yield
+    while _JOBS:
+        _JOBS.pop().kill()
 
 
 @pytest.fixture

@@ -42,3 +42,14 @@ def test_file_is_safetensors_not_pickle(tmp_path):
     save_tree({"a": torch.ones(2)}, str(tmp_path / "ck"))
     head = (tmp_path / "ck").read_bytes()[:16]
     assert not head.startswith(b"PK") and not head.startswith(b"\x80")  # neither zip nor pickle protocol
+
+
+def test_deepspeed_loss_scaler_roundtrips_through_the_allowlist(tmp_path):
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    state = {"loss_scaler": LossScaler(scale=4.0), "param_slice_mappings": [{"w": fragment_address(numel=6, start=2)}]}
+    save_tree(state, str(tmp_path / "ck"))
+    got = load_tree(str(tmp_path / "ck"))
+    assert type(got["loss_scaler"]) is LossScaler and got["loss_scaler"].cur_scale == 4.0
+    assert got["param_slice_mappings"][0]["w"] == fragment_address(numel=6, start=2)

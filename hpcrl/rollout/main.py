@@ -134,11 +134,10 @@ class RolloutJob:
         while True:
             v = newest_version(self.run_dir)
             try:
-                manifest, state = load_version(self.run_dir, v, self.writer)
+                manifest, _ = load_version(self.run_dir, v, self.writer, apply=self.engine.load_weights)
                 break
             except WeightVersionGone as e:
                 log.warning("%s; picking the newest again", e)
-        self.engine.load_weights(state)
         if self.version >= 0:
             self._write_version_stats()
         self.version, self.consumed_at_version = manifest.param_version, manifest.consumed_groups

@@ -115,7 +115,7 @@ class ShardManifestLine:
     prompt_indices: list[int]
     """Prompt indices of the groups, in row order."""
     committed_s: float
-    """Unix time the shard became visible (this line was written)."""
+    """Unix time stamped just before this line was appended (the shard file is already durable)."""
     schema_version: int = SCHEMA_VERSION
 
     def to_json(self) -> dict:

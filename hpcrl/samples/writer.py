@@ -114,7 +114,7 @@ class ShardWriter:
         """Commit the buffered groups as one shard; return its manifest line."""
         if not self._buffer:
             return None
-        groups, self._buffer = self._buffer, []
+        groups = self._buffer  # cleared only once committed: a failed write keeps them for the next try
         index = self.next_shard_index
         final = self.run_dir.shard_path(self.writer, index)
         tmp = final.with_name(final.name + ".tmp")
@@ -126,6 +126,7 @@ class ShardWriter:
             n_trajectories=sum(len(g.trajectories) for g in groups), size_bytes=final.stat().st_size,
             sha256=file_sha256(final), prompt_indices=[g.prompt_index for g in groups], committed_s=time.time())
         self._manifest.append(line.to_json())  # the commit point
+        self._buffer = []
         self.next_shard_index += 1
         self.committed_prompt_indices.update(line.prompt_indices)
         self.committed_groups += len(groups)

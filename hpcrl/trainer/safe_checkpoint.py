@@ -22,6 +22,25 @@ from safetensors.torch import save_file
 
 _TREE_KEY = "hpcrl_tree"
 
+# DeepSpeed puts a few small objects into ZeRO optimizer state (found by saving
+# checkpoints of ZeRO 0-3, fp32 and bf16, with DeepSpeed 0.19.8). They
+# hold plain data only, so they are stored as their attribute dict and rebuilt
+# with ``cls.__new__`` + ``__dict__.update``: no constructor runs, nothing is
+# imported by name from the file. Only the classes listed here are accepted.
+_PLAIN_OBJECTS = {
+    "LossScaler": "deepspeed.runtime.fp16.loss_scaler",
+    "DynamicLossScaler": "deepspeed.runtime.fp16.loss_scaler",
+    "fragment_address": "deepspeed.utils.tensor_fragment",  # ZeRO 1-3 param_slice_mappings
+}
+
+
+def _plain_object_class(name: str):
+    import importlib
+
+    if name not in _PLAIN_OBJECTS:
+        raise ValueError(f"checkpoint names class {name!r}, which is not on the allowlist {sorted(_PLAIN_OBJECTS)}")
+    return getattr(importlib.import_module(_PLAIN_OBJECTS[name]), name)
+
 
 class UnsupportedCheckpointValue(TypeError):
     pass
@@ -50,6 +69,9 @@ def _encode(obj, path: str, tensors: dict):
     if isinstance(obj, (list, tuple, set)):
         tag = "__tuple__" if isinstance(obj, tuple) else "__set__" if isinstance(obj, set) else "__list__"
         return {tag: [_encode(v, f"{path}[{i}]", tensors) for i, v in enumerate(obj)]}
+    cls_name = type(obj).__name__
+    if cls_name in _PLAIN_OBJECTS and type(obj) is _plain_object_class(cls_name):
+        return {"__object__": cls_name, "attrs": _encode(dict(vars(obj)), f"{path}.<attrs>", tensors)}
     raise UnsupportedCheckpointValue(f"checkpoint value at {path} has type {type(obj).__name__}; "
                                      "only tensors and plain data can be stored without pickle")
 
@@ -63,6 +85,11 @@ def _decode(obj, tensors, map_location):
             return torch.Size(obj["__size__"])
         if "__dtype__" in obj:
             return getattr(torch, obj["__dtype__"])
+        if "__object__" in obj:
+            cls = _plain_object_class(obj["__object__"])
+            inst = cls.__new__(cls)
+            inst.__dict__.update(_decode(obj["attrs"], tensors, map_location))
+            return inst
         if "__float__" in obj:
             return float(obj["__float__"])
         if "__dict__" in obj:

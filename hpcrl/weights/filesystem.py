@@ -22,7 +22,7 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -116,9 +116,15 @@ class WeightVersionGone(Exception):
     """The version was deleted between discovery and load; pick the newest again."""
 
 
-def load_version(run_dir: RunDir, version: int, writer: str, verify_checksum: bool = False
-                 ) -> tuple[WeightManifest, dict[str, torch.Tensor]]:
-    """Announce, then read version ``version``; raise WeightVersionGone if it vanished."""
+def load_version(run_dir: RunDir, version: int, writer: str, apply: Optional[Callable[[dict], None]] = None,
+                 verify_checksum: bool = False) -> tuple[WeightManifest, dict[str, torch.Tensor]]:
+    """Announce, read version ``version``, hand it to ``apply`` (e.g. the engine's
+    ``load_weights``), then release the announcement. Raise WeightVersionGone if it vanished.
+
+    safetensors maps the file lazily: the bytes are read while ``apply`` copies them.
+    So the version stays pinned ("loading") until ``apply`` returns; without
+    ``apply`` the tensors are copied into memory before the pin is released.
+    """
     announce = run_dir.loading_announcement(writer)
     write_json_atomic(announce, LoadingAnnouncement(writer=writer, version=version, state="loading",
                                                     time_s=time.time()).to_json())
@@ -135,6 +141,10 @@ def load_version(run_dir: RunDir, version: int, writer: str, verify_checksum: bo
     state = load_file(str(folder / WEIGHTS_FILE))
     for alias, stored in manifest.aliases.items():
         state[alias] = state[stored]
+    if apply is not None:
+        apply(state)
+    else:
+        state = {k: v.clone() for k, v in state.items()}
     write_json_atomic(announce, LoadingAnnouncement(writer=writer, version=version, state="loaded",
                                                     time_s=time.time()).to_json())
     return manifest, state

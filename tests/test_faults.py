@@ -1,0 +1,64 @@
+"""Kill either job with SIGKILL mid-run and start it again: the run completes, and every
+committed group is consumed exactly once (manifests vs staleness log)."""
+import json
+import signal
+
+import pytest
+
+from conftest import check_exactly_once, start_rollout, start_trainer, wait_until
+from hpcrl.fsio import read_json, read_jsonl
+from hpcrl.logs import read_staleness
+
+
+def n_updates(rd) -> int:
+    return sum(1 for _ in read_jsonl(rd.metrics))
+
+
+def test_rollout_sigkill_then_restart(tiny_run):
+    rd = tiny_run("rollout.total_rollout_steps=320", "async_training.staleness_threshold=0.5",
+                  "rollout.max_concurrent_groups=3")
+    cfg = rd.load_config()
+    trainer, rollout = start_trainer(rd), start_rollout(rd)
+    wait_until(lambda: n_updates(rd) >= 25, 120, "25 trainer updates", jobs=(trainer, rollout))
+    rollout.kill(signal.SIGKILL)  # mid-run: groups in flight and maybe a shard half-written
+    done_before = n_updates(rd)
+    rollout2 = start_rollout(rd)
+    assert trainer.wait(300) == 0, trainer.tail()
+    assert rollout2.wait(120) == 0, rollout2.tail()
+    assert "recovered" in rollout2.log_path.read_text(), "the restarted writer must recover from its manifest"
+    assert n_updates(rd) == cfg.total_updates > done_before
+    result = check_exactly_once(rd, cfg.rollout.max_concurrent_groups)
+    assert result["consumed_groups"] == cfg.total_updates * cfg.groups_per_update
+
+
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_trainer_sigkill_after_checkpoint_then_resume(tiny_run, zero_stage):
+    rd = tiny_run("rollout.total_rollout_steps=320", "trainer.checkpoint_every_updates=10",
+                  f"actor.zero_stage={zero_stage}")
+    cfg = rd.load_config()
+    trainer, rollout = start_trainer(rd), start_rollout(rd)
+    wait_until(lambda: (read_json(rd.latest_checkpoint) or {}).get("step", 0) >= 30, 180, "a checkpoint at step 30",
+               jobs=(trainer, rollout))
+    wait_until(lambda: n_updates(rd) >= 35, 60, "5 updates past the checkpoint", jobs=(trainer, rollout))
+    trainer.kill(signal.SIGKILL)
+    ckpt_step = read_json(rd.latest_checkpoint)["step"]
+    rows_at_kill = n_updates(rd)
+    assert rows_at_kill > ckpt_step, "the kill must fall after the checkpoint, with work to roll back"
+    trainer2 = start_trainer(rd)
+    assert trainer2.wait(300) == 0, trainer2.tail()
+    assert rollout.wait(120) == 0, rollout.tail()
+    assert f"resumed from step-{ckpt_step:08d}" in trainer2.log_path.read_text()
+    steps = [r["step"] for r in read_jsonl(rd.metrics)]
+    assert steps == list(range(1, cfg.total_updates + 1)), "metrics rolled back to the checkpoint, no step twice"
+    st = read_staleness(rd)
+    assert len(st) == cfg.total_updates * cfg.groups_per_update * cfg.rollout.n
+    check_exactly_once(rd, cfg.rollout.max_concurrent_groups)
+
+
+def test_trainer_waits_with_a_message_naming_what_it_waits_for(tiny_run):
+    rd = tiny_run("rollout.total_rollout_steps=40", "timeouts.wait_samples_s=4")
+    trainer = start_trainer(rd)  # no rollout job at all
+    assert trainer.wait(120) != 0
+    out = trainer.log_path.read_text()
+    assert "waited" in out and str(rd.samples) in out and "committed groups" in out
+    assert json.loads(rd.heartbeat("trainer").read_text())["state"] == "failed"
