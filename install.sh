@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Install hpcrl into ./.venv (idempotent). `./install.sh --test` adds the test tools.
+#
+# torch goes first and pinned: on these machines torch==2.13.0 is a CPU build on
+# local disk, while an unpinned `torch` (asked for by deepspeed) would pull a
+# multi-GB CUDA build. On a GPU cluster, install your CUDA torch first instead.
+set -euo pipefail
+cd "$(dirname "$0")"
+PY="${PYTHON:-python3}"
+"$PY" -c 'import sys; sys.exit(sys.version_info < (3, 10))' || { echo "install.sh: need Python >= 3.10 ($PY)" >&2; exit 1; }
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+"${PIP[@]}" "torch==2.13.0"
+"${PIP[@]}" -r requirements.txt
+if [ "${1:-}" = "--test" ]; then
+  "${PIP[@]}" -e ".[test]"
+else
+  "${PIP[@]}" -e .
+fi
+echo "install.sh: hpcrl installed in $(pwd)/.venv"
