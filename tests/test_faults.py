@@ -62,3 +62,36 @@ def test_trainer_waits_with_a_message_naming_what_it_waits_for(tiny_run):
     out = trainer.log_path.read_text()
     assert "waited" in out and str(rd.samples) in out and "committed groups" in out
     assert json.loads(rd.heartbeat("trainer").read_text())["state"] == "failed"
+
+
+def test_damaged_shard_is_skipped_by_a_running_trainer(tiny_run):
+    """Kill the trainer, damage the first shard it has not read yet, resume: the shard is
+    reported and counted, the run completes, every other group is consumed exactly once."""
+    rd = tiny_run("rollout.total_rollout_steps=160", "trainer.checkpoint_every_updates=5",
+                  "async_training.staleness_threshold=1.0")
+    cfg = rd.load_config()
+    trainer, rollout = start_trainer(rd), start_rollout(rd)
+    wait_until(lambda: (read_json(rd.latest_checkpoint) or {}).get("step", 0) >= 10, 120, "a checkpoint at step 10",
+               jobs=(trainer, rollout))
+    trainer.kill(signal.SIGKILL)
+    from hpcrl.trainer.safe_checkpoint import load_tree
+
+    tag = read_json(rd.latest_checkpoint)["tag"]
+    state = load_tree(str(rd.checkpoints / tag / "mp_rank_00_model_states.pt"))["hpcrl"]
+    pos = state["cursor"]["w000"]
+    lines = list(read_jsonl(rd.shard_manifest("w000")))
+    victim = lines[pos["line"] + 1]  # a whole shard the resumed trainer has not read
+    path = rd.writer_dir("w000") / victim["shard"]
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    trainer2 = start_trainer(rd)
+    assert trainer2.wait(300) == 0, trainer2.tail()
+    assert rollout.wait(120) == 0, rollout.tail()
+    log_text = trainer2.log_path.read_text()
+    assert "SKIPPING shard" in log_text and str(path) in log_text and "truncated" in log_text
+    last = list(read_jsonl(rd.metrics))[-1]
+    assert last["fully_async/count/corrupt_groups_skipped"] == victim["n_groups"]
+    st = read_staleness(rd)
+    assert not st.sample_id.duplicated().any()
+    lost = {f"w000/{p}" for p in victim["prompt_indices"]}
+    assert not lost & set(st.group_id)
+    assert st.group_id.nunique() == cfg.total_updates * cfg.groups_per_update

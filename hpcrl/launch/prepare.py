@@ -15,6 +15,16 @@ from hpcrl.config import ConfigError, RunConfig, dump_config
 from hpcrl.run_dir import RunDir
 
 
+def check_data(cfg: RunConfig) -> None:
+    """Read the prompt file once on the login node, so a bad file fails before submission."""
+    from hpcrl.rollout.dataset import load_rows
+
+    try:
+        load_rows(cfg.data, cfg.rollout.response_length)
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"config data.source: {e}") from None
+
+
 def prepare_run_dir(cfg: RunConfig, run_dir: Path, resume: bool) -> RunDir:
     rd = RunDir(run_dir)
     if rd.config_path.exists():
@@ -28,6 +38,7 @@ def prepare_run_dir(cfg: RunConfig, run_dir: Path, resume: bool) -> RunDir:
         return rd
     if resume:
         raise ConfigError(f"--resume: {rd.root} holds no run (no config.yaml)")
+    check_data(cfg)
     rd.create()
     if cfg.model.path == "builtin:tiny" and not rd.base_model.exists():
         from hpcrl.tiny.model import build_tiny_model

@@ -1,0 +1,70 @@
+"""Inputs users bring: prompt files, run directories, torn logs; failures reported, not hidden."""
+import json
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from conftest import REPO, TINY
+from hpcrl.config import ConfigError, DataConfig, load_config
+from hpcrl.launch.prepare import prepare_run_dir
+from hpcrl.logs import read_staleness
+from hpcrl.rollout.dataset import PromptStream, load_rows
+
+
+def test_jsonl_and_parquet_prompt_files(tmp_path):
+    rows = [{"question": f"say {i}", "answer": str(i)} for i in range(5)]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pd.DataFrame(rows).to_parquet(tmp_path / "p.parquet")
+    for name in ("p.jsonl", "p.parquet"):
+        got = load_rows(DataConfig(source=str(tmp_path / name), prompt_key="question"), answer_len=8)
+        assert got == [{"prompt": r["question"], "answer": r["answer"]} for r in rows]
+
+
+def test_prompt_stream_covers_every_row_once_per_epoch():
+    rows = [{"prompt": str(i), "answer": ""} for i in range(7)]
+    s = PromptStream(rows, seed=3)
+    for epoch in range(3):
+        assert sorted(s[epoch * 7 + i]["prompt"] for i in range(7)) == sorted(r["prompt"] for r in rows)
+    assert [s[i]["prompt"] for i in range(7)] != [s[7 + i]["prompt"] for i in range(7)], "each epoch reshuffles"
+
+
+def test_bad_prompt_file_fails_before_anything_is_created(tmp_path):
+    (tmp_path / "p.jsonl").write_text('{"text": "hello"}\n')
+    cfg = load_config(TINY, [f"data.source={tmp_path / 'p.jsonl'}"])
+    with pytest.raises(ConfigError, match="no column 'prompt'"):
+        prepare_run_dir(cfg, tmp_path / "run", resume=False)
+    assert not (tmp_path / "run").exists()
+
+
+def test_run_dir_is_not_reused_by_accident(tmp_path):
+    cfg = load_config(TINY)
+    prepare_run_dir(cfg, tmp_path / "run", resume=False)
+    with pytest.raises(ConfigError, match="--resume"):
+        prepare_run_dir(cfg, tmp_path / "run", resume=False)
+    other = load_config(TINY, ["rollout.n=4"])
+    with pytest.raises(ConfigError, match="differs"):
+        prepare_run_dir(other, tmp_path / "run", resume=True)
+    assert prepare_run_dir(cfg, tmp_path / "run", resume=True).root == (tmp_path / "run").resolve()
+    assert oct((tmp_path / "run" / "secret").stat().st_mode & 0o777) == "0o600"
+
+
+def test_torn_last_row_of_the_staleness_log_is_skipped(tmp_path):
+    rd = prepare_run_dir(load_config(TINY), tmp_path / "run", resume=False)
+    row = {"sample_id": "w000/0/0", "lag": 0}
+    rd.staleness.write_text(json.dumps(row) + "\n" + '{"sample_id": "w000/0/1", "la')
+    st = read_staleness(rd)
+    assert list(st.sample_id) == ["w000/0/0"]
+
+
+def test_launcher_reports_a_failing_job_and_exits_nonzero(tmp_path):
+    broken = tmp_path / "broken_model"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")  # passes the path check, fails to load in the jobs
+    out = subprocess.run([sys.executable, "-m", "hpcrl", "run", str(TINY), f"model.path={broken}",
+                          "timeouts.wait_weights_s=30", "--run-dir", str(tmp_path / "run"), "--executor", "local",
+                          "--timeout-min", "5"], capture_output=True, text=True, cwd=REPO, timeout=400)
+    assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "ended before the trainer finished" in out.stdout
+    assert "(last lines)" in out.stdout and "Error" in out.stdout  # the failing job's log tail
