@@ -42,6 +42,7 @@ import numpy as np
 # Runnable as a plain script from a checkout, without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _common import table  # noqa: E402
 from hpcrl.run_dir import RunDir  # noqa: E402
 from hpcrl.samples.reader import SampleReader  # noqa: E402
 from hpcrl.samples.schema import Group, Trajectory  # noqa: E402
@@ -229,11 +230,6 @@ def measure_latency(root: Path, args) -> dict[str, list[float]]:
 
 
 # ---------------------------------------------------------------- output
-
-def table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    fmt = lambda r: "  ".join(str(x).rjust(w) for x, w in zip(r, widths))  # noqa: E731
-    return "\n".join([fmt(header), "  ".join("-" * w for w in widths)] + [fmt(r) for r in rows])
 
 
 def mb(n_bytes: float) -> float:

@@ -7,11 +7,10 @@ disk so the machine's noise cancels out of the ratios:
 - ``publish_version`` (safetensors + config.json into vNNNNNN.tmp, fsync, sha256,
   rename, manifest.json last), also with ``checksum=False`` to show what the
   sha256 costs;
-- ``load_version`` as the rollout job uses it: the call itself (announce, check
-  sizes, open the safetensors file, announce "loaded"), then the copy of every
-  tensor into preallocated parameters (what ``engine.load_weights`` does). The
-  call alone is not a load: safetensors maps the file lazily and the bytes are
-  read during the copy, so "load" below means call + copy;
+- ``load_version`` as the rollout job uses it: announce "loading", check sizes,
+  open the safetensors file (mapped lazily), copy every tensor into
+  preallocated parameters inside ``apply`` (what ``engine.load_weights`` does:
+  the bytes are read here), then announce "loaded";
 - the raw limit: the same number of bytes written with open/write/fsync/rename
   into the same folder, and read back with a plain ``readinto`` into a
   preallocated buffer.
@@ -45,6 +44,7 @@ import torch
 # Runnable as a plain script from a checkout, without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _common import table  # noqa: E402
 from hpcrl.run_dir import RunDir  # noqa: E402
 from hpcrl.weights.filesystem import WEIGHTS_FILE, load_version, newest_version, publish_version  # noqa: E402
 
@@ -100,18 +100,20 @@ def time_publish(rd: RunDir, version: int, sd: dict, config_json: str, checksum:
     return time.perf_counter() - t0
 
 
-def time_load(rd: RunDir, version: int, params: dict[str, torch.Tensor]) -> tuple[float, float]:
-    """Seconds for the load_version call alone, and for call + copy into ``params``."""
+def time_load(rd: RunDir, version: int, params: dict[str, torch.Tensor]) -> float:
+    """Seconds for load_version as the rollout job calls it: announce, verify sizes, read
+    (lazy mmap) and copy into ``params`` inside ``apply``, release the announcement."""
+    def copy_into(state: dict[str, torch.Tensor]) -> None:
+        if set(state) != set(params):
+            raise RuntimeError(f"load_version({version}) returned {len(state)} tensors, expected {len(params)}")
+        for k, dst in params.items():
+            dst.copy_(state[k])
+
     t0 = time.perf_counter()
-    manifest, state = load_version(rd, version, writer="w000")
-    t1 = time.perf_counter()
-    for k, dst in params.items():
-        dst.copy_(state[k])
-    t2 = time.perf_counter()
-    if manifest.param_version != version or set(state) != set(params):
-        raise RuntimeError(f"load_version({version}) returned version {manifest.param_version} "
-                           f"with {len(state)} tensors, expected {len(params)}")
-    return t1 - t0, t2 - t0
+    manifest, _ = load_version(rd, version, writer="w000", apply=copy_into)
+    if manifest.param_version != version:
+        raise RuntimeError(f"load_version({version}) returned version {manifest.param_version}")
+    return time.perf_counter() - t0
 
 
 # ---------------------------------------------------------------- raw
@@ -150,15 +152,14 @@ def bench_size(base: Path, size_mb: float, dtype: torch.dtype, repeats: int) -> 
     rd = RunDir(base / f"run-{size_mb:g}MB").create()
     raw_dir = rd.weights / "raw"
     raw_dir.mkdir()
-    res = {k: [] for k in ("publish", "publish_nock", "load_call", "load", "raw_write", "raw_read")}
+    res = {k: [] for k in ("publish", "publish_nock", "load", "raw_write", "raw_read")}
     file_bytes = 0
     # round 0 is a warm-up (first-touch allocations, cold directory entries), not reported
     for rep in range(repeats + 1):
         v = 2 * rep
         res["publish"].append(time_publish(rd, v, sd, config_json, checksum=True))
         assert newest_version(rd) == v
-        call, total = time_load(rd, v, params)
-        res["load_call"].append(call)
+        total = time_load(rd, v, params)
         res["load"].append(total)
         res["publish_nock"].append(time_publish(rd, v + 1, sd, config_json, checksum=False))
         file_bytes = (rd.weight_version_dir(v) / WEIGHTS_FILE).stat().st_size
@@ -177,11 +178,6 @@ def bench_size(base: Path, size_mb: float, dtype: torch.dtype, repeats: int) -> 
                layers=config["num_hidden_layers"], stored_bytes=stored_bytes(sd))
     return med
 
-
-def table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    fmt = lambda r: "  ".join(str(x).rjust(w) for x, w in zip(r, widths))  # noqa: E731
-    return "\n".join([fmt(header), "  ".join("-" * w for w in widths)] + [fmt(r) for r in rows])
 
 
 def parse_args(argv=None):
@@ -225,7 +221,7 @@ def main(argv=None) -> int:
             ours, raw = r["publish"] + r["load"], r["raw_write"] + r["raw_read"]
             shape_rows.append([f"{mbytes:.1f}", r["n_tensors"], r["hidden"], r["layers"]])
             rows.append([f"{mbytes:.1f}", f"{1e3 * r['publish']:.0f}", f"{1e3 * r['raw_write']:.0f}",
-                         f"{r['publish'] / r['raw_write']:.2f}", f"{1e3 * r['load_call']:.1f}",
+                         f"{r['publish'] / r['raw_write']:.2f}",
                          f"{1e3 * r['load']:.0f}", f"{1e3 * r['raw_read']:.0f}",
                          f"{r['load'] / r['raw_read']:.2f}", f"{ours / raw:.2f}",
                          f"{mbytes / r['publish']:.0f}", f"{mbytes / r['raw_write']:.0f}"])
@@ -238,10 +234,9 @@ def main(argv=None) -> int:
         print()
         print("publish and load vs raw (times in ms; ratios are time ours / time raw, 1.00 = raw limit, "
               "higher = slower)")
-        print(table(["MB", "publish", "raw write", "pub/raw", "load call", "load+copy", "raw read",
+        print(table(["MB", "publish", "raw write", "pub/raw", "load", "raw read",
                      "load/raw", "(pub+load)/(raw w+r)", "publish MB/s", "raw w MB/s"], rows))
-        print("    load call = load_version() alone (lazy mmap, bytes not read yet); "
-              "load+copy = call + copy into preallocated params")
+        print("    load = load_version(apply=copy into preallocated params), as the rollout job calls it")
         print()
         print("checksum cost of publish (sha256 of the written file)")
         print(table(["MB", "publish ms", "no-checksum ms", "sha256 ms", "share", "no-checksum/raw write"], ck_rows))
