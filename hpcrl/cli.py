@@ -14,9 +14,8 @@ from hpcrl.config import ConfigError, dump_config, load_config
 
 
 def _cmd_run(a) -> int:
-    from hpcrl.launch.follow import RunFollower
-    from hpcrl.launch.prepare import prepare_run_dir
-    from hpcrl.launch.submit import plan_jobs, resolve_executor, submit_jobs
+    from hpcrl.launch.api import launch
+    from hpcrl.launch.submit import plan_jobs, resolve_executor
     from hpcrl.run_dir import RunDir
 
     try:
@@ -39,18 +38,18 @@ def _cmd_run(a) -> int:
         print(dump_config(cfg), end="")
         return 0
     try:
-        rd = prepare_run_dir(cfg, Path(a.run_dir), a.resume)
+        run = launch(cfg, a.run_dir, executor=kind, resume=a.resume, emit=print)
     except ConfigError as e:
         print(f"hpcrl: error: {e}", file=sys.stderr)
         return 2
-    jobs = submit_jobs(cfg, rd, kind)
-    print(f"submitted ({kind}): " + ", ".join(f"{n}={j.job_id}" for n, j in jobs.items()) + f"; run dir {rd.root}")
+    print(f"submitted ({kind}): " + ", ".join(f"{n}={j.job_id}" for n, j in run.jobs.items()) + f"; run dir {run.rd.root}",
+          flush=True)
     timeout_s = a.timeout_min * 60 if a.timeout_min else cfg.resources.trainer.timeout_min * 60
     try:
-        return RunFollower(rd, jobs).follow(timeout_s)
+        return 0 if run.wait(timeout_s) else 1
     except KeyboardInterrupt:
         print("interrupted: cancelling the run's jobs (resume later with --resume)", file=sys.stderr)
-        RunFollower(rd, jobs).cancel_all()
+        run.cancel()
         return 130
 
 

@@ -127,8 +127,8 @@ class ActorConfig:
     ppo_mini_batch_size: int = 4
     """Groups (prompts) per optimizer step (verl: ppo_mini_batch_size)."""
     ppo_micro_batch_size: int = 4
-    """Groups per forward/backward; gradient accumulation covers the rest of the
-    mini-batch. Must divide ppo_mini_batch_size."""
+    """Groups per forward/backward on each trainer rank; gradient accumulation covers
+    the rest of the rank's share of the mini-batch."""
     ppo_epochs: int = 1
     """Passes over each local batch of R groups."""
     lr: float = 1e-3
@@ -150,9 +150,6 @@ class ActorConfig:
     def validate(self) -> None:
         _check_int("actor.ppo_mini_batch_size", self.ppo_mini_batch_size, 1)
         _check_int("actor.ppo_micro_batch_size", self.ppo_micro_batch_size, 1)
-        if self.ppo_mini_batch_size % self.ppo_micro_batch_size:
-            raise _bad("actor.ppo_micro_batch_size", self.ppo_micro_batch_size,
-                       f"a divisor of actor.ppo_mini_batch_size={self.ppo_mini_batch_size}")
         _check_int("actor.ppo_epochs", self.ppo_epochs, 1)
         _check_float("actor.lr", self.lr, 0.0, lo_open=True)
         _check_float("actor.weight_decay", self.weight_decay, 0.0)
@@ -287,7 +284,7 @@ class JobResources:
     nodes: int = 1
     """Nodes for this job."""
     tasks_per_node: int = 1
-    """Processes per node (trainer: DeepSpeed ranks)."""
+    """Processes per node (trainer: DeepSpeed ranks; rollout: must be 1)."""
     cpus_per_task: int = 1
     """CPU cores per process."""
     gpus_per_node: int = 0
@@ -295,30 +292,61 @@ class JobResources:
     mem_gb: int = 4
     """Memory per node in GB."""
     timeout_min: int = 60
-    """Wall-clock limit in minutes."""
+    """Wall-clock limit in minutes (Slurm --time). The job gets USR2 90 s before it."""
+    partition: Optional[str] = None
+    """Slurm partition (null: the cluster's default)."""
+    account: Optional[str] = None
+    """Slurm account to charge (null: your default)."""
+    qos: Optional[str] = None
+    """Slurm QOS (null: the default)."""
+    constraint: Optional[str] = None
+    """Slurm node features, e.g. ``a100`` (null: any node)."""
+    sbatch_extra: dict = field(default_factory=dict)
+    """Other sbatch options as {option: value}, e.g. {exclusive: "", reservation: "rl"} -> --exclusive --reservation=rl."""
+    setup: list = field(default_factory=list)
+    """Shell lines run in the job before hpcrl starts (module load ..., source venv/bin/activate)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.tasks_per_node
 
     def validate(self, prefix: str) -> None:
         for name in ("nodes", "tasks_per_node", "cpus_per_task", "mem_gb", "timeout_min"):
             _check_int(f"{prefix}.{name}", getattr(self, name), 1)
         _check_int(f"{prefix}.gpus_per_node", self.gpus_per_node, 0)
+        for name in ("partition", "account", "qos", "constraint"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v or any(c.isspace() for c in v)):
+                raise _bad(f"{prefix}.{name}", v, "null or a single word", "quote nothing, no spaces")
+        for k, v in self.sbatch_extra.items():
+            if not isinstance(k, str) or not k or k.startswith("-") or any(c.isspace() for c in k):
+                raise _bad(f"{prefix}.sbatch_extra", k, "option names without leading dashes, e.g. reservation")
+            if not isinstance(v, (str, int, float)):
+                raise _bad(f"{prefix}.sbatch_extra.{k}", v, "a string or number ('' for a flag)")
+        if not all(isinstance(line, str) for line in self.setup):
+            raise _bad(f"{prefix}.setup", self.setup, "a list of shell lines (strings)")
 
 
 @dataclass
 class ResourcesConfig:
     trainer: JobResources = field(default_factory=JobResources)
-    """Resources of the trainer job."""
+    """Resources of the trainer job (nodes * tasks_per_node DeepSpeed ranks)."""
     rollout: JobResources = field(default_factory=JobResources)
     """Resources of each rollout job."""
     rollout_jobs: int = 1
-    """Number of rollout jobs (each one sample writer)."""
+    """Number of rollout jobs (each one sample writer; a Slurm job array in sbatch/)."""
+    max_restarts: int = 3
+    """The launcher resubmits a job that ended before the trainer finished (crash,
+    scancel, node failure) at most this many times per job; then the run fails."""
 
     def validate(self) -> None:
         self.trainer.validate("resources.trainer")
         self.rollout.validate("resources.rollout")
         _check_int("resources.rollout_jobs", self.rollout_jobs, 1)
-        if self.trainer.nodes * self.trainer.tasks_per_node != 1:
-            raise _bad("resources.trainer.tasks_per_node", self.trainer.tasks_per_node,
-                       "1 trainer rank in total for now (multi-rank trainers come with the Slurm issue)")
+        _check_int("resources.max_restarts", self.max_restarts, 0)
+        if self.rollout.world_size != 1:
+            raise _bad("resources.rollout.tasks_per_node", self.rollout.tasks_per_node,
+                       "1 task on 1 node per rollout job", "add capacity with resources.rollout_jobs instead")
 
 
 @dataclass
@@ -379,6 +407,11 @@ class RunConfig:
                        f"{self.groups_per_update}")
         if self.rollout.n < 2 and self.algorithm.adv_estimator == "grpo":
             raise _bad("rollout.n", self.rollout.n, "at least 2 with adv_estimator=grpo (a group of one has no baseline)")
+        world = self.resources.trainer.world_size
+        if self.actor.ppo_mini_batch_size % (world * self.actor.ppo_micro_batch_size):
+            raise _bad("actor.ppo_mini_batch_size", self.actor.ppo_mini_batch_size,
+                       f"a multiple of trainer ranks ({world}) * actor.ppo_micro_batch_size "
+                       f"({self.actor.ppo_micro_batch_size})", "each rank takes an equal share of a mini-batch")
         if abs(self.actor.temperature - self.rollout.temperature) > 1e-9:
             raise _bad("actor.temperature", self.actor.temperature,
                        f"equal to rollout.temperature={self.rollout.temperature}",
@@ -419,6 +452,11 @@ def _coerce(key: str, hint: Any, value: Any) -> Any:
         if value is None:
             return None
         return _coerce(key, args[0], value)
+    if hint in (dict, list) or typing.get_origin(hint) in (dict, list):
+        base = typing.get_origin(hint) or hint
+        if not isinstance(value, base):
+            raise _bad(key, value, f"a {'mapping' if base is dict else 'list'}")
+        return value
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if hint in (int, float, str, bool) and not isinstance(value, hint) or (hint is int and isinstance(value, bool)):

@@ -32,7 +32,7 @@ def test_overrides_apply_with_types():
     (["async_training.staleness_threshold=-1"], "a number >= 0"),
     (["rollout.n=zero"], "rollout.n"),
     (["actor.zero_stage=4"], "[0, 3]"),
-    (["actor.ppo_micro_batch_size=3"], "divisor"),
+    (["actor.ppo_micro_batch_size=3"], "a multiple of trainer ranks"),
     (["rollout.total_rollout_steps=2"], "at least R"),
     (["rollout.temperature=0.7"], "equal to rollout.temperature"),
     (["data.source=/nonexistent/prompts.jsonl"], "existing file"),

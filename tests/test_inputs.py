@@ -62,9 +62,9 @@ def test_launcher_reports_a_failing_job_and_exits_nonzero(tmp_path):
     broken = tmp_path / "broken_model"
     broken.mkdir()
     (broken / "config.json").write_text("{}")  # passes the path check, fails to load in the jobs
-    out = subprocess.run([sys.executable, "-m", "hpcrl", "run", str(TINY), f"model.path={broken}",
+    out = subprocess.run([sys.executable, "-m", "hpcrl", "run", str(TINY), f"model.path={broken}", "resources.max_restarts=1",
                           "timeouts.wait_weights_s=30", "--run-dir", str(tmp_path / "run"), "--executor", "local",
                           "--timeout-min", "5"], capture_output=True, text=True, cwd=REPO, timeout=400)
     assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
-    assert "ended before the trainer finished" in out.stdout
+    assert "resubmitting (restart 1/1)" in out.stdout and "restart budget" in out.stdout
     assert "(last lines)" in out.stdout and "Error" in out.stdout  # the failing job's log tail

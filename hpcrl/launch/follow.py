@@ -10,8 +10,9 @@ import logging
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
+from hpcrl.control.records import read_heartbeats
 from hpcrl.fsio import read_json, read_jsonl
 from hpcrl.run_dir import RunDir
 
@@ -25,20 +26,22 @@ def tail(path: Path, lines: int = 25) -> str:
         return f"(no file {path})"
 
 
-def job_failure_report(rd: RunDir, name: str, job) -> str:
-    parts = [f"--- {rd.job_logs / (name + '.log')} (last lines) ---", tail(rd.job_logs / f"{name}.log")]
-    try:
-        parts += [f"--- {job.paths.stderr} (last lines) ---", tail(Path(job.paths.stderr))]
-    except Exception:  # a handle without paths: nothing more to show
-        pass
+def job_failure_report(rd: RunDir, handle) -> str:
+    parts = [f"--- {rd.job_logs / (handle.name + '.log')} (last lines) ---", tail(rd.job_logs / f"{handle.name}.log")]
+    for path in handle.log_paths()[1:]:  # submitit's stderr of the job
+        parts += [f"--- {path} (last lines) ---", tail(path)]
     return "\n".join(parts)
 
 
 class RunFollower:
-    def __init__(self, rd: RunDir, jobs: dict, emit: Callable[[str], None] = print):
+    def __init__(self, rd: RunDir, jobs: dict, emit: Callable[[str], None] = print,
+                 resubmit: Optional[Callable[[str], object]] = None):
         self.rd = rd
         self.jobs = jobs
         self.emit = emit
+        self.resubmit = resubmit
+        self.restarts: dict[str, int] = {}
+        self._warned: dict[str, float] = {}
         self.cfg = rd.load_config()
         self._metrics_seen = 0
         self._rows_by_version: dict[int, list[dict]] = defaultdict(list)
@@ -68,6 +71,40 @@ class RunFollower:
                           f"idle trainer {idle:.2f} rollout {self._rollout_idle()}  tokens/s {tps:.0f}")
         self._metrics_seen = len(rows)
 
+    def _check_jobs(self) -> Optional[int]:
+        """Resubmit jobs that ended before the trainer finished, within the restart budget.
+        Return 1 when the budget of some job is spent (after cancelling the rest), else None."""
+        for name, handle in list(self.jobs.items()):
+            if not handle.done():
+                continue
+            if read_json(self.rd.trainer_done) is not None:
+                return None
+            used = self.restarts.get(name, 0)
+            if self.resubmit is not None and used < self.cfg.resources.max_restarts:
+                self.restarts[name] = used + 1
+                self.emit(f"job {name} ({handle.job_id}) ended before the trainer finished; resubmitting "
+                          f"(restart {used + 1}/{self.cfg.resources.max_restarts}); last lines of its log:")
+                self.emit(tail(self.rd.job_logs / f"{name}.log", 5))
+                self.jobs[name] = self.resubmit(name)
+                self.emit(f"job {name} resubmitted as {self.jobs[name].job_id}")
+                continue
+            self.emit(f"job {name} ({handle.job_id}) ended before the trainer finished and its restart budget "
+                      f"(resources.max_restarts={self.cfg.resources.max_restarts}) is spent: cancelling the run")
+            self.emit(job_failure_report(self.rd, handle))
+            self.cancel_all()
+            return 1
+        return None
+
+    def _warn_stale_heartbeats(self) -> None:
+        now = time.time()
+        for job, beat in read_heartbeats(self.rd).items():
+            age = now - beat["time_s"]
+            if beat.get("state") not in ("done", "failed", "preempted") and age > self.cfg.timeouts.heartbeat_stale_s \
+                    and self._warned.get(job, 0) < now - 60:
+                self._warned[job] = now
+                self.emit(f"warning: {job} heartbeat is {age:.0f}s old (state {beat.get('state')}); "
+                          "it may be hung or its node unreachable")
+
     def follow(self, timeout_s: float, poll_s: float = 1.0) -> int:
         """Return 0 when the trainer finished, 1 on a failed job or the deadline."""
         deadline = time.monotonic() + timeout_s
@@ -80,12 +117,10 @@ class RunFollower:
                 self.emit(f"run finished: {done['trainer_step']} updates, version {done['param_version']}, "
                           f"{done['consumed_groups']} groups; logs in {self.rd.logs}")
                 return 0
-            for name, job in self.jobs.items():
-                if job.done():
-                    self.emit(f"job {name} ({job.job_id}) ended before the trainer finished: cancelling the run")
-                    self.emit(job_failure_report(self.rd, name, job))
-                    self.cancel_all()
-                    return 1
+            failed = self._check_jobs()
+            if failed is not None:
+                return failed
+            self._warn_stale_heartbeats()
             if time.monotonic() > deadline:
                 self.emit(f"gave up after {timeout_s:.0f}s waiting for the trainer to finish "
                           f"(no {self.rd.trainer_done}); cancelling the run")

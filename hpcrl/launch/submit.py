@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpcrl.config import JobResources, RunConfig
+from hpcrl.launch.jobs import JobHandle
 from hpcrl.run_dir import RunDir
 
 
@@ -60,6 +61,23 @@ def plan_jobs(cfg: RunConfig, rd: RunDir) -> list[PlannedJob]:
     return jobs
 
 
+def slurm_parameters(job: PlannedJob) -> dict:
+    """submitit's ``slurm_*`` parameters for one job (what ends up in its sbatch script)."""
+    r = job.resources
+    params: dict = {"slurm_job_name": job.name}
+    for name in ("partition", "account", "qos", "constraint"):
+        if getattr(r, name):
+            params[f"slurm_{name}"] = getattr(r, name)
+    if r.gpus_per_node:
+        params["slurm_gpus_per_node"] = r.gpus_per_node
+    extra = {k: (True if v == "" else v) for k, v in r.sbatch_extra.items()}  # True: a bare flag
+    extra.setdefault("requeue", True)  # preempted or USR2'd jobs requeue themselves (scontrol requeue)
+    params["slurm_additional_parameters"] = extra
+    if r.setup:
+        params["slurm_setup"] = list(r.setup)
+    return params
+
+
 def _executor(kind: str, folder: Path, job: PlannedJob):
     import submitit
 
@@ -67,19 +85,23 @@ def _executor(kind: str, folder: Path, job: PlannedJob):
     r = job.resources
     ex.update_parameters(name=job.name, timeout_min=r.timeout_min, nodes=r.nodes, tasks_per_node=r.tasks_per_node,
                          cpus_per_task=r.cpus_per_task, mem_gb=r.mem_gb)
-    if kind == "slurm" and r.gpus_per_node:
-        ex.update_parameters(gpus_per_node=r.gpus_per_node)
+    if kind == "slurm":
+        ex.update_parameters(**slurm_parameters(job))
     return ex
 
 
-def submit_jobs(cfg: RunConfig, rd: RunDir, kind: str) -> dict:
-    """Submit every planned job; return {name: submitit Job}."""
+def _function(name: str):
     from hpcrl.rollout.main import rollout_main
     from hpcrl.trainer.main import trainer_main
 
-    functions = {"hpcrl.trainer.main.trainer_main": trainer_main, "hpcrl.rollout.main.rollout_main": rollout_main}
-    folder = submitit_folder(rd)
-    jobs = {}
-    for planned in plan_jobs(cfg, rd):
-        jobs[planned.name] = _executor(kind, folder, planned).submit(functions[planned.function], *planned.args)
-    return jobs
+    return {"hpcrl.trainer.main.trainer_main": trainer_main, "hpcrl.rollout.main.rollout_main": rollout_main}[name]
+
+
+def submit_one(cfg: RunConfig, rd: RunDir, kind: str, planned: PlannedJob) -> JobHandle:
+    job = _executor(kind, submitit_folder(rd), planned).submit(_function(planned.function), *planned.args)
+    return JobHandle(planned.name, job, kind)
+
+
+def submit_jobs(cfg: RunConfig, rd: RunDir, kind: str) -> dict[str, JobHandle]:
+    """Submit every planned job; return {name: JobHandle}."""
+    return {p.name: submit_one(cfg, rd, kind, p) for p in plan_jobs(cfg, rd)}

@@ -26,11 +26,13 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import time
+from typing import Optional
 
 import torch
+import torch.distributed as dist
 
+from hpcrl.control.preemption import PreemptionFlag, requeue_self
 from hpcrl.control.records import HeartbeatThread, TrainerDone, describe_heartbeats
 from hpcrl.fsio import write_json_atomic
 from hpcrl.logs import MetricsLog, StalenessLog, log_size, setup_logging, truncate_to
@@ -38,35 +40,32 @@ from hpcrl.run_dir import RunDir
 from hpcrl.samples.reader import SampleReader
 from hpcrl.samples.schema import Group
 from hpcrl.trainer import checkpoint
-from hpcrl.trainer.batch import Batch, build_batch, policy_logprobs
+from hpcrl.trainer.batch import build_batch, policy_logprobs
+from hpcrl.trainer.distributed import init_distributed, rank_environment
+from hpcrl.trainer.share import ABORT, BATCH, PREEMPT, share_groups, share_json
 from hpcrl.trainer.grpo import ppo_clip_loss
 from hpcrl.weights.filesystem import apply_retention, publish_version, published_versions
 
 log = logging.getLogger("hpcrl.trainer")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class _NoHeartbeat:
+    """Ranks other than 0 do not write heartbeats."""
 
+    def update(self, **fields) -> None:
+        pass
 
-def init_distributed() -> None:
-    """A one-rank gloo world unless the launcher (srun / submitit) set one up."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
-    import deepspeed
-
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    def stop(self, final_state: str) -> None:
+        pass
 
 
 class TrainerJob:
-    def __init__(self, run_dir: RunDir):
+    def __init__(self, run_dir: RunDir, preemption: PreemptionFlag):
         self.run_dir = run_dir
         self.cfg = run_dir.load_config()
         self.state = checkpoint.TrainerState()
+        self.preemption = preemption
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
 
     # ---- setup
     def _build(self) -> None:
@@ -81,7 +80,7 @@ class TrainerJob:
         self.model_config_json = model.config.to_json_string()
         self.pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay)
-        micro_per_mini = cfg.actor.ppo_mini_batch_size // cfg.actor.ppo_micro_batch_size
+        micro_per_mini = cfg.actor.ppo_mini_batch_size // self.world // cfg.actor.ppo_micro_batch_size
         ds_config = {
             "train_micro_batch_size_per_gpu": 1,  # one "micro step" = one backward of ppo_micro_batch_size groups
             "gradient_accumulation_steps": micro_per_mini,
@@ -100,21 +99,22 @@ class TrainerJob:
     def _resume_or_start(self) -> None:
         rd = self.run_dir
         state = checkpoint.load_latest(self.engine, rd)
-        if state is None:
-            # A fresh start: anything published by an earlier attempt that died before its
-            # first checkpoint belongs to a model we no longer have.
-            self._remove_versions_after(-1)
-            truncate_to(rd.metrics, 0)
-            truncate_to(rd.staleness, 0)
-            self.state = checkpoint.TrainerState()
-        else:
-            self.state = state
-            self._remove_versions_after(state.param_version)
-            truncate_to(rd.metrics, state.metrics_bytes)
-            truncate_to(rd.staleness, state.staleness_bytes)
-        self.reader = SampleReader(rd, cursor=self.state.cursor)
-        self.metrics = MetricsLog(rd.metrics)
-        self.staleness = StalenessLog(rd)
+        if self.rank == 0:
+            if state is None:
+                # A fresh start: anything published by an earlier attempt that died before its
+                # first checkpoint belongs to a model we no longer have.
+                self._remove_versions_after(-1)
+                truncate_to(rd.metrics, 0)
+                truncate_to(rd.staleness, 0)
+            else:
+                self._remove_versions_after(state.param_version)
+                truncate_to(rd.metrics, state.metrics_bytes)
+                truncate_to(rd.staleness, state.staleness_bytes)
+        self.state = state or checkpoint.TrainerState()
+        if self.rank == 0:
+            self.reader = SampleReader(rd, cursor=self.state.cursor)
+            self.metrics = MetricsLog(rd.metrics)
+            self.staleness = StalenessLog(rd)
         if self.state.param_version not in published_versions(rd):
             self._publish(self.state.param_version)
         if state is None:
@@ -129,8 +129,9 @@ class TrainerJob:
                 shutil.rmtree(folder, ignore_errors=True)
 
     # ---- steps
-    def _take_groups(self) -> tuple[list[Group], list[Group], float]:
-        """R groups to train on, plus those dropped for staleness; and the seconds waited."""
+    def _take_groups(self) -> tuple[Optional[list[Group]], list[Group], float]:
+        """Rank 0: R groups to train on (None if USR2 arrived meanwhile), plus those dropped
+        for staleness; and the seconds waited."""
         cfg = self.cfg
         need = cfg.groups_per_update
         kept: list[Group] = []
@@ -138,6 +139,8 @@ class TrainerJob:
         t0 = time.monotonic()
         last_log = t0
         while len(kept) < need:
+            if self.preemption.requested:
+                return None, dropped, time.monotonic() - t0
             self.reader.poll()
             self._count_skipped()
             for g in self.reader.take(need - len(kept)):
@@ -159,6 +162,27 @@ class TrainerJob:
         self.heartbeat.update(state="training")
         return kept, dropped, time.monotonic() - t0
 
+    def _next_batch(self) -> tuple[int, list[Group], list[Group], float]:
+        """Every rank: (status, groups to train on, dropped groups, seconds waited); rank 0 reads."""
+        if self.rank != 0:
+            status, kept = share_groups(BATCH, None)
+            if status == ABORT:
+                raise RuntimeError("trainer rank 0 failed; this rank stops too (see rank 0's log)")
+            return status, kept, [], 0.0
+        if self.preemption.requested:
+            share_groups(PREEMPT, None)
+            return PREEMPT, [], [], 0.0
+        try:
+            kept, dropped, wait_s = self._take_groups()
+        except BaseException:
+            share_groups(ABORT, None)
+            raise
+        if kept is None:
+            share_groups(PREEMPT, None)
+            return PREEMPT, [], dropped, wait_s
+        share_groups(BATCH, kept)
+        return BATCH, kept, dropped, wait_s
+
     def _count_skipped(self) -> None:
         while self.reader.skipped:
             s = self.reader.skipped.pop(0)
@@ -175,20 +199,23 @@ class TrainerJob:
                 batch.logp_old = policy_logprobs(self.engine.module, batch, cfg.actor.temperature).float()
         stats: dict[str, float] = {}
         rows_per_mini = cfg.actor.ppo_mini_batch_size * n
+        rows_per_rank = rows_per_mini // self.world
         rows_per_micro = cfg.actor.ppo_micro_batch_size * n
+        # DeepSpeed divides by gradient_accumulation_steps and averages over ranks; undo both
+        # so the micro losses of all ranks add up to the token mean over the whole mini-batch.
+        scale = self.micro_per_mini * self.world
         n_steps = 0
         for _ in range(cfg.actor.ppo_epochs):
             for m0 in range(0, len(batch), rows_per_mini):
                 mini = batch.slice(slice(m0, m0 + rows_per_mini))
                 tokens = mini.n_tokens
-                for u0 in range(0, len(mini), rows_per_micro):
-                    micro = mini.slice(slice(u0, u0 + rows_per_micro))
+                mine = mini.slice(slice(self.rank * rows_per_rank, (self.rank + 1) * rows_per_rank))
+                for u0 in range(0, len(mine), rows_per_micro):
+                    micro = mine.slice(slice(u0, u0 + rows_per_micro))
                     logp = policy_logprobs(self.engine, micro, cfg.actor.temperature)
                     loss, s = ppo_clip_loss(logp, micro.logp_old, micro.advantages, micro.mask,
                                             cfg.actor.clip_ratio, tokens)
-                    # DeepSpeed divides by gradient_accumulation_steps; undo it so the micro losses
-                    # add up to the token mean over the mini-batch.
-                    self.engine.backward(loss * self.micro_per_mini)
+                    self.engine.backward(loss * scale)
                     self.engine.step()
                     for k, v in s.items():
                         stats[k] = stats.get(k, 0.0) + v
@@ -221,9 +248,12 @@ class TrainerJob:
         return time.monotonic() - t0
 
     def _checkpoint(self) -> None:
-        self.state.cursor = self.reader.cursor()
-        self.state.metrics_bytes = log_size(self.run_dir.metrics)
-        self.state.staleness_bytes = log_size(self.run_dir.staleness)
+        if self.rank == 0:
+            self.state.cursor = self.reader.cursor()
+            self.state.metrics_bytes = log_size(self.run_dir.metrics)
+            self.state.staleness_bytes = log_size(self.run_dir.staleness)
+        # every rank saves rank 0's record (only rank 0 reads samples and writes logs)
+        self.state = checkpoint.TrainerState(**share_json(self.state.to_json()))
         tag = checkpoint.save(self.engine, self.run_dir, self.state, self.cfg.trainer.keep_checkpoints)
         log.info("checkpoint %s (version %d, %d groups consumed)", tag, self.state.param_version,
                  self.state.consumed_groups)
@@ -256,42 +286,60 @@ class TrainerJob:
     # ---- the loop
     def run(self) -> None:
         cfg = self.cfg
-        K = cfg.async_training.trigger_parameter_sync_step
-        self.heartbeat = HeartbeatThread(self.run_dir, "trainer", "trainer", cfg.timeouts.heartbeat_interval_s).start()
+        if self.rank == 0:
+            self.heartbeat = HeartbeatThread(self.run_dir, "trainer", "trainer",
+                                             cfg.timeouts.heartbeat_interval_s).start()
+        else:
+            self.heartbeat = _NoHeartbeat()
         final_state = "failed"
         try:
             self._build()
             self._resume_or_start()
-            log.info("training %d -> %d local updates, R=%d groups each, K=%d, budget B=%d groups per version",
-                     self.state.step, cfg.total_updates, cfg.groups_per_update, K, cfg.admission_budget)
-            last_ckpt_step = self.state.step
-            while self.state.step < cfg.total_updates:
-                version_seen = self.state.param_version
-                kept, dropped, wait_s = self._take_groups()
-                t0 = time.monotonic()
-                upd = self._update(kept)
-                update_s = time.monotonic() - t0
-                self.state.step += 1
-                self.state.consumed_groups += len(kept) + len(dropped)
-                publish = self.state.step % K == 0 or self.state.step == cfg.total_updates
-                sync_s = self._publish(version_seen + 1) if publish else 0.0
+            log.info("training %d -> %d local updates on %d rank(s), R=%d groups each, K=%d, budget B=%d",
+                     self.state.step, cfg.total_updates, self.world, cfg.groups_per_update,
+                     cfg.async_training.trigger_parameter_sync_step, cfg.admission_budget)
+            final_state = self._train()
+        finally:
+            self.heartbeat.stop(final_state)
+
+    def _train(self) -> str:
+        """The update loop; returns the final heartbeat state ("done" or "preempted")."""
+        cfg = self.cfg
+        K = cfg.async_training.trigger_parameter_sync_step
+        last_ckpt_step = self.state.step
+        while self.state.step < cfg.total_updates:
+            version_seen = self.state.param_version
+            status, kept, dropped, wait_s = self._next_batch()
+            if status == PREEMPT:
+                self._checkpoint()
+                if self.rank == 0:
+                    requeue_self()
+                return "preempted"
+            t0 = time.monotonic()
+            upd = self._update(kept)
+            update_s = time.monotonic() - t0
+            self.state.step += 1
+            self.state.consumed_groups += len(kept) + len(dropped)
+            publish = self.state.step % K == 0 or self.state.step == cfg.total_updates
+            sync_s = self._publish(version_seen + 1) if publish else 0.0
+            if self.rank == 0:
                 row = self._log_update(kept, dropped, upd, wait_s, update_s, sync_s, version_seen)
                 if publish:
                     log.info("v%d step %d/%d reward %.3f lag mean %.2f max %d idle %.2f; published in %.2fs",
                              self.state.param_version, self.state.step, cfg.total_updates, row["reward/mean"],
-                             row["fully_async/lag/mean"], row["fully_async/lag/max"], row["trainer/idle_ratio"], sync_s)
-                    if (self.state.step - last_ckpt_step >= cfg.trainer.checkpoint_every_updates
+                             row["fully_async/lag/mean"], row["fully_async/lag/max"], row["trainer/idle_ratio"],
+                             sync_s)
+            if publish and (self.state.step - last_ckpt_step >= cfg.trainer.checkpoint_every_updates
                             or self.state.step == cfg.total_updates):
-                        self._checkpoint()
-                        last_ckpt_step = self.state.step
+                self._checkpoint()
+                last_ckpt_step = self.state.step
+        if self.rank == 0:
             write_json_atomic(self.run_dir.trainer_done, TrainerDone(
                 self.state.step, self.state.param_version, self.state.consumed_groups, time.time(),
                 cursor=self.reader.cursor()).to_json())
-            final_state = "done"
             log.info("done: %d updates, version %d, %d groups consumed", self.state.step, self.state.param_version,
                      self.state.consumed_groups)
-        finally:
-            self.heartbeat.stop(final_state)
+        return "done"
 
 
 def _raise_on_term(signum, frame):
@@ -301,10 +349,14 @@ def _raise_on_term(signum, frame):
 def trainer_main(run_dir: str) -> None:
     rd = RunDir(run_dir)
     cfg = rd.load_config()
-    setup_logging("trainer", cfg.logging.level, rd.job_logs / "trainer.log")
+    os.environ.update(rank_environment())
+    rank = int(os.environ["RANK"])
+    job = "trainer" if rank == 0 else f"trainer-rank{rank}"
+    setup_logging(job, cfg.logging.level, rd.job_logs / f"{job}.log")
     signal.signal(signal.SIGTERM, _raise_on_term)
-    init_distributed()
-    TrainerJob(rd).run()
+    preemption = PreemptionFlag()
+    init_distributed(timeout_s=cfg.timeouts.wait_samples_s + 600)
+    TrainerJob(rd, preemption).run()
 
 
 def main(argv=None) -> None:

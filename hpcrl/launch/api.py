@@ -1,0 +1,78 @@
+"""Launch and follow a run from a login-node Python session.
+
+    import hpcrl
+    run = hpcrl.launch("configs/tiny.yaml", run_dir="/scratch/me/run1", executor="slurm",
+                       overrides=["async_training.staleness_threshold=0.5"])
+    run.status()            # {"finished": False, "jobs": {"trainer": {...}, "rollout-w000": {...}}, ...}
+    run.wait(timeout_s=3600)  # True when the trainer finished; resubmits dead jobs meanwhile
+    run.cancel()
+
+Everything is checked before anything is submitted (ConfigError otherwise).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from hpcrl.config import RunConfig, load_config
+from hpcrl.control.records import read_heartbeats
+from hpcrl.fsio import read_json
+from hpcrl.launch.follow import RunFollower
+from hpcrl.launch.prepare import prepare_run_dir
+from hpcrl.launch.submit import plan_jobs, resolve_executor, submit_jobs, submit_one
+from hpcrl.run_dir import RunDir
+
+log = logging.getLogger(__name__)
+
+
+class RunHandle:
+    def __init__(self, cfg: RunConfig, rd: RunDir, kind: str, emit: Callable[[str], None]):
+        self.cfg, self.rd, self.kind = cfg, rd, kind
+        planned = {p.name: p for p in plan_jobs(cfg, rd)}
+        jobs = submit_jobs(cfg, rd, kind)
+        self.follower = RunFollower(rd, jobs, emit=emit,
+                                    resubmit=lambda name: submit_one(cfg, rd, kind, planned[name]))
+
+    @property
+    def jobs(self) -> dict:
+        return self.follower.jobs
+
+    def status(self) -> dict:
+        """Each job's scheduler state and heartbeat, and whether the trainer finished."""
+        now = time.time()
+        beats = read_heartbeats(self.rd)
+        jobs = {}
+        for name, handle in self.jobs.items():
+            beat = beats.get(name, {})
+            jobs[name] = {"job_id": handle.job_id, "state": handle.state(),
+                          "heartbeat_age_s": (now - beat["time_s"]) if beat else None,
+                          "job_state": beat.get("state"), "param_version": beat.get("param_version"),
+                          "stats": beat.get("stats", {}), "restarts": self.follower.restarts.get(name, 0)}
+        return {"run_dir": str(self.rd.root), "finished": read_json(self.rd.trainer_done) is not None, "jobs": jobs}
+
+    def wait(self, timeout_s: float, poll_s: float = 1.0) -> bool:
+        """Follow until the trainer finishes (True) or a job fails for good / the timeout passes (False;
+        the jobs are then cancelled)."""
+        return self.follower.follow(timeout_s, poll_s) == 0
+
+    def cancel(self) -> None:
+        self.follower.cancel_all()
+
+
+def launch(config: Optional[os.PathLike | str | RunConfig], run_dir: os.PathLike | str, executor: str = "auto",
+           overrides: Sequence[str] = (), resume: bool = False,
+           emit: Optional[Callable[[str], None]] = None) -> RunHandle:
+    """Check the config, prepare the run directory, submit the trainer and rollout jobs."""
+    rd = RunDir(run_dir)
+    if isinstance(config, RunConfig):
+        cfg = config.validate()
+    elif config is None and resume:
+        cfg = rd.load_config()
+    else:
+        cfg = load_config(config, list(overrides))
+    kind = resolve_executor(executor)
+    rd = prepare_run_dir(cfg, Path(run_dir), resume)
+    return RunHandle(cfg, rd, kind, emit or (lambda line: log.info("%s", line)))

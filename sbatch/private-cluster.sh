@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# A private single-node Slurm cluster for tests and laptops (runs as root).
+#
+#   sbatch/private-cluster.sh start DIR   # install packages if missing, start munged + slurmctld + slurmd
+#   sbatch/private-cluster.sh stop DIR    # stop the daemons started from DIR
+#   sbatch/private-cluster.sh env DIR     # print `export SLURM_CONF=...` for your shell
+#
+# Everything lives under DIR (config, state, spool, logs, pid files) and the
+# daemons use non-default ports (7817/7818, override with HPCRL_SLURMCTLD_PORT /
+# HPCRL_SLURMD_PORT), so a system cluster on the same machine is never touched.
+# Client commands find this cluster only through SLURM_CONF=DIR/slurm.conf.
+set -euo pipefail
+
+cmd="${1:-}"; dir="${2:-}"
+if [ -z "$cmd" ] || [ -z "$dir" ]; then
+  echo "usage: $0 start|stop|env DIR" >&2; exit 2
+fi
+mkdir -p "$dir"
+dir="$(cd "$dir" && pwd)"
+conf="$dir/slurm.conf"
+ctld_port="${HPCRL_SLURMCTLD_PORT:-7817}"
+slurmd_port="${HPCRL_SLURMD_PORT:-7818}"
+
+need_root() {
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "$0: must run as root (it starts slurmd and munged)" >&2; exit 1
+  fi
+}
+
+install_packages() {
+  if command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v sbatch >/dev/null \
+     && command -v munged >/dev/null; then
+    return
+  fi
+  echo "private-cluster: installing slurmctld slurmd slurm-client munge (Debian packages)" >&2
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurmctld slurmd slurm-client munge >/dev/null
+}
+
+write_conf() {
+  local host; host="$(hostname -s)"
+  mkdir -p "$dir/state" "$dir/spool" "$dir/log"
+  cat > "$conf" <<CONF
+# written by hpcrl sbatch/private-cluster.sh: a one-node test cluster
+ClusterName=hpcrl-private
+SlurmctldHost=$host
+SlurmctldPort=$ctld_port
+SlurmdPort=$slurmd_port
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+StateSaveLocation=$dir/state
+SlurmdSpoolDir=$dir/spool
+SlurmctldPidFile=$dir/slurmctld.pid
+SlurmdPidFile=$dir/slurmd.pid
+SlurmctldLogFile=$dir/log/slurmctld.log
+SlurmdLogFile=$dir/log/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+ReturnToService=2
+MpiDefault=none
+SchedulerType=sched/backfill
+# keep finished jobs visible to scontrol for 10 minutes (there is no accounting: no sacct)
+MinJobAge=600
+# requeued jobs may start again as soon as possible
+JobRequeue=1
+NodeName=$host CPUs=$(nproc) RealMemory=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 - 1024 )) State=UNKNOWN
+# OverSubscribe lets trainer + rollout jobs share the few cores of a test machine
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
+CONF
+}
+
+start_munge() {
+  if pgrep -x munged >/dev/null; then return; fi
+  mkdir -p /etc/munge /var/lib/munge /var/log/munge /run/munge
+  if [ ! -s /etc/munge/munge.key ]; then
+    dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 status=none
+  fi
+  chown -R munge:munge /etc/munge /var/lib/munge /var/log/munge /run/munge
+  chmod 0400 /etc/munge/munge.key
+  su -s /bin/sh munge -c /usr/sbin/munged
+}
+
+wait_idle() {
+  for _ in $(seq 1 60); do
+    if SLURM_CONF="$conf" sinfo -h -o %T 2>/dev/null | grep -qE '^(idle|mixed|allocated)'; then
+      return 0
+    fi
+    sleep 1
+  done
+  echo "private-cluster: node not idle after 60 s; see $dir/log/" >&2
+  SLURM_CONF="$conf" sinfo >&2 || true
+  return 1
+}
+
+case "$cmd" in
+  start)
+    need_root
+    install_packages
+    write_conf
+    start_munge
+    export SLURM_CONF="$conf"
+    [ -f "$dir/slurmctld.pid" ] && kill -0 "$(cat "$dir/slurmctld.pid")" 2>/dev/null || slurmctld -f "$conf"
+    [ -f "$dir/slurmd.pid" ] && kill -0 "$(cat "$dir/slurmd.pid")" 2>/dev/null || slurmd -f "$conf"
+    wait_idle
+    echo "private-cluster: up; export SLURM_CONF=$conf" >&2
+    ;;
+  stop)
+    for d in slurmd slurmctld; do
+      if [ -f "$dir/$d.pid" ]; then
+        kill "$(cat "$dir/$d.pid")" 2>/dev/null || true
+        rm -f "$dir/$d.pid"
+      fi
+    done
+    ;;
+  env)
+    echo "export SLURM_CONF=$conf"
+    ;;
+  *)
+    echo "usage: $0 start|stop|env DIR" >&2; exit 2 ;;
+esac
