@@ -53,6 +53,24 @@ def _cmd_run(a) -> int:
         return 130
 
 
+def _cmd_sbatch_lines(a) -> int:
+    from hpcrl.launch.prepare import prepare_run_dir
+    from hpcrl.launch.sbatch_lines import sbatch_lines, write_setup_files
+    from hpcrl.run_dir import RunDir
+
+    try:
+        cfg = load_config(a.config, a.overrides)
+        rd = RunDir(a.run_dir) if a.dry_run else prepare_run_dir(cfg, Path(a.run_dir), resume=False)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"hpcrl: error: {e}", file=sys.stderr)
+        return 2
+    if not a.dry_run:
+        write_setup_files(cfg, rd)
+    for line in sbatch_lines(cfg, rd, Path(a.scripts).resolve(), a.python or sys.executable):
+        print(line)
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="hpcrl", description="asynchronous RL post-training on Slurm")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -65,6 +83,14 @@ def main(argv=None) -> int:
     r.add_argument("--resume", action="store_true", help="continue the run already in --run-dir")
     r.add_argument("--timeout-min", type=float, default=None,
                    help="give up following after this long (default: resources.trainer.timeout_min)")
+    sl = sub.add_parser("sbatch-lines", help="prepare RUN_DIR and print the sbatch commands (used by sbatch/submit.sh)")
+    sl.add_argument("config")
+    sl.add_argument("overrides", nargs="*")
+    sl.add_argument("--run-dir", required=True)
+    sl.add_argument("--scripts", default=str(Path(__file__).resolve().parents[1] / "sbatch"),
+                    help="folder holding trainer.sbatch and rollout.sbatch")
+    sl.add_argument("--python", default=None, help="python the jobs run (default: this one)")
+    sl.add_argument("--dry-run", action="store_true", help="print the lines; create and submit nothing")
     t = sub.add_parser("trainer", help="run the trainer job in this process")
     t.add_argument("run_dir")
     ro = sub.add_parser("rollout", help="run one rollout job in this process")
@@ -76,6 +102,8 @@ def main(argv=None) -> int:
             a.overrides.insert(0, a.config)
             a.config = None
         return _cmd_run(a)
+    if a.cmd == "sbatch-lines":
+        return _cmd_sbatch_lines(a)
     if a.cmd == "trainer":
         from hpcrl.trainer.main import trainer_main
 

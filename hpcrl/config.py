@@ -269,10 +269,12 @@ class TimeoutsConfig:
     announcements no longer protect weight versions)."""
     poll_interval_s: float = 0.05
     """Sleep between polls of the run directory."""
+    wait_log_interval_s: float = 10.0
+    """A job that waits for the other one logs what it waits for this often."""
 
     def validate(self) -> None:
         for name in ("wait_samples_s", "wait_weights_s", "heartbeat_interval_s", "heartbeat_stale_s",
-                     "poll_interval_s"):
+                     "poll_interval_s", "wait_log_interval_s"):
             _check_float(f"timeouts.{name}", getattr(self, name), 0.0, lo_open=True)
         if self.heartbeat_stale_s <= 2 * self.heartbeat_interval_s:
             raise _bad("timeouts.heartbeat_stale_s", self.heartbeat_stale_s,

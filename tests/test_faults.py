@@ -95,3 +95,34 @@ def test_damaged_shard_is_skipped_by_a_running_trainer(tiny_run):
     lost = {f"w000/{p}" for p in victim["prompt_indices"]}
     assert not lost & set(st.group_id)
     assert st.group_id.nunique() == cfg.total_updates * cfg.groups_per_update
+
+
+def test_usr2_while_waiting_keeps_the_groups_already_taken(tiny_run):
+    """USR2 reaches the trainer after it took 2 of the 4 groups of its next update: the
+    checkpoint must not count them, and the resumed trainer trains on them exactly once."""
+    from test_samples import make_group
+
+    from hpcrl.samples.writer import ShardWriter
+
+    rd = tiny_run("rollout.total_rollout_steps=8", "rollout.n=3", "timeouts.wait_log_interval_s=0.5")
+    writer = ShardWriter(rd, "w000", seal_groups=1, seal_interval_s=60)
+    for i in range(6):  # one full update (4 groups) + 2 of the next
+        writer.add(make_group(i))
+        writer.seal()
+    trainer = start_trainer(rd)
+    wait_until(lambda: n_updates(rd) >= 1, 120, "the first update", jobs=(trainer,))
+    wait_until(lambda: "waiting" in (rd.job_logs / "trainer.log").read_text(), 30, "the trainer to wait",
+               jobs=(trainer,))
+    trainer.kill(signal.SIGUSR2)
+    assert trainer.wait(60) == 0, trainer.tail()
+    log_text = (rd.job_logs / "trainer.log").read_text()
+    assert "received SIGUSR2" in log_text and "preempted outside Slurm" in log_text
+    for i in range(6, 8):
+        writer.add(make_group(i))
+        writer.seal()
+    writer.close()
+    trainer2 = start_trainer(rd)
+    assert trainer2.wait(120) == 0, trainer2.tail()
+    st = read_staleness(rd)
+    assert sorted(st.group_id.unique()) == sorted(f"w000/{i}" for i in range(8))
+    assert not st.sample_id.duplicated().any()

@@ -117,6 +117,7 @@ class TrainerJob:
             self.staleness = StalenessLog(rd)
         if self.state.param_version not in published_versions(rd):
             self._publish(self.state.param_version)
+        self._mark_update_boundary()
         if state is None:
             self._checkpoint()
 
@@ -153,7 +154,7 @@ class TrainerJob:
             if waited > cfg.timeouts.wait_samples_s:
                 raise TimeoutError(f"trainer: waited {waited:.0f}s for committed groups in {self.run_dir.samples} "
                                    f"(have {len(kept)}/{need}; {describe_heartbeats(self.run_dir, 'rollout')})")
-            if time.monotonic() - last_log > 10:
+            if time.monotonic() - last_log > cfg.timeouts.wait_log_interval_s:
                 log.info("waiting %.0fs for committed groups (%d/%d) in %s; %s", waited, len(kept), need,
                          self.run_dir.samples, describe_heartbeats(self.run_dir, "rollout"))
                 last_log = time.monotonic()
@@ -247,16 +248,21 @@ class TrainerJob:
         self.heartbeat.update(param_version=version)
         return time.monotonic() - t0
 
-    def _checkpoint(self) -> None:
+    def _mark_update_boundary(self) -> None:
+        """Record what a checkpoint taken from now on must hold: the state right after the
+        last completed update (cursor just past its groups, log sizes). Groups taken for an
+        update that never ran (USR2 arrived while waiting for the rest) stay unconsumed."""
         if self.rank == 0:
             self.state.cursor = self.reader.cursor()
             self.state.metrics_bytes = log_size(self.run_dir.metrics)
             self.state.staleness_bytes = log_size(self.run_dir.staleness)
+        self._boundary = self.state.to_json()  # a deep copy
+
+    def _checkpoint(self) -> None:
         # every rank saves rank 0's record (only rank 0 reads samples and writes logs)
-        self.state = checkpoint.TrainerState(**share_json(self.state.to_json()))
-        tag = checkpoint.save(self.engine, self.run_dir, self.state, self.cfg.trainer.keep_checkpoints)
-        log.info("checkpoint %s (version %d, %d groups consumed)", tag, self.state.param_version,
-                 self.state.consumed_groups)
+        state = checkpoint.TrainerState(**share_json(self._boundary))
+        tag = checkpoint.save(self.engine, self.run_dir, state, self.cfg.trainer.keep_checkpoints)
+        log.info("checkpoint %s (version %d, %d groups consumed)", tag, state.param_version, state.consumed_groups)
 
     def _log_update(self, kept: list[Group], dropped: list[Group], upd: dict, wait_s: float, update_s: float,
                     sync_s: float, version_seen: int) -> dict:
@@ -329,6 +335,7 @@ class TrainerJob:
                              self.state.param_version, self.state.step, cfg.total_updates, row["reward/mean"],
                              row["fully_async/lag/mean"], row["fully_async/lag/max"], row["trainer/idle_ratio"],
                              sync_s)
+            self._mark_update_boundary()
             if publish and (self.state.step - last_ckpt_step >= cfg.trainer.checkpoint_every_updates
                             or self.state.step == cfg.total_updates):
                 self._checkpoint()

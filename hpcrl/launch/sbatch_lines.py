@@ -1,0 +1,46 @@
+"""Render the sbatch commands of a run for the scripts in ``sbatch/``.
+
+One line for the trainer (``sbatch/trainer.sbatch``) and one for the rollout
+job array (``sbatch/rollout.sbatch``), with the sizes and Slurm options of the
+config; ``sbatch/submit.sh`` runs them. Per-job ``setup`` lines go to
+``RUN/sbatch/<role>.setup.sh``, which the scripts source.
+"""
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+from hpcrl.config import JobResources, RunConfig
+from hpcrl.fsio import write_bytes_atomic
+from hpcrl.run_dir import RunDir
+
+
+def _options(role: str, r: JobResources, rd: RunDir, python: str) -> list[str]:
+    log_name = "slurm-trainer-%j.out" if role == "trainer" else "slurm-rollout-%A_%a.out"
+    opts = [f"--job-name=hpcrl-{role}", f"--nodes={r.nodes}", f"--ntasks-per-node={r.tasks_per_node}",
+            f"--cpus-per-task={r.cpus_per_task}", f"--mem={r.mem_gb}G", f"--time={r.timeout_min}",
+            f"--output={rd.job_logs / log_name}", f"--export=ALL,HPCRL_PYTHON={python}"]
+    if r.gpus_per_node:
+        opts.append(f"--gpus-per-node={r.gpus_per_node}")
+    for name in ("partition", "account", "qos", "constraint"):
+        if getattr(r, name):
+            opts.append(f"--{name}={getattr(r, name)}")
+    for k, v in r.sbatch_extra.items():
+        opts.append(f"--{k}" if v == "" else f"--{k}={v}")
+    return opts
+
+
+def sbatch_lines(cfg: RunConfig, rd: RunDir, scripts: Path, python: str) -> list[str]:
+    trainer = ["sbatch", "--parsable", *_options("trainer", cfg.resources.trainer, rd, python),
+               str(scripts / "trainer.sbatch"), str(rd.root)]
+    rollout = ["sbatch", "--parsable", f"--array=0-{cfg.resources.rollout_jobs - 1}",
+               *_options("rollout", cfg.resources.rollout, rd, python), str(scripts / "rollout.sbatch"), str(rd.root)]
+    return [shlex.join(trainer), shlex.join(rollout)]
+
+
+def write_setup_files(cfg: RunConfig, rd: RunDir) -> None:
+    folder = rd.root / "sbatch"
+    folder.mkdir(exist_ok=True)
+    for role, r in (("trainer", cfg.resources.trainer), ("rollout", cfg.resources.rollout)):
+        body = "# written by hpcrl from resources.%s.setup\n%s\n" % (role, "\n".join(r.setup))
+        write_bytes_atomic(folder / f"{role}.setup.sh", body.encode())

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Launch a whole hpcrl run with plain sbatch: one trainer job + one rollout job array.
+#
+#   sbatch/submit.sh [--dry-run] CONFIG RUN_DIR [key=value ...]
+#
+# `hpcrl sbatch-lines` checks the config (nothing is submitted if it is wrong),
+# prepares RUN_DIR (frozen config, tiny model, setup files) and prints one sbatch
+# command per job, with the sizes and Slurm options of the config. --dry-run
+# prints them without preparing or submitting anything.
+# Follow the run with `tail -f RUN_DIR/logs/jobs/trainer.log` (or `hpcrl status`).
+set -euo pipefail
+
+DRY=0
+if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
+CONFIG="${1:?usage: $0 [--dry-run] CONFIG RUN_DIR [key=value ...]}"
+RUN_DIR="${2:?usage: $0 [--dry-run] CONFIG RUN_DIR [key=value ...]}"
+shift 2
+PYTHON="${HPCRL_PYTHON:-$(command -v python3)}"
+HERE="$(cd "$(dirname "$0")" && pwd)"
+
+if [ "$DRY" = 1 ]; then
+  exec "$PYTHON" -m hpcrl sbatch-lines "$CONFIG" "$@" --run-dir "$RUN_DIR" --scripts "$HERE" --dry-run
+fi
+mapfile -t LINES < <("$PYTHON" -m hpcrl sbatch-lines "$CONFIG" "$@" --run-dir "$RUN_DIR" --scripts "$HERE")
+if [ "${#LINES[@]}" -eq 0 ]; then echo "submit.sh: nothing to submit (see the error above)" >&2; exit 1; fi
+for line in "${LINES[@]}"; do
+  echo "+ $line" >&2
+  job_id="$(eval "$line")"
+  echo "$job_id"
+done

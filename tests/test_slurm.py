@@ -1,0 +1,138 @@
+"""Against a real private single-node Slurm cluster (sbatch/private-cluster.sh), started
+once for this module: submitit and sbatch launches, a 2-rank trainer with 2 rollout
+array tasks, preemption with requeue, a rollout job scancel'd and resubmitted.
+
+The cluster needs root (it starts slurmd and munged) and Debian's Slurm packages,
+which the script installs when missing; CI runs as root.
+"""
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, TINY, check_exactly_once, wait_until
+from hpcrl.fsio import read_json, read_jsonl
+from hpcrl.logs import read_metrics, read_staleness
+from hpcrl.run_dir import RunDir
+
+CLUSTER = REPO / "sbatch" / "private-cluster.sh"
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    if os.geteuid() != 0:
+        pytest.fail("the Slurm tests start a private cluster and must run as root (CI does)")
+    folder = tmp_path_factory.mktemp("slurm")
+    subprocess.run(["bash", str(CLUSTER), "start", str(folder)], check=True, timeout=600)
+    env = dict(os.environ, SLURM_CONF=str(folder / "slurm.conf"), HPCRL_PYTHON=sys.executable)
+    old = os.environ.copy()
+    os.environ.update(env)  # submitit and our squeue/scontrol calls in this process
+    try:
+        yield env
+    finally:
+        subprocess.run(["scancel", "--user=root"], env=env, capture_output=True)
+        subprocess.run(["bash", str(CLUSTER), "stop", str(folder)], timeout=60)
+        os.environ.clear()
+        os.environ.update(old)
+
+
+def n_updates(rd) -> int:
+    return sum(1 for _ in read_jsonl(rd.metrics))
+
+
+def squeue_ids(env) -> set:
+    out = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, env=env)
+    return set(out.stdout.split())
+
+
+def reward_rises(rd, margin=0.2):
+    r = read_metrics(rd)["reward/mean"].to_numpy()
+    k = max(len(r) // 5, 1)
+    first, last = r[:k].mean(), r[-k:].mean()
+    assert last > first + margin, f"reward did not rise: first fifth {first:.3f}, last fifth {last:.3f}"
+    return first, last
+
+
+def test_submitit_run_learns_and_survives_a_scancelled_rollout(slurm, tmp_path):
+    """`hpcrl run --executor slurm`: the rollout job is scancel'd mid-run; the trainer
+    says what it waits for, the launcher resubmits the rollout, the run completes and learns."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "hpcrl", "run", str(TINY), "rollout.total_rollout_steps=600",
+           "timeouts.wait_log_interval_s=1", "--run-dir", str(run), "--executor", "slurm", "--timeout-min", "8"]
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=slurm)
+    lines = []
+    try:
+        first = launcher.stdout.readline()
+        lines.append(first)
+        rollout_id = re.search(r"rollout-w000=(\d+)", first).group(1)
+        rd = RunDir(run)
+        wait_until(lambda: n_updates(rd) >= 40, 180, "40 trainer updates")
+        subprocess.run(["scancel", rollout_id], check=True, env=slurm)
+        out, _ = launcher.communicate(timeout=420)
+        lines.append(out)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    text = "".join(lines)
+    assert launcher.returncode == 0, text[-3000:]
+    assert "resubmitting" in text and "run finished" in text
+    trainer_log = (rd.job_logs / "trainer.log").read_text()
+    assert "waiting" in trainer_log and str(rd.samples) in trainer_log and "heartbeat" in trainer_log
+    first, last = reward_rises(rd)
+    print(f"submitit/slurm reward first fifth {first:.3f} last fifth {last:.3f}")
+    check_exactly_once(rd, rd.load_config().rollout.max_concurrent_groups)
+
+
+def submit_sbatch(slurm, run, *overrides) -> list[str]:
+    out = subprocess.run(["bash", str(REPO / "sbatch" / "submit.sh"), str(TINY), str(run), *overrides],
+                         capture_output=True, text=True, env=slurm, cwd=REPO, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
+
+
+def test_sbatch_two_rank_trainer_and_two_rollout_tasks(slurm, tmp_path):
+    run = tmp_path / "run"
+    trainer_id, array_id = submit_sbatch(slurm, run, "resources.rollout_jobs=2", "resources.trainer.tasks_per_node=2",
+                                         "actor.zero_stage=3", "actor.ppo_micro_batch_size=2",
+                                         "rollout.total_rollout_steps=400", "async_training.staleness_threshold=0.5")
+    rd = RunDir(run)
+    wait_until(lambda: read_json(rd.trainer_done), 400, "trainer_done.json")
+    wait_until(lambda: not squeue_ids(slurm) & {trainer_id, f"{array_id}_0", f"{array_id}_1"}, 90, "jobs to leave")
+    cfg = rd.load_config()
+    st = read_staleness(rd)
+    assert set(st.writer) == {"w000", "w001"}, "both array tasks wrote samples"
+    assert st.lag.max() <= cfg.max_lag_bound, f"lag {st.lag.max()} above the bound {cfg.max_lag_bound}"
+    assert (rd.job_logs / "trainer-rank1.log").exists(), "the trainer ran 2 ranks"
+    # the shared budget: groups generated with weights of version <= v never exceed consumed(v) + B
+    metrics = read_metrics(rd)
+    consumed_at = {0: 0, **{int(r.param_version) + 1: int(r.consumed_groups) for r in metrics.itertuples()}}
+    groups = st.drop_duplicates("group_id")
+    for v, consumed in consumed_at.items():
+        started = int((groups.version_start <= v).sum())
+        assert started <= consumed + cfg.admission_budget, f"version {v}: {started} groups > {consumed} + B"
+    reward_rises(rd)
+    check_exactly_once(rd, cfg.rollout.max_concurrent_groups)
+
+
+def test_sbatch_trainer_preempted_with_usr2_requeues_and_resumes(slurm, tmp_path):
+    """USR2 (what Slurm sends before a time limit or on preemption): the trainer checkpoints,
+    requeues itself (Slurm holds a requeued job ~120 s), resumes; nothing lost or doubled."""
+    run = tmp_path / "run"
+    trainer_id, array_id = submit_sbatch(slurm, run, "rollout.total_rollout_steps=480",
+                                         "timeouts.wait_weights_s=600", "timeouts.wait_samples_s=600")
+    rd = RunDir(run)
+    wait_until(lambda: n_updates(rd) >= 30, 180, "30 trainer updates")
+    subprocess.run(["scancel", "--signal=USR2", trainer_id], check=True, env=slurm)
+    wait_until(lambda: "Restarts=1" in subprocess.run(["scontrol", "show", "job", trainer_id], capture_output=True,
+                                                      text=True, env=slurm).stdout, 60, "the trainer to be requeued")
+    wait_until(lambda: read_json(rd.trainer_done), 420, "the requeued trainer to finish")
+    log_text = (rd.job_logs / "trainer.log").read_text()
+    assert "received SIGUSR2" in log_text and f"requeued Slurm job {trainer_id}" in log_text
+    m = re.search(r"checkpoint (step-\d+) .*\n.*requeued Slurm job", log_text)
+    assert m and f"resumed from {m.group(1)}" in log_text, "resumed from the checkpoint written on USR2"
+    steps = [r["step"] for r in read_jsonl(rd.metrics)]
+    assert steps == list(range(1, rd.load_config().total_updates + 1))
+    check_exactly_once(rd, rd.load_config().rollout.max_concurrent_groups)
