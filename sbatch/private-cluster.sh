@@ -103,8 +103,21 @@ case "$cmd" in
     write_conf
     start_munge
     export SLURM_CONF="$conf"
-    [ -f "$dir/slurmctld.pid" ] && kill -0 "$(cat "$dir/slurmctld.pid")" 2>/dev/null || slurmctld -f "$conf"
-    [ -f "$dir/slurmd.pid" ] && kill -0 "$(cat "$dir/slurmd.pid")" 2>/dev/null || slurmd -f "$conf"
+    for d in slurmctld slurmd; do
+      if [ -f "$dir/$d.pid" ] && kill -0 "$(cat "$dir/$d.pid")" 2>/dev/null; then continue; fi
+      "$d" -f "$conf"
+      # a daemon that cannot bind its port (another cluster on it) exits at once: say so
+      for _ in $(seq 1 20); do
+        [ -f "$dir/$d.pid" ] && kill -0 "$(cat "$dir/$d.pid")" 2>/dev/null && break
+        sleep 0.5
+      done
+      if ! { [ -f "$dir/$d.pid" ] && kill -0 "$(cat "$dir/$d.pid")" 2>/dev/null; }; then
+        echo "private-cluster: $d did not start (port $ctld_port/$slurmd_port taken by another cluster?);" \
+             "see $dir/log/$d.log" >&2
+        tail -5 "$dir/log/$d.log" >&2 || true
+        exit 1
+      fi
+    done
     wait_idle
     echo "private-cluster: up; export SLURM_CONF=$conf" >&2
     ;;

@@ -65,9 +65,14 @@ def test_submitit_run_learns_and_survives_a_scancelled_rollout(slurm, tmp_path):
     launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=slurm)
     lines = []
     try:
-        first = launcher.stdout.readline()
-        lines.append(first)
-        rollout_id = re.search(r"rollout-w000=(\d+)", first).group(1)
+        while True:  # the launcher prints the job ids once both are submitted
+            line = launcher.stdout.readline()
+            assert line, "launcher exited before submitting:\n" + "".join(lines)
+            lines.append(line)
+            m = re.search(r"rollout-w000=(\d+)", line)
+            if m:
+                rollout_id = m.group(1)
+                break
         rd = RunDir(run)
         wait_until(lambda: n_updates(rd) >= 40, 180, "40 trainer updates")
         subprocess.run(["scancel", rollout_id], check=True, env=slurm)
