@@ -2,7 +2,7 @@
 
 
 def launch(*args, **kwargs):
-    """See :func:`hpcrl.launch.api.launch` (imported lazily: job processes do not need it)."""
-    from hpcrl.launch.api import launch as _launch
+    """See :func:`hpcrl.launcher.api.launch` (imported lazily: job processes do not need it)."""
+    from hpcrl.launcher.api import launch as _launch
 
     return _launch(*args, **kwargs)

@@ -14,8 +14,8 @@ from hpcrl.config import ConfigError, dump_config, load_config
 
 
 def _cmd_run(a) -> int:
-    from hpcrl.launch.api import launch
-    from hpcrl.launch.submit import plan_jobs, resolve_executor
+    from hpcrl.launcher.api import launch
+    from hpcrl.launcher.submit import plan_jobs, resolve_executor
     from hpcrl.run_dir import RunDir
 
     try:
@@ -54,8 +54,8 @@ def _cmd_run(a) -> int:
 
 
 def _cmd_sbatch_lines(a) -> int:
-    from hpcrl.launch.prepare import prepare_run_dir
-    from hpcrl.launch.sbatch_lines import sbatch_lines, write_setup_files
+    from hpcrl.launcher.prepare import prepare_run_dir
+    from hpcrl.launcher.sbatch_lines import sbatch_lines, write_setup_files
     from hpcrl.run_dir import RunDir
 
     try:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from hpcrl.config import load_config
-from hpcrl.launch.prepare import prepare_run_dir
+from hpcrl.launcher.prepare import prepare_run_dir
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny.yaml"

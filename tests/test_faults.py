@@ -126,3 +126,17 @@ def test_usr2_while_waiting_keeps_the_groups_already_taken(tiny_run):
     st = read_staleness(rd)
     assert sorted(st.group_id.unique()) == sorted(f"w000/{i}" for i in range(8))
     assert not st.sample_id.duplicated().any()
+
+
+def test_rollout_usr2_seals_and_its_successor_continues(tiny_run):
+    rd = tiny_run("rollout.total_rollout_steps=160")
+    trainer, rollout = start_trainer(rd), start_rollout(rd)
+    wait_until(lambda: n_updates(rd) >= 10, 120, "10 updates", jobs=(trainer, rollout))
+    rollout.kill(signal.SIGUSR2)
+    assert rollout.wait(60) == 0, rollout.tail()
+    assert "USR2: sealing complete groups" in (rd.job_logs / "rollout-w000.log").read_text()
+    assert json.loads(rd.heartbeat("rollout-w000").read_text())["state"] == "preempted"
+    rollout2 = start_rollout(rd)
+    assert trainer.wait(300) == 0, trainer.tail()
+    assert rollout2.wait(120) == 0, rollout2.tail()
+    check_exactly_once(rd, rd.load_config().rollout.max_concurrent_groups)

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import REPO, TINY
 from hpcrl.config import ConfigError, DataConfig, load_config
-from hpcrl.launch.prepare import prepare_run_dir
+from hpcrl.launcher.prepare import prepare_run_dir
 from hpcrl.logs import read_staleness
 from hpcrl.rollout.dataset import PromptStream, load_rows
 
@@ -68,3 +68,38 @@ def test_launcher_reports_a_failing_job_and_exits_nonzero(tmp_path):
     assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
     assert "resubmitting (restart 1/1)" in out.stdout and "restart budget" in out.stdout
     assert "(last lines)" in out.stdout and "Error" in out.stdout  # the failing job's log tail
+
+
+def test_python_api_launch_status_wait(tmp_path):
+    import hpcrl
+
+    lines = []
+    run = hpcrl.launch(TINY, run_dir=tmp_path / "run", executor="local", emit=lines.append,
+                       overrides=["rollout.total_rollout_steps=120"])
+    st = run.status()
+    assert set(st["jobs"]) == {"trainer", "rollout-w000"} and st["finished"] is False
+    assert run.wait(timeout_s=300) is True
+    st = run.status()
+    assert st["finished"] is True and st["jobs"]["trainer"]["job_state"] == "done"
+    assert any(line.startswith("run finished") for line in lines)
+    with pytest.raises(ConfigError):
+        hpcrl.launch(TINY, run_dir=tmp_path / "other", executor="local", overrides=["rollout.n=0"])
+
+
+def test_sbatch_dry_run_renders_the_config(tmp_path):
+    out = subprocess.run(["bash", str(REPO / "sbatch" / "submit.sh"), "--dry-run", str(TINY), str(tmp_path / "run"),
+                          "resources.rollout_jobs=3", "resources.trainer.tasks_per_node=2",
+                          "actor.ppo_micro_batch_size=2", "resources.trainer.partition=gpu",
+                          "resources.trainer.account=proj1", "resources.trainer.gpus_per_node=4",
+                          "resources.rollout.sbatch_extra={exclusive: '', reservation: rl}"],
+                         capture_output=True, text=True, cwd=REPO, timeout=120,
+                         env=dict(__import__("os").environ, HPCRL_PYTHON=sys.executable))
+    assert out.returncode == 0, out.stderr
+    trainer, rollout = out.stdout.strip().splitlines()
+    assert trainer.startswith("sbatch --parsable --job-name=hpcrl-trainer") and trainer.endswith(
+        f"sbatch/trainer.sbatch {tmp_path / 'run'}")
+    for opt in ("--ntasks-per-node=2", "--partition=gpu", "--account=proj1", "--gpus-per-node=4", "--time=30"):
+        assert opt in trainer
+    for opt in ("--array=0-2", "--exclusive", "--reservation=rl", "rollout.sbatch"):
+        assert opt in rollout
+    assert not (tmp_path / "run").exists(), "a dry run prepares nothing"

@@ -27,11 +27,13 @@ import signal
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 import torch
 
 from hpcrl.control.admission import Admission
+from hpcrl.control.preemption import PreemptionFlag, requeue_self
 from hpcrl.control.records import HeartbeatThread, describe_heartbeats
 from hpcrl.fsio import wait_for
 from hpcrl.logs import MetricsLog, setup_logging
@@ -78,8 +80,9 @@ class VersionStats:
 
 
 class RolloutJob:
-    def __init__(self, run_dir: RunDir, writer_rank: int):
+    def __init__(self, run_dir: RunDir, writer_rank: int, preemption: Optional[PreemptionFlag] = None):
         self.run_dir = run_dir
+        self.preemption = preemption
         self.cfg = run_dir.load_config()
         self.writer = writer_name(writer_rank)
         self.writer_rank = writer_rank
@@ -207,7 +210,7 @@ class RolloutJob:
         cfg = self.cfg
         self.heartbeat = HeartbeatThread(self.run_dir, f"rollout-{self.writer}", "rollout",
                                          cfg.timeouts.heartbeat_interval_s).start()
-        final_state = "failed"
+        final_state = "failed"  # until the loop ends normally
         try:
             self._build()
             wait_for(f"weight version 0 in {self.run_dir.weights}", lambda: newest_version(self.run_dir) is not None,
@@ -217,6 +220,10 @@ class RolloutJob:
             waiting_since = None
             last_done_check = 0.0
             while True:
+                if self.preemption is not None and self.preemption.requested:
+                    log.warning("USR2: sealing complete groups and requeueing this rollout job")
+                    final_state = "preempted"
+                    break
                 now = time.monotonic()
                 if now - last_done_check > 0.5:
                     last_done_check = now
@@ -241,7 +248,8 @@ class RolloutJob:
                     if waiting_since is not None:
                         self.heartbeat.update(state="generating")
                     waiting_since = None
-            final_state = "done"
+            if final_state != "preempted":
+                final_state = "done"
         finally:
             self._shutdown(final_state)
 
@@ -271,7 +279,7 @@ def rollout_main(run_dir: str, writer_rank: int) -> None:
     setup_logging(f"rollout-{writer_name(writer_rank)}", cfg.logging.level,
                   rd.job_logs / f"rollout-{writer_name(writer_rank)}.log")
     signal.signal(signal.SIGTERM, _raise_on_term)  # scancel: seal complete groups, then exit
-    RolloutJob(rd, writer_rank).run()
+    RolloutJob(rd, writer_rank, PreemptionFlag()).run()
 
 
 def main(argv=None) -> None:

@@ -20,9 +20,9 @@ from typing import Callable, Optional, Sequence
 from hpcrl.config import RunConfig, load_config
 from hpcrl.control.records import read_heartbeats
 from hpcrl.fsio import read_json
-from hpcrl.launch.follow import RunFollower
-from hpcrl.launch.prepare import prepare_run_dir
-from hpcrl.launch.submit import plan_jobs, resolve_executor, submit_jobs, submit_one
+from hpcrl.launcher.follow import RunFollower
+from hpcrl.launcher.prepare import prepare_run_dir
+from hpcrl.launcher.submit import plan_jobs, resolve_executor, submit_jobs, submit_one
 from hpcrl.run_dir import RunDir
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpcrl.config import JobResources, RunConfig
-from hpcrl.launch.jobs import JobHandle
+from hpcrl.launcher.jobs import JobHandle
 from hpcrl.run_dir import RunDir
 
 
