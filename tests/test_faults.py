@@ -79,8 +79,11 @@ def test_damaged_shard_is_skipped_by_a_running_trainer(tiny_run):
     tag = read_json(rd.latest_checkpoint)["tag"]
     state = load_tree(str(rd.checkpoints / tag / "mp_rank_00_model_states.pt"))["hpcrl"]
     pos = state["cursor"]["w000"]
-    lines = list(read_jsonl(rd.shard_manifest("w000")))
-    victim = lines[pos["line"] + 1]  # a whole shard the resumed trainer has not read
+    # the rollout keeps committing within its budget (B = 8 groups past the trainer): wait for
+    # a whole shard after the cursor's, which the resumed trainer has not read
+    lines = wait_until(lambda: (ls := list(read_jsonl(rd.shard_manifest("w000")))) and len(ls) > pos["line"] + 1 and ls,
+                       60, "a shard after the checkpoint's cursor", jobs=(rollout,))
+    victim = lines[pos["line"] + 1]
     path = rd.writer_dir("w000") / victim["shard"]
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     trainer2 = start_trainer(rd)
