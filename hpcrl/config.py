@@ -109,17 +109,108 @@ class RewardConfig:
         _check_choice("reward.name", self.name, tuple(sorted(REWARDS)))
 
 
+def _check_optional_choice(key: str, value: Any, choices: tuple) -> None:
+    if value not in (None, *choices):
+        raise _bad(key, value, "null or one of " + ", ".join(repr(c) for c in choices))
+
+
+@dataclass
+class KLControlConfig:
+    type: str = "fixed"
+    """Controller of the reward-KL coefficient beta: ``fixed`` (beta = kl_coef) or
+    ``adaptive`` (beta *= 1 + clip(KL / target_kl - 1, -0.2, 0.2) * n / horizon after
+    every local update, n = sequences in it)."""
+    kl_coef: float = 0.001
+    """beta (initial beta for ``adaptive``)."""
+    horizon: int = 10000
+    """Adaptive controller: samples over which beta moves by at most +-20%."""
+    target_kl: float = 0.1
+    """Adaptive controller: the KL (nats per token) beta steers towards."""
+
+    def validate(self) -> None:
+        _check_choice("algorithm.kl_ctrl.type", self.type, ("fixed", "adaptive"))
+        _check_float("algorithm.kl_ctrl.kl_coef", self.kl_coef, 0.0)
+        _check_int("algorithm.kl_ctrl.horizon", self.horizon, 1)
+        _check_float("algorithm.kl_ctrl.target_kl", self.target_kl, 0.0, lo_open=True)
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """Off-policy correction between the engine's (behaviour) and the trainer's
+    proximal log-probs; equations in ``hpcrl/trainer/offpolicy.py`` and the README."""
+
+    rollout_is: Optional[str] = None
+    """Truncated importance weights min(pi_prox / mu, C) on the PPO loss: ``token``,
+    ``sequence`` (product over the sequence), or null (off). Needs the proximal
+    log-probs (async_training.compute_prox_log_prob=true or use_rollout_log_probs=false)."""
+    rollout_is_threshold: float = 2.0
+    """C, the truncation threshold of the importance weights."""
+    rollout_rs: Optional[str] = None
+    """Rejection: mask out of the loss what has pi_prox / mu outside [lower, upper]:
+    ``token``, ``sequence`` (product), ``geometric`` (geometric mean over the sequence), or null."""
+    rollout_rs_threshold: Optional[float] = None
+    """Upper bound of the rejection ratio (null = rollout_is_threshold)."""
+    rollout_rs_threshold_lower: Optional[float] = None
+    """Lower bound of the rejection ratio (null = 1 / upper)."""
+    rollout_token_veto_threshold: Optional[float] = None
+    """Reject a whole sequence if any of its tokens has pi_prox / mu below this (null = off)."""
+    max_token_lag: Optional[int] = None
+    """Mask tokens sampled more than this many weight versions before the trainer's
+    version (per-token lag from the shards' token_versions; null = off)."""
+
+    def validate(self) -> None:
+        k = "algorithm.rollout_correction."
+        _check_optional_choice(k + "rollout_is", self.rollout_is, ("token", "sequence"))
+        _check_float(k + "rollout_is_threshold", self.rollout_is_threshold, 1.0)
+        _check_optional_choice(k + "rollout_rs", self.rollout_rs, ("token", "sequence", "geometric"))
+        if self.rollout_rs_threshold is not None:
+            _check_float(k + "rollout_rs_threshold", self.rollout_rs_threshold, 1.0)
+        if self.rollout_rs_threshold_lower is not None:
+            upper = self.rollout_rs_threshold if self.rollout_rs_threshold is not None else self.rollout_is_threshold
+            _check_float(k + "rollout_rs_threshold_lower", self.rollout_rs_threshold_lower, 0.0, upper)
+        if self.rollout_token_veto_threshold is not None:
+            _check_float(k + "rollout_token_veto_threshold", self.rollout_token_veto_threshold, 0.0, 1.0, lo_open=True)
+        if self.max_token_lag is not None:
+            _check_int(k + "max_token_lag", self.max_token_lag, 0)
+
+    @property
+    def needs_prox(self) -> bool:
+        return any(v is not None for v in (self.rollout_is, self.rollout_rs, self.rollout_token_veto_threshold))
+
+
 @dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
-    """Advantage estimator. ``grpo``: reward minus the group mean (divided by the
-    group std when ``norm_adv_by_std_in_grpo``)."""
+    """Advantage estimator (verl's names): ``gae`` (critic = value head), ``grpo``,
+    ``rloo``, ``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``. Equations in
+    ``hpcrl/trainer/advantages.py`` and the README."""
     norm_adv_by_std_in_grpo: bool = True
-    """Divide GRPO advantages by the group's reward std (plus 1e-6)."""
+    """grpo: divide by the group's reward std (+1e-6); false = Dr. GRPO (mean only)."""
+    gamma: float = 1.0
+    """Discount per response token (gae, reinforce_plus_plus)."""
+    lam: float = 1.0
+    """GAE lambda (gae only): 1 = Monte-Carlo return minus value, 0 = one-step TD."""
+    use_kl_in_reward: bool = False
+    """Subtract beta * KL(anchor || reference) from every token's reward (needs the reference model)."""
+    kl_penalty: str = "kl"
+    """KL estimator of the reward penalty: ``kl``/``k1``, ``mse``/``k2``, ``low_var_kl``/``k3``, ``abs``."""
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    """beta of the reward penalty: fixed or adaptive."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Importance weights and rejection masks for stale / mismatched samples."""
 
     def validate(self) -> None:
-        _check_choice("algorithm.adv_estimator", self.adv_estimator, ("grpo",))
+        from hpcrl.trainer.advantages import ESTIMATORS
+        from hpcrl.trainer.kl import KL_ESTIMATORS
+
+        _check_choice("algorithm.adv_estimator", self.adv_estimator, ESTIMATORS)
         _check_choice("algorithm.norm_adv_by_std_in_grpo", self.norm_adv_by_std_in_grpo, (True, False))
+        _check_float("algorithm.gamma", self.gamma, 0.0, 1.0)
+        _check_float("algorithm.lam", self.lam, 0.0, 1.0)
+        _check_choice("algorithm.use_kl_in_reward", self.use_kl_in_reward, (True, False))
+        _check_choice("algorithm.kl_penalty", self.kl_penalty, KL_ESTIMATORS)
+        self.kl_ctrl.validate()
+        self.rollout_correction.validate()
 
 
 @dataclass
@@ -137,6 +228,24 @@ class ActorConfig:
     """AdamW weight decay."""
     clip_ratio: float = 0.2
     """PPO clip epsilon: the ratio is clipped to [1 - clip_ratio, 1 + clip_ratio]."""
+    clip_ratio_low: Optional[float] = None
+    """Lower clip epsilon (null = clip_ratio): the ratio is clipped below at 1 - clip_ratio_low."""
+    clip_ratio_high: Optional[float] = None
+    """Upper clip epsilon (null = clip_ratio; DAPO's clip-higher uses e.g. 0.28)."""
+    clip_ratio_c: Optional[float] = 3.0
+    """Dual-clip bound c > 1: for tokens with negative advantage the loss is at most
+    -A * c (null = plain PPO clip)."""
+    loss_agg_mode: str = "token-mean"
+    """How per-token losses become one number: ``token-mean``, ``seq-mean-token-sum``,
+    ``seq-mean-token-mean`` (over the mini-batch; see hpcrl/trainer/losses.py)."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus: loss -= entropy_coeff * agg(entropy of the tempered distribution)."""
+    use_kl_loss: bool = False
+    """Add kl_loss_coef * agg(KL(pi_theta || reference)) to the loss (needs the reference model)."""
+    kl_loss_coef: float = 0.001
+    """Weight of the KL loss term."""
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator of the loss term: ``kl``/``k1``, ``mse``/``k2``, ``low_var_kl``/``k3``, ``abs``."""
     grad_clip: float = 1.0
     """Max global gradient norm (0 disables clipping)."""
     zero_stage: int = 0
@@ -148,6 +257,9 @@ class ActorConfig:
     rollout.temperature so trainer and engine log-probs agree."""
 
     def validate(self) -> None:
+        from hpcrl.trainer.kl import KL_ESTIMATORS
+        from hpcrl.trainer.losses import LOSS_AGG_MODES
+
         _check_int("actor.ppo_mini_batch_size", self.ppo_mini_batch_size, 1)
         _check_int("actor.ppo_micro_batch_size", self.ppo_micro_batch_size, 1)
         if self.ppo_mini_batch_size % self.ppo_micro_batch_size:
@@ -157,10 +269,42 @@ class ActorConfig:
         _check_float("actor.lr", self.lr, 0.0, lo_open=True)
         _check_float("actor.weight_decay", self.weight_decay, 0.0)
         _check_float("actor.clip_ratio", self.clip_ratio, 0.0, 1.0, lo_open=True)
+        if self.clip_ratio_low is not None:
+            _check_float("actor.clip_ratio_low", self.clip_ratio_low, 0.0, 1.0, lo_open=True)
+        if self.clip_ratio_high is not None:
+            _check_float("actor.clip_ratio_high", self.clip_ratio_high, 0.0, lo_open=True)
+        if self.clip_ratio_c is not None and (isinstance(self.clip_ratio_c, bool) or self.clip_ratio_c <= 1.0):
+            raise _bad("actor.clip_ratio_c", self.clip_ratio_c, "a number > 1 or null",
+                       "use e.g. 3.0 for dual-clip PPO, or null to turn it off")
+        _check_choice("actor.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        _check_float("actor.entropy_coeff", self.entropy_coeff, 0.0)
+        _check_choice("actor.use_kl_loss", self.use_kl_loss, (True, False))
+        _check_float("actor.kl_loss_coef", self.kl_loss_coef, 0.0)
+        _check_choice("actor.kl_loss_type", self.kl_loss_type, KL_ESTIMATORS)
         _check_float("actor.grad_clip", self.grad_clip, 0.0)
         _check_int("actor.zero_stage", self.zero_stage, 0, 3)
         _check_choice("actor.bf16", self.bf16, (True, False))
         _check_float("actor.temperature", self.temperature, 0.0, lo_open=True)
+
+
+@dataclass
+class CriticConfig:
+    """The critic of ``algorithm.adv_estimator=gae``: a value head on the policy's last
+    hidden state, trained in the same DeepSpeed engine (see hpcrl/trainer/models.py)."""
+
+    lr: float = 1e-3
+    """Adam learning rate of the value head (its own parameter group; the shared trunk
+    moves with actor.lr). On the tiny model 1e-2 made the values oscillate around
+    the returns; 1e-3 tracks them."""
+    cliprange_value: float = 0.5
+    """Value clip c_v: the new value may move at most c_v from the value at the start of the update."""
+    vf_coef: float = 1.0
+    """Weight of the value loss in the engine's total loss (the trunk is shared with the policy)."""
+
+    def validate(self) -> None:
+        _check_float("critic.lr", self.lr, 0.0, lo_open=True)
+        _check_float("critic.cliprange_value", self.cliprange_value, 0.0, lo_open=True)
+        _check_float("critic.vf_coef", self.vf_coef, 0.0, lo_open=True)
 
 
 @dataclass
@@ -213,8 +357,13 @@ class AsyncConfig:
     """Interrupt in-flight generation at a version change and resume it under the
     new weights (not implemented yet: must be false)."""
     use_rollout_log_probs: bool = True
-    """Behaviour policy = the engine's log-probs of the sampled tokens (true) or
-    log-probs recomputed by the trainer before its update (false)."""
+    """PPO anchor = the engine's log-probs of the sampled tokens (true, "bypass") or
+    the trainer's own log-probs at the start of the update (false)."""
+    compute_prox_log_prob: bool = False
+    """Decoupled PPO: also compute the trainer's log-probs at the start of each local
+    update (the proximal policy) and use them as the PPO anchor, while the engine's
+    log-probs stay the behaviour policy of the importance weights
+    (algorithm.rollout_correction). Implied by use_rollout_log_probs=false."""
     max_staleness: Optional[int] = None
     """Hard cap on lag in versions: older groups are dropped and counted (null = off)."""
 
@@ -226,6 +375,7 @@ class AsyncConfig:
             raise _bad("async_training.partial_rollout", True, "false (partial rollout is not implemented yet)",
                        "set async_training.partial_rollout=false")
         _check_choice("async_training.use_rollout_log_probs", self.use_rollout_log_probs, (True, False))
+        _check_choice("async_training.compute_prox_log_prob", self.compute_prox_log_prob, (True, False))
         if self.max_staleness is not None:
             _check_int("async_training.max_staleness", self.max_staleness, 0)
 
@@ -337,6 +487,7 @@ class RunConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     async_training: AsyncConfig = field(default_factory=AsyncConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -370,6 +521,17 @@ class RunConfig:
         """Largest lag (versions) the admission budget allows for one writer: floor((B - 1) / (K * R))."""
         return (self.admission_budget - 1) // self.groups_per_version
 
+    @property
+    def uses_prox_log_prob(self) -> bool:
+        """The trainer computes its own log-probs at the start of each update (the PPO anchor)."""
+        a = self.async_training
+        return a.compute_prox_log_prob or not a.use_rollout_log_probs
+
+    @property
+    def needs_reference(self) -> bool:
+        """A KL term needs the frozen reference model."""
+        return self.algorithm.use_kl_in_reward or self.actor.use_kl_loss
+
     def validate(self) -> "RunConfig":
         for f in dataclasses.fields(self):
             getattr(self, f.name).validate()
@@ -377,8 +539,17 @@ class RunConfig:
             raise _bad("rollout.total_rollout_steps", self.rollout.total_rollout_steps,
                        f"at least R = actor.ppo_mini_batch_size * async_training.require_batches = "
                        f"{self.groups_per_update}")
-        if self.rollout.n < 2 and self.algorithm.adv_estimator == "grpo":
-            raise _bad("rollout.n", self.rollout.n, "at least 2 with adv_estimator=grpo (a group of one has no baseline)")
+        est = self.algorithm.adv_estimator
+        if self.rollout.n < 2 and est in ("grpo", "rloo", "reinforce_plus_plus_baseline"):
+            raise _bad("rollout.n", self.rollout.n, f"at least 2 with adv_estimator={est} (a group of one has no baseline)",
+                       "raise rollout.n, or use adv_estimator=gae or reinforce_plus_plus")
+        rc = self.algorithm.rollout_correction
+        if rc.needs_prox and not self.uses_prox_log_prob:
+            name = next(k for k in ("rollout_is", "rollout_rs", "rollout_token_veto_threshold")
+                        if getattr(rc, k) is not None)
+            raise _bad(f"algorithm.rollout_correction.{name}", getattr(rc, name),
+                       "null unless the trainer computes proximal log-probs (the ratio is pi_prox / engine log-probs)",
+                       "set async_training.compute_prox_log_prob=true")
         if abs(self.actor.temperature - self.rollout.temperature) > 1e-9:
             raise _bad("actor.temperature", self.actor.temperature,
                        f"equal to rollout.temperature={self.rollout.temperature}",
