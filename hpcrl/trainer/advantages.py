@@ -53,8 +53,8 @@ def place_scores(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """[B] scores -> [B, L] token rewards: the score sits on each row's last mask-1 token
     (a row without one gets no reward: nothing of it is trained)."""
     B, L = mask.shape
-    out = torch.zeros(B, L, dtype=torch.float32)
-    pos = torch.arange(L).expand(B, L)
+    out = torch.zeros(B, L, dtype=torch.float32, device=mask.device)
+    pos = torch.arange(L, device=mask.device).expand(B, L)
     last = torch.where(mask > 0, pos, torch.full_like(pos, -1)).max(dim=1).values
     has = last >= 0
     out[has.nonzero().squeeze(1), last[has]] = scores[has].float()
@@ -65,9 +65,9 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, g
         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Raw (not whitened) GAE advantages and returns; mask-0 tokens are skipped, not stepped over."""
     B, L = token_rewards.shape
-    adv = torch.zeros(B, L)
-    next_value = torch.zeros(B)
-    next_adv = torch.zeros(B)
+    adv = torch.zeros_like(token_rewards)
+    next_value = token_rewards.new_zeros(B)
+    next_adv = token_rewards.new_zeros(B)
     for t in reversed(range(L)):
         m = mask[:, t]
         delta = token_rewards[:, t] + gamma * next_value - values[:, t]

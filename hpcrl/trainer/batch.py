@@ -44,6 +44,9 @@ class Batch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    def to(self, device) -> "Batch":
+        return Batch(**{k: (v.to(device) if v is not None else None) for k, v in self.__dict__.items()})
+
     def slice(self, sl: slice) -> "Batch":
         return Batch(**{k: (v[sl] if v is not None else None) for k, v in self.__dict__.items()})
 

@@ -104,8 +104,7 @@ class TrainerJob:
 
         self.engine.checkpoint_engine = SafeCheckpointEngine()
         self.micro_per_mini = micro_per_mini
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.reference = load_reference(path, device) if cfg.needs_reference else None
+        self.reference = load_reference(path, self.engine.device) if cfg.needs_reference else None
 
     def _resume_or_start(self) -> None:
         rd = self.run_dir

@@ -50,6 +50,7 @@ class PolicyUpdate:
         return self.kl_ctrl.value
 
     def run(self, batch: Batch) -> dict:
+        batch = batch.to(self.engine.device)
         stats = self.prepare(batch)
         stats.update(self.train(batch))
         stats.update({"reward/mean": float(batch.rewards.mean()),
