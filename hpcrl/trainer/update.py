@@ -35,6 +35,21 @@ from hpcrl.trainer.kl import apply_kl_in_reward, kl_estimate, make_controller
 from hpcrl.trainer.losses import agg_counts, agg_loss, ppo_policy_loss, value_loss
 
 
+def step_with_grad_norm(engine, last_norm: float) -> float:
+    """``engine.step()``; returns the global gradient norm *before* clipping if this was an
+    optimizer step, else ``last_norm``. DeepSpeed reports the norm for ZeRO >= 1 and bf16;
+    with ZeRO 0 in fp32 it clips with torch and drops the norm, so it is measured here."""
+    if not engine.is_gradient_accumulation_boundary():
+        engine.step()
+        return last_norm
+    norm = None
+    if engine.zero_optimization_stage() == 0 and not engine.bfloat16_enabled():
+        grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+        norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+    engine.step()
+    return norm if norm is not None else float(engine.get_global_grad_norm() or 0.0)
+
+
 class PolicyUpdate:
     def __init__(self, cfg, engine, micro_per_mini: int, reference=None, kl_coef=None):
         self.cfg = cfg
@@ -133,14 +148,6 @@ class PolicyUpdate:
             stats.update(vstats)
         return total, {"shares": shares, "means": stats}
 
-    def _grad_norm(self) -> float:
-        """Global gradient norm before clipping. DeepSpeed reports it for ZeRO >= 1 and bf16
-        (from engine.step); with ZeRO 0 in fp32 it clips with torch and drops the norm."""
-        if self.cfg.actor.zero_stage > 0 or self.cfg.actor.bf16:
-            return float("nan")  # filled in after engine.step()
-        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
-        return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
-
     def train(self, batch: Batch) -> dict:
         cfg = self.cfg
         rows_per_mini = cfg.actor.ppo_mini_batch_size * cfg.rollout.n
@@ -158,11 +165,7 @@ class PolicyUpdate:
                     # DeepSpeed divides by gradient_accumulation_steps; undo it: the micro losses,
                     # normalised by the whole mini-batch's counts, add up to the mini-batch loss.
                     self.engine.backward(loss * self.micro_per_mini)
-                    if self.engine.is_gradient_accumulation_boundary():
-                        grad_norm = self._grad_norm()
-                    self.engine.step()
-                    if grad_norm != grad_norm:  # nan: DeepSpeed computed it during step()
-                        grad_norm = float(self.engine.get_global_grad_norm() or 0.0)
+                    grad_norm = step_with_grad_norm(self.engine, grad_norm)
                     for k, v in s["shares"].items():
                         sums[k] = sums.get(k, 0.0) + v
                     for k, v in s["means"].items():
