@@ -6,8 +6,9 @@ value is range-checked by :meth:`RunConfig.validate`, and the resolved config is
 frozen into the run directory as ``config.yaml`` at launch; both jobs read that
 frozen copy, never the user's file.
 
-Every default lives here, once. The async knobs keep verl's names
-(``fully_async_policy``) so users can move their settings across.
+Every default lives in these dataclasses, once (the ``algorithm`` and ``critic``
+sections in :mod:`hpcrl.config_algorithm`, re-exported here). The async knobs
+keep verl's names (``fully_async_policy``) so users can move their settings across.
 """
 from __future__ import annotations
 
@@ -21,37 +22,8 @@ from typing import Any, Optional
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A config value is wrong; the message names the key, what is allowed and the fix."""
-
-
-def _bad(key: str, got: Any, allowed: str, fix: str = "") -> ConfigError:
-    msg = f"config {key}: got {got!r}; allowed: {allowed}"
-    if fix:
-        msg += f"; fix: {fix}"
-    return ConfigError(msg)
-
-
-def _check_int(key: str, value: Any, lo: int, hi: Optional[int] = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _bad(key, value, f"an integer >= {lo}")
-    if value < lo or (hi is not None and value > hi):
-        allowed = f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]"
-        raise _bad(key, value, allowed)
-
-
-def _check_float(key: str, value: Any, lo: float, hi: Optional[float] = None, lo_open: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        raise _bad(key, value, "a number")
-    if (value <= lo if lo_open else value < lo) or (hi is not None and value > hi):
-        lo_s = f"> {lo}" if lo_open else f">= {lo}"
-        raise _bad(key, value, f"a number {lo_s}" + ("" if hi is None else f" and <= {hi}"))
-
-
-def _check_choice(key: str, value: Any, choices: tuple) -> None:
-    if value not in choices:
-        raise _bad(key, value, "one of " + ", ".join(repr(c) for c in choices))
+from hpcrl.config_algorithm import AlgorithmConfig, CriticConfig, KLControlConfig, RolloutCorrectionConfig  # noqa: F401
+from hpcrl.config_checks import ConfigError, _bad, _check_choice, _check_float, _check_int  # noqa: F401 (ConfigError is public here)
 
 
 @dataclass
@@ -110,19 +82,6 @@ class RewardConfig:
 
 
 @dataclass
-class AlgorithmConfig:
-    adv_estimator: str = "grpo"
-    """Advantage estimator. ``grpo``: reward minus the group mean (divided by the
-    group std when ``norm_adv_by_std_in_grpo``)."""
-    norm_adv_by_std_in_grpo: bool = True
-    """Divide GRPO advantages by the group's reward std (plus 1e-6)."""
-
-    def validate(self) -> None:
-        _check_choice("algorithm.adv_estimator", self.adv_estimator, ("grpo",))
-        _check_choice("algorithm.norm_adv_by_std_in_grpo", self.norm_adv_by_std_in_grpo, (True, False))
-
-
-@dataclass
 class ActorConfig:
     ppo_mini_batch_size: int = 4
     """Groups (prompts) per optimizer step (verl: ppo_mini_batch_size)."""
@@ -137,6 +96,24 @@ class ActorConfig:
     """AdamW weight decay."""
     clip_ratio: float = 0.2
     """PPO clip epsilon: the ratio is clipped to [1 - clip_ratio, 1 + clip_ratio]."""
+    clip_ratio_low: Optional[float] = None
+    """Lower clip epsilon (null = clip_ratio): the ratio is clipped below at 1 - clip_ratio_low."""
+    clip_ratio_high: Optional[float] = None
+    """Upper clip epsilon (null = clip_ratio; DAPO's clip-higher uses e.g. 0.28)."""
+    clip_ratio_c: Optional[float] = 3.0
+    """Dual-clip bound c > 1: for tokens with negative advantage the loss is at most
+    -A * c (null = plain PPO clip)."""
+    loss_agg_mode: str = "token-mean"
+    """How per-token losses become one number: ``token-mean``, ``seq-mean-token-sum``,
+    ``seq-mean-token-mean`` (over the mini-batch; see hpcrl/trainer/losses.py)."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus: loss -= entropy_coeff * agg(entropy of the tempered distribution)."""
+    use_kl_loss: bool = False
+    """Add kl_loss_coef * agg(KL(pi_theta || reference)) to the loss (needs the reference model)."""
+    kl_loss_coef: float = 0.001
+    """Weight of the KL loss term."""
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator of the loss term: ``kl``/``k1``, ``mse``/``k2``, ``low_var_kl``/``k3``, ``abs``."""
     grad_clip: float = 1.0
     """Max global gradient norm (0 disables clipping)."""
     zero_stage: int = 0
@@ -148,12 +125,27 @@ class ActorConfig:
     rollout.temperature so trainer and engine log-probs agree."""
 
     def validate(self) -> None:
+        from hpcrl.trainer.kl import KL_ESTIMATORS
+        from hpcrl.trainer.losses import LOSS_AGG_MODES
+
         _check_int("actor.ppo_mini_batch_size", self.ppo_mini_batch_size, 1)
         _check_int("actor.ppo_micro_batch_size", self.ppo_micro_batch_size, 1)
         _check_int("actor.ppo_epochs", self.ppo_epochs, 1)
         _check_float("actor.lr", self.lr, 0.0, lo_open=True)
         _check_float("actor.weight_decay", self.weight_decay, 0.0)
         _check_float("actor.clip_ratio", self.clip_ratio, 0.0, 1.0, lo_open=True)
+        if self.clip_ratio_low is not None:
+            _check_float("actor.clip_ratio_low", self.clip_ratio_low, 0.0, 1.0, lo_open=True)
+        if self.clip_ratio_high is not None:
+            _check_float("actor.clip_ratio_high", self.clip_ratio_high, 0.0, lo_open=True)
+        if self.clip_ratio_c is not None and (isinstance(self.clip_ratio_c, bool) or self.clip_ratio_c <= 1.0):
+            raise _bad("actor.clip_ratio_c", self.clip_ratio_c, "a number > 1 or null",
+                       "use e.g. 3.0 for dual-clip PPO, or null to turn it off")
+        _check_choice("actor.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        _check_float("actor.entropy_coeff", self.entropy_coeff, 0.0)
+        _check_choice("actor.use_kl_loss", self.use_kl_loss, (True, False))
+        _check_float("actor.kl_loss_coef", self.kl_loss_coef, 0.0)
+        _check_choice("actor.kl_loss_type", self.kl_loss_type, KL_ESTIMATORS)
         _check_float("actor.grad_clip", self.grad_clip, 0.0)
         _check_int("actor.zero_stage", self.zero_stage, 0, 3)
         _check_choice("actor.bf16", self.bf16, (True, False))
@@ -210,8 +202,13 @@ class AsyncConfig:
     """Interrupt in-flight generation at a version change and resume it under the
     new weights (not implemented yet: must be false)."""
     use_rollout_log_probs: bool = True
-    """Behaviour policy = the engine's log-probs of the sampled tokens (true) or
-    log-probs recomputed by the trainer before its update (false)."""
+    """PPO anchor = the engine's log-probs of the sampled tokens (true, "bypass") or
+    the trainer's own log-probs at the start of the update (false)."""
+    compute_prox_log_prob: bool = False
+    """Decoupled PPO: also compute the trainer's log-probs at the start of each local
+    update (the proximal policy) and use them as the PPO anchor, while the engine's
+    log-probs stay the behaviour policy of the importance weights
+    (algorithm.rollout_correction). Implied by use_rollout_log_probs=false."""
     max_staleness: Optional[int] = None
     """Hard cap on lag in versions: older groups are dropped and counted (null = off)."""
 
@@ -223,6 +220,7 @@ class AsyncConfig:
             raise _bad("async_training.partial_rollout", True, "false (partial rollout is not implemented yet)",
                        "set async_training.partial_rollout=false")
         _check_choice("async_training.use_rollout_log_probs", self.use_rollout_log_probs, (True, False))
+        _check_choice("async_training.compute_prox_log_prob", self.compute_prox_log_prob, (True, False))
         if self.max_staleness is not None:
             _check_int("async_training.max_staleness", self.max_staleness, 0)
 
@@ -367,6 +365,7 @@ class RunConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     async_training: AsyncConfig = field(default_factory=AsyncConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -400,6 +399,17 @@ class RunConfig:
         """Largest lag (versions) the admission budget allows for one writer: floor((B - 1) / (K * R))."""
         return (self.admission_budget - 1) // self.groups_per_version
 
+    @property
+    def uses_prox_log_prob(self) -> bool:
+        """The trainer computes its own log-probs at the start of each update (the PPO anchor)."""
+        a = self.async_training
+        return a.compute_prox_log_prob or not a.use_rollout_log_probs
+
+    @property
+    def needs_reference(self) -> bool:
+        """A KL term needs the frozen reference model."""
+        return self.algorithm.use_kl_in_reward or self.actor.use_kl_loss
+
     def validate(self) -> "RunConfig":
         for f in dataclasses.fields(self):
             getattr(self, f.name).validate()
@@ -407,8 +417,17 @@ class RunConfig:
             raise _bad("rollout.total_rollout_steps", self.rollout.total_rollout_steps,
                        f"at least R = actor.ppo_mini_batch_size * async_training.require_batches = "
                        f"{self.groups_per_update}")
-        if self.rollout.n < 2 and self.algorithm.adv_estimator == "grpo":
-            raise _bad("rollout.n", self.rollout.n, "at least 2 with adv_estimator=grpo (a group of one has no baseline)")
+        est = self.algorithm.adv_estimator
+        if self.rollout.n < 2 and est in ("grpo", "rloo", "reinforce_plus_plus_baseline"):
+            raise _bad("rollout.n", self.rollout.n, f"at least 2 with adv_estimator={est} (a group of one has no baseline)",
+                       "raise rollout.n, or use adv_estimator=gae or reinforce_plus_plus")
+        rc = self.algorithm.rollout_correction
+        if rc.needs_prox and not self.uses_prox_log_prob:
+            name = next(k for k in ("rollout_is", "rollout_rs", "rollout_token_veto_threshold")
+                        if getattr(rc, k) is not None)
+            raise _bad(f"algorithm.rollout_correction.{name}", getattr(rc, name),
+                       "null unless the trainer computes proximal log-probs (the ratio is pi_prox / engine log-probs)",
+                       "set async_training.compute_prox_log_prob=true")
         world = self.resources.trainer.world_size
         if self.actor.ppo_mini_batch_size % (world * self.actor.ppo_micro_batch_size):
             raise _bad("actor.ppo_mini_batch_size", self.actor.ppo_mini_batch_size,

@@ -39,6 +39,20 @@ def test_overrides_apply_with_types():
     (["model.path=/nonexistent/model"], "config.json"),
     (["async_training.partial_rollout=true"], "not implemented"),
     (["nosuchsection.x=1"], "known keys"),
+    (["algorithm.adv_estimator=ppo"], "'reinforce_plus_plus'"),
+    (["algorithm.adv_estimator=rloo", "rollout.n=1"], "at least 2 with adv_estimator=rloo"),
+    (["algorithm.gamma=1.5"], "algorithm.gamma"),
+    (["algorithm.kl_penalty=k4"], "'low_var_kl'"),
+    (["algorithm.kl_ctrl.type=pid"], "'adaptive'"),
+    (["algorithm.kl_ctrl.horizon=0"], "algorithm.kl_ctrl.horizon"),
+    (["algorithm.rollout_correction.rollout_is=token"], "async_training.compute_prox_log_prob=true"),
+    (["algorithm.rollout_correction.rollout_rs=seq"], "'geometric'"),
+    (["algorithm.rollout_correction.rollout_is_threshold=0.5"], "a number >= 1.0"),
+    (["algorithm.rollout_correction.max_token_lag=-1"], "max_token_lag"),
+    (["actor.loss_agg_mode=token-sum"], "'seq-mean-token-mean'"),
+    (["actor.clip_ratio_c=0.5"], "a number > 1 or null"),
+    (["actor.kl_loss_type=full"], "actor.kl_loss_type"),
+    (["critic.vf_coef=0"], "critic.vf_coef"),
     (["rollout"], "key=value"),
 ])
 def test_bad_values_are_refused_with_a_clear_message(override, fragment):
@@ -46,6 +60,21 @@ def test_bad_values_are_refused_with_a_clear_message(override, fragment):
         load_config(CONFIGS[0], override)
     assert fragment in str(e.value)
     assert "config" in str(e.value) or "override" in str(e.value)
+
+
+def test_algorithm_options_parse_with_verl_names():
+    cfg = load_config(CONFIGS[0], ["algorithm.adv_estimator=gae", "algorithm.lam=0.95", "algorithm.use_kl_in_reward=true",
+                                   "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.target_kl=0.05",
+                                   "async_training.compute_prox_log_prob=true",
+                                   "algorithm.rollout_correction.rollout_is=sequence",
+                                   "algorithm.rollout_correction.rollout_rs=geometric",
+                                   "algorithm.rollout_correction.rollout_rs_threshold=1.01",
+                                   "actor.clip_ratio_c=null", "actor.use_kl_loss=true", "actor.kl_loss_type=k3"])
+    assert cfg.algorithm.kl_ctrl.type == "adaptive" and cfg.algorithm.rollout_correction.rollout_is == "sequence"
+    assert cfg.actor.clip_ratio_c is None and cfg.needs_reference and cfg.uses_prox_log_prob
+    # use_rollout_log_probs=false also gives proximal log-probs (the trainer recomputes the anchor)
+    assert load_config(CONFIGS[0], ["async_training.use_rollout_log_probs=false",
+                                    "algorithm.rollout_correction.rollout_is=token"]).uses_prox_log_prob
 
 
 def test_derived_budget_matches_design():

@@ -31,10 +31,14 @@ def test_rollout_sigkill_then_restart(tiny_run):
     assert result["consumed_groups"] == cfg.total_updates * cfg.groups_per_update
 
 
-@pytest.mark.parametrize("zero_stage", [2, 3])
-def test_trainer_sigkill_after_checkpoint_then_resume(tiny_run, zero_stage):
+@pytest.mark.parametrize("zero_stage, extra", [
+    (2, ()),
+    # the value head and the adaptive KL controller are trainer state too: both must survive
+    (3, ("algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive")),
+], ids=["zero2", "zero3-gae-adaptive-kl"])
+def test_trainer_sigkill_after_checkpoint_then_resume(tiny_run, zero_stage, extra):
     rd = tiny_run("rollout.total_rollout_steps=320", "trainer.checkpoint_every_updates=10",
-                  f"actor.zero_stage={zero_stage}")
+                  f"actor.zero_stage={zero_stage}", *extra)
     cfg = rd.load_config()
     trainer, rollout = start_trainer(rd), start_rollout(rd)
     wait_until(lambda: (read_json(rd.latest_checkpoint) or {}).get("step", 0) >= 30, 180, "a checkpoint at step 30",
@@ -53,6 +57,15 @@ def test_trainer_sigkill_after_checkpoint_then_resume(tiny_run, zero_stage):
     st = read_staleness(rd)
     assert len(st) == cfg.total_updates * cfg.groups_per_update * cfg.rollout.n
     check_exactly_once(rd, cfg.rollout.max_concurrent_groups)
+    if cfg.algorithm.kl_ctrl.type == "adaptive":
+        rows = list(read_jsonl(rd.metrics))
+        before, after = rows[ckpt_step - 1], rows[ckpt_step]  # last update saved, first one resumed
+        ctrl = cfg.algorithm.kl_ctrl
+        err = max(-0.2, min(0.2, before["actor/reward_kl_penalty"] / ctrl.target_kl - 1))
+        n_seqs = cfg.groups_per_update * cfg.rollout.n
+        want = before["actor/reward_kl_penalty_coeff"] * (1 + err * n_seqs / ctrl.horizon)
+        assert abs(after["actor/reward_kl_penalty_coeff"] - want) < 1e-12, "beta continues from the checkpoint"
+        assert after["actor/reward_kl_penalty_coeff"] != ctrl.kl_coef
 
 
 def test_trainer_waits_with_a_message_naming_what_it_waits_for(tiny_run):

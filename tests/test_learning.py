@@ -37,8 +37,12 @@ def test_tiny_default_run_learns_through_the_launcher(tmp_path):
     check_exactly_once(rd, cfg.rollout.max_concurrent_groups)
 
 
-def test_staleness_half_stays_within_the_derived_bound(tiny_run):
-    rd = tiny_run("async_training.staleness_threshold=0.5", "rollout.total_rollout_steps=400")
+def test_staleness_half_with_truncated_is_learns_within_the_derived_bound(tiny_run):
+    """s=0.5: lag stays within the bound; decoupled PPO (proximal log-probs as the anchor,
+    token-level truncated IS from the engine's log-probs) learns."""
+    rd = tiny_run("async_training.staleness_threshold=0.5", "rollout.total_rollout_steps=400",
+                  "async_training.compute_prox_log_prob=true", "algorithm.rollout_correction.rollout_is=token",
+                  "algorithm.rollout_correction.rollout_is_threshold=2.0")
     cfg = rd.load_config()
     assert cfg.max_lag_bound == 1  # floor((floor(1.5*4) - 1) / 4)
     trainer, rollout = start_trainer(rd), start_rollout(rd)
@@ -51,3 +55,9 @@ def test_staleness_half_stays_within_the_derived_bound(tiny_run):
     m = read_metrics(rd)
     assert m["fully_async/count/stale_samples_processed"].iloc[-1] == (st[st.lag > 0].group_id.nunique())
     check_exactly_once(rd, cfg.rollout.max_concurrent_groups)
+    first, last = fifths(m["reward/mean"].to_numpy())
+    print(f"s=0.5 + truncated IS: reward first fifth {first:.3f}, last fifth {last:.3f}")
+    assert last > first + 0.15, f"reward did not rise: first fifth {first:.3f}, last fifth {last:.3f}"
+    stale = m["fully_async/token_lag/mean"] > 0
+    assert stale.any() and (m.loc[stale, "rollout_corr/k3_kl"] > 0).all(), "stale tokens: engine and trainer differ"
+    assert (m["rollout_corr/rollout_is_max"] > 1.0).any() and (m["rollout_corr/rollout_is_min"] < 1.0).any()

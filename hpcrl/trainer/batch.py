@@ -1,41 +1,65 @@
-"""Turn groups read from shards into padded tensors for the policy loss."""
+"""Turn groups read from shards into padded tensors for the losses, and run the model on them.
+
+Every per-token tensor is ``[B, L]`` over response positions (B trajectories,
+L the longest response); position t of row b is response token t. Fields are
+filled in two stages: :func:`build_batch` (what the shards say) and
+:meth:`hpcrl.trainer.update.PolicyUpdate.prepare` (what the trainer computes
+before its first optimizer step: proximal / reference log-probs, values,
+advantages, importance weights, the loss mask).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from hpcrl.samples.schema import Group
-from hpcrl.trainer.grpo import grpo_advantages, token_logprobs
+from hpcrl.trainer.losses import entropy_from_logp
 
 
 @dataclass
 class Batch:
+    # ---- from the shards (build_batch)
     input_ids: torch.Tensor       # [B, T] prompt + response, right-padded
     attention_mask: torch.Tensor  # [B, T]
     gather_pos: torch.Tensor      # [B, L] position whose logits predict response token t
     targets: torch.Tensor         # [B, L] response tokens (pad where mask 0)
-    mask: torch.Tensor            # [B, L] 1 = trained token
-    logp_old: torch.Tensor        # [B, L] behaviour log-probs
-    advantages: torch.Tensor      # [B, L] per-token advantage
-    rewards: torch.Tensor         # [B]
+    mask: torch.Tensor            # [B, L] response mask: 1 = model token, 0 = tool/env token or padding
+    behav_logp: torch.Tensor      # [B, L] engine log-probs of the sampled tokens (behaviour policy mu)
+    token_versions: torch.Tensor  # [B, L] weight version that sampled each token (padding: the trainer's)
+    token_lag: torch.Tensor       # [B, L] trainer version at consumption - token version (>= 0)
+    rewards: torch.Tensor         # [B] trajectory scores from the reward function
+    group_index: torch.Tensor     # [B] which group (prompt) of this batch each trajectory belongs to
+    # ---- computed by the trainer before the update (PolicyUpdate.prepare)
+    logp_old: Optional[torch.Tensor] = None     # [B, L] PPO anchor: prox_logp if computed, else behav_logp
+    prox_logp: Optional[torch.Tensor] = None    # [B, L] trainer log-probs at the start of the update
+    ref_logp: Optional[torch.Tensor] = None     # [B, L] frozen reference model log-probs
+    old_values: Optional[torch.Tensor] = None   # [B, L] critic values at the start of the update (gae)
+    advantages: Optional[torch.Tensor] = None   # [B, L]
+    returns: Optional[torch.Tensor] = None      # [B, L] critic targets (gae)
+    is_weights: Optional[torch.Tensor] = None   # [B, L] truncated importance weights (None = 1)
+    loss_mask: Optional[torch.Tensor] = None    # [B, L] mask times rejection / lag masks
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    def to(self, device) -> "Batch":
+        return Batch(**{k: (v.to(device) if v is not None else None) for k, v in self.__dict__.items()})
+
     def slice(self, sl: slice) -> "Batch":
-        return Batch(**{k: v[sl] for k, v in self.__dict__.items()})
+        return Batch(**{k: (v[sl] if v is not None else None) for k, v in self.__dict__.items()})
 
     @property
     def n_tokens(self) -> int:
         return int(self.mask.sum())
 
 
-def build_batch(groups: list[Group], pad_id: int, norm_adv_by_std: bool) -> Batch:
+def build_batch(groups: list[Group], pad_id: int, trainer_version: int) -> Batch:
+    """Pad the groups' trajectories; ``trainer_version`` is the version the lag is measured against."""
     trajs = [t for g in groups for t in g.trajectories]
     group_index = torch.tensor([gi for gi, g in enumerate(groups) for _ in g.trajectories])
     rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
-    adv = grpo_advantages(rewards, group_index, norm_adv_by_std)
     seq_len = max(len(t.prompt_ids) + len(t.response_ids) for t in trajs)
     resp_len = max(max(len(t.response_ids) for t in trajs), 1)
     B = len(trajs)
@@ -44,7 +68,8 @@ def build_batch(groups: list[Group], pad_id: int, norm_adv_by_std: bool) -> Batc
     gather_pos = torch.zeros((B, resp_len), dtype=torch.long)
     targets = torch.full((B, resp_len), pad_id, dtype=torch.long)
     mask = torch.zeros((B, resp_len), dtype=torch.float32)
-    logp_old = torch.zeros((B, resp_len), dtype=torch.float32)
+    behav = torch.zeros((B, resp_len), dtype=torch.float32)
+    versions = torch.full((B, resp_len), trainer_version, dtype=torch.long)
     for b, t in enumerate(trajs):
         P, L = len(t.prompt_ids), len(t.response_ids)
         input_ids[b, :P] = torch.from_numpy(t.prompt_ids.astype("int64"))
@@ -53,13 +78,31 @@ def build_batch(groups: list[Group], pad_id: int, norm_adv_by_std: bool) -> Batc
         gather_pos[b, :L] = torch.arange(P - 1, P - 1 + L)
         targets[b, :L] = torch.from_numpy(t.response_ids.astype("int64"))
         mask[b, :L] = torch.from_numpy(t.response_mask.astype("float32"))
-        logp_old[b, :L] = torch.from_numpy(t.logprobs)
-    return Batch(input_ids, attention, gather_pos, targets, mask, logp_old, adv[:, None].expand(B, resp_len).clone(),
-                 rewards)
+        behav[b, :L] = torch.from_numpy(t.logprobs)
+        versions[b, :L] = torch.from_numpy(t.token_versions.astype("int64"))
+    return Batch(input_ids, attention, gather_pos, targets, mask, behav, versions, trainer_version - versions,
+                 rewards, group_index)
 
 
-def policy_logprobs(model, batch: Batch, temperature: float) -> torch.Tensor:
-    """[B, L] log-probs of the response tokens under ``model``."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    picked = logits.gather(1, batch.gather_pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
-    return token_logprobs(picked, batch.targets, temperature)
+def forward(model, batch: Batch, temperature: float, entropy: bool = False
+            ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """``(logp, entropy, values)`` of the response tokens, each [B, L] (entropy and values may be None).
+
+    ``model`` is a :class:`hpcrl.trainer.models.PolicyWithValueHead` (or the DeepSpeed
+    engine wrapping one), or a plain HF causal LM (the reference model).
+    """
+    from hpcrl.trainer.models import PolicyWithValueHead
+
+    inner = getattr(model, "module", model)
+    if isinstance(inner, PolicyWithValueHead):
+        logits, values = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                               gather_pos=batch.gather_pos)
+    else:
+        full = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        logits = full.gather(1, batch.gather_pos.unsqueeze(-1).expand(-1, -1, full.shape[-1]))
+        values = None
+    scaled = logits.float() / temperature
+    logp = torch.log_softmax(scaled, dim=-1)
+    picked = logp.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
+    ent = entropy_from_logp(logp) if entropy else None
+    return picked, ent, values

@@ -41,6 +41,9 @@ class TrainerState:
     """Size of logs/staleness.jsonl at this checkpoint."""
     counters: dict = field(default_factory=dict)
     """Cumulative metric counters (stale samples processed, dropped, ...)."""
+    kl_coef: Optional[float] = None
+    """Reward-KL coefficient beta after the last update (the adaptive controller's state;
+    None = not started, take algorithm.kl_ctrl.kl_coef)."""
 
     def to_json(self) -> dict:
         return asdict(self)

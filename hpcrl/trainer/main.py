@@ -4,8 +4,11 @@ One local update (:meth:`TrainerJob.run`):
 
 1. **take** ``R = ppo_mini_batch_size * require_batches`` groups in commit order
    (groups over ``max_staleness`` are dropped, counted and replaced);
-2. **update**: GRPO advantages, PPO clip loss, ``ppo_epochs`` passes of
-   ``require_batches`` optimizer steps (DeepSpeed, any ZeRO stage, gloo on CPU);
+2. **update** (:class:`hpcrl.trainer.update.PolicyUpdate`): proximal / reference
+   log-probs and values under the weights at the start of the update,
+   off-policy corrections, advantages (``algorithm.adv_estimator``), then
+   ``ppo_epochs`` passes of ``require_batches`` optimizer steps (DeepSpeed, any
+   ZeRO stage, gloo on CPU);
 3. **log** one staleness row per trajectory and one metrics row;
 4. every ``K = trigger_parameter_sync_step`` updates **publish** version ``v+1``
    (filesystem), then apply weight retention;
@@ -40,10 +43,11 @@ from hpcrl.run_dir import RunDir
 from hpcrl.samples.reader import SampleReader
 from hpcrl.samples.schema import Group
 from hpcrl.trainer import checkpoint
-from hpcrl.trainer.batch import build_batch, policy_logprobs
+from hpcrl.trainer.batch import build_batch
 from hpcrl.trainer.distributed import init_distributed, rank_environment
+from hpcrl.trainer.models import PolicyWithValueHead, load_reference, policy_state_dict
 from hpcrl.trainer.share import ABORT, BATCH, PREEMPT, share_groups, share_json
-from hpcrl.trainer.grpo import ppo_clip_loss
+from hpcrl.trainer.update import PolicyUpdate
 from hpcrl.weights.filesystem import apply_retention, publish_version, published_versions
 
 log = logging.getLogger("hpcrl.trainer")
@@ -76,10 +80,14 @@ class TrainerJob:
         torch.manual_seed(cfg.model.seed)
         torch.set_num_threads(cfg.trainer.torch_threads)
         path = self.run_dir.base_model if cfg.model.path == "builtin:tiny" else cfg.model.path
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        self.model_config_json = model.config.to_json_string()
-        self.pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay)
+        policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        self.model_config_json = policy.config.to_json_string()
+        self.pad_id = policy.config.pad_token_id if policy.config.pad_token_id is not None else 0
+        model = PolicyWithValueHead(policy, value_head=cfg.algorithm.adv_estimator == "gae")
+        groups = [{"params": list(policy.parameters()), "lr": cfg.actor.lr}]
+        if model.value_head is not None:
+            groups.append({"params": list(model.value_head.parameters()), "lr": cfg.critic.lr})
+        optimizer = torch.optim.AdamW(groups, lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay)
         micro_per_mini = cfg.actor.ppo_mini_batch_size // self.world // cfg.actor.ppo_micro_batch_size
         ds_config = {
             "train_micro_batch_size_per_gpu": 1,  # one "micro step" = one backward of ppo_micro_batch_size groups
@@ -95,6 +103,7 @@ class TrainerJob:
 
         self.engine.checkpoint_engine = SafeCheckpointEngine()
         self.micro_per_mini = micro_per_mini
+        self.reference = load_reference(path, self.engine.device) if cfg.needs_reference else None
 
     def _resume_or_start(self) -> None:
         rd = self.run_dir
@@ -191,49 +200,17 @@ class TrainerJob:
             c = self.state.counters
             c["fully_async/count/corrupt_groups_skipped"] = c.get("fully_async/count/corrupt_groups_skipped", 0) + s["n_groups"]
 
-    def _update(self, groups: list[Group]) -> dict:
-        cfg = self.cfg
-        batch = build_batch(groups, self.pad_id, cfg.algorithm.norm_adv_by_std_in_grpo)
-        n = cfg.rollout.n
-        if not cfg.async_training.use_rollout_log_probs:
-            with torch.no_grad():
-                batch.logp_old = policy_logprobs(self.engine.module, batch, cfg.actor.temperature).float()
-        stats: dict[str, float] = {}
-        rows_per_mini = cfg.actor.ppo_mini_batch_size * n
-        rows_per_rank = rows_per_mini // self.world
-        rows_per_micro = cfg.actor.ppo_micro_batch_size * n
-        # DeepSpeed divides by gradient_accumulation_steps and averages over ranks; undo both
-        # so the micro losses of all ranks add up to the token mean over the whole mini-batch.
-        scale = self.micro_per_mini * self.world
-        n_steps = 0
-        for _ in range(cfg.actor.ppo_epochs):
-            for m0 in range(0, len(batch), rows_per_mini):
-                mini = batch.slice(slice(m0, m0 + rows_per_mini))
-                tokens = mini.n_tokens
-                mine = mini.slice(slice(self.rank * rows_per_rank, (self.rank + 1) * rows_per_rank))
-                for u0 in range(0, len(mine), rows_per_micro):
-                    micro = mine.slice(slice(u0, u0 + rows_per_micro))
-                    logp = policy_logprobs(self.engine, micro, cfg.actor.temperature)
-                    loss, s = ppo_clip_loss(logp, micro.logp_old, micro.advantages, micro.mask,
-                                            cfg.actor.clip_ratio, tokens)
-                    self.engine.backward(loss * scale)
-                    self.engine.step()
-                    for k, v in s.items():
-                        stats[k] = stats.get(k, 0.0) + v
-                    stats["actor/pg_loss"] = stats.get("actor/pg_loss", 0.0) + loss.item() * self.micro_per_mini
-                    n_steps += 1
-        out = {k: v / max(n_steps, 1) for k, v in stats.items()}
-        out["actor/grad_norm"] = float(self.engine.get_global_grad_norm() or 0.0)
-        out["reward/mean"] = float(batch.rewards.mean())
-        out["reward/std"] = float(batch.rewards.std()) if len(batch.rewards) > 1 else 0.0
-        out["response_length/mean"] = float(batch.mask.sum(1).mean())
-        out["n_tokens"] = int(batch.mask.sum())
+    def _update(self, groups: list[Group], version_seen: int) -> dict:
+        """Train on the groups; lag is measured against ``version_seen``, the version this update starts from."""
+        out = self.updater.run(build_batch(groups, self.pad_id, version_seen))
+        self.state.kl_coef = self.updater.kl_coef
         return out
 
     def _gathered_state_dict(self) -> dict[str, torch.Tensor]:
+        """The policy's weights under the HF names (the value head stays in the trainer)."""
         if self.cfg.actor.zero_stage == 3:
-            return self.engine._zero3_consolidated_16bit_state_dict()
-        return self.engine.module.state_dict()
+            return policy_state_dict(self.engine._zero3_consolidated_16bit_state_dict())
+        return policy_state_dict(self.engine.module.state_dict())
 
     def _publish(self, version: int) -> float:
         t0 = time.monotonic()
@@ -304,6 +281,8 @@ class TrainerJob:
             log.info("training %d -> %d local updates on %d rank(s), R=%d groups each, K=%d, budget B=%d",
                      self.state.step, cfg.total_updates, self.world, cfg.groups_per_update,
                      cfg.async_training.trigger_parameter_sync_step, cfg.admission_budget)
+            self.updater = PolicyUpdate(cfg, self.engine, self.micro_per_mini, self.reference, self.state.kl_coef,
+                                        rank=self.rank, world=self.world)
             final_state = self._train()
         finally:
             self.heartbeat.stop(final_state)
@@ -322,7 +301,7 @@ class TrainerJob:
                     requeue_self()
                 return "preempted"
             t0 = time.monotonic()
-            upd = self._update(kept)
+            upd = self._update(kept, version_seen)
             update_s = time.monotonic() - t0
             self.state.step += 1
             self.state.consumed_groups += len(kept) + len(dropped)

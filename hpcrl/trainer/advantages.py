@@ -1,0 +1,145 @@
+"""Advantage estimators, chosen by ``algorithm.adv_estimator`` (verl's names and semantics).
+
+Inputs are padded ``[B, L]`` tensors over response tokens: ``token_rewards``
+(the trajectory's score on its last mask-1 token, minus a per-token KL penalty
+when ``use_kl_in_reward``), ``mask`` (1 = model token that is trained, 0 =
+tool/env token or padding) and, for GAE, ``values``. Outcome estimators use the
+trajectory score ``s_i = sum_t token_rewards[i, t]`` and ``group_index[i]``,
+the group (prompt) trajectory ``i`` belongs to. Every estimator returns
+``(advantages, returns)``, both ``[B, L]`` and zero where ``mask`` is 0.
+
+- ``gae``:  delta_t = r_t + gamma * V_{t+1} - V_t,  A_t = delta_t + gamma * lam * A_{t+1}
+  over mask-1 tokens only (a tool token is not a step: values and deltas skip
+  it), V after the last token = 0; returns R_t = A_t + V_t (the critic's
+  target); advantages are then whitened over the batch's mask-1 tokens.
+  With lam = 1: A_t = sum_k gamma^k r_{t+k} - V_t (discounted return minus value).
+- ``grpo``: A_i = (s_i - mean_g(s)) / (std_g(s) + eps) (unbiased std), or
+  s_i - mean_g(s) without ``norm_adv_by_std_in_grpo`` (Dr. GRPO).
+- ``rloo``: A_i = s_i - mean_{j in g, j != i} s_j = n/(n-1) * (s_i - mean_g(s)).
+- ``reinforce_plus_plus``: R_t = sum_k gamma^k r_{t+k} (mask-1 steps), then
+  whitened over the batch: A = (R - mean(R)) / sqrt(var(R) + 1e-8).
+- ``reinforce_plus_plus_baseline``: A_i = s_i - mean_g(s) on every token, then
+  whitened over the batch.
+
+Deviation from verl, on purpose: a group of one has no baseline, so grpo,
+rloo and the baseline variant give it advantage 0 (verl falls back to the raw
+score). The config refuses ``rollout.n < 2`` for these estimators anyway.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+"""Allowed values of ``algorithm.adv_estimator``."""
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) over mask-1 entries (unbiased var); mask-0 entries are 0."""
+    n = mask.sum()
+    if n < 2:
+        return torch.zeros_like(x)
+    mean = (x * mask).sum() / n
+    var = (((x - mean) * mask) ** 2).sum() / (n - 1)
+    return (x - mean) * torch.rsqrt(var + eps) * mask
+
+
+def place_scores(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B] scores -> [B, L] token rewards: the score sits on each row's last mask-1 token
+    (a row without one gets no reward: nothing of it is trained)."""
+    B, L = mask.shape
+    out = torch.zeros(B, L, dtype=torch.float32, device=mask.device)
+    pos = torch.arange(L, device=mask.device).expand(B, L)
+    last = torch.where(mask > 0, pos, torch.full_like(pos, -1)).max(dim=1).values
+    has = last >= 0
+    out[has.nonzero().squeeze(1), last[has]] = scores[has].float()
+    return out
+
+
+def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw (not whitened) GAE advantages and returns; mask-0 tokens are skipped, not stepped over."""
+    B, L = token_rewards.shape
+    adv = torch.zeros_like(token_rewards)
+    next_value = token_rewards.new_zeros(B)
+    next_adv = token_rewards.new_zeros(B)
+    for t in reversed(range(L)):
+        m = mask[:, t]
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        a = delta + gamma * lam * next_adv
+        adv[:, t] = a * m
+        next_value = torch.where(m > 0, values[:, t], next_value)
+        next_adv = torch.where(m > 0, a, next_adv)
+    returns = (adv + values) * mask
+    return adv, returns
+
+
+def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """R_t = sum_k gamma^k r_{t+k} over mask-1 steps: GAE with V = 0 and lam = 1."""
+    return gae(token_rewards, torch.zeros_like(token_rewards), mask, gamma, 1.0)[0]
+
+
+def _group_stats(scores: torch.Tensor, group_index: torch.Tensor):
+    """Per-trajectory group mean, unbiased group std (0 for a group of one) and group size."""
+    mean = torch.zeros_like(scores)
+    std = torch.zeros_like(scores)
+    size = torch.zeros_like(scores)
+    for g in torch.unique(group_index):
+        sel = group_index == g
+        s = scores[sel]
+        mean[sel] = s.mean()
+        std[sel] = s.std(unbiased=True) if s.numel() > 1 else 0.0
+        size[sel] = float(s.numel())
+    return mean, std, size
+
+
+def grpo(scores: torch.Tensor, group_index: torch.Tensor, norm_by_std: bool, eps: float = 1e-6) -> torch.Tensor:
+    """[B] GRPO advantages (zero for a group of one and for a group of equal scores)."""
+    mean, std, size = _group_stats(scores, group_index)
+    adv = scores - mean
+    if norm_by_std:
+        adv = adv / (std + eps)
+    return torch.where(size > 1, adv, torch.zeros_like(adv))
+
+
+def rloo(scores: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    """[B] leave-one-out advantages: s_i minus the mean of the other scores of its group."""
+    mean, _, size = _group_stats(scores, group_index)
+    n = size.clamp(min=2)
+    loo_mean = (mean * n - scores) / (n - 1)
+    return torch.where(size > 1, scores - loo_mean, torch.zeros_like(scores))
+
+
+def compute_advantages(estimator: str, token_rewards: torch.Tensor, mask: torch.Tensor, group_index: torch.Tensor,
+                       *, values: Optional[torch.Tensor] = None, gamma: float = 1.0, lam: float = 1.0,
+                       norm_adv_by_std_in_grpo: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(advantages, returns)`` for ``algorithm.adv_estimator`` (see the module docstring)."""
+    mask = mask.float()
+    token_rewards = token_rewards * mask
+    if estimator == "gae":
+        if values is None:
+            raise ValueError("gae needs values from the critic")
+        adv, returns = gae(token_rewards, values.float(), mask, gamma, lam)
+        return masked_whiten(adv, mask), returns
+    if estimator == "reinforce_plus_plus":
+        returns = discounted_returns(token_rewards, mask, gamma)
+        return masked_whiten(returns, mask), returns
+    scores = token_rewards.sum(dim=1)
+    if estimator == "grpo":
+        per_traj = grpo(scores, group_index, norm_adv_by_std_in_grpo)
+    elif estimator == "rloo":
+        per_traj = rloo(scores, group_index)
+    elif estimator == "reinforce_plus_plus_baseline":
+        mean, _, size = _group_stats(scores, group_index)
+        per_traj = torch.where(size > 1, scores - mean, torch.zeros_like(scores))
+    else:
+        raise ValueError(f"unknown advantage estimator {estimator!r}; allowed: {', '.join(ESTIMATORS)}")
+    adv = per_traj[:, None] * mask
+    if estimator == "reinforce_plus_plus_baseline":
+        adv = masked_whiten(adv, mask)
+    return adv, adv

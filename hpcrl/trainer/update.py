@@ -1,0 +1,185 @@
+"""One local update of the policy (and critic) on a batch of R groups.
+
+:meth:`PolicyUpdate.run` does, in order:
+
+1. **precompute** under ``no_grad``, with the weights at the start of this
+   update (before its first optimizer step), in micro-batch chunks:
+   the proximal log-probs ``prox_logp`` (when ``compute_prox_log_prob`` or
+   ``use_rollout_log_probs=false``), the critic's ``old_values`` (gae), and the
+   frozen reference model's ``ref_logp`` (when a KL term is on);
+2. **anchor**: ``logp_old = prox_logp`` if computed, else the engine's
+   ``behav_logp`` (bypass: the engine's policy is the PPO anchor);
+3. **correct**: importance weights pi_prox / mu, rejection and lag masks
+   (:mod:`hpcrl.trainer.offpolicy`) -> ``is_weights``, ``loss_mask``;
+4. **rewards**: the score on each trajectory's last model token, minus
+   beta * KL(anchor || reference) per token with ``use_kl_in_reward``
+   (then the KL controller updates beta);
+5. **advantages** (and returns) with ``algorithm.adv_estimator``;
+6. **train**: ``ppo_epochs`` passes over ``require_batches`` mini-batches; per
+   micro-batch: PPO loss (dual clip, IS weights) - entropy bonus + KL loss +
+   value loss, ``engine.backward``; DeepSpeed steps (and clips the gradient
+   norm) once per mini-batch.
+
+Per-token versions are in ``batch.token_versions`` / ``batch.token_lag``; the
+built-in use is ``rollout_correction.max_token_lag``, and any other lag
+weighting is one line in :meth:`PolicyUpdate.prepare` (see the README).
+"""
+from __future__ import annotations
+
+import torch
+
+from hpcrl.trainer import offpolicy
+from hpcrl.trainer.advantages import compute_advantages, masked_mean, place_scores
+from hpcrl.trainer.batch import Batch, forward
+from hpcrl.trainer.kl import apply_kl_in_reward, kl_estimate, make_controller
+from hpcrl.trainer.losses import agg_counts, agg_loss, ppo_policy_loss, value_loss
+
+
+def step_with_grad_norm(engine, last_norm: float) -> float:
+    """``engine.step()``; returns the global gradient norm *before* clipping if this was an
+    optimizer step, else ``last_norm``. DeepSpeed reports the norm for ZeRO >= 1 and bf16;
+    with ZeRO 0 in fp32 it clips with torch and drops the norm, so it is measured here."""
+    if not engine.is_gradient_accumulation_boundary():
+        engine.step()
+        return last_norm
+    norm = None
+    if engine.zero_optimization_stage() == 0 and not engine.bfloat16_enabled():
+        grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+        norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+    engine.step()
+    return norm if norm is not None else float(engine.get_global_grad_norm() or 0.0)
+
+
+class PolicyUpdate:
+    def __init__(self, cfg, engine, micro_per_mini: int, reference=None, kl_coef=None, rank: int = 0, world: int = 1):
+        self.cfg = cfg
+        self.engine = engine
+        self.micro_per_mini = micro_per_mini
+        self.rank, self.world = rank, world
+        self.reference = reference
+        self.kl_ctrl = make_controller(cfg.algorithm.kl_ctrl)
+        if kl_coef is not None:  # restored from a checkpoint (the adaptive controller's state)
+            self.kl_ctrl.value = float(kl_coef)
+
+    @property
+    def kl_coef(self) -> float:
+        return self.kl_ctrl.value
+
+    def run(self, batch: Batch) -> dict:
+        batch = batch.to(self.engine.device)
+        stats = self.prepare(batch)
+        stats.update(self.train(batch))
+        stats.update({"reward/mean": float(batch.rewards.mean()),
+                      "reward/std": float(batch.rewards.std()) if len(batch) > 1 else 0.0,
+                      "response_length/mean": float(batch.mask.sum(1).mean()), "n_tokens": batch.n_tokens})
+        return stats
+
+    # ---- steps 1-5
+    @torch.no_grad()
+    def _precompute(self, batch: Batch) -> None:
+        cfg = self.cfg
+        need_trainer = cfg.uses_prox_log_prob or cfg.algorithm.adv_estimator == "gae"
+        rows = cfg.actor.ppo_micro_batch_size * cfg.rollout.n
+        prox, values, ref = [], [], []
+        for r0 in range(0, len(batch), rows):
+            chunk = batch.slice(slice(r0, r0 + rows))
+            if need_trainer:
+                logp, _, v = forward(self.engine.module, chunk, cfg.actor.temperature)
+                prox.append(logp.float())
+                values.append(v)
+            if self.reference is not None:
+                ref.append(forward(self.reference, chunk, cfg.actor.temperature)[0].float())
+        if cfg.uses_prox_log_prob:
+            batch.prox_logp = torch.cat(prox)
+        if cfg.algorithm.adv_estimator == "gae":
+            batch.old_values = torch.cat(values).float()
+        if self.reference is not None:
+            batch.ref_logp = torch.cat(ref)
+
+    def prepare(self, batch: Batch) -> dict:
+        cfg, alg = self.cfg, self.cfg.algorithm
+        self._precompute(batch)
+        batch.logp_old = batch.prox_logp if batch.prox_logp is not None else batch.behav_logp
+        rc = alg.rollout_correction
+        batch.is_weights, batch.loss_mask, stats = offpolicy.correct(
+            batch.mask, prox_logp=batch.prox_logp, behav_logp=batch.behav_logp, token_lag=batch.token_lag,
+            rollout_is=rc.rollout_is, rollout_is_threshold=rc.rollout_is_threshold, rollout_rs=rc.rollout_rs,
+            rollout_rs_threshold=rc.rollout_rs_threshold, rollout_rs_threshold_lower=rc.rollout_rs_threshold_lower,
+            rollout_token_veto_threshold=rc.rollout_token_veto_threshold, max_token_lag=rc.max_token_lag)
+        token_rewards = place_scores(batch.rewards, batch.mask)
+        if alg.use_kl_in_reward:
+            token_rewards, kl_stats = apply_kl_in_reward(token_rewards, batch.logp_old, batch.ref_logp, batch.mask,
+                                                         alg.kl_penalty, self.kl_ctrl)
+            stats.update(kl_stats)
+        batch.advantages, batch.returns = compute_advantages(
+            alg.adv_estimator, token_rewards, batch.mask, batch.group_index, values=batch.old_values,
+            gamma=alg.gamma, lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo)
+        m = batch.mask
+        stats["critic/advantages/mean"] = float(masked_mean(batch.advantages, m))
+        stats["critic/advantages/max"] = float(batch.advantages[m > 0].max()) if bool((m > 0).any()) else 0.0
+        stats["critic/advantages/min"] = float(batch.advantages[m > 0].min()) if bool((m > 0).any()) else 0.0
+        if batch.old_values is not None:
+            stats["critic/values/mean"] = float(masked_mean(batch.old_values, m))
+            stats["critic/returns/mean"] = float(masked_mean(batch.returns, m))
+        return stats
+
+    # ---- step 6
+    def _micro_loss(self, micro: Batch, counts: tuple[int, int], critic_counts: tuple[int, int]
+                    ) -> tuple[torch.Tensor, dict]:
+        cfg, actor = self.cfg, self.cfg.actor
+        logp, entropy, values = forward(self.engine, micro, actor.temperature, entropy=True)
+        mode, lm = actor.loss_agg_mode, micro.loss_mask
+        clip_low = actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio
+        clip_high = actor.clip_ratio_high if actor.clip_ratio_high is not None else actor.clip_ratio
+        pg, stats = ppo_policy_loss(logp, micro.logp_old, micro.advantages, lm, clip_low=clip_low,
+                                    clip_high=clip_high, clip_ratio_c=actor.clip_ratio_c, weights=micro.is_weights,
+                                    mode=mode, n_tokens=counts[0], n_seqs=counts[1])
+        ent = agg_loss(entropy, lm, mode, *counts)
+        total = pg - actor.entropy_coeff * ent if actor.entropy_coeff > 0 else pg
+        shares = {"actor/pg_loss": pg.item(), "actor/entropy": ent.item()}
+        if actor.use_kl_loss:
+            kl = agg_loss(kl_estimate(logp, micro.ref_logp, actor.kl_loss_type), lm, mode, *counts)
+            total = total + actor.kl_loss_coef * kl
+            shares["actor/kl_loss"] = kl.item()
+        if values is not None:
+            vf, vstats = value_loss(values, micro.old_values, micro.returns, micro.mask, cfg.critic.cliprange_value,
+                                    mode, *critic_counts)
+            total = total + cfg.critic.vf_coef * vf
+            shares["critic/vf_loss"] = vf.item()
+            stats.update(vstats)
+        return total, {"shares": shares, "means": stats}
+
+    def train(self, batch: Batch) -> dict:
+        cfg = self.cfg
+        rows_per_mini = cfg.actor.ppo_mini_batch_size * cfg.rollout.n
+        rows_per_rank = rows_per_mini // self.world
+        rows_per_micro = cfg.actor.ppo_micro_batch_size * cfg.rollout.n
+        sums: dict[str, float] = {}
+        means: dict[str, list[float]] = {}
+        n_minis, grad_norm = 0, 0.0
+        for _ in range(cfg.actor.ppo_epochs):
+            for m0 in range(0, len(batch), rows_per_mini):
+                mini = batch.slice(slice(m0, m0 + rows_per_mini))
+                counts, critic_counts = agg_counts(mini.loss_mask), agg_counts(mini.mask)
+                # each trainer rank trains on its equal share of the mini-batch
+                mine = mini.slice(slice(self.rank * rows_per_rank, (self.rank + 1) * rows_per_rank))
+                for u0 in range(0, len(mine), rows_per_micro):
+                    micro = mine.slice(slice(u0, u0 + rows_per_micro))
+                    loss, s = self._micro_loss(micro, counts, critic_counts)
+                    # DeepSpeed divides by gradient_accumulation_steps and averages over ranks; undo
+                    # both: the micro losses of all ranks, normalised by the whole mini-batch's
+                    # counts, add up to the mini-batch loss.
+                    self.engine.backward(loss * self.micro_per_mini * self.world)
+                    grad_norm = step_with_grad_norm(self.engine, grad_norm)
+                    for k, v in s["shares"].items():
+                        sums[k] = sums.get(k, 0.0) + v
+                    for k, v in s["means"].items():
+                        means.setdefault(k, []).append(v)
+                n_minis += 1
+        out = {k: v / max(n_minis, 1) for k, v in sums.items()}
+        for k, vs in means.items():
+            out[k] = max(vs) if k.endswith("_max") else min(vs) if k.endswith("_min") else sum(vs) / len(vs)
+        out["actor/grad_norm"] = grad_norm  # of the last mini-batch, before clipping
+        if cfg.actor.use_kl_loss:
+            out["actor/kl_coef"] = cfg.actor.kl_loss_coef
+        return out

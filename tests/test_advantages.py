@@ -1,0 +1,132 @@
+"""Advantage estimators against their definitions on hand-made tensors, edge cases included."""
+import pytest
+import torch
+
+from hpcrl.trainer.advantages import (compute_advantages, discounted_returns, gae, grpo, masked_whiten, place_scores,
+                                      rloo)
+
+
+def reference_discounted(r, mask, gamma):
+    """Loop form of the definition: R_t = sum over later mask-1 steps k of gamma^(steps) r_k."""
+    B, L = r.shape
+    out = torch.zeros(B, L)
+    for b in range(B):
+        steps = [t for t in range(L) if mask[b, t] > 0]
+        for i, t in enumerate(steps):
+            out[b, t] = sum(gamma ** j * r[b, k] for j, k in enumerate(steps[i:]))
+    return out
+
+
+def test_gae_with_lambda_one_is_discounted_return_minus_value():
+    torch.manual_seed(0)
+    r = torch.randn(3, 5)
+    v = torch.randn(3, 5)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 1, 0], [1, 1, 1, 0, 0]], dtype=torch.float32)
+    r = r * mask
+    for gamma in (1.0, 0.9):
+        adv, ret = gae(r, v, mask, gamma=gamma, lam=1.0)
+        want = (reference_discounted(r, mask, gamma) - v) * mask
+        torch.testing.assert_close(adv, want)
+        torch.testing.assert_close(ret, (adv + v) * mask)
+
+
+def test_gae_with_lambda_zero_is_the_one_step_td_error():
+    r = torch.tensor([[0.0, 0.0, 1.0]])
+    v = torch.tensor([[0.2, 0.5, 0.7]])
+    mask = torch.ones(1, 3)
+    adv, _ = gae(r, v, mask, gamma=0.9, lam=0.0)
+    want = torch.tensor([[0.0 + 0.9 * 0.5 - 0.2, 0.0 + 0.9 * 0.7 - 0.5, 1.0 + 0.0 - 0.7]])
+    torch.testing.assert_close(adv, want)
+
+
+def test_gae_skips_tool_tokens_instead_of_stepping_over_them():
+    """A mask-0 token in the middle is not a step: the tokens around it chain directly."""
+    r = torch.tensor([[0.0, 5.0, 1.0]])  # the 5.0 on the tool token must be ignored
+    v = torch.tensor([[0.3, 9.0, 0.6]])
+    mask = torch.tensor([[1.0, 0.0, 1.0]])
+    adv, _ = gae(r * mask, v, mask, gamma=0.5, lam=1.0)
+    torch.testing.assert_close(adv, torch.tensor([[0.5 * 1.0 - 0.3, 0.0, 1.0 - 0.6]]))
+
+
+def test_place_scores_puts_the_score_on_the_last_model_token():
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 1, 1], [0, 0, 0, 0]], dtype=torch.float32)
+    tr = place_scores(torch.tensor([1.0, 2.0, 3.0]), mask)
+    torch.testing.assert_close(tr, torch.tensor([[0, 0, 1.0, 0], [0, 0, 0, 2.0], [0, 0, 0, 0]]))
+
+
+def test_grpo_is_zero_mean_within_each_group_and_unit_std_when_normalised():
+    s = torch.tensor([1.0, 0.0, 0.5, 3.0, 3.0, 1.0])
+    g = torch.tensor([0, 0, 0, 1, 1, 1])
+    a = grpo(s, g, norm_by_std=True)
+    for k in (0, 1):
+        assert abs(float(a[g == k].mean())) < 1e-6
+        assert abs(float(a[g == k].std()) - 1.0) < 1e-4
+    torch.testing.assert_close(grpo(s, g, norm_by_std=False)[:3], s[:3] - s[:3].mean())
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_grpo_equal_rewards_and_a_group_of_one_give_zero(norm):
+    a = grpo(torch.tensor([2.0, 2.0, 5.0]), torch.tensor([0, 0, 1]), norm_by_std=norm)
+    torch.testing.assert_close(a, torch.zeros(3))
+
+
+def test_rloo_uses_the_leave_one_out_mean():
+    s = torch.tensor([1.0, 0.0, 0.5, 0.25, 4.0, 2.0])
+    g = torch.tensor([0, 0, 0, 0, 1, 1])
+    a = rloo(s, g)
+    for i in range(6):
+        others = [float(s[j]) for j in range(6) if g[j] == g[i] and j != i]
+        assert abs(float(a[i]) - (float(s[i]) - sum(others) / len(others))) < 1e-6
+    # the closed form n/(n-1) * (s - mean)
+    torch.testing.assert_close(a[:4], 4 / 3 * (s[:4] - s[:4].mean()))
+
+
+def test_rloo_equal_rewards_and_a_group_of_one_give_zero():
+    torch.testing.assert_close(rloo(torch.tensor([0.3, 0.3, 0.3, 7.0]), torch.tensor([0, 0, 0, 1])), torch.zeros(4))
+
+
+def test_reinforce_plus_plus_whitens_the_discounted_return_over_the_batch():
+    torch.manual_seed(1)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 1, 1]], dtype=torch.float32)
+    tr = place_scores(torch.tensor([1.0, 0.0, 0.5]), mask)
+    adv, ret = compute_advantages("reinforce_plus_plus", tr, mask, torch.tensor([0, 0, 1]), gamma=0.9)
+    torch.testing.assert_close(ret, reference_discounted(tr, mask, 0.9))
+    torch.testing.assert_close(ret, discounted_returns(tr, mask, 0.9))
+    sel = adv[mask > 0]
+    assert abs(float(sel.mean())) < 1e-6 and abs(float(sel.std()) - 1.0) < 1e-4
+    assert torch.all(adv[mask == 0] == 0)
+
+
+def test_reinforce_plus_plus_baseline_subtracts_the_group_mean_then_whitens():
+    mask = torch.ones(4, 2)
+    s = torch.tensor([1.0, 0.0, 0.2, 0.6])
+    g = torch.tensor([0, 0, 1, 1])
+    adv, _ = compute_advantages("reinforce_plus_plus_baseline", place_scores(s, mask), mask, g)
+    centred = torch.tensor([0.5, -0.5, -0.2, 0.2])[:, None].expand(4, 2)
+    torch.testing.assert_close(adv, masked_whiten(centred, mask))
+
+
+@pytest.mark.parametrize("est", ["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"])
+def test_estimators_broadcast_to_model_tokens_only_and_survive_an_empty_mask(est):
+    mask = torch.tensor([[1, 1, 0], [1, 0, 1], [0, 0, 0], [1, 1, 1]], dtype=torch.float32)
+    s = torch.tensor([1.0, 0.0, 0.7, 0.3])
+    g = torch.tensor([0, 0, 1, 1])
+    values = torch.full((4, 3), 0.1)
+    adv, ret = compute_advantages(est, place_scores(s, mask), mask, g, values=values)
+    assert torch.isfinite(adv).all() and torch.isfinite(ret).all()
+    assert torch.all(adv[mask == 0] == 0), "masked tokens get no advantage"
+    assert torch.all(adv[2] == 0), "a trajectory with no model token gets nothing"
+    if est in ("grpo", "rloo"):
+        assert float(adv[0, 0]) > 0 > float(adv[1, 0]) and adv[0, 0] == adv[0, 1]
+
+
+@pytest.mark.parametrize("est", ["grpo", "rloo", "reinforce_plus_plus_baseline"])
+def test_all_equal_rewards_give_no_signal(est):
+    mask = torch.ones(4, 3)
+    adv, _ = compute_advantages(est, place_scores(torch.full((4,), 0.5), mask), mask, torch.tensor([0, 0, 1, 1]))
+    torch.testing.assert_close(adv, torch.zeros(4, 3))
+
+
+def test_whiten_of_fewer_than_two_tokens_is_zero_not_nan():
+    assert torch.all(masked_whiten(torch.tensor([[3.0, 1.0]]), torch.tensor([[1.0, 0.0]])) == 0)
+    assert torch.all(masked_whiten(torch.zeros(2, 2), torch.zeros(2, 2)) == 0)
