@@ -102,7 +102,9 @@ def test_sbatch_two_rank_trainer_and_two_rollout_tasks(slurm, tmp_path):
     run = tmp_path / "run"
     trainer_id, array_id = submit_sbatch(slurm, run, "resources.rollout_jobs=2", "resources.trainer.tasks_per_node=2",
                                          "actor.zero_stage=3", "actor.ppo_micro_batch_size=2",
-                                         "rollout.total_rollout_steps=400", "async_training.staleness_threshold=0.5")
+                                         "rollout.total_rollout_steps=400", "async_training.staleness_threshold=0.5",
+                                         # value head + frozen reference across 2 ZeRO-3 ranks
+                                         "algorithm.adv_estimator=gae", "actor.use_kl_loss=true")
     rd = RunDir(run)
     wait_until(lambda: read_json(rd.trainer_done), 400, "trainer_done.json")
     wait_until(lambda: not squeue_ids(slurm) & {trainer_id, f"{array_id}_0", f"{array_id}_1"}, 90, "jobs to leave")
@@ -118,7 +120,7 @@ def test_sbatch_two_rank_trainer_and_two_rollout_tasks(slurm, tmp_path):
     for v, consumed in consumed_at.items():
         started = int((groups.version_start <= v).sum())
         assert started <= consumed + cfg.admission_budget, f"version {v}: {started} groups > {consumed} + B"
-    reward_rises(rd)
+    reward_rises(rd, margin=0.1)
     check_exactly_once(rd, cfg.rollout.max_concurrent_groups)
 
 

@@ -250,6 +250,10 @@ class RolloutJob:
                     waiting_since = None
             if final_state != "preempted":
                 final_state = "done"
+        except BaseException as e:
+            if not isinstance(e, SystemExit):
+                log.exception("rollout %s failed", self.writer)  # into RUN/logs/jobs/, where the launcher looks
+            raise
         finally:
             self._shutdown(final_state)
 

@@ -209,7 +209,8 @@ class TrainerJob:
     def _gathered_state_dict(self) -> dict[str, torch.Tensor]:
         """The policy's weights under the HF names (the value head stays in the trainer)."""
         if self.cfg.actor.zero_stage == 3:
-            return policy_state_dict(self.engine._zero3_consolidated_16bit_state_dict())
+            # gathered on rank 0 only; the other ranks get None
+            return policy_state_dict(self.engine._zero3_consolidated_16bit_state_dict() or {})
         return policy_state_dict(self.engine.module.state_dict())
 
     def _publish(self, version: int) -> float:
@@ -284,6 +285,10 @@ class TrainerJob:
             self.updater = PolicyUpdate(cfg, self.engine, self.micro_per_mini, self.reference, self.state.kl_coef,
                                         rank=self.rank, world=self.world)
             final_state = self._train()
+        except BaseException as e:
+            if not isinstance(e, SystemExit):
+                log.exception("trainer rank %d failed", self.rank)  # into RUN/logs/jobs/, where the launcher looks
+            raise
         finally:
             self.heartbeat.stop(final_state)
 
