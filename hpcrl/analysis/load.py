@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import pandas as pd
 import yaml
 
@@ -124,8 +125,9 @@ class RunData:
         want = columns or REQUIRED[log_name]
         return [c for c in want if c in self.missing.get(log_name, [])]
 
-    def unavailable(self, what: str, **needs: list[str]) -> Optional[str]:
-        """A sentence saying why ``what`` cannot be shown, or None if every needed column is there."""
+    def unavailable(self, what: str, partial: bool = False, **needs: list[str]) -> Optional[str]:
+        """A sentence saying why ``what`` cannot be shown (``partial``: only in part), or None
+        if every needed column is there."""
         gaps = []
         for log_name, cols in needs.items():
             frame = {"staleness": self.staleness, "metrics": self.metrics, "rollout": self.rollout}[log_name]
@@ -135,6 +137,8 @@ class RunData:
                 gaps.append(f"{_LOG_PATHS[log_name]} lacks {', '.join(self.lacks(log_name, *cols))}")
         if not gaps:
             return None
+        if partial:
+            return f"{what}: incomplete ({'; '.join(gaps)}); what the logs do have is shown."
         return f"{what}: not available ({'; '.join(gaps)})."
 
 
@@ -220,8 +224,8 @@ def _frame(rows: list[dict], required: list[str], name: str, missing: dict) -> p
         gaps = [c for c in required if c not in df.columns]
         if gaps:
             missing[name] = gaps
-        for c in gaps:
-            df[c] = pd.NA
+        for c in gaps:  # absent in an older format: NaN (numbers) or "" (text), so sums say n/a instead of failing
+            df[c] = "" if c in ("dropped", "writer", "shard", "sample_id", "group_id") else np.nan
     else:
         df = pd.DataFrame(columns=required)
     return df

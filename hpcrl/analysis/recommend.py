@@ -43,12 +43,12 @@ def _min_s_for_full_update(k: Knobs) -> float:
     return k.groups_per_update / kr
 
 
-def recommend(t: float, r: float, k: Optional[Knobs]) -> Recommendation:
+def recommend(t: float, r: float, k: Optional[Knobs], why_unknown: str = "") -> Recommendation:
     """The recommendation for trainer idle ratio ``t`` and rollout idle ratio ``r``."""
     if math.isnan(t) or math.isnan(r):
         have = "trainer" if not math.isnan(t) else "rollout" if not math.isnan(r) else "neither side"
-        return Recommendation("unknown", f"No recommendation: idle ratios are known for {have} only "
-                                         "(the run has not logged both sides yet).")
+        return Recommendation("unknown", f"No recommendation: the idle ratio is known for {have} only "
+                                         f"({why_unknown or 'the run has not logged both sides yet'}).")
     nums = f"trainer idle {t:.2f} (share of its time waiting for samples), rollout idle {r:.2f} " \
            f"(share of its time with nothing in flight, waiting for weights or budget)"
     if t > HIGH and r > HIGH:
@@ -90,7 +90,7 @@ def recommend(t: float, r: float, k: Optional[Knobs]) -> Recommendation:
 
 def recommend_run(data: RunData) -> Recommendation:
     m, ro = data.metrics, data.rollout
-    t = tables.trainer_idle(m) if not m.empty and not data.lacks("metrics", "timing_s/wait_samples") else math.nan
-    r = tables.rollout_idle(ro) if not ro.empty and not data.lacks("rollout", "wall_s", "rollouter/idle_ratio") \
-        else math.nan
-    return recommend(t, r, data.knobs)
+    t, r = tables.trainer_idle(m) if not m.empty else math.nan, tables.rollout_idle(ro) if not ro.empty else math.nan
+    why = [data.unavailable("trainer idle ratio", metrics=tables.STEP_PARTS),
+           data.unavailable("rollout idle ratio", rollout=["wall_s", "rollouter/idle_ratio"])]
+    return recommend(t, r, data.knobs, " ".join(w.rstrip(".") for w in why if w))

@@ -31,7 +31,7 @@ class Report:
     runs: list[RunData]
     plots: list[Path] = field(default_factory=list)
     failed_plots: list[str] = field(default_factory=list)
-    """'path: error' for plots that could not be drawn (the report says so where they belong)."""
+    """Plots or sections that could not be drawn, with the error (the report says so where they belong)."""
 
 
 def _unique_names(paths: list[Path]) -> list[str]:
@@ -55,45 +55,47 @@ def _plot(doc: Doc, rep: Report, draw, out: Path, rel: str, alt: str, *args) -> 
         doc.para(f"(plot `{out.name}` could not be drawn: {e!r})")
 
 
-def _run_section(doc: Doc, rep: Report, d: RunData, out_dir: Path, level: int) -> None:
-    rel = d.name
-    sub = level + 1
-    img = lambda name, alt: _plot(doc, rep, plots.PLOTS[name], out_dir / rel / name, f"{rel}/{name}", alt, d)  # noqa: E731
+class _Section:
+    """Context for one run's sections: where its plots go and how they are linked."""
 
-    doc.para(f"Run directory `{d.root}`; {'finished' if d.finished else 'NOT finished'}; "
-             + (d.knobs.describe() if d.knobs else "knobs unknown") + ".")
-    doc.para("**Recommendation:** " + recommend_run(d).line)
-    if d.notes:
-        doc.heading(sub, "Notes")
-        doc.bullets(d.notes)
+    def __init__(self, doc: Doc, rep: Report, d: RunData, out_dir: Path):
+        self.doc, self.rep, self.d, self.out_dir = doc, rep, d, out_dir
 
-    doc.heading(sub, "Lag")
-    why = d.unavailable("Lag", staleness=["group_id", "lag", "n_tokens", "sample_id"])
+    def img(self, name: str, alt: str) -> None:
+        _plot(self.doc, self.rep, plots.PLOTS[name], self.out_dir / self.d.name / name, f"{self.d.name}/{name}", alt,
+              self.d)
+
+
+def _lag(x: _Section) -> None:
+    d, doc = x.d, x.doc
+    why = d.unavailable("Lag", staleness=["group_id", "lag", "n_tokens", "sample_id", "trainer_step"])
     if why:
-        doc.para(why)
-    else:
-        doc.table(tables.lag_table(d))
-        doc.para("Lag = trainer version when it took the group - version that generated its oldest token. Groups by "
-                 "their largest trajectory lag, tokens by their trajectory's lag."
-                 + (f" The admission budget bounds it by {d.knobs.max_lag_bound} (one writer)." if d.knobs else ""))
-        img("lag_distribution.png", "lag distribution")
-        img("lag_over_time.png", "lag over time")
+        return doc.para(why)
+    doc.table(tables.lag_table(d))
+    doc.para("Lag = trainer version when it took the group - version that generated its oldest token. Groups by "
+             "their largest trajectory lag, tokens by their trajectory's lag."
+             + (f" The admission budget bounds it by {d.knobs.max_lag_bound} (one writer)." if d.knobs else ""))
+    x.img("lag_distribution.png", "lag distribution")
+    x.img("lag_over_time.png", "lag over time")
 
-    doc.heading(sub, "Partial rollout spans")
-    why = d.unavailable("Partial spans", staleness=["version_start", "version_end"])
+
+def _partial(x: _Section) -> None:
+    d, doc = x.d, x.doc
+    why = d.unavailable("Partial spans", staleness=["version_start", "version_end", "n_tokens"])
     if why:
-        doc.para(why)
+        return doc.para(why)
+    pt = tables.partial_table(d)
+    if len(pt) and (pt["span (versions)"] == 0).all():
+        doc.para(f"None: all {int(pt['trajectories'].sum())} trained trajectories were generated under one "
+                 "weight version (version_end = version_start; partial rollout is off or not implemented).")
     else:
-        pt = tables.partial_table(d)
-        if len(pt) and (pt["span (versions)"] == 0).all():
-            doc.para(f"None: all {int(pt['trajectories'].sum())} trained trajectories were generated under one "
-                     "weight version (version_end = version_start; partial rollout is off or not implemented).")
-        else:
-            doc.table(pt)
-        img("partial_spans.png", "partial rollout spans")
+        doc.table(pt)
+    x.img("partial_spans.png", "partial rollout spans")
 
-    doc.heading(sub, "Idle ratios per version")
-    why = d.unavailable("Idle ratios", metrics=tables.STEP_PARTS + ["param_version"],
+
+def _idle(x: _Section) -> None:
+    d, doc = x.d, x.doc
+    why = d.unavailable("Idle ratios", partial=True, metrics=tables.STEP_PARTS + ["param_version"],
                         rollout=["wall_s", "rollouter/idle_ratio", "param_version"])
     if why:
         doc.para(why)
@@ -101,28 +103,39 @@ def _run_section(doc: Doc, rep: Report, d: RunData, out_dir: Path, level: int) -
     doc.para("Per range of weight versions: trainer idle = share of its time waiting for samples while it held those "
              "versions; rollout idle = share of time with no group in flight while generating with them (both "
              "time-weighted); lag of the groups the trainer took then; mean reward of the trajectories they generated.")
-    img("idle_ratios.png", "idle ratios per version")
+    x.img("idle_ratios.png", "idle ratios per version")
 
-    doc.heading(sub, "Timeline: generation, training, weight sync")
+
+def _timeline(x: _Section) -> None:
+    d, doc = x.d, x.doc
+    why = d.unavailable("Timeline", partial=True, metrics=tables.STEP_PARTS + ["time_s"],
+                        staleness=["created_s", "finished_s", "committed_s", "consumed_s"])
+    if why:
+        doc.para(why)
     doc.table(tables.timing_table(d))
     doc.table(tables.group_life_table(d))
     doc.para("Group life: `created_s`, `finished_s`, `committed_s` from the staleness log; taken = end of the "
              "update's wait (metrics `time_s` - `timing_s/param_sync` - `timing_s/update`); `consumed_s` is stamped "
              "after the update and its weight publish.")
-    img("timeline.png", "timeline")
+    x.img("timeline.png", "timeline")
 
-    doc.heading(sub, "Throughput and queue")
-    doc.table(tables.throughput_table(d))
-    doc.table(tables.queue_depth_table(d))
-    img("throughput.png", "throughput and queue depth")
 
-    doc.heading(sub, "Reward")
-    row = tables.summary_row(d)
-    doc.para(f"Final reward {row['final reward']:.3f} (mean `reward/mean` of the last "
-             f"{tables.final_window(len(d.metrics))} update(s)).")
-    img("reward.png", "reward against version and wall time")
+def _throughput(x: _Section) -> None:
+    doc = x.doc
+    doc.table(tables.throughput_table(x.d))
+    doc.table(tables.queue_depth_table(x.d))
+    x.img("throughput.png", "throughput and queue depth")
 
-    doc.heading(sub, "Samples dropped")
+
+def _reward(x: _Section) -> None:
+    row = tables.summary_row(x.d)
+    x.doc.para(f"Final reward {row['final reward']:.3f} (mean `reward/mean` of the last "
+               f"{tables.final_window(len(x.d.metrics))} update(s)).")
+    x.img("reward.png", "reward against version and wall time")
+
+
+def _drops(x: _Section) -> None:
+    d, doc = x.d, x.doc
     dt = tables.drops_table(d)
     if dt.empty:
         ms = d.knobs.max_staleness if d.knobs else None
@@ -130,7 +143,30 @@ def _run_section(doc: Doc, rep: Report, d: RunData, out_dir: Path, level: int) -
                  "shard was damaged (`fully_async/count/corrupt_groups_skipped` 0).")
     else:
         doc.table(dt)
-    img("drops.png", "samples dropped and why")
+    x.img("drops.png", "samples dropped and why")
+
+
+SECTIONS = [("Lag", _lag), ("Partial rollout spans", _partial), ("Idle ratios per version", _idle),
+            ("Timeline: generation, training, weight sync", _timeline), ("Throughput and queue", _throughput),
+            ("Reward", _reward), ("Samples dropped", _drops)]
+
+
+def _run_section(doc: Doc, rep: Report, d: RunData, out_dir: Path, level: int) -> None:
+    doc.para(f"Run directory `{d.root}`; {'finished' if d.finished else 'NOT finished'}; "
+             + (d.knobs.describe() if d.knobs else "knobs unknown") + ".")
+    doc.para("**Recommendation:** " + recommend_run(d).line)
+    if d.notes:
+        doc.heading(level + 1, "Notes")
+        doc.bullets(d.notes)
+    x = _Section(doc, rep, d, out_dir)
+    for title, build in SECTIONS:
+        doc.heading(level + 1, title)
+        try:
+            build(x)
+        except Exception as e:  # data we did not foresee: say so in place, keep the other sections
+            log.exception("report section %r of %s failed", title, d.root)
+            rep.failed_plots.append(f"section {title!r} of {d.name}: {e!r}")
+            doc.para(f"(this section could not be built from the logs: {e!r})")
 
 
 def build_report(run_dirs: list, out_dir, names: list[str] | None = None) -> Report:

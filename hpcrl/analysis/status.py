@@ -141,14 +141,18 @@ class StatusView:
         if self.knobs:
             lines.append("run: " + self.knobs.describe())
         lines += self.notes
-        lines.append(_progress(m, self.knobs, done, now))
+        stopped = done is None and bool(jobs) and not any(j.alive for j in jobs)
+        lines.append(_progress(m, self.knobs, done, stopped))
         lines.append("")
-        lines.append(f"{'job':<14}{'state':<17}{'version':>8}  {'heartbeat':>12}  {'idle':>5}  detail")
+        lines.append(f"{'job':<14}{'state':<22}{'version':>8}  {'heartbeat':>12}  {'idle':>5}  detail")
         last = m[-1] if m else {}
         for j in jobs:
             age = f"{j.age_s:.1f}s ago" if j.age_s < 600 else f"{j.age_s / 60:.0f}min ago"
             state = j.state + (f" {j.flag}" if j.flag else "")
             if j.job == "trainer":
+                if last:  # the heartbeat file is rewritten every few seconds; the metrics row is newer
+                    published = last.get("timing_s/param_sync", 0) > 0
+                    j.version = max(j.version, int(last.get("param_version", -1)) + int(published))
                 idle = _recent_trainer_idle(m)
                 detail = (f"update {last.get('step', 0)}, {last.get('consumed_groups', 0)} groups consumed"
                           if last else "no update logged yet")
@@ -159,7 +163,7 @@ class StatusView:
                 tps = rows[-1].get("throughput/tokens_per_s") if rows else None
                 detail = f"{committed.get(w, 0)} groups committed" + (f", {tps:.0f} tokens/s" if tps else "")
             idle_s = f"{idle:.2f}" if isinstance(idle, (int, float)) else "-"
-            lines.append(f"{j.job:<14}{state:<17}{'v' + str(j.version):>8}  {age:>12}  {idle_s:>5}  {detail}")
+            lines.append(f"{j.job:<14}{state:<22}{'v' + str(j.version):>8}  {age:>12}  {idle_s:>5}  {detail}")
             if j.flag == "GONE":
                 lines.append(f"{'':14}process {j.pid} is not running on {j.host} (killed or crashed)")
             elif j.flag == "STALE":
@@ -184,7 +188,7 @@ class StatusView:
             lines.append(f"run finished: {done.get('trainer_step')} updates, version {done.get('param_version')}, "
                          f"{done.get('consumed_groups')} groups consumed")
             return "\n".join(lines), 0
-        if jobs and not any(j.alive for j in jobs):
+        if stopped:
             lines.append(f"run stopped before finishing: no job alive and no {self.rd.trainer_done.name}; "
                          f"resume with `hpcrl run --resume --run-dir {self.rd.root}`")
             return "\n".join(lines), 1
@@ -203,7 +207,7 @@ def _recent_trainer_idle(m: list[dict]) -> Optional[float]:
     return wait / total if total > 0 else None
 
 
-def _progress(m: list[dict], knobs: Optional[Knobs], done: Optional[dict], now: float) -> str:
+def _progress(m: list[dict], knobs: Optional[Knobs], done: Optional[dict], stopped: bool) -> str:
     step = int(m[-1].get("step", 0)) if m else 0
     if knobs is None:
         return f"trainer: {step} updates (total unknown)"
@@ -212,6 +216,8 @@ def _progress(m: list[dict], knobs: Optional[Knobs], done: Optional[dict], now: 
     bar = "#" * int(round(frac * BAR_WIDTH)) + "." * (BAR_WIDTH - int(round(frac * BAR_WIDTH)))
     if done is not None:
         eta = "done"
+    elif stopped:
+        eta = "stopped (no job alive)"
     elif len(m) >= 2:
         recent = m[-RECENT:]
         per_update = (recent[-1]["time_s"] - recent[0]["time_s"]) / max(len(recent) - 1, 1)

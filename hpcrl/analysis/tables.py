@@ -27,11 +27,11 @@ STEP_PARTS = ["timing_s/wait_samples", "timing_s/update", "timing_s/param_sync"]
 
 def step_seconds(m: pd.DataFrame) -> pd.Series:
     """Trainer seconds per local update: wait for samples + update + weight sync."""
-    return m[STEP_PARTS].astype(float).sum(axis=1)
+    return m[STEP_PARTS].astype(float).sum(axis=1, skipna=False)  # a part missing = unknown, not 0
 
 
 def trainer_idle(m: pd.DataFrame) -> float:
-    total = step_seconds(m).sum()
+    total = step_seconds(m).sum(min_count=1)
     return float(m["timing_s/wait_samples"].astype(float).sum() / total) if total > 0 else math.nan
 
 
@@ -140,7 +140,7 @@ def timing_table(data: RunData) -> pd.DataFrame:
         parts.update({"rollout: wall per version": ro["wall_s"],
                       "rollout: load weights": ro["timing_s/load_weights"]})
     rows = [{"part": k, "count": int(len(v)), "mean (s)": v.astype(float).mean(), "p90 (s)": v.astype(float).quantile(0.9),
-             "max (s)": v.astype(float).max(), "total (s)": v.astype(float).sum()} for k, v in parts.items()]
+             "max (s)": v.astype(float).max(), "total (s)": v.astype(float).sum(min_count=1)} for k, v in parts.items()]
     return pd.DataFrame(rows)
 
 
@@ -150,9 +150,9 @@ def throughput_table(data: RunData) -> pd.DataFrame:
     rows = []
     m = data.metrics
     if not m.empty:
-        secs = float(step_seconds(m).sum())
+        secs = float(step_seconds(m).sum(min_count=1))
         toks = int(m["n_tokens"].sum())
-        rows.append({"side": "trainer", "tokens": toks, "seconds": secs, "tokens/s": toks / secs if secs else math.nan,
+        rows.append({"side": "trainer", "tokens": toks, "seconds": secs, "tokens/s": toks / secs if secs > 0 else math.nan,
                      "groups": int(m["consumed_groups"].iloc[-1])})
     for w, r in data.rollout.groupby("writer"):
         secs, toks = float(r["wall_s"].sum()), int(r["tokens"].sum())
@@ -229,7 +229,8 @@ def drops_table(data: RunData) -> pd.DataFrame:
     if corrupt:
         rows.append({"reason": "corrupt shard", "groups": corrupt, "trajectories": None,
                      "source": "metrics fully_async/count/corrupt_groups_skipped"})
-    return pd.DataFrame(rows, columns=["reason", "groups", "trajectories", "source"])
+    out = pd.DataFrame(rows, columns=["reason", "groups", "trajectories", "source"])
+    return out.astype({"groups": "Int64", "trajectories": "Int64"})  # unknown trajectories stay n/a, not 32.000
 
 
 def final_window(n_updates: int) -> int:
