@@ -32,8 +32,9 @@ def fmt(value, column: str = "") -> str:
 
 
 def _inline_html(text: str) -> str:
-    """Escape, then render `code` spans (the only inline markup the report uses)."""
-    return re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(text))
+    """Escape, then render `code` and **bold** (the only inline markup the report uses)."""
+    text = re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(text))
+    return re.sub(r"\*\*([^*]+)\*\*", r"<b>\1</b>", text)
 
 
 @dataclass

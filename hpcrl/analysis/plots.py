@@ -19,6 +19,14 @@ COLORS = {"wait": "#bbbbbb", "update": "#1f77b4", "sync": "#ff7f0e", "generate":
           "trainer": "#1f77b4", "rollout": "#2ca02c"}
 
 
+WRITER_COLORS = ["#2ca02c", "#8c564b", "#17becf", "#bcbd22", "#e377c2", "#7f7f7f"]
+
+
+def writer_color(i: int) -> str:
+    """Rollout writer i's colour (writer 0 in the rollout green)."""
+    return WRITER_COLORS[i % len(WRITER_COLORS)]
+
+
 def label(data: RunData) -> str:
     k = data.knobs
     return data.name if k is None else (f"{data.name} (s={k.staleness_threshold:g}, "
@@ -133,7 +141,7 @@ def partial_spans(data: RunData, out: Path) -> Path:
 
 def idle_ratios(data: RunData, out: Path) -> Path:
     tr, ro = tables.idle_per_version(data)
-    fig, ax = new_figure()
+    fig, ax = new_figure(10, 5.2)
     a = ax[0, 0]
     if not tr.empty:
         a.plot(tr["param_version"], tr["trainer idle"], color=COLORS["trainer"], lw=0.8, alpha=0.4)
@@ -143,9 +151,9 @@ def idle_ratios(data: RunData, out: Path) -> Path:
         a.axhline(whole, color=COLORS["trainer"], ls=":", lw=1.5, label=f"trainer, whole run: {whole:.2f}")
     if not ro.empty:
         for i, (w, r) in enumerate(ro.groupby("writer")):
-            a.plot(r["param_version"], r["rollout idle"], color=COLORS["rollout"], lw=0.8, alpha=0.4)
-            a.plot(r["param_version"], rolling_ratio(r["idle_s"], r["wall_s"]), color=COLORS["rollout"], lw=2.5,
-                   ls=["-", "--", "-.", ":"][i % 4], label=f"rollout {w}: share of time with nothing in flight")
+            a.plot(r["param_version"], r["rollout idle"], color=writer_color(i), lw=0.8, alpha=0.4)
+            a.plot(r["param_version"], rolling_ratio(r["idle_s"], r["wall_s"]), color=writer_color(i), lw=2.5,
+                   label=f"rollout {w}: share of time with nothing in flight")
         whole = tables.rollout_idle(data.rollout)
         a.axhline(whole, color=COLORS["rollout"], ls=":", lw=1.5, label=f"rollout, whole run: {whole:.2f}")
     if tr.empty and ro.empty:
@@ -153,7 +161,8 @@ def idle_ratios(data: RunData, out: Path) -> Path:
     a.set_ylim(0, 1.05)
     a.set_xlabel("weight version the side was using")
     a.set_ylabel("idle ratio (0 = always busy)")
-    a.legend(loc="lower left", fontsize=9, ncols=2)
+    if not (tr.empty and ro.empty):
+        fig.legend(loc="outside lower center", fontsize=9, ncols=2)  # below the axes: the curves span 0..1
     fig.suptitle(f"Idle ratio per weight version - {label(data)}\n"
                  "(thin: per version; thick: rolling, time-weighted like the whole-run value)", fontsize=11)
     return save(fig, out)
@@ -253,16 +262,16 @@ def throughput(data: RunData, out: Path) -> Path:
         a.plot(t, rolling(m["throughput/tokens_per_s"]), color=COLORS["trainer"], lw=2.5,
                label="trainer: tokens trained / step seconds (per update)")
     if not ro.empty:
-        for w, r in ro.groupby("writer"):
+        for i, (w, r) in enumerate(ro.groupby("writer")):
             t = r["time_s"] - t0
-            a.plot(t, r["throughput/tokens_per_s"], color=COLORS["rollout"], lw=0.7, alpha=0.35)
-            a.plot(t, rolling(r["throughput/tokens_per_s"].reset_index(drop=True)).to_numpy(), color=COLORS["rollout"],
+            a.plot(t, r["throughput/tokens_per_s"], color=writer_color(i), lw=0.7, alpha=0.35)
+            a.plot(t, rolling(r["throughput/tokens_per_s"].reset_index(drop=True)).to_numpy(), color=writer_color(i),
                    lw=2.5, label=f"rollout {w}: tokens generated / wall seconds (per version)")
     if m.empty and ro.empty:
         empty_note(a, "no metrics logged yet")
     else:
-        a.legend(loc="lower right", fontsize=9)
-    a.set_ylim(bottom=0)
+        a.set_ylim(0, a.get_ylim()[1] * 1.3)  # headroom for the legend above the curves
+        a.legend(loc="upper left", fontsize=8, ncols=2)
     a.set_xlabel("wall time since the run's first event (s)")
     a.set_ylabel("response tokens / s")
     a.set_title("Throughput (thin: raw, thick: rolling mean)", fontsize=10)

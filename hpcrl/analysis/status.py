@@ -171,6 +171,8 @@ class StatusView:
                              "dead, hung or its node is unreachable")
         if not jobs:
             lines.append("(no heartbeat yet: jobs pending or starting)")
+        else:
+            lines.append(f"(idle: trainer over its last {RECENT} updates, rollout over its last finished weight version)")
         lines.append("")
         consumed = int(last.get("consumed_groups", 0)) if last else 0
         total_committed = sum(committed.values())
