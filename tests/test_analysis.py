@@ -7,6 +7,8 @@ report states under its tables.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import re
@@ -22,6 +24,7 @@ from PIL import Image
 from conftest import REPO, make_run, start_rollout, start_trainer, wait_until
 from hpcrl.analysis.recommend import HIGH, recommend
 from hpcrl.analysis.status import JsonlTail, status_main
+from hpcrl.cli import main
 
 RUN_PLOTS = ["lag_distribution.png", "lag_over_time.png", "partial_spans.png", "idle_ratios.png", "timeline.png",
              "throughput.png", "reward.png", "drops.png"]
@@ -120,8 +123,17 @@ def assert_row_matches(row: dict, expected: dict) -> None:
 
 
 def run_cli(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
+    """The real command in its own process."""
     return subprocess.run([sys.executable, "-m", "hpcrl", *args], capture_output=True, text=True, cwd=REPO,
                           timeout=timeout_s)
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    """The same command in this process (no interpreter start-up: pandas and matplotlib are loaded once)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 # ---------------------------------------------------------------- fixtures
@@ -279,9 +291,7 @@ def test_status_and_report_on_a_run_killed_mid_way(tmp_path):
     rd = make_run(tmp_path, "rollout.total_rollout_steps=400", name="killed")
     trainer, rollout = start_trainer(rd), start_rollout(rd)
     wait_until(lambda: len(jsonl(rd.metrics)) >= 8, 240, "8 updates", jobs=(trainer, rollout))
-    from io import StringIO
-
-    live = StringIO()
+    live = io.StringIO()
     assert status_main(rd.root, once=True, out=live) == 0
     text = live.getvalue()
     assert re.search(r"trainer \[#*\.+\] \d+/100 updates +\d+%  ETA \d", text), text
@@ -290,12 +300,12 @@ def test_status_and_report_on_a_run_killed_mid_way(tmp_path):
     rollout.kill()
     with open(rd.metrics, "ab") as f:  # what a kill in the middle of a row leaves
         f.write(b'{"step": 999, "reward/me')
-    res = run_cli("status", str(rd.root), "--once", timeout_s=60)
+    res = cli("status", str(rd.root), "--once")
     assert res.returncode == 1, res.stdout + res.stderr
     assert res.stdout.count("GONE") == 2 and "is not running on" in res.stdout
     assert "run stopped before finishing" in res.stdout and "--resume" in res.stdout
     out = tmp_path / "report"
-    res = run_cli("report", str(rd.root), "--out", str(out))
+    res = cli("report", str(rd.root), "--out", str(out))
     assert res.returncode == 0, res.stdout + res.stderr
     assert "Traceback" not in res.stderr
     md = (out / "report.md").read_text()
@@ -324,7 +334,7 @@ def test_run_from_an_older_hpcrl_gets_a_clear_message(runs, tmp_path):
     drop = lambda keys: lambda r: {k: v for k, v in r.items() if k not in keys}  # noqa: E731
     _rewrite(old / "logs" / "staleness.jsonl", drop({"created_s", "finished_s", "dropped"}))
     _rewrite(old / "logs" / "metrics.jsonl", drop({"timing_s/param_sync"}))
-    res = run_cli("report", str(old), "--out", str(tmp_path / "report"))
+    res = cli("report", str(old), "--out", str(tmp_path / "report"))
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stdout + res.stderr
     assert "logs/staleness.jsonl lacks column(s) created_s, finished_s, dropped: it was written by an older hpcrl" \
         in res.stdout
@@ -334,7 +344,7 @@ def test_run_from_an_older_hpcrl_gets_a_clear_message(runs, tmp_path):
     assert "Timeline: incomplete (logs/metrics.jsonl lacks timing_s/param_sync" in md
     assert "No recommendation: the idle ratio is known for rollout only" in md
     assert "could not be built" not in md and "could not be drawn" not in md
-    assert run_cli("status", str(old), "--once", timeout_s=60).returncode == 0
+    assert cli("status", str(old), "--once").returncode == 0
 
 
 def test_dropped_samples_are_counted_by_reason(runs, tmp_path):
@@ -344,7 +354,7 @@ def test_dropped_samples_are_counted_by_reason(runs, tmp_path):
     shutil.copytree(runs["s05"], d, ignore=shutil.ignore_patterns("checkpoints", "weights", "samples", "base_model"))
     _rewrite(d / "logs" / "staleness.jsonl", lambda r: {**r, "dropped": "max_staleness" if r["trainer_step"] == 3 else ""})
     _rewrite(d / "logs" / "metrics.jsonl", lambda r: {**r, "fully_async/count/corrupt_groups_skipped": 4 * (r["step"] >= 10)})
-    res = run_cli("report", str(d), "--out", str(tmp_path / "report"))
+    res = cli("report", str(d), "--out", str(tmp_path / "report"))
     assert res.returncode == 0, res.stdout + res.stderr
     tables = parse_report((tmp_path / "report" / "report.md").read_text())
     (drops,) = tables[("Details", "Samples dropped")]
@@ -360,13 +370,13 @@ def test_dropped_samples_are_counted_by_reason(runs, tmp_path):
 
 
 def test_not_a_run_directory_and_a_run_not_started(tmp_path):
-    res = run_cli("report", str(tmp_path), "--out", str(tmp_path / "r"))
+    res = cli("report", str(tmp_path), "--out", str(tmp_path / "r"))
     assert res.returncode == 2 and "is not an hpcrl run directory" in res.stderr and "Traceback" not in res.stderr
-    assert run_cli("status", str(tmp_path / "nope"), "--once").returncode == 2
+    assert cli("status", str(tmp_path / "nope"), "--once").returncode == 2
     rd = make_run(tmp_path, name="fresh")  # prepared, no job started yet
-    res = run_cli("report", str(rd.root), "--out", str(tmp_path / "r"))
+    res = cli("report", str(rd.root), "--out", str(tmp_path / "r"))
     assert res.returncode == 2 and "nothing to analyse yet" in res.stderr
-    res = run_cli("status", str(rd.root), "--once")
+    res = cli("status", str(rd.root), "--once")
     assert res.returncode == 0 and "no heartbeat yet" in res.stdout and "0/300 updates" in res.stdout
 
 

@@ -236,8 +236,9 @@ def _duration(seconds: float) -> str:
     return f"{h}h{mnt:02d}m{s:02d}s" if h else f"{mnt}m{s:02d}s" if mnt else f"{s}s"
 
 
-def status_main(run_dir, interval_s: float = 5.0, once: bool = False, out: TextIO = sys.stdout) -> int:
+def status_main(run_dir, interval_s: float = 5.0, once: bool = False, out: Optional[TextIO] = None) -> int:
     """Print the view every ``interval_s`` until the run ends (or once); return the exit code."""
+    out = out or sys.stdout
     rd = RunDir(run_dir)
     if not rd.root.is_dir() or not (rd.config_path.is_file() or rd.logs.is_dir()):
         print(f"hpcrl status: error: {rd.root} is not an hpcrl run directory (no config.yaml, no logs/)", file=sys.stderr)
