@@ -22,6 +22,7 @@ rolled it back is read again from the start).
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import sys
@@ -122,7 +123,7 @@ class StatusView:
     def committed(self) -> dict[str, int]:
         for w in self.rd.writers():
             self.manifests.setdefault(w, JsonlTail(self.rd.shard_manifest(w)))
-        return {w: sum(int(r.get("n_groups", 0)) for r in t.poll()) for w, t in self.manifests.items()}
+        return {w: sum(int(_num(r.get("n_groups"), 0)) for r in t.poll()) for w, t in self.manifests.items()}
 
     def rollout_rows(self) -> dict[str, list[dict]]:
         for p in sorted(self.rd.logs.glob("rollout-*.jsonl")):
@@ -134,58 +135,14 @@ class StatusView:
         done = read_json_tolerant(self.rd.trainer_done)
         m = self.metrics.poll()
         jobs = self.jobs(now)
-        committed = self.committed()
-        ro = self.rollout_rows()
-        admission = read_json_tolerant(self.rd.admission) or {}
+        stopped = done is None and bool(jobs) and not any(j.alive for j in jobs)
         lines = [f"hpcrl status  {self.rd.root}  {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(now))}"]
         if self.knobs:
             lines.append("run: " + self.knobs.describe())
         lines += self.notes
-        stopped = done is None and bool(jobs) and not any(j.alive for j in jobs)
-        lines.append(_progress(m, self.knobs, done, stopped))
-        lines.append("")
-        lines.append(f"{'job':<14}{'state':<22}{'version':>8}  {'heartbeat':>12}  {'idle':>5}  detail")
-        last = m[-1] if m else {}
-        for j in jobs:
-            age = f"{j.age_s:.1f}s ago" if j.age_s < 600 else f"{j.age_s / 60:.0f}min ago"
-            state = j.state + (f" {j.flag}" if j.flag else "")
-            if j.job == "trainer":
-                if last:  # the heartbeat file is rewritten every few seconds; the metrics row is newer
-                    published = last.get("timing_s/param_sync", 0) > 0
-                    j.version = max(j.version, int(last.get("param_version", -1)) + int(published))
-                idle = _recent_trainer_idle(m)
-                detail = (f"update {last.get('step', 0)}, {last.get('consumed_groups', 0)} groups consumed"
-                          if last else "no update logged yet")
-            else:
-                w = j.job[len("rollout-"):]
-                rows = ro.get(w, [])
-                idle = rows[-1].get("rollouter/idle_ratio") if rows else None
-                tps = rows[-1].get("throughput/tokens_per_s") if rows else None
-                detail = f"{committed.get(w, 0)} groups committed" + (f", {tps:.0f} tokens/s" if tps else "")
-            idle_s = f"{idle:.2f}" if isinstance(idle, (int, float)) else "-"
-            lines.append(f"{j.job:<14}{state:<22}{'v' + str(j.version):>8}  {age:>12}  {idle_s:>5}  {detail}")
-            if j.flag == "GONE":
-                lines.append(f"{'':14}process {j.pid} is not running on {j.host} (killed or crashed)")
-            elif j.flag == "STALE":
-                lines.append(f"{'':14}no heartbeat for {j.age_s:.0f}s (> timeouts.heartbeat_stale_s={self.stale_s:g}): "
-                             "dead, hung or its node is unreachable")
-        if not jobs:
-            lines.append("(no heartbeat yet: jobs pending or starting)")
-        else:
-            lines.append(f"(idle: trainer over its last {RECENT} updates, rollout over its last finished weight version)")
-        lines.append("")
-        consumed = int(last.get("consumed_groups", 0)) if last else 0
-        total_committed = sum(committed.values())
-        started = sum(int(v) for v in (admission.get("started") or {}).values())
-        lines.append(f"groups: committed {total_committed} "
-                     f"({', '.join(f'{w} {n}' for w, n in committed.items()) or 'no writer yet'}), "
-                     f"consumed {consumed}, queue {max(total_committed - consumed, 0)}, "
-                     f"in flight {max(started - total_committed, 0)}")
-        if last:
-            lines.append(f"last update: lag mean {last.get('fully_async/lag/mean', float('nan')):.2f} "
-                         f"max {last.get('fully_async/lag/max', '-')}; reward {last.get('reward/mean', float('nan')):.3f} "
-                         f"(mean of last {min(len(m), 10)}: {_mean(m[-10:], 'reward/mean'):.3f}); "
-                         f"trainer {last.get('throughput/tokens_per_s', 0):.0f} tokens/s")
+        lines += [_progress(m, self.knobs, done, stopped), ""]
+        committed = self.committed()
+        lines += self._job_lines(jobs, m, committed) + [""] + self._group_lines(m, committed)
         if done is not None:
             lines.append(f"run finished: {done.get('trainer_step')} updates, version {done.get('param_version')}, "
                          f"{done.get('consumed_groups')} groups consumed")
@@ -196,17 +153,71 @@ class StatusView:
             return "\n".join(lines), 1
         return "\n".join(lines), -1
 
+    def _job_lines(self, jobs: list[JobView], m: list[dict], committed: dict[str, int]) -> list[str]:
+        """One line per job (plus a line explaining a STALE or GONE flag)."""
+        if not jobs:
+            return ["(no heartbeat yet: jobs pending or starting)"]
+        ro = self.rollout_rows()
+        last = m[-1] if m else {}
+        lines = [f"{'job':<14}{'state':<22}{'version':>8}  {'heartbeat':>12}  {'idle':>5}  detail"]
+        for j in jobs:
+            age = f"{j.age_s:.1f}s ago" if j.age_s < 600 else f"{j.age_s / 60:.0f}min ago"
+            if j.job == "trainer":
+                if last:  # the heartbeat file is rewritten every few seconds; the metrics row is newer
+                    published = _num(last.get("timing_s/param_sync")) > 0
+                    j.version = max(j.version, int(_num(last.get("param_version"), -1)) + int(published))
+                idle = _recent_trainer_idle(m)
+                detail = (f"update {last.get('step', 0)}, {last.get('consumed_groups', 0)} groups consumed"
+                          if last else "no update logged yet")
+            else:
+                rows = ro.get(j.job[len("rollout-"):], [])
+                idle = _num(rows[-1].get("rollouter/idle_ratio")) if rows else math.nan
+                tps = _num(rows[-1].get("throughput/tokens_per_s")) if rows else math.nan
+                detail = f"{committed.get(j.job[len('rollout-'):], 0)} groups committed" + (
+                    f", {tps:.0f} tokens/s" if not math.isnan(tps) else "")
+            state = j.state + (f" {j.flag}" if j.flag else "")
+            idle_s = "-" if math.isnan(idle) else f"{idle:.2f}"
+            lines.append(f"{j.job:<14}{state:<22}{'v' + str(j.version):>8}  {age:>12}  {idle_s:>5}  {detail}")
+            if j.flag == "GONE":
+                lines.append(f"{'':14}process {j.pid} is not running on {j.host} (killed or crashed)")
+            elif j.flag == "STALE":
+                lines.append(f"{'':14}no heartbeat for {j.age_s:.0f}s (> timeouts.heartbeat_stale_s={self.stale_s:g}): "
+                             "dead, hung or its node is unreachable")
+        lines.append(f"(idle: trainer over its last {RECENT} updates, rollout over its last finished weight version)")
+        return lines
+
+    def _group_lines(self, m: list[dict], committed: dict[str, int]) -> list[str]:
+        """Groups committed / consumed / queued / in flight, and the last update's lag and reward."""
+        last = m[-1] if m else {}
+        consumed = int(_num(last.get("consumed_groups"), 0))
+        total = sum(committed.values())
+        admission = read_json_tolerant(self.rd.admission) or {}
+        started = sum(int(v) for v in (admission.get("started") or {}).values())
+        lines = [f"groups: committed {total} ({', '.join(f'{w} {n}' for w, n in committed.items()) or 'no writer yet'}),"
+                 f" consumed {consumed}, queue {max(total - consumed, 0)}, in flight {max(started - total, 0)}"]
+        if last:
+            lines.append(f"last update: lag mean {_num(last.get('fully_async/lag/mean')):.2f} "
+                         f"max {_num(last.get('fully_async/lag/max')):.0f}; reward {_num(last.get('reward/mean')):.3f} "
+                         f"(mean of last {min(len(m), 10)}: {_mean(m[-10:], 'reward/mean'):.3f}); "
+                         f"trainer {_num(last.get('throughput/tokens_per_s')):.0f} tokens/s")
+        return lines
+
+
+def _num(value, default: float = math.nan) -> float:
+    """A number from a log row, or ``default`` when an older or torn row lacks it."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
+
 
 def _mean(rows: list[dict], key: str) -> float:
     vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
     return sum(vals) / len(vals) if vals else float("nan")
 
 
-def _recent_trainer_idle(m: list[dict]) -> Optional[float]:
+def _recent_trainer_idle(m: list[dict]) -> float:
     rows = m[-RECENT:]
-    wait = sum(r.get("timing_s/wait_samples", 0.0) for r in rows)
-    total = wait + sum(r.get("timing_s/update", 0.0) + r.get("timing_s/param_sync", 0.0) for r in rows)
-    return wait / total if total > 0 else None
+    wait = sum(_num(r.get("timing_s/wait_samples")) for r in rows)
+    total = wait + sum(_num(r.get("timing_s/update")) + _num(r.get("timing_s/param_sync")) for r in rows)
+    return wait / total if total > 0 else math.nan  # NaN also when an older log lacks a part
 
 
 def _progress(m: list[dict], knobs: Optional[Knobs], done: Optional[dict], stopped: bool) -> str:
@@ -220,12 +231,12 @@ def _progress(m: list[dict], knobs: Optional[Knobs], done: Optional[dict], stopp
         eta = "done"
     elif stopped:
         eta = "stopped (no job alive)"
-    elif len(m) >= 2:
-        recent = m[-RECENT:]
-        per_update = (recent[-1]["time_s"] - recent[0]["time_s"]) / max(len(recent) - 1, 1)
-        eta = f"ETA {_duration((total - step) * per_update)} ({per_update:.2f}s per update)"
     else:
-        eta = "ETA unknown (fewer than 2 updates)"
+        recent = m[-RECENT:]
+        per_update = (_num(recent[-1].get("time_s")) - _num(recent[0].get("time_s"))) / (len(recent) - 1) \
+            if len(recent) >= 2 else math.nan
+        eta = "ETA unknown (fewer than 2 timed updates)" if math.isnan(per_update) else \
+            f"ETA {_duration((total - step) * per_update)} ({per_update:.2f}s per update)"
     return f"trainer [{bar}] {step}/{total} updates {100 * frac:3.0f}%  {eta}"
 
 
