@@ -249,13 +249,14 @@ def test_every_plot_exists_and_is_a_valid_png(report):
     assert "20 plots" in res.stdout
 
 
-def test_recommendation_states_the_idle_ratios_of_the_table(report):
+def test_recommendation_states_the_idle_ratios_it_used(runs, report):
     _, md, res = report
     (table,) = parse_report(md)[("Side by side", "")]
     for row in table:
         line = next(x for x in md.splitlines() if x.startswith(f"- {row['run']}: "))
-        assert f"trainer idle {float(row['idle trainer']):.2f}" in line
-        assert f"rollout idle {float(row['idle rollout']):.2f}" in line
+        raw = Raw(runs[row["run"]])
+        assert close(re.search(r"trainer idle (\d\.\d\d)", line).group(1), Raw.trainer_idle(raw.m), 2), line
+        assert close(re.search(r"rollout idle (\d\.\d\d)", line).group(1), Raw.rollout_idle(raw.ro), 2), line
         assert line[len(f"- {row['run']}: "):] in res.stdout  # printed by the command too
 
 
