@@ -3,6 +3,8 @@
     hpcrl run CONFIG [key=value ...] --run-dir DIR [--executor local|slurm|auto] [--dry-run] [--resume]
     hpcrl trainer RUN_DIR                 # job entry points (used by sbatch/ scripts)
     hpcrl rollout RUN_DIR --writer-rank W
+    hpcrl report RUN_DIR [RUN_DIR ...] --out DIR   # offline report (hpcrl/analysis/)
+    hpcrl status RUN_DIR [--interval-s 5] [--once] # live view from the login node
 """
 from __future__ import annotations
 
@@ -96,7 +98,12 @@ def main(argv=None) -> int:
     ro = sub.add_parser("rollout", help="run one rollout job in this process")
     ro.add_argument("run_dir")
     ro.add_argument("--writer-rank", type=int, default=0)
+    from hpcrl.analysis.commands import add_analysis_commands, run_analysis_command
+
+    add_analysis_commands(sub)
     a = p.parse_args(argv)
+    if a.cmd in ("report", "status"):
+        return run_analysis_command(a)
     if a.cmd == "run":
         if a.config is not None and "=" in a.config:  # `hpcrl run key=value --resume`
             a.overrides.insert(0, a.config)

@@ -1,0 +1,284 @@
+"""Read one run directory for analysis: tolerant of runs in progress, crashed jobs,
+torn last rows and runs written by older hpcrl versions.
+
+Everything comes from files the jobs already write (README "Logs"):
+
+==============================  ==============================================
+file                            used for
+==============================  ==============================================
+logs/staleness.jsonl            lag, partial spans, group life times, reward per
+                                generating version, drops (column ``dropped``)
+logs/metrics.jsonl              trainer timings (wait/update/sync), idle ratio,
+                                throughput, reward over time, drop counters
+logs/rollout-<writer>.jsonl     rollout idle ratio, load time, throughput per version
+control/heartbeat/*.json        job states (status view, "crashed?" notes)
+control/trainer_done.json       the run finished
+config.yaml                     the knobs (s, K, R, B) and the lag bound
+==============================  ==============================================
+
+Nothing here raises on a damaged or partial run except :class:`RunFormatError`
+(not a run directory, or nothing to analyse); everything else becomes a *note*
+that the report prints, and columns an older hpcrl did not write are listed in
+``RunData.missing`` so the sections that need them say so instead of failing.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import pandas as pd
+import yaml
+
+from hpcrl.config import ConfigError, RunConfig, config_from_dict
+from hpcrl.fsio import read_jsonl
+from hpcrl.logs import STALENESS_COLUMNS
+from hpcrl.run_dir import RunDir
+
+log = logging.getLogger(__name__)
+
+# Columns each log must have for the full report. A run written by an older hpcrl
+# may lack some: the sections that need them are skipped with a message naming them.
+METRICS_COLUMNS = ["step", "param_version", "consumed_groups", "time_s", "timing_s/wait_samples", "timing_s/update",
+                   "timing_s/param_sync", "trainer/idle_ratio", "reward/mean", "n_tokens", "throughput/tokens_per_s",
+                   "fully_async/lag/mean", "fully_async/lag/max"]
+ROLLOUT_COLUMNS = ["writer", "param_version", "groups", "tokens", "wall_s", "rollouter/idle_ratio",
+                   "timing_s/load_weights", "throughput/tokens_per_s", "time_s"]
+# Counters that exist only once something was counted (the trainer creates them lazily): 0 when absent.
+COUNTERS = ["fully_async/count/dropped_max_staleness", "fully_async/count/corrupt_groups_skipped",
+            "fully_async/count/stale_samples_processed", "fully_async/count/stale_trajectory_processed"]
+REQUIRED = {"staleness": STALENESS_COLUMNS, "metrics": METRICS_COLUMNS, "rollout": ROLLOUT_COLUMNS}
+
+
+class RunFormatError(ValueError):
+    """The folder is not an hpcrl run directory, or holds nothing to analyse yet."""
+
+
+@dataclass
+class Knobs:
+    """The flow-control knobs of a run and what follows from them (DESIGN.md "Flow control")."""
+
+    staleness_threshold: float
+    trigger_parameter_sync_step: int
+    groups_per_update: int
+    admission_budget: int
+    max_lag_bound: int
+    total_updates: int
+    total_rollout_steps: int
+    n: int
+    rollout_jobs: int
+    max_concurrent_groups: int
+    max_staleness: Optional[int]
+    partial_rollout: bool
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> "Knobs":
+        a = cfg.async_training
+        return cls(a.staleness_threshold, a.trigger_parameter_sync_step, cfg.groups_per_update, cfg.admission_budget,
+                   cfg.max_lag_bound, cfg.total_updates, cfg.rollout.total_rollout_steps, cfg.rollout.n,
+                   cfg.resources.rollout_jobs, cfg.rollout.max_concurrent_groups, a.max_staleness, a.partial_rollout)
+
+    def describe(self) -> str:
+        return (f"s={self.staleness_threshold:g}, K={self.trigger_parameter_sync_step}, R={self.groups_per_update}, "
+                f"B={self.admission_budget} groups per version, max lag bound {self.max_lag_bound}, "
+                f"{self.total_updates} updates, n={self.n}, {self.rollout_jobs} rollout job(s)")
+
+
+@dataclass
+class RunData:
+    name: str
+    root: Path
+    knobs: Optional[Knobs]
+    staleness: pd.DataFrame
+    """One row per consumed (or dropped) trajectory."""
+    metrics: pd.DataFrame
+    """One row per local update."""
+    rollout: pd.DataFrame
+    """One row per rollout writer and weight version."""
+    heartbeats: dict
+    trainer_done: Optional[dict]
+    t0_s: float
+    """Unix time taken as 0 on every time axis: the earliest event in the logs."""
+    notes: list[str] = field(default_factory=list)
+    """What a reader of the report must know (torn lines skipped, run unfinished, ...)."""
+    missing: dict[str, list[str]] = field(default_factory=dict)
+    """Log name -> required columns it lacks (an older hpcrl wrote it)."""
+
+    @property
+    def finished(self) -> bool:
+        return self.trainer_done is not None
+
+    @property
+    def trained(self) -> pd.DataFrame:
+        """Staleness rows of trajectories that were trained on (not dropped)."""
+        st = self.staleness
+        return st[st["dropped"].fillna("") == ""] if "dropped" in st else st
+
+    def lacks(self, log_name: str, *columns: str) -> list[str]:
+        """The given columns (all required ones if none given) that ``log_name`` lacks."""
+        want = columns or REQUIRED[log_name]
+        return [c for c in want if c in self.missing.get(log_name, [])]
+
+    def unavailable(self, what: str, partial: bool = False, **needs: list[str]) -> Optional[str]:
+        """A sentence saying why ``what`` cannot be shown (``partial``: only in part), or None
+        if every needed column is there."""
+        gaps = []
+        for log_name, cols in needs.items():
+            frame = {"staleness": self.staleness, "metrics": self.metrics, "rollout": self.rollout}[log_name]
+            if frame.empty:
+                gaps.append(f"{_LOG_PATHS[log_name]} has no rows yet")
+            elif self.lacks(log_name, *cols):
+                gaps.append(f"{_LOG_PATHS[log_name]} lacks {', '.join(self.lacks(log_name, *cols))}")
+        if not gaps:
+            return None
+        if partial:
+            return f"{what}: incomplete ({'; '.join(gaps)}); what the logs do have is shown."
+        return f"{what}: not available ({'; '.join(gaps)})."
+
+
+_LOG_PATHS = {"staleness": "logs/staleness.jsonl", "metrics": "logs/metrics.jsonl", "rollout": "logs/rollout-*.jsonl"}
+
+
+def _read_log(path: Path, notes: list[str], root: Path) -> list[dict]:
+    bad: list[int] = []
+    rows = list(read_jsonl(path, on_bad_line=lambda n, text: bad.append(n)))
+    if bad:
+        notes.append(f"{path.relative_to(root)}: skipped {len(bad)} incomplete or invalid line(s) "
+                     f"(line {', '.join(map(str, bad[:5]))}); a job was killed while writing, or the file is damaged.")
+    return rows
+
+
+def read_json_tolerant(path: Path) -> Optional[dict]:
+    try:
+        with open(path, "rb") as f:
+            d = json.loads(f.read())
+        return d if isinstance(d, dict) else None
+    except (FileNotFoundError, ValueError, OSError):
+        return None
+
+
+def read_heartbeats(rd: RunDir) -> dict[str, dict]:
+    """Heartbeat records by job name; an unreadable one is left out (it is rewritten every few seconds)."""
+    out = {}
+    folder = rd.control / "heartbeat"
+    if folder.is_dir():
+        for p in sorted(folder.glob("*.json")):
+            d = read_json_tolerant(p)
+            if d and "job" in d:
+                out[d["job"]] = d
+    return out
+
+
+def read_config_leniently(rd: RunDir, notes: list[str]) -> Optional[RunConfig]:
+    """The run's config; if this hpcrl cannot parse it (another version wrote it), read
+    the keys it knows, keep the defaults for the rest and say which keys were ignored."""
+    try:
+        return rd.load_config()
+    except FileNotFoundError:
+        notes.append("config.yaml is missing: knobs (s, K, R) and the lag bound are unknown.")
+        return None
+    except ConfigError as strict_error:
+        try:
+            raw = yaml.safe_load(rd.config_path.read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            notes.append(f"config.yaml is unreadable ({e}): knobs and the lag bound are unknown.")
+            return None
+        ignored: list[str] = []
+        tree = _known_keys(RunConfig, raw, "", ignored)
+        try:
+            cfg = config_from_dict(tree)
+        except (ConfigError, TypeError) as e:
+            notes.append(f"config.yaml does not match this hpcrl version ({strict_error}) and cannot be read "
+                         f"leniently either ({e}): knobs and the lag bound are unknown.")
+            return None
+        notes.append(f"config.yaml was written by another hpcrl version ({strict_error}); read leniently, "
+                     f"ignoring {', '.join(ignored) or 'nothing'}; fields it lacks take today's defaults.")
+        return cfg
+
+
+def _known_keys(cls, raw, prefix: str, ignored: list[str]) -> dict:
+    """The part of ``raw`` that names fields of ``cls`` (recursively); the other keys go to ``ignored``."""
+    if not isinstance(raw, dict):
+        return {}
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for k, v in raw.items():
+        if k not in hints:
+            ignored.append(f"{prefix}{k}")
+        elif dataclasses.is_dataclass(hints[k]):
+            out[k] = _known_keys(hints[k], v, f"{prefix}{k}.", ignored)
+        else:
+            out[k] = v
+    return out
+
+
+def _frame(rows: list[dict], required: list[str], name: str, missing: dict) -> pd.DataFrame:
+    df = pd.DataFrame(rows)
+    if rows:
+        gaps = [c for c in required if c not in df.columns]
+        if gaps:
+            missing[name] = gaps
+        for c in gaps:  # absent in an older format: NaN (numbers) or "" (text), so sums say n/a instead of failing
+            df[c] = "" if c in ("dropped", "writer", "shard", "sample_id", "group_id") else np.nan
+    else:
+        df = pd.DataFrame(columns=required)
+    return df
+
+
+def _time_origin(st: pd.DataFrame, m: pd.DataFrame, ro: pd.DataFrame) -> float:
+    """The earliest event: first generation start, first trainer wait, first weight load."""
+    cands = []
+    if not st.empty and st["created_s"].notna().any():
+        cands.append(float(st["created_s"].min()))
+    if not m.empty and m["time_s"].notna().any():
+        step = m[["timing_s/wait_samples", "timing_s/update", "timing_s/param_sync"]].fillna(0).sum(axis=1)
+        cands.append(float((m["time_s"] - step).min()))
+    if not ro.empty and ro["time_s"].notna().any():
+        cands.append(float((ro["time_s"] - ro["wall_s"].fillna(0) - ro["timing_s/load_weights"].fillna(0)).min()))
+    return min(cands) if cands else 0.0
+
+
+def load_run(path: os.PathLike | str, name: Optional[str] = None) -> RunData:
+    """Everything the report needs from one run directory (read-only)."""
+    rd = RunDir(path)
+    root = rd.root
+    if not root.is_dir():
+        raise RunFormatError(f"{root}: no such directory")
+    if not rd.config_path.is_file() and not rd.logs.is_dir():
+        raise RunFormatError(f"{root} is not an hpcrl run directory (no config.yaml and no logs/); "
+                             "pass the --run-dir of `hpcrl run`")
+    notes: list[str] = []
+    cfg = read_config_leniently(rd, notes)
+    missing: dict[str, list[str]] = {}
+    st = _frame(_read_log(rd.staleness, notes, root), STALENESS_COLUMNS, "staleness", missing)
+    m = _frame(_read_log(rd.metrics, notes, root), METRICS_COLUMNS, "metrics", missing)
+    for c in COUNTERS:
+        if c not in m.columns:
+            m[c] = 0
+    ro_rows: list[dict] = []
+    for p in sorted(rd.logs.glob("rollout-*.jsonl")) if rd.logs.is_dir() else []:
+        ro_rows.extend(_read_log(p, notes, root))
+    ro = _frame(ro_rows, ROLLOUT_COLUMNS, "rollout", missing)
+    if st.empty and m.empty and ro.empty:
+        raise RunFormatError(f"{root}: nothing to analyse yet: {rd.staleness.name}, {rd.metrics.name} and "
+                             f"rollout-*.jsonl in {rd.logs} are empty or missing (has the trainer made its first update?)")
+    for name_, cols in missing.items():
+        notes.append(f"{_LOG_PATHS[name_]} lacks column(s) {', '.join(cols)}: it was written by an older hpcrl "
+                     "version; the sections that need them are left out.")
+    if not m.empty and "step" in m and m["step"].notna().all():
+        m = m.sort_values("step", kind="stable").reset_index(drop=True)
+    done = read_json_tolerant(rd.trainer_done)
+    heartbeats = read_heartbeats(rd)
+    if done is None:
+        states = ", ".join(f"{j} {h.get('state', '?')}" for j, h in heartbeats.items()) or "no heartbeats"
+        notes.append(f"The run has not finished (no control/trainer_done.json; jobs: {states}): the numbers cover "
+                     f"the {len(m)} update(s) logged so far.")
+    return RunData(name=name or root.name, root=root, knobs=Knobs.from_config(cfg) if cfg else None, staleness=st,
+                   metrics=m, rollout=ro, heartbeats=heartbeats, trainer_done=done, t0_s=_time_origin(st, m, ro),
+                   notes=notes, missing=missing)

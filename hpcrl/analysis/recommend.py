@@ -1,0 +1,96 @@
+"""One recommendation line from the idle ratios (verl's rule: move resources toward
+the side with the *lower* idle ratio; that side is the bottleneck).
+
+Idle ratios are time-weighted over the whole run (``tables.trainer_idle`` and
+``tables.rollout_idle``). With ``t`` = trainer idle and ``r`` = rollout idle:
+
+- both above :data:`HIGH`: neither side is saturated; they wait on each other
+  (more GPUs on the busier side would not remove the other's waits).
+  If the budget lets the fleet run less than one update ahead
+  (``B - K*R < R`` groups), the knob is ``staleness_threshold``; otherwise the
+  hand-off latency or ``rollout.max_concurrent_groups`` limits the overlap;
+- one side above :data:`HIGH` and the other at least :data:`MARGIN` lower:
+  the busier side is the bottleneck; move GPUs toward it. The idle side could
+  absorb up to ``1 / (1 - idle)`` times the current rate;
+- both at or below :data:`HIGH`: balanced; more throughput needs more of both.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from hpcrl.analysis import tables
+from hpcrl.analysis.load import Knobs, RunData
+
+HIGH = 0.3
+"""An idle ratio above this is a side waiting for the other a significant share of its time."""
+MARGIN = 0.15
+"""Idle ratios closer than this are treated as equal (no clear bottleneck side)."""
+
+
+@dataclass
+class Recommendation:
+    bottleneck: str
+    """``rollout``, ``trainer``, ``neither`` (they wait on each other), ``balanced`` or ``unknown``."""
+    line: str
+    """One sentence with the action and the numbers it was derived from."""
+
+
+def _min_s_for_full_update(k: Knobs) -> float:
+    """Smallest staleness_threshold with floor(s*K*R) >= R: the fleet can prepare a whole update ahead."""
+    kr = k.trigger_parameter_sync_step * k.groups_per_update
+    return k.groups_per_update / kr
+
+
+def recommend(t: float, r: float, k: Optional[Knobs], why_unknown: str = "") -> Recommendation:
+    """The recommendation for trainer idle ratio ``t`` and rollout idle ratio ``r``."""
+    if math.isnan(t) or math.isnan(r):
+        have = "trainer" if not math.isnan(t) else "rollout" if not math.isnan(r) else "neither side"
+        return Recommendation("unknown", f"No recommendation: the idle ratio is known for {have} only "
+                                         f"({why_unknown or 'the run has not logged both sides yet'}).")
+    nums = f"trainer idle {t:.2f} (share of its time waiting for samples), rollout idle {r:.2f} " \
+           f"(share of its time with nothing in flight, waiting for weights or budget)"
+    if t > HIGH and r > HIGH:
+        if k is None:
+            return Recommendation("neither", f"Neither side is saturated: {nums}; they wait on each other. "
+                                             "Let generation overlap training: raise staleness_threshold.")
+        kr = k.trigger_parameter_sync_step * k.groups_per_update
+        ahead = k.admission_budget - kr
+        if ahead < k.groups_per_update:
+            s_new = _min_s_for_full_update(k)
+            return Recommendation("neither", (
+                f"Neither side is the bottleneck, they wait on each other: {nums}. The budget B={k.admission_budget} "
+                f"lets the rollout fleet generate only {ahead} group(s) ahead of the K*R={kr} a version consumes, "
+                f"fewer than the R={k.groups_per_update} the next update needs: raise "
+                f"async_training.staleness_threshold from {k.staleness_threshold:g} to at least {s_new:g} "
+                f"(lag bound then {(math.floor((1 + s_new) * kr + 1e-9) - 1) // kr} version(s)); "
+                "moving GPUs would not help."))
+        return Recommendation("neither", (
+            f"Neither side is the bottleneck, they wait on each other: {nums}, although the budget "
+            f"B={k.admission_budget} already allows a whole update ({k.groups_per_update} groups) ahead. The "
+            f"hand-off limits the overlap: raise rollout.max_concurrent_groups (now {k.max_concurrent_groups}) "
+            "or lower timeouts.poll_interval_s / rollout.seal_interval_s; moving GPUs would not help."))
+    if t > HIGH and t - r >= MARGIN:
+        extra = "" if k is None else (
+            f"resources.rollout_jobs {k.rollout_jobs} -> {k.rollout_jobs + 1}, or more GPUs per rollout job")
+        return Recommendation("rollout", (
+            f"The rollout side is the bottleneck: {nums}. Move GPUs from the trainer to rollout"
+            f"{' (' + extra + ')' if extra else ''}; the trainer could absorb up to {1 / max(1 - t, 1e-9):.1f}x "
+            "the current sample rate."))
+    if r > HIGH and r - t >= MARGIN:
+        return Recommendation("trainer", (
+            f"The trainer is the bottleneck: {nums}. Move GPUs from rollout to the trainer (more trainer GPUs "
+            f"or fewer rollout jobs); the rollout fleet could generate up to {1 / max(1 - r, 1e-9):.1f}x what "
+            "the trainer consumes. Raising staleness_threshold would only add lag."))
+    return Recommendation("balanced", (
+        f"Balanced: {nums}; both sides are busy most of the time (idle at most {HIGH:.2f}), so keep the split; "
+        "more throughput needs more GPUs on both sides."))
+
+
+def recommend_run(data: RunData) -> Recommendation:
+    m, ro = data.metrics, data.rollout
+    t, r = tables.trainer_idle(m) if not m.empty else math.nan, tables.rollout_idle(ro) if not ro.empty else math.nan
+    why = [data.unavailable("trainer idle ratio", metrics=tables.STEP_PARTS),
+           data.unavailable("rollout idle ratio", rollout=["wall_s", "rollouter/idle_ratio"])]
+    return recommend(t, r, data.knobs, " ".join(w.rstrip(".") for w in why if w))

@@ -1,0 +1,198 @@
+"""``hpcrl report RUN_DIR [RUN_DIR ...] --out DIR``: the offline staleness report.
+
+Writes ``DIR/report.md`` and ``DIR/report.html`` (same content) with tables and
+PNG plots (``DIR/<run>/*.png`` per run, ``DIR/compare_*.png`` for several runs),
+reading nothing but the run directories (see :mod:`hpcrl.analysis.load`).
+
+Sections per run: recommendation, notes, summary, lag (groups and tokens, over
+time), partial spans, idle ratios per version, timeline of generation / training
+/ weight sync, group life times, throughput and queue, reward, samples dropped.
+Several runs add the side-by-side (ablation) table and overlaid curves.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hpcrl.analysis import compare, plots, tables
+from hpcrl.analysis.doc import Doc
+from hpcrl.analysis.load import RunData, load_run
+from hpcrl.analysis.recommend import recommend_run
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Report:
+    markdown: Path
+    html: Path
+    runs: list[RunData]
+    plots: list[Path] = field(default_factory=list)
+    failed_plots: list[str] = field(default_factory=list)
+    """Plots or sections that could not be drawn, with the error (the report says so where they belong)."""
+
+
+def _unique_names(paths: list[Path]) -> list[str]:
+    names: list[str] = []
+    for p in paths:
+        base = Path(p).resolve().name or "run"
+        name, i = base, 2
+        while name in names:
+            name, i = f"{base}-{i}", i + 1
+        names.append(name)
+    return names
+
+
+def _plot(doc: Doc, rep: Report, draw, out: Path, rel: str, alt: str, *args) -> None:
+    try:
+        rep.plots.append(draw(*args, out))
+        doc.image(rel, alt)
+    except Exception as e:  # one bad plot must not cost the user the rest of the report
+        log.exception("plot %s failed", out)
+        rep.failed_plots.append(f"{out}: {e!r}")
+        doc.para(f"(plot `{out.name}` could not be drawn: {e!r})")
+
+
+class _Section:
+    """Context for one run's sections: where its plots go and how they are linked."""
+
+    def __init__(self, doc: Doc, rep: Report, d: RunData, out_dir: Path):
+        self.doc, self.rep, self.d, self.out_dir = doc, rep, d, out_dir
+
+    def img(self, name: str, alt: str) -> None:
+        _plot(self.doc, self.rep, plots.PLOTS[name], self.out_dir / self.d.name / name, f"{self.d.name}/{name}", alt,
+              self.d)
+
+
+def _lag(x: _Section) -> None:
+    d, doc = x.d, x.doc
+    why = d.unavailable("Lag", staleness=["group_id", "lag", "n_tokens", "sample_id", "trainer_step"])
+    if why:
+        return doc.para(why)
+    doc.table(tables.lag_table(d))
+    doc.para("Lag = trainer version when it took the group - version that generated its oldest token. Groups by "
+             "their largest trajectory lag, tokens by their trajectory's lag."
+             + (f" The admission budget bounds it by {d.knobs.max_lag_bound} (one writer)." if d.knobs else ""))
+    x.img("lag_distribution.png", "lag distribution")
+    x.img("lag_over_time.png", "lag over time")
+
+
+def _partial(x: _Section) -> None:
+    d, doc = x.d, x.doc
+    why = d.unavailable("Partial spans", staleness=["version_start", "version_end", "n_tokens"])
+    if why:
+        return doc.para(why)
+    pt = tables.partial_table(d)
+    if len(pt) and (pt["span (versions)"] == 0).all():
+        doc.para(f"None: all {int(pt['trajectories'].sum())} trained trajectories were generated under one "
+                 "weight version (version_end = version_start; partial rollout is off or not implemented).")
+    else:
+        doc.table(pt)
+    x.img("partial_spans.png", "partial rollout spans")
+
+
+def _idle(x: _Section) -> None:
+    d, doc = x.d, x.doc
+    why = d.unavailable("Idle ratios", partial=True, metrics=tables.STEP_PARTS + ["param_version"],
+                        rollout=["wall_s", "rollouter/idle_ratio", "param_version"])
+    if why:
+        doc.para(why)
+    doc.table(tables.version_table(d))
+    doc.para("Per range of weight versions: trainer idle = share of its time waiting for samples while it held those "
+             "versions; rollout idle = share of time with no group in flight while generating with them (both "
+             "time-weighted); lag of the groups the trainer took then; mean reward of the trajectories they generated.")
+    x.img("idle_ratios.png", "idle ratios per version")
+
+
+def _timeline(x: _Section) -> None:
+    d, doc = x.d, x.doc
+    why = d.unavailable("Timeline", partial=True, metrics=tables.STEP_PARTS + ["time_s"],
+                        staleness=["created_s", "finished_s", "committed_s", "consumed_s"])
+    if why:
+        doc.para(why)
+    doc.table(tables.timing_table(d))
+    doc.table(tables.group_life_table(d))
+    doc.para("Group life: `created_s`, `finished_s`, `committed_s` from the staleness log; taken = end of the "
+             "update's wait (metrics `time_s` - `timing_s/param_sync` - `timing_s/update`); `consumed_s` is stamped "
+             "after the update and its weight publish.")
+    x.img("timeline.png", "timeline")
+
+
+def _throughput(x: _Section) -> None:
+    doc = x.doc
+    doc.table(tables.throughput_table(x.d))
+    doc.table(tables.queue_depth_table(x.d))
+    x.img("throughput.png", "throughput and queue depth")
+
+
+def _reward(x: _Section) -> None:
+    row = tables.summary_row(x.d)
+    x.doc.para(f"Final reward {row['final reward']:.3f} (mean `reward/mean` of the last "
+               f"{tables.final_window(len(x.d.metrics))} update(s)).")
+    x.img("reward.png", "reward against version and wall time")
+
+
+def _drops(x: _Section) -> None:
+    d, doc = x.d, x.doc
+    dt = tables.drops_table(d)
+    if dt.empty:
+        ms = d.knobs.max_staleness if d.knobs else None
+        doc.para(f"None: no group was dropped for staleness (`max_staleness` {'off' if ms is None else ms}) and no "
+                 "shard was damaged (`fully_async/count/corrupt_groups_skipped` 0).")
+    else:
+        doc.table(dt)
+    x.img("drops.png", "samples dropped and why")
+
+
+SECTIONS = [("Lag", _lag), ("Partial rollout spans", _partial), ("Idle ratios per version", _idle),
+            ("Timeline: generation, training, weight sync", _timeline), ("Throughput and queue", _throughput),
+            ("Reward", _reward), ("Samples dropped", _drops)]
+
+
+def _run_section(doc: Doc, rep: Report, d: RunData, out_dir: Path, level: int) -> None:
+    doc.para(f"Run directory `{d.root}`; {'finished' if d.finished else 'NOT finished'}; "
+             + (d.knobs.describe() if d.knobs else "knobs unknown") + ".")
+    doc.para("**Recommendation:** " + recommend_run(d).line)
+    if d.notes:
+        doc.heading(level + 1, "Notes")
+        doc.bullets(d.notes)
+    x = _Section(doc, rep, d, out_dir)
+    for title, build in SECTIONS:
+        doc.heading(level + 1, title)
+        try:
+            build(x)
+        except Exception as e:  # data we did not foresee: say so in place, keep the other sections
+            log.exception("report section %r of %s failed", title, d.root)
+            rep.failed_plots.append(f"section {title!r} of {d.name}: {e!r}")
+            doc.para(f"(this section could not be built from the logs: {e!r})")
+
+
+def build_report(run_dirs: list, out_dir, names: list[str] | None = None) -> Report:
+    """Load every run, write ``report.md``, ``report.html`` and the PNGs into ``out_dir``."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    names = names or _unique_names([Path(p) for p in run_dirs])
+    runs = [load_run(p, name=n) for p, n in zip(run_dirs, names)]
+    rep = Report(out_dir / "report.md", out_dir / "report.html", runs)
+    title = f"hpcrl report: {runs[0].name}" if len(runs) == 1 else f"hpcrl report: {len(runs)} runs side by side"
+    doc = Doc(title)
+    doc.para(f"Written {time.strftime('%Y-%m-%d %H:%M:%S')} by `hpcrl report` from the run directories only. "
+             "Times in seconds; versions are weight versions; plots' time axes start at each run's first event.")
+
+    doc.heading(2, "Summary" if len(runs) == 1 else "Side by side")
+    doc.table(tables.ablation_table(runs))
+    doc.bullets([f"{k}: {v}" for k, v in tables.COLUMN_DEFINITIONS.items()])
+    if len(runs) > 1:
+        doc.heading(2, "Recommendations")
+        doc.bullets([f"{d.name}: {recommend_run(d).line}" for d in runs])
+        doc.heading(2, "Overlaid curves")
+        for name, draw in compare.COMPARE_PLOTS.items():
+            _plot(doc, rep, draw, out_dir / name, name, name[:-4].replace("_", " "), runs)
+    for d in runs:
+        doc.heading(2, f"Run {d.name}" if len(runs) > 1 else "Details")
+        _run_section(doc, rep, d, out_dir, 2)
+    rep.markdown.write_text(doc.markdown())
+    rep.html.write_text(doc.html())
+    return rep

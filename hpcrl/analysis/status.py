@@ -1,0 +1,275 @@
+"""``hpcrl status RUN_DIR``: a live, plain-text view of a run for a login node (works over ssh).
+
+Every few seconds (``--interval-s``) it reads the run directory and prints:
+
+- the knobs and a progress bar of the trainer's updates with an ETA (mean time
+  per update over the last :data:`RECENT` updates times the updates left);
+- one line per job: state, weight version, heartbeat age, idle ratio and
+  counters; a job whose heartbeat is older than ``timeouts.heartbeat_stale_s``
+  is flagged STALE, and one on this host whose process is gone is flagged GONE;
+- groups committed (shard manifests), consumed (trainer), the queue between
+  them and the groups in flight (admission counter), and the lag of the last update.
+
+It exits 0 when ``control/trainer_done.json`` appears, 1 when no job is alive
+and the trainer has not finished (crashed or cancelled: resume with
+``hpcrl run --resume``), 2 when RUN_DIR is not a run directory; ``--once``
+prints one view and exits with the same codes (0 for a run still going).
+
+It only reads: logs are tailed from the last complete line (a torn last line is
+not read until it is complete; a log that shrank because a resumed trainer
+rolled it back is read again from the start).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, TextIO
+
+from hpcrl.analysis.load import Knobs, read_config_leniently, read_json_tolerant, read_heartbeats
+from hpcrl.run_dir import RunDir
+
+RECENT = 20
+"""Updates the ETA and the recent trainer idle ratio are averaged over."""
+BAR_WIDTH = 30
+
+
+class JsonlTail:
+    """Complete lines appended to a JSONL file since the last call (tolerant of torn last lines)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.offset = 0
+        self.rows: list[dict] = []
+
+    def poll(self) -> list[dict]:
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            return self.rows
+        if size < self.offset:  # rolled back by a resumed trainer: start over
+            self.offset, self.rows = 0, []
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read(size - self.offset)
+        end = data.rfind(b"\n") + 1  # only complete lines; a torn tail waits for its newline
+        for raw in data[:end].splitlines():
+            try:
+                self.rows.append(json.loads(raw))
+            except ValueError:
+                pass  # an invalid complete line (a writer killed mid-line, then restarted): skipped
+        self.offset += end
+        return self.rows
+
+
+@dataclass
+class JobView:
+    job: str
+    state: str
+    version: int
+    age_s: float
+    host: str
+    pid: int
+    flag: str = ""
+    """``STALE`` (no heartbeat for too long), ``GONE`` (process not running on this host), or ``""``."""
+
+    @property
+    def alive(self) -> bool:
+        return not self.flag and self.state not in ("done", "failed")
+
+
+def _process_gone(host: str, pid: int) -> bool:
+    if host != socket.gethostname() or pid <= 0:
+        return False  # another node: only the heartbeat age can tell
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+@dataclass
+class StatusView:
+    rd: RunDir
+    knobs: Optional[Knobs]
+    stale_s: float
+    notes: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.metrics = JsonlTail(self.rd.metrics)
+        self.rollout: dict[str, JsonlTail] = {}
+        self.manifests: dict[str, JsonlTail] = {}
+
+    def jobs(self, now: float) -> list[JobView]:
+        out = []
+        for job, h in read_heartbeats(self.rd).items():
+            v = JobView(job, str(h.get("state", "?")), int(h.get("param_version", -1)), now - float(h.get("time_s", 0)),
+                        str(h.get("host", "?")), int(h.get("pid", -1)))
+            if v.state not in ("done", "failed"):
+                if _process_gone(v.host, v.pid):
+                    v.flag = "GONE"
+                elif v.age_s > self.stale_s:
+                    v.flag = "STALE"
+            out.append(v)
+        return sorted(out, key=lambda v: (v.job != "trainer", v.job))
+
+    def committed(self) -> dict[str, int]:
+        for w in self.rd.writers():
+            self.manifests.setdefault(w, JsonlTail(self.rd.shard_manifest(w)))
+        return {w: sum(int(_num(r.get("n_groups"), 0)) for r in t.poll()) for w, t in self.manifests.items()}
+
+    def rollout_rows(self) -> dict[str, list[dict]]:
+        for p in sorted(self.rd.logs.glob("rollout-*.jsonl")):
+            self.rollout.setdefault(p.stem[len("rollout-"):], JsonlTail(p))
+        return {w: t.poll() for w, t in self.rollout.items()}
+
+    def render(self, now: float) -> tuple[str, int]:
+        """The text of one view and what it implies: 0 finished, 1 stopped unfinished, -1 running."""
+        done = read_json_tolerant(self.rd.trainer_done)
+        m = self.metrics.poll()
+        jobs = self.jobs(now)
+        stopped = done is None and bool(jobs) and not any(j.alive for j in jobs)
+        lines = [f"hpcrl status  {self.rd.root}  {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(now))}"]
+        if self.knobs:
+            lines.append("run: " + self.knobs.describe())
+        lines += self.notes
+        lines += [_progress(m, self.knobs, done, stopped), ""]
+        committed = self.committed()
+        lines += self._job_lines(jobs, m, committed) + [""] + self._group_lines(m, committed)
+        if done is not None:
+            lines.append(f"run finished: {done.get('trainer_step')} updates, version {done.get('param_version')}, "
+                         f"{done.get('consumed_groups')} groups consumed")
+            return "\n".join(lines), 0
+        if stopped:
+            lines.append(f"run stopped before finishing: no job alive and no {self.rd.trainer_done.name}; "
+                         f"resume with `hpcrl run --resume --run-dir {self.rd.root}`")
+            return "\n".join(lines), 1
+        return "\n".join(lines), -1
+
+    def _job_lines(self, jobs: list[JobView], m: list[dict], committed: dict[str, int]) -> list[str]:
+        """One line per job (plus a line explaining a STALE or GONE flag)."""
+        if not jobs:
+            return ["(no heartbeat yet: jobs pending or starting)"]
+        ro = self.rollout_rows()
+        last = m[-1] if m else {}
+        lines = [f"{'job':<14}{'state':<22}{'version':>8}  {'heartbeat':>12}  {'idle':>5}  detail"]
+        for j in jobs:
+            age = f"{j.age_s:.1f}s ago" if j.age_s < 600 else f"{j.age_s / 60:.0f}min ago"
+            if j.job == "trainer":
+                if last:  # the heartbeat file is rewritten every few seconds; the metrics row is newer
+                    published = _num(last.get("timing_s/param_sync")) > 0
+                    j.version = max(j.version, int(_num(last.get("param_version"), -1)) + int(published))
+                idle = _recent_trainer_idle(m)
+                detail = (f"update {last.get('step', 0)}, {last.get('consumed_groups', 0)} groups consumed"
+                          if last else "no update logged yet")
+            else:
+                rows = ro.get(j.job[len("rollout-"):], [])
+                idle = _num(rows[-1].get("rollouter/idle_ratio")) if rows else math.nan
+                tps = _num(rows[-1].get("throughput/tokens_per_s")) if rows else math.nan
+                detail = f"{committed.get(j.job[len('rollout-'):], 0)} groups committed" + (
+                    f", {tps:.0f} tokens/s" if not math.isnan(tps) else "")
+            state = j.state + (f" {j.flag}" if j.flag else "")
+            idle_s = "-" if math.isnan(idle) else f"{idle:.2f}"
+            lines.append(f"{j.job:<14}{state:<22}{'v' + str(j.version):>8}  {age:>12}  {idle_s:>5}  {detail}")
+            if j.flag == "GONE":
+                lines.append(f"{'':14}process {j.pid} is not running on {j.host} (killed or crashed)")
+            elif j.flag == "STALE":
+                lines.append(f"{'':14}no heartbeat for {j.age_s:.0f}s (> timeouts.heartbeat_stale_s={self.stale_s:g}): "
+                             "dead, hung or its node is unreachable")
+        lines.append(f"(idle: trainer over its last {RECENT} updates, rollout over its last finished weight version)")
+        return lines
+
+    def _group_lines(self, m: list[dict], committed: dict[str, int]) -> list[str]:
+        """Groups committed / consumed / queued / in flight, and the last update's lag and reward."""
+        last = m[-1] if m else {}
+        consumed = int(_num(last.get("consumed_groups"), 0))
+        total = sum(committed.values())
+        admission = read_json_tolerant(self.rd.admission) or {}
+        started = sum(int(v) for v in (admission.get("started") or {}).values())
+        lines = [f"groups: committed {total} ({', '.join(f'{w} {n}' for w, n in committed.items()) or 'no writer yet'}),"
+                 f" consumed {consumed}, queue {max(total - consumed, 0)}, in flight {max(started - total, 0)}"]
+        if last:
+            lines.append(f"last update: lag mean {_num(last.get('fully_async/lag/mean')):.2f} "
+                         f"max {_num(last.get('fully_async/lag/max')):.0f}; reward {_num(last.get('reward/mean')):.3f} "
+                         f"(mean of last {min(len(m), 10)}: {_mean(m[-10:], 'reward/mean'):.3f}); "
+                         f"trainer {_num(last.get('throughput/tokens_per_s')):.0f} tokens/s")
+        return lines
+
+
+def _num(value, default: float = math.nan) -> float:
+    """A number from a log row, or ``default`` when an older or torn row lacks it."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
+
+
+def _mean(rows: list[dict], key: str) -> float:
+    vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+    return sum(vals) / len(vals) if vals else float("nan")
+
+
+def _recent_trainer_idle(m: list[dict]) -> float:
+    rows = m[-RECENT:]
+    wait = sum(_num(r.get("timing_s/wait_samples")) for r in rows)
+    total = wait + sum(_num(r.get("timing_s/update")) + _num(r.get("timing_s/param_sync")) for r in rows)
+    return wait / total if total > 0 else math.nan  # NaN also when an older log lacks a part
+
+
+def _progress(m: list[dict], knobs: Optional[Knobs], done: Optional[dict], stopped: bool) -> str:
+    step = int(m[-1].get("step", 0)) if m else 0
+    if knobs is None:
+        return f"trainer: {step} updates (total unknown)"
+    total = knobs.total_updates
+    frac = min(step / total, 1.0) if total else 0.0
+    bar = "#" * int(round(frac * BAR_WIDTH)) + "." * (BAR_WIDTH - int(round(frac * BAR_WIDTH)))
+    if done is not None:
+        eta = "done"
+    elif stopped:
+        eta = "stopped (no job alive)"
+    else:
+        recent = m[-RECENT:]
+        per_update = (_num(recent[-1].get("time_s")) - _num(recent[0].get("time_s"))) / (len(recent) - 1) \
+            if len(recent) >= 2 else math.nan
+        eta = "ETA unknown (fewer than 2 timed updates)" if math.isnan(per_update) else \
+            f"ETA {_duration((total - step) * per_update)} ({per_update:.2f}s per update)"
+    return f"trainer [{bar}] {step}/{total} updates {100 * frac:3.0f}%  {eta}"
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0, int(round(seconds)))
+    h, rem = divmod(seconds, 3600)
+    mnt, s = divmod(rem, 60)
+    return f"{h}h{mnt:02d}m{s:02d}s" if h else f"{mnt}m{s:02d}s" if mnt else f"{s}s"
+
+
+def status_main(run_dir, interval_s: float = 5.0, once: bool = False, out: Optional[TextIO] = None) -> int:
+    """Print the view every ``interval_s`` until the run ends (or once); return the exit code."""
+    out = out or sys.stdout
+    rd = RunDir(run_dir)
+    if not rd.root.is_dir() or not (rd.config_path.is_file() or rd.logs.is_dir()):
+        print(f"hpcrl status: error: {rd.root} is not an hpcrl run directory (no config.yaml, no logs/)", file=sys.stderr)
+        return 2
+    notes: list[str] = []
+    cfg = read_config_leniently(rd, notes)
+    view = StatusView(rd, Knobs.from_config(cfg) if cfg else None,
+                      cfg.timeouts.heartbeat_stale_s if cfg else 60.0, [f"note: {n}" for n in notes])
+    clear = out.isatty() and not once
+    while True:
+        text, code = view.render(time.time())
+        if clear:
+            out.write("\033[H\033[J")
+        out.write(text + "\n")
+        if not once and not clear and code < 0:
+            out.write(f"--- next view in {interval_s:g}s ---\n")
+        out.flush()
+        if code >= 0:
+            return code
+        if once:
+            return 0
+        time.sleep(interval_s)
+

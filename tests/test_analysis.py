@@ -1,0 +1,394 @@
+"""`hpcrl report` and `hpcrl status` on real tiny runs.
+
+Two finished runs (s=0 and s=0.5, 200 groups each) are made once per module.
+Every number the tests check in report.md is recomputed here from the raw JSONL
+files with plain ``json`` (not through hpcrl.analysis), by the definitions the
+report states under its tables.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import re
+import shutil
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from conftest import REPO, make_run, start_rollout, start_trainer, wait_until
+from hpcrl.analysis.recommend import HIGH, recommend
+from hpcrl.analysis.status import JsonlTail, status_main
+from hpcrl.cli import main
+
+RUN_PLOTS = ["lag_distribution.png", "lag_over_time.png", "partial_spans.png", "idle_ratios.png", "timeline.png",
+             "throughput.png", "reward.png", "drops.png"]
+COMPARE_PLOTS = ["compare_reward.png", "compare_lag.png", "compare_idle.png", "compare_progress.png"]
+
+
+# ---------------------------------------------------------------- raw logs, read independently
+
+def jsonl(path: Path) -> list[dict]:
+    rows = []
+    if path.exists():
+        for line in path.read_bytes().split(b"\n"):
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                pass  # the torn last line (or the empty string after the final newline)
+    return rows
+
+
+class Raw:
+    def __init__(self, root: Path):
+        self.st = jsonl(root / "logs" / "staleness.jsonl")
+        self.m = jsonl(root / "logs" / "metrics.jsonl")
+        self.ro = [r for p in sorted((root / "logs").glob("rollout-*.jsonl")) for r in jsonl(p)]
+        self.trained = [r for r in self.st if not r["dropped"]]
+        self.groups: dict[str, list[dict]] = defaultdict(list)
+        for r in self.trained:
+            self.groups[r["group_id"]].append(r)
+        step = [r["timing_s/wait_samples"] + r["timing_s/update"] + r["timing_s/param_sync"] for r in self.m]
+        self.t0 = min([r["created_s"] for r in self.st] + [r["time_s"] - s for r, s in zip(self.m, step)]
+                      + [r["time_s"] - r["wall_s"] - r["timing_s/load_weights"] for r in self.ro])
+
+    @staticmethod
+    def trainer_idle(m):
+        return sum(r["timing_s/wait_samples"] for r in m) / sum(
+            r["timing_s/wait_samples"] + r["timing_s/update"] + r["timing_s/param_sync"] for r in m)
+
+    @staticmethod
+    def rollout_idle(ro):
+        return sum(r["rollouter/idle_ratio"] * r["wall_s"] for r in ro) / sum(r["wall_s"] for r in ro)
+
+    def summary(self) -> dict:
+        m, n = self.m, len(self.m)
+        steps = [r["timing_s/wait_samples"] + r["timing_s/update"] + r["timing_s/param_sync"] for r in m]
+        synced = [r["timing_s/param_sync"] for r in m if r["timing_s/param_sync"] > 0]
+        lags = [max(r["lag"] for r in g) for g in self.groups.values()]
+        total = m[-1]["time_s"] - self.t0
+        k = max(1, round(n / 10))
+        return {"step (s)": sum(steps) / n, "update (s)": sum(r["timing_s/update"] for r in m) / n,
+                "sync (s)": sum(synced) / len(synced),
+                "gen (s/group)": sum(g[0]["finished_s"] - g[0]["created_s"] for g in self.groups.values()) / len(lags),
+                "total (s)": total, "final reward": sum(r["reward/mean"] for r in m[-k:]) / k,
+                "lag mean": sum(lags) / len(lags), "lag max": max(lags), "idle trainer": self.trainer_idle(m),
+                "idle rollout": self.rollout_idle(self.ro), "tokens/s": sum(r["n_tokens"] for r in m) / total,
+                "dropped groups": len({r["group_id"] for r in self.st if r["dropped"]})
+                + m[-1].get("fully_async/count/corrupt_groups_skipped", 0)}
+
+
+# ---------------------------------------------------------------- the report, read back
+
+def parse_report(md: str) -> dict:
+    """{(h2, h3): [table, ...]} with each table a list of {column: cell} rows; plus paragraphs."""
+    tables: dict[tuple, list] = defaultdict(list)
+    h2 = h3 = ""
+    lines = md.splitlines()
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("## "):
+            h2, h3 = line[3:], ""
+        elif line.startswith("### "):
+            h3 = line[4:]
+        elif line.startswith("| ") and i + 1 < len(lines) and lines[i + 1].startswith("|---"):
+            header = [c.strip() for c in line.strip("|").split("|")]
+            rows = []
+            i += 2
+            while i < len(lines) and lines[i].startswith("| "):
+                rows.append(dict(zip(header, [c.strip() for c in lines[i].strip("|").split("|")])))
+                i += 1
+            tables[(h2, h3)].append(rows)
+            continue
+        i += 1
+    return tables
+
+
+def close(cell: str, value: float, decimals: int = 3) -> bool:
+    if cell == "n/a":
+        return math.isnan(value)
+    return abs(float(cell) - value) <= 0.5 * 10 ** -decimals + 1e-9
+
+
+def assert_row_matches(row: dict, expected: dict) -> None:
+    for col, value in expected.items():
+        ok = row[col] == str(value) if isinstance(value, int) else close(row[col], value)
+        assert ok, f"column {col!r}: report says {row[col]}, raw logs give {value}"
+
+
+def run_cli(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
+    """The real command in its own process."""
+    return subprocess.run([sys.executable, "-m", "hpcrl", *args], capture_output=True, text=True, cwd=REPO,
+                          timeout=timeout_s)
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    """The same command in this process (no interpreter start-up: pandas and matplotlib are loaded once)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+# ---------------------------------------------------------------- fixtures
+
+def finished_run(tmp: Path, name: str, *overrides: str):
+    rd = make_run(tmp, "rollout.total_rollout_steps=200", *overrides, name=name)
+    trainer, rollout = start_trainer(rd), start_rollout(rd)
+    assert trainer.wait(300) == 0, trainer.tail()
+    assert rollout.wait(120) == 0, rollout.tail()
+    return rd.root
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("analysis_runs")
+    return {"s0": finished_run(tmp, "s0"),
+            "s05": finished_run(tmp, "s05", "async_training.staleness_threshold=0.5")}
+
+
+@pytest.fixture(scope="module")
+def report(runs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("report")
+    res = run_cli("report", str(runs["s0"]), str(runs["s05"]), "--out", str(out))
+    assert res.returncode == 0, res.stdout + res.stderr
+    return out, (out / "report.md").read_text(), res
+
+
+# ---------------------------------------------------------------- tests
+
+def test_side_by_side_table_has_one_row_per_run_equal_to_the_raw_logs(runs, report):
+    out, md, _ = report
+    (table,) = parse_report(md)[("Side by side", "")]
+    assert [r["run"] for r in table] == ["s0", "s05"]
+    for row in table:
+        raw = Raw(runs[row["run"]])
+        assert row["s"] == {"s0": "0", "s05": "0.5"}[row["run"]]
+        assert row["updates"] == "50/50"
+        assert_row_matches(row, raw.summary())
+    assert (out / "report.html").read_text().count("<tr>") > 10
+
+
+def test_per_run_tables_equal_the_raw_logs(runs, report):
+    _, md, _ = report
+    tables = parse_report(md)
+    for name, root in runs.items():
+        raw = Raw(root)
+        h2 = f"Run {name}"
+        # lag: groups by their largest lag, tokens by trajectory lag
+        (lag,) = tables[(h2, "Lag")]
+        groups_by_lag, tokens_by_lag, traj_by_lag = defaultdict(int), defaultdict(int), defaultdict(int)
+        for g in raw.groups.values():
+            groups_by_lag[max(r["lag"] for r in g)] += 1
+        for r in raw.trained:
+            tokens_by_lag[r["lag"]] += r["n_tokens"]
+            traj_by_lag[r["lag"]] += 1
+        assert [int(r["lag (versions)"]) for r in lag] == sorted(groups_by_lag)
+        for r in lag:
+            x = int(r["lag (versions)"])
+            assert_row_matches(r, {"groups": groups_by_lag[x], "tokens": tokens_by_lag[x], "trajectories": traj_by_lag[x]})
+            assert close(r["% of groups"], 100 * groups_by_lag[x] / len(raw.groups), 1)
+            assert close(r["% of tokens"], 100 * tokens_by_lag[x] / sum(tokens_by_lag.values()), 1)
+        # per version range: the report's labels, every number recomputed from raw rows
+        (per_version,) = tables[(h2, "Idle ratios per version")]
+        assert sum(int(r["updates"]) for r in per_version) == len(raw.m)
+        for r in per_version:
+            nums = [int(v) for v in re.findall(r"\d+", r["versions"])]  # "v3" or "v0-v10"
+            lo, hi = nums[0], nums[-1]
+            m = [x for x in raw.m if lo <= x["param_version"] <= hi]
+            ro = [x for x in raw.ro if lo <= x["param_version"] <= hi]
+            lags = [max(t["lag"] for t in g) for g in raw.groups.values() if lo <= g[0]["trainer_version"] <= hi]
+            rewards = [t["reward"] for t in raw.trained if lo <= t["version_start"] <= hi]
+            assert_row_matches(r, {"updates": len(m), "rollout groups": sum(x["groups"] for x in ro)})
+            assert close(r["trainer idle"], Raw.trainer_idle(m) if m else math.nan)
+            assert close(r["rollout idle"], Raw.rollout_idle(ro) if ro else math.nan)
+            assert close(r["lag mean (versions)"], sum(lags) / len(lags) if lags else math.nan)
+            assert close(r["reward of generated"], sum(rewards) / len(rewards) if rewards else math.nan)
+        # throughput: trainer tokens over its step seconds; each writer's tokens over its wall seconds
+        throughput, queue = tables[(h2, "Throughput and queue")]
+        trainer = next(r for r in throughput if r["side"] == "trainer")
+        secs = sum(x["timing_s/wait_samples"] + x["timing_s/update"] + x["timing_s/param_sync"] for x in raw.m)
+        toks = sum(x["n_tokens"] for x in raw.m)
+        assert_row_matches(trainer, {"tokens": toks, "seconds": secs, "tokens/s": toks / secs,
+                                     "groups": raw.m[-1]["consumed_groups"]})
+        writer = next(r for r in throughput if r["side"] == "rollout w000")
+        assert_row_matches(writer, {"tokens": sum(x["tokens"] for x in raw.ro), "groups": sum(x["groups"] for x in raw.ro),
+                                    "seconds": sum(x["wall_s"] for x in raw.ro)})
+        assert abs(sum(float(r["% of time"]) for r in queue) - 100) < 0.5
+        # timings and group life
+        timing, life = tables[(h2, "Timeline: generation, training, weight sync")]
+        upd = next(r for r in timing if r["part"] == "trainer: update")
+        assert_row_matches(upd, {"count": len(raw.m), "total (s)": sum(x["timing_s/update"] for x in raw.m)})
+        gen = next(r for r in life if r["stage"] == "generating")
+        assert close(gen["mean (s)"], raw.summary()["gen (s/group)"])
+        # nothing was dropped, and the report says so
+        assert not tables[(h2, "Samples dropped")]
+        assert raw.m[-1]["fully_async/count/dropped_max_staleness"] == 0
+    assert md.count("None: no group was dropped") == 2
+    assert md.count("None: all 1600 trained trajectories were generated under one weight version") == 2
+
+
+def test_every_plot_exists_and_is_a_valid_png(report):
+    out, md, res = report
+    linked = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", md)
+    expected = COMPARE_PLOTS + [f"{run}/{p}" for run in ("s0", "s05") for p in RUN_PLOTS]
+    assert sorted(linked) == sorted(expected)
+    for rel in expected:
+        path = out / rel
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", rel
+        with Image.open(path) as im:
+            im.verify()
+        with Image.open(path) as im:
+            assert im.format == "PNG" and im.size[0] >= 600 and im.size[1] >= 300, (rel, im.size)
+    assert "20 plots" in res.stdout
+
+
+def test_recommendation_states_the_idle_ratios_it_used(runs, report):
+    _, md, res = report
+    (table,) = parse_report(md)[("Side by side", "")]
+    for row in table:
+        line = next(x for x in md.splitlines() if x.startswith(f"- {row['run']}: "))
+        raw = Raw(runs[row["run"]])
+        assert close(re.search(r"trainer idle (\d\.\d\d)", line).group(1), Raw.trainer_idle(raw.m), 2), line
+        assert close(re.search(r"rollout idle (\d\.\d\d)", line).group(1), Raw.rollout_idle(raw.ro), 2), line
+        assert line[len(f"- {row['run']}: "):] in res.stdout  # printed by the command too
+
+
+def test_recommendation_rule():
+    class K:  # the knobs the rule reads: s=0, K=1, R=4 -> B=4, nothing ahead
+        staleness_threshold, trigger_parameter_sync_step, groups_per_update = 0.0, 1, 4
+        admission_budget, max_concurrent_groups, rollout_jobs = 4, 2, 1
+
+    assert recommend(0.6, 0.05, K).bottleneck == "rollout"
+    assert "resources.rollout_jobs 1 -> 2" in recommend(0.6, 0.05, K).line
+    assert recommend(0.05, 0.6, K).bottleneck == "trainer"
+    assert recommend(0.1, 0.2, K).bottleneck == "balanced"
+    both = recommend(0.8, 0.6, K)
+    assert both.bottleneck == "neither" and "staleness_threshold from 0 to at least 1" in both.line
+    assert "trainer idle 0.80" in both.line and "rollout idle 0.60" in both.line
+    K.staleness_threshold, K.admission_budget = 1.0, 8  # a whole update ahead already: the hand-off limits
+    assert "max_concurrent_groups" in recommend(0.8, 0.6, K).line
+    assert recommend(float("nan"), 0.5, K).bottleneck == "unknown"
+    assert HIGH < 0.6
+
+
+def test_status_once_on_a_finished_run(runs):
+    res = run_cli("status", str(runs["s05"]), "--once", timeout_s=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "[" + "#" * 30 + "] 50/50 updates 100%  done" in res.stdout
+    assert "run finished: 50 updates, version 50, 200 groups consumed" in res.stdout
+    assert re.search(r"rollout-w000\s+done\s+v50", res.stdout)
+    # without --once it also ends by itself on a finished run
+    assert run_cli("status", str(runs["s0"]), "--interval-s", "0.2", timeout_s=60).returncode == 0
+
+
+def test_status_and_report_on_a_run_killed_mid_way(tmp_path):
+    rd = make_run(tmp_path, "rollout.total_rollout_steps=400", name="killed")
+    trainer, rollout = start_trainer(rd), start_rollout(rd)
+    wait_until(lambda: len(jsonl(rd.metrics)) >= 8, 240, "8 updates", jobs=(trainer, rollout))
+    live = io.StringIO()
+    assert status_main(rd.root, once=True, out=live) == 0
+    text = live.getvalue()
+    assert re.search(r"trainer \[#*\.+\] \d+/100 updates +\d+%  ETA \d", text), text
+    assert "GONE" not in text and "run stopped" not in text
+    trainer.kill()
+    rollout.kill()
+    with open(rd.metrics, "ab") as f:  # what a kill in the middle of a row leaves
+        f.write(b'{"step": 999, "reward/me')
+    res = cli("status", str(rd.root), "--once")
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert res.stdout.count("GONE") == 2 and "is not running on" in res.stdout
+    assert "run stopped before finishing" in res.stdout and "--resume" in res.stdout
+    out = tmp_path / "report"
+    res = cli("report", str(rd.root), "--out", str(out))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "Traceback" not in res.stderr
+    md = (out / "report.md").read_text()
+    assert "NOT finished" in md and "The run has not finished" in md
+    assert "logs/metrics.jsonl: skipped 1 incomplete or invalid line(s)" in md
+    raw = Raw(rd.root)
+    ((row,),) = parse_report(md)[("Summary", "")]
+    assert row["updates"] == f"{len(raw.m)}/100"
+    expected = raw.summary()
+    del expected["dropped groups"]
+    assert_row_matches(row, expected)
+    for p in RUN_PLOTS:
+        assert (out / "killed" / p).read_bytes()[:4] == b"\x89PNG"
+
+
+def _rewrite(path: Path, change) -> None:
+    rows = jsonl(path)
+    path.write_text("".join(json.dumps(change(r)) + "\n" for r in rows))
+
+
+def test_run_from_an_older_hpcrl_gets_a_clear_message(runs, tmp_path):
+    old = tmp_path / "old"
+    shutil.copytree(runs["s0"], old, ignore=shutil.ignore_patterns("checkpoints", "weights", "samples", "base_model"))
+    cfg = old / "config.yaml"
+    cfg.write_text(cfg.read_text().replace("rollout:\n", "rollout:\n  retired_knob: 3\n", 1))
+    drop = lambda keys: lambda r: {k: v for k, v in r.items() if k not in keys}  # noqa: E731
+    _rewrite(old / "logs" / "staleness.jsonl", drop({"created_s", "finished_s", "dropped"}))
+    _rewrite(old / "logs" / "metrics.jsonl", drop({"timing_s/param_sync"}))
+    res = cli("report", str(old), "--out", str(tmp_path / "report"))
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stdout + res.stderr
+    assert "logs/staleness.jsonl lacks column(s) created_s, finished_s, dropped: it was written by an older hpcrl" \
+        in res.stdout
+    assert "logs/metrics.jsonl lacks column(s) timing_s/param_sync" in res.stdout
+    assert "config.yaml was written by another hpcrl version" in res.stdout and "rollout.retired_knob" in res.stdout
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "Timeline: incomplete (logs/metrics.jsonl lacks timing_s/param_sync" in md
+    assert "No recommendation: the idle ratio is known for rollout only" in md
+    assert "could not be built" not in md and "could not be drawn" not in md
+    assert cli("status", str(old), "--once").returncode == 0
+
+
+def test_dropped_samples_are_counted_by_reason(runs, tmp_path):
+    """Drops are rare in tiny runs: mark the groups of update 3 as dropped for staleness
+    and count 4 groups of damaged shards, as the trainer would have logged them."""
+    d = tmp_path / "drops"
+    shutil.copytree(runs["s05"], d, ignore=shutil.ignore_patterns("checkpoints", "weights", "samples", "base_model"))
+    _rewrite(d / "logs" / "staleness.jsonl", lambda r: {**r, "dropped": "max_staleness" if r["trainer_step"] == 3 else ""})
+    _rewrite(d / "logs" / "metrics.jsonl", lambda r: {**r, "fully_async/count/corrupt_groups_skipped": 4 * (r["step"] >= 10)})
+    res = cli("report", str(d), "--out", str(tmp_path / "report"))
+    assert res.returncode == 0, res.stdout + res.stderr
+    tables = parse_report((tmp_path / "report" / "report.md").read_text())
+    (drops,) = tables[("Details", "Samples dropped")]
+    raw = Raw(d)
+    marked = [r for r in raw.st if r["dropped"]]
+    assert drops[0] == {"reason": "max_staleness", "groups": str(len({r["group_id"] for r in marked})),
+                        "trajectories": str(len(marked)), "source": "logs/staleness.jsonl (dropped)"}
+    assert drops[1]["reason"] == "corrupt shard" and drops[1]["groups"] == "4"
+    (lag,) = tables[("Details", "Lag")]
+    assert sum(int(r["groups"]) for r in lag) == len(raw.groups)  # dropped groups are not in the lag table
+    ((summary,),) = tables[("Summary", "")]
+    assert summary["dropped groups"] == str(len({r["group_id"] for r in marked}) + 4)
+
+
+def test_not_a_run_directory_and_a_run_not_started(tmp_path):
+    res = cli("report", str(tmp_path), "--out", str(tmp_path / "r"))
+    assert res.returncode == 2 and "is not an hpcrl run directory" in res.stderr and "Traceback" not in res.stderr
+    assert cli("status", str(tmp_path / "nope"), "--once").returncode == 2
+    rd = make_run(tmp_path, name="fresh")  # prepared, no job started yet
+    res = cli("report", str(rd.root), "--out", str(tmp_path / "r"))
+    assert res.returncode == 2 and "nothing to analyse yet" in res.stderr
+    res = cli("status", str(rd.root), "--once")
+    assert res.returncode == 0 and "no heartbeat yet" in res.stdout and "0/300 updates" in res.stdout
+
+
+def test_tail_reader_waits_for_a_torn_line_and_rereads_a_rolled_back_log(tmp_path):
+    p = tmp_path / "log.jsonl"
+    tail = JsonlTail(p)
+    assert tail.poll() == []
+    p.write_bytes(b'{"a": 1}\n{"a": 2')
+    assert tail.poll() == [{"a": 1}]
+    with open(p, "ab") as f:
+        f.write(b'}\n')
+    assert tail.poll() == [{"a": 1}, {"a": 2}]
+    p.write_bytes(b'{"b": 1}\n')  # shorter: a resumed trainer truncated it back to its checkpoint
+    assert tail.poll() == [{"b": 1}]
