@@ -101,7 +101,12 @@ def main(argv=None) -> int:
     from hpcrl.analysis.commands import add_analysis_commands, run_analysis_command
 
     add_analysis_commands(sub)
-    a = p.parse_args(argv)
+    # overrides may also follow the options (`hpcrl run CONFIG --run-dir D k=v`)
+    a, extra = p.parse_known_args(argv)
+    if extra:
+        if a.cmd not in ("run", "sbatch-lines") or any("=" not in x or x.startswith("-") for x in extra):
+            p.error("unrecognized arguments: " + " ".join(extra))
+        a.overrides = list(a.overrides) + extra
     if a.cmd in ("report", "status"):
         return run_analysis_command(a)
     if a.cmd == "run":

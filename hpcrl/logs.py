@@ -4,7 +4,9 @@
   where they exist (``trainer/idle_ratio``, ``fully_async/count/stale_samples_processed``,
   ``timing_s/param_sync``, ...).
 - ``logs/rollout-<writer>.jsonl`` (each rollout job): one row per weight version
-  it generated with (``rollouter/idle_ratio``, tokens/s, ...).
+  it generated with (``rollouter/idle_ratio``, tokens/s, ...). The row of version v
+  is written when v+1 has been loaded: its ``wall_s`` runs from v's load to then
+  (so it includes the drain before v+1), ``timing_s/load_weights`` is v's own load.
 - ``logs/staleness.jsonl`` (trainer): one row per consumed trajectory; columns in
   :data:`STALENESS_COLUMNS`.
 
@@ -36,7 +38,9 @@ STALENESS_COLUMNS = [
     "lag",              # trainer_version - version_start
     "n_tokens",         # response tokens (mask 1)
     "reward",
-    "created_s", "finished_s", "committed_s", "consumed_s",  # unix times
+    # unix times: generation started, group complete, shard committed, and the end of the
+    # local update that trained on it (after that update's weight publish, if any)
+    "created_s", "finished_s", "committed_s", "consumed_s",
     "dropped",          # "" if trained on; else why it was dropped (e.g. "max_staleness")
 ]
 

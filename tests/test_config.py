@@ -100,3 +100,10 @@ def test_cli_dry_run_prints_jobs_and_submits_nothing(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "would submit trainer" in out and "would submit rollout-w000" in out
     assert not (tmp_path / "r").exists()
+
+
+def test_cli_accepts_overrides_after_the_options(tmp_path, capsys):
+    rc = cli_main(["run", str(CONFIGS[0]), "--run-dir", str(tmp_path / "r"), "--dry-run", "rollout.n=4"])
+    assert rc == 0 and "n: 4" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli_main(["run", str(CONFIGS[0]), "--run-dir", str(tmp_path / "r"), "--dry-run", "--bogus"])
