@@ -124,7 +124,11 @@ case "$cmd" in
   stop)
     for d in slurmd slurmctld; do
       if [ -f "$dir/$d.pid" ]; then
-        kill "$(cat "$dir/$d.pid")" 2>/dev/null || true
+        pid="$(cat "$dir/$d.pid")"
+        kill "$pid" 2>/dev/null || true
+        # wait for it to go, so the next start finds its port free; force it after 10 s
+        for _ in $(seq 1 20); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
+        kill -9 "$pid" 2>/dev/null || true
         rm -f "$dir/$d.pid"
       fi
     done
