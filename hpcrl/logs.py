@@ -102,17 +102,6 @@ def read_metrics(run_dir: os.PathLike | str | RunDir):
     return pd.DataFrame(list(read_jsonl(rd.metrics, on_bad_line=_warn(rd.metrics))))
 
 
-def read_rollout_metrics(run_dir: os.PathLike | str | RunDir):
-    """Rollout metrics of every writer (one row per writer and weight version)."""
-    import pandas as pd
-
-    rd = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
-    rows = []
-    for p in sorted(rd.logs.glob("rollout-*.jsonl")):
-        rows.extend(read_jsonl(p, on_bad_line=_warn(p)))
-    return pd.DataFrame(rows)
-
-
 class MetricsLog:
     def __init__(self, path: Path):
         self._out = JsonlAppender(path)

@@ -79,13 +79,3 @@ class Admission:
             state["started"][self.writer] = state["started"].get(self.writer, 0) + 1
             write_json_atomic(self.run_dir.admission, state)
             return True
-
-    def release(self, n: int = 1) -> None:
-        """Return ``n`` reserved starts that will never be generated."""
-        with _locked(self.run_dir):
-            state = self._read()
-            state["started"][self.writer] = max(0, state["started"].get(self.writer, 0) - n)
-            write_json_atomic(self.run_dir.admission, state)
-
-    def started_total(self) -> int:
-        return sum(self._read()["started"].values())

@@ -96,7 +96,7 @@ def describe_heartbeats(run_dir: RunDir, role: Optional[str] = None) -> str:
     now = time.time()
     parts = [f"{job}: {d.get('state')} v{d.get('param_version')} heartbeat {now - d['time_s']:.0f}s ago"
              for job, d in read_heartbeats(run_dir).items() if role is None or d.get("role") == role]
-    return f"run dir {run_dir.root}; " + ("; ".join(parts) if parts else f"no {role or ''} heartbeat yet".replace("  ", " "))
+    return f"run dir {run_dir.root}; " + ("; ".join(parts) if parts else f"no {role or 'job'} heartbeat yet")
 
 
 class HeartbeatThread:

@@ -99,7 +99,3 @@ class WriterPositions:
         i = self._next
         self._next += self.W
         return i
-
-    def give_back(self, index: int) -> None:
-        """An admitted prompt that will not be generated now (budget refused); retry it first."""
-        self._gaps.insert(0, index)

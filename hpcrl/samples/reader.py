@@ -144,9 +144,6 @@ class SampleReader:
         return sum(len(st.pending) + sum(l.n_groups for l in st.lines[st.loaded_upto:])
                    for st in self._writers.values())
 
-    def committed_total(self) -> int:
-        return sum(sum(l.n_groups for l in st.lines) for st in self._writers.values())
-
     # ---- handing groups out
     def take(self, n: int) -> list[Group]:
         """Pop up to ``n`` loaded groups, oldest commit first, advancing the cursor."""
