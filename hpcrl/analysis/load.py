@@ -37,6 +37,7 @@ import pandas as pd
 import yaml
 
 from hpcrl.config import ConfigError, RunConfig, config_from_dict
+from hpcrl.control.records import read_heartbeats
 from hpcrl.fsio import read_jsonl
 from hpcrl.logs import STALENESS_COLUMNS
 from hpcrl.run_dir import RunDir
@@ -161,18 +162,6 @@ def read_json_tolerant(path: Path) -> Optional[dict]:
         return d if isinstance(d, dict) else None
     except (FileNotFoundError, ValueError, OSError):
         return None
-
-
-def read_heartbeats(rd: RunDir) -> dict[str, dict]:
-    """Heartbeat records by job name; an unreadable one is left out (it is rewritten every few seconds)."""
-    out = {}
-    folder = rd.control / "heartbeat"
-    if folder.is_dir():
-        for p in sorted(folder.glob("*.json")):
-            d = read_json_tolerant(p)
-            if d and "job" in d:
-                out[d["job"]] = d
-    return out
 
 
 def read_config_leniently(rd: RunDir, notes: list[str]) -> Optional[RunConfig]:

@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, TextIO
 
-from hpcrl.analysis.load import Knobs, read_config_leniently, read_json_tolerant, read_heartbeats
+from hpcrl.analysis.load import Knobs, read_config_leniently, read_json_tolerant
+from hpcrl.control.records import read_heartbeats
 from hpcrl.run_dir import RunDir
 
 RECENT = 20

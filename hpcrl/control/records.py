@@ -69,12 +69,17 @@ class TrainerDone:
 
 
 def read_heartbeats(run_dir: RunDir) -> dict[str, dict]:
+    """Heartbeat records by job name. One that cannot be read (not JSON, not a record,
+    written by something else) is left out: it is rewritten every few seconds."""
     out = {}
     folder = run_dir.control / "heartbeat"
     if folder.is_dir():
         for p in sorted(folder.glob("*.json")):
-            d = read_json(p)
-            if d:
+            try:
+                d = read_json(p)
+            except (ValueError, OSError):
+                continue
+            if isinstance(d, dict) and "job" in d and "time_s" in d:
                 out[d["job"]] = d
     return out
 
