@@ -102,6 +102,34 @@ def read_jsonl(path: os.PathLike | str, on_bad_line: Optional[Callable[[int, str
                     on_bad_line(lineno, raw.decode(errors="replace"))
 
 
+class JsonlTail:
+    """Complete lines appended to a JSONL file since the last call (tolerant of torn last lines)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.offset = 0
+        self.rows: list[dict] = []
+
+    def poll(self) -> list[dict]:
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            return self.rows
+        if size < self.offset:  # rolled back by a resumed trainer: start over
+            self.offset, self.rows = 0, []
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read(size - self.offset)
+        end = data.rfind(b"\n") + 1  # only complete lines; a torn tail waits for its newline
+        for raw in data[:end].splitlines():
+            try:
+                self.rows.append(json.loads(raw))
+            except ValueError:
+                pass  # an invalid complete line (a writer killed mid-line, then restarted): skipped
+        self.offset += end
+        return self.rows
+
+
 def wait_for(what: str, check: Callable[[], Any], timeout_s: float, poll_s: float, log: Any,
              log_every_s: float = 10.0, describe: Optional[Callable[[], str]] = None) -> Any:
     """Poll ``check()`` until it returns something truthy; log what we wait for;

@@ -23,7 +23,8 @@ from PIL import Image
 
 from conftest import REPO, make_run, start_rollout, start_trainer, wait_until
 from hpcrl.analysis.recommend import HIGH, recommend
-from hpcrl.analysis.status import JsonlTail, status_main
+from hpcrl.analysis.status import status_main
+from hpcrl.fsio import JsonlTail
 from hpcrl.cli import main
 
 RUN_PLOTS = ["lag_distribution.png", "lag_over_time.png", "partial_spans.png", "idle_ratios.png", "timeline.png",

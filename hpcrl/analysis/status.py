@@ -21,51 +21,22 @@ rolled it back is read again from the start).
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import socket
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Optional, TextIO
 
 from hpcrl.analysis.load import Knobs, read_config_leniently, read_json_tolerant
 from hpcrl.control.records import read_heartbeats
+from hpcrl.fsio import JsonlTail
 from hpcrl.run_dir import RunDir
 
 RECENT = 20
 """Updates the ETA and the recent trainer idle ratio are averaged over."""
 BAR_WIDTH = 30
-
-
-class JsonlTail:
-    """Complete lines appended to a JSONL file since the last call (tolerant of torn last lines)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.offset = 0
-        self.rows: list[dict] = []
-
-    def poll(self) -> list[dict]:
-        try:
-            size = self.path.stat().st_size
-        except FileNotFoundError:
-            return self.rows
-        if size < self.offset:  # rolled back by a resumed trainer: start over
-            self.offset, self.rows = 0, []
-        with open(self.path, "rb") as f:
-            f.seek(self.offset)
-            data = f.read(size - self.offset)
-        end = data.rfind(b"\n") + 1  # only complete lines; a torn tail waits for its newline
-        for raw in data[:end].splitlines():
-            try:
-                self.rows.append(json.loads(raw))
-            except ValueError:
-                pass  # an invalid complete line (a writer killed mid-line, then restarted): skipped
-        self.offset += end
-        return self.rows
 
 
 @dataclass

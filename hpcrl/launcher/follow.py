@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from hpcrl.control.records import read_heartbeats
-from hpcrl.fsio import read_json, read_jsonl
+from hpcrl.fsio import JsonlTail, read_json
 from hpcrl.run_dir import RunDir
 
 log = logging.getLogger(__name__)
@@ -43,19 +43,21 @@ class RunFollower:
         self.restarts: dict[str, int] = {}
         self._warned: dict[str, float] = {}
         self.cfg = rd.load_config()
+        self._metrics = JsonlTail(rd.metrics)  # read incrementally: the follower polls every second
+        self._rollout: dict[Path, JsonlTail] = {}
         self._metrics_seen = 0
         self._rows_by_version: dict[int, list[dict]] = defaultdict(list)
 
     def _rollout_idle(self) -> str:
         vals = []
         for p in sorted(self.rd.logs.glob("rollout-*.jsonl")):
-            rows = list(read_jsonl(p))
+            rows = self._rollout.setdefault(p, JsonlTail(p)).poll()
             if rows:
                 vals.append(rows[-1].get("rollouter/idle_ratio", float("nan")))
         return "/".join(f"{v:.2f}" for v in vals) if vals else "n/a"
 
     def _print_new_versions(self) -> None:
-        rows = list(read_jsonl(self.rd.metrics))
+        rows = self._metrics.poll()
         K = self.cfg.async_training.trigger_parameter_sync_step
         for row in rows[self._metrics_seen:]:
             self._rows_by_version[row["param_version"]].append(row)
