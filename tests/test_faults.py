@@ -150,7 +150,9 @@ def test_rollout_usr2_seals_and_its_successor_continues(tiny_run):
     wait_until(lambda: n_updates(rd) >= 10, 120, "10 updates", jobs=(trainer, rollout))
     rollout.kill(signal.SIGUSR2)
     assert rollout.wait(60) == 0, rollout.tail()
-    assert "USR2: sealing complete groups" in (rd.job_logs / "rollout-w000.log").read_text()
+    rollout_log = (rd.job_logs / "rollout-w000.log").read_text()
+    assert "USR2: sealing complete groups" in rollout_log
+    assert "preempted outside Slurm" in rollout_log, "the job must ask to be requeued (outside Slurm: says so)"
     assert json.loads(rd.heartbeat("rollout-w000").read_text())["state"] == "preempted"
     rollout2 = start_rollout(rd)
     assert trainer.wait(300) == 0, trainer.tail()

@@ -44,7 +44,7 @@ from hpcrl.run_dir import RunDir
 from hpcrl.samples.schema import Group, Trajectory
 from hpcrl.samples.writer import ShardWriter
 from hpcrl.tiny.model import load_tokenizer
-from hpcrl.weights.filesystem import WeightVersionGone, load_version, newest_version, read_manifest
+from hpcrl.weights.filesystem import WeightVersionGone, load_version, newest_version
 
 log = logging.getLogger("hpcrl.rollout")
 
@@ -256,6 +256,8 @@ class RolloutJob:
             raise
         finally:
             self._shutdown(final_state)
+        if final_state == "preempted":
+            requeue_self()  # under Slurm; elsewhere whoever started the job restarts it
 
     def _shutdown(self, final_state: str) -> None:
         if hasattr(self, "pool"):

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Optional
 
 import h5py
-import numpy as np
 
 from hpcrl.run_dir import RunDir
 from hpcrl.samples.schema import SCHEMA_VERSION, Group, ShardFormatError, ShardManifestLine, arrays_to_groups

@@ -97,7 +97,7 @@ class PolicyUpdate:
             batch.ref_logp = torch.cat(ref)
 
     def prepare(self, batch: Batch) -> dict:
-        cfg, alg = self.cfg, self.cfg.algorithm
+        alg = self.cfg.algorithm
         self._precompute(batch)
         batch.logp_old = batch.prox_logp if batch.prox_logp is not None else batch.behav_logp
         rc = alg.rollout_correction
