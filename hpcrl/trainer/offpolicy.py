@@ -51,32 +51,29 @@ def _seq_broadcast(per_seq: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return per_seq[:, None].expand_as(like)
 
 
+def _ratio(log_rho: torch.Tensor, m: torch.Tensor, level: str, knob: str, allowed: tuple[str, ...]) -> torch.Tensor:
+    """[B, L] ratio at ``level``: per token, the sequence product, or its geometric mean."""
+    if level not in allowed:
+        raise ValueError(f"unknown {knob} level {level!r}; allowed: {', '.join(allowed)}")
+    lr = torch.clamp(log_rho, -20.0, 20.0) * m
+    if level == "token":
+        return torch.exp(lr)
+    if level == "sequence":
+        return _seq_broadcast(torch.exp(torch.clamp(lr.sum(dim=1), -20.0, 20.0)), lr)
+    return _seq_broadcast(torch.exp(lr.sum(dim=1) / m.sum(dim=1).clamp(min=1)), lr)
+
+
 def importance_weights(log_rho: torch.Tensor, mask: torch.Tensor, level: str, threshold: float
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """(truncated weights, untruncated weights), both [B, L] and 0 where mask is 0."""
     m = mask.float()
-    lr = torch.clamp(log_rho, -20.0, 20.0) * m
-    if level == "token":
-        raw = torch.exp(lr)
-    elif level == "sequence":
-        raw = _seq_broadcast(torch.exp(torch.clamp(lr.sum(dim=1), -20.0, 20.0)), lr)
-    else:
-        raise ValueError(f"unknown rollout_is level {level!r}; allowed: token, sequence")
+    raw = _ratio(log_rho, m, level, "rollout_is", ("token", "sequence"))
     return torch.clamp(raw, max=threshold) * m, raw * m
 
 
 def rejection_mask(log_rho: torch.Tensor, mask: torch.Tensor, level: str, upper: float, lower: float) -> torch.Tensor:
     """1 = keep, 0 = rejected; [B, L]."""
-    m = mask.float()
-    lr = torch.clamp(log_rho, -20.0, 20.0) * m
-    if level == "token":
-        r = torch.exp(lr)
-    elif level == "sequence":
-        r = _seq_broadcast(torch.exp(torch.clamp(lr.sum(dim=1), -20.0, 20.0)), lr)
-    elif level == "geometric":
-        r = _seq_broadcast(torch.exp(lr.sum(dim=1) / m.sum(dim=1).clamp(min=1)), lr)
-    else:
-        raise ValueError(f"unknown rollout_rs level {level!r}; allowed: token, sequence, geometric")
+    r = _ratio(log_rho, mask.float(), level, "rollout_rs", ("token", "sequence", "geometric"))
     return ((r >= lower) & (r <= upper)).float()
 
 
