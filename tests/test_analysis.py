@@ -284,7 +284,10 @@ def test_status_once_on_a_finished_run(runs):
     assert res.returncode == 0, res.stdout + res.stderr
     assert "[" + "#" * 30 + "] 50/50 updates 100%  done" in res.stdout
     assert "run finished: 50 updates, version 50, 200 groups consumed" in res.stdout
-    assert re.search(r"rollout-w000\s+done\s+v50", res.stdout)
+    # the last update consumed groups of v49 or v50 (lag bound 1), so the rollout job loaded at least v49;
+    # whether it also loaded the final v50 before it saw trainer_done is a race, and both are right
+    loaded = re.search(r"rollout-w000\s+done\s+v(\d+)", res.stdout)
+    assert loaded and int(loaded.group(1)) in (49, 50), res.stdout
     # without --once it also ends by itself on a finished run
     assert run_cli("status", str(runs["s0"]), "--interval-s", "0.2", timeout_s=60).returncode == 0
 
