@@ -136,8 +136,8 @@ def test_sbatch_trainer_preempted_with_usr2_requeues_and_resumes(slurm, tmp_path
                                                       text=True, env=slurm).stdout, 60, "the trainer to be requeued")
     wait_until(lambda: read_json(rd.trainer_done), 420, "the requeued trainer to finish")
     log_text = (rd.job_logs / "trainer.log").read_text()
-    assert "received SIGUSR2" in log_text and f"requeued Slurm job {trainer_id}" in log_text
-    m = re.search(r"checkpoint (step-\d+) .*\n.*requeued Slurm job", log_text)
+    assert "received SIGUSR2" in log_text and f"requeueing Slurm job {trainer_id}" in log_text
+    m = re.search(r"checkpoint (step-\d+) .*\n.*requeueing Slurm job", log_text)
     assert m and f"resumed from {m.group(1)}" in log_text, "resumed from the checkpoint written on USR2"
     steps = [r["step"] for r in read_jsonl(rd.metrics)]
     assert steps == list(range(1, rd.load_config().total_updates + 1))

@@ -38,9 +38,11 @@ def requeue_self() -> bool:
     if not job:
         log.warning("preempted outside Slurm: exiting; start the job again to resume")
         return False
+    # Said before the call: a successful requeue kills this process at once, often before
+    # scontrol returns, so a line written afterwards is lost on a busy node.
+    log.warning("requeueing Slurm job %s; it resumes from the checkpoint when it starts again", job)
     out = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
     if out.returncode != 0:
         log.error("scontrol requeue %s failed (%s); the launcher must resubmit this job", job, out.stderr.strip())
         return False
-    log.warning("requeued Slurm job %s; it resumes from the checkpoint when it starts again", job)
     return True
