@@ -8,7 +8,7 @@ reward KL against the frozen reference (gae). 400 groups = 100 updates (~40 s ea
 """
 import pytest
 
-from conftest import start_rollout, start_trainer
+from conftest import check_exactly_once, start_rollout, start_trainer
 from hpcrl.logs import read_metrics
 from test_learning import fifths
 
@@ -39,3 +39,42 @@ def test_estimator_learns_the_toy_task(tiny_run, estimator):
         assert m["actor/reward_kl_penalty_coeff"].nunique() > 1, "the adaptive controller moves beta"
     if estimator == "rloo":
         assert m["actor/kl_loss"].iloc[-1] > 0
+
+
+RARE = {  # name: (overrides, K, require_batches, ppo_epochs)
+    "grpo-decoupled-kl-loss": (["actor.use_kl_loss=true", "async_training.use_rollout_log_probs=false",
+                                "algorithm.rollout_correction.rollout_is=sequence",
+                                "algorithm.rollout_correction.rollout_rs=geometric"], 3, 2, 3),
+    "gae-prox-kl-in-reward": (["algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true",
+                               "async_training.compute_prox_log_prob=true",
+                               "algorithm.rollout_correction.rollout_is=token"], 2, 1, 2),
+}
+
+
+@pytest.mark.parametrize("name", list(RARE))
+def test_less_travelled_paths_run_end_to_end(tiny_run, name):
+    """bf16, several PPO epochs, micro-batches, K > 1 updates per weight version,
+    proximal or recomputed log-probs with importance weights, and the reference model
+    (KL loss) or the value head (GAE): short runs that must finish with sane metrics."""
+    overrides, K, rb, epochs = RARE[name]
+    rd = tiny_run("rollout.total_rollout_steps=144", "actor.bf16=true", f"actor.ppo_epochs={epochs}",
+                  "actor.ppo_micro_batch_size=2", "async_training.staleness_threshold=1.0",
+                  f"async_training.trigger_parameter_sync_step={K}", f"async_training.require_batches={rb}",
+                  *overrides)
+    cfg = rd.load_config()
+    trainer, rollout = start_trainer(rd), start_rollout(rd)
+    assert trainer.wait(300) == 0, trainer.tail()
+    assert rollout.wait(120) == 0, rollout.tail()
+    m = read_metrics(rd)
+    updates = 144 // (4 * rb)
+    assert m.step.tolist() == list(range(1, updates + 1))
+    assert m.param_version.tolist() == [(s - 1) // K for s in range(1, updates + 1)], "a new version every K updates"
+    assert m["actor/optimizer_steps"].iloc[-1] == updates * epochs * rb, "ppo_epochs * require_batches steps per update"
+    assert m.select_dtypes("number").notna().all().all() and m["actor/grad_norm"].gt(0).all()
+    assert m["rollout_corr/rollout_is_max"].max() > 1.0  # bf16 trainer vs fp32 engine differ even at lag 0
+    if "gae" in name:
+        assert m["critic/vf_loss"].gt(0).all() and m["actor/reward_kl_penalty"].iloc[-1] > 0
+    else:
+        assert m["actor/kl_loss"].iloc[-1] > 0
+    assert m["fully_async/lag/max"].max() <= cfg.max_lag_bound
+    check_exactly_once(rd, cfg.rollout.max_concurrent_groups)

@@ -180,6 +180,7 @@ class PolicyUpdate:
         for k, vs in means.items():
             out[k] = max(vs) if k.endswith("_max") else min(vs) if k.endswith("_min") else sum(vs) / len(vs)
         out["actor/grad_norm"] = grad_norm  # of the last mini-batch, before clipping
+        out["actor/optimizer_steps"] = self.engine.global_steps  # since the run began (kept across resumes)
         if cfg.actor.use_kl_loss:
             out["actor/kl_coef"] = cfg.actor.kl_loss_coef
         return out
