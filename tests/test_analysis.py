@@ -18,6 +18,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -25,6 +26,7 @@ from conftest import REPO, make_run, start_rollout, start_trainer, wait_until
 from hpcrl.analysis.recommend import HIGH, recommend
 from hpcrl.analysis.status import status_main
 from hpcrl.fsio import JsonlTail
+from hpcrl.logs import read_jsonl_frame
 from hpcrl.cli import main
 
 RUN_PLOTS = ["lag_distribution.png", "lag_over_time.png", "partial_spans.png", "idle_ratios.png", "timeline.png",
@@ -396,3 +398,24 @@ def test_tail_reader_waits_for_a_torn_line_and_rereads_a_rolled_back_log(tmp_pat
     assert tail.poll() == [{"a": 1}, {"a": 2}]
     p.write_bytes(b'{"b": 1}\n')  # shorter: a resumed trainer truncated it back to its checkpoint
     assert tail.poll() == [{"b": 1}]
+
+
+def test_columnar_log_reader_skips_what_a_killed_writer_leaves(tmp_path):
+    """read_jsonl_frame: pyarrow's fast path and the line-by-line fallback give the
+    same frame and report the same bad lines (by line number)."""
+    def read(data: bytes):
+        p = tmp_path / "log.jsonl"
+        p.write_bytes(data)
+        bad = []
+        return read_jsonl_frame(p, on_bad_line=lambda n, text: bad.append(n)), bad
+
+    f, bad = read(b'{"a": 1, "reward": 1}\n{"a": 2, "reward": 0}\n{"a": 3, "rew')  # torn last row: fast path
+    assert f.a.tolist() == [1, 2] and f.reward.dtype == "float64" and bad == [3]
+    f, bad = read(b'{"a": 1}\nnot json\n{"a": 2}\n{"a"')  # a damaged row in the middle: fallback
+    assert f.a.tolist() == [1, 2] and bad == [2, 4]
+    f, bad = read(b'{"a": NaN}\n{"a": 2.5}\n')  # what json.dumps writes for nan: fallback, kept
+    assert np.isnan(f.a[0]) and f.a[1] == 2.5 and bad == []
+    f, bad = read(b'{"a": 1}\n' * 70000 + b'{"a": 1.5, "b": "x"}\n')  # a new type and key in a later block
+    assert len(f) == 70001 and f.a.iloc[-1] == 1.5 and f.b.iloc[-1] == "x" and f.b.isna().sum() == 70000
+    assert read(b"")[0].empty and read(b'{"a"')[0].empty and read(b'{"a"')[1] == [1]
+    assert read_jsonl_frame(tmp_path / "missing.jsonl").empty

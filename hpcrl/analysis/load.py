@@ -38,8 +38,7 @@ import yaml
 
 from hpcrl.config import ConfigError, RunConfig, config_from_dict
 from hpcrl.control.records import read_heartbeats
-from hpcrl.fsio import read_jsonl
-from hpcrl.logs import STALENESS_COLUMNS
+from hpcrl.logs import STALENESS_COLUMNS, read_jsonl_frame
 from hpcrl.run_dir import RunDir
 
 log = logging.getLogger(__name__)
@@ -146,9 +145,9 @@ class RunData:
 _LOG_PATHS = {"staleness": "logs/staleness.jsonl", "metrics": "logs/metrics.jsonl", "rollout": "logs/rollout-*.jsonl"}
 
 
-def _read_log(path: Path, notes: list[str], root: Path) -> list[dict]:
+def _read_log(path: Path, notes: list[str], root: Path) -> pd.DataFrame:
     bad: list[int] = []
-    rows = list(read_jsonl(path, on_bad_line=lambda n, text: bad.append(n)))
+    rows = read_jsonl_frame(path, on_bad_line=lambda n, text: bad.append(n))
     if bad:
         notes.append(f"{path.relative_to(root)}: skipped {len(bad)} incomplete or invalid line(s) "
                      f"(line {', '.join(map(str, bad[:5]))}); a job was killed while writing, or the file is damaged.")
@@ -207,9 +206,8 @@ def _known_keys(cls, raw, prefix: str, ignored: list[str]) -> dict:
     return out
 
 
-def _frame(rows: list[dict], required: list[str], name: str, missing: dict) -> pd.DataFrame:
-    df = pd.DataFrame(rows)
-    if rows:
+def _frame(df: pd.DataFrame, required: list[str], name: str, missing: dict) -> pd.DataFrame:
+    if len(df):
         gaps = [c for c in required if c not in df.columns]
         if gaps:
             missing[name] = gaps
@@ -250,10 +248,10 @@ def load_run(path: os.PathLike | str, name: Optional[str] = None) -> RunData:
     for c in COUNTERS:
         if c not in m.columns:
             m[c] = 0
-    ro_rows: list[dict] = []
-    for p in sorted(rd.logs.glob("rollout-*.jsonl")) if rd.logs.is_dir() else []:
-        ro_rows.extend(_read_log(p, notes, root))
-    ro = _frame(ro_rows, ROLLOUT_COLUMNS, "rollout", missing)
+    ro_logs = [_read_log(p, notes, root) for p in (sorted(rd.logs.glob("rollout-*.jsonl")) if rd.logs.is_dir() else [])]
+    ro_logs = [f for f in ro_logs if len(f)]
+    ro = _frame(pd.concat(ro_logs, ignore_index=True) if ro_logs else pd.DataFrame(), ROLLOUT_COLUMNS, "rollout",
+                missing)
     if st.empty and m.empty and ro.empty:
         raise RunFormatError(f"{root}: nothing to analyse yet: {rd.staleness.name}, {rd.metrics.name} and "
                              f"rollout-*.jsonl in {rd.logs} are empty or missing (has the trainer made its first update?)")
