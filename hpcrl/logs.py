@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Callable, Iterable, Optional
+from typing import Callable, Optional
 
 from hpcrl.fsio import JsonlAppender, read_jsonl
 from hpcrl.run_dir import RunDir
@@ -90,8 +90,7 @@ def _warn(path):
 FLOAT_COLUMNS = ("reward", "created_s", "finished_s", "committed_s", "consumed_s")
 
 
-def read_jsonl_frame(path: os.PathLike | str, on_bad_line: Optional[Callable[[int, str], None]] = None,
-                     float_columns: Iterable[str] = FLOAT_COLUMNS):
+def read_jsonl_frame(path: os.PathLike | str, on_bad_line: Optional[Callable[[int, str], None]] = None):
     """A JSONL log as a pandas DataFrame, built column-wise: a run's staleness log has a
     row per trajectory (millions in a long run), and a list of row dicts costs ~2.6 kB
     per row against ~0.3 kB here (bench/bench_report.py).
@@ -120,7 +119,7 @@ def read_jsonl_frame(path: os.PathLike | str, on_bad_line: Optional[Callable[[in
             on_bad_line(data.count(b"\n", 0, cut) + 1, data[cut:].decode(errors="replace"))
         del data
         frame = table.to_pandas() if table is not None else pd.DataFrame()
-    for c in set(float_columns) & set(frame.columns):
+    for c in set(FLOAT_COLUMNS) & set(frame.columns):
         frame[c] = frame[c].astype("float64")
     return frame
 
@@ -133,10 +132,8 @@ def read_staleness(run_dir: os.PathLike | str | RunDir):
 
 def read_metrics(run_dir: os.PathLike | str | RunDir):
     """Trainer metrics (one row per local update) as a DataFrame."""
-    import pandas as pd
-
     rd = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
-    return pd.DataFrame(list(read_jsonl(rd.metrics, on_bad_line=_warn(rd.metrics))))
+    return read_jsonl_frame(rd.metrics, on_bad_line=_warn(rd.metrics))
 
 
 class MetricsLog:
