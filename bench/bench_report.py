@@ -13,7 +13,6 @@ line with ``json.loads`` and nothing else.
 """
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import multiprocessing as mp
@@ -26,7 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import table  # noqa: E402
+from _common import bench_parser, table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 LOGS = ("staleness.jsonl", "metrics.jsonl", "rollout-w000.jsonl")
@@ -114,11 +113,9 @@ def measure(what: str, run: Path, out: Path) -> tuple[float, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__, "one size, 100k rows (under a minute)")
     ap.add_argument("--rows", type=int, nargs="+", default=[100_000, 300_000, 1_000_000],
                     help="staleness log sizes to measure (rows = trajectories consumed)")
-    ap.add_argument("--quick", action="store_true", help="one size, 100k rows")
-    ap.add_argument("--dir", default=None, help="where the temporary runs go (default: system temp)")
     a = ap.parse_args()
     sizes = [100_000] if a.quick else a.rows
     with tempfile.TemporaryDirectory(dir=a.dir) as tmp:

@@ -27,7 +27,6 @@ Run::
 """
 from __future__ import annotations
 
-import argparse
 import multiprocessing as mp
 import os
 import shutil
@@ -42,7 +41,7 @@ import numpy as np
 # Runnable as a plain script from a checkout, without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import table  # noqa: E402
+from _common import bench_parser, table  # noqa: E402
 from hpcrl.run_dir import RunDir  # noqa: E402
 from hpcrl.samples.reader import SampleReader  # noqa: E402
 from hpcrl.samples.schema import Group, Trajectory  # noqa: E402
@@ -237,11 +236,7 @@ def mb(n_bytes: float) -> float:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="small sizes and counts (a few seconds)")
-    p.add_argument("--dir", default=None, help="parent folder for the temporary run dirs "
-                   "(default: a tempdir under $TMPDIR or /tmp); put it on the disk you want to measure")
+    p = bench_parser(__doc__, "small sizes and counts (a few seconds)")
     p.add_argument("--n", type=int, default=None, help="trajectories per group (default 8, quick 4)")
     p.add_argument("--prompt-tokens", type=int, default=None, help="tokens per prompt (default 128, quick 64)")
     p.add_argument("--response-tokens", type=int, default=None,

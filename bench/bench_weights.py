@@ -28,7 +28,6 @@ Run::
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -44,7 +43,7 @@ import torch
 # Runnable as a plain script from a checkout, without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import table  # noqa: E402
+from _common import bench_parser, table  # noqa: E402
 from hpcrl.run_dir import RunDir  # noqa: E402
 from hpcrl.weights.filesystem import WEIGHTS_FILE, load_version, newest_version, publish_version  # noqa: E402
 
@@ -181,11 +180,7 @@ def bench_size(base: Path, size_mb: float, dtype: torch.dtype, repeats: int) -> 
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="small sizes (a few seconds)")
-    p.add_argument("--dir", default=None, help="parent folder for the temporary run dirs "
-                   "(default: a tempdir under $TMPDIR or /tmp); put it on the disk you want to measure")
+    p = bench_parser(__doc__, "small sizes (a few seconds)")
     p.add_argument("--sizes-mb", default=None, help="comma-separated state dict sizes in MB "
                    "(default 10,100,500; quick 2,10,50)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
