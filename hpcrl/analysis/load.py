@@ -147,11 +147,11 @@ _LOG_PATHS = {"staleness": "logs/staleness.jsonl", "metrics": "logs/metrics.json
 
 def _read_log(path: Path, notes: list[str], root: Path) -> pd.DataFrame:
     bad: list[int] = []
-    rows = read_jsonl_frame(path, on_bad_line=lambda n, text: bad.append(n))
+    frame = read_jsonl_frame(path, on_bad_line=lambda n, text: bad.append(n))
     if bad:
         notes.append(f"{path.relative_to(root)}: skipped {len(bad)} incomplete or invalid line(s) "
                      f"(line {', '.join(map(str, bad[:5]))}); a job was killed while writing, or the file is damaged.")
-    return rows
+    return frame
 
 
 def read_json_tolerant(path: Path) -> Optional[dict]:
