@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+from hpcrl.control import termination
+
 
 def fsync_dir(path: os.PathLike | str) -> None:
     fd = os.open(path, os.O_RDONLY)
@@ -137,6 +139,7 @@ def wait_for(what: str, check: Callable[[], Any], timeout_s: float, poll_s: floa
     start = time.monotonic()
     last_log = start
     while True:
+        termination.check()  # a SIGTERM whose own SystemExit was swallowed still ends the wait
         result = check()
         if result:
             return result

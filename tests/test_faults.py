@@ -1,12 +1,16 @@
 """Kill either job with SIGKILL mid-run and start it again: the run completes, and every
 committed group is consumed exactly once (manifests vs staleness log)."""
 import json
+import logging
+import os
 import signal
+import sys
 
 import pytest
 
 from conftest import check_exactly_once, start_rollout, start_trainer, wait_until
-from hpcrl.fsio import read_json, read_jsonl
+from hpcrl.control import termination
+from hpcrl.fsio import read_json, read_jsonl, wait_for
 from hpcrl.logs import read_staleness
 
 
@@ -158,3 +162,25 @@ def test_rollout_usr2_seals_and_its_successor_continues(tiny_run):
     assert trainer.wait(300) == 0, trainer.tail()
     assert rollout2.wait(120) == 0, rollout2.tail()
     check_exactly_once(rd, rd.load_config().rollout.max_concurrent_groups)
+
+
+def test_sigterm_swallowed_by_a_finalizer_still_stops_the_job(monkeypatch):
+    """Python drops an exception raised while a finalizer runs ("Exception ignored in ...").
+    A SIGTERM whose handler runs there must still stop the job at its next step: seen in CI,
+    a scancel'd rollout job went on producing groups until Slurm's SIGKILL."""
+    swallowed = []
+    monkeypatch.setattr(sys, "unraisablehook", swallowed.append)
+    previous = signal.getsignal(signal.SIGTERM)
+    termination.install()
+    try:
+        class Finalized:
+            def __del__(self):
+                os.kill(os.getpid(), signal.SIGTERM)  # the handler runs here, inside the finalizer
+
+        Finalized()
+        assert [u.exc_type for u in swallowed] == [SystemExit], "the handler's own raise was swallowed"
+        with pytest.raises(SystemExit, match="SIGTERM"):  # ... and the next poll of any wait raises again
+            wait_for("groups that never come", lambda: False, timeout_s=30, poll_s=0.01, log=logging.getLogger())
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        termination._received = None

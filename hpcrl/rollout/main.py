@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from hpcrl.control import termination
 from hpcrl.control.admission import Admission
 from hpcrl.control.preemption import PreemptionFlag, requeue_self
 from hpcrl.control.records import HeartbeatThread, describe_heartbeats
@@ -220,6 +220,7 @@ class RolloutJob:
             waiting_since = None
             last_done_check = 0.0
             while True:
+                termination.check()
                 if self.preemption is not None and self.preemption.requested:
                     log.warning("USR2: sealing complete groups and requeueing this rollout job")
                     final_state = "preempted"
@@ -275,16 +276,12 @@ class RolloutJob:
                  getattr(getattr(self, "shards", None), "committed_groups", 0))
 
 
-def _raise_on_term(signum, frame):
-    raise SystemExit(f"received signal {signum}")
-
-
 def rollout_main(run_dir: str, writer_rank: int) -> None:
     rd = RunDir(run_dir)
     cfg = rd.load_config()
     setup_logging(f"rollout-{writer_name(writer_rank)}", cfg.logging.level,
                   rd.job_logs / f"rollout-{writer_name(writer_rank)}.log")
-    signal.signal(signal.SIGTERM, _raise_on_term)  # scancel: seal complete groups, then exit
+    termination.install()  # scancel: seal complete groups, then exit
     RolloutJob(rd, writer_rank, PreemptionFlag()).run()
 
 

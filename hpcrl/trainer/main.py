@@ -28,13 +28,13 @@ import argparse
 import logging
 import os
 import shutil
-import signal
 import time
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from hpcrl.control import termination
 from hpcrl.control.preemption import PreemptionFlag, requeue_self
 from hpcrl.control.records import HeartbeatThread, TrainerDone, describe_heartbeats
 from hpcrl.fsio import write_json_atomic
@@ -149,6 +149,7 @@ class TrainerJob:
         t0 = time.monotonic()
         last_log = t0
         while len(kept) < need:
+            termination.check()
             if self.preemption.requested:
                 return None, dropped, time.monotonic() - t0
             self.reader.poll()
@@ -298,6 +299,7 @@ class TrainerJob:
         K = cfg.async_training.trigger_parameter_sync_step
         last_ckpt_step = self.state.step
         while self.state.step < cfg.total_updates:
+            termination.check()
             version_seen = self.state.param_version
             status, kept, dropped, wait_s = self._next_batch()
             if status == PREEMPT:
@@ -333,10 +335,6 @@ class TrainerJob:
         return "done"
 
 
-def _raise_on_term(signum, frame):
-    raise SystemExit(f"received signal {signum}")
-
-
 def trainer_main(run_dir: str) -> None:
     rd = RunDir(run_dir)
     cfg = rd.load_config()
@@ -344,7 +342,7 @@ def trainer_main(run_dir: str) -> None:
     rank = int(os.environ["RANK"])
     job = "trainer" if rank == 0 else f"trainer-rank{rank}"
     setup_logging(job, cfg.logging.level, rd.job_logs / f"{job}.log")
-    signal.signal(signal.SIGTERM, _raise_on_term)
+    termination.install()  # scancel: stop now; a restart resumes from the last checkpoint
     preemption = PreemptionFlag()
     init_distributed(timeout_s=cfg.timeouts.wait_samples_s + 600)
     TrainerJob(rd, preemption).run()

@@ -1,0 +1,41 @@
+"""SIGTERM (``scancel``, a node shutdown, the end of a local run): stop the job now.
+
+The handler raises ``SystemExit`` so that a wait or a generation in progress
+ends at once; the job's ``finally`` blocks then seal the complete groups (a
+rollout job) and write the final heartbeat. Nothing is checkpointed: a trainer
+restarts from its last checkpoint, whose sample cursor is consistent with it.
+
+Python runs a signal handler between two bytecodes of the main thread. When
+that moment falls inside a garbage-collector callback (a weakref finalizer, a
+``__del__``), the exception it raises is printed as "Exception ignored in ..."
+and dropped, and the job would run on, still writing samples, until Slurm's
+SIGKILL ``KillWait`` seconds later. Seen in the test suite: a scancel'd rollout
+job went on producing groups for 15 s. So the handler also records the signal,
+and the job loops call :func:`check` at every step (``fsio.wait_for`` at every
+poll), which raises again.
+"""
+from __future__ import annotations
+
+import signal
+from typing import Optional
+
+_received: Optional[int] = None
+
+
+def _handler(signum, frame) -> None:
+    global _received
+    _received = signum
+    raise SystemExit(f"received {signal.Signals(signum).name}: stopping")
+
+
+def install() -> None:
+    """In a job's main thread: SIGTERM stops the job (see the module docstring)."""
+    global _received
+    _received = None
+    signal.signal(signal.SIGTERM, _handler)
+
+
+def check() -> None:
+    """Raise SystemExit if SIGTERM arrived, even when the handler's own raise was swallowed."""
+    if _received is not None:
+        raise SystemExit(f"received {signal.Signals(_received).name} earlier: stopping")
