@@ -33,7 +33,14 @@ def test_estimator_learns_the_toy_task(tiny_run, estimator):
     assert last > first + 0.15, f"{estimator}: reward did not rise: first fifth {first:.3f}, last fifth {last:.3f}"
     assert m["actor/grad_norm"].gt(0).all()
     if estimator == "gae":
-        assert m["critic/vf_loss"].notna().all() and m["critic/values/mean"].iloc[-1] > 0.05, "the critic learns"
+        # the critic learns: its values follow the returns up. One update's mean value is a
+        # noisy sample of 4 groups (it read -0.02 at the last step of a run that learned),
+        # so compare fifths and the correlation over the run.
+        values, returns = m["critic/values/mean"], m["critic/returns/mean"]
+        v_first, v_last = fifths(values.to_numpy())
+        assert m["critic/vf_loss"].notna().all() and v_last > v_first + 0.1, \
+            f"critic values did not rise: first fifth {v_first:.3f}, last fifth {v_last:.3f}"
+        assert values.corr(returns) > 0.5, f"critic values do not follow the returns (corr {values.corr(returns):.2f})"
         kl = m["actor/reward_kl_penalty"].to_numpy()
         assert kl[-1] > kl[0], "the policy moves away from the frozen reference"
         assert m["actor/reward_kl_penalty_coeff"].nunique() > 1, "the adaptive controller moves beta"
