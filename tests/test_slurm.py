@@ -16,6 +16,7 @@ from conftest import REPO, TINY, check_exactly_once, wait_until
 from hpcrl.fsio import read_json, read_jsonl
 from hpcrl.logs import read_metrics, read_staleness
 from hpcrl.run_dir import RunDir
+from test_learning import fifths
 
 CLUSTER = REPO / "sbatch" / "private-cluster.sh"
 
@@ -48,9 +49,7 @@ def squeue_ids(env) -> set:
 
 
 def reward_rises(rd, margin=0.2):
-    r = read_metrics(rd)["reward/mean"].to_numpy()
-    k = max(len(r) // 5, 1)
-    first, last = r[:k].mean(), r[-k:].mean()
+    first, last = fifths(read_metrics(rd)["reward/mean"].to_numpy())
     assert last > first + margin, f"reward did not rise: first fifth {first:.3f}, last fifth {last:.3f}"
     return first, last
 
