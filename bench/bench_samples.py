@@ -45,7 +45,8 @@ from _common import bench_parser, table  # noqa: E402
 from hpcrl.run_dir import RunDir  # noqa: E402
 from hpcrl.samples.reader import SampleReader  # noqa: E402
 from hpcrl.samples.schema import Group, Trajectory  # noqa: E402
-from hpcrl.samples.writer import ShardWriter, file_sha256  # noqa: E402
+from hpcrl.fsio import file_sha256  # noqa: E402
+from hpcrl.samples.writer import ShardWriter  # noqa: E402
 
 WRITER = "w000"
 DISTINCT_GROUPS = 32

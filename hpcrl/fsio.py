@@ -7,21 +7,32 @@ Two patterns only (DESIGN.md "The run directory"):
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from hpcrl.control import termination
 
 
-def fsync_dir(path: os.PathLike | str) -> None:
+def fsync_path(path: os.PathLike | str) -> None:
+    """fsync a file, or a folder (which makes a rename or a new entry in it durable), by path."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+
+def file_sha256(path: os.PathLike | str) -> str:
+    """Hex sha256 of a file's bytes, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def write_bytes_atomic(path: os.PathLike | str, data: bytes) -> None:
@@ -32,7 +43,7 @@ def write_bytes_atomic(path: os.PathLike | str, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fsync_dir(path.parent)
+    fsync_path(path.parent)
 
 
 def write_json_atomic(path: os.PathLike | str, obj: Any) -> None:
@@ -133,13 +144,20 @@ class JsonlTail:
 
 
 def wait_for(what: str, check: Callable[[], Any], timeout_s: float, poll_s: float, log: Any,
-             log_every_s: float = 10.0, describe: Optional[Callable[[], str]] = None) -> Any:
+             log_every_s: float = 10.0, describe: Optional[Callable[[], str]] = None,
+             stop: Optional[Callable[[], None]] = None) -> Any:
     """Poll ``check()`` until it returns something truthy; log what we wait for;
-    raise TimeoutError naming it after ``timeout_s``."""
+    raise TimeoutError naming it after ``timeout_s``.
+
+    ``stop()`` is called at every poll and may raise to end the wait early (the jobs
+    pass :func:`hpcrl.control.termination.check`, so a SIGTERM whose own SystemExit
+    was swallowed still ends the wait).
+    """
     start = time.monotonic()
     last_log = start
     while True:
-        termination.check()  # a SIGTERM whose own SystemExit was swallowed still ends the wait
+        if stop is not None:
+            stop()
         result = check()
         if result:
             return result

@@ -1,29 +1,85 @@
-"""RunDir: the one place that names every path of a run (cf. submitit's JobPaths).
+"""RunDir: the one place that names every path and every job of a run (cf. submitit's JobPaths).
 
 Layout (DESIGN.md)::
 
     RUN/
-      config.yaml                  resolved config, frozen at launch        (launcher writes)
-      base_model/                  builtin:tiny model + tokenizer           (launcher writes)
-      samples/<writer>/shard-000042.h5, manifest.jsonl                      (one rollout job each)
+      config.yaml                  resolved config, frozen at launch            (launcher writes)
+      secret                       random token, mode 0600 (weight broadcast)   (launcher writes)
+      base_model/                  builtin:tiny model + tokenizer               (launcher writes)
+      sbatch/<role>.setup.sh       per-role setup lines for sbatch/*.sbatch     (launcher writes)
+      samples/<writer>/shard-000042.h5, manifest.jsonl                          (one rollout job each)
       weights/v000007/             config.json, model.safetensors, manifest.json (trainer)
       control/heartbeat/<job>.json, control/loading/<writer>.json, control/admission.json, ...
-      checkpoints/<tag>/, checkpoints/latest.json                           (trainer)
-      logs/metrics.jsonl, logs/staleness.jsonl, logs/jobs/                  (each job its own file)
+      checkpoints/<tag>/, checkpoints/latest.json                               (trainer)
+      logs/metrics.jsonl, logs/staleness.jsonl, logs/rollout-<writer>.jsonl, logs/jobs/<job>.log
+
+Names: rollout job ``w`` of a run writes samples as writer ``w000`` (:meth:`RunDir.writer_name`)
+and runs as job ``rollout-w000`` (:meth:`RunDir.rollout_job`); the trainer's rank 0 is job
+``trainer``, its other ranks ``trainer-rank1``, ... No other module spells a path or a job
+name (``tests/test_layers.py`` checks).
 """
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
-
-from hpcrl.config import RunConfig, config_from_dict, dump_config
+from typing import Optional
 
 import yaml
 
+from hpcrl.config import RunConfig, config_from_dict, dump_config
+
+TRAINER_JOB = "trainer"
+"""Job name of the trainer's rank 0 (heartbeat, log file, launcher handle)."""
+_WRITER_RE = re.compile(r"^w(\d{3,})$")
+_ROLLOUT_PREFIX = "rollout-"
+_VERSION_RE = re.compile(r"^v(\d{6})$")
+_SHARD_RE = re.compile(r"^shard-(\d+)\.h5(\.tmp)?$")
+WEIGHT_MANIFEST = "manifest.json"
+"""The file that makes a weight version folder exist for readers (written last)."""
+SHARD_MANIFEST = "manifest.jsonl"
+"""Each writer's commit log: one line per sealed shard."""
+
 
 class RunDir:
+    """Every path of one run directory, and the names of its writers and jobs.
+
+    Constructing one touches nothing on disk; :meth:`create` makes the folders.
+    """
+
     def __init__(self, root: os.PathLike | str):
         self.root = Path(root).resolve()
+
+    # ---- names (static: the same for every run)
+    @staticmethod
+    def writer_name(rank: int) -> str:
+        """Sample writer of rollout job ``rank``: ``w000``, ``w001``, ..."""
+        return f"w{rank:03d}"
+
+    @staticmethod
+    def writer_rank(writer: str) -> int:
+        """Inverse of :meth:`writer_name`; ValueError for anything else."""
+        m = _WRITER_RE.match(writer)
+        if not m:
+            raise ValueError(f"{writer!r} is not a writer name (expected w000, w001, ...)")
+        return int(m.group(1))
+
+    @staticmethod
+    def rollout_job(writer: str) -> str:
+        """Job name of the rollout job that owns ``writer``: ``rollout-w000``."""
+        return _ROLLOUT_PREFIX + writer
+
+    @staticmethod
+    def trainer_job(rank: int = 0) -> str:
+        """Job name of trainer rank ``rank``: ``trainer`` for rank 0, else ``trainer-rank<r>``."""
+        return TRAINER_JOB if rank == 0 else f"{TRAINER_JOB}-rank{rank}"
+
+    @staticmethod
+    def writer_of_job(job: str) -> Optional[str]:
+        """The writer a job name belongs to (``rollout-w000`` -> ``w000``), None for other jobs."""
+        if job.startswith(_ROLLOUT_PREFIX) and _WRITER_RE.match(job[len(_ROLLOUT_PREFIX):]):
+            return job[len(_ROLLOUT_PREFIX):]
+        return None
 
     # ---- top level
     @property
@@ -31,8 +87,25 @@ class RunDir:
         return self.root / "config.yaml"
 
     @property
+    def secret(self) -> Path:
+        """Random token (mode 0600) that authenticates peers of the weight broadcast."""
+        return self.root / "secret"
+
+    @property
     def base_model(self) -> Path:
         return self.root / "base_model"
+
+    def model_dir(self, model_path: str) -> Path:
+        """The folder of ``model.path``: ``base_model/`` for ``builtin:tiny``, else the path itself."""
+        return self.base_model if model_path == "builtin:tiny" else Path(model_path)
+
+    @property
+    def sbatch_dir(self) -> Path:
+        return self.root / "sbatch"
+
+    def sbatch_setup(self, role: str) -> Path:
+        """Shell lines sourced by ``sbatch/<role>.sbatch`` before hpcrl starts."""
+        return self.sbatch_dir / f"{role}.setup.sh"
 
     # ---- samples
     @property
@@ -42,16 +115,32 @@ class RunDir:
     def writer_dir(self, writer: str) -> Path:
         return self.samples / writer
 
+    @staticmethod
+    def shard_name(shard_index: int) -> str:
+        return f"shard-{shard_index:06d}.h5"
+
+    @staticmethod
+    def parse_shard_name(name: str) -> Optional[tuple[int, bool]]:
+        """``(shard index, is a .tmp)`` of a file name in a writer folder; None if not a shard."""
+        m = _SHARD_RE.match(name)
+        return (int(m.group(1)), bool(m.group(2))) if m else None
+
     def shard_path(self, writer: str, shard_index: int) -> Path:
-        return self.writer_dir(writer) / f"shard-{shard_index:06d}.h5"
+        return self.writer_dir(writer) / self.shard_name(shard_index)
+
+    @staticmethod
+    def staging(path: Path) -> Path:
+        """Where a file or folder is written before it is renamed to ``path``."""
+        return path.with_name(path.name + ".tmp")
 
     def shard_manifest(self, writer: str) -> Path:
-        return self.writer_dir(writer) / "manifest.jsonl"
+        return self.writer_dir(writer) / SHARD_MANIFEST
 
     def writers(self) -> list[str]:
+        """Writers that have a sample folder, sorted."""
         if not self.samples.is_dir():
             return []
-        return sorted(p.name for p in self.samples.iterdir() if p.is_dir())
+        return sorted(p.name for p in self.samples.iterdir() if p.is_dir() and _WRITER_RE.match(p.name))
 
     # ---- weights
     @property
@@ -61,16 +150,33 @@ class RunDir:
     def weight_version_dir(self, version: int) -> Path:
         return self.weights / f"v{version:06d}"
 
+    def weight_manifest(self, version: int) -> Path:
+        return self.weight_version_dir(version) / WEIGHT_MANIFEST
+
+    @staticmethod
+    def parse_weight_version(name: str) -> Optional[int]:
+        """The version of a folder name ``v000007`` (None for anything else, ``.tmp`` included)."""
+        m = _VERSION_RE.match(name)
+        return int(m.group(1)) if m else None
+
     # ---- control records
     @property
     def control(self) -> Path:
         return self.root / "control"
 
+    @property
+    def heartbeats(self) -> Path:
+        return self.control / "heartbeat"
+
     def heartbeat(self, job: str) -> Path:
-        return self.control / "heartbeat" / f"{job}.json"
+        return self.heartbeats / f"{job}.json"
+
+    @property
+    def loading(self) -> Path:
+        return self.control / "loading"
 
     def loading_announcement(self, writer: str) -> Path:
-        return self.control / "loading" / f"{writer}.json"
+        return self.loading / f"{writer}.json"
 
     @property
     def admission(self) -> Path:
@@ -107,16 +213,31 @@ class RunDir:
         return self.logs / "staleness.jsonl"
 
     def rollout_metrics(self, writer: str) -> Path:
-        return self.logs / f"rollout-{writer}.jsonl"
+        return self.logs / f"{_ROLLOUT_PREFIX}{writer}.jsonl"
+
+    def rollout_metrics_logs(self) -> dict[str, Path]:
+        """Every writer's rollout log that exists, by writer name."""
+        if not self.logs.is_dir():
+            return {}
+        out = {}
+        for p in sorted(self.logs.glob(f"{_ROLLOUT_PREFIX}*.jsonl")):
+            writer = p.stem[len(_ROLLOUT_PREFIX):]
+            if _WRITER_RE.match(writer):
+                out[writer] = p
+        return out
 
     @property
     def job_logs(self) -> Path:
         return self.logs / "jobs"
 
+    def job_log(self, job: str) -> Path:
+        """The Python log of one job (rank): ``logs/jobs/<job>.log``."""
+        return self.job_logs / f"{job}.log"
+
     # ---- life cycle
     def create(self) -> "RunDir":
-        for d in (self.samples, self.weights, self.control / "heartbeat", self.control / "loading",
-                  self.checkpoints, self.logs, self.job_logs):
+        for d in (self.samples, self.weights, self.heartbeats, self.loading, self.checkpoints, self.logs,
+                  self.job_logs):
             d.mkdir(parents=True, exist_ok=True)
         return self
 

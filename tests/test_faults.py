@@ -180,7 +180,8 @@ def test_sigterm_swallowed_by_a_finalizer_still_stops_the_job(monkeypatch):
         Finalized()
         assert [u.exc_type for u in swallowed] == [SystemExit], "the handler's own raise was swallowed"
         with pytest.raises(SystemExit, match="SIGTERM"):  # ... and the next poll of any wait raises again
-            wait_for("groups that never come", lambda: False, timeout_s=30, poll_s=0.01, log=logging.getLogger())
+            wait_for("groups that never come", lambda: False, timeout_s=30, poll_s=0.01, log=logging.getLogger(),
+                     stop=termination.check)
     finally:
         signal.signal(signal.SIGTERM, previous)
         termination._received = None

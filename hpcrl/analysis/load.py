@@ -248,7 +248,7 @@ def load_run(path: os.PathLike | str, name: Optional[str] = None) -> RunData:
     for c in COUNTERS:
         if c not in m.columns:
             m[c] = 0
-    ro_logs = [_read_log(p, notes, root) for p in (sorted(rd.logs.glob("rollout-*.jsonl")) if rd.logs.is_dir() else [])]
+    ro_logs = [_read_log(p, notes, root) for p in rd.rollout_metrics_logs().values()]
     ro_logs = [f for f in ro_logs if len(f)]
     ro = _frame(pd.concat(ro_logs, ignore_index=True) if ro_logs else pd.DataFrame(), ROLLOUT_COLUMNS, "rollout",
                 missing)

@@ -90,7 +90,7 @@ class StatusView:
                 elif v.age_s > self.stale_s:
                     v.flag = "STALE"
             out.append(v)
-        return sorted(out, key=lambda v: (v.job != "trainer", v.job))
+        return sorted(out, key=lambda v: (v.job != RunDir.trainer_job(), v.job))
 
     def committed(self) -> dict[str, int]:
         for w in self.rd.writers():
@@ -98,8 +98,8 @@ class StatusView:
         return {w: sum(int(_num(r.get("n_groups"), 0)) for r in t.poll()) for w, t in self.manifests.items()}
 
     def rollout_rows(self) -> dict[str, list[dict]]:
-        for p in sorted(self.rd.logs.glob("rollout-*.jsonl")):
-            self.rollout.setdefault(p.stem[len("rollout-"):], JsonlTail(p))
+        for writer, p in self.rd.rollout_metrics_logs().items():
+            self.rollout.setdefault(writer, JsonlTail(p))
         return {w: t.poll() for w, t in self.rollout.items()}
 
     def render(self, now: float) -> tuple[str, int]:
@@ -134,7 +134,8 @@ class StatusView:
         lines = [f"{'job':<14}{'state':<22}{'version':>8}  {'heartbeat':>12}  {'idle':>5}  detail"]
         for j in jobs:
             age = f"{j.age_s:.1f}s ago" if j.age_s < 600 else f"{j.age_s / 60:.0f}min ago"
-            if j.job == "trainer":
+            writer = RunDir.writer_of_job(j.job)
+            if writer is None:
                 if last:  # the heartbeat file is rewritten every few seconds; the metrics row is newer
                     published = _num(last.get("timing_s/param_sync")) > 0
                     j.version = max(j.version, int(_num(last.get("param_version"), -1)) + int(published))
@@ -142,10 +143,10 @@ class StatusView:
                 detail = (f"update {last.get('step', 0)}, {last.get('consumed_groups', 0)} groups consumed"
                           if last else "no update logged yet")
             else:
-                rows = ro.get(j.job[len("rollout-"):], [])
+                rows = ro.get(writer, [])
                 idle = _num(rows[-1].get("rollouter/idle_ratio")) if rows else math.nan
                 tps = _num(rows[-1].get("throughput/tokens_per_s")) if rows else math.nan
-                detail = f"{committed.get(j.job[len('rollout-'):], 0)} groups committed" + (
+                detail = f"{committed.get(writer, 0)} groups committed" + (
                     f", {tps:.0f} tokens/s" if not math.isnan(tps) else "")
             state = j.state + (f" {j.flag}" if j.flag else "")
             idle_s = "-" if math.isnan(idle) else f"{idle:.2f}"

@@ -72,7 +72,7 @@ def read_heartbeats(run_dir: RunDir) -> dict[str, dict]:
     """Heartbeat records by job name. One that cannot be read (not JSON, not a record,
     written by something else) is left out: it is rewritten every few seconds."""
     out = {}
-    folder = run_dir.control / "heartbeat"
+    folder = run_dir.heartbeats
     if folder.is_dir():
         for p in sorted(folder.glob("*.json")):
             try:
@@ -91,8 +91,9 @@ def live_jobs(run_dir: RunDir, heartbeat_stale_s: float) -> set[str]:
     for job, d in read_heartbeats(run_dir).items():
         if now - d["time_s"] <= heartbeat_stale_s and d.get("state") not in ("done", "failed"):
             alive.add(job)
-            if job.startswith("rollout-"):
-                alive.add(job[len("rollout-"):])
+            writer = RunDir.writer_of_job(job)
+            if writer is not None:
+                alive.add(writer)
     return alive
 
 

@@ -27,7 +27,7 @@ def tail(path: Path, lines: int = 25) -> str:
 
 
 def job_failure_report(rd: RunDir, handle) -> str:
-    parts = [f"--- {rd.job_logs / (handle.name + '.log')} (last lines) ---", tail(rd.job_logs / f"{handle.name}.log")]
+    parts = [f"--- {rd.job_log(handle.name)} (last lines) ---", tail(rd.job_log(handle.name))]
     for path in handle.log_paths()[1:]:  # submitit's stderr of the job
         parts += [f"--- {path} (last lines) ---", tail(path)]
     return "\n".join(parts)
@@ -50,7 +50,7 @@ class RunFollower:
 
     def _rollout_idle(self) -> str:
         vals = []
-        for p in sorted(self.rd.logs.glob("rollout-*.jsonl")):
+        for p in self.rd.rollout_metrics_logs().values():
             rows = self._rollout.setdefault(p, JsonlTail(p)).poll()
             if rows:
                 vals.append(rows[-1].get("rollouter/idle_ratio", float("nan")))
@@ -86,7 +86,7 @@ class RunFollower:
                 self.restarts[name] = used + 1
                 self.emit(f"job {name} ({handle.job_id}) ended before the trainer finished; resubmitting "
                           f"(restart {used + 1}/{self.cfg.resources.max_restarts}); last lines of its log:")
-                self.emit(tail(self.rd.job_logs / f"{name}.log", 5))
+                self.emit(tail(self.rd.job_log(name), 5))
                 self.jobs[name] = self.resubmit(name)
                 self.emit(f"job {name} resubmitted as {self.jobs[name].job_id}")
                 continue

@@ -44,7 +44,7 @@ def prepare_run_dir(cfg: RunConfig, run_dir: Path, resume: bool) -> RunDir:
         from hpcrl.tiny.model import build_tiny_model
 
         build_tiny_model(rd.base_model, seed=cfg.model.seed)
-    secret = rd.root / "secret"
+    secret = rd.secret
     if not secret.exists():
         fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:

@@ -39,8 +39,7 @@ def sbatch_lines(cfg: RunConfig, rd: RunDir, scripts: Path, python: str) -> list
 
 
 def write_setup_files(cfg: RunConfig, rd: RunDir) -> None:
-    folder = rd.root / "sbatch"
-    folder.mkdir(exist_ok=True)
+    rd.sbatch_dir.mkdir(exist_ok=True)
     for role, r in (("trainer", cfg.resources.trainer), ("rollout", cfg.resources.rollout)):
         body = "# written by hpcrl from resources.%s.setup\n%s\n" % (role, "\n".join(r.setup))
-        write_bytes_atomic(folder / f"{role}.setup.sh", body.encode())
+        write_bytes_atomic(rd.sbatch_setup(role), body.encode())

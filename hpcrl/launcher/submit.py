@@ -54,9 +54,10 @@ class PlannedJob:
 
 
 def plan_jobs(cfg: RunConfig, rd: RunDir) -> list[PlannedJob]:
-    jobs = [PlannedJob("trainer", "hpcrl.trainer.main.trainer_main", (str(rd.root),), cfg.resources.trainer)]
+    jobs = [PlannedJob(RunDir.trainer_job(), "hpcrl.trainer.main.trainer_main", (str(rd.root),),
+                       cfg.resources.trainer)]
     for w in range(cfg.resources.rollout_jobs):
-        jobs.append(PlannedJob(f"rollout-w{w:03d}", "hpcrl.rollout.main.rollout_main", (str(rd.root), w),
+        jobs.append(PlannedJob(RunDir.rollout_job(RunDir.writer_name(w)), "hpcrl.rollout.main.rollout_main", (str(rd.root), w),
                                cfg.resources.rollout))
     return jobs
 

@@ -49,14 +49,6 @@ from hpcrl.weights.filesystem import WeightVersionGone, load_version, newest_ver
 log = logging.getLogger("hpcrl.rollout")
 
 
-def writer_name(rank: int) -> str:
-    return f"w{rank:03d}"
-
-
-def model_dir(run_dir: RunDir, path: str):
-    return run_dir.base_model if path == "builtin:tiny" else path
-
-
 @dataclass
 class VersionStats:
     """What this job did with one weight version (one row of logs/rollout-<writer>.jsonl)."""
@@ -84,7 +76,7 @@ class RolloutJob:
         self.run_dir = run_dir
         self.preemption = preemption
         self.cfg = run_dir.load_config()
-        self.writer = writer_name(writer_rank)
+        self.writer = RunDir.writer_name(writer_rank)
         self.writer_rank = writer_rank
         self.num_writers = self.cfg.resources.rollout_jobs
         if not 0 <= writer_rank < self.num_writers:
@@ -97,7 +89,7 @@ class RolloutJob:
     def _build(self) -> None:
         cfg = self.cfg
         torch.set_num_threads(cfg.rollout.torch_threads)
-        mdir = model_dir(self.run_dir, cfg.model.path)
+        mdir = self.run_dir.model_dir(cfg.model.path)
         self.tokenizer = load_tokenizer(mdir)
         self.engine = TransformersEngine(mdir, cfg.rollout.response_length, cfg.rollout.temperature, cfg.rollout.top_p)
         self.reward_fn = REWARDS[cfg.reward.name]
@@ -208,14 +200,14 @@ class RolloutJob:
     # ---- the loop
     def run(self) -> None:
         cfg = self.cfg
-        self.heartbeat = HeartbeatThread(self.run_dir, f"rollout-{self.writer}", "rollout",
+        self.heartbeat = HeartbeatThread(self.run_dir, RunDir.rollout_job(self.writer), "rollout",
                                          cfg.timeouts.heartbeat_interval_s).start()
         final_state = "failed"  # until the loop ends normally
         try:
             self._build()
             wait_for(f"weight version 0 in {self.run_dir.weights}", lambda: newest_version(self.run_dir) is not None,
                      cfg.timeouts.wait_weights_s, cfg.timeouts.poll_interval_s, log,
-                     describe=lambda: describe_heartbeats(self.run_dir, "trainer"))
+                     describe=lambda: describe_heartbeats(self.run_dir, "trainer"), stop=termination.check)
             self._load_newest()
             waiting_since = None
             last_done_check = 0.0
@@ -279,8 +271,8 @@ class RolloutJob:
 def rollout_main(run_dir: str, writer_rank: int) -> None:
     rd = RunDir(run_dir)
     cfg = rd.load_config()
-    setup_logging(f"rollout-{writer_name(writer_rank)}", cfg.logging.level,
-                  rd.job_logs / f"rollout-{writer_name(writer_rank)}.log")
+    job = RunDir.rollout_job(RunDir.writer_name(writer_rank))
+    setup_logging(job, cfg.logging.level, rd.job_log(job))
     termination.install()  # scancel: seal complete groups, then exit
     RolloutJob(rd, writer_rank, PreemptionFlag()).run()
 

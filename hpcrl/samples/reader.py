@@ -26,9 +26,9 @@ from typing import Optional
 
 import h5py
 
+from hpcrl.fsio import file_sha256
 from hpcrl.run_dir import RunDir
 from hpcrl.samples.schema import SCHEMA_VERSION, Group, ShardFormatError, ShardManifestLine, arrays_to_groups
-from hpcrl.samples.writer import file_sha256
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,6 @@ prompt indices tells the rollout loop which prompts still need generating.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import re
@@ -22,21 +21,13 @@ from pathlib import Path
 
 import h5py
 
-from hpcrl.fsio import JsonlAppender, fsync_dir, read_jsonl
+from hpcrl.fsio import JsonlAppender, file_sha256, fsync_path, read_jsonl
 from hpcrl.run_dir import RunDir
 from hpcrl.samples.schema import SCHEMA_VERSION, Group, ShardManifestLine, groups_to_arrays
 
 log = logging.getLogger(__name__)
 
 _SHARD_RE = re.compile(r"^shard-(\d+)\.h5(\.tmp)?$")
-
-
-def file_sha256(path: os.PathLike | str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def write_shard_file(path: Path, groups: list[Group], writer: str, shard_index: int) -> None:
@@ -48,11 +39,7 @@ def write_shard_file(path: Path, groups: list[Group], writer: str, shard_index: 
         f.attrs["shard_index"] = shard_index
         for name, arr in arrays.items():
             f.create_dataset(name, data=arr)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(path)
 
 
 class ShardWriter:
@@ -120,7 +107,7 @@ class ShardWriter:
         tmp = final.with_name(final.name + ".tmp")
         write_shard_file(tmp, groups, self.writer, index)
         os.rename(tmp, final)
-        fsync_dir(self.folder)
+        fsync_path(self.folder)
         line = ShardManifestLine(
             shard=final.name, shard_index=index, n_groups=len(groups),
             n_trajectories=sum(len(g.trajectories) for g in groups), size_bytes=final.stat().st_size,

@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+from hpcrl.config.names import ADV_ESTIMATORS  # noqa: E402 (the allowed names live with the config)
 """Allowed values of ``algorithm.adv_estimator``."""
 
 
@@ -138,7 +138,7 @@ def compute_advantages(estimator: str, token_rewards: torch.Tensor, mask: torch.
         mean, _, size = _group_stats(scores, group_index)
         per_traj = torch.where(size > 1, scores - mean, torch.zeros_like(scores))
     else:
-        raise ValueError(f"unknown advantage estimator {estimator!r}; allowed: {', '.join(ESTIMATORS)}")
+        raise ValueError(f"unknown advantage estimator {estimator!r}; allowed: {', '.join(ADV_ESTIMATORS)}")
     adv = per_traj[:, None] * mask
     if estimator == "reinforce_plus_plus_baseline":
         adv = masked_whiten(adv, mask)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-KL_ESTIMATORS = ("kl", "k1", "mse", "k2", "low_var_kl", "k3", "abs")
+from hpcrl.config.names import KL_ESTIMATORS  # noqa: E402 (the allowed names live with the config)
 """Allowed values of ``algorithm.kl_penalty`` and ``actor.kl_loss_type``."""
 
 

@@ -33,8 +33,7 @@ from typing import Optional
 
 import torch
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
-"""Allowed values of ``actor.loss_agg_mode``."""
+from hpcrl.config.names import LOSS_AGG_MODES  # noqa: E402 (the allowed names live with the config)
 
 
 def agg_counts(mask: torch.Tensor) -> tuple[int, int]:

@@ -79,7 +79,7 @@ class TrainerJob:
         cfg = self.cfg
         torch.manual_seed(cfg.model.seed)
         torch.set_num_threads(cfg.trainer.torch_threads)
-        path = self.run_dir.base_model if cfg.model.path == "builtin:tiny" else cfg.model.path
+        path = self.run_dir.model_dir(cfg.model.path)
         policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         self.model_config_json = policy.config.to_json_string()
         self.pad_id = policy.config.pad_token_id if policy.config.pad_token_id is not None else 0
@@ -272,7 +272,7 @@ class TrainerJob:
     def run(self) -> None:
         cfg = self.cfg
         if self.rank == 0:
-            self.heartbeat = HeartbeatThread(self.run_dir, "trainer", "trainer",
+            self.heartbeat = HeartbeatThread(self.run_dir, RunDir.trainer_job(), "trainer",
                                              cfg.timeouts.heartbeat_interval_s).start()
         else:
             self.heartbeat = _NoHeartbeat()
@@ -340,8 +340,8 @@ def trainer_main(run_dir: str) -> None:
     cfg = rd.load_config()
     os.environ.update(rank_environment())
     rank = int(os.environ["RANK"])
-    job = "trainer" if rank == 0 else f"trainer-rank{rank}"
-    setup_logging(job, cfg.logging.level, rd.job_logs / f"{job}.log")
+    job = RunDir.trainer_job(rank)
+    setup_logging(job, cfg.logging.level, rd.job_log(job))
     termination.install()  # scancel: stop now; a restart resumes from the last checkpoint
     preemption = PreemptionFlag()
     init_distributed(timeout_s=cfg.timeouts.wait_samples_s + 600)

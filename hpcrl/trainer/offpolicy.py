@@ -39,8 +39,6 @@ from typing import Optional
 
 import torch
 
-IS_LEVELS = (None, "token", "sequence")
-RS_LEVELS = (None, "token", "sequence", "geometric")
 
 
 def _mean(x: torch.Tensor, m: torch.Tensor) -> float:

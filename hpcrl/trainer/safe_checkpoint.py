@@ -20,6 +20,8 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngi
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from hpcrl.fsio import fsync_path
+
 _TREE_KEY = "hpcrl_tree"
 
 # DeepSpeed puts a few small objects into ZeRO optimizer state (found by saving
@@ -110,11 +112,7 @@ def save_tree(state, path: str) -> None:
     tree = _encode(state, "<root>", tensors)
     tmp = f"{path}.tmp"
     save_file(tensors, tmp, metadata={_TREE_KEY: json.dumps(tree)})
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(tmp)
     os.replace(tmp, path)
 
 

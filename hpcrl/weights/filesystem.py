@@ -21,30 +21,20 @@ import os
 import re
 import shutil
 import time
-from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from hpcrl.control.records import LoadingAnnouncement, live_jobs
-from hpcrl.fsio import fsync_dir, read_json, write_json_atomic
+from hpcrl.fsio import file_sha256, fsync_path, read_json, write_json_atomic
 from hpcrl.run_dir import RunDir
-from hpcrl.samples.writer import file_sha256
 from hpcrl.weights.manifest import TensorEntry, WeightManifest
 
 log = logging.getLogger(__name__)
 
 _VERSION_RE = re.compile(r"^v(\d{6})$")
 WEIGHTS_FILE = "model.safetensors"
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _dedupe_tied(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -77,12 +67,12 @@ def publish_version(run_dir: RunDir, version: int, state_dict: dict[str, torch.T
     (tmp / "config.json").write_text(model_config_json)
     files = {}
     for name in (WEIGHTS_FILE, "config.json"):
-        _fsync_file(tmp / name)
+        fsync_path(tmp / name)
         files[name] = {"size_bytes": (tmp / name).stat().st_size,
                        "sha256": file_sha256(tmp / name) if checksum else ""}
-    fsync_dir(tmp)
+    fsync_path(tmp)
     os.rename(tmp, final)
-    fsync_dir(final.parent)
+    fsync_path(final.parent)
     manifest = WeightManifest(
         param_version=version, trainer_step=trainer_step, consumed_groups=consumed_groups, files=files,
         tensors=[TensorEntry(k, str(v.dtype).removeprefix("torch."), list(v.shape)) for k, v in tensors.items()],
@@ -155,7 +145,7 @@ def apply_retention(run_dir: RunDir, keep_versions: int, heartbeat_stale_s: floa
     versions = published_versions(run_dir)
     protected = set(versions[-keep_versions:])
     alive = live_jobs(run_dir, heartbeat_stale_s)
-    for path in run_dir.control.joinpath("loading").glob("*.json"):
+    for path in run_dir.loading.glob("*.json"):
         d = read_json(path)
         if d and d.get("state") == "loading" and d.get("writer") in alive:
             protected.add(int(d["version"]))

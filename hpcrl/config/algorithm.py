@@ -1,6 +1,6 @@
 """Config sections of the RL algorithm (verl's names): ``algorithm`` and ``critic``.
 
-Part of the typed run config (:mod:`hpcrl.config` builds, validates and
+Part of the typed run config (:mod:`hpcrl.config.run` builds, validates and
 re-exports them); the equations behind each option are in
 ``hpcrl/trainer/{advantages,losses,kl,offpolicy}.py`` and the README.
 The loss options of the policy (clip ratios, ``loss_agg_mode``, KL loss, entropy)
@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from hpcrl.config_checks import _check_choice, _check_float, _check_int, _check_optional_choice
+from hpcrl.config import names
+from hpcrl.config.checks import check_choice, check_float, check_int, check_optional_choice
 
 
 @dataclass
@@ -28,10 +29,10 @@ class KLControlConfig:
     """Adaptive controller: the KL (nats per token) beta steers towards."""
 
     def validate(self) -> None:
-        _check_choice("algorithm.kl_ctrl.type", self.type, ("fixed", "adaptive"))
-        _check_float("algorithm.kl_ctrl.kl_coef", self.kl_coef, 0.0)
-        _check_int("algorithm.kl_ctrl.horizon", self.horizon, 1)
-        _check_float("algorithm.kl_ctrl.target_kl", self.target_kl, 0.0, lo_open=True)
+        check_choice("algorithm.kl_ctrl.type", self.type, names.KL_CTRL_TYPES)
+        check_float("algorithm.kl_ctrl.kl_coef", self.kl_coef, 0.0)
+        check_int("algorithm.kl_ctrl.horizon", self.horizon, 1)
+        check_float("algorithm.kl_ctrl.target_kl", self.target_kl, 0.0, lo_open=True)
 
 
 @dataclass
@@ -60,18 +61,18 @@ class RolloutCorrectionConfig:
 
     def validate(self) -> None:
         k = "algorithm.rollout_correction."
-        _check_optional_choice(k + "rollout_is", self.rollout_is, ("token", "sequence"))
-        _check_float(k + "rollout_is_threshold", self.rollout_is_threshold, 1.0)
-        _check_optional_choice(k + "rollout_rs", self.rollout_rs, ("token", "sequence", "geometric"))
+        check_optional_choice(k + "rollout_is", self.rollout_is, names.IS_LEVELS)
+        check_float(k + "rollout_is_threshold", self.rollout_is_threshold, 1.0)
+        check_optional_choice(k + "rollout_rs", self.rollout_rs, names.RS_LEVELS)
         if self.rollout_rs_threshold is not None:
-            _check_float(k + "rollout_rs_threshold", self.rollout_rs_threshold, 1.0)
+            check_float(k + "rollout_rs_threshold", self.rollout_rs_threshold, 1.0)
         if self.rollout_rs_threshold_lower is not None:
             upper = self.rollout_rs_threshold if self.rollout_rs_threshold is not None else self.rollout_is_threshold
-            _check_float(k + "rollout_rs_threshold_lower", self.rollout_rs_threshold_lower, 0.0, upper)
+            check_float(k + "rollout_rs_threshold_lower", self.rollout_rs_threshold_lower, 0.0, upper)
         if self.rollout_token_veto_threshold is not None:
-            _check_float(k + "rollout_token_veto_threshold", self.rollout_token_veto_threshold, 0.0, 1.0, lo_open=True)
+            check_float(k + "rollout_token_veto_threshold", self.rollout_token_veto_threshold, 0.0, 1.0, lo_open=True)
         if self.max_token_lag is not None:
-            _check_int(k + "max_token_lag", self.max_token_lag, 0)
+            check_int(k + "max_token_lag", self.max_token_lag, 0)
 
     @property
     def needs_prox(self) -> bool:
@@ -100,15 +101,12 @@ class AlgorithmConfig:
     """Importance weights and rejection masks for stale / mismatched samples."""
 
     def validate(self) -> None:
-        from hpcrl.trainer.advantages import ESTIMATORS
-        from hpcrl.trainer.kl import KL_ESTIMATORS
-
-        _check_choice("algorithm.adv_estimator", self.adv_estimator, ESTIMATORS)
-        _check_choice("algorithm.norm_adv_by_std_in_grpo", self.norm_adv_by_std_in_grpo, (True, False))
-        _check_float("algorithm.gamma", self.gamma, 0.0, 1.0)
-        _check_float("algorithm.lam", self.lam, 0.0, 1.0)
-        _check_choice("algorithm.use_kl_in_reward", self.use_kl_in_reward, (True, False))
-        _check_choice("algorithm.kl_penalty", self.kl_penalty, KL_ESTIMATORS)
+        check_choice("algorithm.adv_estimator", self.adv_estimator, names.ADV_ESTIMATORS)
+        check_choice("algorithm.norm_adv_by_std_in_grpo", self.norm_adv_by_std_in_grpo, (True, False))
+        check_float("algorithm.gamma", self.gamma, 0.0, 1.0)
+        check_float("algorithm.lam", self.lam, 0.0, 1.0)
+        check_choice("algorithm.use_kl_in_reward", self.use_kl_in_reward, (True, False))
+        check_choice("algorithm.kl_penalty", self.kl_penalty, names.KL_ESTIMATORS)
         self.kl_ctrl.validate()
         self.rollout_correction.validate()
 
@@ -128,6 +126,6 @@ class CriticConfig:
     """Weight of the value loss in the engine's total loss (the trunk is shared with the policy)."""
 
     def validate(self) -> None:
-        _check_float("critic.lr", self.lr, 0.0, lo_open=True)
-        _check_float("critic.cliprange_value", self.cliprange_value, 0.0, lo_open=True)
-        _check_float("critic.vf_coef", self.vf_coef, 0.0, lo_open=True)
+        check_float("critic.lr", self.lr, 0.0, lo_open=True)
+        check_float("critic.cliprange_value", self.cliprange_value, 0.0, lo_open=True)
+        check_float("critic.vf_coef", self.vf_coef, 0.0, lo_open=True)

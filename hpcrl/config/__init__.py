@@ -1,0 +1,32 @@
+"""Typed run configuration: the bottom layer every job and the launcher build on.
+
+A config is a YAML file (``configs/*.yaml``) plus dotted overrides; it is checked
+whole before anything is created or submitted, then frozen into ``RUN/config.yaml``.
+
+=================  ==============================================================
+module             what it holds
+=================  ==============================================================
+``names``          the names a field may choose from (estimators, rewards, ...)
+``checks``         ConfigError and the check helpers (key, what is allowed, fix)
+``sections``       model, data, reward, actor, rollout, async_training, trainer,
+                   weights, timeouts, logging
+``algorithm``      algorithm (advantages, KL, rollout correction) and critic
+``resources``      job sizes and Slurm options per role
+``run``            RunConfig (all sections, derived R/K/B), load_config, dump_config
+=================  ==============================================================
+
+This package imports nothing from the jobs (``tests/test_layers.py``).
+"""
+from hpcrl.config.algorithm import AlgorithmConfig, CriticConfig, KLControlConfig, RolloutCorrectionConfig
+from hpcrl.config.checks import ConfigError
+from hpcrl.config.resources import JobResources, ResourcesConfig
+from hpcrl.config.run import RunConfig, config_from_dict, dump_config, load_config, parse_override
+from hpcrl.config.sections import (ActorConfig, AsyncConfig, DataConfig, LoggingConfig, ModelConfig, RewardConfig,
+                                   RolloutConfig, TimeoutsConfig, TrainerConfig, WeightsConfig)
+
+__all__ = [
+    "ActorConfig", "AlgorithmConfig", "AsyncConfig", "ConfigError", "CriticConfig", "DataConfig", "JobResources",
+    "KLControlConfig", "LoggingConfig", "ModelConfig", "ResourcesConfig", "RewardConfig", "RolloutConfig",
+    "RolloutCorrectionConfig", "RunConfig", "TimeoutsConfig", "TrainerConfig", "WeightsConfig", "config_from_dict",
+    "dump_config", "load_config", "parse_override",
+]

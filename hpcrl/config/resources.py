@@ -1,0 +1,78 @@
+"""Config of the jobs' sizes and Slurm options (``resources``), per role."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from hpcrl.config.checks import bad, check_int
+
+@dataclass
+class JobResources:
+    nodes: int = 1
+    """Nodes for this job."""
+    tasks_per_node: int = 1
+    """Processes per node (trainer: DeepSpeed ranks; rollout: must be 1)."""
+    cpus_per_task: int = 1
+    """CPU cores per process."""
+    gpus_per_node: int = 0
+    """GPUs per node (0 on CPU)."""
+    mem_gb: int = 4
+    """Memory per node in GB."""
+    timeout_min: int = 60
+    """Wall-clock limit in minutes (Slurm --time). The job gets USR2 90 s before it."""
+    partition: Optional[str] = None
+    """Slurm partition (null: the cluster's default)."""
+    account: Optional[str] = None
+    """Slurm account to charge (null: your default)."""
+    qos: Optional[str] = None
+    """Slurm QOS (null: the default)."""
+    constraint: Optional[str] = None
+    """Slurm node features, e.g. ``a100`` (null: any node)."""
+    sbatch_extra: dict = field(default_factory=dict)
+    """Other sbatch options as {option: value}, e.g. {exclusive: "", reservation: "rl"} -> --exclusive --reservation=rl."""
+    setup: list = field(default_factory=list)
+    """Shell lines run in the job before hpcrl starts (module load ..., source venv/bin/activate)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.tasks_per_node
+
+    def validate(self, prefix: str) -> None:
+        for name in ("nodes", "tasks_per_node", "cpus_per_task", "mem_gb", "timeout_min"):
+            check_int(f"{prefix}.{name}", getattr(self, name), 1)
+        check_int(f"{prefix}.gpus_per_node", self.gpus_per_node, 0)
+        for name in ("partition", "account", "qos", "constraint"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v or any(c.isspace() for c in v)):
+                raise bad(f"{prefix}.{name}", v, "null or a single word", "quote nothing, no spaces")
+        for k, v in self.sbatch_extra.items():
+            if not isinstance(k, str) or not k or k.startswith("-") or any(c.isspace() for c in k):
+                raise bad(f"{prefix}.sbatch_extra", k, "option names without leading dashes, e.g. reservation")
+            if not isinstance(v, (str, int, float)):
+                raise bad(f"{prefix}.sbatch_extra.{k}", v, "a string or number ('' for a flag)")
+        if not all(isinstance(line, str) for line in self.setup):
+            raise bad(f"{prefix}.setup", self.setup, "a list of shell lines (strings)")
+
+
+@dataclass
+class ResourcesConfig:
+    trainer: JobResources = field(default_factory=JobResources)
+    """Resources of the trainer job (nodes * tasks_per_node DeepSpeed ranks)."""
+    rollout: JobResources = field(default_factory=JobResources)
+    """Resources of each rollout job."""
+    rollout_jobs: int = 1
+    """Number of rollout jobs (each one sample writer; a Slurm job array in sbatch/)."""
+    max_restarts: int = 3
+    """The launcher resubmits a job that ended before the trainer finished (crash,
+    scancel, node failure) at most this many times per job; then the run fails."""
+
+    def validate(self) -> None:
+        self.trainer.validate("resources.trainer")
+        self.rollout.validate("resources.rollout")
+        check_int("resources.rollout_jobs", self.rollout_jobs, 1)
+        check_int("resources.max_restarts", self.max_restarts, 0)
+        if self.rollout.world_size != 1:
+            raise bad("resources.rollout.tasks_per_node", self.rollout.tasks_per_node,
+                       "1 task on 1 node per rollout job", "add capacity with resources.rollout_jobs instead")
+
+

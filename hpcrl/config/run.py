@@ -1,0 +1,203 @@
+"""The run config: its sections together, the flow-control arithmetic, and strict loading.
+
+A config is a YAML file (``configs/*.yaml``) plus dotted command-line overrides
+(``async_training.staleness_threshold=0.5``). Unknown keys are errors, every
+value is range-checked by :meth:`RunConfig.validate`, and the resolved config is
+frozen into the run directory as ``config.yaml`` at launch; both jobs read that
+frozen copy, never the user's file.
+
+Every default lives in the section dataclasses, once (:mod:`hpcrl.config.sections`,
+:mod:`hpcrl.config.algorithm`, :mod:`hpcrl.config.resources`). The async knobs
+keep verl's names (``fully_async_policy``) so users can move their settings across.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from hpcrl.config.algorithm import AlgorithmConfig, CriticConfig
+from hpcrl.config.checks import ConfigError, bad
+from hpcrl.config.resources import ResourcesConfig
+from hpcrl.config.sections import (ActorConfig, AsyncConfig, DataConfig, LoggingConfig, ModelConfig, RewardConfig,
+                                   RolloutConfig, TimeoutsConfig, TrainerConfig, WeightsConfig)
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    async_training: AsyncConfig = field(default_factory=AsyncConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
+    timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    # ---- derived quantities (the flow-control arithmetic of DESIGN.md) ----
+    @property
+    def groups_per_update(self) -> int:
+        """R = ppo_mini_batch_size * require_batches."""
+        return self.actor.ppo_mini_batch_size * self.async_training.require_batches
+
+    @property
+    def groups_per_version(self) -> int:
+        """K * R: groups the trainer consumes between two weight versions."""
+        return self.async_training.trigger_parameter_sync_step * self.groups_per_update
+
+    @property
+    def admission_budget(self) -> int:
+        """B = floor((1 + s) * K * R): groups the fleet may start per weight version."""
+        return math.floor((1.0 + self.async_training.staleness_threshold) * self.groups_per_version + 1e-9)
+
+    @property
+    def total_updates(self) -> int:
+        return self.rollout.total_rollout_steps // self.groups_per_update
+
+    @property
+    def max_lag_bound(self) -> int:
+        """Largest lag (versions) the admission budget allows for one writer: floor((B - 1) / (K * R))."""
+        return (self.admission_budget - 1) // self.groups_per_version
+
+    @property
+    def uses_prox_log_prob(self) -> bool:
+        """The trainer computes its own log-probs at the start of each update (the PPO anchor)."""
+        a = self.async_training
+        return a.compute_prox_log_prob or not a.use_rollout_log_probs
+
+    @property
+    def needs_reference(self) -> bool:
+        """A KL term needs the frozen reference model."""
+        return self.algorithm.use_kl_in_reward or self.actor.use_kl_loss
+
+    def validate(self) -> "RunConfig":
+        for f in dataclasses.fields(self):
+            getattr(self, f.name).validate()
+        if self.rollout.total_rollout_steps < self.groups_per_update:
+            raise bad("rollout.total_rollout_steps", self.rollout.total_rollout_steps,
+                       f"at least R = actor.ppo_mini_batch_size * async_training.require_batches = "
+                       f"{self.groups_per_update}")
+        est = self.algorithm.adv_estimator
+        if self.rollout.n < 2 and est in ("grpo", "rloo", "reinforce_plus_plus_baseline"):
+            raise bad("rollout.n", self.rollout.n, f"at least 2 with adv_estimator={est} (a group of one has no baseline)",
+                       "raise rollout.n, or use adv_estimator=gae or reinforce_plus_plus")
+        rc = self.algorithm.rollout_correction
+        if rc.needs_prox and not self.uses_prox_log_prob:
+            name = next(k for k in ("rollout_is", "rollout_rs", "rollout_token_veto_threshold")
+                        if getattr(rc, k) is not None)
+            raise bad(f"algorithm.rollout_correction.{name}", getattr(rc, name),
+                       "null unless the trainer computes proximal log-probs (the ratio is pi_prox / engine log-probs)",
+                       "set async_training.compute_prox_log_prob=true")
+        world = self.resources.trainer.world_size
+        if self.actor.ppo_mini_batch_size % (world * self.actor.ppo_micro_batch_size):
+            raise bad("actor.ppo_mini_batch_size", self.actor.ppo_mini_batch_size,
+                       f"a multiple of trainer ranks ({world}) * actor.ppo_micro_batch_size "
+                       f"({self.actor.ppo_micro_batch_size})", "each rank takes an equal share of a mini-batch")
+        if abs(self.actor.temperature - self.rollout.temperature) > 1e-9:
+            raise bad("actor.temperature", self.actor.temperature,
+                       f"equal to rollout.temperature={self.rollout.temperature}",
+                       "set both to the same value so the trainer's log-probs match the engine's")
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------
+# Building a RunConfig from YAML + overrides, strictly.
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise bad(prefix or "<root>", data, "a mapping of keys to values")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        key = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
+        raise bad(key, data[unknown[0]], "known keys: " + ", ".join(sorted(names)), "remove or rename the key")
+    kwargs = {}
+    for name, value in data.items():
+        key = f"{prefix}.{name}" if prefix else name
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, value, key)
+        else:
+            kwargs[name] = _coerce(key, hint, value)
+    return cls(**kwargs)
+
+
+def _coerce(key: str, hint: Any, value: Any) -> Any:
+    origin = typing.get_origin(hint)
+    if origin is typing.Union:  # Optional[X]
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(key, args[0], value)
+    if hint in (dict, list) or typing.get_origin(hint) in (dict, list):
+        base = typing.get_origin(hint) or hint
+        if not isinstance(value, base):
+            raise bad(key, value, f"a {'mapping' if base is dict else 'list'}")
+        return value
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float, str, bool) and not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+        raise bad(key, value, f"a value of type {hint.__name__}")
+    return value
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {dotted}: {part!r} is not a section")
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected key=value, e.g. async_training.staleness_threshold=0.5")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"override {text!r}: empty key")
+    return key, yaml.safe_load(raw) if raw.strip() else ""
+
+
+def load_config(path: Optional[os.PathLike | str] = None, overrides: Optional[list[str]] = None) -> RunConfig:
+    """Read YAML (or start from defaults), apply ``key=value`` overrides, validate."""
+    tree: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist; pass one of configs/*.yaml")
+        try:
+            tree = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config file {p}: top level must be a mapping of sections")
+    for text in overrides or []:
+        key, value = parse_override(text)
+        _set_dotted(tree, key, value)
+    return _build(RunConfig, tree, "").validate()
+
+
+def config_from_dict(tree: dict) -> RunConfig:
+    return _build(RunConfig, tree, "").validate()
+
+
+def dump_config(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

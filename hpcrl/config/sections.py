@@ -1,0 +1,272 @@
+"""Config sections of the jobs: model, data, reward, actor, rollout, async knobs,
+trainer, weights, timeouts, logging. One dataclass each, a docstring under every
+field, one default per field; ``validate()`` names the key, what is allowed and the fix.
+Built and cross-checked by :mod:`hpcrl.config.run`; the algorithm sections are in
+:mod:`hpcrl.config.algorithm`, the job sizes in :mod:`hpcrl.config.resources`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from hpcrl.config import names
+from hpcrl.config.checks import bad, check_choice, check_float, check_int
+
+@dataclass
+class ModelConfig:
+    path: str = "builtin:tiny"
+    """A local Hugging Face model folder (config.json, weights, tokenizer), or
+    ``builtin:tiny`` to build the tiny Qwen2-style model and tokenizer locally
+    at launch (nothing is downloaded)."""
+    seed: int = 0
+    """Seed for building ``builtin:tiny`` (random init) and for the trainer."""
+
+    def validate(self) -> None:
+        if self.path != "builtin:tiny":
+            p = Path(self.path)
+            if not (p / "config.json").is_file():
+                raise bad("model.path", self.path, "'builtin:tiny' or a local HF folder containing config.json",
+                           "point model.path at a folder made by save_pretrained()")
+        check_int("model.seed", self.seed, 0)
+
+
+@dataclass
+class DataConfig:
+    source: str = "builtin:toy"
+    """``builtin:toy`` (the generated toy task) or a local ``.jsonl`` / ``.parquet``
+    file with one prompt per row."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt text (files only)."""
+    answer_key: str = "answer"
+    """Column handed to the reward function as the reference answer (files only;
+    may be absent if the reward does not need it)."""
+    seed: int = 0
+    """Seed of the prompt order; each epoch is a new permutation of it."""
+    toy_num_prompts: int = 512
+    """Number of distinct prompts the toy generator makes (builtin:toy only)."""
+
+    def validate(self) -> None:
+        if self.source != "builtin:toy":
+            p = Path(self.source)
+            if p.suffix not in (".jsonl", ".parquet"):
+                raise bad("data.source", self.source, "'builtin:toy' or a .jsonl/.parquet file")
+            if not p.is_file():
+                raise bad("data.source", self.source, "an existing file", "check the path (it is read on the rollout node)")
+        check_int("data.seed", self.seed, 0)
+        check_int("data.toy_num_prompts", self.toy_num_prompts, 1)
+
+
+@dataclass
+class RewardConfig:
+    name: str = "toy_copy"
+    """Name of a built-in rule-based reward (:data:`hpcrl.config.names.REWARD_NAMES`)."""
+
+    def validate(self) -> None:
+        check_choice("reward.name", self.name, names.REWARD_NAMES)
+
+
+@dataclass
+class ActorConfig:
+    ppo_mini_batch_size: int = 4
+    """Groups (prompts) per optimizer step (verl: ppo_mini_batch_size)."""
+    ppo_micro_batch_size: int = 4
+    """Groups per forward/backward on each trainer rank; gradient accumulation covers
+    the rest of the rank's share of the mini-batch."""
+    ppo_epochs: int = 1
+    """Passes over each local batch of R groups."""
+    lr: float = 1e-3
+    """Adam learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    clip_ratio: float = 0.2
+    """PPO clip epsilon: the ratio is clipped to [1 - clip_ratio, 1 + clip_ratio]."""
+    clip_ratio_low: Optional[float] = None
+    """Lower clip epsilon (null = clip_ratio): the ratio is clipped below at 1 - clip_ratio_low."""
+    clip_ratio_high: Optional[float] = None
+    """Upper clip epsilon (null = clip_ratio; DAPO's clip-higher uses e.g. 0.28)."""
+    clip_ratio_c: Optional[float] = 3.0
+    """Dual-clip bound c > 1: for tokens with negative advantage the loss is at most
+    -A * c (null = plain PPO clip)."""
+    loss_agg_mode: str = "token-mean"
+    """How per-token losses become one number: ``token-mean``, ``seq-mean-token-sum``,
+    ``seq-mean-token-mean`` (over the mini-batch; see hpcrl/trainer/losses.py)."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus: loss -= entropy_coeff * agg(entropy of the tempered distribution)."""
+    use_kl_loss: bool = False
+    """Add kl_loss_coef * agg(KL(pi_theta || reference)) to the loss (needs the reference model)."""
+    kl_loss_coef: float = 0.001
+    """Weight of the KL loss term."""
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator of the loss term: ``kl``/``k1``, ``mse``/``k2``, ``low_var_kl``/``k3``, ``abs``."""
+    grad_clip: float = 1.0
+    """Max global gradient norm (0 disables clipping)."""
+    zero_stage: int = 0
+    """DeepSpeed ZeRO stage, 0..3."""
+    bf16: bool = False
+    """Train in bf16 (DeepSpeed bf16 mode). fp16 is refused on CPU by DeepSpeed."""
+    temperature: float = 1.0
+    """Logits are divided by this when computing log-probs; keep it equal to
+    rollout.temperature so trainer and engine log-probs agree."""
+
+    def validate(self) -> None:
+        check_int("actor.ppo_mini_batch_size", self.ppo_mini_batch_size, 1)
+        check_int("actor.ppo_micro_batch_size", self.ppo_micro_batch_size, 1)
+        check_int("actor.ppo_epochs", self.ppo_epochs, 1)
+        check_float("actor.lr", self.lr, 0.0, lo_open=True)
+        check_float("actor.weight_decay", self.weight_decay, 0.0)
+        check_float("actor.clip_ratio", self.clip_ratio, 0.0, 1.0, lo_open=True)
+        if self.clip_ratio_low is not None:
+            check_float("actor.clip_ratio_low", self.clip_ratio_low, 0.0, 1.0, lo_open=True)
+        if self.clip_ratio_high is not None:
+            check_float("actor.clip_ratio_high", self.clip_ratio_high, 0.0, lo_open=True)
+        if self.clip_ratio_c is not None and (isinstance(self.clip_ratio_c, bool) or self.clip_ratio_c <= 1.0):
+            raise bad("actor.clip_ratio_c", self.clip_ratio_c, "a number > 1 or null",
+                       "use e.g. 3.0 for dual-clip PPO, or null to turn it off")
+        check_choice("actor.loss_agg_mode", self.loss_agg_mode, names.LOSS_AGG_MODES)
+        check_float("actor.entropy_coeff", self.entropy_coeff, 0.0)
+        check_choice("actor.use_kl_loss", self.use_kl_loss, (True, False))
+        check_float("actor.kl_loss_coef", self.kl_loss_coef, 0.0)
+        check_choice("actor.kl_loss_type", self.kl_loss_type, names.KL_ESTIMATORS)
+        check_float("actor.grad_clip", self.grad_clip, 0.0)
+        check_int("actor.zero_stage", self.zero_stage, 0, 3)
+        check_choice("actor.bf16", self.bf16, (True, False))
+        check_float("actor.temperature", self.temperature, 0.0, lo_open=True)
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "transformers"
+    """Generation engine: ``transformers`` (CPU or GPU, any HF causal LM)."""
+    n: int = 8
+    """Responses per prompt (the group size GRPO normalises over)."""
+    total_rollout_steps: int = 1200
+    """Groups the trainer trains on in the whole run (verl: total prompts).
+    The trainer makes total_rollout_steps // R local updates."""
+    response_length: int = 8
+    """Max new tokens per response."""
+    temperature: float = 1.0
+    """Sampling temperature (log-probs are those of the tempered distribution)."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold (1.0 = off)."""
+    max_concurrent_groups: int = 2
+    """Groups a rollout job generates at once (one thread each)."""
+    seal_groups: int = 4
+    """A shard is sealed (committed) once it holds this many groups ..."""
+    seal_interval_s: float = 1.0
+    """... or when its oldest group has waited this long, or when the job idles."""
+    torch_threads: int = 1
+    """torch intra-op threads in the rollout job."""
+
+    def validate(self) -> None:
+        check_choice("rollout.engine", self.engine, names.ENGINES)
+        check_int("rollout.n", self.n, 1)
+        check_int("rollout.total_rollout_steps", self.total_rollout_steps, 1)
+        check_int("rollout.response_length", self.response_length, 1)
+        check_float("rollout.temperature", self.temperature, 0.0, lo_open=True)
+        check_float("rollout.top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        check_int("rollout.max_concurrent_groups", self.max_concurrent_groups, 1)
+        check_int("rollout.seal_groups", self.seal_groups, 1)
+        check_float("rollout.seal_interval_s", self.seal_interval_s, 0.0, lo_open=True)
+        check_int("rollout.torch_threads", self.torch_threads, 1)
+
+
+@dataclass
+class AsyncConfig:
+    staleness_threshold: float = 0.0
+    """s: per weight version the rollout fleet starts at most floor((1+s)*K*R)
+    groups, counting carry-over. 0 = no stale samples."""
+    require_batches: int = 1
+    """Mini-batches per local update: R = ppo_mini_batch_size * require_batches groups."""
+    trigger_parameter_sync_step: int = 1
+    """K: local updates between two published weight versions."""
+    partial_rollout: bool = False
+    """Interrupt in-flight generation at a version change and resume it under the
+    new weights (not implemented yet: must be false)."""
+    use_rollout_log_probs: bool = True
+    """PPO anchor = the engine's log-probs of the sampled tokens (true, "bypass") or
+    the trainer's own log-probs at the start of the update (false)."""
+    compute_prox_log_prob: bool = False
+    """Decoupled PPO: also compute the trainer's log-probs at the start of each local
+    update (the proximal policy) and use them as the PPO anchor, while the engine's
+    log-probs stay the behaviour policy of the importance weights
+    (algorithm.rollout_correction). Implied by use_rollout_log_probs=false."""
+    max_staleness: Optional[int] = None
+    """Hard cap on lag in versions: older groups are dropped and counted (null = off)."""
+
+    def validate(self) -> None:
+        check_float("async_training.staleness_threshold", self.staleness_threshold, 0.0)
+        check_int("async_training.require_batches", self.require_batches, 1)
+        check_int("async_training.trigger_parameter_sync_step", self.trigger_parameter_sync_step, 1)
+        if self.partial_rollout:
+            raise bad("async_training.partial_rollout", True, "false (partial rollout is not implemented yet)",
+                       "set async_training.partial_rollout=false")
+        check_choice("async_training.use_rollout_log_probs", self.use_rollout_log_probs, (True, False))
+        check_choice("async_training.compute_prox_log_prob", self.compute_prox_log_prob, (True, False))
+        if self.max_staleness is not None:
+            check_int("async_training.max_staleness", self.max_staleness, 0)
+
+
+@dataclass
+class TrainerConfig:
+    checkpoint_every_updates: int = 20
+    """Save model, optimizer and sample cursor together every this many local updates."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept on disk (older ones are deleted after a newer one is complete)."""
+    torch_threads: int = 1
+    """torch intra-op threads per trainer rank."""
+
+    def validate(self) -> None:
+        check_int("trainer.checkpoint_every_updates", self.checkpoint_every_updates, 1)
+        check_int("trainer.keep_checkpoints", self.keep_checkpoints, 1)
+        check_int("trainer.torch_threads", self.torch_threads, 1)
+
+
+@dataclass
+class WeightsConfig:
+    transport: str = "filesystem"
+    """How weights reach rollout jobs: ``filesystem`` (safetensors folders in RUN/weights)."""
+    keep_versions: int = 3
+    """Newest versions always kept; older ones are deleted unless a live rollout
+    job has announced it is loading them."""
+
+    def validate(self) -> None:
+        check_choice("weights.transport", self.transport, names.WEIGHT_TRANSPORTS)
+        check_int("weights.keep_versions", self.keep_versions, 2)
+
+
+@dataclass
+class TimeoutsConfig:
+    wait_samples_s: float = 600.0
+    """Trainer gives up (exit 1, naming the writers and their last heartbeats)
+    after waiting this long for the next group."""
+    wait_weights_s: float = 600.0
+    """Rollout gives up after waiting this long for a new weight version."""
+    heartbeat_interval_s: float = 2.0
+    """How often each job rewrites its heartbeat record."""
+    heartbeat_stale_s: float = 60.0
+    """A heartbeat older than this marks its job as dead (its loading
+    announcements no longer protect weight versions)."""
+    poll_interval_s: float = 0.05
+    """Sleep between polls of the run directory."""
+    wait_log_interval_s: float = 10.0
+    """A job that waits for the other one logs what it waits for this often."""
+
+    def validate(self) -> None:
+        for name in ("wait_samples_s", "wait_weights_s", "heartbeat_interval_s", "heartbeat_stale_s",
+                     "poll_interval_s", "wait_log_interval_s"):
+            check_float(f"timeouts.{name}", getattr(self, name), 0.0, lo_open=True)
+        if self.heartbeat_stale_s <= 2 * self.heartbeat_interval_s:
+            raise bad("timeouts.heartbeat_stale_s", self.heartbeat_stale_s,
+                       f"more than 2 * timeouts.heartbeat_interval_s = {2 * self.heartbeat_interval_s}")
+
+
+@dataclass
+class LoggingConfig:
+    level: str = "INFO"
+    """Python logging level of both jobs."""
+
+    def validate(self) -> None:
+        check_choice("logging.level", self.level, ("DEBUG", "INFO", "WARNING", "ERROR"))
+
+
