@@ -8,7 +8,7 @@
   is written when v+1 has been loaded: its ``wall_s`` runs from v's load to then
   (so it includes the drain before v+1), ``timing_s/load_weights`` is v's own load.
 - ``logs/staleness.jsonl`` (trainer): one row per consumed trajectory; columns in
-  :data:`STALENESS_COLUMNS`.
+  :data:`hpcrl.metric_names.STALENESS_COLUMNS`.
 
 Each row is written and fsync'd at once; a writer killed mid-row leaves at most
 one partial last line, which the readers skip. A resumed trainer truncates its
@@ -23,27 +23,11 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from hpcrl.fsio import JsonlAppender, read_jsonl
+from hpcrl.metric_names import STALENESS_COLUMNS  # noqa: F401 (the staleness log's columns, re-exported)
 from hpcrl.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 
-STALENESS_COLUMNS = [
-    "sample_id",        # "<writer>/<prompt_index>/<j>": trajectory j of that group
-    "group_id",         # "<writer>/<prompt_index>"
-    "writer",
-    "shard",
-    "version_start",    # oldest policy version among the trajectory's tokens
-    "version_end",      # newest policy version among its tokens
-    "trainer_version",  # newest published version when the trainer consumed it
-    "trainer_step",     # local update that consumed it (1-based)
-    "lag",              # trainer_version - version_start
-    "n_tokens",         # response tokens (mask 1)
-    "reward",
-    # unix times: generation started, group complete, shard committed, and the end of the
-    # local update that trained on it (after that update's weight publish, if any)
-    "created_s", "finished_s", "committed_s", "consumed_s",
-    "dropped",          # "" if trained on; else why it was dropped (e.g. "max_staleness")
-]
 
 
 def truncate_to(path: Path, size_bytes: int) -> None:
@@ -125,7 +109,7 @@ def read_jsonl_frame(path: os.PathLike | str, on_bad_line: Optional[Callable[[in
 
 
 def read_staleness(run_dir: os.PathLike | str | RunDir):
-    """The staleness log as a pandas DataFrame (columns :data:`STALENESS_COLUMNS`)."""
+    """The staleness log as a pandas DataFrame (columns :data:`hpcrl.metric_names.STALENESS_COLUMNS`)."""
     rd = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
     return read_jsonl_frame(rd.staleness, on_bad_line=_warn(rd.staleness)).reindex(columns=STALENESS_COLUMNS)
 

@@ -12,6 +12,7 @@ import numpy as np
 from hpcrl.analysis import tables
 from hpcrl.analysis.load import RunData
 from hpcrl.analysis.plots import empty_note, label, new_figure, rolling, rolling_ratio, save
+from hpcrl import metric_names as M
 
 PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"]
 
@@ -27,8 +28,8 @@ def reward(runs: list[RunData], out: Path) -> Path:
         m = d.metrics
         if m.empty:
             continue
-        a.plot(m["time_s"] - d.t0_s, rolling(m["reward/mean"]), color=_colour(i), lw=2, label=label(d))
-        b.plot(m["step"], rolling(m["reward/mean"]), color=_colour(i), lw=2, label=label(d))
+        a.plot(m["time_s"] - d.t0_s, rolling(m[M.REWARD_MEAN]), color=_colour(i), lw=2, label=label(d))
+        b.plot(m["step"], rolling(m[M.REWARD_MEAN]), color=_colour(i), lw=2, label=label(d))
     a.set_xlabel("wall time since the run's first event (s)")
     b.set_xlabel("trainer update (step)")
     for x in (a, b):

@@ -38,21 +38,19 @@ import yaml
 
 from hpcrl.config import ConfigError, RunConfig, config_from_dict
 from hpcrl.control.records import read_heartbeats
-from hpcrl.logs import STALENESS_COLUMNS, read_jsonl_frame
+from hpcrl.logs import read_jsonl_frame
+from hpcrl.metric_names import STALENESS_COLUMNS
 from hpcrl.run_dir import RunDir
+from hpcrl import metric_names as M
 
 log = logging.getLogger(__name__)
 
-# Columns each log must have for the full report. A run written by an older hpcrl
-# may lack some: the sections that need them are skipped with a message naming them.
-METRICS_COLUMNS = ["step", "param_version", "consumed_groups", "time_s", "timing_s/wait_samples", "timing_s/update",
-                   "timing_s/param_sync", "trainer/idle_ratio", "reward/mean", "n_tokens", "throughput/tokens_per_s",
-                   "fully_async/lag/mean", "fully_async/lag/max"]
-ROLLOUT_COLUMNS = ["writer", "param_version", "groups", "tokens", "wall_s", "rollouter/idle_ratio",
-                   "timing_s/load_weights", "throughput/tokens_per_s", "time_s"]
-# Counters that exist only once something was counted (the trainer creates them lazily): 0 when absent.
-COUNTERS = ["fully_async/count/dropped_max_staleness", "fully_async/count/corrupt_groups_skipped",
-            "fully_async/count/stale_samples_processed", "fully_async/count/stale_trajectory_processed"]
+# Columns each log must have for the full report (hpcrl/metric_names.py). A run written by an
+# older hpcrl may lack some: the sections that need them are skipped with a message naming them.
+METRICS_COLUMNS = list(M.METRICS_COLUMNS)
+ROLLOUT_COLUMNS = list(M.ROLLOUT_COLUMNS)
+# Counters that exist only once something was counted: 0 when absent.
+COUNTERS = list(M.COUNTERS)
 REQUIRED = {"staleness": STALENESS_COLUMNS, "metrics": METRICS_COLUMNS, "rollout": ROLLOUT_COLUMNS}
 
 
@@ -224,10 +222,10 @@ def _time_origin(st: pd.DataFrame, m: pd.DataFrame, ro: pd.DataFrame) -> float:
     if not st.empty and st["created_s"].notna().any():
         cands.append(float(st["created_s"].min()))
     if not m.empty and m["time_s"].notna().any():
-        step = m[["timing_s/wait_samples", "timing_s/update", "timing_s/param_sync"]].fillna(0).sum(axis=1)
+        step = m[[M.WAIT_SAMPLES_S, M.UPDATE_S, M.PARAM_SYNC_S]].fillna(0).sum(axis=1)
         cands.append(float((m["time_s"] - step).min()))
     if not ro.empty and ro["time_s"].notna().any():
-        cands.append(float((ro["time_s"] - ro["wall_s"].fillna(0) - ro["timing_s/load_weights"].fillna(0)).min()))
+        cands.append(float((ro["time_s"] - ro["wall_s"].fillna(0) - ro[M.LOAD_WEIGHTS_S].fillna(0)).min()))
     return min(cands) if cands else 0.0
 
 

@@ -14,6 +14,7 @@ from matplotlib.figure import Figure
 
 from hpcrl.analysis import tables
 from hpcrl.analysis.load import RunData
+from hpcrl import metric_names as M
 
 COLORS = {"wait": "#bbbbbb", "update": "#1f77b4", "sync": "#ff7f0e", "generate": "#2ca02c", "load": "#d62728",
           "trainer": "#1f77b4", "rollout": "#2ca02c"}
@@ -174,9 +175,9 @@ def _timeline_lanes(data: RunData) -> list[tuple[str, str, list[tuple[float, flo
     m, t0 = data.metrics, data.t0_s
     if not m.empty:
         end = m["time_s"].astype(float) - t0
-        sync = m["timing_s/param_sync"].astype(float)
-        upd = m["timing_s/update"].astype(float)
-        wait = m["timing_s/wait_samples"].astype(float)
+        sync = m[M.PARAM_SYNC_S].astype(float)
+        upd = m[M.UPDATE_S].astype(float)
+        wait = m[M.WAIT_SAMPLES_S].astype(float)
         lanes.append(("trainer: weight sync", "sync", list(zip(end - sync, sync))))
         lanes.append(("trainer: update", "update", list(zip(end - sync - upd, upd))))
         lanes.append(("trainer: wait for samples", "wait", list(zip(end - sync - upd - wait, wait))))
@@ -187,7 +188,7 @@ def _timeline_lanes(data: RunData) -> list[tuple[str, str, list[tuple[float, flo
         if not ro.empty:
             r = ro[ro["writer"] == w]
             start = r["time_s"].astype(float) - r["wall_s"].astype(float) - t0
-            load = r["timing_s/load_weights"].astype(float)
+            load = r[M.LOAD_WEIGHTS_S].astype(float)
             lanes.append((f"rollout {w}: load weights", "load", list(zip(start - load, load))))
         gw = g[g["writer"] == w]
         lanes.append((f"rollout {w}: groups generating", "generate",
@@ -199,8 +200,8 @@ def timeline(data: RunData, out: Path, zoom_versions: int = 5) -> Path:
     lanes = _timeline_lanes(data)
     fig, ax = new_figure(12, 7, nrows=2)
     m = data.metrics
-    publish = (m["time_s"].astype(float) - data.t0_s)[m["timing_s/param_sync"] > 0] if not m.empty else pd.Series()
-    published = (m["param_version"] + 1)[m["timing_s/param_sync"] > 0] if not m.empty else pd.Series()
+    publish = (m["time_s"].astype(float) - data.t0_s)[m[M.PARAM_SYNC_S] > 0] if not m.empty else pd.Series()
+    published = (m["param_version"] + 1)[m[M.PARAM_SYNC_S] > 0] if not m.empty else pd.Series()
     zoom = middle_window(data, zoom_versions)
     lanes = [(name, colour, [(s, d) for s, d in spans if np.isfinite(s) and np.isfinite(d) and d > 0])
              for name, colour, spans in lanes]
@@ -242,7 +243,7 @@ def middle_window(data: RunData, versions: int = 5) -> tuple[float, float] | Non
     m = data.metrics
     if m.empty:
         return None
-    publish = (m["time_s"].astype(float) - data.t0_s)[m["timing_s/param_sync"] > 0]
+    publish = (m["time_s"].astype(float) - data.t0_s)[m[M.PARAM_SYNC_S] > 0]
     if len(publish) < versions + 1:
         return None
     first = (len(publish) - versions - 1) // 2
@@ -258,14 +259,14 @@ def throughput(data: RunData, out: Path) -> Path:
     m, ro, t0 = data.metrics, data.rollout, data.t0_s
     if not m.empty:
         t = m["time_s"] - t0
-        a.plot(t, m["throughput/tokens_per_s"], color=COLORS["trainer"], lw=0.7, alpha=0.35)
-        a.plot(t, rolling(m["throughput/tokens_per_s"]), color=COLORS["trainer"], lw=2.5,
+        a.plot(t, m[M.TOKENS_PER_S], color=COLORS["trainer"], lw=0.7, alpha=0.35)
+        a.plot(t, rolling(m[M.TOKENS_PER_S]), color=COLORS["trainer"], lw=2.5,
                label="trainer: tokens trained / step seconds (per update)")
     if not ro.empty:
         for i, (w, r) in enumerate(ro.groupby("writer")):
             t = r["time_s"] - t0
-            a.plot(t, r["throughput/tokens_per_s"], color=writer_color(i), lw=0.7, alpha=0.35)
-            a.plot(t, rolling(r["throughput/tokens_per_s"].reset_index(drop=True)).to_numpy(), color=writer_color(i),
+            a.plot(t, r[M.TOKENS_PER_S], color=writer_color(i), lw=0.7, alpha=0.35)
+            a.plot(t, rolling(r[M.TOKENS_PER_S].reset_index(drop=True)).to_numpy(), color=writer_color(i),
                    lw=2.5, label=f"rollout {w}: tokens generated / wall seconds (per version)")
     if m.empty and ro.empty:
         empty_note(a, "no metrics logged yet")
@@ -321,8 +322,8 @@ def reward(data: RunData, out: Path) -> Path:
     m = data.metrics
     if not m.empty:
         t = m["time_s"] - data.t0_s
-        b.plot(t, m["reward/mean"], color=COLORS["trainer"], lw=0.7, alpha=0.4, label="per update (reward/mean)")
-        b.plot(t, rolling(m["reward/mean"]), color=COLORS["trainer"], lw=2.5, label="rolling mean")
+        b.plot(t, m[M.REWARD_MEAN], color=COLORS["trainer"], lw=0.7, alpha=0.4, label="per update (reward/mean)")
+        b.plot(t, rolling(m[M.REWARD_MEAN]), color=COLORS["trainer"], lw=2.5, label="rolling mean")
         b.legend(loc="upper left", fontsize=9)
     else:
         empty_note(b, "no metrics logged yet")
@@ -348,7 +349,7 @@ def drops(data: RunData, out: Path) -> Path:
             per_step = r.drop_duplicates("group_id").groupby("trainer_step").size()
             a.step(steps, per_step.reindex(steps, fill_value=0).cumsum(), where="post", lw=2,
                    label=f"{reason} (staleness log, column dropped)")
-        corrupt = m["fully_async/count/corrupt_groups_skipped"].astype(float)
+        corrupt = m[M.CORRUPT_GROUPS_SKIPPED].astype(float)
         a.step(steps, corrupt, where="post", lw=2, ls="--", color=COLORS["load"],
                label="corrupt shard (metrics fully_async/count/corrupt_groups_skipped)")
         a.legend(loc="upper left", fontsize=9)

@@ -22,6 +22,7 @@ from typing import Optional
 
 from hpcrl.analysis import tables
 from hpcrl.analysis.load import Knobs, RunData
+from hpcrl import metric_names as M
 
 HIGH = 0.3
 """An idle ratio above this is a side waiting for the other a significant share of its time."""
@@ -92,5 +93,5 @@ def recommend_run(data: RunData) -> Recommendation:
     m, ro = data.metrics, data.rollout
     t, r = tables.trainer_idle(m) if not m.empty else math.nan, tables.rollout_idle(ro) if not ro.empty else math.nan
     why = [data.unavailable("trainer idle ratio", metrics=tables.STEP_PARTS),
-           data.unavailable("rollout idle ratio", rollout=["wall_s", "rollouter/idle_ratio"])]
+           data.unavailable("rollout idle ratio", rollout=["wall_s", M.ROLLOUT_IDLE_RATIO])]
     return recommend(t, r, data.knobs, " ".join(w.rstrip(".") for w in why if w))

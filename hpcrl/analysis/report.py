@@ -20,6 +20,7 @@ from hpcrl.analysis import compare, plots, tables
 from hpcrl.analysis.doc import Doc
 from hpcrl.analysis.load import RunData, load_run
 from hpcrl.analysis.recommend import recommend_run
+from hpcrl import metric_names as M
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ def _partial(x: _Section) -> None:
 def _idle(x: _Section) -> None:
     d, doc = x.d, x.doc
     why = d.unavailable("Idle ratios", partial=True, metrics=tables.STEP_PARTS + ["param_version"],
-                        rollout=["wall_s", "rollouter/idle_ratio", "param_version"])
+                        rollout=["wall_s", M.ROLLOUT_IDLE_RATIO, "param_version"])
     if why:
         doc.para(why)
     doc.table(tables.version_table(d))

@@ -30,9 +30,10 @@ from dataclasses import dataclass, field
 from typing import Optional, TextIO
 
 from hpcrl.analysis.load import Knobs, read_config_leniently, read_json_tolerant
-from hpcrl.control.records import read_heartbeats
+from hpcrl.control.records import has_ended, read_heartbeats
 from hpcrl.fsio import JsonlTail
 from hpcrl.run_dir import RunDir
+from hpcrl import metric_names as M
 
 RECENT = 20
 """Updates the ETA and the recent trainer idle ratio are averaged over."""
@@ -52,7 +53,7 @@ class JobView:
 
     @property
     def alive(self) -> bool:
-        return not self.flag and self.state not in ("done", "failed")
+        return not self.flag and not has_ended(self.state)
 
 
 def _process_gone(host: str, pid: int) -> bool:
@@ -84,7 +85,7 @@ class StatusView:
         for job, h in read_heartbeats(self.rd).items():
             v = JobView(job, str(h.get("state", "?")), int(h.get("param_version", -1)), now - float(h.get("time_s", 0)),
                         str(h.get("host", "?")), int(h.get("pid", -1)))
-            if v.state not in ("done", "failed"):
+            if not has_ended(v.state):
                 if _process_gone(v.host, v.pid):
                     v.flag = "GONE"
                 elif v.age_s > self.stale_s:
@@ -137,15 +138,15 @@ class StatusView:
             writer = RunDir.writer_of_job(j.job)
             if writer is None:
                 if last:  # the heartbeat file is rewritten every few seconds; the metrics row is newer
-                    published = _num(last.get("timing_s/param_sync")) > 0
+                    published = _num(last.get(M.PARAM_SYNC_S)) > 0
                     j.version = max(j.version, int(_num(last.get("param_version"), -1)) + int(published))
                 idle = _recent_trainer_idle(m)
                 detail = (f"update {last.get('step', 0)}, {last.get('consumed_groups', 0)} groups consumed"
                           if last else "no update logged yet")
             else:
                 rows = ro.get(writer, [])
-                idle = _num(rows[-1].get("rollouter/idle_ratio")) if rows else math.nan
-                tps = _num(rows[-1].get("throughput/tokens_per_s")) if rows else math.nan
+                idle = _num(rows[-1].get(M.ROLLOUT_IDLE_RATIO)) if rows else math.nan
+                tps = _num(rows[-1].get(M.TOKENS_PER_S)) if rows else math.nan
                 detail = f"{committed.get(writer, 0)} groups committed" + (
                     f", {tps:.0f} tokens/s" if not math.isnan(tps) else "")
             state = j.state + (f" {j.flag}" if j.flag else "")
@@ -188,8 +189,8 @@ def _mean(rows: list[dict], key: str) -> float:
 
 def _recent_trainer_idle(m: list[dict]) -> float:
     rows = m[-RECENT:]
-    wait = sum(_num(r.get("timing_s/wait_samples")) for r in rows)
-    total = wait + sum(_num(r.get("timing_s/update")) + _num(r.get("timing_s/param_sync")) for r in rows)
+    wait = sum(_num(r.get(M.WAIT_SAMPLES_S)) for r in rows)
+    total = wait + sum(_num(r.get(M.UPDATE_S)) + _num(r.get(M.PARAM_SYNC_S)) for r in rows)
     return wait / total if total > 0 else math.nan  # NaN also when an older log lacks a part
 
 

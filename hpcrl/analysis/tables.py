@@ -21,8 +21,9 @@ import numpy as np
 import pandas as pd
 
 from hpcrl.analysis.load import RunData
+from hpcrl import metric_names as M
 
-STEP_PARTS = ["timing_s/wait_samples", "timing_s/update", "timing_s/param_sync"]
+STEP_PARTS = [M.WAIT_SAMPLES_S, M.UPDATE_S, M.PARAM_SYNC_S]
 
 
 def step_seconds(m: pd.DataFrame) -> pd.Series:
@@ -32,18 +33,18 @@ def step_seconds(m: pd.DataFrame) -> pd.Series:
 
 def trainer_idle(m: pd.DataFrame) -> float:
     total = step_seconds(m).sum(min_count=1)
-    return float(m["timing_s/wait_samples"].astype(float).sum() / total) if total > 0 else math.nan
+    return float(m[M.WAIT_SAMPLES_S].astype(float).sum() / total) if total > 0 else math.nan
 
 
 def rollout_idle(ro: pd.DataFrame) -> float:
     wall = ro["wall_s"].astype(float)
-    return float((ro["rollouter/idle_ratio"].astype(float) * wall).sum() / wall.sum()) if wall.sum() > 0 else math.nan
+    return float((ro[M.ROLLOUT_IDLE_RATIO].astype(float) * wall).sum() / wall.sum()) if wall.sum() > 0 else math.nan
 
 
 def taken_seconds(m: pd.DataFrame) -> pd.Series:
     """Unix time each update took its groups (end of its wait), indexed by step. The
     staleness log's ``consumed_s`` is stamped later, after the update and the publish."""
-    return pd.Series((m["time_s"] - m["timing_s/param_sync"] - m["timing_s/update"]).to_numpy(float),
+    return pd.Series((m["time_s"] - m[M.PARAM_SYNC_S] - m[M.UPDATE_S]).to_numpy(float),
                      index=m["step"].to_numpy())
 
 
@@ -134,11 +135,11 @@ def timing_table(data: RunData) -> pd.DataFrame:
     m, ro = data.metrics, data.rollout
     parts = {}
     if not m.empty:
-        parts.update({"trainer: wait for samples": m["timing_s/wait_samples"], "trainer: update": m["timing_s/update"],
-                      "trainer: weight sync (publish)": m["timing_s/param_sync"], "trainer: step (sum)": step_seconds(m)})
+        parts.update({"trainer: wait for samples": m[M.WAIT_SAMPLES_S], "trainer: update": m[M.UPDATE_S],
+                      "trainer: weight sync (publish)": m[M.PARAM_SYNC_S], "trainer: step (sum)": step_seconds(m)})
     if not ro.empty:
         parts.update({"rollout: wall per version": ro["wall_s"],
-                      "rollout: load weights": ro["timing_s/load_weights"]})
+                      "rollout: load weights": ro[M.LOAD_WEIGHTS_S]})
     rows = [{"part": k, "count": int(len(v)), "mean (s)": v.astype(float).mean(), "p90 (s)": v.astype(float).quantile(0.9),
              "max (s)": v.astype(float).max(), "total (s)": v.astype(float).sum(min_count=1)} for k, v in parts.items()]
     return pd.DataFrame(rows)
@@ -203,14 +204,14 @@ def idle_per_version(data: RunData) -> tuple[pd.DataFrame, pd.DataFrame]:
     m = data.metrics
     tr = pd.DataFrame(columns=["param_version", "trainer idle", "wait_s", "step_s"])
     if not m.empty:
-        per = m.assign(step_s=step_seconds(m), wait_s=m["timing_s/wait_samples"].astype(float))
+        per = m.assign(step_s=step_seconds(m), wait_s=m[M.WAIT_SAMPLES_S].astype(float))
         tr = per.groupby("param_version")[["wait_s", "step_s"]].sum().reset_index()
         tr["trainer idle"] = tr["wait_s"] / tr["step_s"]
     ro = pd.DataFrame(columns=["writer", "param_version", "rollout idle", "idle_s", "wall_s"])
     if not data.rollout.empty:
         r = data.rollout
         ro = pd.DataFrame({"writer": r["writer"], "param_version": r["param_version"],
-                           "rollout idle": r["rollouter/idle_ratio"].astype(float), "wall_s": r["wall_s"].astype(float)})
+                           "rollout idle": r[M.ROLLOUT_IDLE_RATIO].astype(float), "wall_s": r["wall_s"].astype(float)})
         ro["idle_s"] = ro["rollout idle"] * ro["wall_s"]
     return tr, ro
 
@@ -225,7 +226,7 @@ def drops_table(data: RunData) -> pd.DataFrame:
     rows = [{"reason": str(reason), "groups": int(r["group_id"].nunique()), "trajectories": int(len(r)),
              "source": "logs/staleness.jsonl (dropped)"} for reason, r in d.groupby("dropped")]
     m = data.metrics
-    corrupt = int(m["fully_async/count/corrupt_groups_skipped"].iloc[-1]) if not m.empty else 0
+    corrupt = int(m[M.CORRUPT_GROUPS_SKIPPED].iloc[-1]) if not m.empty else 0
     if corrupt:
         rows.append({"reason": "corrupt shard", "groups": corrupt, "trajectories": None,
                      "source": "metrics fully_async/count/corrupt_groups_skipped"})
@@ -243,7 +244,7 @@ def summary_row(data: RunData) -> dict:
     m, g, k = data.metrics, groups(data), data.knobs
     n = len(m)
     step = step_seconds(m) if n else pd.Series(dtype=float)
-    synced = m["timing_s/param_sync"][m["timing_s/param_sync"] > 0] if n else pd.Series(dtype=float)
+    synced = m[M.PARAM_SYNC_S][m[M.PARAM_SYNC_S] > 0] if n else pd.Series(dtype=float)
     total = float(m["time_s"].iloc[-1] - data.t0_s) if n else math.nan
     dropped = drops_table(data)["groups"].sum()
     return {
@@ -254,10 +255,10 @@ def summary_row(data: RunData) -> dict:
         "updates": n if not k else f"{n}/{k.total_updates}",
         "step (s)": float(step.mean()) if n else math.nan,
         "gen (s/group)": float((g["finished_s"] - g["created_s"]).mean()) if len(g) else math.nan,
-        "update (s)": float(m["timing_s/update"].mean()) if n else math.nan,
+        "update (s)": float(m[M.UPDATE_S].mean()) if n else math.nan,
         "sync (s)": float(synced.mean()) if len(synced) else math.nan,
         "total (s)": total,
-        "final reward": float(m["reward/mean"].iloc[-final_window(n):].mean()) if n else math.nan,
+        "final reward": float(m[M.REWARD_MEAN].iloc[-final_window(n):].mean()) if n else math.nan,
         "lag mean": float(g["lag"].mean()) if len(g) else math.nan,
         "lag max": int(g["lag"].max()) if len(g) else math.nan,
         "idle trainer": trainer_idle(m) if n else math.nan,

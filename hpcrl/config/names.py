@@ -22,7 +22,7 @@ IS_LEVELS = ("token", "sequence")
 RS_LEVELS = ("token", "sequence", "geometric")
 """``algorithm.rollout_correction.rollout_rs`` (hpcrl/trainer/offpolicy.py)."""
 
-REWARD_NAMES = ("toy_copy", "exact_match")
+REWARD_NAMES = ("toy_copy", "token_match", "exact_match", "last_number")
 """``reward.name``: the built-in rule-based rewards (hpcrl/rollout/rewards.py)."""
 
 ENGINES = ("transformers",)

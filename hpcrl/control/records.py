@@ -12,6 +12,7 @@ admission.json                         rollout job  rollout jobs (see admission.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 import socket
 import threading
@@ -23,28 +24,62 @@ from hpcrl.fsio import read_json, write_json_atomic
 from hpcrl.run_dir import RunDir
 
 
+class HeartbeatState(str, enum.Enum):
+    """What a job is doing, as written in its heartbeat (the JSON holds the plain string)."""
+
+    STARTING = "starting"
+    GENERATING = "generating"            # rollout: groups in flight
+    WAITING_WEIGHTS = "waiting_weights"  # rollout: budget spent, waiting for a newer version
+    TRAINING = "training"                # trainer: inside an update
+    WAITING_SAMPLES = "waiting_samples"  # trainer: waiting for committed groups
+    DONE = "done"                        # ended normally (trainer finished / rollout told to stop)
+    FAILED = "failed"                    # ended by an exception or a signal
+    PREEMPTED = "preempted"              # ended on USR2 to be requeued (a new life beats again)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+ENDED_STATES = frozenset({HeartbeatState.DONE.value, HeartbeatState.FAILED.value, HeartbeatState.PREEMPTED.value})
+"""States in which a job's process has ended: its heartbeat is not expected to move, and
+it pins nothing (weight retention), whatever the heartbeat's age."""
+
+
+def has_ended(state: object) -> bool:
+    """True if a heartbeat's ``state`` field says its job has ended."""
+    return str(state) in ENDED_STATES
+
+
 @dataclass
 class Heartbeat:
+    """One job's liveness record, ``control/heartbeat/<job>.json``; rewritten every few seconds."""
+
     job: str
-    """``trainer`` or ``rollout-<writer>``."""
+    """Job name from :class:`~hpcrl.run_dir.RunDir` (``trainer``, ``rollout-w000``, ...)."""
     role: str
+    """``trainer`` or ``rollout``."""
     host: str
+    """Host name the job runs on (``hpcrl status`` checks the pid there)."""
     pid: int
     time_s: float
     """Unix time of this beat; older than timeouts.heartbeat_stale_s = dead."""
     param_version: int = -1
     """Trainer: newest published version. Rollout: version it generates with."""
-    state: str = "starting"
-    """Free text: starting, generating, waiting_weights, training, waiting_samples, done, failed."""
+    state: str = HeartbeatState.STARTING.value
+    """A :class:`HeartbeatState` value."""
     stats: dict = field(default_factory=dict)
     """Counters for the status view (groups committed/consumed, idle ratio, ...)."""
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        d["state"] = str(self.state)
+        return d
 
 
 @dataclass
 class LoadingAnnouncement:
+    """``control/loading/<writer>.json``: which weight version a rollout job is reading."""
+
     writer: str
     version: int
     state: str
@@ -57,6 +92,8 @@ class LoadingAnnouncement:
 
 @dataclass
 class TrainerDone:
+    """``control/trainer_done.json``: the trainer finished; rollout jobs stop, the launcher reports."""
+
     trainer_step: int
     param_version: int
     consumed_groups: int
@@ -89,7 +126,7 @@ def live_jobs(run_dir: RunDir, heartbeat_stale_s: float) -> set[str]:
     now = time.time()
     alive = set()
     for job, d in read_heartbeats(run_dir).items():
-        if now - d["time_s"] <= heartbeat_stale_s and d.get("state") not in ("done", "failed"):
+        if now - d["time_s"] <= heartbeat_stale_s and not has_ended(d.get("state")):
             alive.add(job)
             writer = RunDir.writer_of_job(job)
             if writer is not None:

@@ -12,9 +12,10 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Callable, Optional
 
-from hpcrl.control.records import read_heartbeats
+from hpcrl.control.records import has_ended, read_heartbeats
 from hpcrl.fsio import JsonlTail, read_json
 from hpcrl.run_dir import RunDir
+from hpcrl import metric_names as M
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ class RunFollower:
         for p in self.rd.rollout_metrics_logs().values():
             rows = self._rollout.setdefault(p, JsonlTail(p)).poll()
             if rows:
-                vals.append(rows[-1].get("rollouter/idle_ratio", float("nan")))
+                vals.append(rows[-1].get(M.ROLLOUT_IDLE_RATIO, float("nan")))
         return "/".join(f"{v:.2f}" for v in vals) if vals else "n/a"
 
     def _print_new_versions(self) -> None:
@@ -63,11 +64,11 @@ class RunFollower:
             self._rows_by_version[row["param_version"]].append(row)
             if row["step"] % K == 0 or row["step"] == self.cfg.total_updates:
                 rs = self._rows_by_version.pop(row["param_version"])
-                reward = sum(r["reward/mean"] for r in rs) / len(rs)
-                lag_mean = sum(r["fully_async/lag/mean"] for r in rs) / len(rs)
-                lag_max = max(r["fully_async/lag/max"] for r in rs)
-                idle = sum(r["trainer/idle_ratio"] for r in rs) / len(rs)
-                tps = sum(r["throughput/tokens_per_s"] for r in rs) / len(rs)
+                reward = sum(r[M.REWARD_MEAN] for r in rs) / len(rs)
+                lag_mean = sum(r[M.LAG_MEAN] for r in rs) / len(rs)
+                lag_max = max(r[M.LAG_MAX] for r in rs)
+                idle = sum(r[M.TRAINER_IDLE_RATIO] for r in rs) / len(rs)
+                tps = sum(r[M.TOKENS_PER_S] for r in rs) / len(rs)
                 self.emit(f"v{row['param_version'] + 1:<4d} step {row['step']:>5d}/{self.cfg.total_updates} "
                           f"reward {reward:.3f}  lag mean {lag_mean:.2f} max {lag_max}  "
                           f"idle trainer {idle:.2f} rollout {self._rollout_idle()}  tokens/s {tps:.0f}")
@@ -101,7 +102,7 @@ class RunFollower:
         now = time.time()
         for job, beat in read_heartbeats(self.rd).items():
             age = now - beat["time_s"]
-            if beat.get("state") not in ("done", "failed", "preempted") and age > self.cfg.timeouts.heartbeat_stale_s \
+            if not has_ended(beat.get("state")) and age > self.cfg.timeouts.heartbeat_stale_s \
                     and self._warned.get(job, 0) < now - 60:
                 self._warned[job] = now
                 self.emit(f"warning: {job} heartbeat is {age:.0f}s old (state {beat.get('state')}); "

@@ -1,22 +1,26 @@
 """Rollout job: generate groups with the newest weights and commit them as shards.
 
-Order of events in :meth:`RolloutJob.run`, one iteration of the loop:
+The loop (:meth:`RolloutJob._loop`) repeats these named steps:
 
-1. **stop?** the trainer wrote ``control/trainer_done.json``: seal and exit 0.
-2. **new weights?** a newer complete version exists: stop admitting, let the
-   groups in flight finish (no partial rollout), seal them, load the version.
+1. **stop?** USR2 (seal and requeue) or ``control/trainer_done.json`` (seal, exit 0);
+2. **new weights?** a newer complete version exists (or an *older* newest one: the
+   trainer rolled back to a checkpoint): stop admitting, let the groups in flight
+   finish (no partial rollout), seal them, load the version;
 3. **admit**: while fewer than ``rollout.max_concurrent_groups`` groups are in
-   flight, take the next prompt index and reserve a start in the shared
-   admission budget (``control/admission.py``); refused = wait for weights.
-4. **collect**: finished groups (n responses + rewards) go to the shard buffer.
-5. **seal** the buffer when it is full, old, or the job has nothing in flight.
+   flight, take the next prompt index and reserve a start in the shared admission
+   budget (``control/admission.py``);
+4. **collect** finished groups (n responses + rewards) into the shard buffer;
+5. **seal** the buffer when it is full, old, or nothing is in flight (the commit);
+6. **wait** when nothing was admitted, collected or is in flight: the version's
+   budget is spent, so only a newer version (or trainer_done) lets the job go on.
 
-If the trainer dies, this job keeps its committed shards and waits for a new
-weight version; it gives up after ``timeouts.wait_weights_s`` with an error
-naming the trainer's heartbeat. If *this* job dies, nothing committed is lost;
-its successor (same writer name) recovers from the manifest, releases the
-budget its predecessor held for groups in flight, and regenerates exactly the
-prompts that were never committed.
+What it waits for: weight version 0 at start, and a newer version whenever the
+budget is spent; each wait logs what it waits for and the trainer's heartbeat, and
+fails after ``timeouts.wait_weights_s``. If the trainer dies, this job keeps its
+committed shards and waits so (the restarted trainer re-publishes and the job
+reloads). If *this* job dies, nothing committed is lost: its successor (same
+writer name) recovers from the manifest, releases the budget its predecessor held
+for groups in flight, and regenerates exactly the prompts that were never committed.
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ import torch
 from hpcrl.control import termination
 from hpcrl.control.admission import Admission
 from hpcrl.control.preemption import PreemptionFlag, requeue_self
-from hpcrl.control.records import HeartbeatThread, describe_heartbeats
+from hpcrl.control.records import HeartbeatState, HeartbeatThread, describe_heartbeats
 from hpcrl.fsio import wait_for
 from hpcrl.logs import MetricsLog, setup_logging
 from hpcrl.rollout.dataset import PromptStream, WriterPositions, load_rows
@@ -45,6 +49,7 @@ from hpcrl.samples.schema import Group, Trajectory
 from hpcrl.samples.writer import ShardWriter
 from hpcrl.tiny.model import load_tokenizer
 from hpcrl.weights.filesystem import WeightVersionGone, load_version, newest_version
+from hpcrl import metric_names as M
 
 log = logging.getLogger("hpcrl.rollout")
 
@@ -62,16 +67,34 @@ class VersionStats:
     load_s: float = 0.0
     reward_sum: float = 0.0
 
+    def count(self, group: Group) -> None:
+        """Add one finished group."""
+        self.groups += 1
+        self.trajectories += len(group.trajectories)
+        self.tokens += sum(len(t.response_ids) for t in group.trajectories)
+        self.reward_sum += sum(t.reward for t in group.trajectories)
+
     def row(self, writer: str) -> dict:
+        """The log row of this version, its wall time ending now."""
         wall = max(time.time() - self.started_s, 1e-9)
-        return {"writer": writer, "param_version": self.param_version, "groups": self.groups,
-                "trajectories": self.trajectories, "tokens": self.tokens, "wall_s": wall,
-                "rollouter/idle_ratio": min(1.0, self.idle_s / wall), "timing_s/load_weights": self.load_s,
-                "throughput/tokens_per_s": self.tokens / wall,
-                "reward_mean": self.reward_sum / max(self.trajectories, 1), "time_s": time.time()}
+        return {M.WRITER: writer, M.PARAM_VERSION: self.param_version, M.GROUPS: self.groups,
+                M.TRAJECTORIES: self.trajectories, M.TOKENS: self.tokens, M.WALL_S: wall,
+                M.ROLLOUT_IDLE_RATIO: min(1.0, self.idle_s / wall), M.LOAD_WEIGHTS_S: self.load_s,
+                M.TOKENS_PER_S: self.tokens / wall,
+                M.ROLLOUT_REWARD_MEAN: self.reward_sum / max(self.trajectories, 1), M.TIME_S: time.time()}
+
+
+TRAINER_DONE_POLL_S = 0.5
+"""How often the loop looks for ``trainer_done.json`` (a stat of the shared filesystem per
+look; finishing half a second late costs nothing)."""
 
 
 class RolloutJob:
+    """One rollout job: writer ``w<rank>`` of the run, generating and committing groups.
+
+    See the module docstring for the loop; :meth:`run` is the whole life of the job.
+    """
+
     def __init__(self, run_dir: RunDir, writer_rank: int, preemption: Optional[PreemptionFlag] = None):
         self.run_dir = run_dir
         self.preemption = preemption
@@ -84,6 +107,13 @@ class RolloutJob:
         self.version = -1
         self.consumed_at_version = 0
         self.in_flight: dict[Future, int] = {}
+        # built by _build(); None until then, so that _shutdown works whatever stage failed
+        self.pool: Optional[ThreadPoolExecutor] = None
+        self.shards: Optional[ShardWriter] = None
+        self.metrics: Optional[MetricsLog] = None
+        self.stats: Optional[VersionStats] = None
+        self._done_checked_s = 0.0
+        self._blocked_since: Optional[float] = None
 
     # ---- setup
     def _build(self) -> None:
@@ -120,11 +150,21 @@ class RolloutJob:
                      finished_s=time.time())
 
     # ---- steps of the loop
-    def _trainer_done(self) -> bool:
-        return self.run_dir.trainer_done.exists()
+    def _stop_requested(self) -> Optional[HeartbeatState]:
+        """Step 1: PREEMPTED on USR2, DONE once the trainer finished, else None."""
+        if self.preemption is not None and self.preemption.requested:
+            log.warning("USR2: sealing complete groups and requeueing this rollout job")
+            return HeartbeatState.PREEMPTED
+        now = time.monotonic()
+        if now - self._done_checked_s >= TRAINER_DONE_POLL_S:
+            self._done_checked_s = now
+            if self.run_dir.trainer_done.exists():
+                log.info("trainer is done; stopping")
+                return HeartbeatState.DONE
+        return None
 
     def _load_newest(self) -> None:
-        """Load the newest complete version (waiting for v0 at start)."""
+        """Load the newest complete version (the caller has drained the groups in flight)."""
         t0 = time.time()
         while True:
             v = newest_version(self.run_dir)
@@ -133,17 +173,17 @@ class RolloutJob:
                 break
             except WeightVersionGone as e:
                 log.warning("%s; picking the newest again", e)
-        if self.version >= 0:
+        if self.stats is not None:
             self._write_version_stats()
         self.version, self.consumed_at_version = manifest.param_version, manifest.consumed_groups
         self.stats = VersionStats(self.version, load_s=time.time() - t0)
-        self.heartbeat.update(param_version=self.version, state="generating")
+        self.heartbeat.update(param_version=self.version, state=HeartbeatState.GENERATING)
         log.info("loaded weight version %d in %.2fs (trainer step %d, consumed %d groups)", self.version,
                  time.time() - t0, manifest.trainer_step, manifest.consumed_groups)
 
     def _switch_weights_if_newer(self) -> None:
-        """Load a newer version; also an *older* newest one: the trainer was restarted from
-        a checkpoint and withdrew the versions published after it."""
+        """Step 2: load a newer version; also an *older* newest one: the trainer was restarted
+        from a checkpoint and withdrew the versions published after it."""
         v = newest_version(self.run_dir)
         if v is None or v == self.version:
             return
@@ -155,6 +195,7 @@ class RolloutJob:
         self._load_newest()
 
     def _admit(self) -> bool:
+        """Step 3: start groups while the concurrency limit and the shared budget allow; True if any."""
         admitted = False
         while len(self.in_flight) < self.cfg.rollout.max_concurrent_groups:
             if not self.admission.try_start(self.consumed_at_version):
@@ -165,6 +206,8 @@ class RolloutJob:
         return admitted
 
     def _collect(self, timeout_s: float) -> bool:
+        """Step 4: move finished groups into the shard buffer (waiting up to ``timeout_s``); True if any.
+        Time spent here with nothing in flight counts as idle."""
         if not self.in_flight:
             return False
         done, _ = wait(list(self.in_flight), timeout=timeout_s, return_when=FIRST_COMPLETED)
@@ -172,15 +215,18 @@ class RolloutJob:
             self.in_flight.pop(fut)
             group = fut.result()  # an exception in generation stops the job, loudly
             self.shards.add(group)
-            self.stats.groups += 1
-            self.stats.trajectories += len(group.trajectories)
-            self.stats.tokens += sum(len(t.response_ids) for t in group.trajectories)
-            self.stats.reward_sum += sum(t.reward for t in group.trajectories)
+            self.stats.count(group)
         return bool(done)
 
     def _drain(self) -> None:
+        """Collect until no group is in flight (before a weight switch)."""
         while self.in_flight:
             self._collect(timeout_s=1.0)
+
+    def _seal_if_due(self) -> None:
+        """Step 5: commit the buffer when it is full or old, or when nothing is in flight."""
+        if self.shards.seal_due() or (not self.in_flight and self.shards.buffered):
+            self._seal()
 
     def _seal(self) -> None:
         line = self.shards.seal()
@@ -188,84 +234,90 @@ class RolloutJob:
             self.heartbeat.update(stats={"groups_committed": self.shards.committed_groups})
             log.debug("committed %s (%d groups)", line.shard, line.n_groups)
 
-    def _write_version_stats(self) -> None:
-        self.metrics.write(self.stats.row(self.writer))
-
-    def _wait_for_weights_or_done(self, waited_s: float) -> None:
+    def _wait_if_blocked(self, progressed: bool) -> None:
+        """Step 6: with nothing in flight and no progress, the budget of this version is spent:
+        sleep one poll (idle time) and fail once the wait exceeds timeouts.wait_weights_s."""
+        if progressed or self.in_flight:
+            if self._blocked_since is not None:
+                self.heartbeat.update(state=HeartbeatState.GENERATING)
+            self._blocked_since = None
+            return
+        now = time.monotonic()
+        if self._blocked_since is None:
+            self._blocked_since = now
+            self.heartbeat.update(state=HeartbeatState.WAITING_WEIGHTS)
+        waited_s = now - self._blocked_since
         if waited_s > self.cfg.timeouts.wait_weights_s:
             raise TimeoutError(
                 f"rollout {self.writer}: budget used up for weight version {self.version} and no newer version "
                 f"appeared in {self.run_dir.weights} for {waited_s:.0f}s ({describe_heartbeats(self.run_dir, 'trainer')})")
+        time.sleep(self.cfg.timeouts.poll_interval_s)
+        self.stats.idle_s += self.cfg.timeouts.poll_interval_s
+
+    def _write_version_stats(self) -> None:
+        self.metrics.write(self.stats.row(self.writer))
 
     # ---- the loop
     def run(self) -> None:
+        """Build, wait for version 0, loop until stopped; shut down whatever stage failed."""
         cfg = self.cfg
         self.heartbeat = HeartbeatThread(self.run_dir, RunDir.rollout_job(self.writer), "rollout",
                                          cfg.timeouts.heartbeat_interval_s).start()
-        final_state = "failed"  # until the loop ends normally
+        final_state = HeartbeatState.FAILED  # until the loop ends normally
         try:
             self._build()
             wait_for(f"weight version 0 in {self.run_dir.weights}", lambda: newest_version(self.run_dir) is not None,
                      cfg.timeouts.wait_weights_s, cfg.timeouts.poll_interval_s, log,
                      describe=lambda: describe_heartbeats(self.run_dir, "trainer"), stop=termination.check)
             self._load_newest()
-            waiting_since = None
-            last_done_check = 0.0
-            while True:
-                termination.check()
-                if self.preemption is not None and self.preemption.requested:
-                    log.warning("USR2: sealing complete groups and requeueing this rollout job")
-                    final_state = "preempted"
-                    break
-                now = time.monotonic()
-                if now - last_done_check > 0.5:
-                    last_done_check = now
-                    if self._trainer_done():
-                        log.info("trainer is done; stopping")
-                        break
-                self._switch_weights_if_newer()
-                admitted = self._admit()
-                t0 = time.monotonic()
-                collected = self._collect(timeout_s=cfg.timeouts.poll_interval_s)
-                if not self.in_flight:
-                    self.stats.idle_s += time.monotonic() - t0
-                if self.shards.seal_due() or (not self.in_flight and self.shards.buffered):
-                    self._seal()
-                if not self.in_flight and not admitted and not collected:
-                    waiting_since = waiting_since or time.monotonic()
-                    self.heartbeat.update(state="waiting_weights")
-                    self._wait_for_weights_or_done(time.monotonic() - waiting_since)
-                    time.sleep(cfg.timeouts.poll_interval_s)
-                    self.stats.idle_s += cfg.timeouts.poll_interval_s
-                else:
-                    if waiting_since is not None:
-                        self.heartbeat.update(state="generating")
-                    waiting_since = None
-            if final_state != "preempted":
-                final_state = "done"
+            final_state = self._loop()
         except BaseException as e:
             if not isinstance(e, SystemExit):
                 log.exception("rollout %s failed", self.writer)  # into RUN/logs/jobs/, where the launcher looks
             raise
         finally:
             self._shutdown(final_state)
-        if final_state == "preempted":
+        if final_state == HeartbeatState.PREEMPTED:
             requeue_self()  # under Slurm; elsewhere whoever started the job restarts it
 
-    def _shutdown(self, final_state: str) -> None:
-        if hasattr(self, "pool"):
-            for fut in self.in_flight:
-                fut.cancel()
-            self.pool.shutdown(wait=True, cancel_futures=True)
-            for fut in list(self.in_flight):  # finished while shutting down: complete groups are still worth keeping
-                if fut.done() and not fut.cancelled() and fut.exception() is None:
-                    self.shards.add(fut.result())
-            self.shards.close()
-            self._write_version_stats()
-            self.metrics.close()
-        self.heartbeat.stop(final_state)
-        log.info("rollout %s %s: %d groups committed in total", self.writer, final_state,
-                 getattr(getattr(self, "shards", None), "committed_groups", 0))
+    def _loop(self) -> HeartbeatState:
+        """Steps 1-6 of the module docstring until stopped; returns DONE or PREEMPTED."""
+        poll_s = self.cfg.timeouts.poll_interval_s
+        while True:
+            termination.check()
+            stop = self._stop_requested()
+            if stop is not None:
+                return stop
+            self._switch_weights_if_newer()
+            admitted = self._admit()
+            t0 = time.monotonic()
+            collected = self._collect(timeout_s=poll_s)
+            if not self.in_flight:
+                self.stats.idle_s += time.monotonic() - t0
+            self._seal_if_due()
+            self._wait_if_blocked(progressed=admitted or collected)
+
+    def _shutdown(self, final_state: HeartbeatState) -> None:
+        """Seal complete groups, write the last version row and the final heartbeat. Works
+        whatever stage the job failed in (nothing built yet, no version loaded, ...)."""
+        try:
+            if self.pool is not None:
+                for fut in self.in_flight:
+                    fut.cancel()
+                self.pool.shutdown(wait=True, cancel_futures=True)
+                for fut in list(self.in_flight):  # finished while shutting down: complete groups are worth keeping
+                    if fut.done() and not fut.cancelled() and fut.exception() is None:
+                        self.shards.add(fut.result())
+            if self.shards is not None:
+                self.shards.close()
+            if self.metrics is not None:
+                if self.stats is not None:
+                    self._write_version_stats()
+                self.metrics.close()
+        finally:
+            self.heartbeat.stop(final_state)
+            log.info("rollout %s %s: %d groups committed in total", self.writer, final_state,
+                     self.shards.committed_groups if self.shards is not None else 0)
 
 
 def rollout_main(run_dir: str, writer_rank: int) -> None:

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from hpcrl.control import termination
 from hpcrl.control.preemption import PreemptionFlag, requeue_self
-from hpcrl.control.records import HeartbeatThread, TrainerDone, describe_heartbeats
+from hpcrl.control.records import HeartbeatState, HeartbeatThread, TrainerDone, describe_heartbeats
 from hpcrl.fsio import write_json_atomic
 from hpcrl.logs import MetricsLog, StalenessLog, log_size, setup_logging, truncate_to
 from hpcrl.run_dir import RunDir
@@ -49,6 +49,7 @@ from hpcrl.trainer.models import PolicyWithValueHead, load_reference, policy_sta
 from hpcrl.trainer.share import ABORT, BATCH, PREEMPT, share_groups, share_json
 from hpcrl.trainer.update import PolicyUpdate
 from hpcrl.weights.filesystem import apply_retention, publish_version, published_versions
+from hpcrl import metric_names as M
 
 log = logging.getLogger("hpcrl.trainer")
 
@@ -64,6 +65,10 @@ class _NoHeartbeat:
 
 
 class TrainerJob:
+    """One rank of the trainer job. Rank 0 reads samples, writes logs, heartbeats and weight
+    versions; every rank trains its share of each mini-batch. :meth:`run` is the whole life
+    of the job (see the module docstring for what happens when either job dies)."""
+
     def __init__(self, run_dir: RunDir, preemption: PreemptionFlag):
         self.run_dir = run_dir
         self.cfg = run_dir.load_config()
@@ -168,9 +173,9 @@ class TrainerJob:
                 log.info("waiting %.0fs for committed groups (%d/%d) in %s; %s", waited, len(kept), need,
                          self.run_dir.samples, describe_heartbeats(self.run_dir, "rollout"))
                 last_log = time.monotonic()
-            self.heartbeat.update(state="waiting_samples")
+            self.heartbeat.update(state=HeartbeatState.WAITING_SAMPLES)
             time.sleep(cfg.timeouts.poll_interval_s)
-        self.heartbeat.update(state="training")
+        self.heartbeat.update(state=HeartbeatState.TRAINING)
         return kept, dropped, time.monotonic() - t0
 
     def _next_batch(self) -> tuple[int, list[Group], list[Group], float]:
@@ -199,7 +204,7 @@ class TrainerJob:
             s = self.reader.skipped.pop(0)
             self.state.consumed_groups += s["n_groups"]
             c = self.state.counters
-            c["fully_async/count/corrupt_groups_skipped"] = c.get("fully_async/count/corrupt_groups_skipped", 0) + s["n_groups"]
+            c[M.CORRUPT_GROUPS_SKIPPED] = c.get(M.CORRUPT_GROUPS_SKIPPED, 0) + s["n_groups"]
 
     def _update(self, groups: list[Group], version_seen: int) -> dict:
         """Train on the groups; lag is measured against ``version_seen``, the version this update starts from."""
@@ -253,19 +258,21 @@ class TrainerJob:
             self.staleness.write_groups(dropped, version_seen, st.step, now, dropped="max_staleness")
         lags = [version_seen - g.version_start for g in kept]
         stale = [g for g in kept if version_seen - g.version_start > 0]
-        c["fully_async/count/stale_samples_processed"] = c.get("fully_async/count/stale_samples_processed", 0) + len(stale)
-        c["fully_async/count/stale_trajectory_processed"] = (
-            c.get("fully_async/count/stale_trajectory_processed", 0) + sum(len(g.trajectories) for g in stale))
-        c["fully_async/count/dropped_max_staleness"] = c.get("fully_async/count/dropped_max_staleness", 0) + len(dropped)
+        c[M.STALE_SAMPLES] = c.get(M.STALE_SAMPLES, 0) + len(stale)
+        c[M.STALE_TRAJECTORIES] = (
+            c.get(M.STALE_TRAJECTORIES, 0) + sum(len(g.trajectories) for g in stale))
+        c[M.DROPPED_MAX_STALENESS] = c.get(M.DROPPED_MAX_STALENESS, 0) + len(dropped)
         total_s = wait_s + update_s + sync_s
-        row = {"step": st.step, "param_version": version_seen, "consumed_groups": st.consumed_groups,
-               **upd, **c, "fully_async/lag/mean": sum(lags) / len(lags), "fully_async/lag/max": max(lags),
-               "trainer/idle_ratio": wait_s / max(total_s, 1e-9), "timing_s/wait_samples": wait_s,
-               "timing_s/update": update_s, "timing_s/param_sync": sync_s,
-               "throughput/tokens_per_s": upd["n_tokens"] / max(total_s, 1e-9), "time_s": now}
+        for name in M.COUNTERS:  # every counter in every row, 0 until something is counted
+            c.setdefault(name, 0)
+        row = {M.STEP: st.step, M.PARAM_VERSION: version_seen, M.CONSUMED_GROUPS: st.consumed_groups,
+               **upd, **c, M.LAG_MEAN: sum(lags) / len(lags), M.LAG_MAX: max(lags),
+               M.TRAINER_IDLE_RATIO: wait_s / max(total_s, 1e-9), M.WAIT_SAMPLES_S: wait_s,
+               M.UPDATE_S: update_s, M.PARAM_SYNC_S: sync_s,
+               M.TOKENS_PER_S: upd[M.N_TOKENS] / max(total_s, 1e-9), M.TIME_S: now}
         self.metrics.write(row)
         self.heartbeat.update(stats={"step": st.step, "consumed_groups": st.consumed_groups,
-                                     "reward_mean": upd["reward/mean"], "idle_ratio": row["trainer/idle_ratio"]})
+                                     "reward_mean": upd[M.REWARD_MEAN], "idle_ratio": row[M.TRAINER_IDLE_RATIO]})
         return row
 
     # ---- the loop
@@ -276,10 +283,11 @@ class TrainerJob:
                                              cfg.timeouts.heartbeat_interval_s).start()
         else:
             self.heartbeat = _NoHeartbeat()
-        final_state = "failed"
+        final_state = HeartbeatState.FAILED
         try:
             self._build()
             self._resume_or_start()
+            self._last_checkpoint_step = self.state.step
             log.info("training %d -> %d local updates on %d rank(s), R=%d groups each, K=%d, budget B=%d",
                      self.state.step, cfg.total_updates, self.world, cfg.groups_per_update,
                      cfg.async_training.trigger_parameter_sync_step, cfg.admission_budget)
@@ -293,46 +301,76 @@ class TrainerJob:
         finally:
             self.heartbeat.stop(final_state)
 
-    def _train(self) -> str:
-        """The update loop; returns the final heartbeat state ("done" or "preempted")."""
-        cfg = self.cfg
-        K = cfg.async_training.trigger_parameter_sync_step
-        last_ckpt_step = self.state.step
-        while self.state.step < cfg.total_updates:
+    def _train(self) -> HeartbeatState:
+        """The update loop, one local update per iteration, as named steps:
+
+        take R groups (:meth:`_next_batch`: waits for committed groups; while a rollout job
+        is dead it logs the writers and their heartbeat ages, and fails after
+        ``timeouts.wait_samples_s``) -> update -> log -> publish every K updates -> mark
+        the update boundary -> checkpoint when due. Returns DONE, or PREEMPTED after USR2
+        (checkpointed at the last completed update, then requeued).
+        """
+        while self.state.step < self.cfg.total_updates:
             termination.check()
             version_seen = self.state.param_version
             status, kept, dropped, wait_s = self._next_batch()
             if status == PREEMPT:
-                self._checkpoint()
-                if self.rank == 0:
-                    requeue_self()
-                return "preempted"
-            t0 = time.monotonic()
-            upd = self._update(kept, version_seen)
-            update_s = time.monotonic() - t0
-            self.state.step += 1
-            self.state.consumed_groups += len(kept) + len(dropped)
-            publish = self.state.step % K == 0 or self.state.step == cfg.total_updates
-            sync_s = self._publish(version_seen + 1) if publish else 0.0
+                self._preempt()
+                return HeartbeatState.PREEMPTED
+            upd, update_s = self._train_step(kept, dropped, version_seen)
+            published = self._publish_due()
+            sync_s = self._publish(version_seen + 1) if published else 0.0
             if self.rank == 0:
-                row = self._log_update(kept, dropped, upd, wait_s, update_s, sync_s, version_seen)
-                if publish:
-                    log.info("v%d step %d/%d reward %.3f lag mean %.2f max %d idle %.2f; published in %.2fs",
-                             self.state.param_version, self.state.step, cfg.total_updates, row["reward/mean"],
-                             row["fully_async/lag/mean"], row["fully_async/lag/max"], row["trainer/idle_ratio"],
-                             sync_s)
+                self._log_step(kept, dropped, upd, wait_s, update_s, sync_s, version_seen, published)
             self._mark_update_boundary()
-            if publish and (self.state.step - last_ckpt_step >= cfg.trainer.checkpoint_every_updates
-                            or self.state.step == cfg.total_updates):
-                self._checkpoint()
-                last_ckpt_step = self.state.step
+            if published:
+                self._checkpoint_if_due()
+        self._finish()
+        return HeartbeatState.DONE
+
+    def _train_step(self, kept: list[Group], dropped: list[Group], version_seen: int) -> tuple[dict, float]:
+        """One local update on ``kept``; the dropped groups count as consumed too."""
+        t0 = time.monotonic()
+        upd = self._update(kept, version_seen)
+        self.state.step += 1
+        self.state.consumed_groups += len(kept) + len(dropped)
+        return upd, time.monotonic() - t0
+
+    def _publish_due(self) -> bool:
+        """A version is published every K local updates, and after the last one."""
+        K = self.cfg.async_training.trigger_parameter_sync_step
+        return self.state.step % K == 0 or self.state.step == self.cfg.total_updates
+
+    def _log_step(self, kept: list[Group], dropped: list[Group], upd: dict, wait_s: float, update_s: float,
+                  sync_s: float, version_seen: int, published: bool) -> None:
+        """Rank 0: the staleness and metrics rows, and a log line per published version."""
+        row = self._log_update(kept, dropped, upd, wait_s, update_s, sync_s, version_seen)
+        if published:
+            log.info("v%d step %d/%d reward %.3f lag mean %.2f max %d idle %.2f; published in %.2fs",
+                     self.state.param_version, self.state.step, self.cfg.total_updates, row[M.REWARD_MEAN],
+                     row[M.LAG_MEAN], row[M.LAG_MAX], row[M.TRAINER_IDLE_RATIO], sync_s)
+
+    def _checkpoint_if_due(self) -> None:
+        """Right after a publish, every ``trainer.checkpoint_every_updates`` updates and at the end."""
+        if (self.state.step - self._last_checkpoint_step >= self.cfg.trainer.checkpoint_every_updates
+                or self.state.step == self.cfg.total_updates):
+            self._checkpoint()
+            self._last_checkpoint_step = self.state.step
+
+    def _preempt(self) -> None:
+        """USR2: checkpoint the last completed update, then ask Slurm to requeue this job."""
+        self._checkpoint()
+        if self.rank == 0:
+            requeue_self()
+
+    def _finish(self) -> None:
+        """Rank 0: write ``trainer_done.json`` (rollout jobs stop, the launcher reports)."""
         if self.rank == 0:
             write_json_atomic(self.run_dir.trainer_done, TrainerDone(
                 self.state.step, self.state.param_version, self.state.consumed_groups, time.time(),
                 cursor=self.reader.cursor()).to_json())
             log.info("done: %d updates, version %d, %d groups consumed", self.state.step, self.state.param_version,
                      self.state.consumed_groups)
-        return "done"
 
 
 def trainer_main(run_dir: str) -> None:

@@ -1,0 +1,99 @@
+"""Names of every log column that crosses a job boundary, defined once.
+
+The jobs write these names (``logs/metrics.jsonl`` from the trainer, one row per
+local update; ``logs/rollout-<writer>.jsonl`` from each rollout job, one row per
+weight version; ``logs/staleness.jsonl`` from the trainer, one row per consumed
+trajectory); the launcher's follower, ``hpcrl status`` and ``hpcrl report`` read
+them. verl's ``fully_async_policy`` names are kept where they exist, so dashboards
+built for verl read ours. The per-update algorithm metrics (``actor/*``,
+``critic/*``, ``rollout_corr/*``) are named where they are computed
+(``hpcrl/trainer/``); the few that the analysis reads are named here too.
+
+Units are in the names: ``*_s`` seconds (``time_s``: unix time), ``*_ratio`` in [0, 1].
+"""
+from __future__ import annotations
+
+# ---- trainer: logs/metrics.jsonl, one row per local update -------------------------
+STEP = "step"
+"""Local update number, 1-based."""
+PARAM_VERSION = "param_version"
+"""Trainer: the version the update started from. Rollout log: the version generated with."""
+CONSUMED_GROUPS = "consumed_groups"
+"""Groups the trainer has consumed (trained on, dropped or skipped) so far."""
+TIME_S = "time_s"
+"""Unix time the row was written."""
+N_TOKENS = "n_tokens"
+"""Response tokens (mask 1) in the update."""
+WAIT_SAMPLES_S = "timing_s/wait_samples"
+"""Seconds the trainer waited for committed groups before the update."""
+UPDATE_S = "timing_s/update"
+"""Seconds of the update itself (log-probs, advantages, optimizer steps)."""
+PARAM_SYNC_S = "timing_s/param_sync"
+"""Seconds spent publishing a weight version after the update (0 if none)."""
+TRAINER_IDLE_RATIO = "trainer/idle_ratio"
+"""wait / (wait + update + sync) of the update."""
+TOKENS_PER_S = "throughput/tokens_per_s"
+"""Response tokens per second (trainer: of the update; rollout: of the version)."""
+LAG_MEAN = "fully_async/lag/mean"
+"""Mean over the update's groups of trainer version - oldest token version."""
+LAG_MAX = "fully_async/lag/max"
+"""Max of the same."""
+REWARD_MEAN = "reward/mean"
+"""Mean trajectory reward of the update's groups."""
+GRAD_NORM = "actor/grad_norm"
+"""Global gradient norm before clipping."""
+
+# Counters: running totals over the run, in every row once the first one is counted.
+STALE_SAMPLES = "fully_async/count/stale_samples_processed"
+"""Groups trained on with lag > 0."""
+STALE_TRAJECTORIES = "fully_async/count/stale_trajectory_processed"
+"""Trajectories of those groups."""
+DROPPED_MAX_STALENESS = "fully_async/count/dropped_max_staleness"
+"""Groups dropped because their lag exceeded async_training.max_staleness."""
+CORRUPT_GROUPS_SKIPPED = "fully_async/count/corrupt_groups_skipped"
+"""Groups of shards the trainer skipped as damaged (their prompts are regenerated)."""
+COUNTERS = (STALE_SAMPLES, STALE_TRAJECTORIES, DROPPED_MAX_STALENESS, CORRUPT_GROUPS_SKIPPED)
+"""Every counter; a reader takes 0 for a counter a row lacks."""
+
+METRICS_COLUMNS = (STEP, PARAM_VERSION, CONSUMED_GROUPS, TIME_S, WAIT_SAMPLES_S, UPDATE_S, PARAM_SYNC_S,
+                   TRAINER_IDLE_RATIO, REWARD_MEAN, N_TOKENS, TOKENS_PER_S, LAG_MEAN, LAG_MAX)
+"""Columns every trainer metrics row has (the report needs them)."""
+
+# ---- rollout: logs/rollout-<writer>.jsonl, one row per weight version ----------------
+WRITER = "writer"
+"""Writer name of the rollout job (``w000``)."""
+GROUPS = "groups"
+TRAJECTORIES = "trajectories"
+TOKENS = "tokens"
+WALL_S = "wall_s"
+"""Seconds from this version's load to the next version's load."""
+ROLLOUT_IDLE_RATIO = "rollouter/idle_ratio"
+"""Share of wall_s with no group in flight."""
+LOAD_WEIGHTS_S = "timing_s/load_weights"
+"""Seconds to load this version into the engine."""
+ROLLOUT_REWARD_MEAN = "reward_mean"
+"""Mean trajectory reward of the groups generated with this version."""
+
+ROLLOUT_COLUMNS = (WRITER, PARAM_VERSION, GROUPS, TOKENS, WALL_S, ROLLOUT_IDLE_RATIO, LOAD_WEIGHTS_S, TOKENS_PER_S,
+                   TIME_S)
+"""Columns every rollout row has (the report needs them)."""
+
+# ---- logs/staleness.jsonl, one row per consumed trajectory -----------------------------
+STALENESS_COLUMNS = [
+    "sample_id",        # "<writer>/<prompt_index>/<j>": trajectory j of that group
+    "group_id",         # "<writer>/<prompt_index>"
+    "writer",
+    "shard",
+    "version_start",    # oldest policy version among the trajectory's tokens
+    "version_end",      # newest policy version among its tokens
+    "trainer_version",  # newest published version when the trainer consumed it
+    "trainer_step",     # local update that consumed it (1-based)
+    "lag",              # trainer_version - version_start
+    "n_tokens",         # response tokens (mask 1)
+    "reward",
+    # unix times: generation started, group complete, shard committed, and the end of the
+    # local update that trained on it (after that update's weight publish, if any)
+    "created_s", "finished_s", "committed_s", "consumed_s",
+    "dropped",          # "" if trained on; else why it was dropped (e.g. "max_staleness")
+]
+"""Columns of the staleness log, in order."""
