@@ -5,6 +5,7 @@
     hpcrl rollout RUN_DIR --writer-rank W
     hpcrl report RUN_DIR [RUN_DIR ...] --out DIR   # offline report (hpcrl/analysis/)
     hpcrl status RUN_DIR [--interval-s 5] [--once] # live view from the login node
+    hpcrl summary RUN_DIR                          # per-version table of the staleness log
 """
 from __future__ import annotations
 
@@ -17,31 +18,26 @@ from hpcrl.config import ConfigError, dump_config, load_config
 
 
 def _cmd_run(a) -> int:
-    from hpcrl.launcher.api import launch
-    from hpcrl.launcher.submit import plan_jobs, resolve_executor
-    from hpcrl.run_dir import RunDir
+    from hpcrl.launcher.api import launch, plan_run
 
     try:
-        if a.resume and a.config is None:
-            cfg = RunDir(a.run_dir).load_config()
-        else:
-            cfg = load_config(a.config, a.overrides)
-        kind = resolve_executor(a.executor)
+        plan = plan_run(a.config, a.run_dir, a.executor, a.overrides, a.resume)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"hpcrl: error: {e}", file=sys.stderr)
         return 2
+    cfg, kind = plan.cfg, plan.kind
     if a.dry_run:
-        print(f"# executor: {kind}; run directory: {Path(a.run_dir).resolve()}")
+        print(f"# executor: {kind}; run directory: {plan.rd.root}")
         print(f"# R={cfg.groups_per_update} groups per update, K={cfg.async_training.trigger_parameter_sync_step}, "
               f"budget B={cfg.admission_budget} groups per version, {cfg.total_updates} updates, "
               f"max lag bound {cfg.max_lag_bound}")
-        for job in plan_jobs(cfg, RunDir(a.run_dir)):
+        for job in plan.jobs:
             print("would submit " + job.describe())
         print("# resolved config:")
         print(dump_config(cfg), end="")
         return 0
     try:
-        run = launch(cfg, a.run_dir, executor=kind, resume=a.resume, emit=print)
+        run = launch(plan, resume=a.resume, emit=print)
     except ConfigError as e:
         print(f"hpcrl: error: {e}", file=sys.stderr)
         return 2
@@ -89,10 +85,28 @@ def add_analysis_commands(sub) -> None:
     st.add_argument("run_dir", metavar="RUN_DIR")
     st.add_argument("--interval-s", type=float, default=5.0, help="seconds between views (default 5)")
     st.add_argument("--once", action="store_true", help="print one view and exit")
+    sm = sub.add_parser("summary", help="per-version table of a run's staleness log in the terminal")
+    sm.add_argument("run_dir", metavar="RUN_DIR")
+
+
+def _cmd_summary(run_dir: str) -> int:
+    from hpcrl.analysis.tables import per_version_summary
+    from hpcrl.logs import read_staleness
+
+    st = read_staleness(run_dir)
+    table = per_version_summary(st)
+    if table.empty:
+        print("no consumed trajectories yet")
+        return 0
+    print(table.to_string(float_format=lambda x: f"{x:.3f}"))
+    print(f"\n{len(st)} trajectories, lag histogram (trajectories): {st.lag.value_counts().sort_index().to_dict()}")
+    return 0
 
 
 def run_analysis_command(a: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if a.cmd == "summary":
+        return _cmd_summary(a.run_dir)
     if a.cmd == "status":
         from hpcrl.analysis.status import status_main
 
@@ -155,7 +169,7 @@ def main(argv=None) -> int:
         if a.cmd not in ("run", "sbatch-lines") or any("=" not in x or x.startswith("-") for x in extra):
             p.error("unrecognized arguments: " + " ".join(extra))
         a.overrides = list(a.overrides) + extra
-    if a.cmd in ("report", "status"):
+    if a.cmd in ("report", "status", "summary"):
         return run_analysis_command(a)
     if a.cmd == "run":
         if a.config is not None and "=" in a.config:  # `hpcrl run key=value --resume`

@@ -36,6 +36,7 @@ def file_sha256(path: os.PathLike | str) -> str:
 
 
 def write_bytes_atomic(path: os.PathLike | str, data: bytes) -> None:
+    """Write ``data`` to ``path`` as tmp -> fsync -> replace -> fsync the folder: never torn."""
     path = Path(path)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     with open(tmp, "wb") as f:
@@ -47,6 +48,7 @@ def write_bytes_atomic(path: os.PathLike | str, data: bytes) -> None:
 
 
 def write_json_atomic(path: os.PathLike | str, obj: Any) -> None:
+    """:func:`write_bytes_atomic` of ``obj`` as indented, sorted JSON."""
     write_bytes_atomic(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
 
 
@@ -80,9 +82,11 @@ class JsonlAppender:
                     self._f.write(b"\n")
 
     def append(self, record: dict) -> None:
+        """Append one record as a line, durably."""
         self.append_many([record])
 
     def append_many(self, records: list[dict]) -> None:
+        """Append records as lines with one write and one fsync."""
         if not records:
             return
         data = b"".join(json.dumps(r, sort_keys=True).encode() + b"\n" for r in records)
@@ -92,6 +96,7 @@ class JsonlAppender:
             os.fsync(self._f.fileno())
 
     def close(self) -> None:
+        """Close the file."""
         self._f.close()
 
 
@@ -124,6 +129,7 @@ class JsonlTail:
         self.rows: list[dict] = []
 
     def poll(self) -> list[dict]:
+        """Every complete row so far (new ones parsed from where the last call stopped)."""
         try:
             size = self.path.stat().st_size
         except FileNotFoundError:

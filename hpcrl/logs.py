@@ -39,15 +39,19 @@ def truncate_to(path: Path, size_bytes: int) -> None:
 
 
 def log_size(path: Path) -> int:
+    """Bytes in a log (0 if it does not exist): what a checkpoint records to roll the log back to."""
     return path.stat().st_size if path.exists() else 0
 
 
 class StalenessLog:
+    """The trainer's ``logs/staleness.jsonl``: one row per consumed (or dropped) trajectory."""
+
     def __init__(self, run_dir: RunDir):
         self._out = JsonlAppender(run_dir.staleness)
 
     def write_groups(self, groups, trainer_version: int, trainer_step: int, consumed_s: float,
                      dropped: str = "") -> None:
+        """One row per trajectory of ``groups``, consumed by update ``trainer_step`` at version ``trainer_version``."""
         rows = []
         for g in groups:
             for j, t in enumerate(g.trajectories):
@@ -63,6 +67,7 @@ class StalenessLog:
         self._out.append_many(rows)
 
     def close(self) -> None:
+        """Close the file."""
         self._out.close()
 
 
@@ -121,13 +126,17 @@ def read_metrics(run_dir: os.PathLike | str | RunDir):
 
 
 class MetricsLog:
+    """An append-only JSONL log of metric rows (trainer metrics, a rollout job's per-version rows)."""
+
     def __init__(self, path: Path):
         self._out = JsonlAppender(path)
 
     def write(self, row: dict) -> None:
+        """Append one row, durably."""
         self._out.append(row)
 
     def close(self) -> None:
+        """Close the file."""
         self._out.close()
 
 

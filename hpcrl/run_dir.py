@@ -113,10 +113,12 @@ class RunDir:
         return self.root / "samples"
 
     def writer_dir(self, writer: str) -> Path:
+        """``samples/<writer>/``: one rollout job's shards and manifest."""
         return self.samples / writer
 
     @staticmethod
     def shard_name(shard_index: int) -> str:
+        """``shard-000042.h5``."""
         return f"shard-{shard_index:06d}.h5"
 
     @staticmethod
@@ -126,6 +128,7 @@ class RunDir:
         return (int(m.group(1)), bool(m.group(2))) if m else None
 
     def shard_path(self, writer: str, shard_index: int) -> Path:
+        """A sealed shard of ``writer``."""
         return self.writer_dir(writer) / self.shard_name(shard_index)
 
     @staticmethod
@@ -134,6 +137,7 @@ class RunDir:
         return path.with_name(path.name + ".tmp")
 
     def shard_manifest(self, writer: str) -> Path:
+        """``samples/<writer>/manifest.jsonl``: the writer's commit log."""
         return self.writer_dir(writer) / SHARD_MANIFEST
 
     def writers(self) -> list[str]:
@@ -148,9 +152,11 @@ class RunDir:
         return self.root / "weights"
 
     def weight_version_dir(self, version: int) -> Path:
+        """``weights/v000007/``: one published weight version."""
         return self.weights / f"v{version:06d}"
 
     def weight_manifest(self, version: int) -> Path:
+        """The manifest that makes a version exist for readers (written last)."""
         return self.weight_version_dir(version) / WEIGHT_MANIFEST
 
     @staticmethod
@@ -169,6 +175,7 @@ class RunDir:
         return self.control / "heartbeat"
 
     def heartbeat(self, job: str) -> Path:
+        """``control/heartbeat/<job>.json``."""
         return self.heartbeats / f"{job}.json"
 
     @property
@@ -176,6 +183,7 @@ class RunDir:
         return self.control / "loading"
 
     def loading_announcement(self, writer: str) -> Path:
+        """``control/loading/<writer>.json``: the version a rollout job is reading."""
         return self.loading / f"{writer}.json"
 
     @property
@@ -213,6 +221,7 @@ class RunDir:
         return self.logs / "staleness.jsonl"
 
     def rollout_metrics(self, writer: str) -> Path:
+        """``logs/rollout-<writer>.jsonl``: one row per weight version of that writer."""
         return self.logs / f"{_ROLLOUT_PREFIX}{writer}.jsonl"
 
     def rollout_metrics_logs(self) -> dict[str, Path]:
@@ -230,23 +239,30 @@ class RunDir:
     def job_logs(self) -> Path:
         return self.logs / "jobs"
 
+    def slurm_log_pattern(self, role: str) -> Path:
+        """Slurm's own output file of the sbatch scripts (``%j`` job id; ``%A_%a`` array task)."""
+        return self.job_logs / ("slurm-trainer-%j.out" if role == "trainer" else "slurm-rollout-%A_%a.out")
+
     def job_log(self, job: str) -> Path:
         """The Python log of one job (rank): ``logs/jobs/<job>.log``."""
         return self.job_logs / f"{job}.log"
 
     # ---- life cycle
     def create(self) -> "RunDir":
+        """Make the run's folders (idempotent)."""
         for d in (self.samples, self.weights, self.heartbeats, self.loading, self.checkpoints, self.logs,
                   self.job_logs):
             d.mkdir(parents=True, exist_ok=True)
         return self
 
     def freeze_config(self, cfg: RunConfig) -> None:
+        """Write the resolved config as ``config.yaml`` (tmp -> fsync -> replace)."""
         from hpcrl.fsio import write_bytes_atomic
 
         write_bytes_atomic(self.config_path, dump_config(cfg).encode())
 
     def load_config(self) -> RunConfig:
+        """The frozen config, validated; FileNotFoundError if this is not a run directory."""
         if not self.config_path.is_file():
             raise FileNotFoundError(f"{self.config_path} missing: {self.root} is not an hpcrl run directory "
                                     "(start a run with `hpcrl run CONFIG --run-dir DIR`)")

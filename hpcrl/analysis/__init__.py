@@ -7,8 +7,7 @@
 - :mod:`hpcrl.analysis.report`     ``hpcrl report RUN_DIR ... --out DIR`` (Markdown + HTML)
 - :mod:`hpcrl.analysis.status`     ``hpcrl status RUN_DIR`` (plain text, refreshing)
 
-The implementation lives inside the ``hpcrl`` package so an installed hpcrl
-(``pip install .``, not only ``-e``) has the commands; the repository's
-top-level ``analysis/`` folder holds thin script entry points over it. Nothing
+The commands are ``hpcrl report``, ``hpcrl status`` and ``hpcrl summary`` (hpcrl/cli.py);
+this package is library code (no printing). Nothing
 here imports torch or DeepSpeed: it runs on a login node with pandas and matplotlib.
 """

@@ -130,9 +130,9 @@ class RunData:
         for log_name, cols in needs.items():
             frame = {"staleness": self.staleness, "metrics": self.metrics, "rollout": self.rollout}[log_name]
             if frame.empty:
-                gaps.append(f"{_LOG_PATHS[log_name]} has no rows yet")
+                gaps.append(f"{LOG_PATHS[log_name]} has no rows yet")
             elif self.lacks(log_name, *cols):
-                gaps.append(f"{_LOG_PATHS[log_name]} lacks {', '.join(self.lacks(log_name, *cols))}")
+                gaps.append(f"{LOG_PATHS[log_name]} lacks {', '.join(self.lacks(log_name, *cols))}")
         if not gaps:
             return None
         if partial:
@@ -140,7 +140,14 @@ class RunData:
         return f"{what}: not available ({'; '.join(gaps)})."
 
 
-_LOG_PATHS = {"staleness": "logs/staleness.jsonl", "metrics": "logs/metrics.jsonl", "rollout": "logs/rollout-*.jsonl"}
+def _log_paths() -> dict[str, str]:
+    """Each log's path relative to a run's root, for messages (``logs/metrics.jsonl``, ...)."""
+    rd = RunDir("/run")
+    return {name: str(path.relative_to(rd.root)) for name, path in
+            (("staleness", rd.staleness), ("metrics", rd.metrics), ("rollout", rd.rollout_metrics("*")))}
+
+
+LOG_PATHS = _log_paths()
 
 
 def _read_log(path: Path, notes: list[str], root: Path) -> pd.DataFrame:
@@ -167,23 +174,23 @@ def read_config_leniently(rd: RunDir, notes: list[str]) -> Optional[RunConfig]:
     try:
         return rd.load_config()
     except FileNotFoundError:
-        notes.append("config.yaml is missing: knobs (s, K, R) and the lag bound are unknown.")
+        notes.append(f"{rd.config_path.name} is missing: knobs (s, K, R) and the lag bound are unknown.")
         return None
     except ConfigError as strict_error:
         try:
             raw = yaml.safe_load(rd.config_path.read_text()) or {}
         except (OSError, yaml.YAMLError) as e:
-            notes.append(f"config.yaml is unreadable ({e}): knobs and the lag bound are unknown.")
+            notes.append(f"{rd.config_path.name} is unreadable ({e}): knobs and the lag bound are unknown.")
             return None
         ignored: list[str] = []
         tree = _known_keys(RunConfig, raw, "", ignored)
         try:
             cfg = config_from_dict(tree)
         except (ConfigError, TypeError) as e:
-            notes.append(f"config.yaml does not match this hpcrl version ({strict_error}) and cannot be read "
+            notes.append(f"{rd.config_path.name} does not match this hpcrl version ({strict_error}) and cannot be read "
                          f"leniently either ({e}): knobs and the lag bound are unknown.")
             return None
-        notes.append(f"config.yaml was written by another hpcrl version ({strict_error}); read leniently, "
+        notes.append(f"{rd.config_path.name} was written by another hpcrl version ({strict_error}); read leniently, "
                      f"ignoring {', '.join(ignored) or 'nothing'}; fields it lacks take today's defaults.")
         return cfg
 
@@ -254,7 +261,7 @@ def load_run(path: os.PathLike | str, name: Optional[str] = None) -> RunData:
         raise RunFormatError(f"{root}: nothing to analyse yet: {rd.staleness.name}, {rd.metrics.name} and "
                              f"rollout-*.jsonl in {rd.logs} are empty or missing (has the trainer made its first update?)")
     for name_, cols in missing.items():
-        notes.append(f"{_LOG_PATHS[name_]} lacks column(s) {', '.join(cols)}: it was written by an older hpcrl "
+        notes.append(f"{LOG_PATHS[name_]} lacks column(s) {', '.join(cols)}: it was written by an older hpcrl "
                      "version; the sections that need them are left out.")
     if not m.empty and "step" in m and m["step"].notna().all():
         m = m.sort_values("step", kind="stable").reset_index(drop=True)
@@ -262,7 +269,7 @@ def load_run(path: os.PathLike | str, name: Optional[str] = None) -> RunData:
     heartbeats = read_heartbeats(rd)
     if done is None:
         states = ", ".join(f"{j} {h.get('state', '?')}" for j, h in heartbeats.items()) or "no heartbeats"
-        notes.append(f"The run has not finished (no control/trainer_done.json; jobs: {states}): the numbers cover "
+        notes.append(f"The run has not finished (no {rd.trainer_done.relative_to(rd.root)}; jobs: {states}): the numbers cover "
                      f"the {len(m)} update(s) logged so far.")
     return RunData(name=name or root.name, root=root, knobs=Knobs.from_config(cfg) if cfg else None, staleness=st,
                    metrics=m, rollout=ro, heartbeats=heartbeats, trainer_done=done, t0_s=_time_origin(st, m, ro),

@@ -20,8 +20,8 @@ import math
 import numpy as np
 import pandas as pd
 
-from hpcrl.analysis.load import RunData
 from hpcrl import metric_names as M
+from hpcrl.analysis.load import LOG_PATHS, RunData
 
 STEP_PARTS = [M.WAIT_SAMPLES_S, M.UPDATE_S, M.PARAM_SYNC_S]
 
@@ -224,7 +224,7 @@ def drops_table(data: RunData) -> pd.DataFrame:
     st = data.staleness
     d = st[st["dropped"].fillna("") != ""]
     rows = [{"reason": str(reason), "groups": int(r["group_id"].nunique()), "trajectories": int(len(r)),
-             "source": "logs/staleness.jsonl (dropped)"} for reason, r in d.groupby("dropped")]
+             "source": f"{LOG_PATHS['staleness']} (dropped)"} for reason, r in d.groupby("dropped")]
     m = data.metrics
     corrupt = int(m[M.CORRUPT_GROUPS_SKIPPED].iloc[-1]) if not m.empty else 0
     if corrupt:
@@ -285,3 +285,15 @@ COLUMN_DEFINITIONS = {
 def ablation_table(runs: list[RunData]) -> pd.DataFrame:
     """The side-by-side table: one row per run."""
     return pd.DataFrame([summary_row(r) for r in runs])
+
+
+def per_version_summary(st: pd.DataFrame) -> pd.DataFrame:
+    """One row per trainer version from the staleness log: groups consumed, lag mean and max,
+    mean reward (``hpcrl summary RUN_DIR``)."""
+    if st.empty:
+        return st
+    groups = st.drop_duplicates("group_id")
+    table = groups.groupby("trainer_version").agg(groups=("group_id", "count"), lag_mean=("lag", "mean"),
+                                                  lag_max=("lag", "max"))
+    table["reward_mean"] = st.groupby("trainer_version")["reward"].mean()
+    return table

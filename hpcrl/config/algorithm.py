@@ -17,6 +17,8 @@ from hpcrl.config.checks import check_choice, check_float, check_int, check_opti
 
 @dataclass
 class KLControlConfig:
+    """``algorithm.kl_ctrl``: the coefficient of the KL penalty in the reward."""
+
     type: str = "fixed"
     """Controller of the reward-KL coefficient beta: ``fixed`` (beta = kl_coef) or
     ``adaptive`` (beta *= 1 + clip(KL / target_kl - 1, -0.2, 0.2) * n / horizon after
@@ -29,6 +31,7 @@ class KLControlConfig:
     """Adaptive controller: the KL (nats per token) beta steers towards."""
 
     def validate(self) -> None:
+        """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
         check_choice("algorithm.kl_ctrl.type", self.type, names.KL_CTRL_TYPES)
         check_float("algorithm.kl_ctrl.kl_coef", self.kl_coef, 0.0)
         check_int("algorithm.kl_ctrl.horizon", self.horizon, 1)
@@ -60,6 +63,7 @@ class RolloutCorrectionConfig:
     version (per-token lag from the shards' token_versions; null = off)."""
 
     def validate(self) -> None:
+        """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
         k = "algorithm.rollout_correction."
         check_optional_choice(k + "rollout_is", self.rollout_is, names.IS_LEVELS)
         check_float(k + "rollout_is_threshold", self.rollout_is_threshold, 1.0)
@@ -81,6 +85,8 @@ class RolloutCorrectionConfig:
 
 @dataclass
 class AlgorithmConfig:
+    """``algorithm``: advantage estimator, KL in the reward, rollout correction (verl's names)."""
+
     adv_estimator: str = "grpo"
     """Advantage estimator (verl's names): ``gae`` (critic = value head), ``grpo``,
     ``rloo``, ``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``. Equations in
@@ -101,6 +107,7 @@ class AlgorithmConfig:
     """Importance weights and rejection masks for stale / mismatched samples."""
 
     def validate(self) -> None:
+        """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
         check_choice("algorithm.adv_estimator", self.adv_estimator, names.ADV_ESTIMATORS)
         check_choice("algorithm.norm_adv_by_std_in_grpo", self.norm_adv_by_std_in_grpo, (True, False))
         check_float("algorithm.gamma", self.gamma, 0.0, 1.0)
@@ -126,6 +133,7 @@ class CriticConfig:
     """Weight of the value loss in the engine's total loss (the trunk is shared with the policy)."""
 
     def validate(self) -> None:
+        """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
         check_float("critic.lr", self.lr, 0.0, lo_open=True)
         check_float("critic.cliprange_value", self.cliprange_value, 0.0, lo_open=True)
         check_float("critic.vf_coef", self.vf_coef, 0.0, lo_open=True)

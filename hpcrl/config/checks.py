@@ -13,6 +13,7 @@ class ConfigError(ValueError):
 
 
 def bad(key: str, got: Any, allowed: str, fix: str = "") -> ConfigError:
+    """A ConfigError saying ``config KEY: got VALUE; allowed: ...; fix: ...``."""
     msg = f"config {key}: got {got!r}; allowed: {allowed}"
     if fix:
         msg += f"; fix: {fix}"
@@ -20,6 +21,7 @@ def bad(key: str, got: Any, allowed: str, fix: str = "") -> ConfigError:
 
 
 def check_int(key: str, value: Any, lo: int, hi: Optional[int] = None) -> None:
+    """An int (not a bool) in [lo, hi]."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise bad(key, value, f"an integer >= {lo}")
     if value < lo or (hi is not None and value > hi):
@@ -28,6 +30,7 @@ def check_int(key: str, value: Any, lo: int, hi: Optional[int] = None) -> None:
 
 
 def check_float(key: str, value: Any, lo: float, hi: Optional[float] = None, lo_open: bool = False) -> None:
+    """A number (not a bool, not NaN) >= lo (> lo if ``lo_open``) and <= hi."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
         raise bad(key, value, "a number")
     if (value <= lo if lo_open else value < lo) or (hi is not None and value > hi):
@@ -36,10 +39,12 @@ def check_float(key: str, value: Any, lo: float, hi: Optional[float] = None, lo_
 
 
 def check_choice(key: str, value: Any, choices: tuple) -> None:
+    """One of ``choices``."""
     if value not in choices:
         raise bad(key, value, "one of " + ", ".join(repr(c) for c in choices))
 
 
 def check_optional_choice(key: str, value: Any, choices: tuple) -> None:
+    """None or one of ``choices``."""
     if value not in (None, *choices):
         raise bad(key, value, "null or one of " + ", ".join(repr(c) for c in choices))

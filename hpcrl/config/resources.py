@@ -8,6 +8,8 @@ from hpcrl.config.checks import bad, check_int
 
 @dataclass
 class JobResources:
+    """The size and Slurm options of one job (``resources.trainer``, ``resources.rollout``)."""
+
     nodes: int = 1
     """Nodes for this job."""
     tasks_per_node: int = 1
@@ -38,6 +40,7 @@ class JobResources:
         return self.nodes * self.tasks_per_node
 
     def validate(self, prefix: str) -> None:
+        """Raise ConfigError naming ``prefix.<field>`` for a value out of range."""
         for name in ("nodes", "tasks_per_node", "cpus_per_task", "mem_gb", "timeout_min"):
             check_int(f"{prefix}.{name}", getattr(self, name), 1)
         check_int(f"{prefix}.gpus_per_node", self.gpus_per_node, 0)
@@ -56,6 +59,8 @@ class JobResources:
 
 @dataclass
 class ResourcesConfig:
+    """``resources``: both jobs' sizes, how many rollout jobs, and the restart budget."""
+
     trainer: JobResources = field(default_factory=JobResources)
     """Resources of the trainer job (nodes * tasks_per_node DeepSpeed ranks)."""
     rollout: JobResources = field(default_factory=JobResources)
@@ -67,6 +72,7 @@ class ResourcesConfig:
     scancel, node failure) at most this many times per job; then the run fails."""
 
     def validate(self) -> None:
+        """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
         self.trainer.validate("resources.trainer")
         self.rollout.validate("resources.rollout")
         check_int("resources.rollout_jobs", self.rollout_jobs, 1)

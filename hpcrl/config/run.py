@@ -31,6 +31,8 @@ from hpcrl.config.sections import (ActorConfig, AsyncConfig, DataConfig, Logging
 
 @dataclass
 class RunConfig:
+    """The whole run config: every section, and the flow-control quantities derived from them."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -82,6 +84,7 @@ class RunConfig:
         return self.algorithm.use_kl_in_reward or self.actor.use_kl_loss
 
     def validate(self) -> "RunConfig":
+        """Check every section, then the rules that span sections; return self."""
         for f in dataclasses.fields(self):
             getattr(self, f.name).validate()
         if self.rollout.total_rollout_steps < self.groups_per_update:
@@ -111,6 +114,7 @@ class RunConfig:
         return self
 
     def to_dict(self) -> dict:
+        """Plain dict of every field (what ``config.yaml`` holds)."""
         return dataclasses.asdict(self)
 
 
@@ -167,6 +171,7 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
 
 
 def parse_override(text: str) -> tuple[str, Any]:
+    """``key=value`` -> (dotted key, YAML-parsed value)."""
     if "=" not in text:
         raise ConfigError(f"override {text!r}: expected key=value, e.g. async_training.staleness_threshold=0.5")
     key, raw = text.split("=", 1)
@@ -196,8 +201,10 @@ def load_config(path: Optional[os.PathLike | str] = None, overrides: Optional[li
 
 
 def config_from_dict(tree: dict) -> RunConfig:
+    """Build and validate a RunConfig from a parsed YAML tree (unknown keys fail)."""
     return _build(RunConfig, tree, "").validate()
 
 
 def dump_config(cfg: RunConfig) -> str:
+    """The YAML text of a config (frozen into ``RUN/config.yaml``)."""
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

@@ -15,6 +15,8 @@ from hpcrl.config.checks import bad, check_choice, check_float, check_int
 
 @dataclass
 class ModelConfig:
+    """``model``: which model both jobs start from."""
+
     path: str = "builtin:tiny"
     """A local Hugging Face model folder (config.json, weights, tokenizer), or
     ``builtin:tiny`` to build the tiny Qwen2-style model and tokenizer locally
@@ -23,6 +25,7 @@ class ModelConfig:
     """Seed for building ``builtin:tiny`` (random init) and for the trainer."""
 
     def validate(self) -> None:
+        """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
         if self.path != "builtin:tiny":
             p = Path(self.path)
             if not (p / "config.json").is_file():
@@ -33,6 +36,8 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
+    """``data``: where the prompts come from and in which order."""
+
     source: str = "builtin:toy"
     """``builtin:toy`` (the generated toy task) or a local ``.jsonl`` / ``.parquet``
     file with one prompt per row."""
@@ -47,6 +52,7 @@ class DataConfig:
     """Number of distinct prompts the toy generator makes (builtin:toy only)."""
 
     def validate(self) -> None:
+        """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
         if self.source != "builtin:toy":
             p = Path(self.source)
             if p.suffix not in (".jsonl", ".parquet"):
@@ -59,15 +65,20 @@ class DataConfig:
 
 @dataclass
 class RewardConfig:
+    """``reward``: how a response is scored."""
+
     name: str = "toy_copy"
     """Name of a built-in rule-based reward (:data:`hpcrl.config.names.REWARD_NAMES`)."""
 
     def validate(self) -> None:
+        """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
         check_choice("reward.name", self.name, names.REWARD_NAMES)
 
 
 @dataclass
 class ActorConfig:
+    """``actor``: the policy's optimizer, PPO loss and DeepSpeed settings (verl's names)."""
+
     ppo_mini_batch_size: int = 4
     """Groups (prompts) per optimizer step (verl: ppo_mini_batch_size)."""
     ppo_micro_batch_size: int = 4
@@ -110,6 +121,7 @@ class ActorConfig:
     rollout.temperature so trainer and engine log-probs agree."""
 
     def validate(self) -> None:
+        """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
         check_int("actor.ppo_mini_batch_size", self.ppo_mini_batch_size, 1)
         check_int("actor.ppo_micro_batch_size", self.ppo_micro_batch_size, 1)
         check_int("actor.ppo_epochs", self.ppo_epochs, 1)
@@ -136,6 +148,8 @@ class ActorConfig:
 
 @dataclass
 class RolloutConfig:
+    """``rollout``: the generation engine, sampling and shard sealing of each rollout job."""
+
     engine: str = "transformers"
     """Generation engine: ``transformers`` (CPU or GPU, any HF causal LM)."""
     n: int = 8
@@ -159,6 +173,7 @@ class RolloutConfig:
     """torch intra-op threads in the rollout job."""
 
     def validate(self) -> None:
+        """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
         check_choice("rollout.engine", self.engine, names.ENGINES)
         check_int("rollout.n", self.n, 1)
         check_int("rollout.total_rollout_steps", self.total_rollout_steps, 1)
@@ -173,6 +188,8 @@ class RolloutConfig:
 
 @dataclass
 class AsyncConfig:
+    """``async_training``: verl's fully-async knobs (s, K, require_batches) and the log-prob anchors."""
+
     staleness_threshold: float = 0.0
     """s: per weight version the rollout fleet starts at most floor((1+s)*K*R)
     groups, counting carry-over. 0 = no stale samples."""
@@ -195,6 +212,7 @@ class AsyncConfig:
     """Hard cap on lag in versions: older groups are dropped and counted (null = off)."""
 
     def validate(self) -> None:
+        """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
         check_float("async_training.staleness_threshold", self.staleness_threshold, 0.0)
         check_int("async_training.require_batches", self.require_batches, 1)
         check_int("async_training.trigger_parameter_sync_step", self.trigger_parameter_sync_step, 1)
@@ -209,6 +227,8 @@ class AsyncConfig:
 
 @dataclass
 class TrainerConfig:
+    """``trainer``: checkpoint cadence and threads of the trainer job."""
+
     checkpoint_every_updates: int = 20
     """Save model, optimizer and sample cursor together every this many local updates."""
     keep_checkpoints: int = 2
@@ -217,6 +237,7 @@ class TrainerConfig:
     """torch intra-op threads per trainer rank."""
 
     def validate(self) -> None:
+        """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
         check_int("trainer.checkpoint_every_updates", self.checkpoint_every_updates, 1)
         check_int("trainer.keep_checkpoints", self.keep_checkpoints, 1)
         check_int("trainer.torch_threads", self.torch_threads, 1)
@@ -224,6 +245,8 @@ class TrainerConfig:
 
 @dataclass
 class WeightsConfig:
+    """``weights``: how versions reach the rollout jobs, and how many are kept."""
+
     transport: str = "filesystem"
     """How weights reach rollout jobs: ``filesystem`` (safetensors folders in RUN/weights)."""
     keep_versions: int = 3
@@ -231,12 +254,15 @@ class WeightsConfig:
     job has announced it is loading them."""
 
     def validate(self) -> None:
+        """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
         check_choice("weights.transport", self.transport, names.WEIGHT_TRANSPORTS)
         check_int("weights.keep_versions", self.keep_versions, 2)
 
 
 @dataclass
 class TimeoutsConfig:
+    """``timeouts``: every wait's limit, heartbeats and polling."""
+
     wait_samples_s: float = 600.0
     """Trainer gives up (exit 1, naming the writers and their last heartbeats)
     after waiting this long for the next group."""
@@ -253,6 +279,7 @@ class TimeoutsConfig:
     """A job that waits for the other one logs what it waits for this often."""
 
     def validate(self) -> None:
+        """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
         for name in ("wait_samples_s", "wait_weights_s", "heartbeat_interval_s", "heartbeat_stale_s",
                      "poll_interval_s", "wait_log_interval_s"):
             check_float(f"timeouts.{name}", getattr(self, name), 0.0, lo_open=True)
@@ -263,10 +290,13 @@ class TimeoutsConfig:
 
 @dataclass
 class LoggingConfig:
+    """``logging``: the jobs' log level."""
+
     level: str = "INFO"
     """Python logging level of both jobs."""
 
     def validate(self) -> None:
+        """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
         check_choice("logging.level", self.level, ("DEBUG", "INFO", "WARNING", "ERROR"))
 
 

@@ -18,6 +18,8 @@ log = logging.getLogger(__name__)
 
 
 class PreemptionFlag:
+    """Set by USR2; the job checks ``requested`` at its next safe point."""
+
     def __init__(self, signum: int = signal.SIGUSR2):
         self.requested = False
         signal.signal(signum, self._handler)  # replaces submitit's handler in this process

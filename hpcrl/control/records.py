@@ -159,16 +159,19 @@ class HeartbeatThread:
         self._thread = threading.Thread(target=self._run, name=f"heartbeat-{job}", daemon=True)
 
     def start(self) -> "HeartbeatThread":
+        """Write the first beat now, then beat from the thread."""
         self.write()
         self._thread.start()
         return self
 
     def update(self, **fields) -> None:
+        """Change fields of the record; the next beat writes them."""
         with self._lock:
             for k, v in fields.items():
                 setattr(self.beat, k, v)
 
     def write(self) -> None:
+        """Write the record now (tmp -> fsync -> replace)."""
         with self._lock:
             self.beat.time_s = time.time()
             record = self.beat.to_json()
@@ -182,6 +185,7 @@ class HeartbeatThread:
                 pass  # a transient filesystem error must not kill the job; next beat retries
 
     def stop(self, final_state: str) -> None:
+        """Stop beating and write the final state (done, failed, preempted)."""
         self._stop.set()
         self._thread.join(timeout=5)
         self.update(state=final_state)

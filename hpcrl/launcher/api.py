@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from hpcrl.config import RunConfig, load_config
@@ -22,19 +22,47 @@ from hpcrl.control.records import read_heartbeats
 from hpcrl.fsio import read_json
 from hpcrl.launcher.follow import RunFollower
 from hpcrl.launcher.prepare import prepare_run_dir
-from hpcrl.launcher.submit import plan_jobs, resolve_executor, submit_jobs, submit_one
+from hpcrl.launcher.submit import PlannedJob, plan_jobs, resolve_executor, submit_jobs, submit_one
 from hpcrl.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class RunPlan:
+    """A run checked and planned, before anything is created or submitted: the config is
+    validated once here, the jobs are planned once, and both are passed down from here."""
+
+    cfg: RunConfig
+    rd: RunDir
+    kind: str
+    """Executor: ``local`` or ``slurm``."""
+    jobs: list[PlannedJob]
+
+
+def plan_run(config: Optional[os.PathLike | str | RunConfig], run_dir: os.PathLike | str, executor: str = "auto",
+             overrides: Sequence[str] = (), resume: bool = False) -> RunPlan:
+    """Check the config (a file + overrides, a RunConfig, or with ``resume`` and no config the
+    frozen one) and plan the jobs. Raises ConfigError / ValueError; creates nothing."""
+    rd = RunDir(run_dir)
+    if isinstance(config, RunConfig):
+        cfg = config.validate()
+    elif config is None and resume:
+        cfg = rd.load_config()  # validated when it is parsed
+    else:
+        cfg = load_config(config, list(overrides))
+    return RunPlan(cfg, rd, resolve_executor(executor), plan_jobs(cfg, rd))
+
+
 class RunHandle:
-    def __init__(self, cfg: RunConfig, rd: RunDir, kind: str, emit: Callable[[str], None]):
-        self.cfg, self.rd, self.kind = cfg, rd, kind
-        planned = {p.name: p for p in plan_jobs(cfg, rd)}
-        jobs = submit_jobs(cfg, rd, kind)
-        self.follower = RunFollower(rd, jobs, emit=emit,
-                                    resubmit=lambda name: submit_one(cfg, rd, kind, planned[name]))
+    """A submitted run: its jobs, their state, and a follower that resubmits dead jobs."""
+
+    def __init__(self, plan: RunPlan, emit: Callable[[str], None]):
+        self.cfg, self.rd, self.kind = plan.cfg, plan.rd, plan.kind
+        planned = {p.name: p for p in plan.jobs}
+        jobs = submit_jobs(plan.rd, plan.kind, plan.jobs)
+        self.follower = RunFollower(plan.rd, plan.cfg, jobs, emit=emit,
+                                    resubmit=lambda name: submit_one(plan.rd, plan.kind, planned[name]))
 
     @property
     def jobs(self) -> dict:
@@ -59,20 +87,18 @@ class RunHandle:
         return self.follower.follow(timeout_s, poll_s) == 0
 
     def cancel(self) -> None:
+        """Cancel every job of the run that is still queued or running."""
         self.follower.cancel_all()
 
 
-def launch(config: Optional[os.PathLike | str | RunConfig], run_dir: os.PathLike | str, executor: str = "auto",
-           overrides: Sequence[str] = (), resume: bool = False,
+def launch(config: Optional[os.PathLike | str | RunConfig | RunPlan], run_dir: Optional[os.PathLike | str] = None,
+           executor: str = "auto", overrides: Sequence[str] = (), resume: bool = False,
            emit: Optional[Callable[[str], None]] = None) -> RunHandle:
-    """Check the config, prepare the run directory, submit the trainer and rollout jobs."""
-    rd = RunDir(run_dir)
-    if isinstance(config, RunConfig):
-        cfg = config.validate()
-    elif config is None and resume:
-        cfg = rd.load_config()
-    else:
-        cfg = load_config(config, list(overrides))
-    kind = resolve_executor(executor)
-    rd = prepare_run_dir(cfg, Path(run_dir), resume)
-    return RunHandle(cfg, rd, kind, emit or (lambda line: log.info("%s", line)))
+    """Check the config, prepare the run directory, submit the trainer and rollout jobs.
+
+    ``config`` may also be a :class:`RunPlan` from :func:`plan_run` (the CLI checks first,
+    then launches what it checked); then ``run_dir``, ``executor`` and ``overrides`` are its own.
+    """
+    plan = config if isinstance(config, RunPlan) else plan_run(config, run_dir, executor, overrides, resume)
+    prepare_run_dir(plan.cfg, plan.rd.root, resume)
+    return RunHandle(plan, emit or (lambda line: log.info("%s", line)))

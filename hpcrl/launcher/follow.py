@@ -2,7 +2,7 @@
 
 Liveness comes from the job handles (process / squeue state) and from the run
 directory's heartbeats, never from ``job.wait()`` (without accounting, submitit
-cannot see a killed job's state, FACTS.md). Every wait here has a deadline.
+cannot see a killed job's state and ``wait()`` never returns). Every wait here has a deadline.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Callable, Optional
 
+from hpcrl.config import RunConfig
 from hpcrl.control.records import has_ended, read_heartbeats
 from hpcrl.fsio import JsonlTail, read_json
 from hpcrl.run_dir import RunDir
@@ -35,15 +36,19 @@ def job_failure_report(rd: RunDir, handle) -> str:
 
 
 class RunFollower:
-    def __init__(self, rd: RunDir, jobs: dict, emit: Callable[[str], None] = print,
+    """Follows a submitted run from the login node: prints one line per weight version,
+    resubmits jobs that end early (within ``resources.max_restarts``), warns on stale
+    heartbeats, and stops at ``trainer_done`` or its deadline."""
+
+    def __init__(self, rd: RunDir, cfg: RunConfig, jobs: dict, emit: Callable[[str], None] = print,
                  resubmit: Optional[Callable[[str], object]] = None):
         self.rd = rd
+        self.cfg = cfg
         self.jobs = jobs
         self.emit = emit
         self.resubmit = resubmit
         self.restarts: dict[str, int] = {}
         self._warned: dict[str, float] = {}
-        self.cfg = rd.load_config()
         self._metrics = JsonlTail(rd.metrics)  # read incrementally: the follower polls every second
         self._rollout: dict[Path, JsonlTail] = {}
         self._metrics_seen = 0

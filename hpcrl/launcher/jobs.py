@@ -2,7 +2,8 @@
 
 submitit reads job state from ``sacct``; on clusters without accounting (and on
 the private test cluster) that state is ``UNKNOWN`` forever and ``job.wait()``
-never returns for a killed job (FACTS.md). So Slurm jobs are followed with
+never returns for a killed job (seen with Debian's slurm-wlm 22.05 without
+accounting: ``sacct`` fails and the state reads ``UNKNOWN``). So Slurm jobs are followed with
 ``squeue`` (while queued or running, requeued included) and ``scontrol show job``
 (for ``MinJobAge`` seconds after the end), and local jobs with their process.
 """

@@ -15,22 +15,32 @@ from hpcrl.fsio import write_bytes_atomic
 from hpcrl.run_dir import RunDir
 
 
-def _options(role: str, r: JobResources, rd: RunDir, python: str) -> list[str]:
-    log_name = "slurm-trainer-%j.out" if role == "trainer" else "slurm-rollout-%A_%a.out"
-    opts = [f"--job-name=hpcrl-{role}", f"--nodes={r.nodes}", f"--ntasks-per-node={r.tasks_per_node}",
-            f"--cpus-per-task={r.cpus_per_task}", f"--mem={r.mem_gb}G", f"--time={r.timeout_min}",
-            f"--output={rd.job_logs / log_name}", f"--export=ALL,HPCRL_PYTHON={python}"]
+def slurm_options(r: JobResources) -> dict[str, object]:
+    """The Slurm options a job's config adds to its size, as {option: value} (``""`` = a bare
+    flag): GPUs, partition, account, qos, constraint, ``sbatch_extra``. Rendered here once for
+    both ways in: the sbatch scripts (``--option=value``) and submitit (its additional parameters).
+    """
+    opts: dict[str, object] = {}
     if r.gpus_per_node:
-        opts.append(f"--gpus-per-node={r.gpus_per_node}")
+        opts["gpus-per-node"] = r.gpus_per_node
     for name in ("partition", "account", "qos", "constraint"):
         if getattr(r, name):
-            opts.append(f"--{name}={getattr(r, name)}")
-    for k, v in r.sbatch_extra.items():
-        opts.append(f"--{k}" if v == "" else f"--{k}={v}")
+            opts[name] = getattr(r, name)
+    opts.update(r.sbatch_extra)
+    opts.setdefault("requeue", "")  # preempted or USR2'd jobs requeue themselves (scontrol requeue)
+    return opts
+
+
+def _options(role: str, r: JobResources, rd: RunDir, python: str) -> list[str]:
+    opts = [f"--job-name=hpcrl-{role}", f"--nodes={r.nodes}", f"--ntasks-per-node={r.tasks_per_node}",
+            f"--cpus-per-task={r.cpus_per_task}", f"--mem={r.mem_gb}G", f"--time={r.timeout_min}",
+            f"--output={rd.slurm_log_pattern(role)}", f"--export=ALL,HPCRL_PYTHON={python}"]
+    opts += [f"--{k}" if v == "" else f"--{k}={v}" for k, v in slurm_options(r).items()]
     return opts
 
 
 def sbatch_lines(cfg: RunConfig, rd: RunDir, scripts: Path, python: str) -> list[str]:
+    """The two sbatch command lines of a run (trainer; rollout job array)."""
     trainer = ["sbatch", "--parsable", *_options("trainer", cfg.resources.trainer, rd, python),
                str(scripts / "trainer.sbatch"), str(rd.root)]
     rollout = ["sbatch", "--parsable", f"--array=0-{cfg.resources.rollout_jobs - 1}",
@@ -39,6 +49,7 @@ def sbatch_lines(cfg: RunConfig, rd: RunDir, scripts: Path, python: str) -> list
 
 
 def write_setup_files(cfg: RunConfig, rd: RunDir) -> None:
+    """``RUN/sbatch/<role>.setup.sh`` from ``resources.<role>.setup`` (sourced by the scripts)."""
     rd.sbatch_dir.mkdir(exist_ok=True)
     for role, r in (("trainer", cfg.resources.trainer), ("rollout", cfg.resources.rollout)):
         body = "# written by hpcrl from resources.%s.setup\n%s\n" % (role, "\n".join(r.setup))

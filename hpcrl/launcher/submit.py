@@ -20,10 +20,12 @@ from pathlib import Path
 
 from hpcrl.config import JobResources, RunConfig
 from hpcrl.launcher.jobs import JobHandle
+from hpcrl.launcher.sbatch_lines import slurm_options
 from hpcrl.run_dir import RunDir
 
 
 def resolve_executor(name: str) -> str:
+    """``local`` or ``slurm`` for ``--executor`` (``auto``: Slurm when ``srun`` is on PATH)."""
     if name == "auto":
         return "slurm" if shutil.which("srun") else "local"
     if name not in ("local", "slurm"):
@@ -32,6 +34,7 @@ def resolve_executor(name: str) -> str:
 
 
 def submitit_folder(rd: RunDir) -> Path:
+    """submitit's private folder for this run, outside the run directory (its pickles stay there)."""
     digest = hashlib.sha256(str(rd.root).encode()).hexdigest()[:8]
     folder = Path(os.environ.get("HPCRL_SUBMITIT_DIR", Path.home() / ".hpcrl" / "submitit")) / f"{rd.root.name}-{digest}"
     folder.mkdir(parents=True, exist_ok=True)
@@ -41,9 +44,14 @@ def submitit_folder(rd: RunDir) -> Path:
 
 @dataclass
 class PlannedJob:
+    """One job of a run as planned before submission (the same plan is resubmitted on restart)."""
+
     name: str
+    """Job name from RunDir (``trainer``, ``rollout-w000``)."""
     function: str
+    """Dotted name of the job's entry function."""
     args: tuple
+    """Its arguments: the run directory (and the writer rank)."""
     resources: JobResources
 
     def describe(self) -> str:
@@ -54,26 +62,21 @@ class PlannedJob:
 
 
 def plan_jobs(cfg: RunConfig, rd: RunDir) -> list[PlannedJob]:
+    """The trainer and one rollout job per writer, with their resources."""
     jobs = [PlannedJob(RunDir.trainer_job(), "hpcrl.trainer.main.trainer_main", (str(rd.root),),
                        cfg.resources.trainer)]
     for w in range(cfg.resources.rollout_jobs):
-        jobs.append(PlannedJob(RunDir.rollout_job(RunDir.writer_name(w)), "hpcrl.rollout.main.rollout_main", (str(rd.root), w),
-                               cfg.resources.rollout))
+        jobs.append(PlannedJob(RunDir.rollout_job(RunDir.writer_name(w)), "hpcrl.rollout.main.rollout_main",
+                               (str(rd.root), w), cfg.resources.rollout))
     return jobs
 
 
 def slurm_parameters(job: PlannedJob) -> dict:
-    """submitit's ``slurm_*`` parameters for one job (what ends up in its sbatch script)."""
+    """submitit's ``slurm_*`` parameters for one job: the same options the sbatch scripts get
+    (:func:`hpcrl.launcher.sbatch_lines.slurm_options`), plus the job name and setup lines."""
     r = job.resources
-    params: dict = {"slurm_job_name": job.name}
-    for name in ("partition", "account", "qos", "constraint"):
-        if getattr(r, name):
-            params[f"slurm_{name}"] = getattr(r, name)
-    if r.gpus_per_node:
-        params["slurm_gpus_per_node"] = r.gpus_per_node
-    extra = {k: (True if v == "" else v) for k, v in r.sbatch_extra.items()}  # True: a bare flag
-    extra.setdefault("requeue", True)  # preempted or USR2'd jobs requeue themselves (scontrol requeue)
-    params["slurm_additional_parameters"] = extra
+    extra = {k: (True if v == "" else v) for k, v in slurm_options(r).items()}  # True: a bare flag
+    params: dict = {"slurm_job_name": job.name, "slurm_additional_parameters": extra}
     if r.setup:
         params["slurm_setup"] = list(r.setup)
     return params
@@ -84,8 +87,10 @@ def _executor(kind: str, folder: Path, job: PlannedJob):
 
     ex = submitit.AutoExecutor(folder=folder / job.name, cluster=kind)
     r = job.resources
+    # gpus_per_node through submitit's generic parameter: Slurm gets --gpus-per-node, the local
+    # executor sets CUDA_VISIBLE_DEVICES from it (without it a local job sees no GPU)
     ex.update_parameters(name=job.name, timeout_min=r.timeout_min, nodes=r.nodes, tasks_per_node=r.tasks_per_node,
-                         cpus_per_task=r.cpus_per_task, mem_gb=r.mem_gb)
+                         cpus_per_task=r.cpus_per_task, mem_gb=r.mem_gb, gpus_per_node=r.gpus_per_node)
     if kind == "slurm":
         ex.update_parameters(**slurm_parameters(job))
     return ex
@@ -98,11 +103,12 @@ def _function(name: str):
     return {"hpcrl.trainer.main.trainer_main": trainer_main, "hpcrl.rollout.main.rollout_main": rollout_main}[name]
 
 
-def submit_one(cfg: RunConfig, rd: RunDir, kind: str, planned: PlannedJob) -> JobHandle:
+def submit_one(rd: RunDir, kind: str, planned: PlannedJob) -> JobHandle:
+    """Submit one planned job (first submission or a restart)."""
     job = _executor(kind, submitit_folder(rd), planned).submit(_function(planned.function), *planned.args)
     return JobHandle(planned.name, job, kind)
 
 
-def submit_jobs(cfg: RunConfig, rd: RunDir, kind: str) -> dict[str, JobHandle]:
+def submit_jobs(rd: RunDir, kind: str, planned: list[PlannedJob]) -> dict[str, JobHandle]:
     """Submit every planned job; return {name: JobHandle}."""
-    return {p.name: submit_one(cfg, rd, kind, p) for p in plan_jobs(cfg, rd)}
+    return {p.name: submit_one(rd, kind, p) for p in planned}

@@ -19,6 +19,8 @@ import torch
 
 @dataclass
 class Sample:
+    """One generated response."""
+
     response_ids: np.ndarray
     """Sampled tokens, up to and including EOS if one was sampled."""
     logprobs: np.ndarray
@@ -26,6 +28,8 @@ class Sample:
 
 
 class Engine(abc.ABC):
+    """What the rollout loop needs from a generation engine (one file per backend)."""
+
     @abc.abstractmethod
     def generate(self, prompt_ids: list[int], n: int, seed: int) -> list[Sample]:
         """``n`` independent responses to one prompt."""
@@ -47,6 +51,8 @@ def apply_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 class TransformersEngine(Engine):
+    """Any local HF causal LM with hpcrl's own sampling loop; the numerical reference engine."""
+
     def __init__(self, model_dir: Path | str, max_new_tokens: int, temperature: float, top_p: float,
                  device: str = "cpu"):
         from transformers import AutoModelForCausalLM
@@ -94,3 +100,14 @@ class TransformersEngine(Engine):
                     length = int(hits[0]) + 1
             samples.append(Sample(tok_mat[r, :length].astype(np.int32), lp_mat[r, :length].astype(np.float32)))
         return samples
+
+
+ENGINES: dict[str, type] = {"transformers": TransformersEngine}
+"""Engine class by ``rollout.engine`` (the allowed names: :data:`hpcrl.config.names.ENGINES`)."""
+
+
+def make_engine(name: str, model_dir: Path | str, max_new_tokens: int, temperature: float, top_p: float) -> Engine:
+    """The engine ``rollout.engine`` names, serving the model in ``model_dir``."""
+    if name not in ENGINES:
+        raise ValueError(f"unknown rollout.engine {name!r}; allowed: {', '.join(ENGINES)}")
+    return ENGINES[name](model_dir, max_new_tokens, temperature, top_p)

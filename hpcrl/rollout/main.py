@@ -42,7 +42,7 @@ from hpcrl.control.records import HeartbeatState, HeartbeatThread, describe_hear
 from hpcrl.fsio import wait_for
 from hpcrl.logs import MetricsLog, setup_logging
 from hpcrl.rollout.dataset import PromptStream, WriterPositions, load_rows
-from hpcrl.rollout.engine import TransformersEngine
+from hpcrl.rollout.engine import make_engine
 from hpcrl.rollout.rewards import REWARDS
 from hpcrl.run_dir import RunDir
 from hpcrl.samples.schema import Group, Trajectory
@@ -121,7 +121,8 @@ class RolloutJob:
         torch.set_num_threads(cfg.rollout.torch_threads)
         mdir = self.run_dir.model_dir(cfg.model.path)
         self.tokenizer = load_tokenizer(mdir)
-        self.engine = TransformersEngine(mdir, cfg.rollout.response_length, cfg.rollout.temperature, cfg.rollout.top_p)
+        self.engine = make_engine(cfg.rollout.engine, mdir, cfg.rollout.response_length, cfg.rollout.temperature,
+                                  cfg.rollout.top_p)
         self.reward_fn = REWARDS[cfg.reward.name]
         self.stream = PromptStream(load_rows(cfg.data, cfg.rollout.response_length), cfg.data.seed)
         self.shards = ShardWriter(self.run_dir, self.writer, cfg.rollout.seal_groups, cfg.rollout.seal_interval_s)

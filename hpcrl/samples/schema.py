@@ -145,6 +145,7 @@ DATASET_DTYPES: dict[str, type] = {
 
 
 def groups_to_arrays(groups: list[Group]) -> dict[str, np.ndarray]:
+    """The flat datasets of a shard (the table in the module docstring) for ``groups``, in row order."""
     trajs = [t for g in groups for t in g.trajectories]
 
     def offsets(lengths: list[int]) -> np.ndarray:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import time
 from pathlib import Path
 
@@ -27,7 +26,6 @@ from hpcrl.samples.schema import SCHEMA_VERSION, Group, ShardManifestLine, group
 
 log = logging.getLogger(__name__)
 
-_SHARD_RE = re.compile(r"^shard-(\d+)\.h5(\.tmp)?$")
 
 
 def write_shard_file(path: Path, groups: list[Group], writer: str, shard_index: int) -> None:
@@ -67,11 +65,12 @@ class ShardWriter:
             self.committed_groups += line.n_groups
         highest = -1
         for p in self.folder.iterdir():
-            m = _SHARD_RE.match(p.name)
-            if not m:
+            parsed = RunDir.parse_shard_name(p.name)
+            if parsed is None:
                 continue
-            highest = max(highest, int(m.group(1)))
-            if m.group(2) or p.name not in listed:
+            index, is_tmp = parsed
+            highest = max(highest, index)
+            if is_tmp or p.name not in listed:
                 # .tmp: killed before the rename; unlisted: killed before the commit line.
                 # Neither was ever visible to a reader, so removing it loses nothing.
                 log.warning("removing uncommitted shard left by a previous run of writer %s: %s", self.writer, p.name)
@@ -104,7 +103,7 @@ class ShardWriter:
         groups = self._buffer  # cleared only once committed: a failed write keeps them for the next try
         index = self.next_shard_index
         final = self.run_dir.shard_path(self.writer, index)
-        tmp = final.with_name(final.name + ".tmp")
+        tmp = RunDir.staging(final)
         write_shard_file(tmp, groups, self.writer, index)
         os.rename(tmp, final)
         fsync_path(self.folder)

@@ -31,8 +31,7 @@ from typing import Optional
 
 import torch
 
-from hpcrl.config.names import ADV_ESTIMATORS  # noqa: E402 (the allowed names live with the config)
-"""Allowed values of ``algorithm.adv_estimator``."""
+from hpcrl.config.names import ADV_ESTIMATORS  # the allowed names live with the config
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

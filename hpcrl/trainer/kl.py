@@ -25,8 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hpcrl.config.names import KL_ESTIMATORS  # noqa: E402 (the allowed names live with the config)
-"""Allowed values of ``algorithm.kl_penalty`` and ``actor.kl_loss_type``."""
+from hpcrl.config.names import KL_CTRL_TYPES, KL_ESTIMATORS  # the allowed names live with the config
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
@@ -70,7 +69,9 @@ def make_controller(kl_ctrl) -> FixedKLController | AdaptiveKLController:
     """From ``algorithm.kl_ctrl`` (:class:`hpcrl.config.KLControlConfig`)."""
     if kl_ctrl.type == "adaptive":
         return AdaptiveKLController(kl_ctrl.kl_coef, kl_ctrl.target_kl, kl_ctrl.horizon)
-    return FixedKLController(kl_ctrl.kl_coef)
+    if kl_ctrl.type == "fixed":
+        return FixedKLController(kl_ctrl.kl_coef)
+    raise ValueError(f"unknown algorithm.kl_ctrl.type {kl_ctrl.type!r}; allowed: {', '.join(KL_CTRL_TYPES)}")
 
 
 def apply_kl_in_reward(token_rewards: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor,

@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from hpcrl.config.names import LOSS_AGG_MODES  # noqa: E402 (the allowed names live with the config)
+from hpcrl.config.names import LOSS_AGG_MODES  # the allowed names live with the config
 
 
 def agg_counts(mask: torch.Tensor) -> tuple[int, int]:

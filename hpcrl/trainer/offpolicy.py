@@ -39,6 +39,8 @@ from typing import Optional
 
 import torch
 
+from hpcrl.config.names import IS_LEVELS, RS_LEVELS
+
 
 
 def _mean(x: torch.Tensor, m: torch.Tensor) -> float:
@@ -65,13 +67,13 @@ def importance_weights(log_rho: torch.Tensor, mask: torch.Tensor, level: str, th
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """(truncated weights, untruncated weights), both [B, L] and 0 where mask is 0."""
     m = mask.float()
-    raw = _ratio(log_rho, m, level, "rollout_is", ("token", "sequence"))
+    raw = _ratio(log_rho, m, level, "rollout_is", IS_LEVELS)
     return torch.clamp(raw, max=threshold) * m, raw * m
 
 
 def rejection_mask(log_rho: torch.Tensor, mask: torch.Tensor, level: str, upper: float, lower: float) -> torch.Tensor:
     """1 = keep, 0 = rejected; [B, L]."""
-    r = _ratio(log_rho, mask.float(), level, "rollout_rs", ("token", "sequence", "geometric"))
+    r = _ratio(log_rho, mask.float(), level, "rollout_rs", RS_LEVELS)
     return ((r >= lower) & (r <= upper)).float()
 
 

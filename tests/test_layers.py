@@ -1,0 +1,185 @@
+"""The shape of the code, checked: layers, names owned by RunDir, docstrings, file sizes,
+and the config's allowed-name tables against the implementations.
+
+Read with ``ast`` (nothing imported), so a violation is reported as file:line.
+"""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpcrl.config import names
+
+PKG = Path(__file__).resolve().parents[1] / "hpcrl"
+
+BOTTOM = ["samples", "weights", "control", "config", "fsio.py", "run_dir.py", "metric_names.py"]
+"""Modules every job and the launcher build on: the run directory's contracts."""
+UPPER = ("hpcrl.trainer", "hpcrl.rollout", "hpcrl.launcher", "hpcrl.analysis", "hpcrl.cli")
+"""The jobs, the launcher and the analysis: nothing below may import them."""
+
+
+def _files(*parts: str) -> list[Path]:
+    out = []
+    for part in parts:
+        p = PKG / part
+        out += sorted(p.rglob("*.py")) if p.is_dir() else [p]
+    return out
+
+
+def _module(path: Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    return ".".join(rel.parts).removesuffix(".__init__")
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, imported module) for every import, including those inside functions."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append((node.lineno, node.module))
+            out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+    return out
+
+
+def test_bottom_layers_import_no_job_launcher_or_analysis():
+    bad = [f"{p.relative_to(PKG.parent)}:{line} imports {mod}"
+           for p in _files(*BOTTOM) for line, mod in _imports(p)
+           if any(mod == u or mod.startswith(u + ".") for u in UPPER)]
+    assert not bad, "lower layers import higher ones:\n" + "\n".join(bad)
+
+
+def test_config_imports_only_the_config():
+    bad = [f"{p.relative_to(PKG.parent)}:{line} imports {mod}" for p in _files("config")
+           for line, mod in _imports(p) if mod.startswith("hpcrl") and not mod.startswith("hpcrl.config")]
+    assert not bad, "the config is the bottom layer:\n" + "\n".join(bad)
+
+
+def test_fsio_imports_nothing_of_hpcrl():
+    assert not [m for _, m in _imports(PKG / "fsio.py") if m.startswith("hpcrl")]
+
+
+# Names that only RunDir may spell: file names of the run directory and job/writer names.
+RUN_DIR_LITERALS = re.compile(
+    r"manifest\.jsonl?|config\.yaml|trainer_done|admission\.(json|lock)|latest\.json|metrics\.jsonl|"
+    r"staleness\.jsonl|rollout-|trainer-rank|shard-|base_model|heartbeat/|loading/|\.setup\.sh|^secret$|"
+    r"(^|[^a-z])w\{|w%03d|:03d\}")
+
+
+def _docstring_ids(tree: ast.AST) -> set[int]:
+    """ids of docstrings (modules, classes, functions, and the field docstrings under attributes)."""
+    out = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        for stmt in body if isinstance(body, list) else []:
+            if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant) and isinstance(stmt.value.value, str):
+                out.add(id(stmt.value))
+    return out
+
+
+MESSAGE_CALLS = {"debug", "info", "warning", "error", "exception", "emit", "print"}
+
+
+def _message_ids(tree: ast.AST) -> set[int]:
+    """ids of strings inside log calls and raised exceptions: prose that may name a file."""
+    out = set()
+    for node in ast.walk(tree):
+        is_msg = isinstance(node, ast.Raise)
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+            is_msg = name in MESSAGE_CALLS
+        if is_msg:
+            out |= {id(n) for n in ast.walk(node) if isinstance(n, ast.Constant)}
+    return out
+
+
+def test_no_path_or_job_name_literal_outside_run_dir():
+    bad = []
+    for p in _files("."):
+        if p.name == "run_dir.py":
+            continue
+        tree = ast.parse(p.read_text())
+        skip = _docstring_ids(tree) | _message_ids(tree)
+        bad += [f"{p.relative_to(PKG.parent)}:{n.lineno}: {n.value!r}" for n in ast.walk(tree)
+                if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in skip
+                and RUN_DIR_LITERALS.search(n.value)]
+    assert not bad, "paths and job names belong to hpcrl/run_dir.py:\n" + "\n".join(bad)
+
+
+def _public_defs(tree: ast.Module):
+    for node in tree.body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and not node.name.startswith("_"):
+            yield node
+            if isinstance(node, ast.ClassDef):
+                for sub in node.body:
+                    if isinstance(sub, ast.FunctionDef) and not sub.name.startswith("_") \
+                            and not any(isinstance(d, ast.Name) and d.id == "property" for d in sub.decorator_list):
+                        yield sub
+
+
+def test_cross_job_modules_document_every_public_class_and_function():
+    missing = [f"{p.relative_to(PKG.parent)}:{node.lineno} {node.name}"
+               for p in _files(*BOTTOM, "logs.py") for node in _public_defs(ast.parse(p.read_text()))
+               if ast.get_docstring(node) is None and node.name not in ("to_json", "from_json")]
+    assert not missing, "public names without a docstring:\n" + "\n".join(missing)
+
+
+def test_no_file_over_500_lines():
+    long = [f"{p.relative_to(PKG.parent)}: {n} lines" for p in _files(".")
+            if (n := len(p.read_text().splitlines())) > 500]
+    assert not long, "split these files:\n" + "\n".join(long)
+
+
+# ---- the allowed-name tables of the config have implementations, and only those --------
+
+def _calls(fn, names_, bogus="no-such-name"):
+    """Every listed name is accepted by ``fn``; a bogus one is refused with ValueError."""
+    for n in names_:
+        fn(n)
+    with pytest.raises(ValueError, match="allowed"):
+        fn(bogus)
+
+
+def test_advantage_estimators_match_the_implementation():
+    from hpcrl.trainer.advantages import compute_advantages
+
+    r, m, g = torch.tensor([[0.0, 1.0], [1.0, 0.0]]), torch.ones(2, 2), torch.tensor([0, 0])
+    _calls(lambda e: compute_advantages(e, r, m, g, values=torch.zeros(2, 2), gamma=1.0, lam=1.0), names.ADV_ESTIMATORS)
+
+
+def test_kl_estimators_and_controllers_match_the_implementation():
+    from types import SimpleNamespace
+
+    from hpcrl.trainer.kl import kl_estimate, make_controller
+
+    _calls(lambda k: kl_estimate(torch.zeros(2), torch.zeros(2), k), names.KL_ESTIMATORS)
+    _calls(lambda t: make_controller(SimpleNamespace(type=t, kl_coef=0.1, target_kl=0.1, horizon=10)),
+           names.KL_CTRL_TYPES)
+
+
+def test_loss_agg_modes_match_the_implementation():
+    from hpcrl.trainer.losses import agg_loss
+
+    _calls(lambda mode: agg_loss(torch.ones(2, 3), torch.ones(2, 3), mode), names.LOSS_AGG_MODES)
+
+
+def test_rollout_correction_levels_match_the_implementation():
+    from hpcrl.trainer.offpolicy import importance_weights, rejection_mask
+
+    lr, m = torch.zeros(2, 3), torch.ones(2, 3)
+    _calls(lambda lv: importance_weights(lr, m, lv, 2.0), names.IS_LEVELS)
+    _calls(lambda lv: rejection_mask(lr, m, lv, 2.0, 0.5), names.RS_LEVELS)
+
+
+def test_rewards_and_engines_match_the_implementation():
+    from hpcrl.rollout.engine import ENGINES
+    from hpcrl.rollout.rewards import REWARDS
+
+    assert set(REWARDS) == set(names.REWARD_NAMES)
+    assert set(ENGINES) == set(names.ENGINES)
