@@ -39,6 +39,8 @@ def _inline_html(text: str) -> str:
 
 @dataclass
 class Doc:
+    """A report being written: Markdown and HTML built side by side, section by section."""
+
     title: str
     blocks: list[tuple] = field(default_factory=list)
 

@@ -90,6 +90,8 @@ class Knobs:
 
 @dataclass
 class RunData:
+    """Everything the report and status read from one run directory, as frames and notes."""
+
     name: str
     root: Path
     knobs: Optional[Knobs]

@@ -32,6 +32,8 @@ MARGIN = 0.15
 
 @dataclass
 class Recommendation:
+    """The bottleneck side and the knob to turn, with the numbers it rests on."""
+
     bottleneck: str
     """``rollout``, ``trainer``, ``neither`` (they wait on each other), ``balanced`` or ``unknown``."""
     line: str

@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Report:
+    """What ``hpcrl report`` wrote: the runs, the files, and the plots that failed."""
+
     markdown: Path
     html: Path
     runs: list[RunData]

@@ -42,6 +42,8 @@ BAR_WIDTH = 30
 
 @dataclass
 class JobView:
+    """One job's line of the status view, from its heartbeat."""
+
     job: str
     state: str
     version: int
@@ -70,6 +72,8 @@ def _process_gone(host: str, pid: int) -> bool:
 
 @dataclass
 class StatusView:
+    """The refreshing status view of one run; tails the logs incrementally."""
+
     rd: RunDir
     knobs: Optional[Knobs]
     stale_s: float

@@ -63,6 +63,8 @@ def load_rows(cfg: DataConfig, answer_len: int) -> list[dict]:
 
 
 class PromptStream:
+    """Stream index -> prompt row, one seeded permutation per epoch (see the module docstring)."""
+
     def __init__(self, rows: list[dict], seed: int):
         self.rows = rows
         self.seed = seed

@@ -21,6 +21,8 @@ from hpcrl.trainer.losses import entropy_from_logp
 @dataclass
 class Batch:
     # ---- from the shards (build_batch)
+    """A local update's groups as padded tensors (prompt + response), with masks, versions and lags."""
+
     input_ids: torch.Tensor       # [B, T] prompt + response, right-padded
     attention_mask: torch.Tensor  # [B, T]
     gather_pos: torch.Tensor      # [B, L] position whose logits predict response token t

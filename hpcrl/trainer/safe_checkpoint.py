@@ -45,6 +45,8 @@ def _plain_object_class(name: str):
 
 
 class UnsupportedCheckpointValue(TypeError):
+    """DeepSpeed put a value in its state that the safe format does not allow (named by its path)."""
+
     pass
 
 
@@ -123,6 +125,8 @@ def load_tree(path: str, map_location=None):
 
 
 class SafeCheckpointEngine(CheckpointEngine):
+    """DeepSpeed checkpoint engine that writes safetensors + JSON trees, never pickle."""
+
     def __init__(self, config_params=None):
         super().__init__(config_params)
         self.name = "HpcrlSafeCheckpointEngine"

@@ -51,6 +51,8 @@ def step_with_grad_norm(engine, last_norm: float) -> float:
 
 
 class PolicyUpdate:
+    """One local update as named steps (see the module docstring): log-probs, corrections, advantages, optimizer steps."""
+
     def __init__(self, cfg, engine, micro_per_mini: int, reference=None, kl_coef=None, rank: int = 0, world: int = 1):
         self.cfg = cfg
         self.engine = engine
