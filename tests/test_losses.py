@@ -135,3 +135,19 @@ def test_value_loss_is_the_larger_of_the_clipped_and_unclipped_errors():
     assert abs(loss.item() - want) < 1e-6
     assert v.grad[0, 0] == 0 and v.grad[0, 1] != 0 and v.grad[0, 2] != 0
     assert abs(s["critic/vf_clipfrac"] - 1 / 3) < 1e-6
+
+
+def test_vf_clipfrac_counts_no_value_inside_the_clip_range():
+    # old + clamp(v - old, -c, c) gives -0.30000000000000004 for v=-0.3, old=0.1, c=0.5, whose error
+    # to the return 0 is larger than that of v itself: it was counted as clipped though it is not
+    v = torch.tensor([[-0.3, 0.7, -0.5]], dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([[0.1, 0.1, 0.1]], dtype=torch.float64)
+    ret = torch.tensor([[0.0, 1.0, 0.0]], dtype=torch.float64)
+    loss, s = value_loss(v, old, ret, torch.ones(1, 3), cliprange_value=0.5)
+    # range [old - c, old + c] = [-0.4, 0.6]: token 0 is inside; token 1 (0.7) clips to 0.6, whose
+    # error (0.6-1)^2 = 0.16 > (0.7-1)^2 = 0.09 counts; token 2 (-0.5) clips to -0.4: 0.16 < 0.25, no
+    assert abs(s["critic/vf_clipfrac"] - 1 / 3) < 1e-6
+    want = 0.5 * (0.09 + 0.16 + 0.25) / 3
+    assert abs(loss.item() - want) < 1e-12
+    loss.backward()
+    assert v.grad[0, 0] != 0 and v.grad[0, 1] == 0 and v.grad[0, 2] != 0

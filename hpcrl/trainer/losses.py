@@ -101,7 +101,9 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
                n_seqs: Optional[int] = None) -> tuple[torch.Tensor, dict]:
     """Clipped value loss (0.5 * the larger squared error) and its statistics."""
     m = mask.float()
-    clipped_v = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
+    # clamp V itself, not V_old + clamp(V - V_old): the round trip through the difference
+    # changes unclipped values in the last bit, and those were then counted as clipped
+    clipped_v = torch.clamp(values, old_values - cliprange_value, old_values + cliprange_value)
     l1 = (values - returns) ** 2
     l2 = (clipped_v - returns) ** 2
     loss = 0.5 * agg_loss(torch.maximum(l1, l2), m, mode, n_tokens, n_seqs)
