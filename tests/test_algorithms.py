@@ -51,7 +51,8 @@ def test_estimator_learns_the_toy_task(tiny_run, estimator):
 RARE = {  # name: (overrides, K, require_batches, ppo_epochs)
     "grpo-decoupled-kl-loss": (["actor.use_kl_loss=true", "async_training.use_rollout_log_probs=false",
                                 "algorithm.rollout_correction.rollout_is=sequence",
-                                "algorithm.rollout_correction.rollout_rs=geometric"], 3, 2, 3),
+                                "algorithm.rollout_correction.rollout_rs=seq_mean_k1",
+                                "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0"], 3, 2, 3),
     "gae-prox-kl-in-reward": (["algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true",
                                "async_training.compute_prox_log_prob=true",
                                "algorithm.rollout_correction.rollout_is=token"], 2, 1, 2),

@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 
+from hpcrl.config.names import LOSS_AGG_MODES
 from hpcrl.trainer.losses import agg_counts, agg_loss, entropy_from_logp, ppo_policy_loss, value_loss
 
 
@@ -54,7 +55,7 @@ def test_dual_clip_bounds_the_loss_of_negative_advantages_at_large_ratios():
     assert abs(without.item() - (5.0 + 2.0 - 1.2) / 3) < 1e-6
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 def test_masked_tokens_contribute_nothing(mode):
     torch.manual_seed(0)
     logp = torch.randn(2, 3, requires_grad=True)
@@ -79,9 +80,15 @@ def test_aggregation_modes_match_their_formulas():
     assert abs(agg_loss(loss, mask, "token-mean").item() - (1 + 2 + 3 + 4) / 4) < 1e-6
     assert abs(agg_loss(loss, mask, "seq-mean-token-sum").item() - (6 + 4) / 2) < 1e-6
     assert abs(agg_loss(loss, mask, "seq-mean-token-mean").item() - (2 + 4) / 2) < 1e-6
+    assert abs(agg_loss(loss, mask, "token-sum").item() - (1 + 2 + 3 + 4)) < 1e-6
+    # Dr. GRPO's constant: (1 / (|S| H)) sum; H defaults to the padded length L = 3
+    assert abs(agg_loss(loss, mask, "seq-mean-token-sum-norm").item() - (6 + 4) / 2 / 3) < 1e-6
+    assert abs(agg_loss(loss, mask, "seq-mean-token-sum-norm", horizon=8).item() - (6 + 4) / 2 / 8) < 1e-6
+    with pytest.raises(ValueError, match="token-sum"):
+        agg_loss(loss, mask, "token-max")
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 def test_micro_batches_add_up_to_the_mini_batch_loss(mode):
     torch.manual_seed(1)
     loss = torch.randn(6, 5)
@@ -93,7 +100,7 @@ def test_micro_batches_add_up_to_the_mini_batch_loss(mode):
     assert abs(whole.item() - parts.item()) < 1e-5
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 def test_an_empty_mask_gives_zero_loss_and_no_nan(mode):
     logp = torch.zeros(2, 3, requires_grad=True)
     loss, s = pg(logp, torch.zeros(2, 3), torch.ones(2, 3), torch.zeros(2, 3), mode=mode)
