@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from hpcrl.config.names import ADV_ESTIMATORS, GROUP_ESTIMATORS
 from hpcrl.trainer.advantages import (compute_advantages, discounted_returns, gae, grpo, masked_whiten, place_scores,
                                       rloo)
 
@@ -106,7 +107,7 @@ def test_reinforce_plus_plus_baseline_subtracts_the_group_mean_then_whitens():
     torch.testing.assert_close(adv, masked_whiten(centred, mask))
 
 
-@pytest.mark.parametrize("est", ["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"])
+@pytest.mark.parametrize("est", ADV_ESTIMATORS)
 def test_estimators_broadcast_to_model_tokens_only_and_survive_an_empty_mask(est):
     mask = torch.tensor([[1, 1, 0], [1, 0, 1], [0, 0, 0], [1, 1, 1]], dtype=torch.float32)
     s = torch.tensor([1.0, 0.0, 0.7, 0.3])
@@ -120,7 +121,7 @@ def test_estimators_broadcast_to_model_tokens_only_and_survive_an_empty_mask(est
         assert float(adv[0, 0]) > 0 > float(adv[1, 0]) and adv[0, 0] == adv[0, 1]
 
 
-@pytest.mark.parametrize("est", ["grpo", "rloo", "reinforce_plus_plus_baseline"])
+@pytest.mark.parametrize("est", GROUP_ESTIMATORS)
 def test_all_equal_rewards_give_no_signal(est):
     mask = torch.ones(4, 3)
     adv, _ = compute_advantages(est, place_scores(torch.full((4,), 0.5), mask), mask, torch.tensor([0, 0, 1, 1]))
@@ -130,3 +131,63 @@ def test_all_equal_rewards_give_no_signal(est):
 def test_whiten_of_fewer_than_two_tokens_is_zero_not_nan():
     assert torch.all(masked_whiten(torch.tensor([[3.0, 1.0]]), torch.tensor([[1.0, 0.0]])) == 0)
     assert torch.all(masked_whiten(torch.zeros(2, 2), torch.zeros(2, 2)) == 0)
+
+
+def test_unknown_estimator_is_refused():
+    with pytest.raises(ValueError, match="grpo_passk"):
+        compute_advantages("remax", torch.zeros(2, 2), torch.ones(2, 2), torch.tensor([0, 0]))
+
+
+def test_opo_subtracts_the_length_weighted_group_mean():
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.float32)
+    s = torch.tensor([1.0, 0.0, 0.4, 0.2])
+    adv, ret = compute_advantages("opo", place_scores(s, mask), mask, torch.tensor([0, 0, 1, 1]))
+    b0 = (3 * 1.0 + 1 * 0.0) / 4           # lengths 3 and 1
+    b1 = (2 * 0.4 + 4 * 0.2) / 6           # lengths 2 and 4
+    want = torch.tensor([1.0 - b0, 0.0 - b0, 0.4 - b1, 0.2 - b1])[:, None] * mask
+    torch.testing.assert_close(adv, want)
+    torch.testing.assert_close(ret, adv)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_grpo_passk_rewards_only_the_best_by_its_margin_over_the_second(norm):
+    mask = torch.ones(6, 2)
+    s = torch.tensor([0.2, 0.9, 0.5, 0.3, 0.3, 0.1])
+    adv, _ = compute_advantages("grpo_passk", place_scores(s, mask), mask, torch.tensor([0, 0, 0, 1, 1, 1]),
+                                norm_adv_by_std_in_grpo=norm)
+    a0 = 0.9 - 0.5
+    a0 = a0 / (float(s[:3].std()) + 1e-6) if norm else a0
+    want = torch.tensor([0.0, a0, 0.0, 0.0, 0.0, 0.0])  # group 1: a tie at the top gives margin 0
+    torch.testing.assert_close(adv, want[:, None].expand(6, 2))
+
+
+def test_gpg_scales_the_group_centred_score_by_batch_over_nonzero_scores():
+    mask = torch.ones(4, 2)
+    s = torch.tensor([1.0, 0.0, 0.0, 0.0])  # one non-zero score of four: alpha = 4
+    adv, _ = compute_advantages("gpg", place_scores(s, mask), mask, torch.tensor([0, 0, 1, 1]))
+    torch.testing.assert_close(adv, torch.tensor([2.0, -2.0, 0.0, 0.0])[:, None].expand(4, 2))
+
+
+@pytest.mark.parametrize("est", ADV_ESTIMATORS)
+def test_keep_removes_rejected_tokens_as_verl_rejection_does(est):
+    """mask_before_advantages: rejected tokens get no advantage and are no steps; the trajectory
+    scores (and so the group baselines) are those of the unrejected batch."""
+    torch.manual_seed(0)
+    mask = torch.ones(4, 3)
+    keep = torch.tensor([[1, 1, 1], [0, 0, 0], [1, 0, 1], [1, 1, 1]], dtype=torch.float32)
+    s = torch.tensor([1.0, 0.0, 0.6, 0.2])
+    g = torch.tensor([0, 0, 1, 1])
+    values = torch.randn(4, 3)
+    tr = place_scores(s, mask)
+    adv, ret = compute_advantages(est, tr, mask, g, values=values, keep=keep)
+    assert torch.all(adv[keep == 0] == 0)
+    full, _ = compute_advantages(est, tr, mask, g, values=values)
+    if est in ("grpo", "rloo", "grpo_passk", "gpg"):  # per-trajectory: the full batch's, masked
+        torch.testing.assert_close(adv, full * keep)
+    if est == "gae":  # row 2 steps over its rejected middle token: as if it were a tool token
+        raw, want_ret = compute_advantages(est, tr, keep, g, values=values)
+        torch.testing.assert_close(adv, raw)
+        torch.testing.assert_close(ret, want_ret)
+    if est == "opo":  # lengths are kept tokens: group 1 weights 2 and 3
+        b1 = (2 * 0.6 + 3 * 0.2) / 5
+        torch.testing.assert_close(adv[2:, 0], torch.tensor([0.6 - b1, 0.2 - b1]))

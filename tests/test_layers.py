@@ -163,10 +163,13 @@ def test_kl_estimators_and_controllers_match_the_implementation():
            names.KL_CTRL_TYPES)
 
 
-def test_loss_agg_modes_match_the_implementation():
+def test_loss_agg_modes_and_policy_losses_match_the_implementation():
     from hpcrl.trainer.losses import agg_loss
+    from hpcrl.trainer.policy_losses import LossParams, policy_loss
 
-    _calls(lambda mode: agg_loss(torch.ones(2, 3), torch.ones(2, 3), mode), names.LOSS_AGG_MODES)
+    _calls(lambda mode: agg_loss(torch.ones(2, 3), torch.ones(2, 3), mode, horizon=3), names.LOSS_AGG_MODES)
+    x, m = torch.zeros(2, 3), torch.ones(2, 3)
+    _calls(lambda mode: policy_loss(mode, x, x, x, m, LossParams()), names.POLICY_LOSS_MODES)
 
 
 def test_rollout_correction_levels_match_the_implementation():
@@ -174,7 +177,7 @@ def test_rollout_correction_levels_match_the_implementation():
 
     lr, m = torch.zeros(2, 3), torch.ones(2, 3)
     _calls(lambda lv: importance_weights(lr, m, lv, 2.0), names.IS_LEVELS)
-    _calls(lambda lv: rejection_mask(lr, m, lv, 2.0, 0.5), names.RS_LEVELS)
+    _calls(lambda opt: rejection_mask(lr, m, opt, 2.0), names.RS_OPTIONS)
 
 
 def test_rewards_and_engines_match_the_implementation():

@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 
+from hpcrl.config.names import LOSS_AGG_MODES
 from hpcrl.trainer.losses import agg_counts, agg_loss, entropy_from_logp, ppo_policy_loss, value_loss
 
 
@@ -54,7 +55,7 @@ def test_dual_clip_bounds_the_loss_of_negative_advantages_at_large_ratios():
     assert abs(without.item() - (5.0 + 2.0 - 1.2) / 3) < 1e-6
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 def test_masked_tokens_contribute_nothing(mode):
     torch.manual_seed(0)
     logp = torch.randn(2, 3, requires_grad=True)
@@ -79,9 +80,15 @@ def test_aggregation_modes_match_their_formulas():
     assert abs(agg_loss(loss, mask, "token-mean").item() - (1 + 2 + 3 + 4) / 4) < 1e-6
     assert abs(agg_loss(loss, mask, "seq-mean-token-sum").item() - (6 + 4) / 2) < 1e-6
     assert abs(agg_loss(loss, mask, "seq-mean-token-mean").item() - (2 + 4) / 2) < 1e-6
+    assert abs(agg_loss(loss, mask, "token-sum").item() - (1 + 2 + 3 + 4)) < 1e-6
+    # Dr. GRPO's constant: (1 / (|S| H)) sum; H defaults to the padded length L = 3
+    assert abs(agg_loss(loss, mask, "seq-mean-token-sum-norm").item() - (6 + 4) / 2 / 3) < 1e-6
+    assert abs(agg_loss(loss, mask, "seq-mean-token-sum-norm", horizon=8).item() - (6 + 4) / 2 / 8) < 1e-6
+    with pytest.raises(ValueError, match="token-sum"):
+        agg_loss(loss, mask, "token-max")
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 def test_micro_batches_add_up_to_the_mini_batch_loss(mode):
     torch.manual_seed(1)
     loss = torch.randn(6, 5)
@@ -93,7 +100,7 @@ def test_micro_batches_add_up_to_the_mini_batch_loss(mode):
     assert abs(whole.item() - parts.item()) < 1e-5
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 def test_an_empty_mask_gives_zero_loss_and_no_nan(mode):
     logp = torch.zeros(2, 3, requires_grad=True)
     loss, s = pg(logp, torch.zeros(2, 3), torch.ones(2, 3), torch.zeros(2, 3), mode=mode)
@@ -135,3 +142,19 @@ def test_value_loss_is_the_larger_of_the_clipped_and_unclipped_errors():
     assert abs(loss.item() - want) < 1e-6
     assert v.grad[0, 0] == 0 and v.grad[0, 1] != 0 and v.grad[0, 2] != 0
     assert abs(s["critic/vf_clipfrac"] - 1 / 3) < 1e-6
+
+
+def test_vf_clipfrac_counts_no_value_inside_the_clip_range():
+    # old + clamp(v - old, -c, c) gives -0.30000000000000004 for v=-0.3, old=0.1, c=0.5, whose error
+    # to the return 0 is larger than that of v itself: it was counted as clipped though it is not
+    v = torch.tensor([[-0.3, 0.7, -0.5]], dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([[0.1, 0.1, 0.1]], dtype=torch.float64)
+    ret = torch.tensor([[0.0, 1.0, 0.0]], dtype=torch.float64)
+    loss, s = value_loss(v, old, ret, torch.ones(1, 3), cliprange_value=0.5)
+    # range [old - c, old + c] = [-0.4, 0.6]: token 0 is inside; token 1 (0.7) clips to 0.6, whose
+    # error (0.6-1)^2 = 0.16 > (0.7-1)^2 = 0.09 counts; token 2 (-0.5) clips to -0.4: 0.16 < 0.25, no
+    assert abs(s["critic/vf_clipfrac"] - 1 / 3) < 1e-6
+    want = 0.5 * (0.09 + 0.16 + 0.25) / 3
+    assert abs(loss.item() - want) < 1e-12
+    loss.backward()
+    assert v.grad[0, 0] != 0 and v.grad[0, 1] == 0 and v.grad[0, 2] != 0

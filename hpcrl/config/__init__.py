@@ -17,7 +17,8 @@ module             what it holds
 
 This package imports nothing from the jobs (``tests/test_layers.py``).
 """
-from hpcrl.config.algorithm import AlgorithmConfig, CriticConfig, KLControlConfig, RolloutCorrectionConfig
+from hpcrl.config.algorithm import (AlgorithmConfig, CriticConfig, KLControlConfig, PolicyLossConfig,
+                                    RolloutCorrectionConfig)
 from hpcrl.config.checks import ConfigError
 from hpcrl.config.resources import JobResources, ResourcesConfig
 from hpcrl.config.run import RunConfig, config_from_dict, dump_config, load_config, parse_override
@@ -26,7 +27,7 @@ from hpcrl.config.sections import (ActorConfig, AsyncConfig, DataConfig, Logging
 
 __all__ = [
     "ActorConfig", "AlgorithmConfig", "AsyncConfig", "ConfigError", "CriticConfig", "DataConfig", "JobResources",
-    "KLControlConfig", "LoggingConfig", "ModelConfig", "ResourcesConfig", "RewardConfig", "RolloutConfig",
+    "KLControlConfig", "LoggingConfig", "ModelConfig", "PolicyLossConfig", "ResourcesConfig", "RewardConfig", "RolloutConfig",
     "RolloutCorrectionConfig", "RunConfig", "TimeoutsConfig", "TrainerConfig", "WeightsConfig", "config_from_dict",
     "dump_config", "load_config", "parse_override",
 ]

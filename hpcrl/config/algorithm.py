@@ -8,11 +8,12 @@ live in ``actor`` (:class:`hpcrl.config.ActorConfig`), as in verl.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 from hpcrl.config import names
-from hpcrl.config.checks import check_choice, check_float, check_int, check_optional_choice
+from hpcrl.config.checks import bad, check_choice, check_float, check_int, check_optional_choice
 
 
 @dataclass
@@ -38,49 +39,162 @@ class KLControlConfig:
         check_float("algorithm.kl_ctrl.target_kl", self.target_kl, 0.0, lo_open=True)
 
 
+def split_rs_options(rollout_rs: str) -> list[str]:
+    """``"token_k1, seq_mean_k3"`` -> ``["token_k1", "seq_mean_k3"]`` (duplicates dropped, order kept)."""
+    out: list[str] = []
+    for part in rollout_rs.split(","):
+        if part.strip() and part.strip() not in out:
+            out.append(part.strip())
+    return out
+
+
+def rs_thresholds(rollout_rs: str, spec: Union[str, float]) -> dict[str, tuple[Optional[float], float]]:
+    """Per ``rollout_rs`` option, its ``(lower, upper)`` bounds from ``rollout_rs_threshold`` (verl 0.9.1's format).
+
+    ``spec`` is one entry shared by every option, or one comma-separated entry per option.
+    A ``*_k1`` option bounds a log-ratio statistic by [log lower, log upper]: its entry is
+    ``"lower_upper"`` or a number ``upper`` (then lower = 1 / upper). k2 / k3 options take a
+    number ``upper`` (lower is None). Raises ValueError naming what is wrong.
+    """
+    options = split_rs_options(rollout_rs)
+    entries = [p.strip() for p in str(spec).split(",") if p.strip()] if isinstance(spec, str) else [str(spec)]
+    if len(entries) == 1:
+        entries = entries * len(options)
+    if len(entries) != len(options):
+        raise ValueError(f"{len(options)} rollout_rs options but {len(entries)} thresholds; give one shared "
+                         f"threshold or one per option, comma-separated in the same order")
+    out: dict[str, tuple[Optional[float], float]] = {}
+    for opt, entry in zip(options, entries):
+        if opt.endswith("k1"):
+            lo_s, up_s = entry.split("_", 1) if "_" in entry else (None, entry)
+        elif "_" in entry:
+            raise ValueError(f"{opt} takes one upper bound, got {entry!r} (only *_k1 options take 'lower_upper')")
+        else:
+            lo_s, up_s = None, entry
+        try:
+            upper = float(up_s)
+            lower = float(lo_s) if lo_s is not None else (1.0 / upper if opt.endswith("k1") and upper > 0 else None)
+        except ValueError:
+            raise ValueError(f"threshold {entry!r} of {opt} is not a number (or 'lower_upper' for *_k1)") from None
+        if upper <= 0 or (lower is not None and not 0 < lower <= upper):
+            raise ValueError(f"threshold {entry!r} of {opt}: bounds must satisfy 0 < lower <= upper")
+        out[opt] = (lower, upper)
+    return out
+
+
 @dataclass
 class RolloutCorrectionConfig:
-    """Off-policy correction between the engine's (behaviour) and the trainer's
-    proximal log-probs; equations in ``hpcrl/trainer/offpolicy.py`` and the README."""
+    """Off-policy correction between the engine's (behaviour, mu) and the trainer's proximal
+    (pi_prox) log-probs, with verl 0.9.1's option strings and meaning; rho = pi_prox / mu.
+    Equations in ``hpcrl/trainer/offpolicy.py`` and the README."""
 
     rollout_is: Optional[str] = None
-    """Truncated importance weights min(pi_prox / mu, C) on the PPO loss: ``token``,
+    """Truncated importance weights min(rho, C) on the policy loss: ``token``,
     ``sequence`` (product over the sequence), or null (off). Needs the proximal
     log-probs (async_training.compute_prox_log_prob=true or use_rollout_log_probs=false)."""
     rollout_is_threshold: float = 2.0
     """C, the truncation threshold of the importance weights."""
+    rollout_is_batch_normalize: bool = False
+    """Divide the truncated weights by their mean over the local batch (tokens for ``token``,
+    sequences for ``sequence``) so that they average 1."""
     rollout_rs: Optional[str] = None
-    """Rejection: mask out of the loss what has pi_prox / mu outside [lower, upper]:
-    ``token``, ``sequence`` (product), ``geometric`` (geometric mean over the sequence), or null."""
-    rollout_rs_threshold: Optional[float] = None
-    """Upper bound of the rejection ratio (null = rollout_is_threshold)."""
+    """Rejection (mask out) by a divergence statistic of log rho, verl 0.9.1's options (one, or
+    several comma-separated, all must keep a token): ``token_k1``, ``seq_sum_k1``, ``seq_mean_k1``
+    (bounds on -log rho: keep lower <= 1/rho, prod(1/rho), geo-mean(1/rho) <= upper);
+    ``token_k2/k3``, ``seq_sum_k2/k3``, ``seq_mean_k2/k3``, ``seq_max_k2/k3`` (keep k <= upper).
+    verl 0.6's ``token``, ``sequence``, ``geometric`` are refused with their replacement."""
+    rollout_rs_threshold: Optional[Union[str, float]] = None
+    """Bounds of rollout_rs (required with it): one entry, or one per option, comma-separated.
+    ``*_k1``: ``"lower_upper"`` (quote it in YAML) or a number upper (lower = 1/upper), bounds on
+    1/rho = mu / pi_prox; k2 / k3: a number, the upper bound."""
     rollout_rs_threshold_lower: Optional[float] = None
-    """Lower bound of the rejection ratio (null = 1 / upper)."""
+    """Retired (verl 0.6's separate lower bound; must be null): write both bounds as
+    rollout_rs_threshold: "lower_upper"."""
     rollout_token_veto_threshold: Optional[float] = None
-    """Reject a whole sequence if any of its tokens has pi_prox / mu below this (null = off)."""
+    """Reject a whole sequence if any of its tokens has rho below this (null = off; verl 0.6's knob)."""
     max_token_lag: Optional[int] = None
     """Mask tokens sampled more than this many weight versions before the trainer's
     version (per-token lag from the shards' token_versions; null = off)."""
+    mask_before_advantages: bool = True
+    """Where the rejection, veto and lag masks act. true (verl's behaviour): they replace the
+    response mask before advantages and critic targets, so rejected tokens are no steps, take no
+    part in whitening and train neither policy nor critic. false: they mask only the actor's
+    losses (policy, entropy, KL); advantages and the critic see every token."""
 
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
         k = "algorithm.rollout_correction."
         check_optional_choice(k + "rollout_is", self.rollout_is, names.IS_LEVELS)
         check_float(k + "rollout_is_threshold", self.rollout_is_threshold, 1.0)
-        check_optional_choice(k + "rollout_rs", self.rollout_rs, names.RS_LEVELS)
-        if self.rollout_rs_threshold is not None:
-            check_float(k + "rollout_rs_threshold", self.rollout_rs_threshold, 1.0)
+        check_choice(k + "rollout_is_batch_normalize", self.rollout_is_batch_normalize, (True, False))
+        check_choice(k + "mask_before_advantages", self.mask_before_advantages, (True, False))
         if self.rollout_rs_threshold_lower is not None:
-            upper = self.rollout_rs_threshold if self.rollout_rs_threshold is not None else self.rollout_is_threshold
-            check_float(k + "rollout_rs_threshold_lower", self.rollout_rs_threshold_lower, 0.0, upper)
+            raise bad(k + "rollout_rs_threshold_lower", self.rollout_rs_threshold_lower,
+                      "null (retired with verl 0.6's rollout_rs levels)",
+                      "give both bounds as rollout_rs_threshold: \"lower_upper\" (bounds on 1/rho for *_k1 options)")
+        if self.rollout_rs is not None:
+            self._validate_rs(k)
+        elif self.rollout_rs_threshold is not None:
+            raise bad(k + "rollout_rs_threshold", self.rollout_rs_threshold, "null without rollout_rs",
+                      "set rollout_rs (e.g. seq_mean_k1) or remove rollout_rs_threshold")
         if self.rollout_token_veto_threshold is not None:
             check_float(k + "rollout_token_veto_threshold", self.rollout_token_veto_threshold, 0.0, 1.0, lo_open=True)
         if self.max_token_lag is not None:
             check_int(k + "max_token_lag", self.max_token_lag, 0)
 
+    def _validate_rs(self, k: str) -> None:
+        if not isinstance(self.rollout_rs, str) or not split_rs_options(self.rollout_rs):
+            raise bad(k + "rollout_rs", self.rollout_rs, "null or comma-separated options of " + ", ".join(names.RS_OPTIONS))
+        for opt in split_rs_options(self.rollout_rs):
+            if opt in names.RS_RETIRED:
+                raise bad(k + "rollout_rs", self.rollout_rs, "verl 0.9.1's options: " + ", ".join(names.RS_OPTIONS),
+                          f"{opt!r} is verl 0.6's name: use {names.RS_RETIRED[opt]!r} with rollout_rs_threshold "
+                          f"\"lower_upper\", whose bounds apply to 1/rho (old bounds [a, b] on rho become "
+                          f"\"1/b_1/a\"); see the README's rollout-correction table")
+            if opt not in names.RS_OPTIONS:
+                raise bad(k + "rollout_rs", self.rollout_rs, "null or comma-separated options of " + ", ".join(names.RS_OPTIONS))
+        if self.rollout_rs_threshold is None:
+            raise bad(k + "rollout_rs_threshold", None, "bounds for rollout_rs (verl 0.9.1 requires them)",
+                      "e.g. rollout_rs_threshold: \"0.5_2.0\" for *_k1, 0.01 for k2/k3")
+        try:
+            rs_thresholds(self.rollout_rs, self.rollout_rs_threshold)
+        except ValueError as e:
+            raise bad(k + "rollout_rs_threshold", self.rollout_rs_threshold, str(e)) from None
+
     @property
     def needs_prox(self) -> bool:
         return any(v is not None for v in (self.rollout_is, self.rollout_rs, self.rollout_token_veto_threshold))
+
+
+@dataclass
+class PolicyLossConfig:
+    """``actor.policy_loss`` (verl's ``PolicyLossConfig``): which policy loss, and the knobs of
+    the covariance-based ones. Equations in ``hpcrl/trainer/policy_losses.py`` and the README."""
+
+    loss_mode: str = "vanilla"
+    """``vanilla`` (PPO clip + dual clip), ``gspo`` (sequence-level geometric-mean ratio), ``cispo``
+    (clipped, detached ratio times log-prob), ``gpg`` (-A log pi), ``clip_cov``, ``kl_cov``,
+    ``geo_mean`` (GMPO)."""
+    clip_cov_ratio: float = 0.0002
+    """clip_cov: fraction of a micro-batch's tokens (at least one) whose gradient is cut."""
+    clip_cov_lb: float = 1.0
+    """clip_cov: only tokens with covariance strictly above this are candidates."""
+    clip_cov_ub: float = 5.0
+    """clip_cov: ... and strictly below this."""
+    kl_cov_ratio: float = 0.0002
+    """kl_cov: fraction of a micro-batch's tokens (at least one), the largest covariances, that get the KL penalty."""
+    ppo_kl_coef: float = 0.1
+    """kl_cov: coefficient of the abs(log-ratio) penalty on those tokens."""
+
+    def validate(self) -> None:
+        k = "actor.policy_loss."
+        check_choice(k + "loss_mode", self.loss_mode, names.POLICY_LOSS_MODES)
+        check_float(k + "clip_cov_ratio", self.clip_cov_ratio, 0.0, 1.0, lo_open=True)
+        check_float(k + "clip_cov_lb", self.clip_cov_lb, -math.inf)
+        if not self.clip_cov_ub > self.clip_cov_lb:
+            raise bad(k + "clip_cov_ub", self.clip_cov_ub, f"a number > clip_cov_lb = {self.clip_cov_lb}")
+        check_float(k + "kl_cov_ratio", self.kl_cov_ratio, 0.0, 1.0, lo_open=True)
+        check_float(k + "ppo_kl_coef", self.ppo_kl_coef, 0.0)
 
 
 @dataclass
@@ -89,10 +203,10 @@ class AlgorithmConfig:
 
     adv_estimator: str = "grpo"
     """Advantage estimator (verl's names): ``gae`` (critic = value head), ``grpo``,
-    ``rloo``, ``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``. Equations in
-    ``hpcrl/trainer/advantages.py`` and the README."""
+    ``rloo``, ``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``, ``opo``,
+    ``grpo_passk``, ``gpg``. Equations in ``hpcrl/trainer/advantages.py`` and the README."""
     norm_adv_by_std_in_grpo: bool = True
-    """grpo: divide by the group's reward std (+1e-6); false = Dr. GRPO (mean only)."""
+    """grpo, grpo_passk: divide by the group's reward std (+1e-6); false = Dr. GRPO (mean only)."""
     gamma: float = 1.0
     """Discount per response token (gae, reinforce_plus_plus)."""
     lam: float = 1.0

@@ -7,20 +7,33 @@ every name here has an implementation and every implementation a name.
 """
 from __future__ import annotations
 
-ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "grpo_passk",
+                  "gpg")
 """``algorithm.adv_estimator`` (hpcrl/trainer/advantages.py)."""
+
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "grpo_passk", "gpg")
+"""The estimators whose baseline is the rest of the group: they need ``rollout.n >= 2``."""
+
+POLICY_LOSS_MODES = ("vanilla", "gspo", "cispo", "gpg", "clip_cov", "kl_cov", "geo_mean")
+"""``actor.policy_loss.loss_mode`` (hpcrl/trainer/policy_losses.py)."""
 
 KL_ESTIMATORS = ("kl", "k1", "mse", "k2", "low_var_kl", "k3", "abs")
 """``actor.kl_loss_type`` and ``algorithm.kl_penalty`` (hpcrl/trainer/kl.py)."""
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 """``actor.loss_agg_mode`` (hpcrl/trainer/losses.py)."""
 
 IS_LEVELS = ("token", "sequence")
 """``algorithm.rollout_correction.rollout_is`` (hpcrl/trainer/offpolicy.py)."""
 
-RS_LEVELS = ("token", "sequence", "geometric")
-"""``algorithm.rollout_correction.rollout_rs`` (hpcrl/trainer/offpolicy.py)."""
+RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+              "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
+"""``algorithm.rollout_correction.rollout_rs`` (hpcrl/trainer/offpolicy.py), verl 0.9.1's names; a
+comma-separated list of them applies all (a token is kept only if every option keeps it)."""
+
+RS_RETIRED = {"token": "token_k1", "sequence": "seq_sum_k1", "geometric": "seq_mean_k1"}
+"""verl 0.6's ``rollout_rs`` levels, refused with the 0.9.1 option that replaces each (the README
+translates the bounds: 0.9.1's k1 bounds apply to 1/rho)."""
 
 REWARD_NAMES = ("toy_copy", "token_match", "exact_match", "last_number")
 """``reward.name``: the built-in rule-based rewards (hpcrl/rollout/rewards.py)."""

@@ -24,6 +24,7 @@ import yaml
 
 from hpcrl.config.algorithm import AlgorithmConfig, CriticConfig
 from hpcrl.config.checks import ConfigError, bad
+from hpcrl.config.names import GROUP_ESTIMATORS
 from hpcrl.config.resources import ResourcesConfig
 from hpcrl.config.sections import (ActorConfig, AsyncConfig, DataConfig, LoggingConfig, ModelConfig, RewardConfig,
                                    RolloutConfig, TimeoutsConfig, TrainerConfig, WeightsConfig)
@@ -92,7 +93,7 @@ class RunConfig:
                        f"at least R = actor.ppo_mini_batch_size * async_training.require_batches = "
                        f"{self.groups_per_update}")
         est = self.algorithm.adv_estimator
-        if self.rollout.n < 2 and est in ("grpo", "rloo", "reinforce_plus_plus_baseline"):
+        if self.rollout.n < 2 and est in GROUP_ESTIMATORS:
             raise bad("rollout.n", self.rollout.n, f"at least 2 with adv_estimator={est} (a group of one has no baseline)",
                        "raise rollout.n, or use adv_estimator=gae or reinforce_plus_plus")
         rc = self.algorithm.rollout_correction
@@ -145,9 +146,14 @@ def _coerce(key: str, hint: Any, value: Any) -> Any:
     origin = typing.get_origin(hint)
     if origin is typing.Union:  # Optional[X]
         args = [a for a in typing.get_args(hint) if a is not type(None)]
-        if value is None:
+        if value is None and len(args) < len(typing.get_args(hint)):
             return None
-        return _coerce(key, args[0], value)
+        for arg in args[:-1]:  # Union[A, B]: the first type the value fits
+            try:
+                return _coerce(key, arg, value)
+            except ConfigError:
+                pass
+        return _coerce(key, args[-1], value)
     if hint in (dict, list) or typing.get_origin(hint) in (dict, list):
         base = typing.get_origin(hint) or hint
         if not isinstance(value, base):

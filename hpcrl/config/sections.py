@@ -6,11 +6,12 @@ Built and cross-checked by :mod:`hpcrl.config.run`; the algorithm sections are i
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 from hpcrl.config import names
+from hpcrl.config.algorithm import PolicyLossConfig
 from hpcrl.config.checks import bad, check_choice, check_float, check_int
 
 @dataclass
@@ -99,9 +100,14 @@ class ActorConfig:
     clip_ratio_c: Optional[float] = 3.0
     """Dual-clip bound c > 1: for tokens with negative advantage the loss is at most
     -A * c (null = plain PPO clip)."""
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    """Which policy loss (``loss_mode``) and its knobs (verl's ``actor.policy_loss``)."""
     loss_agg_mode: str = "token-mean"
-    """How per-token losses become one number: ``token-mean``, ``seq-mean-token-sum``,
-    ``seq-mean-token-mean`` (over the mini-batch; see hpcrl/trainer/losses.py)."""
+    """How per-token losses become one number: ``token-mean``, ``token-sum``, ``seq-mean-token-sum``,
+    ``seq-mean-token-mean``, ``seq-mean-token-sum-norm`` (over the mini-batch; see hpcrl/trainer/losses.py)."""
+    loss_scale_factor: Optional[int] = None
+    """seq-mean-token-sum-norm divides the seq-mean-token-sum loss by this constant (null =
+    rollout.response_length, verl's default: its padded response length)."""
     entropy_coeff: float = 0.0
     """Entropy bonus: loss -= entropy_coeff * agg(entropy of the tempered distribution)."""
     use_kl_loss: bool = False
@@ -135,7 +141,10 @@ class ActorConfig:
         if self.clip_ratio_c is not None and (isinstance(self.clip_ratio_c, bool) or self.clip_ratio_c <= 1.0):
             raise bad("actor.clip_ratio_c", self.clip_ratio_c, "a number > 1 or null",
                        "use e.g. 3.0 for dual-clip PPO, or null to turn it off")
+        self.policy_loss.validate()
         check_choice("actor.loss_agg_mode", self.loss_agg_mode, names.LOSS_AGG_MODES)
+        if self.loss_scale_factor is not None:
+            check_int("actor.loss_scale_factor", self.loss_scale_factor, 1)
         check_float("actor.entropy_coeff", self.entropy_coeff, 0.0)
         check_choice("actor.use_kl_loss", self.use_kl_loss, (True, False))
         check_float("actor.kl_loss_coef", self.kl_loss_coef, 0.0)

@@ -20,10 +20,25 @@ the group (prompt) trajectory ``i`` belongs to. Every estimator returns
   whitened over the batch: A = (R - mean(R)) / sqrt(var(R) + 1e-8).
 - ``reinforce_plus_plus_baseline``: A_i = s_i - mean_g(s) on every token, then
   whitened over the batch.
+- ``opo``:  A_i = s_i - b_g, b_g = sum_{j in g} |y_j| s_j / sum_{j in g} |y_j|, the
+  length-weighted group mean (|y_j| = trained tokens of j; Hao et al. 2025, "On-Policy RL
+  with Optimal reward baseline").
+- ``grpo_passk``: only the best trajectory of each group (the first if tied) gets
+  A = (s_max - s_second) / (std_g(s) + eps) (no division without
+  ``norm_adv_by_std_in_grpo``); the others get 0 (Pass@k training, Chen et al. 2025).
+- ``gpg``:  A_i = alpha (s_i - mean_g(s)), alpha = B / #{i : s_i != 0} over the B
+  trajectories of the batch (at least one counted) (Chu et al. 2025, GPG).
 
-Deviation from verl, on purpose: a group of one has no baseline, so grpo,
-rloo and the baseline variant give it advantage 0 (verl falls back to the raw
-score). The config refuses ``rollout.n < 2`` for these estimators anyway.
+Deviation from verl, on purpose: a group of one has no baseline, so every group
+estimator gives it advantage 0 (verl falls back to the raw score, or raises for
+grpo_passk). The config refuses ``rollout.n < 2`` for these estimators anyway.
+
+``keep`` (the rejection / lag mask, with ``rollout_correction.mask_before_advantages``)
+removes tokens as verl's rejection does: token-level estimators (gae,
+reinforce_plus_plus) skip them as steps (a rejected last token takes its reward with
+it), whitening and opo's lengths count only kept tokens, and every advantage is 0 on
+them. The trajectory scores s_i, and so the group statistics, are unchanged: a
+rejected trajectory still tells its group how good the others were.
 """
 from __future__ import annotations
 
@@ -114,20 +129,55 @@ def rloo(scores: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
     return torch.where(size > 1, scores - loo_mean, torch.zeros_like(scores))
 
 
+def opo(scores: torch.Tensor, lengths: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    """[B] s_i minus the length-weighted mean score of its group."""
+    out = torch.zeros_like(scores)
+    for g in torch.unique(group_index):
+        sel = group_index == g
+        if int(sel.sum()) > 1:
+            w = lengths[sel].float()
+            out[sel] = scores[sel] - (w * scores[sel]).sum() / w.sum().clamp(min=1e-8)
+    return out
+
+
+def grpo_passk(scores: torch.Tensor, group_index: torch.Tensor, norm_by_std: bool, eps: float = 1e-6
+               ) -> torch.Tensor:
+    """[B] s_max - s_second on the best trajectory of each group (over its std), 0 elsewhere."""
+    out = torch.zeros_like(scores)
+    for g in torch.unique(group_index):
+        idx = (group_index == g).nonzero().squeeze(1)
+        if idx.numel() < 2:
+            continue
+        s = scores[idx]
+        top2 = torch.topk(s, 2).values
+        a = top2[0] - top2[1]
+        out[idx[torch.argmax(s)]] = a / (s.std(unbiased=True) + eps) if norm_by_std else a
+    return out
+
+
+def gpg(scores: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    """[B] alpha (s_i - mean_g s), alpha = B / (trajectories with a non-zero score)."""
+    mean, _, size = _group_stats(scores, group_index)
+    alpha = scores.numel() / max(int(torch.count_nonzero(scores)), 1)
+    return torch.where(size > 1, alpha * (scores - mean), torch.zeros_like(scores))
+
+
 def compute_advantages(estimator: str, token_rewards: torch.Tensor, mask: torch.Tensor, group_index: torch.Tensor,
                        *, values: Optional[torch.Tensor] = None, gamma: float = 1.0, lam: float = 1.0,
-                       norm_adv_by_std_in_grpo: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                       norm_adv_by_std_in_grpo: bool = True, keep: Optional[torch.Tensor] = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(advantages, returns)`` for ``algorithm.adv_estimator`` (see the module docstring)."""
     mask = mask.float()
     token_rewards = token_rewards * mask
+    steps = mask * keep.float() if keep is not None else mask
     if estimator == "gae":
         if values is None:
             raise ValueError("gae needs values from the critic")
-        adv, returns = gae(token_rewards, values.float(), mask, gamma, lam)
-        return masked_whiten(adv, mask), returns
+        adv, returns = gae(token_rewards * steps, values.float(), steps, gamma, lam)
+        return masked_whiten(adv, steps), returns
     if estimator == "reinforce_plus_plus":
-        returns = discounted_returns(token_rewards, mask, gamma)
-        return masked_whiten(returns, mask), returns
+        returns = discounted_returns(token_rewards * steps, steps, gamma)
+        return masked_whiten(returns, steps), returns
     scores = token_rewards.sum(dim=1)
     if estimator == "grpo":
         per_traj = grpo(scores, group_index, norm_adv_by_std_in_grpo)
@@ -136,9 +186,15 @@ def compute_advantages(estimator: str, token_rewards: torch.Tensor, mask: torch.
     elif estimator == "reinforce_plus_plus_baseline":
         mean, _, size = _group_stats(scores, group_index)
         per_traj = torch.where(size > 1, scores - mean, torch.zeros_like(scores))
+    elif estimator == "opo":
+        per_traj = opo(scores, steps.sum(dim=1), group_index)
+    elif estimator == "grpo_passk":
+        per_traj = grpo_passk(scores, group_index, norm_adv_by_std_in_grpo)
+    elif estimator == "gpg":
+        per_traj = gpg(scores, group_index)
     else:
         raise ValueError(f"unknown advantage estimator {estimator!r}; allowed: {', '.join(ADV_ESTIMATORS)}")
-    adv = per_traj[:, None] * mask
+    adv = per_traj[:, None] * steps
     if estimator == "reinforce_plus_plus_baseline":
-        adv = masked_whiten(adv, mask)
+        adv = masked_whiten(adv, steps)
     return adv, adv

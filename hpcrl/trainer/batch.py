@@ -42,6 +42,8 @@ class Batch:
     returns: Optional[torch.Tensor] = None      # [B, L] critic targets (gae)
     is_weights: Optional[torch.Tensor] = None   # [B, L] truncated importance weights (None = 1)
     loss_mask: Optional[torch.Tensor] = None    # [B, L] mask times rejection / lag masks
+    adv_mask: Optional[torch.Tensor] = None     # [B, L] tokens advantages and the critic see: loss_mask
+                                                # with rollout_correction.mask_before_advantages, else mask
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]

@@ -10,15 +10,16 @@
 2. **anchor**: ``logp_old = prox_logp`` if computed, else the engine's
    ``behav_logp`` (bypass: the engine's policy is the PPO anchor);
 3. **correct**: importance weights pi_prox / mu, rejection and lag masks
-   (:mod:`hpcrl.trainer.offpolicy`) -> ``is_weights``, ``loss_mask``;
+   (:mod:`hpcrl.trainer.offpolicy`) -> ``is_weights``, ``loss_mask``, and ``adv_mask``
+   (= ``loss_mask`` with ``rollout_correction.mask_before_advantages``, else the response mask);
 4. **rewards**: the score on each trajectory's last model token, minus
    beta * KL(anchor || reference) per token with ``use_kl_in_reward``
    (then the KL controller updates beta);
-5. **advantages** (and returns) with ``algorithm.adv_estimator``;
+5. **advantages** (and returns) with ``algorithm.adv_estimator`` over ``adv_mask``;
 6. **train**: ``ppo_epochs`` passes over ``require_batches`` mini-batches; per
-   micro-batch: PPO loss (dual clip, IS weights) - entropy bonus + KL loss +
-   value loss, ``engine.backward``; DeepSpeed steps (and clips the gradient
-   norm) once per mini-batch.
+   micro-batch: policy loss (``actor.policy_loss.loss_mode``, IS weights) - entropy
+   bonus + KL loss + value loss (over ``adv_mask``), ``engine.backward``; DeepSpeed
+   steps (and clips the gradient norm) once per mini-batch.
 
 Per-token versions are in ``batch.token_versions`` / ``batch.token_lag``; the
 built-in use is ``rollout_correction.max_token_lag``, and any other lag
@@ -32,7 +33,8 @@ from hpcrl.trainer import offpolicy
 from hpcrl.trainer.advantages import compute_advantages, masked_mean, place_scores
 from hpcrl.trainer.batch import Batch, forward
 from hpcrl.trainer.kl import apply_kl_in_reward, kl_estimate, make_controller
-from hpcrl.trainer.losses import agg_counts, agg_loss, ppo_policy_loss, value_loss
+from hpcrl.trainer.losses import agg_counts, agg_loss, value_loss
+from hpcrl.trainer.policy_losses import LossParams, policy_loss
 
 
 def step_with_grad_norm(engine, last_norm: float) -> float:
@@ -105,9 +107,11 @@ class PolicyUpdate:
         rc = alg.rollout_correction
         batch.is_weights, batch.loss_mask, stats = offpolicy.correct(
             batch.mask, prox_logp=batch.prox_logp, behav_logp=batch.behav_logp, token_lag=batch.token_lag,
-            rollout_is=rc.rollout_is, rollout_is_threshold=rc.rollout_is_threshold, rollout_rs=rc.rollout_rs,
-            rollout_rs_threshold=rc.rollout_rs_threshold, rollout_rs_threshold_lower=rc.rollout_rs_threshold_lower,
-            rollout_token_veto_threshold=rc.rollout_token_veto_threshold, max_token_lag=rc.max_token_lag)
+            rollout_is=rc.rollout_is, rollout_is_threshold=rc.rollout_is_threshold,
+            rollout_is_batch_normalize=rc.rollout_is_batch_normalize, rollout_rs=rc.rollout_rs,
+            rollout_rs_threshold=rc.rollout_rs_threshold, rollout_token_veto_threshold=rc.rollout_token_veto_threshold,
+            max_token_lag=rc.max_token_lag)
+        batch.adv_mask = batch.loss_mask if rc.mask_before_advantages else batch.mask
         token_rewards = place_scores(batch.rewards, batch.mask)
         if alg.use_kl_in_reward:
             token_rewards, kl_stats = apply_kl_in_reward(token_rewards, batch.logp_old, batch.ref_logp, batch.mask,
@@ -115,8 +119,9 @@ class PolicyUpdate:
             stats.update(kl_stats)
         batch.advantages, batch.returns = compute_advantages(
             alg.adv_estimator, token_rewards, batch.mask, batch.group_index, values=batch.old_values,
-            gamma=alg.gamma, lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo)
-        m = batch.mask
+            gamma=alg.gamma, lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
+            keep=batch.adv_mask)
+        m = batch.adv_mask
         stats["critic/advantages/mean"] = float(masked_mean(batch.advantages, m))
         stats["critic/advantages/max"] = float(batch.advantages[m > 0].max()) if bool((m > 0).any()) else 0.0
         stats["critic/advantages/min"] = float(batch.advantages[m > 0].min()) if bool((m > 0).any()) else 0.0
@@ -126,16 +131,25 @@ class PolicyUpdate:
         return stats
 
     # ---- step 6
+    def _loss_params(self) -> LossParams:
+        actor, pl = self.cfg.actor, self.cfg.actor.policy_loss
+        return LossParams(clip_low=actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio,
+                          clip_high=actor.clip_ratio_high if actor.clip_ratio_high is not None else actor.clip_ratio,
+                          clip_ratio_c=actor.clip_ratio_c, clip_cov_ratio=pl.clip_cov_ratio,
+                          clip_cov_lb=pl.clip_cov_lb, clip_cov_ub=pl.clip_cov_ub, kl_cov_ratio=pl.kl_cov_ratio,
+                          ppo_kl_coef=pl.ppo_kl_coef)
+
     def _micro_loss(self, micro: Batch, counts: tuple[int, int], critic_counts: tuple[int, int]
                     ) -> tuple[torch.Tensor, dict]:
         cfg, actor = self.cfg, self.cfg.actor
         logp, entropy, values = forward(self.engine, micro, actor.temperature, entropy=True)
         mode, lm = actor.loss_agg_mode, micro.loss_mask
-        clip_low = actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio
-        clip_high = actor.clip_ratio_high if actor.clip_ratio_high is not None else actor.clip_ratio
-        pg, stats = ppo_policy_loss(logp, micro.logp_old, micro.advantages, lm, clip_low=clip_low,
-                                    clip_high=clip_high, clip_ratio_c=actor.clip_ratio_c, weights=micro.is_weights,
-                                    mode=mode, n_tokens=counts[0], n_seqs=counts[1])
+        # seq-mean-token-sum-norm's constant: verl's padded response length unless set
+        horizon = actor.loss_scale_factor if actor.loss_scale_factor is not None else cfg.rollout.response_length
+        counts, critic_counts = (*counts, horizon), (*critic_counts, horizon)
+        pg, stats = policy_loss(actor.policy_loss.loss_mode, logp, micro.logp_old, micro.advantages, lm,
+                                self._loss_params(), weights=micro.is_weights, mode=mode, n_tokens=counts[0],
+                                n_seqs=counts[1], horizon=horizon)
         ent = agg_loss(entropy, lm, mode, *counts)
         total = pg - actor.entropy_coeff * ent if actor.entropy_coeff > 0 else pg
         shares = {"actor/pg_loss": pg.item(), "actor/entropy": ent.item()}
@@ -144,8 +158,8 @@ class PolicyUpdate:
             total = total + actor.kl_loss_coef * kl
             shares["actor/kl_loss"] = kl.item()
         if values is not None:
-            vf, vstats = value_loss(values, micro.old_values, micro.returns, micro.mask, cfg.critic.cliprange_value,
-                                    mode, *critic_counts)
+            vf, vstats = value_loss(values, micro.old_values, micro.returns, micro.adv_mask,
+                                    cfg.critic.cliprange_value, mode, *critic_counts)
             total = total + cfg.critic.vf_coef * vf
             shares["critic/vf_loss"] = vf.item()
             stats.update(vstats)
@@ -162,7 +176,7 @@ class PolicyUpdate:
         for _ in range(cfg.actor.ppo_epochs):
             for m0 in range(0, len(batch), rows_per_mini):
                 mini = batch.slice(slice(m0, m0 + rows_per_mini))
-                counts, critic_counts = agg_counts(mini.loss_mask), agg_counts(mini.mask)
+                counts, critic_counts = agg_counts(mini.loss_mask), agg_counts(mini.adv_mask)
                 # each trainer rank trains on its equal share of the mini-batch
                 mine = mini.slice(slice(self.rank * rows_per_rank, (self.rank + 1) * rows_per_rank))
                 for u0 in range(0, len(mine), rows_per_micro):
