@@ -46,17 +46,22 @@ from hpcrl.samples.skips import SkipLog
 log = logging.getLogger(__name__)
 
 
-def shard_image(groups: list[Group], writer: str, shard_index: int) -> bytes:
-    """The bytes of a shard file holding ``groups`` (built in memory, nothing touches the disk)."""
+def shard_image(groups: list[Group], writer: str, shard_index: int) -> tuple[bytes, dict[str, list[int]]]:
+    """The bytes of a shard file holding ``groups`` (built in memory, nothing touches the disk),
+    and where each dataset's raw data lies in them: ``{name: [byte offset, elements]}``."""
     arrays = groups_to_arrays(groups)
     buf = io.BytesIO()
+    layout = {}
     with h5py.File(buf, "w", libver="latest") as f:
         f.attrs["schema_version"] = SCHEMA_VERSION
         f.attrs["writer"] = writer
         f.attrs["shard_index"] = shard_index
-        for name, arr in arrays.items():
-            f.create_dataset(name, data=arr)
-    return buf.getvalue()
+        dsets = {name: f.create_dataset(name, data=arr) for name, arr in arrays.items()}
+        f.flush()
+        for name, d in dsets.items():
+            offset = d.id.get_offset()  # contiguous layout; None when empty
+            layout[name] = [-1 if offset is None else int(offset), int(d.size)]
+    return buf.getvalue(), layout
 
 
 class ShardWriter:
@@ -170,12 +175,12 @@ class ShardWriter:
         self.next_shard_index += 1  # taken before anything is written: a retry never reuses (overwrites) it
         final = self.run_dir.shard_path(self.writer, index)
         tmp = RunDir.staging(final)
-        image = shard_image(groups, self.writer, index)
+        image, layout = shard_image(groups, self.writer, index)
         line = ShardManifestLine(
             shard=final.name, shard_index=index, n_groups=len(groups),
             n_trajectories=sum(len(g.trajectories) for g in groups), size_bytes=len(image),
             sha256=hashlib.sha256(image).hexdigest(), prompt_indices=[g.prompt_index for g in groups],
-            committed_s=0.0)
+            committed_s=0.0, layout=layout)
         write_file_durably(tmp, image)
         os.rename(tmp, final)
         fsync_path(self.folder)
