@@ -4,7 +4,8 @@ What it measures, all in one process on one disk so the machine's noise cancels
 out of the ratios:
 
 (a) write: committed groups/s through ``ShardWriter`` when sealing every G groups
-    (each seal = shard-N.h5.tmp, fsync, rename, fsync folder, sha256, one fsync'd
+    (each seal = shard built and hashed in memory, shard-N.h5.tmp written once + fsync,
+    rename, fsync folder, one fsync'd
     manifest line), against writing files of exactly the same sizes with plain
     open/write/fsync/rename in the same parent folder.
 (b) read: groups/s handed out by ``SampleReader`` (size + sha256 check, HDF5
@@ -326,7 +327,7 @@ def main(argv=None) -> int:
         print(f"    raw streaming limit (one {mb(stream_bytes):.0f} MB file + fsync): "
               f"{mb(stream_bytes) / stream:.0f} MB/s; payload {per_group / 1e3:.1f} kB/group")
         print()
-        print("(b) read: SampleReader (size+sha256 check, HDF5 parse, Group objects) vs plain read of the same files")
+        print("(b) read: SampleReader (one read: size+sha256 check, arrays at the manifest layout, Group objects) vs plain read of the same files")
         print("    from the page cache: the files were just written and caches cannot be dropped without root")
         print(table(["G", "ours groups/s", "ours MB/s", "raw read MB/s", "raw read+sha256 MB/s",
                      "ours/raw", "ours/(raw+sha)"], read_rows))

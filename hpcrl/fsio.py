@@ -35,6 +35,49 @@ def file_sha256(path: os.PathLike | str) -> str:
     return h.hexdigest()
 
 
+def write_file_durably(path: os.PathLike | str, data: bytes) -> None:
+    """Create ``path`` holding exactly ``data``, fsync'd (the caller renames it into place)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def truncate_torn_tail(path: os.PathLike | str) -> int:
+    """Cut a JSONL file back to its last newline; return the bytes removed.
+
+    For the one writer of an append-only log, before it appends again: a tail
+    without its newline was left by a writer killed mid-line, and no reader ever
+    counted it (readers take complete lines only). Ending it with a newline instead
+    would turn a fragment that happens to be complete JSON into a record nobody
+    committed.
+    """
+    try:
+        with open(path, "rb+") as f:
+            size = f.seek(0, os.SEEK_END)
+            if size == 0:
+                return 0
+            pos = size
+            while pos > 0:
+                step = min(pos, 1 << 16)
+                f.seek(pos - step)
+                chunk = f.read(step)
+                nl = chunk.rfind(b"\n")
+                if nl >= 0:
+                    keep = pos - step + nl + 1
+                    break
+                pos -= step
+            else:
+                keep = 0
+            if keep < size:
+                f.truncate(keep)
+                f.flush()
+                os.fsync(f.fileno())
+            return size - keep
+    except FileNotFoundError:
+        return 0
+
+
 def write_bytes_atomic(path: os.PathLike | str, data: bytes) -> None:
     """Write ``data`` to ``path`` as tmp -> fsync -> replace -> fsync the folder: never torn."""
     path = Path(path)

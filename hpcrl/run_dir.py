@@ -9,7 +9,8 @@ Layout (DESIGN.md)::
       sbatch/<role>.setup.sh       per-role setup lines for sbatch/*.sbatch     (launcher writes)
       samples/<writer>/shard-000042.h5, manifest.jsonl                          (one rollout job each)
       weights/v000007/             config.json, model.safetensors, manifest.json (trainer)
-      control/heartbeat/<job>.json, control/loading/<writer>.json, control/admission.json, ...
+      control/heartbeat/<job>.json, control/loading/<writer>.json, control/admission.json,
+      control/skipped_shards.jsonl, ...
       checkpoints/<tag>/, checkpoints/latest.json                               (trainer)
       logs/metrics.jsonl, logs/staleness.jsonl, logs/rollout-<writer>.jsonl, logs/jobs/<job>.log
 
@@ -193,6 +194,12 @@ class RunDir:
     @property
     def admission_lock(self) -> Path:
         return self.control / "admission.lock"
+
+    @property
+    def skipped_shards(self) -> Path:
+        """Shards the trainer will never train on (``samples/skips.py``): their budget is returned
+        and their prompts regenerated."""
+        return self.control / "skipped_shards.jsonl"
 
     @property
     def trainer_done(self) -> Path:

@@ -4,7 +4,9 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -83,7 +85,8 @@ def test_trainer_waits_with_a_message_naming_what_it_waits_for(tiny_run):
 
 def test_damaged_shard_is_skipped_by_a_running_trainer(tiny_run):
     """Kill the trainer, damage the first shard it has not read yet, resume: the shard is
-    reported and counted, the run completes, every other group is consumed exactly once."""
+    reported and counted, its prompts generated again, the run completes, every prompt is
+    trained on exactly once."""
     rd = tiny_run("rollout.total_rollout_steps=160", "trainer.checkpoint_every_updates=5",
                   "async_training.staleness_threshold=1.0")
     cfg = rd.load_config()
@@ -112,9 +115,11 @@ def test_damaged_shard_is_skipped_by_a_running_trainer(tiny_run):
     assert last["fully_async/count/corrupt_groups_skipped"] == victim["n_groups"]
     st = read_staleness(rd)
     assert not st.sample_id.duplicated().any()
-    lost = {f"w000/{p}" for p in victim["prompt_indices"]}
-    assert not lost & set(st.group_id)
+    regenerated = {f"w000/{p}" for p in victim["prompt_indices"]}
+    assert regenerated <= set(st.group_id), "a skipped shard's prompts are generated again and trained on"
+    assert not (st.shard == victim["shard"]).any(), "nothing from the damaged shard is trained on"
     assert st.group_id.nunique() == cfg.total_updates * cfg.groups_per_update
+    check_exactly_once(rd, cfg.rollout.max_concurrent_groups)
 
 
 def test_usr2_while_waiting_keeps_the_groups_already_taken(tiny_run):
@@ -185,3 +190,107 @@ def test_sigterm_swallowed_by_a_finalizer_still_stops_the_job(monkeypatch):
     finally:
         signal.signal(signal.SIGTERM, previous)
         termination._received = None
+
+
+# ---- issue #14 (1): SIGTERM at the instant a shard is committed
+
+SEAL_UNDER_SIGTERM = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {tests!r})
+    import fault_wrapper  # SIGTERM right after the manifest append #TEST_TERM_AFTER_MANIFEST_APPEND returns
+    from test_samples import make_group
+    from hpcrl.control import termination
+    from hpcrl.run_dir import RunDir
+    from hpcrl.samples.writer import ShardWriter
+    termination.install()
+    w = ShardWriter(RunDir({root!r}), "w000", seal_groups=2, seal_interval_s=60)
+    i = 0
+    try:
+        while True:
+            w.add(make_group(i))
+            i += 1
+            if w.seal_due():
+                w.seal()
+    finally:  # what the rollout job's shutdown does: keep a group that finished meanwhile, seal, close
+        w.add(make_group(i))
+        w.close()
+""")
+
+
+def test_sigterm_right_after_a_manifest_line_is_durable_commits_each_prompt_once(tmp_path):
+    """The handler's SystemExit landed in seal() after the manifest line, before the buffer was
+    cleared; close() then sealed the same groups again under the same shard index (seen: the same
+    prompt committed and trained twice, the committed shard overwritten and then skipped)."""
+    from hpcrl.run_dir import RunDir
+    from hpcrl.samples.reader import SampleReader
+    from test_samples import drain
+
+    rd = RunDir(tmp_path).create()
+    script = SEAL_UNDER_SIGTERM.format(tests=os.path.dirname(__file__), root=str(rd.root))
+    env = dict(os.environ, TEST_TERM_AFTER_MANIFEST_APPEND="2")
+    p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, timeout=60)
+    assert b"SIGTERM" in p.stderr, p.stderr.decode()[-2000:]
+    listed = [i for line in read_jsonl(rd.shard_manifest("w000")) for i in line["prompt_indices"]]
+    assert sorted(listed) == sorted(set(listed)), f"a prompt was committed twice: {listed}"
+    assert listed == [0, 1, 2, 3, 4]
+    r = SampleReader(rd, verify_retries=0)
+    assert [g.prompt_index for g in drain(r)] == [0, 1, 2, 3, 4] and not r.skipped, r.skipped
+
+
+def test_rollout_sigterm_at_a_shard_commit_then_restart(tiny_run):
+    """The same, in a real rollout job with a slow (NFS-like) manifest fsync: restarted, the run
+    completes with no shard skipped and every prompt trained on exactly once."""
+    rd = tiny_run("rollout.total_rollout_steps=64", "rollout.seal_groups=2", "timeouts.wait_samples_s=60")
+    cfg = rd.load_config()
+    trainer = start_trainer(rd)
+    rollout = start_rollout(rd, wrapped=True, env={"TEST_TERM_AFTER_MANIFEST_APPEND": "5",
+                                                   "TEST_SLOW_MANIFEST_FSYNC_S": "0.02"})
+    assert rollout.wait(120) != 0, "the rollout job must stop on the SIGTERM"
+    assert "received SIGTERM" in rollout.tail(200)
+    rollout2 = start_rollout(rd)
+    assert trainer.wait(300) == 0, trainer.tail()
+    assert rollout2.wait(120) == 0, rollout2.tail()
+    assert "SKIPPING" not in trainer.log_path.read_text()
+    check_exactly_once(rd, cfg.rollout.max_concurrent_groups)
+
+
+# ---- issue #14 (2): a skipped shard must not deadlock a run at s=0
+
+def test_skipped_shard_gives_its_budget_back_and_its_prompts_are_regenerated(tiny_run):
+    """s=0, the rollout has started every group the version allows, and the next shard the
+    trainer reads is damaged: before, the trainer waited for its 4th group forever. Now the
+    skip is recorded, the budget returned, the prompt regenerated and trained on once."""
+    from hpcrl.trainer.safe_checkpoint import load_tree
+
+    rd = tiny_run("rollout.total_rollout_steps=48", "rollout.seal_groups=1", "trainer.checkpoint_every_updates=1",
+                  "timeouts.wait_samples_s=40")
+    cfg = rd.load_config()
+    trainer, rollout = start_trainer(rd), start_rollout(rd)
+    wait_until(lambda: n_updates(rd) >= 3, 120, "3 updates", jobs=(trainer, rollout))
+    trainer.kill(signal.SIGUSR2)  # checkpoint at the trainer's frontier, then exit
+    assert trainer.wait(60) == 0, trainer.tail()
+    tag = read_json(rd.latest_checkpoint)["tag"]
+    state = load_tree(str(rd.checkpoints / tag / "mp_rank_00_model_states.pt"))["hpcrl"]
+    consumed, pos = state["consumed_groups"], state["cursor"]["w000"]
+    committed = lambda: sum(line["n_groups"] for line in read_jsonl(rd.shard_manifest("w000")))  # noqa: E731
+    # the rollout fills the version's budget (B groups past what the trainer consumed), then waits
+    wait_until(lambda: committed() >= consumed + cfg.admission_budget, 60, "the version's budget committed",
+               jobs=(rollout,))
+    rollout.kill(signal.SIGKILL)
+    assert committed() == consumed + cfg.admission_budget and pos["row"] == 0
+    victim = list(read_jsonl(rd.shard_manifest("w000")))[pos["line"]]  # the next shard the trainer reads
+    path = rd.writer_dir("w000") / victim["shard"]
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    trainer2, rollout2 = start_trainer(rd), start_rollout(rd)
+    assert trainer2.wait(300) == 0, trainer2.tail()
+    assert rollout2.wait(120) == 0, rollout2.tail()
+    log_text = trainer2.log_path.read_text()
+    assert "SKIPPING shard" in log_text and str(path) in log_text
+    assert list(read_jsonl(rd.metrics))[-1]["fully_async/count/corrupt_groups_skipped"] == victim["n_groups"]
+    st = read_staleness(rd)
+    for p in victim["prompt_indices"]:  # regenerated, and trained on exactly once
+        assert (st.drop_duplicates("group_id").group_id == f"w000/{p}").sum() == 1
+        assert not (st.shard[st.group_id == f"w000/{p}"] == victim["shard"]).any()
+    check_exactly_once(rd, cfg.rollout.max_concurrent_groups)

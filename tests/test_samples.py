@@ -124,7 +124,8 @@ def test_damaged_shard_is_reported_and_skipped(tmp_path, caplog, damage):
     with caplog.at_level(logging.ERROR):
         got = drain(r)
     assert [g.prompt_index for g in got] == [0, 1, 4, 5]
-    assert r.skipped == [{"writer": "w000", "shard": bad.name, "reason": r.skipped[0]["reason"], "n_groups": 2}]
+    assert r.skipped == [{"writer": "w000", "shard": bad.name, "reason": r.skipped[0]["reason"], "n_groups": 2,
+                          "prompt_indices": [2, 3]}]
     assert bad.name in caplog.text and "SKIPPING" in caplog.text
     assert r.cursor() == {"w000": {"line": 3, "row": 0}}
 
@@ -170,3 +171,109 @@ def test_writer_positions_fill_gaps_of_a_dead_predecessor():
     assert [pos.next() for _ in range(3)] == [5, 9, 11]
     fresh = WriterPositions(0, 1, set())
     assert [fresh.next() for _ in range(3)] == [0, 1, 2]
+
+
+def test_a_recorded_skip_is_final_and_hands_the_prompts_back(tmp_path):
+    """The trainer records a skipped shard before moving past it: a reader started later (a trainer
+    restarted from an older checkpoint) skips it even after its bytes came back, the writer
+    generates its prompts again, and admission returns the budget they held."""
+    from hpcrl.control.admission import Admission
+    from hpcrl.samples.skips import SkipLog
+
+    rd = RunDir(tmp_path).create()
+    write_groups(rd, range(6), seal_groups=2)
+    bad = rd.shard_path("w000", 1)
+    good_bytes = bad.read_bytes()
+    bad.write_bytes(good_bytes[:100])
+    r = SampleReader(rd, verify_retries=0, skip_log=SkipLog(rd))
+    assert [g.prompt_index for g in drain(r)] == [0, 1, 4, 5]
+    bad.write_bytes(good_bytes)  # a lagging client shows the bytes again: too late, the skip is final
+    r2 = SampleReader(rd, verify_retries=0, skip_log=SkipLog(rd))
+    assert [g.prompt_index for g in drain(r2)] == [0, 1, 4, 5]
+    assert len(list(SkipLog(rd).poll())) == 1, "the same shard is recorded once"
+
+    admission = Admission(rd, "w000", budget=2)
+    w = ShardWriter(rd, "w000", seal_groups=1, seal_interval_s=60, skips=SkipLog(rd))
+    assert w.committed_prompt_indices == {0, 1, 4, 5} and w.committed_groups == 6
+    admission.reset_writer(w.committed_groups)
+    # consumed 4 (0, 1, 4, 5), budget 2: 6 started - 2 skipped < 4 + 2 leaves room for two
+    assert admission.try_start(4) and admission.try_start(4) and not admission.try_start(4)
+    positions = WriterPositions(0, 1, w.committed_prompt_indices)
+    assert [positions.next() for _ in range(3)] == [2, 3, 6]
+    w.add(make_group(2))
+    w.seal()
+    with pytest.raises(RuntimeError, match="already committed"):
+        w.add(make_group(4))
+    w.close()
+
+
+def test_a_running_writer_regenerates_prompts_skipped_while_it_runs(tmp_path):
+    from hpcrl.samples.skips import SkipLog
+
+    rd = RunDir(tmp_path).create()
+    w = ShardWriter(rd, "w000", seal_groups=2, seal_interval_s=60, skips=SkipLog(rd))
+    for i in range(4):
+        w.add(make_group(i))
+        if w.seal_due():
+            w.seal()
+    assert w.take_skipped_prompts() == []
+    os.truncate(rd.shard_path("w000", 0), 10)
+    assert [g.prompt_index for g in drain(SampleReader(rd, verify_retries=0, skip_log=SkipLog(rd)))] == [2, 3]
+    assert w.take_skipped_prompts() == [0, 1] and w.take_skipped_prompts() == []
+    positions = WriterPositions(0, 1, {2, 3})
+    positions.requeue([0, 1])
+    assert [positions.next() for _ in range(3)] == [0, 1, 4]
+    w.add(make_group(0))
+    w.close()
+
+
+def test_a_seal_that_fails_never_reuses_its_shard_index(tmp_path, monkeypatch):
+    """A retry after a failed write goes to a fresh index: a shard file is never overwritten."""
+    import hpcrl.samples.writer as writer_mod
+
+    rd = RunDir(tmp_path).create()
+    w = ShardWriter(rd, "w000", seal_groups=1, seal_interval_s=60)
+    w.add(make_group(0))
+    real = writer_mod.write_file_durably
+    monkeypatch.setattr(writer_mod, "write_file_durably", lambda p, d: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError):
+        w.seal()
+    monkeypatch.setattr(writer_mod, "write_file_durably", real)
+    line = w.seal()
+    assert line.shard_index == 1 and line.prompt_indices == [0]
+    w.close()
+
+
+def test_torn_manifest_tail_is_cut_not_completed(tmp_path):
+    """A fragment that happens to be complete JSON must not become a commit when the writer
+    restarts (ending it with a newline did that): it was never read, so it is cut off."""
+    rd = RunDir(tmp_path).create()
+    write_groups(rd, range(2), seal_groups=2)
+    manifest = rd.shard_manifest("w000")
+    lines = manifest.read_bytes().splitlines(keepends=True)
+    forged = lines[0].replace(b"shard-000000", b"shard-000001").rstrip(b"\n")  # valid JSON, no newline
+    rd.shard_path("w000", 1).write_bytes(rd.shard_path("w000", 0).read_bytes())
+    with open(manifest, "ab") as f:
+        f.write(forged)
+    w = ShardWriter(rd, "w000", seal_groups=1, seal_interval_s=60)
+    assert manifest.read_bytes() == lines[0] and w.committed_groups == 2
+    w.add(make_group(2))
+    w.close()
+    assert [g.prompt_index for g in drain(SampleReader(rd))] == [0, 1, 2]
+
+
+def test_deferred_sigterm_raises_when_the_block_ends():
+    from hpcrl.control import termination
+
+    previous = signal.getsignal(signal.SIGTERM)
+    termination.install()
+    done = []
+    try:
+        with pytest.raises(SystemExit, match="SIGTERM"):
+            with termination.deferred():
+                os.kill(os.getpid(), signal.SIGTERM)
+                done.append("rest of the block ran")
+        assert done == ["rest of the block ran"]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        termination._received = None

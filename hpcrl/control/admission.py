@@ -5,12 +5,17 @@ DESIGN.md "Flow control": per weight version the fleet may *start* at most
 committed but not yet consumed). Counting from the start of the run this is one
 inequality, checked before each group starts::
 
-    started_total  <  consumed_groups(v) + B
+    started_total - skipped_total  <  consumed_groups(v) + B
 
-where ``v`` is the version the asking job generates with and
-``consumed_groups(v)`` is written by the trainer into v's weight manifest.
+where ``v`` is the version the asking job generates with,
+``consumed_groups(v)`` is written by the trainer into v's weight manifest
+(groups trained on or dropped for staleness), and ``skipped_total`` counts the
+groups of shards the trainer skipped as damaged (``control/skipped_shards.jsonl``,
+see ``samples/skips.py``): they were started and will never be consumed, so the
+budget they held is given back, and their writer generates their prompts again.
 
-``started_total`` is the sum of per-writer counters in ``control/admission.json``,
+``started_total`` is the sum of per-writer counters in ``control/admission.json``
+(:class:`AdmissionRecord`),
 read-modified-written under an exclusive ``flock`` on ``control/admission.lock``
 (the file itself is replaced atomically, so readers without the lock never see
 a torn file). A writer that restarts resets its own counter to the number of
@@ -23,17 +28,46 @@ job stops with an error saying so.
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import fcntl
 import os
 from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Optional
 
 from hpcrl.fsio import read_json, write_json_atomic
 from hpcrl.run_dir import RunDir
+from hpcrl.samples.skips import SkipLog
 
 
 class AdmissionLockUnsupported(RuntimeError):
-    pass
+    """The filesystem of the run directory refuses ``flock`` (the message says how to fix it)."""
+
+
+@dataclass
+class AdmissionRecord:
+    """``control/admission.json``: written and read by rollout jobs, under ``control/admission.lock``."""
+
+    started: dict[str, int] = field(default_factory=dict)
+    """Per writer: groups started. A writer resets its own entry at start to the groups in its
+    committed manifest lines (skipped shards included), then adds one per group it starts."""
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: Optional[dict]) -> "AdmissionRecord":
+        if d is None:
+            return cls()
+        if not isinstance(d, dict) or not isinstance(d.get("started"), dict):
+            raise ValueError(f"admission record is not {{'started': {{writer: int}}}}: {d!r}")
+        return cls(started={str(k): int(v) for k, v in d["started"].items()})
+
+    @property
+    def started_total(self) -> int:
+        """Groups started by every writer."""
+        return sum(self.started.values())
 
 
 @contextmanager
@@ -55,27 +89,31 @@ def _locked(run_dir: RunDir):
 
 
 class Admission:
+    """One writer's view of the shared budget (see the module docstring)."""
+
     def __init__(self, run_dir: RunDir, writer: str, budget: int):
         self.run_dir = run_dir
         self.writer = writer
         self.budget = budget
+        self.skips = SkipLog(run_dir)
 
-    def _read(self) -> dict:
-        return read_json(self.run_dir.admission) or {"started": {}}
+    def _read(self) -> AdmissionRecord:
+        return AdmissionRecord.from_json(read_json(self.run_dir.admission))
 
     def reset_writer(self, committed_groups: int) -> None:
         """At writer start: groups in flight in a previous life of this writer are released."""
         with _locked(self.run_dir):
             state = self._read()
-            state["started"][self.writer] = committed_groups
-            write_json_atomic(self.run_dir.admission, state)
+            state.started[self.writer] = committed_groups
+            write_json_atomic(self.run_dir.admission, state.to_json())
 
     def try_start(self, consumed_groups_at_version: int) -> bool:
         """Reserve one group start if the budget allows; True if reserved."""
+        self.skips.poll()  # only grows: a record read late gives less budget, never more
         with _locked(self.run_dir):
             state = self._read()
-            if sum(state["started"].values()) >= consumed_groups_at_version + self.budget:
+            if state.started_total - self.skips.skipped_groups() >= consumed_groups_at_version + self.budget:
                 return False
-            state["started"][self.writer] = state["started"].get(self.writer, 0) + 1
-            write_json_atomic(self.run_dir.admission, state)
+            state.started[self.writer] = state.started.get(self.writer, 0) + 1
+            write_json_atomic(self.run_dir.admission, state.to_json())
             return True

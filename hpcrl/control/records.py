@@ -6,7 +6,8 @@ record                                 written by   read by
 heartbeat/<job>.json  (Heartbeat)      every job    launcher, trainer (waiting), retention
 loading/<writer>.json (LoadingAnn.)    rollout job  trainer weight retention
 trainer_done.json     (TrainerDone)    trainer      rollout jobs (stop), launcher
-admission.json                         rollout job  rollout jobs (see admission.py)
+admission.json        (AdmissionRecord) rollout job  rollout jobs (see admission.py)
+skipped_shards.jsonl  (SkippedShard)   trainer      rollout jobs, trainer (samples/skips.py)
 =====================================  ===========  ======================================
 """
 from __future__ import annotations

@@ -13,19 +13,43 @@ SIGKILL ``KillWait`` seconds later. Seen in the test suite: a scancel'd rollout
 job went on producing groups for 15 s. So the handler also records the signal,
 and the job loops call :func:`check` at every step (``fsio.wait_for`` at every
 poll), which raises again.
+
+A few steps must not be cut in half: a shard commit makes its manifest line
+durable and then records it in memory; a SystemExit between the two made the
+shutdown path seal the same groups again (same prompts committed twice, a
+committed shard overwritten). Such a step runs inside :func:`deferred`: the
+handler then only records the signal, and the SystemExit is raised when the
+outermost ``deferred`` block ends (an exception from the block itself wins).
 """
 from __future__ import annotations
 
 import signal
-from typing import Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
 _received: Optional[int] = None
+_defer_depth = 0
 
 
 def _handler(signum, frame) -> None:
     global _received
     _received = signum
-    raise SystemExit(f"received {signal.Signals(signum).name}: stopping")
+    if _defer_depth == 0:
+        raise SystemExit(f"received {signal.Signals(signum).name}: stopping")
+
+
+@contextmanager
+def deferred() -> Iterator[None]:
+    """Run a block that SIGTERM must not interrupt; a SIGTERM received meanwhile raises
+    SystemExit when the (outermost) block ends. Main thread only, like the handler."""
+    global _defer_depth
+    _defer_depth += 1
+    try:
+        yield
+    finally:
+        _defer_depth -= 1
+    if _defer_depth == 0:
+        check()
 
 
 def install() -> None:

@@ -84,7 +84,8 @@ class WriterPositions:
     """Which prompt indices writer ``w`` of ``W`` still has to generate, in order.
 
     Starts after the highest committed index and first fills the gaps below it
-    (groups that were in flight when a previous run of this writer died).
+    (groups that were in flight when a previous run of this writer died, or whose
+    shard the trainer skipped).
     """
 
     def __init__(self, writer_rank: int, num_writers: int, committed: set[int]):
@@ -95,7 +96,12 @@ class WriterPositions:
         self._gaps = [i for i in range(writer_rank, top, num_writers) if i not in have]
         self._next = top + num_writers
 
+    def requeue(self, indices: list[int]) -> None:
+        """Generate these again first (their shard was skipped by the trainer)."""
+        self._gaps = sorted(set(self._gaps) | {i for i in indices if i % self.W == self.w})
+
     def next(self) -> int:
+        """The next prompt index to generate."""
         if self._gaps:
             return self._gaps.pop(0)
         i = self._next

@@ -35,7 +35,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from hpcrl.control import termination
+from hpcrl.control import faults, termination
 from hpcrl.control.admission import Admission
 from hpcrl.control.preemption import PreemptionFlag, requeue_self
 from hpcrl.control.records import HeartbeatState, HeartbeatThread, describe_heartbeats
@@ -46,6 +46,7 @@ from hpcrl.rollout.engine import make_engine
 from hpcrl.rollout.rewards import REWARDS
 from hpcrl.run_dir import RunDir
 from hpcrl.samples.schema import Group, Trajectory
+from hpcrl.samples.skips import SkipLog
 from hpcrl.samples.writer import ShardWriter
 from hpcrl.tiny.model import load_tokenizer
 from hpcrl.weights.filesystem import WeightVersionGone, load_version, newest_version
@@ -125,7 +126,8 @@ class RolloutJob:
                                   cfg.rollout.top_p)
         self.reward_fn = REWARDS[cfg.reward.name]
         self.stream = PromptStream(load_rows(cfg.data, cfg.rollout.response_length), cfg.data.seed)
-        self.shards = ShardWriter(self.run_dir, self.writer, cfg.rollout.seal_groups, cfg.rollout.seal_interval_s)
+        self.shards = ShardWriter(self.run_dir, self.writer, cfg.rollout.seal_groups, cfg.rollout.seal_interval_s,
+                                  skips=SkipLog(self.run_dir))
         self.admission = Admission(self.run_dir, self.writer, cfg.admission_budget)
         self.admission.reset_writer(self.shards.committed_groups)
         self.positions = WriterPositions(self.writer_rank, self.num_writers, self.shards.committed_prompt_indices)
@@ -167,6 +169,7 @@ class RolloutJob:
     def _load_newest(self) -> None:
         """Load the newest complete version (the caller has drained the groups in flight)."""
         t0 = time.time()
+        faults.point("weight_load")
         while True:
             v = newest_version(self.run_dir)
             try:
@@ -196,7 +199,9 @@ class RolloutJob:
         self._load_newest()
 
     def _admit(self) -> bool:
-        """Step 3: start groups while the concurrency limit and the shared budget allow; True if any."""
+        """Step 3: start groups while the concurrency limit and the shared budget allow; True if any.
+        Prompts of shards the trainer skipped as damaged are generated again first."""
+        self.positions.requeue(self.shards.take_skipped_prompts())
         admitted = False
         while len(self.in_flight) < self.cfg.rollout.max_concurrent_groups:
             if not self.admission.try_start(self.consumed_at_version):

@@ -11,11 +11,19 @@ trainer re-reads from exactly where the checkpointed model stopped: nothing
 consumed twice, nothing skipped.
 
 A shard that is truncated, corrupted or inconsistent is reported (file and
-reason), counted and skipped; it never stops the trainer.
+reason), counted and skipped; it never stops the trainer. With a
+:class:`~hpcrl.samples.skips.SkipLog` (the trainer passes one) the skip is first
+recorded in ``control/skipped_shards.jsonl``, so its writer regenerates the
+prompts and admission returns their budget; a shard recorded there is skipped
+without being read again.
+
+Each shard is read once: the bytes are hashed and parsed from memory.
 """
 from __future__ import annotations
 
+import hashlib
 import heapq
+import io
 import json
 import logging
 import time
@@ -26,38 +34,49 @@ from typing import Optional
 
 import h5py
 
-from hpcrl.fsio import file_sha256
 from hpcrl.run_dir import RunDir
-from hpcrl.samples.schema import SCHEMA_VERSION, Group, ShardFormatError, ShardManifestLine, arrays_to_groups
+from hpcrl.samples.schema import (DATASET_DTYPES, SCHEMA_VERSION, Group, ShardFormatError, ShardManifestLine,
+                                 arrays_from_layout, arrays_to_groups)
+from hpcrl.samples.skips import SkipLog, SkippedShard
 
 log = logging.getLogger(__name__)
 
 
 class ShardCorrupt(Exception):
-    pass
+    """A listed shard is missing, truncated, corrupted or inconsistent (the message says which)."""
 
 
 def read_shard(path: Path, line: ShardManifestLine, writer: str) -> list[Group]:
-    """Read and verify one sealed shard against its manifest line."""
+    """Read and verify one sealed shard against its manifest line (one read of the file)."""
     try:
-        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            data = fh.read()
     except FileNotFoundError:
         raise ShardCorrupt("file listed in the manifest is missing") from None
-    if size != line.size_bytes:
-        raise ShardCorrupt(f"size {size} bytes, manifest says {line.size_bytes} (truncated or overwritten)")
-    digest = file_sha256(path)
+    if len(data) != line.size_bytes:
+        raise ShardCorrupt(f"size {len(data)} bytes, manifest says {line.size_bytes} (truncated or overwritten)")
+    digest = hashlib.sha256(data).hexdigest()
     if digest != line.sha256:
         raise ShardCorrupt(f"sha256 {digest[:12]}.. differs from manifest {line.sha256[:12]}.. (corrupted)")
     try:
-        with h5py.File(path, "r", locking=False) as f:
+        if line.layout and line.schema_version == SCHEMA_VERSION:
+            return _finish(arrays_to_groups(arrays_from_layout(data, line.layout), writer), line)
+        with h5py.File(io.BytesIO(data), "r") as f:
             version = int(f.attrs.get("schema_version", -1))
             if version != SCHEMA_VERSION:
                 raise ShardCorrupt(f"schema_version {version}, this hpcrl reads {SCHEMA_VERSION}")
             arrays = {}
-            f.visititems(lambda name, obj: arrays.__setitem__(name, obj[()]) if isinstance(obj, h5py.Dataset) else None)
+            for name in DATASET_DTYPES:  # by name: walking the file (visititems) cost more than the parse
+                dset = f.get(name)
+                if isinstance(dset, h5py.Dataset):
+                    arrays[name] = dset[()]
         groups = arrays_to_groups(arrays, writer)
     except (OSError, KeyError, ShardFormatError) as e:
-        raise ShardCorrupt(f"unreadable HDF5: {e}") from None
+        raise ShardCorrupt(f"unreadable shard: {e}") from None
+    return _finish(groups, line)
+
+
+def _finish(groups: list[Group], line: ShardManifestLine) -> list[Group]:
     if [g.prompt_index for g in groups] != list(line.prompt_indices):
         raise ShardCorrupt("prompt indices differ from the manifest line")
     for g in groups:
@@ -77,14 +96,18 @@ class _WriterState:
 
 
 class SampleReader:
-    def __init__(self, run_dir: RunDir, cursor: Optional[dict] = None, verify_retries: int = 2):
+    """Hands out committed groups exactly once, in commit order (see the module docstring)."""
+
+    def __init__(self, run_dir: RunDir, cursor: Optional[dict] = None, verify_retries: int = 2,
+                 skip_log: Optional[SkipLog] = None):
         self.run_dir = run_dir
         self.verify_retries = verify_retries
+        self.skip_log = skip_log
         self._writers: dict[str, _WriterState] = {}
         for writer, pos in (cursor or {}).items():
             self._writers[writer] = _WriterState(line=int(pos["line"]), row=int(pos["row"]),
                                                  loaded_upto=int(pos["line"]))
-        self.skipped: list[dict] = []  # {"writer", "shard", "reason", "n_groups"}
+        self.skipped: list[dict] = []  # {"writer", "shard", "reason", "n_groups", "prompt_indices"}
 
     # ---- discovering committed groups
     def _tail_manifest(self, writer: str, st: _WriterState) -> None:
@@ -120,6 +143,8 @@ class SampleReader:
             st.loaded_upto += 1
 
     def _read_verified(self, path: Path, line: ShardManifestLine, writer: str) -> Optional[list[Group]]:
+        if self.skip_log is not None and self.skip_log.is_skipped(writer, line.shard):
+            return self._skip(path, line, writer, f"recorded as skipped in {self.skip_log.path}")
         for attempt in range(self.verify_retries + 1):
             try:
                 return read_shard(path, line, writer)
@@ -127,12 +152,24 @@ class SampleReader:
                 if attempt < self.verify_retries:
                     time.sleep(0.2)  # a lagging shared-filesystem client may not show the bytes yet
                     continue
-                log.error("SKIPPING shard %s (%d groups): %s", path, line.n_groups, e)
-                self.skipped.append({"writer": writer, "shard": line.shard, "reason": str(e), "n_groups": line.n_groups})
+                return self._skip(path, line, writer, str(e))
+        return None
+
+    def _skip(self, path: Path, line: ShardManifestLine, writer: str, reason: str) -> None:
+        """Record the skip (durably, before the cursor can move past the shard) and report it."""
+        log.error("SKIPPING shard %s (%d groups, prompts %s): %s", path, line.n_groups, line.prompt_indices[:8],
+                  reason)
+        if self.skip_log is not None:
+            self.skip_log.record(SkippedShard(writer=writer, shard=line.shard, prompt_indices=list(line.prompt_indices),
+                                              n_groups=line.n_groups, reason=reason, time_s=time.time()))
+        self.skipped.append({"writer": writer, "shard": line.shard, "reason": reason, "n_groups": line.n_groups,
+                             "prompt_indices": list(line.prompt_indices)})
         return None
 
     def poll(self) -> int:
         """Discover new writers and commits; return how many groups are ready."""
+        if self.skip_log is not None:
+            self.skip_log.poll()
         for writer in self.run_dir.writers():
             st = self._writers.setdefault(writer, _WriterState())
             self._tail_manifest(writer, st)
@@ -140,6 +177,7 @@ class SampleReader:
         return self.ready()
 
     def ready(self) -> int:
+        """Groups committed and not handed out yet (loaded or still to be read)."""
         return sum(len(st.pending) + sum(l.n_groups for l in st.lines[st.loaded_upto:])
                    for st in self._writers.values())
 

@@ -117,6 +117,10 @@ class ShardManifestLine:
     committed_s: float
     """Unix time stamped just before this line was appended (the shard file is already durable)."""
     schema_version: int = SCHEMA_VERSION
+    layout: dict = dataclasses.field(default_factory=dict)
+    """``{dataset: [byte offset, elements]}`` of each dataset's raw data in the file (-1: empty).
+    The reader, having checked sha256, takes the arrays straight from the bytes; without it
+    (shards of older writers) it parses the HDF5 file."""
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -171,6 +175,24 @@ def groups_to_arrays(groups: list[Group]) -> dict[str, np.ndarray]:
 
 class ShardFormatError(ValueError):
     """A shard's arrays are inconsistent (wrong dtype, offsets out of range, ...)."""
+
+
+def arrays_from_layout(data: bytes, layout: dict) -> dict[str, np.ndarray]:
+    """The datasets of a verified shard image, read at the offsets its manifest line gives
+    (copies: the groups outlive ``data``; ``arrays_to_groups`` checks every offset and length)."""
+    out = {}
+    for name, dt in DATASET_DTYPES.items():
+        if name not in layout:
+            raise ShardFormatError(f"dataset {name} missing from the manifest layout")
+        offset, n = layout[name]
+        dt = np.dtype(dt).newbyteorder("<")
+        if n == 0:
+            out[name] = np.zeros(0, dt)
+            continue
+        if offset < 0 or offset + n * dt.itemsize > len(data):
+            raise ShardFormatError(f"dataset {name} at [{offset}, +{n}] lies outside the {len(data)}-byte file")
+        out[name] = np.frombuffer(data, dt, n, offset).astype(dt.newbyteorder("="))
+    return out
 
 
 def arrays_to_groups(a: dict[str, np.ndarray], writer: str) -> list[Group]:

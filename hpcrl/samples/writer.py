@@ -1,88 +1,154 @@
 """ShardWriter: the rollout side of the sample exchange (one per writer folder).
 
-Groups are buffered in memory and *sealed* into an immutable shard:
-``shard-N.h5.tmp`` -> close -> fsync -> rename -> fsync folder -> append one
-fsync'd line to ``manifest.jsonl`` (the commit point). Plain non-SWMR HDF5 is
-unreadable after a kill mid-write, so no reader ever opens a file that is still
-being written.
+Groups are buffered in memory and *sealed* into an immutable shard. The shard
+file is built in memory (HDF5 core driver), hashed there, and written once:
+``shard-N.h5.tmp`` -> write + fsync -> rename -> fsync folder -> append one
+fsync'd line to ``manifest.jsonl`` (the commit point), which carries the size
+and sha256 of exactly those bytes. Plain non-SWMR HDF5 is unreadable after a
+kill mid-write, so no reader ever opens a file that is still being written.
 
-On restart the writer recovers from its own folder: orphan ``.tmp`` files and
-renamed-but-unlisted shards (killed before the manifest line) are deleted, the
-next shard index continues after every file seen, and the set of committed
-prompt indices tells the rollout loop which prompts still need generating.
+Rules that make a kill at any instant safe (issue #14):
+
+- every seal takes a fresh shard index, before anything is written: a shard
+  file is never overwritten, so a committed line always describes its file;
+- the commit (manifest append, then recording it in memory) runs inside
+  :func:`hpcrl.control.termination.deferred`: a SIGTERM cannot land between
+  "durable" and "recorded", where the shutdown path used to seal the same
+  groups a second time;
+- if the append itself fails, nobody knows whether the line is durable: the
+  writer refuses to seal again (its restarted successor reads the manifest).
+
+On restart the writer recovers from its own folder: a torn last manifest line is
+cut off, orphan ``.tmp`` files and renamed-but-unlisted shards (killed before the
+manifest line) are deleted, the next shard index continues after every index
+seen, and the set of committed prompt indices tells the rollout loop which
+prompts still need generating. Prompts of shards the trainer skipped
+(``samples/skips.py``) do not count as committed: they are generated again.
 """
 from __future__ import annotations
 
+import hashlib
+import io
 import logging
 import os
 import time
-from pathlib import Path
+from collections import Counter
+from typing import Optional
 
 import h5py
 
-from hpcrl.fsio import JsonlAppender, file_sha256, fsync_path, read_jsonl
+from hpcrl.control import faults, termination
+from hpcrl.fsio import JsonlAppender, fsync_path, read_jsonl, truncate_torn_tail, write_file_durably
 from hpcrl.run_dir import RunDir
 from hpcrl.samples.schema import SCHEMA_VERSION, Group, ShardManifestLine, groups_to_arrays
+from hpcrl.samples.skips import SkipLog
 
 log = logging.getLogger(__name__)
 
 
-
-def write_shard_file(path: Path, groups: list[Group], writer: str, shard_index: int) -> None:
-    """Write ``groups`` to ``path`` durably (caller renames it into place)."""
+def shard_image(groups: list[Group], writer: str, shard_index: int) -> tuple[bytes, dict[str, list[int]]]:
+    """The bytes of a shard file holding ``groups`` (built in memory, nothing touches the disk),
+    and where each dataset's raw data lies in them: ``{name: [byte offset, elements]}``."""
     arrays = groups_to_arrays(groups)
-    with h5py.File(path, "w", locking=False, libver="latest") as f:
+    buf = io.BytesIO()
+    layout = {}
+    with h5py.File(buf, "w", libver="latest") as f:
         f.attrs["schema_version"] = SCHEMA_VERSION
         f.attrs["writer"] = writer
         f.attrs["shard_index"] = shard_index
-        for name, arr in arrays.items():
-            f.create_dataset(name, data=arr)
-    fsync_path(path)
+        dsets = {name: f.create_dataset(name, data=arr) for name, arr in arrays.items()}
+        f.flush()
+        for name, d in dsets.items():
+            offset = d.id.get_offset()  # contiguous layout; None when empty
+            layout[name] = [-1 if offset is None else int(offset), int(d.size)]
+    return buf.getvalue(), layout
 
 
 class ShardWriter:
-    def __init__(self, run_dir: RunDir, writer: str, seal_groups: int, seal_interval_s: float):
+    """Buffers groups and commits them as shards of one writer folder (see the module docstring).
+
+    ``skips`` (the run's :class:`SkipLog`) makes prompts of shards the trainer skipped
+    count as not committed; :meth:`take_skipped_prompts` hands newly skipped ones back.
+    """
+
+    def __init__(self, run_dir: RunDir, writer: str, seal_groups: int, seal_interval_s: float,
+                 skips: Optional[SkipLog] = None):
         self.run_dir = run_dir
         self.writer = writer
         self.seal_groups = seal_groups
         self.seal_interval_s = seal_interval_s
         self.folder = run_dir.writer_dir(writer)
         self.folder.mkdir(parents=True, exist_ok=True)
+        self.skips = skips
         self._buffer: list[Group] = []
         self._first_buffered_s = 0.0
-        self.committed_prompt_indices: set[int] = set()
+        self._lines: dict[str, list[int]] = {}  # committed shard -> its prompt indices
+        self._live: Counter = Counter()  # prompt index -> committed lines listing it, skipped shards excluded
         self.committed_groups = 0
+        """Groups in every committed line, skipped shards included (admission counts those as started)."""
+        self._broken: Optional[str] = None
         self.next_shard_index = self._recover()
         self._manifest = JsonlAppender(run_dir.shard_manifest(writer))
+        self.take_skipped_prompts()  # skips recorded while this writer was down: their prompts are gaps now
+
+    @property
+    def committed_prompt_indices(self) -> set[int]:
+        """Prompts committed in a shard the trainer has not skipped: never generated again."""
+        return set(self._live)
 
     def _recover(self) -> int:
-        listed = set()
-        for d in read_jsonl(self.run_dir.shard_manifest(self.writer),
-                            on_bad_line=lambda n, t: log.warning("manifest line %d torn, ignored: %r", n, t[:80])):
-            line = ShardManifestLine.from_json(d)
-            listed.add(line.shard)
-            self.committed_prompt_indices.update(line.prompt_indices)
-            self.committed_groups += line.n_groups
+        manifest = self.run_dir.shard_manifest(self.writer)
+        if truncate_torn_tail(manifest):
+            log.warning("writer %s: cut off a torn last manifest line (killed mid-append; never read)", self.writer)
         highest = -1
+        for d in read_jsonl(manifest, on_bad_line=lambda n, t: log.warning("manifest line %d unparsable, ignored: %r",
+                                                                           n, t[:80])):
+            line = ShardManifestLine.from_json(d)
+            if line.shard in self._lines:
+                log.error("writer %s: %s listed twice in its manifest (written by an older hpcrl)", self.writer,
+                          line.shard)
+                continue
+            self._lines[line.shard] = list(line.prompt_indices)
+            self._live.update(line.prompt_indices)
+            self.committed_groups += line.n_groups
+            highest = max(highest, line.shard_index)
         for p in self.folder.iterdir():
             parsed = RunDir.parse_shard_name(p.name)
             if parsed is None:
                 continue
-            index, is_tmp = parsed
-            highest = max(highest, index)
-            if is_tmp or p.name not in listed:
+            highest = max(highest, parsed[0])
+            if parsed[1] or p.name not in self._lines:
                 # .tmp: killed before the rename; unlisted: killed before the commit line.
                 # Neither was ever visible to a reader, so removing it loses nothing.
                 log.warning("removing uncommitted shard left by a previous run of writer %s: %s", self.writer, p.name)
                 p.unlink()
-        if listed:
-            log.info("writer %s recovered: %d shards, %d groups committed", self.writer, len(listed),
+        if self._lines:
+            log.info("writer %s recovered: %d shards, %d groups committed", self.writer, len(self._lines),
                      self.committed_groups)
         return highest + 1
 
+    def take_skipped_prompts(self) -> list[int]:
+        """Prompts of this writer's shards newly recorded as skipped by the trainer: generate them again."""
+        if self.skips is None:
+            return []
+        out = []
+        for rec in self.skips.poll():
+            if rec.writer != self.writer:
+                continue
+            prompts = self._lines.get(rec.shard, rec.prompt_indices)
+            self._live.subtract(prompts)
+            for p in prompts:
+                if self._live[p] <= 0:
+                    del self._live[p]
+                    out.append(p)
+            log.warning("writer %s: the trainer skipped %s (%s); generating its %d prompt(s) again", self.writer,
+                        rec.shard, rec.reason, len(prompts))
+        return sorted(out)
+
     # ---- buffering and sealing
     def add(self, group: Group) -> None:
-        if group.prompt_index in self.committed_prompt_indices:
+        """Buffer a finished group; its prompt must not be committed already."""
+        if group.prompt_index in self._live or any(g.prompt_index == group.prompt_index for g in self._buffer):
             raise RuntimeError(f"prompt {group.prompt_index} already committed by writer {self.writer}")
         if not self._buffer:
             self._first_buffered_s = time.monotonic()
@@ -90,34 +156,52 @@ class ShardWriter:
 
     @property
     def buffered(self) -> int:
+        """Groups waiting for the next seal."""
         return len(self._buffer)
 
     def seal_due(self) -> bool:
+        """The buffer is full or its oldest group has waited ``seal_interval_s``."""
         return bool(self._buffer) and (len(self._buffer) >= self.seal_groups or
                                        time.monotonic() - self._first_buffered_s >= self.seal_interval_s)
 
-    def seal(self) -> ShardManifestLine | None:
+    def seal(self) -> Optional[ShardManifestLine]:
         """Commit the buffered groups as one shard; return its manifest line."""
+        if self._broken:
+            raise RuntimeError(f"writer {self.writer} cannot seal: {self._broken}")
         if not self._buffer:
             return None
-        groups = self._buffer  # cleared only once committed: a failed write keeps them for the next try
+        groups = list(self._buffer)  # cleared only once committed: a failed write keeps them for the next try
         index = self.next_shard_index
+        self.next_shard_index += 1  # taken before anything is written: a retry never reuses (overwrites) it
         final = self.run_dir.shard_path(self.writer, index)
         tmp = RunDir.staging(final)
-        write_shard_file(tmp, groups, self.writer, index)
-        os.rename(tmp, final)
-        fsync_path(self.folder)
+        image, layout = shard_image(groups, self.writer, index)
         line = ShardManifestLine(
             shard=final.name, shard_index=index, n_groups=len(groups),
-            n_trajectories=sum(len(g.trajectories) for g in groups), size_bytes=final.stat().st_size,
-            sha256=file_sha256(final), prompt_indices=[g.prompt_index for g in groups], committed_s=time.time())
-        self._manifest.append(line.to_json())  # the commit point
-        self._buffer = []
-        self.next_shard_index += 1
-        self.committed_prompt_indices.update(line.prompt_indices)
-        self.committed_groups += len(groups)
+            n_trajectories=sum(len(g.trajectories) for g in groups), size_bytes=len(image),
+            sha256=hashlib.sha256(image).hexdigest(), prompt_indices=[g.prompt_index for g in groups],
+            committed_s=0.0, layout=layout)
+        write_file_durably(tmp, image)
+        os.rename(tmp, final)
+        fsync_path(self.folder)
+        with termination.deferred():  # durable and recorded in memory, or neither
+            faults.point("seal_manifest")
+            line.committed_s = time.time()
+            try:
+                self._manifest.append(line.to_json())  # the commit point
+            except BaseException as e:
+                self._broken = f"appending the manifest line of {final.name} failed ({e!r}); it may be durable"
+                raise
+            self._buffer = []
+            self._lines[line.shard] = list(line.prompt_indices)
+            self._live.update(line.prompt_indices)
+            self.committed_groups += len(groups)
         return line
 
     def close(self) -> None:
-        self.seal()
-        self._manifest.close()
+        """Seal what is buffered (unless a commit failed) and close the manifest."""
+        try:
+            if not self._broken:
+                self.seal()
+        finally:
+            self._manifest.close()

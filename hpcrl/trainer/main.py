@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from hpcrl.control import termination
+from hpcrl.control import faults, termination
 from hpcrl.control.preemption import PreemptionFlag, requeue_self
 from hpcrl.control.records import HeartbeatState, HeartbeatThread, TrainerDone, describe_heartbeats
 from hpcrl.fsio import write_json_atomic
@@ -42,6 +42,7 @@ from hpcrl.logs import MetricsLog, StalenessLog, log_size, setup_logging, trunca
 from hpcrl.run_dir import RunDir
 from hpcrl.samples.reader import SampleReader
 from hpcrl.samples.schema import Group
+from hpcrl.samples.skips import SkipLog
 from hpcrl.trainer import checkpoint
 from hpcrl.trainer.batch import build_batch
 from hpcrl.trainer.distributed import init_distributed, rank_environment
@@ -126,7 +127,7 @@ class TrainerJob:
                 truncate_to(rd.staleness, state.staleness_bytes)
         self.state = state or checkpoint.TrainerState()
         if self.rank == 0:
-            self.reader = SampleReader(rd, cursor=self.state.cursor)
+            self.reader = SampleReader(rd, cursor=self.state.cursor, skip_log=SkipLog(rd))
             self.metrics = MetricsLog(rd.metrics)
             self.staleness = StalenessLog(rd)
         if self.state.param_version not in published_versions(rd):
@@ -201,8 +202,7 @@ class TrainerJob:
 
     def _count_skipped(self) -> None:
         while self.reader.skipped:
-            s = self.reader.skipped.pop(0)
-            self.state.consumed_groups += s["n_groups"]
+            s = self.reader.skipped.pop(0)  # not consumed: recorded, its budget returned, its prompts regenerated
             c = self.state.counters
             c[M.CORRUPT_GROUPS_SKIPPED] = c.get(M.CORRUPT_GROUPS_SKIPPED, 0) + s["n_groups"]
 
@@ -220,6 +220,7 @@ class TrainerJob:
         return policy_state_dict(self.engine.module.state_dict())
 
     def _publish(self, version: int) -> float:
+        faults.point("publish")
         t0 = time.monotonic()
         state_dict = self._gathered_state_dict()
         if self.engine.global_rank == 0:
@@ -243,6 +244,7 @@ class TrainerJob:
         self._boundary = self.state.to_json()  # a deep copy
 
     def _checkpoint(self) -> None:
+        faults.point("checkpoint")
         # every rank saves rank 0's record (only rank 0 reads samples and writes logs)
         state = checkpoint.TrainerState(**share_json(self._boundary))
         tag = checkpoint.save(self.engine, self.run_dir, state, self.cfg.trainer.keep_checkpoints)

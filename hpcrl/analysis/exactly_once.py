@@ -1,0 +1,82 @@
+"""Audit of the exactly-once promise of a finished run: manifests vs the staleness log.
+
+Used by the fault tests (``tests/conftest.py`` ``check_exactly_once``) and the soak
+campaign (``bench/soak.py``). What "exactly once" means (issue #14):
+
+- no prompt index is committed twice in shards the trainer did not skip, and none
+  is consumed (a staleness-log group) twice;
+- every group committed before the trainer's final cursor was consumed, none after,
+  and none from a shard recorded in ``control/skipped_shards.jsonl``;
+- no prompt index was lost: each one below the writer's highest committed index
+  (less the last few that may have been in flight when the run ended) is committed
+  in a shard that was not skipped; a skipped shard's prompts were generated again.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hpcrl.fsio import read_json, read_jsonl
+from hpcrl.logs import read_staleness
+from hpcrl.run_dir import RunDir
+
+
+@dataclass
+class Audit:
+    """Problems found (each list empty on a correct run) and a few counts."""
+
+    committed_twice: list[str] = field(default_factory=list)
+    consumed_twice: list[str] = field(default_factory=list)
+    lost: list[str] = field(default_factory=list)
+    """Prompts never committed in a shard that was not skipped (below the in-flight tail)."""
+    consumed_not_before_cursor: list[str] = field(default_factory=list)
+    before_cursor_not_consumed: list[str] = field(default_factory=list)
+    consumed_from_skipped_shards: list[str] = field(default_factory=list)
+    trainer_done: bool = False
+    consumed_groups: int = 0
+    unconsumed_after_cursor: int = 0
+    skipped_groups: int = 0
+
+    def problems(self) -> dict[str, list[str]]:
+        """The non-empty problem lists by name (plus ``trainer_done`` when it is missing)."""
+        out = {k: v for k, v in vars(self).items() if isinstance(v, list) and v}
+        if not self.trainer_done:
+            out["trainer_done"] = ["control/trainer_done.json missing: the trainer did not finish"]
+        return out
+
+
+def audit(rd: RunDir, max_in_flight: int) -> Audit:
+    """Compare every writer's manifest with the staleness log and the trainer's final cursor."""
+    a = Audit()
+    st = read_staleness(rd)
+    a.consumed_twice = sorted(set(st.sample_id[st.sample_id.duplicated()]))[:20]
+    consumed = set(st.group_id.dropna())
+    a.consumed_groups = len(consumed)
+    done = read_json(rd.trainer_done)
+    a.trainer_done = done is not None
+    cursor = (done or {}).get("cursor", {})
+    skipped = {(d["writer"], d["shard"]) for d in read_jsonl(rd.skipped_shards)}
+    W = rd.load_config().resources.rollout_jobs
+    before, after, from_skipped = set(), set(), set()
+    for writer in rd.writers():
+        pos = cursor.get(writer, {"line": 0, "row": 0})
+        live: list[int] = []
+        for li, line in enumerate(read_jsonl(rd.shard_manifest(writer))):
+            for row, p in enumerate(line["prompt_indices"]):
+                gid = f"{writer}/{p}"
+                if (writer, line["shard"]) in skipped:
+                    from_skipped.add((gid, line["shard"]))
+                    a.skipped_groups += 1
+                    continue
+                live.append(p)
+                (before if (li, row) < (pos["line"], pos["row"]) else after).add(gid)
+        seen = set()
+        a.committed_twice += [f"{writer}/{p}" for p in live if p in seen or seen.add(p)]
+        if live:
+            top = max(live) - max_in_flight * W  # the last few in flight at the end may be abandoned
+            a.lost += [f"{writer}/{p}" for p in range(RunDir.writer_rank(writer), top, W) if p not in seen]
+    shards_consumed = set(zip(st.group_id, st.shard))
+    a.consumed_from_skipped_shards = sorted(f"{g} ({s})" for g, s in from_skipped if (g, s) in shards_consumed)
+    a.consumed_not_before_cursor = sorted(consumed - before)[:20]
+    a.before_cursor_not_consumed = sorted(before - consumed)[:20]
+    a.unconsumed_after_cursor = len(after)
+    return a

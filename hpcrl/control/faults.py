@@ -1,0 +1,54 @@
+"""Test-only fault injection: make a job stop or stall at a named instant.
+
+Inert unless the environment variable ``HPCRL_FAULT_POINT`` is set (the soak
+harness ``bench/soak.py`` and ``tests/test_soak.py`` set it for one job)::
+
+    HPCRL_FAULT_POINT=<point>:<n>:<action>
+
+At the ``n``-th time (1-based) this process reaches ``point`` it performs
+``action``: ``term`` (SIGTERM to itself), ``kill`` (SIGKILL to itself) or
+``sleep=<seconds>``. Points, each placed at the instant a step begins:
+
+==============  =====================================================================
+point           where
+==============  =====================================================================
+seal_manifest   ShardWriter.seal, just before the manifest line (the commit) is appended
+checkpoint      trainer, before a checkpoint is saved
+publish         trainer, before a weight version is written
+weight_load     rollout, before a weight version is loaded
+==============  =====================================================================
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+
+ENV = "HPCRL_FAULT_POINT"
+POINTS = ("seal_manifest", "checkpoint", "publish", "weight_load")
+
+log = logging.getLogger(__name__)
+_spec = os.environ.get(ENV)
+_counts: dict[str, int] = {}
+
+
+def point(name: str) -> None:
+    """Count one arrival at ``name``; act if ``HPCRL_FAULT_POINT`` names this arrival."""
+    if not _spec:
+        return
+    target, n, action = _spec.split(":", 2)
+    if target != name:
+        return
+    _counts[name] = _counts.get(name, 0) + 1
+    if _counts[name] != int(n):
+        return
+    log.warning("fault injection (%s=%s): %s at %s #%s", ENV, _spec, action, name, n)
+    if action == "term":
+        os.kill(os.getpid(), signal.SIGTERM)
+    elif action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif action.startswith("sleep="):
+        time.sleep(float(action.split("=", 1)[1]))
+    else:
+        raise ValueError(f"{ENV}={_spec}: action must be term, kill or sleep=<seconds>, got {action!r}")
