@@ -69,7 +69,8 @@ def test_version_without_manifest_does_not_exist(tmp_path):
     assert wt.published_versions() == [0] and wt.newest_usable() == 0
 
 
-def _damage(rd: RunDir, version: int, how: str) -> None:
+def damage_weights(rd: RunDir, version: int, how: str) -> None:
+    """Damage version `version` as seen in the field: truncated file, flipped header or data bytes, bad manifest."""
     f = rd.weight_file(version, WEIGHT_TENSORS)
     data = bytearray(f.read_bytes())
     if how == "truncated":
@@ -89,7 +90,7 @@ def test_damaged_version_is_marked_bad_and_the_newest_intact_one_is_loaded(tmp_p
     wt = transport(tmp_path)
     wt.publish(0, state(0), "{}", 0, 0)
     wt.publish(1, state(1), "{}", 1, 4)
-    _damage(wt.run_dir, 1, how)
+    damage_weights(wt.run_dir, 1, how)
     applied = []
     with pytest.raises(WeightVersionBad, match="version 1"):
         wt.load(1, "w000", apply=applied.append)
@@ -108,19 +109,19 @@ def test_load_newest_falls_back_past_damage_it_finds_itself(tmp_path, caplog):
     wt = transport(tmp_path)
     for v in range(3):
         wt.publish(v, state(v), "{}", v, 4 * v)
-    _damage(wt.run_dir, 2, "data")
+    damage_weights(wt.run_dir, 2, "data")
     m = wt.load_newest("w000")
     assert m.param_version == 1 and wt.is_bad(2)
     assert "weight version 2" in caplog.text and "damaged" in caplog.text
-    _damage(wt.run_dir, 1, "truncated")
-    _damage(wt.run_dir, 0, "truncated")
+    damage_weights(wt.run_dir, 1, "truncated")
+    damage_weights(wt.run_dir, 0, "truncated")
     assert wt.load_newest("w000") is None  # nothing usable left: the caller waits for a new version
 
 
 def test_unhashed_version_still_has_its_size_checked(tmp_path):
     wt = FilesystemTransport(RunDir(tmp_path).create(), keep_versions=2, checksum=False)
     wt.publish(0, state(0), "{}", 0, 0)
-    _damage(wt.run_dir, 0, "truncated")
+    damage_weights(wt.run_dir, 0, "truncated")
     with pytest.raises(WeightVersionBad, match="torn"):
         wt.load(0, "w000")
 
@@ -161,3 +162,19 @@ def test_withdraw_after_removes_newer_versions_and_their_markers(tmp_path):
     assert wt.published_versions() == [0, 1]
     wt.publish(3, state(9), "{}", 3, 12)  # the restarted trainer publishes v3 again: a new, intact version
     assert wt.newest_usable() == 3, "a reader that marked the old v3 bad must load the new one"
+
+
+def test_weights_package_imports_only_lower_layers():
+    """hpcrl/weights/ sits below the jobs: it may use config, fsio, run_dir and control only."""
+    import ast
+    from pathlib import Path
+
+    import hpcrl.weights
+
+    forbidden = ("hpcrl.trainer", "hpcrl.rollout", "hpcrl.launcher", "hpcrl.analysis")
+    for path in Path(hpcrl.weights.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            bad = [n for n in names if n.startswith(forbidden)]
+            assert not bad, f"{path.name} imports {bad}: hpcrl/weights/ must not depend on the jobs"
