@@ -4,13 +4,14 @@ For state dicts shaped like a transformer (tied embedding, per layer q/k/v/o
 and gate/up/down, norms) of a few total sizes it measures, in one process on one
 disk so the machine's noise cancels out of the ratios:
 
-- ``publish_version`` (safetensors + config.json into vNNNNNN.tmp, fsync, sha256,
-  rename, manifest.json last), also with ``checksum=False`` to show what the
-  sha256 costs;
-- ``load_version`` as the rollout job uses it: announce "loading", check sizes,
-  open the safetensors file (mapped lazily), copy every tensor into
-  preallocated parameters inside ``apply`` (what ``engine.load_weights`` does:
-  the bytes are read here), then announce "loaded";
+- ``FilesystemTransport.publish`` (safetensors streamed into vNNNNNN.tmp and
+  hashed (xxh3_128) while written, config.json, fsync, rename, manifest.json
+  last), also with ``checksum=False`` to show what the hash costs;
+- ``FilesystemTransport.load`` as the rollout job uses it: announce "loading",
+  check sizes, map the file, hash it against the manifest, then copy every
+  tensor into preallocated parameters inside ``apply`` (what
+  ``engine.load_weights`` does), then announce "loaded"; also with
+  ``verify=False`` to show what verifying every load costs (issue #14);
 - the raw limit: the same number of bytes written with open/write/fsync/rename
   into the same folder, and read back with a plain ``readinto`` into a
   preallocated buffer.
@@ -44,8 +45,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _common import bench_parser, table  # noqa: E402
-from hpcrl.run_dir import RunDir  # noqa: E402
-from hpcrl.weights.filesystem import WEIGHTS_FILE, load_version, newest_version, publish_version  # noqa: E402
+from hpcrl.run_dir import WEIGHT_TENSORS, RunDir  # noqa: E402
+from hpcrl.weights.filesystem import FilesystemTransport  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -93,15 +94,15 @@ def stored_bytes(sd: dict[str, torch.Tensor]) -> int:
 
 # ---------------------------------------------------------------- ours
 
-def time_publish(rd: RunDir, version: int, sd: dict, config_json: str, checksum: bool) -> float:
+def time_publish(wt: FilesystemTransport, version: int, sd: dict, config_json: str) -> float:
     t0 = time.perf_counter()
-    publish_version(rd, version, sd, config_json, trainer_step=version, consumed_groups=0, checksum=checksum)
+    wt.publish(version, sd, config_json, trainer_step=version, consumed_groups=0)
     return time.perf_counter() - t0
 
 
-def time_load(rd: RunDir, version: int, params: dict[str, torch.Tensor]) -> float:
-    """Seconds for load_version as the rollout job calls it: announce, verify sizes, read
-    (lazy mmap) and copy into ``params`` inside ``apply``, release the announcement."""
+def time_load(wt: FilesystemTransport, version: int, params: dict[str, torch.Tensor]) -> float:
+    """Seconds for ``load`` as the rollout job calls it: announce, check sizes, map and (if the
+    transport verifies) hash the file, copy into ``params`` inside ``apply``, release the announcement."""
     def copy_into(state: dict[str, torch.Tensor]) -> None:
         if set(state) != set(params):
             raise RuntimeError(f"load_version({version}) returned {len(state)} tensors, expected {len(params)}")
@@ -109,9 +110,9 @@ def time_load(rd: RunDir, version: int, params: dict[str, torch.Tensor]) -> floa
             dst.copy_(state[k])
 
     t0 = time.perf_counter()
-    manifest, _ = load_version(rd, version, writer="w000", apply=copy_into)
+    manifest, _ = wt.load(version, writer="w000", apply=copy_into)
     if manifest.param_version != version:
-        raise RuntimeError(f"load_version({version}) returned version {manifest.param_version}")
+        raise RuntimeError(f"load({version}) returned version {manifest.param_version}")
     return time.perf_counter() - t0
 
 
@@ -151,17 +152,19 @@ def bench_size(base: Path, size_mb: float, dtype: torch.dtype, repeats: int) -> 
     rd = RunDir(base / f"run-{size_mb:g}MB").create()
     raw_dir = rd.weights / "raw"
     raw_dir.mkdir()
-    res = {k: [] for k in ("publish", "publish_nock", "load", "raw_write", "raw_read")}
+    res = {k: [] for k in ("publish", "publish_nock", "load", "load_noverify", "raw_write", "raw_read")}
+    wt = FilesystemTransport(rd, keep_versions=2)
+    wt_nock = FilesystemTransport(rd, keep_versions=2, verify=False, checksum=False)
     file_bytes = 0
     # round 0 is a warm-up (first-touch allocations, cold directory entries), not reported
     for rep in range(repeats + 1):
         v = 2 * rep
-        res["publish"].append(time_publish(rd, v, sd, config_json, checksum=True))
-        assert newest_version(rd) == v
-        total = time_load(rd, v, params)
-        res["load"].append(total)
-        res["publish_nock"].append(time_publish(rd, v + 1, sd, config_json, checksum=False))
-        file_bytes = (rd.weight_version_dir(v) / WEIGHTS_FILE).stat().st_size
+        res["publish"].append(time_publish(wt, v, sd, config_json))
+        assert wt.newest_usable() == v
+        res["load"].append(time_load(wt, v, params))
+        res["publish_nock"].append(time_publish(wt_nock, v + 1, sd, config_json))
+        res["load_noverify"].append(time_load(wt_nock, v, params))  # same file, hashed on publish
+        file_bytes = rd.weight_file(v, WEIGHT_TENSORS).stat().st_size
         # Raw data built outside the timing; same byte count as the safetensors file.
         data = bytearray(os.urandom(1 << 20)) * math.ceil(file_bytes / (1 << 20))
         res["raw_write"].append(raw_write(raw_dir, memoryview(data)[:file_bytes]))
@@ -223,7 +226,10 @@ def main(argv=None) -> int:
             ck_rows.append([f"{mbytes:.1f}", f"{1e3 * r['publish']:.0f}", f"{1e3 * r['publish_nock']:.0f}",
                             f"{1e3 * (r['publish'] - r['publish_nock']):.0f}",
                             f"{(r['publish'] - r['publish_nock']) / r['publish']:.0%}",
-                            f"{r['publish_nock'] / r['raw_write']:.2f}"])
+                            f"{r['publish_nock'] / r['raw_write']:.2f}",
+                            f"{1e3 * r['load']:.0f}", f"{1e3 * r['load_noverify']:.0f}",
+                            f"{1e3 * (r['load'] - r['load_noverify']):.0f}",
+                            f"{(r['load'] - r['load_noverify']) / r['load']:.0%}"])
         print("state dicts (tied embedding stored once):")
         print(table(["MB", "tensors", "hidden", "layers"], shape_rows))
         print()
@@ -231,10 +237,11 @@ def main(argv=None) -> int:
               "higher = slower)")
         print(table(["MB", "publish", "raw write", "pub/raw", "load", "raw read",
                      "load/raw", "(pub+load)/(raw w+r)", "publish MB/s", "raw w MB/s"], rows))
-        print("    load = load_version(apply=copy into preallocated params), as the rollout job calls it")
+        print("    load = FilesystemTransport.load(apply=copy into preallocated params), as the rollout job calls it")
         print()
-        print("checksum cost of publish (sha256 of the written file)")
-        print(table(["MB", "publish ms", "no-checksum ms", "sha256 ms", "share", "no-checksum/raw write"], ck_rows))
+        print("hash cost (xxh3_128): computed while publishing; verified on every load before apply")
+        print(table(["MB", "publish ms", "no-hash ms", "hash ms", "share", "no-hash/raw write",
+                     "load ms", "no-verify ms", "verify ms", "share"], ck_rows))
     finally:
         shutil.rmtree(parent, ignore_errors=True)
     return 0

@@ -9,6 +9,7 @@ Layout (DESIGN.md)::
       sbatch/<role>.setup.sh       per-role setup lines for sbatch/*.sbatch     (launcher writes)
       samples/<writer>/shard-000042.h5, manifest.jsonl                          (one rollout job each)
       weights/v000007/             config.json, model.safetensors, manifest.json (trainer)
+      weights/v000007/bad.json     the version is damaged: never loaded again     (rollout job)
       control/heartbeat/<job>.json, control/loading/<writer>.json, control/admission.json,
       control/skipped_shards.jsonl, ...
       checkpoints/<tag>/, checkpoints/latest.json                               (trainer)
@@ -38,6 +39,12 @@ _VERSION_RE = re.compile(r"^v(\d{6})$")
 _SHARD_RE = re.compile(r"^shard-(\d+)\.h5(\.tmp)?$")
 WEIGHT_MANIFEST = "manifest.json"
 """The file that makes a weight version folder exist for readers (written last)."""
+WEIGHT_TENSORS = "model.safetensors"
+"""The tensors of a weight version (one safetensors file, HF layout)."""
+WEIGHT_MODEL_CONFIG = "config.json"
+"""The HF model config of a weight version (so the folder loads as an HF model)."""
+WEIGHT_BAD_MARKER = "bad.json"
+"""Written into a version folder by a rollout job that found the version damaged."""
 SHARD_MANIFEST = "manifest.jsonl"
 """Each writer's commit log: one line per sealed shard."""
 
@@ -159,6 +166,17 @@ class RunDir:
     def weight_manifest(self, version: int) -> Path:
         """The manifest that makes a version exist for readers (written last)."""
         return self.weight_version_dir(version) / WEIGHT_MANIFEST
+
+    def weight_file(self, version: int, name: str) -> Path:
+        """A file of version ``version`` (``name``: :data:`WEIGHT_TENSORS` or :data:`WEIGHT_MODEL_CONFIG`)."""
+        if name not in (WEIGHT_TENSORS, WEIGHT_MODEL_CONFIG):
+            raise ValueError(f"{name!r} is not a weight file (expected {WEIGHT_TENSORS} or {WEIGHT_MODEL_CONFIG})")
+        return self.weight_version_dir(version) / name
+
+    def weight_bad_marker(self, version: int) -> Path:
+        """``weights/vNNNNNN/bad.json``: a reader found this version damaged; nobody loads it again.
+        It lives in the version folder, so retention and a trainer rollback remove it with the version."""
+        return self.weight_version_dir(version) / WEIGHT_BAD_MARKER
 
     @staticmethod
     def parse_weight_version(name: str) -> Optional[int]:

@@ -49,8 +49,8 @@ from hpcrl.samples.schema import Group, Trajectory
 from hpcrl.samples.skips import SkipLog
 from hpcrl.samples.writer import ShardWriter
 from hpcrl.tiny.model import load_tokenizer
-from hpcrl.weights.filesystem import WeightVersionGone, load_version, newest_version
 from hpcrl import metric_names as M
+from hpcrl.weights import make_transport
 
 log = logging.getLogger("hpcrl.rollout")
 
@@ -105,6 +105,7 @@ class RolloutJob:
         self.num_writers = self.cfg.resources.rollout_jobs
         if not 0 <= writer_rank < self.num_writers:
             raise ValueError(f"writer rank {writer_rank} outside [0, resources.rollout_jobs={self.num_writers})")
+        self.weights = make_transport(self.cfg.weights, run_dir)
         self.version = -1
         self.consumed_at_version = 0
         self.in_flight: dict[Future, int] = {}
@@ -167,16 +168,15 @@ class RolloutJob:
         return None
 
     def _load_newest(self) -> None:
-        """Load the newest complete version (the caller has drained the groups in flight)."""
+        """Load the newest intact version; a damaged one is marked bad and skipped (the trainer
+        publishes again); if none is intact, wait for one. The caller has drained the groups in flight."""
         t0 = time.time()
         faults.point("weight_load")
-        while True:
-            v = newest_version(self.run_dir)
-            try:
-                manifest, _ = load_version(self.run_dir, v, self.writer, apply=self.engine.load_weights)
-                break
-            except WeightVersionGone as e:
-                log.warning("%s; picking the newest again", e)
+        while (manifest := self.weights.load_newest(self.writer, apply=self.engine.load_weights)) is None:
+            t = self.cfg.timeouts
+            wait_for(f"an intact weight version in {self.run_dir.weights} (every one is marked bad)",
+                     lambda: self.weights.newest_usable() is not None, t.wait_weights_s, t.poll_interval_s, log,
+                     describe=lambda: describe_heartbeats(self.run_dir, "trainer"), stop=termination.check)
         if self.stats is not None:
             self._write_version_stats()
         self.version, self.consumed_at_version = manifest.param_version, manifest.consumed_groups
@@ -188,7 +188,7 @@ class RolloutJob:
     def _switch_weights_if_newer(self) -> None:
         """Step 2: load a newer version; also an *older* newest one: the trainer was restarted
         from a checkpoint and withdrew the versions published after it."""
-        v = newest_version(self.run_dir)
+        v = self.weights.newest_usable()
         if v is None or v == self.version:
             return
         if v < self.version:
@@ -272,7 +272,7 @@ class RolloutJob:
         final_state = HeartbeatState.FAILED  # until the loop ends normally
         try:
             self._build()
-            wait_for(f"weight version 0 in {self.run_dir.weights}", lambda: newest_version(self.run_dir) is not None,
+            wait_for(f"weight version 0 in {self.run_dir.weights}", lambda: self.weights.newest_usable() is not None,
                      cfg.timeouts.wait_weights_s, cfg.timeouts.poll_interval_s, log,
                      describe=lambda: describe_heartbeats(self.run_dir, "trainer"), stop=termination.check)
             self._load_newest()

@@ -15,6 +15,8 @@ One local update (:meth:`TrainerJob.run`):
 5. every ``trainer.checkpoint_every_updates`` updates (always right after a
    publish) **checkpoint** model, optimizer, cursor and log offsets together.
 
+If a rollout job finds the newest weight version damaged (it marks it bad and falls back
+to an older one), this job publishes its current weights as a new version at once.
 If a rollout job dies, this job waits for committed groups, logging which writers
 it waits for and their heartbeat ages, and fails after ``timeouts.wait_samples_s``.
 If *this* job dies, a restart resumes from the newest checkpoint: it rolls its
@@ -27,9 +29,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import shutil
 import time
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -47,10 +47,10 @@ from hpcrl.trainer import checkpoint
 from hpcrl.trainer.batch import build_batch
 from hpcrl.trainer.distributed import init_distributed, rank_environment
 from hpcrl.trainer.models import PolicyWithValueHead, load_reference, policy_state_dict
-from hpcrl.trainer.share import ABORT, BATCH, PREEMPT, share_groups, share_json
+from hpcrl.trainer.share import ABORT, BATCH, PREEMPT, REPUBLISH, share_groups, share_json
 from hpcrl.trainer.update import PolicyUpdate
-from hpcrl.weights.filesystem import apply_retention, publish_version, published_versions
 from hpcrl import metric_names as M
+from hpcrl.weights import make_transport
 
 log = logging.getLogger("hpcrl.trainer")
 
@@ -76,6 +76,9 @@ class TrainerJob:
         self.state = checkpoint.TrainerState()
         self.preemption = preemption
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.weights = make_transport(self.cfg.weights, run_dir)
+        self._taken: tuple[list[Group], list[Group]] = ([], [])  # kept/dropped while a republish interrupts
+        self._bad_checked_s = 0.0
 
     # ---- setup
     def _build(self) -> None:
@@ -118,11 +121,11 @@ class TrainerJob:
             if state is None:
                 # A fresh start: anything published by an earlier attempt that died before its
                 # first checkpoint belongs to a model we no longer have.
-                self._remove_versions_after(-1)
+                self.weights.withdraw_after(-1)
                 truncate_to(rd.metrics, 0)
                 truncate_to(rd.staleness, 0)
             else:
-                self._remove_versions_after(state.param_version)
+                self.weights.withdraw_after(state.param_version)
                 truncate_to(rd.metrics, state.metrics_bytes)
                 truncate_to(rd.staleness, state.staleness_bytes)
         self.state = state or checkpoint.TrainerState()
@@ -130,34 +133,30 @@ class TrainerJob:
             self.reader = SampleReader(rd, cursor=self.state.cursor, skip_log=SkipLog(rd))
             self.metrics = MetricsLog(rd.metrics)
             self.staleness = StalenessLog(rd)
-        if self.state.param_version not in published_versions(rd):
+        if self.state.param_version not in self.weights.published_versions():
             self._publish(self.state.param_version)
         self._mark_update_boundary()
         if state is None:
             self._checkpoint()
 
-    def _remove_versions_after(self, version: int) -> None:
-        for v in published_versions(self.run_dir):
-            if v > version:
-                folder = self.run_dir.weight_version_dir(v)
-                log.warning("removing weight version %d published after the checkpoint we resume from", v)
-                (folder / "manifest.json").unlink(missing_ok=True)
-                shutil.rmtree(folder, ignore_errors=True)
-
     # ---- steps
-    def _take_groups(self) -> tuple[Optional[list[Group]], list[Group], float]:
-        """Rank 0: R groups to train on (None if USR2 arrived meanwhile), plus those dropped
-        for staleness; and the seconds waited."""
+    def _take_groups(self) -> tuple[int, list[Group], list[Group], float]:
+        """Rank 0: (BATCH, R groups to train on, those dropped for staleness, seconds waited);
+        (PREEMPT, ...) if USR2 arrived meanwhile; (REPUBLISH, ...) if a rollout job marked our
+        newest weight version damaged (the groups taken so far wait in ``self._taken``)."""
         cfg = self.cfg
         need = cfg.groups_per_update
-        kept: list[Group] = []
-        dropped: list[Group] = []
+        kept, dropped = self._taken
+        self._taken = ([], [])
         t0 = time.monotonic()
         last_log = t0
         while len(kept) < need:
             termination.check()
             if self.preemption.requested:
-                return None, dropped, time.monotonic() - t0
+                return PREEMPT, [], dropped, time.monotonic() - t0
+            if self._newest_weights_bad():
+                self._taken = (kept, dropped)
+                return REPUBLISH, [], [], time.monotonic() - t0
             self.reader.poll()
             self._count_skipped()
             for g in self.reader.take(need - len(kept)):
@@ -177,7 +176,22 @@ class TrainerJob:
             self.heartbeat.update(state=HeartbeatState.WAITING_SAMPLES)
             time.sleep(cfg.timeouts.poll_interval_s)
         self.heartbeat.update(state=HeartbeatState.TRAINING)
-        return kept, dropped, time.monotonic() - t0
+        return BATCH, kept, dropped, time.monotonic() - t0
+
+    def _newest_weights_bad(self) -> bool:
+        """Rank 0, at most once a second: has a rollout job marked our newest version damaged?
+        Then its readers fell back to an older version whose admission budget is spent, and
+        only a new version (same weights, current ``consumed_groups``) lets them go on."""
+        now = time.monotonic()
+        if now - self._bad_checked_s < 1.0:
+            return False
+        self._bad_checked_s = now
+        if not self.weights.is_bad(self.state.param_version):
+            return False
+        log.error("weight version %d was found damaged by a rollout job (see %s); publishing the current "
+                  "weights as version %d", self.state.param_version,
+                  self.run_dir.weight_bad_marker(self.state.param_version), self.state.param_version + 1)
+        return True
 
     def _next_batch(self) -> tuple[int, list[Group], list[Group], float]:
         """Every rank: (status, groups to train on, dropped groups, seconds waited); rank 0 reads."""
@@ -190,15 +204,12 @@ class TrainerJob:
             share_groups(PREEMPT, None)
             return PREEMPT, [], [], 0.0
         try:
-            kept, dropped, wait_s = self._take_groups()
+            status, kept, dropped, wait_s = self._take_groups()
         except BaseException:
             share_groups(ABORT, None)
             raise
-        if kept is None:
-            share_groups(PREEMPT, None)
-            return PREEMPT, [], dropped, wait_s
-        share_groups(BATCH, kept)
-        return BATCH, kept, dropped, wait_s
+        share_groups(status, kept)
+        return status, kept, dropped, wait_s
 
     def _count_skipped(self) -> None:
         while self.reader.skipped:
@@ -224,9 +235,9 @@ class TrainerJob:
         t0 = time.monotonic()
         state_dict = self._gathered_state_dict()
         if self.engine.global_rank == 0:
-            publish_version(self.run_dir, version, state_dict, self.model_config_json, self.state.step,
-                            self.state.consumed_groups)
-            deleted = apply_retention(self.run_dir, self.cfg.weights.keep_versions, self.cfg.timeouts.heartbeat_stale_s)
+            self.weights.publish(version, state_dict, self.model_config_json, self.state.step,
+                                 self.state.consumed_groups)
+            deleted = self.weights.retain(self.cfg.timeouts.heartbeat_stale_s)
             if deleted:
                 log.debug("retention deleted versions %s", deleted)
         self.state.param_version = version
@@ -319,6 +330,9 @@ class TrainerJob:
             if status == PREEMPT:
                 self._preempt()
                 return HeartbeatState.PREEMPTED
+            if status == REPUBLISH:  # every rank: the gather of ZeRO-3 weights is collective
+                self._publish(self.state.param_version + 1)
+                continue
             upd, update_s = self._train_step(kept, dropped, version_seen)
             published = self._publish_due()
             sync_s = self._publish(version_seen + 1) if published else 0.0

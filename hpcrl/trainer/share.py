@@ -6,7 +6,9 @@ rank never unpickles anything and all ranks agree on what happens next:
 
 - ``BATCH``: a batch follows;
 - ``PREEMPT``: checkpoint now and requeue (USR2 reached rank 0);
-- ``ABORT``: rank 0 failed (e.g. timed out waiting for samples); every rank raises.
+- ``ABORT``: rank 0 failed (e.g. timed out waiting for samples); every rank raises;
+- ``REPUBLISH``: a rollout job marked the newest weight version damaged: every rank
+  takes part in publishing the current weights as a new version.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import torch.distributed as dist
 
 from hpcrl.samples.schema import DATASET_DTYPES, Group, arrays_to_groups, groups_to_arrays
 
-BATCH, PREEMPT, ABORT = 0, 1, 2
+BATCH, PREEMPT, ABORT, REPUBLISH = 0, 1, 2, 3
 _NAMES = list(DATASET_DTYPES)
 
 

@@ -2,39 +2,42 @@
 
 Publish (trainer rank 0)::
 
-    weights/v000007.tmp/ <- config.json + model.safetensors, each fsync'd
+    weights/v000007.tmp/ <- model.safetensors (hashed while written), config.json, each fsync'd
     rename -> weights/v000007/, fsync weights/
     weights/v000007/manifest.json (tmp -> fsync -> replace): the version now exists
 
-Load (rollout): poll for the newest version with a manifest (no inotify on
-Lustre), announce it in ``control/loading/<writer>.json``, re-check it still
-exists, read it, verify sizes, then announce it as loaded.
+Load (rollout): poll for the newest version with a manifest and no ``bad.json`` (no
+inotify on Lustre), announce it in ``control/loading/<writer>.json`` (the pin), map the
+file, check its size and hash against the manifest (one pass over the bytes), and only
+then hand the tensors to ``apply``; release the announcement. A damaged version (torn
+file, flipped bytes, unreadable manifest or header) is named in the log, marked with
+``bad.json`` and never loaded again; ``load_newest`` falls back to the newest intact one
+and the trainer publishes its current weights as a new version.
 
-Retention (trainer): keep the newest ``keep_versions``; an older version is
-deleted only if no live rollout job (fresh heartbeat) has announced it is
-loading it (AReaL #710). A dead job's announcement does not pin anything.
+Retention (trainer): keep the newest ``keep_versions`` and the newest intact version; an
+older version is deleted only if no live rollout job (fresh heartbeat) has announced it
+is loading it (AReaL #710). A dead job's announcement does not pin anything.
 """
 from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import time
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
-from safetensors.torch import load_file, save_file
 
+from hpcrl.config import WeightsConfig
 from hpcrl.control.records import LoadingAnnouncement, live_jobs
-from hpcrl.fsio import file_sha256, fsync_path, read_json, write_json_atomic
-from hpcrl.run_dir import RunDir
-from hpcrl.weights.manifest import TensorEntry, WeightManifest
+from hpcrl.fsio import fsync_path, read_json, write_json_atomic
+from hpcrl.run_dir import WEIGHT_MODEL_CONFIG, WEIGHT_TENSORS, RunDir
+from hpcrl.weights.base import Apply, WeightTransport, WeightVersionBad, WeightVersionGone
+from hpcrl.weights.manifest import BadVersionMarker, FileEntry, TensorEntry, WeightManifest
+from hpcrl.weights.safetensors_io import (HASH_ALGORITHM, HASHES, DamagedFile, check_file, load_verified,
+                                          save_hashed, write_hashed)
 
 log = logging.getLogger(__name__)
-
-_VERSION_RE = re.compile(r"^v(\d{6})$")
-WEIGHTS_FILE = "model.safetensors"
 
 
 def _dedupe_tied(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -52,113 +55,192 @@ def _dedupe_tied(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.T
     return tensors, aliases
 
 
-def publish_version(run_dir: RunDir, version: int, state_dict: dict[str, torch.Tensor], model_config_json: str,
-                    trainer_step: int, consumed_groups: int, checksum: bool = True) -> WeightManifest:
-    final = run_dir.weight_version_dir(version)
-    if (final / "manifest.json").exists():
-        raise FileExistsError(f"weight version {version} already published at {final}")
-    tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    if final.exists():  # renamed by a trainer killed before its manifest: never visible, rewrite it
-        shutil.rmtree(final)
-    tmp.mkdir(parents=True)
-    tensors, aliases = _dedupe_tied(state_dict)
-    save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "param_version": str(version)})
-    (tmp / "config.json").write_text(model_config_json)
-    files = {}
-    for name in (WEIGHTS_FILE, "config.json"):
-        fsync_path(tmp / name)
-        files[name] = {"size_bytes": (tmp / name).stat().st_size,
-                       "sha256": file_sha256(tmp / name) if checksum else ""}
-    fsync_path(tmp)
-    os.rename(tmp, final)
-    fsync_path(final.parent)
-    manifest = WeightManifest(
-        param_version=version, trainer_step=trainer_step, consumed_groups=consumed_groups, files=files,
-        tensors=[TensorEntry(k, str(v.dtype).removeprefix("torch."), list(v.shape)) for k, v in tensors.items()],
-        total_bytes=sum(f["size_bytes"] for f in files.values()), published_s=time.time(), aliases=aliases)
-    write_json_atomic(final / "manifest.json", manifest.to_json())  # the commit point
-    return manifest
+class FilesystemTransport(WeightTransport):
+    """Versions as safetensors folders in ``RUN/weights`` (see the module docstring)."""
 
+    name = "filesystem"
 
-def published_versions(run_dir: RunDir) -> list[int]:
-    if not run_dir.weights.is_dir():
-        return []
-    out = []
-    for p in run_dir.weights.iterdir():
-        m = _VERSION_RE.match(p.name)
-        if m and (p / "manifest.json").is_file():
-            out.append(int(m.group(1)))
-    return sorted(out)
+    def __init__(self, run_dir: RunDir, keep_versions: int, verify: bool = True, checksum: bool = True):
+        """``verify``/``checksum`` exist for the benchmark (what hashing costs); jobs keep both on."""
+        self.run_dir = run_dir
+        self.keep_versions = keep_versions
+        self.verify = verify
+        self.checksum = checksum
+        # Versions this process found damaged, with the identity of the manifest it saw: never
+        # tried again even if the marker could not be written, but a version number the trainer
+        # withdrew and published again (after a rollback) is a new version.
+        self._bad: dict[int, Optional[tuple[int, int]]] = {}
 
+    @classmethod
+    def from_config(cls, cfg: WeightsConfig, run_dir: RunDir) -> "FilesystemTransport":
+        """The transport a job uses (``weights.keep_versions``)."""
+        return cls(run_dir, cfg.keep_versions)
 
-def newest_version(run_dir: RunDir) -> Optional[int]:
-    versions = published_versions(run_dir)
-    return versions[-1] if versions else None
+    # ---- trainer side
+    def publish(self, version: int, state_dict: dict[str, torch.Tensor], model_config_json: str,
+                trainer_step: int, consumed_groups: int) -> WeightManifest:
+        rd = self.run_dir
+        final = rd.weight_version_dir(version)
+        if rd.weight_manifest(version).exists():
+            raise FileExistsError(f"weight version {version} already published at {final}")
+        tmp = rd.staging(final)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if final.exists():  # renamed by a trainer killed before its manifest: never visible, rewrite it
+            shutil.rmtree(final)
+        tmp.mkdir(parents=True)
+        tensors, aliases = _dedupe_tied(state_dict)
+        metadata = {"format": "pt", "param_version": str(version)}
+        size, digest = save_hashed(tensors, tmp / WEIGHT_TENSORS, metadata)
+        files = {WEIGHT_TENSORS: FileEntry(size, HASH_ALGORITHM, digest)}
+        h = HASHES[HASH_ALGORITHM]()
+        size = write_hashed(tmp / WEIGHT_MODEL_CONFIG, model_config_json.encode(), h)
+        files[WEIGHT_MODEL_CONFIG] = FileEntry(size, HASH_ALGORITHM, h.hexdigest())
+        if not self.checksum:
+            files = {k: FileEntry(f.size_bytes, "", "") for k, f in files.items()}
+        fsync_path(tmp)
+        os.rename(tmp, final)
+        fsync_path(final.parent)
+        manifest = WeightManifest(
+            param_version=version, trainer_step=trainer_step, consumed_groups=consumed_groups, files=files,
+            tensors=[TensorEntry(k, str(v.dtype).removeprefix("torch."), list(v.shape)) for k, v in tensors.items()],
+            total_bytes=sum(f.size_bytes for f in files.values()), published_s=time.time(), aliases=aliases)
+        write_json_atomic(rd.weight_manifest(version), manifest.to_json())  # the commit point
+        return manifest
 
-
-def read_manifest(run_dir: RunDir, version: int) -> Optional[WeightManifest]:
-    d = read_json(run_dir.weight_version_dir(version) / "manifest.json")
-    return None if d is None else WeightManifest.from_json(d)
-
-
-class WeightVersionGone(Exception):
-    """The version was deleted between discovery and load; pick the newest again."""
-
-
-def load_version(run_dir: RunDir, version: int, writer: str, apply: Optional[Callable[[dict], None]] = None,
-                 verify_checksum: bool = False) -> tuple[WeightManifest, dict[str, torch.Tensor]]:
-    """Announce, read version ``version``, hand it to ``apply`` (e.g. the engine's
-    ``load_weights``), then release the announcement. Raise WeightVersionGone if it vanished.
-
-    safetensors maps the file lazily: the bytes are read while ``apply`` copies them.
-    So the version stays pinned ("loading") until ``apply`` returns; without
-    ``apply`` the tensors are copied into memory before the pin is released.
-    """
-    announce = run_dir.loading_announcement(writer)
-    write_json_atomic(announce, LoadingAnnouncement(writer=writer, version=version, state="loading",
-                                                    time_s=time.time()).to_json())
-    folder = run_dir.weight_version_dir(version)
-    manifest = read_manifest(run_dir, version)
-    if manifest is None:
-        raise WeightVersionGone(f"weight version {version} disappeared from {folder} before it was loaded")
-    for name, meta in manifest.files.items():
-        size = (folder / name).stat().st_size
-        if size != meta["size_bytes"]:
-            raise OSError(f"{folder / name}: {size} bytes, manifest says {meta['size_bytes']} (torn weight file)")
-        if verify_checksum and meta["sha256"] and file_sha256(folder / name) != meta["sha256"]:
-            raise OSError(f"{folder / name}: checksum differs from manifest")
-    state = load_file(str(folder / WEIGHTS_FILE))
-    for alias, stored in manifest.aliases.items():
-        state[alias] = state[stored]
-    if apply is not None:
-        apply(state)
-    else:
-        state = {k: v.clone() for k, v in state.items()}
-    write_json_atomic(announce, LoadingAnnouncement(writer=writer, version=version, state="loaded",
-                                                    time_s=time.time()).to_json())
-    return manifest, state
-
-
-def apply_retention(run_dir: RunDir, keep_versions: int, heartbeat_stale_s: float) -> list[int]:
-    """Delete old versions nobody alive is loading; return the deleted versions."""
-    versions = published_versions(run_dir)
-    protected = set(versions[-keep_versions:])
-    alive = live_jobs(run_dir, heartbeat_stale_s)
-    for path in run_dir.loading.glob("*.json"):
-        d = read_json(path)
-        if d and d.get("state") == "loading" and d.get("writer") in alive:
-            protected.add(int(d["version"]))
-    deleted = []
-    for v in versions:
-        if v in protected:
-            continue
-        folder = run_dir.weight_version_dir(v)
+    def _delete(self, version: int) -> bool:
         # manifest first: from this instant the version does not exist for readers
         try:
-            (folder / "manifest.json").unlink()
+            self.run_dir.weight_manifest(version).unlink()
         except FileNotFoundError:
-            continue
-        shutil.rmtree(folder, ignore_errors=True)
-        deleted.append(v)
-    return deleted
+            return False
+        shutil.rmtree(self.run_dir.weight_version_dir(version), ignore_errors=True)
+        return True
+
+    def withdraw_after(self, version: int) -> list[int]:
+        removed = []
+        for v in self.published_versions():
+            if v > version:
+                log.warning("removing weight version %d published after the checkpoint we resume from (v%d)",
+                            v, version)
+                if self._delete(v):
+                    removed.append(v)
+        return removed
+
+    def retain(self, heartbeat_stale_s: float) -> list[int]:
+        versions = self.published_versions()
+        protected = set(versions[-self.keep_versions:])
+        intact = [v for v in versions if not self.is_bad(v)]
+        if intact:
+            protected.add(intact[-1])  # readers fall back to it while the newest ones are damaged
+        alive = live_jobs(self.run_dir, heartbeat_stale_s)
+        for path in self.run_dir.loading.glob("*.json"):
+            try:
+                d = read_json(path)
+            except (ValueError, OSError):
+                continue  # not a record (rewritten atomically, so never torn): pins nothing
+            if isinstance(d, dict) and d.get("state") == "loading" and d.get("writer") in alive:
+                protected.add(int(d["version"]))
+        return [v for v in versions if v not in protected and self._delete(v)]
+
+    def is_bad(self, version: int) -> bool:
+        if version in self._bad and self._bad[version] == self._manifest_stamp(version):
+            return True
+        return self.run_dir.weight_bad_marker(version).exists()
+
+    def _manifest_stamp(self, version: int) -> Optional[tuple[int, int]]:
+        try:
+            st = self.run_dir.weight_manifest(version).stat()
+        except FileNotFoundError:
+            return None
+        return st.st_ino, st.st_mtime_ns
+
+    # ---- both sides
+    def published_versions(self) -> list[int]:
+        rd = self.run_dir
+        if not rd.weights.is_dir():
+            return []
+        out = []
+        for p in rd.weights.iterdir():
+            v = rd.parse_weight_version(p.name)
+            if v is not None and rd.weight_manifest(v).is_file():
+                out.append(v)
+        return sorted(out)
+
+    def read_manifest(self, version: int) -> Optional[WeightManifest]:
+        path = self.run_dir.weight_manifest(version)
+        try:
+            d = read_json(path)
+            if d is None:
+                return None
+            manifest = WeightManifest.from_json(d)
+        except (ValueError, TypeError, KeyError, AttributeError, UnicodeDecodeError) as e:
+            raise WeightVersionBad(f"weight version {version}: {path} is not a manifest ({e!r})") from None
+        if manifest.param_version != version:
+            raise WeightVersionBad(f"weight version {version}: {path} says param_version {manifest.param_version}")
+        return manifest
+
+    # ---- rollout side
+    def _announce(self, writer: str, version: int, state: str) -> None:
+        write_json_atomic(self.run_dir.loading_announcement(writer),
+                          LoadingAnnouncement(writer=writer, version=version, state=state, time_s=time.time()).to_json())
+
+    def pin(self, writer: str, version: int) -> None:
+        self._announce(writer, version, "loading")
+
+    def unpin(self, writer: str, version: int) -> None:
+        self._announce(writer, version, "loaded")
+
+    def mark_bad(self, version: int, writer: str, reason: str) -> None:
+        self._bad[version] = self._manifest_stamp(version)
+        marker = BadVersionMarker(param_version=version, writer=writer, reason=reason, time_s=time.time())
+        try:
+            write_json_atomic(self.run_dir.weight_bad_marker(version), marker.to_json())
+        except FileNotFoundError:
+            pass  # the version was deleted meanwhile: nobody can load it anyway
+
+    def load(self, version: int, writer: str, apply: Optional[Apply] = None
+             ) -> tuple[WeightManifest, dict[str, torch.Tensor]]:
+        rd = self.run_dir
+        self.pin(writer, version)
+        try:
+            try:
+                manifest = self.read_manifest(version)
+                if manifest is None:
+                    raise WeightVersionGone(f"weight version {version} disappeared from {rd.weights} "
+                                            "before it was loaded")
+                state = self._read(version, manifest)
+            except FileNotFoundError as e:
+                if not rd.weight_manifest(version).exists():
+                    raise WeightVersionGone(f"weight version {version} was deleted while it was loaded") from None
+                raise WeightVersionBad(f"weight version {version}: {e.filename} is missing") from None
+            except DamagedFile as e:
+                raise WeightVersionBad(f"weight version {version} in {rd.weight_version_dir(version)} "
+                                       f"is damaged: {e}") from None
+            if apply is not None:
+                apply(state)
+                return manifest, {}
+            # the tensors view a read-only mapping of the file: hand out copies that outlive it
+            return manifest, {k: v.clone() for k, v in state.items()}
+        except WeightVersionBad as e:
+            self.mark_bad(version, writer, str(e))
+            raise
+        finally:
+            self.unpin(writer, version)
+
+    def _read(self, version: int, manifest: WeightManifest) -> dict[str, torch.Tensor]:
+        """The verified tensors of ``version`` with tied aliases restored; DamagedFile if anything differs."""
+        rd = self.run_dir
+        if set(manifest.files) != {WEIGHT_TENSORS, WEIGHT_MODEL_CONFIG}:
+            raise DamagedFile(f"manifest lists {sorted(manifest.files)}, expected "
+                              f"{sorted([WEIGHT_TENSORS, WEIGHT_MODEL_CONFIG])}")
+        cfg = manifest.files[WEIGHT_MODEL_CONFIG]
+        check_file(rd.weight_file(version, WEIGHT_MODEL_CONFIG), cfg.size_bytes,
+                   cfg.hash_algorithm if self.verify else "", cfg.hash_hex)
+        entry = manifest.files[WEIGHT_TENSORS]
+        state = load_verified(rd.weight_file(version, WEIGHT_TENSORS), entry.size_bytes, entry.hash_algorithm,
+                              entry.hash_hex, verify=self.verify)
+        for alias, stored in manifest.aliases.items():
+            if stored not in state:
+                raise DamagedFile(f"alias {alias} -> {stored}, but {WEIGHT_TENSORS} has no {stored}")
+            state[alias] = state[stored]
+        return state

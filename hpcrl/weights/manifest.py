@@ -1,8 +1,18 @@
-"""The weight-version manifest: what makes ``weights/vNNNNNN/`` complete.
+"""The records of a weight version: its manifest (what makes ``weights/vNNNNNN/`` complete)
+and the marker a reader leaves on a damaged version.
 
-Written by the trainer, last, after the folder's files are durable and the folder
-is renamed into place; read by rollout jobs. A version folder without
-``manifest.json`` does not exist for readers.
+=====================  ===============================  ===========================================
+record                 written by                       read by
+=====================  ===============================  ===========================================
+``manifest.json``      trainer rank 0, last, after the  rollout jobs (which version, its budget
+(WeightManifest)       folder is durable and renamed    origin, sizes and hashes to verify);
+                                                        trainer (withdraw, retention)
+``bad.json``           a rollout job whose load found   every rollout job (never loads it again);
+(BadVersionMarker)     the version damaged              trainer (re-publishes); retention
+=====================  ===============================  ===========================================
+
+A version folder without ``manifest.json`` does not exist for readers. Both records
+are written tmp -> fsync -> rename (``hpcrl.fsio.write_json_atomic``).
 """
 from __future__ import annotations
 
@@ -11,25 +21,49 @@ from dataclasses import dataclass
 
 
 @dataclass
+class FileEntry:
+    """One file of a version folder, as the trainer wrote it."""
+
+    size_bytes: int
+    """File size; a reader that finds another size has a torn file (checked before hashing)."""
+    hash_algorithm: str
+    """``xxh3_128`` (what the trainer writes: computed while writing, fast enough to verify
+    on every load), ``sha256``, or ``""`` (not hashed: nothing to verify)."""
+    hash_hex: str
+    """Hex digest of the file's bytes under ``hash_algorithm``."""
+
+
+@dataclass
 class TensorEntry:
+    """One stored tensor (tied aliases are listed in :attr:`WeightManifest.aliases` instead)."""
+
     name: str
+    """HF parameter name (``model.layers.0.mlp.up_proj.weight``)."""
     dtype: str
+    """torch dtype without the ``torch.`` prefix (``bfloat16``)."""
     shape: list[int]
 
 
 @dataclass
 class WeightManifest:
+    """``weights/vNNNNNN/manifest.json``. Written by the trainer (rank 0) last; read by rollout
+    jobs before and while they load the version, and by the trainer's retention/withdraw."""
+
     param_version: int
-    """Policy version: 0 = initial model, +1 per K local updates."""
+    """Policy version: 0 = initial model, +1 per K local updates, and +1 when the trainer
+    re-publishes its current weights because its newest version was found damaged."""
     trainer_step: int
     """Local updates the trainer had made when it published this version."""
     consumed_groups: int
     """Groups the trainer had consumed (trained or dropped) when it published this
-    version. The admission budget of the rollout fleet is counted from here."""
-    files: dict[str, dict]
-    """File name -> {"size_bytes": int, "sha256": str} for every file in the folder."""
+    version. The rollout fleet's admission budget for this version is counted from here."""
+    files: dict[str, FileEntry]
+    """File name (``model.safetensors``, ``config.json``) -> size and hash; a reader verifies
+    every one before the version is used."""
     tensors: list[TensorEntry]
+    """What ``model.safetensors`` holds (informational: the file's own header is what is read)."""
     total_bytes: int
+    """Sum of ``files[*].size_bytes``."""
     published_s: float
     """Unix time the manifest was written."""
     aliases: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -40,6 +74,26 @@ class WeightManifest:
 
     @classmethod
     def from_json(cls, d: dict) -> "WeightManifest":
+        """Parse a manifest; TypeError/KeyError/ValueError for anything that is not one."""
         d = dict(d)
         d["tensors"] = [TensorEntry(**t) for t in d["tensors"]]
+        d["files"] = {name: FileEntry(**f) for name, f in d["files"].items()}
         return cls(**d)
+
+
+@dataclass
+class BadVersionMarker:
+    """``weights/vNNNNNN/bad.json``: the version is damaged. Written by the rollout job that
+    found it; read by every rollout job (skip it), the trainer (publish a new version) and
+    retention (it is not an intact version)."""
+
+    param_version: int
+    writer: str
+    """The rollout job's writer name (``w000``) that found the damage."""
+    reason: str
+    """What was wrong (``model.safetensors: 1234 bytes, manifest says 1244``)."""
+    time_s: float
+    """Unix time the damage was found."""
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
