@@ -22,8 +22,18 @@ IS_LEVELS = ("token", "sequence")
 RS_LEVELS = ("token", "sequence", "geometric")
 """``algorithm.rollout_correction.rollout_rs`` (hpcrl/trainer/offpolicy.py)."""
 
-REWARD_NAMES = ("toy_copy", "token_match", "exact_match", "last_number")
+REWARD_NAMES = ("toy_copy", "token_match", "exact_match", "last_number", "math_verify", "gsm8k")
 """``reward.name``: the built-in rule-based rewards (hpcrl/rollout/rewards.py)."""
+
+TRUNCATIONS = ("filter", "left", "right", "error")
+"""``data.truncation``: what happens to a prompt longer than ``data.max_prompt_length``
+(hpcrl/rollout/data.py)."""
+
+LOGGING_BACKENDS = ("jsonl", "tensorboard", "wandb")
+"""``logging.backends`` (hpcrl/trackers.py); ``jsonl`` is always written."""
+
+WANDB_MODES = ("offline", "online")
+"""``logging.wandb_mode``."""
 
 ENGINES = ("transformers",)
 """``rollout.engine`` (hpcrl/rollout/)."""
