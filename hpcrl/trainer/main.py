@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from hpcrl.control import termination
+from hpcrl.control.fatal import fatal_inputs
 from hpcrl.control.preemption import PreemptionFlag, requeue_self
 from hpcrl.control.records import HeartbeatState, HeartbeatThread, TrainerDone, describe_heartbeats
 from hpcrl.fsio import write_json_atomic
@@ -85,7 +86,8 @@ class TrainerJob:
         torch.manual_seed(cfg.model.seed)
         torch.set_num_threads(cfg.trainer.torch_threads)
         path = self.run_dir.model_dir(cfg.model.path)
-        policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        with fatal_inputs(self.run_dir, RunDir.trainer_job(self.rank), f"loading the model {path}"):
+            policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         self.model_config_json = policy.config.to_json_string()
         self.pad_id = policy.config.pad_token_id if policy.config.pad_token_id is not None else 0
         model = PolicyWithValueHead(policy, value_head=cfg.algorithm.adv_estimator == "gae")
