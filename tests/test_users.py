@@ -118,8 +118,12 @@ def test_verl_format_run_learns_through_the_launcher(tmp_path):
     assert "chat template on" in out.stdout and "compute_score from" in out.stdout
     assert f"next: hpcrl report {run}" in out.stdout and "eta " in out.stdout
     from hpcrl.logs import read_metrics
+    from hpcrl.metric_names import COUNTERS
 
-    r = read_metrics(RunDir(run))["reward/mean"].to_numpy()
+    m = read_metrics(RunDir(run))
+    assert m[list(COUNTERS)].notna().all().all(), "every counter (corrupt_groups_skipped too) in every row"
+    assert (m["fully_async/count/corrupt_groups_skipped"] == 0).all()
+    r = m["reward/mean"].to_numpy()
     k = len(r) // 5
     first, last = float(r[:k].mean()), float(r[-k:].mean())
     print(f"verl-format run: reward first fifth {first:.3f}, last fifth {last:.3f} ({len(r)} updates)")
@@ -184,3 +188,51 @@ def test_ctrl_c_cancels_quietly_and_the_jobs_read_stopped(tmp_path):
     assert "jobs stopped; resume later with `hpcrl run --resume" in out
     beats = {job: json.loads(rd.heartbeat(job).read_text())["state"] for job in ("trainer", "rollout-w000")}
     assert beats == {"trainer": "stopped", "rollout-w000": "stopped"}, beats
+
+
+def test_cli_rough_edges(tmp_path, capsys, monkeypatch):
+    """Each answers in one line on stderr with exit 2, and creates nothing."""
+    run = str(tmp_path / "run")
+    cases = [
+        (["run", "--run-dir", run, "--executor", "local"], "no CONFIG given"),
+        (["trainer", str(tmp_path)], "is not an hpcrl run directory"),
+        (["rollout", str(tmp_path)], "is not an hpcrl run directory"),
+        (["report", str(tmp_path)], str(tmp_path)),  # no --out needed: the run is what is wrong
+    ]
+    for argv, fragment in cases:
+        assert cli_main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert fragment in err and "Traceback" not in err and "required" not in err, (argv, err)
+        assert not (tmp_path / "run").exists()
+    monkeypatch.setenv("PATH", str(tmp_path))  # no Slurm commands
+    assert cli_main(["run", str(TINY), "--run-dir", run, "--executor", "slurm"]) == 2
+    err = capsys.readouterr().err
+    assert "sbatch" in err and "--executor local" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists(), "nothing may be created when submission is impossible"
+    monkeypatch.undo()
+    with pytest.raises(SystemExit) as e:
+        cli_main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("hpcrl ")
+
+
+def test_dry_run_on_an_existing_run_reports_the_conflict(tmp_path, capsys):
+    from conftest import make_run
+
+    rd = make_run(tmp_path)
+    assert cli_main(["run", str(TINY), "--run-dir", str(rd.root), "--dry-run"]) == 2
+    assert "already holds a run; pass --resume" in capsys.readouterr().err
+
+
+def test_dry_run_into_a_closed_pipe_ends_quietly(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "hpcrl", "run", str(TINY), "--run-dir", str(tmp_path / "r"),
+                             "--dry-run"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # like `| head -1` once head has exited
+    err = proc.communicate(timeout=120)[1].decode()
+    assert proc.returncode == 0 and "BrokenPipeError" not in err and "Traceback" not in err, err
+
+
+def test_submit_sh_with_a_python_without_hpcrl_says_so(tmp_path):
+    out = subprocess.run(["bash", str(REPO / "sbatch" / "submit.sh"), "--dry-run", str(TINY), str(tmp_path / "r")],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=60,
+                         env={"PATH": "/usr/bin:/bin", "HPCRL_PYTHON": "/usr/bin/python3"})
+    assert out.returncode == 1 and "cannot import hpcrl" in out.stderr and "HPCRL_PYTHON" in out.stderr, out.stderr
