@@ -112,7 +112,8 @@ def test_verl_format_run_learns_through_the_launcher(tmp_path):
     (tmp_path / "reward.py").write_text(USER_REWARD)
     run = tmp_path / "run"
     out = hpcrl("run", TINY, f"model.path={folder}", f"data.source={src}", f"reward.path={tmp_path / 'reward.py'}",
-                "data.max_prompt_length=16", "rollout.total_rollout_steps=720", "--run-dir", run,
+                "data.max_prompt_length=16", "rollout.total_rollout_steps=720", "logging.backends=[jsonl,tensorboard,wandb]",
+                "--run-dir", run,
                 "--executor", "local", "--timeout-min", "5", timeout=400)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "chat template on" in out.stdout and "compute_score from" in out.stdout
@@ -130,6 +131,50 @@ def test_verl_format_run_learns_through_the_launcher(tmp_path):
     assert last > first + 0.25, f"reward did not rise: {first:.3f} -> {last:.3f}"
     rows = [json.loads(x) for x in (run / "logs" / "rollout-w000.jsonl").read_text().splitlines()]
     assert all("reward/errors" in x and "reward_extra/exact" in x for x in rows)
+    # the same metric names, read back by TensorBoard's and W&B's own libraries
+    tb = tensorboard_scalars(RunDir(run).tensorboard, "reward/mean")
+    assert [s for s, _ in tb] == list(m["step"]) and np.allclose([v for _, v in tb], m["reward/mean"])
+    wb = wandb_history(run / "logs" / "wandb", "reward/mean")
+    assert len(wb) == len(m) and np.allclose(wb, m["reward/mean"])
+
+
+def tensorboard_scalars(folder, tag):
+    """(step, value) of one scalar, read by TensorBoard's event reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+def wandb_history(folder, key):
+    """The values of ``key`` in an offline W&B run: the ``.wandb`` file is a LevelDB-style log of
+    W&B's protobuf Records; wandb 0.31 ships no Python reader for it (its Go core reads it), so the
+    32 kB block framing is undone here and each record parsed with wandb's own protobuf classes."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    path = next(folder.glob("offline-run-*/run-*.wandb"))
+    data = path.read_bytes()
+    pos, block, record, out = 7, 32768, b"", []  # 7-byte W&B header
+    while pos + 7 <= len(data):
+        room = block - pos % block
+        if room < 7:
+            pos += room
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        record += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST
+            r = pb.Record()
+            r.ParseFromString(record)
+            if r.WhichOneof("record_type") == "history":
+                out += [json.loads(i.value_json) for i in r.history.item if (i.key or "/".join(i.nested_key)) == key]
+            record = b""
+        elif kind == 0:
+            break
+    return out
 
 
 BROKEN_REWARD = "import no_such_module_here\n\ndef compute_score(*a):\n    return 0.0\n"

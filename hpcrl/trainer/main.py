@@ -42,6 +42,7 @@ from hpcrl.fsio import write_json_atomic
 from hpcrl.logs import MetricsLog, StalenessLog, log_size, setup_logging, truncate_to
 from hpcrl.run_dir import RunDir
 from hpcrl.samples.reader import SampleReader
+from hpcrl.trackers import open_trackers
 from hpcrl.samples.schema import Group
 from hpcrl.trainer import checkpoint
 from hpcrl.trainer.batch import build_batch
@@ -129,7 +130,7 @@ class TrainerJob:
         self.state = state or checkpoint.TrainerState()
         if self.rank == 0:
             self.reader = SampleReader(rd, cursor=self.state.cursor)
-            self.metrics = MetricsLog(rd.metrics)
+            self.metrics = MetricsLog(rd.metrics, trackers=open_trackers(self.cfg, rd))
             self.staleness = StalenessLog(rd)
         if self.state.param_version not in published_versions(rd):
             self._publish(self.state.param_version)
