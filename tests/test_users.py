@@ -136,6 +136,10 @@ def test_verl_format_run_learns_through_the_launcher(tmp_path):
     assert [s for s, _ in tb] == list(m["step"]) and np.allclose([v for _, v in tb], m["reward/mean"])
     wb = wandb_history(run / "logs" / "wandb", "reward/mean")
     assert len(wb) == len(m) and np.allclose(wb, m["reward/mean"])
+    # the report, with no --out: into RUN/report, training curves included
+    rep = hpcrl("report", run, timeout=300)
+    assert rep.returncode == 0, rep.stderr
+    assert (run / "report" / "run" / "training.png").stat().st_size > 10_000
 
 
 def tensorboard_scalars(folder, tag):
