@@ -1,5 +1,5 @@
 import sys
 
-from hpcrl.cli import main
+from hpcrl.cli import entry
 
-sys.exit(main())
+sys.exit(entry())

@@ -3,7 +3,7 @@
     hpcrl run CONFIG [key=value ...] --run-dir DIR [--executor local|slurm|auto] [--dry-run] [--resume]
     hpcrl trainer RUN_DIR                 # job entry points (used by sbatch/ scripts)
     hpcrl rollout RUN_DIR --writer-rank W
-    hpcrl report RUN_DIR [RUN_DIR ...] --out DIR   # offline report (hpcrl/analysis/)
+    hpcrl report RUN_DIR [RUN_DIR ...] [--out DIR] # offline report (default: RUN_DIR/report)
     hpcrl status RUN_DIR [--interval-s 5] [--once] # live view from the login node
     hpcrl summary RUN_DIR                          # per-version table of the staleness log
 """
@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
+from hpcrl import __version__
 from hpcrl.config import ConfigError, dump_config, load_config
 
 
@@ -31,14 +33,18 @@ def _cmd_run(a) -> int:
         print(f"# R={cfg.groups_per_update} groups per update, K={cfg.async_training.trigger_parameter_sync_step}, "
               f"budget B={cfg.admission_budget} groups per version, {cfg.total_updates} updates, "
               f"max lag bound {cfg.max_lag_bound}")
+        for note in plan.notes:
+            print(f"# {note}")
         for job in plan.jobs:
             print("would submit " + job.describe())
         print("# resolved config:")
         print(dump_config(cfg), end="")
         return 0
+    for note in plan.notes:
+        print(note)
     try:
-        run = launch(plan, resume=a.resume, emit=print)
-    except ConfigError as e:
+        run = launch(plan, resume=a.resume, emit=lambda line: print(line, flush=True))
+    except (ConfigError, ValueError, OSError) as e:  # submission refused: nothing is left behind
         print(f"hpcrl: error: {e}", file=sys.stderr)
         return 2
     print(f"submitted ({kind}): " + ", ".join(f"{n}={j.job_id}" for n, j in run.jobs.items()) + f"; run dir {run.rd.root}",
@@ -47,8 +53,13 @@ def _cmd_run(a) -> int:
     try:
         return 0 if run.wait(timeout_s) else 1
     except KeyboardInterrupt:
-        print("interrupted: cancelling the run's jobs (resume later with --resume)", file=sys.stderr)
-        run.cancel()
+        print("interrupted: cancelling the run's jobs ...", file=sys.stderr, flush=True)
+        try:
+            ended = run.cancel(wait_s=60)
+        except KeyboardInterrupt:  # a second Ctrl-C: stop waiting (the jobs have their SIGTERM)
+            ended = False
+        print(f"{'jobs stopped' if ended else 'jobs told to stop'}; resume later with "
+              f"`hpcrl run --resume --run-dir {run.rd.root}`", file=sys.stderr)
         return 130
 
 
@@ -78,7 +89,8 @@ def add_analysis_commands(sub) -> None:
                         description="Read run directories (only) and write DIR/report.md, DIR/report.html and PNG "
                                     "plots; several runs get a side-by-side table and overlaid curves.")
     rp.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (--run-dir of `hpcrl run`)")
-    rp.add_argument("--out", required=True, metavar="DIR", help="folder for report.md, report.html and the plots")
+    rp.add_argument("--out", default=None, metavar="DIR",
+                    help="folder for report.md, report.html and the plots (default: RUN_DIR/report of the first run)")
     st = sub.add_parser("status", help="live plain-text view of a run (login node, ssh)",
                         description="Refresh a plain-text view of the run's jobs until the trainer finishes. "
                                     "Exit 0 finished (or running, with --once), 1 stopped unfinished, 2 not a run.")
@@ -121,8 +133,10 @@ def run_analysis_command(a: argparse.Namespace) -> int:
     from hpcrl.analysis.recommend import recommend_run
     from hpcrl.analysis.report import build_report
 
+    from hpcrl.run_dir import RunDir
+
     try:
-        rep = build_report(a.run_dirs, a.out)
+        rep = build_report(a.run_dirs, a.out or RunDir(a.run_dirs[0]).report)
     except RunFormatError as e:
         print(f"hpcrl report: error: {e}", file=sys.stderr)
         return 2
@@ -138,6 +152,7 @@ def run_analysis_command(a: argparse.Namespace) -> int:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="hpcrl", description="asynchronous RL post-training on Slurm")
+    p.add_argument("--version", action="version", version=f"hpcrl {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="launch a run (trainer + rollout jobs) and follow it")
     r.add_argument("config", nargs="?", help="YAML config, e.g. configs/tiny.yaml (omit with --resume)")
@@ -178,6 +193,13 @@ def main(argv=None) -> int:
         return _cmd_run(a)
     if a.cmd == "sbatch-lines":
         return _cmd_sbatch_lines(a)
+    from hpcrl.run_dir import RunDir
+
+    if not RunDir(a.run_dir).config_path.is_file():
+        print(f"hpcrl {a.cmd}: error: {a.run_dir} is not an hpcrl run directory (no frozen config); "
+              "start a run with `hpcrl run CONFIG --run-dir DIR` (or prepare one with `hpcrl sbatch-lines`)",
+              file=sys.stderr)
+        return 2
     if a.cmd == "trainer":
         from hpcrl.trainer.main import trainer_main
 
@@ -189,5 +211,17 @@ def main(argv=None) -> int:
     return 0
 
 
+def entry(argv=None) -> int:
+    """``main`` for the console script and ``python -m hpcrl``: a closed pipe (``| head``) ends
+    the command quietly, as it does for other Unix tools."""
+    try:
+        rc = main(argv)
+        sys.stdout.flush()
+        return rc
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())

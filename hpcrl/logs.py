@@ -126,18 +126,24 @@ def read_metrics(run_dir: os.PathLike | str | RunDir):
 
 
 class MetricsLog:
-    """An append-only JSONL log of metric rows (trainer metrics, a rollout job's per-version rows)."""
+    """An append-only JSONL log of metric rows (trainer metrics, a rollout job's per-version rows),
+    optionally also sent to experiment trackers (:mod:`hpcrl.trackers`)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, trackers=None):
         self._out = JsonlAppender(path)
+        self._trackers = trackers
 
     def write(self, row: dict) -> None:
-        """Append one row, durably."""
+        """Append one row, durably; then hand it to the trackers."""
         self._out.append(row)
+        if self._trackers is not None:
+            self._trackers.log(row)
 
     def close(self) -> None:
-        """Close the file."""
+        """Close the file and the trackers."""
         self._out.close()
+        if self._trackers is not None:
+            self._trackers.close()
 
 
 def setup_logging(job: str, level: str = "INFO", log_file: Path | None = None) -> None:

@@ -74,6 +74,11 @@ LOAD_WEIGHTS_S = "timing_s/load_weights"
 ROLLOUT_REWARD_MEAN = "reward_mean"
 """Mean trajectory reward of the groups generated with this version."""
 
+REWARD_ERRORS = "reward/errors"
+"""Responses whose reward function raised (each got reward 0; logged with its sample id)."""
+REWARD_EXTRA_PREFIX = "reward_extra/"
+"""+ key: mean over the version's responses of a number a reward function returned besides ``score``."""
+
 ROLLOUT_COLUMNS = (WRITER, PARAM_VERSION, GROUPS, TOKENS, WALL_S, ROLLOUT_IDLE_RATIO, LOAD_WEIGHTS_S, TOKENS_PER_S,
                    TIME_S)
 """Columns every rollout row has (the report needs them)."""

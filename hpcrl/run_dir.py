@@ -12,8 +12,10 @@ Layout (DESIGN.md)::
       weights/v000007/bad.json     the version is damaged: never loaded again     (rollout job)
       control/heartbeat/<job>.json, control/loading/<writer>.json, control/admission.json,
       control/skipped_shards.jsonl, ...
+      control/fatal.json           an error no restart can fix                  (any job)
       checkpoints/<tag>/, checkpoints/latest.json                               (trainer)
-      logs/metrics.jsonl, logs/staleness.jsonl, logs/rollout-<writer>.jsonl, logs/jobs/<job>.log
+      logs/metrics.jsonl, logs/staleness.jsonl, logs/rollout-<writer>.jsonl, logs/jobs/<job>.log,
+      logs/tensorboard/, logs/wandb/  (logging.backends)                        (trainer)
 
 Names: rollout job ``w`` of a run writes samples as writer ``w000`` (:meth:`RunDir.writer_name`)
 and runs as job ``rollout-w000`` (:meth:`RunDir.rollout_job`); the trainer's rank 0 is job
@@ -104,8 +106,8 @@ class RunDir:
         return self.root / "base_model"
 
     def model_dir(self, model_path: str) -> Path:
-        """The folder of ``model.path``: ``base_model/`` for ``builtin:tiny``, else the path itself."""
-        return self.base_model if model_path == "builtin:tiny" else Path(model_path)
+        """The folder of ``model.path``: ``base_model/`` for ``builtin:tiny``, else the path itself (``~`` expanded)."""
+        return self.base_model if model_path == "builtin:tiny" else Path(model_path).expanduser()
 
     @property
     def sbatch_dir(self) -> Path:
@@ -220,6 +222,12 @@ class RunDir:
         return self.control / "skipped_shards.jsonl"
 
     @property
+    def fatal(self) -> Path:
+        """``control/fatal.json``: a job's error that a restart would only repeat (the launcher
+        stops the run at once instead of resubmitting)."""
+        return self.control / "fatal.json"
+
+    @property
     def trainer_done(self) -> Path:
         return self.control / "trainer_done.json"
 
@@ -261,6 +269,16 @@ class RunDir:
         return out
 
     @property
+    def tensorboard(self) -> Path:
+        """``logs/tensorboard/``: the trainer's TensorBoard event files (logging.backends)."""
+        return self.logs / "tensorboard"
+
+    @property
+    def wandb_init_dir(self) -> Path:
+        """``logs/``: the ``dir`` given to ``wandb.init``, which writes its run under ``logs/wandb/``."""
+        return self.logs
+
+    @property
     def job_logs(self) -> Path:
         return self.logs / "jobs"
 
@@ -271,6 +289,11 @@ class RunDir:
     def job_log(self, job: str) -> Path:
         """The Python log of one job (rank): ``logs/jobs/<job>.log``."""
         return self.job_logs / f"{job}.log"
+
+    @property
+    def report(self) -> Path:
+        """``report/``: where ``hpcrl report RUN`` writes when no ``--out`` is given."""
+        return self.root / "report"
 
     # ---- life cycle
     def create(self) -> "RunDir":

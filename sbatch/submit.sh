@@ -15,8 +15,16 @@ if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
 CONFIG="${1:?usage: $0 [--dry-run] CONFIG RUN_DIR [key=value ...]}"
 RUN_DIR="${2:?usage: $0 [--dry-run] CONFIG RUN_DIR [key=value ...]}"
 shift 2
-PYTHON="${HPCRL_PYTHON:-$(command -v python3)}"
 HERE="$(cd "$(dirname "$0")" && pwd)"
+# The python that has hpcrl installed: HPCRL_PYTHON, else the repository's .venv (install.sh), else python3.
+if [ -n "${HPCRL_PYTHON:-}" ]; then PYTHON="$HPCRL_PYTHON"
+elif [ -x "$HERE/../.venv/bin/python" ]; then PYTHON="$HERE/../.venv/bin/python"
+else PYTHON="$(command -v python3)"; fi
+if ! err="$("$PYTHON" -c 'import hpcrl.cli, h5py, submitit' 2>&1)"; then
+  echo "submit.sh: $PYTHON cannot import hpcrl ($(echo "$err" | tail -n 1)); run ./install.sh and" \
+       "'source .venv/bin/activate', or set HPCRL_PYTHON=/path/to/.venv/bin/python" >&2
+  exit 1
+fi
 
 if [ "$DRY" = 1 ]; then
   exec "$PYTHON" -m hpcrl sbatch-lines "$CONFIG" "$@" --run-dir "$RUN_DIR" --scripts "$HERE" --dry-run

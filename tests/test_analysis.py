@@ -30,7 +30,7 @@ from hpcrl.logs import read_jsonl_frame
 from hpcrl.cli import main
 
 RUN_PLOTS = ["lag_distribution.png", "lag_over_time.png", "partial_spans.png", "idle_ratios.png", "timeline.png",
-             "throughput.png", "reward.png", "drops.png"]
+             "throughput.png", "reward.png", "training.png", "drops.png"]
 COMPARE_PLOTS = ["compare_reward.png", "compare_lag.png", "compare_idle.png", "compare_progress.png"]
 
 
@@ -249,7 +249,7 @@ def test_every_plot_exists_and_is_a_valid_png(report):
             im.verify()
         with Image.open(path) as im:
             assert im.format == "PNG" and im.size[0] >= 600 and im.size[1] >= 300, (rel, im.size)
-    assert "20 plots" in res.stdout
+    assert "22 plots" in res.stdout
 
 
 def test_recommendation_states_the_idle_ratios_it_used(runs, report):

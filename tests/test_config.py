@@ -7,6 +7,7 @@ from hpcrl.cli import main as cli_main
 from hpcrl.config import ConfigError, load_config
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 
 
 def test_there_are_configs():
@@ -21,7 +22,7 @@ def test_every_config_file_parses_and_validates(path):
 
 
 def test_overrides_apply_with_types():
-    cfg = load_config(CONFIGS[0], ["async_training.staleness_threshold=0.5", "rollout.n=4",
+    cfg = load_config(TINY, ["async_training.staleness_threshold=0.5", "rollout.n=4",
                                    "async_training.max_staleness=null"])
     assert cfg.async_training.staleness_threshold == 0.5 and cfg.rollout.n == 4
     assert cfg.async_training.max_staleness is None
@@ -35,8 +36,13 @@ def test_overrides_apply_with_types():
     (["actor.ppo_micro_batch_size=3"], "a multiple of trainer ranks"),
     (["rollout.total_rollout_steps=2"], "at least R"),
     (["rollout.temperature=0.7"], "equal to rollout.temperature"),
-    (["data.source=/nonexistent/prompts.jsonl"], "existing file"),
-    (["model.path=/nonexistent/model"], "config.json"),
+    (["data.source=/data/prompts.csv"], "a .jsonl/.parquet file"),
+    (["data.truncation=middle"], "'filter'"),
+    (["data.max_prompt_length=0"], "data.max_prompt_length"),
+    (["reward.path=/my/reward.txt"], "a .py file"),
+    (["reward.name=gsm9k"], "'math_verify'"),
+    (["logging.backends=[tensorboard, mlflow]"], "'wandb'"),
+    (["logging.wandb_mode=cloud"], "'offline'"),
     (["async_training.partial_rollout=true"], "not implemented"),
     (["nosuchsection.x=1"], "known keys"),
     (["algorithm.adv_estimator=ppo"], "'reinforce_plus_plus'"),
@@ -72,13 +78,13 @@ def test_overrides_apply_with_types():
 ])
 def test_bad_values_are_refused_with_a_clear_message(override, fragment):
     with pytest.raises(ConfigError) as e:
-        load_config(CONFIGS[0], override)
+        load_config(TINY, override)
     assert fragment in str(e.value)
     assert "config" in str(e.value) or "override" in str(e.value)
 
 
 def test_algorithm_options_parse_with_verl_names():
-    cfg = load_config(CONFIGS[0], ["algorithm.adv_estimator=gae", "algorithm.lam=0.95", "algorithm.use_kl_in_reward=true",
+    cfg = load_config(TINY, ["algorithm.adv_estimator=gae", "algorithm.lam=0.95", "algorithm.use_kl_in_reward=true",
                                    "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.target_kl=0.05",
                                    "async_training.compute_prox_log_prob=true",
                                    "algorithm.rollout_correction.rollout_is=sequence",
@@ -88,12 +94,12 @@ def test_algorithm_options_parse_with_verl_names():
     assert cfg.algorithm.kl_ctrl.type == "adaptive" and cfg.algorithm.rollout_correction.rollout_is == "sequence"
     assert cfg.actor.clip_ratio_c is None and cfg.needs_reference and cfg.uses_prox_log_prob
     # use_rollout_log_probs=false also gives proximal log-probs (the trainer recomputes the anchor)
-    assert load_config(CONFIGS[0], ["async_training.use_rollout_log_probs=false",
+    assert load_config(TINY, ["async_training.use_rollout_log_probs=false",
                                     "algorithm.rollout_correction.rollout_is=token"]).uses_prox_log_prob
 
 
 def test_derived_budget_matches_design():
-    cfg = load_config(CONFIGS[0], ["actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size=2",
+    cfg = load_config(TINY, ["actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size=2",
                                    "async_training.require_batches=2", "async_training.trigger_parameter_sync_step=3",
                                    "async_training.staleness_threshold=0.5"])
     assert cfg.groups_per_update == 8 and cfg.groups_per_version == 24
@@ -102,7 +108,7 @@ def test_derived_budget_matches_design():
 
 
 def test_cli_bad_config_fails_before_submitting(tmp_path, capsys):
-    rc = cli_main(["run", str(CONFIGS[0]), "rollout.n=1", "--run-dir", str(tmp_path / "r"), "--executor", "local"])
+    rc = cli_main(["run", str(TINY), "rollout.n=1", "--run-dir", str(tmp_path / "r"), "--executor", "local"])
     assert rc == 2
     err = capsys.readouterr().err
     assert "rollout.n" in err and "Traceback" not in err
@@ -110,7 +116,7 @@ def test_cli_bad_config_fails_before_submitting(tmp_path, capsys):
 
 
 def test_cli_dry_run_prints_jobs_and_submits_nothing(tmp_path, capsys):
-    rc = cli_main(["run", str(CONFIGS[0]), "--run-dir", str(tmp_path / "r"), "--executor", "local", "--dry-run"])
+    rc = cli_main(["run", str(TINY), "--run-dir", str(tmp_path / "r"), "--executor", "local", "--dry-run"])
     assert rc == 0
     out = capsys.readouterr().out
     assert "would submit trainer" in out and "would submit rollout-w000" in out
@@ -118,7 +124,27 @@ def test_cli_dry_run_prints_jobs_and_submits_nothing(tmp_path, capsys):
 
 
 def test_cli_accepts_overrides_after_the_options(tmp_path, capsys):
-    rc = cli_main(["run", str(CONFIGS[0]), "--run-dir", str(tmp_path / "r"), "--dry-run", "rollout.n=4"])
+    rc = cli_main(["run", str(TINY), "--run-dir", str(tmp_path / "r"), "--dry-run", "rollout.n=4"])
     assert rc == 0 and "n: 4" in capsys.readouterr().out
     with pytest.raises(SystemExit):
-        cli_main(["run", str(CONFIGS[0]), "--run-dir", str(tmp_path / "r"), "--dry-run", "--bogus"])
+        cli_main(["run", str(TINY), "--run-dir", str(tmp_path / "r"), "--dry-run", "--bogus"])
+
+
+def test_unknown_key_suggests_the_nearest_known_one():
+    with pytest.raises(ConfigError, match=r"did you mean async_training\.staleness_threshold\?"):
+        load_config(TINY, ["async_training.staleness_treshold=0.5"])
+    with pytest.raises(ConfigError, match=r"did you mean rollout\?"):
+        load_config(TINY, ["rollot.n=4"])
+
+
+def test_paths_are_checked_at_launch_not_at_parse(tmp_path, capsys):
+    """A shipped config may hold a placeholder model path: it parses; launching it (even a dry
+    run) says what is missing in one line and creates nothing."""
+    cfg = load_config(TINY, ["model.path=/path/to/your/model", "data.source=/nowhere/train.parquet"])
+    assert cfg.model.path == "/path/to/your/model"
+    for override, fragment in (("model.path=/path/to/your/model", "existing local HF model folder"),
+                               ("data.source=/nowhere/train.parquet", "does not exist")):
+        rc = cli_main(["run", str(TINY), override, "--run-dir", str(tmp_path / "r"), "--dry-run"])
+        err = capsys.readouterr().err
+        assert rc == 2 and fragment in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "r").exists()

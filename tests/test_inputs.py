@@ -18,8 +18,9 @@ def test_jsonl_and_parquet_prompt_files(tmp_path):
     (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     pd.DataFrame(rows).to_parquet(tmp_path / "p.parquet")
     for name in ("p.jsonl", "p.parquet"):
-        got = load_rows(DataConfig(source=str(tmp_path / name), prompt_key="question"), answer_len=8)
-        assert got == [{"prompt": r["question"], "answer": r["answer"]} for r in rows]
+        got = load_rows(DataConfig(source=str(tmp_path / name), prompt_key="question", answer_key="answer"), answer_len=8)
+        assert got == [{"prompt": r["question"], "answer": r["answer"], "data_source": "", "extra_info": None}
+                       for r in rows]
 
 
 def test_prompt_stream_covers_every_row_once_per_epoch():
@@ -58,16 +59,20 @@ def test_torn_last_row_of_the_staleness_log_is_skipped(tmp_path):
     assert list(st.sample_id) == ["w000/0/0"]
 
 
-def test_launcher_reports_a_failing_job_and_exits_nonzero(tmp_path):
-    broken = tmp_path / "broken_model"
-    broken.mkdir()
-    (broken / "config.json").write_text("{}")  # passes the path check, fails to load in the jobs
-    out = subprocess.run([sys.executable, "-m", "hpcrl", "run", str(TINY), f"model.path={broken}", "resources.max_restarts=1",
-                          "timeouts.wait_weights_s=30", "--run-dir", str(tmp_path / "run"), "--executor", "local",
-                          "--timeout-min", "5"], capture_output=True, text=True, cwd=REPO, timeout=400)
+def test_a_model_the_jobs_cannot_load_stops_the_run_at_once(tmp_path):
+    """config.json, weights and tokenizer are there (the launch check passes) but the model does not
+    load: every restart would fail the same way, so the run stops at once with one line."""
+    from hpcrl.tiny.model import build_tiny_model
+
+    broken = build_tiny_model(tmp_path / "broken_model")
+    (broken / "config.json").write_text("{}")
+    out = subprocess.run([sys.executable, "-m", "hpcrl", "run", str(TINY), f"model.path={broken}", "resources.max_restarts=3",
+                          "--run-dir", str(tmp_path / "run"), "--executor", "local", "--timeout-min", "5"],
+                         capture_output=True, text=True, cwd=REPO, timeout=400)
     assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
-    assert "resubmitting (restart 1/1)" in out.stdout and "restart budget" in out.stdout
-    assert "(last lines)" in out.stdout and "Error" in out.stdout  # the failing job's log tail
+    stopped = [line for line in out.stdout.splitlines() if line.startswith("run stopped:")]
+    assert len(stopped) == 1 and "loading the model" in stopped[0], out.stdout[-2000:]
+    assert "resubmitting" not in out.stdout and "Traceback" not in out.stdout + out.stderr
 
 
 def test_python_api_launch_status_wait(tmp_path):

@@ -34,7 +34,9 @@ def reward(runs: list[RunData], out: Path) -> Path:
     b.set_xlabel("trainer update (step)")
     for x in (a, b):
         x.set_ylabel("mean reward per update (rolling mean)")
-        x.legend(loc="upper left", fontsize=9)
+    handles, labels = b.get_legend_handles_labels()
+    if handles:  # below the axes: rising reward curves fill the upper left, where the legend used to be
+        fig.legend(handles, labels, loc="outside lower center", fontsize=9, ncols=min(len(handles), 3))
     a.set_title("against wall time", fontsize=10)
     b.set_title("against updates", fontsize=10)
     fig.suptitle("Reward, runs overlaid")

@@ -84,10 +84,12 @@ def lag_distribution(data: RunData, out: Path) -> Path:
             a.set_xlim(-0.6, top + 0.6)
             if bound is not None:
                 a.axvline(bound + 0.4, color="k", ls="--", lw=1, label=f"admission bound: lag <= {bound}")
-                a.legend(loc="upper center", fontsize=9)
         a.set_xlabel("lag = trainer version at consumption - generating version (versions)")
         a.set_ylabel(f"% of {what.split(' (')[0]}")
         a.set_title(f"{what}; numbers on bars = {count}", fontsize=10)
+    handles, labels = ax[0, 0].get_legend_handles_labels()
+    if handles:  # below the axes: at s=0 the one bar reaches the top, where an inner legend would sit on it
+        fig.legend(handles, labels, loc="outside lower center", fontsize=9)
     fig.suptitle(f"Lag distribution - {label(data)}")
     return save(fig, out)
 

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hpcrl.analysis import compare, plots, tables
+from hpcrl.analysis import compare, plots, tables, training_plots
 from hpcrl.analysis.doc import Doc
 from hpcrl.analysis.load import RunData, load_run
 from hpcrl.analysis.recommend import recommend_run
@@ -58,6 +58,10 @@ def _plot(doc: Doc, rep: Report, draw, out: Path, rel: str, alt: str, *args) -> 
         doc.para(f"(plot `{out.name}` could not be drawn: {e!r})")
 
 
+ALL_PLOTS = {**plots.PLOTS, **training_plots.PLOTS}
+"""Every per-run plot, by file name."""
+
+
 class _Section:
     """Context for one run's sections: where its plots go and how they are linked."""
 
@@ -65,7 +69,7 @@ class _Section:
         self.doc, self.rep, self.d, self.out_dir = doc, rep, d, out_dir
 
     def img(self, name: str, alt: str) -> None:
-        _plot(self.doc, self.rep, plots.PLOTS[name], self.out_dir / self.d.name / name, f"{self.d.name}/{name}", alt,
+        _plot(self.doc, self.rep, ALL_PLOTS[name], self.out_dir / self.d.name / name, f"{self.d.name}/{name}", alt,
               self.d)
 
 
@@ -137,6 +141,10 @@ def _reward(x: _Section) -> None:
     x.img("reward.png", "reward against version and wall time")
 
 
+def _training(x: _Section) -> None:
+    x.img("training.png", "loss, KL, entropy, gradient norm, clip fraction and response length per update")
+
+
 def _drops(x: _Section) -> None:
     d, doc = x.d, x.doc
     dt = tables.drops_table(d)
@@ -151,7 +159,7 @@ def _drops(x: _Section) -> None:
 
 SECTIONS = [("Lag", _lag), ("Partial rollout spans", _partial), ("Idle ratios per version", _idle),
             ("Timeline: generation, training, weight sync", _timeline), ("Throughput and queue", _throughput),
-            ("Reward", _reward), ("Samples dropped", _drops)]
+            ("Reward", _reward), ("Training curves", _training), ("Samples dropped", _drops)]
 
 
 def _run_section(doc: Doc, rep: Report, d: RunData, out_dir: Path, level: int) -> None:

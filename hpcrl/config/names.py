@@ -35,8 +35,18 @@ RS_RETIRED = {"token": "token_k1", "sequence": "seq_sum_k1", "geometric": "seq_m
 """verl 0.6's ``rollout_rs`` levels, refused with the 0.9.1 option that replaces each (the README
 translates the bounds: 0.9.1's k1 bounds apply to 1/rho)."""
 
-REWARD_NAMES = ("toy_copy", "token_match", "exact_match", "last_number")
+REWARD_NAMES = ("toy_copy", "token_match", "exact_match", "last_number", "math_verify", "gsm8k")
 """``reward.name``: the built-in rule-based rewards (hpcrl/rollout/rewards.py)."""
+
+TRUNCATIONS = ("filter", "left", "right", "error")
+"""``data.truncation``: what happens to a prompt longer than ``data.max_prompt_length``
+(hpcrl/rollout/data.py)."""
+
+LOGGING_BACKENDS = ("jsonl", "tensorboard", "wandb")
+"""``logging.backends`` (hpcrl/trackers.py); ``jsonl`` is always written."""
+
+WANDB_MODES = ("offline", "online")
+"""``logging.wandb_mode``."""
 
 ENGINES = ("transformers",)
 """``rollout.engine`` (hpcrl/rollout/)."""

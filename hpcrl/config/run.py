@@ -13,6 +13,7 @@ keep verl's names (``fully_async_policy``) so users can move their settings acro
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 import typing
@@ -130,7 +131,9 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     unknown = sorted(set(data) - names)
     if unknown:
         key = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
-        raise bad(key, data[unknown[0]], "known keys: " + ", ".join(sorted(names)), "remove or rename the key")
+        near = difflib.get_close_matches(str(unknown[0]), sorted(names), n=1, cutoff=0.6)
+        fix = f"did you mean {prefix + '.' if prefix else ''}{near[0]}?" if near else "remove or rename the key"
+        raise bad(key, data[unknown[0]], "known keys: " + ", ".join(sorted(names)), fix)
     kwargs = {}
     for name, value in data.items():
         key = f"{prefix}.{name}" if prefix else name

@@ -21,32 +21,43 @@ class ModelConfig:
     path: str = "builtin:tiny"
     """A local Hugging Face model folder (config.json, weights, tokenizer), or
     ``builtin:tiny`` to build the tiny Qwen2-style model and tokenizer locally
-    at launch (nothing is downloaded)."""
+    at launch (nothing is downloaded). ``~`` is expanded. The folder is checked at
+    launch (``hpcrl run``, also with ``--dry-run``), not when the config is parsed, so
+    a shipped config may hold a placeholder path."""
     seed: int = 0
     """Seed for building ``builtin:tiny`` (random init) and for the trainer."""
 
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
-        if self.path != "builtin:tiny":
-            p = Path(self.path)
-            if not (p / "config.json").is_file():
-                raise bad("model.path", self.path, "'builtin:tiny' or a local HF folder containing config.json",
-                           "point model.path at a folder made by save_pretrained()")
+        if not isinstance(self.path, str) or not self.path.strip():
+            raise bad("model.path", self.path, "'builtin:tiny' or a local HF model folder")
         check_int("model.seed", self.seed, 0)
 
 
 @dataclass
 class DataConfig:
-    """``data``: where the prompts come from and in which order."""
+    """``data``: where the prompts come from, how they become tokens, in which order.
+    Files in verl's format work unchanged (``prompt`` = chat messages, ``data_source``,
+    ``reward_model.ground_truth``, ``extra_info``; hpcrl/rollout/data.py)."""
 
     source: str = "builtin:toy"
     """``builtin:toy`` (the generated toy task) or a local ``.jsonl`` / ``.parquet``
-    file with one prompt per row."""
+    file with one prompt per row (``~`` is expanded; checked at launch)."""
     prompt_key: str = "prompt"
-    """Column holding the prompt text (files only)."""
-    answer_key: str = "answer"
-    """Column handed to the reward function as the reference answer (files only;
-    may be absent if the reward does not need it)."""
+    """Column holding the prompt: a list of chat messages ``[{role, content}, ...]`` (verl)
+    or a string (files only)."""
+    answer_key: str = "reward_model.ground_truth"
+    """Column handed to the reward function as the ground truth; dots go into nested
+    columns (verl: ``reward_model.ground_truth``). May be absent if the reward does not need it."""
+    apply_chat_template: Optional[bool] = None
+    """Render the prompt with the tokenizer's chat template, generation prompt added
+    (a string prompt becomes one user message). null = yes when the tokenizer has a
+    template; true on a tokenizer without one fails at launch."""
+    max_prompt_length: Optional[int] = None
+    """Longest prompt in tokens (after the chat template); null = no limit."""
+    truncation: str = "filter"
+    """A prompt over max_prompt_length is ``filter``ed out (counted in the rollout job's log),
+    cut on the ``left`` or ``right`` (counted), or is an ``error`` at launch."""
     seed: int = 0
     """Seed of the prompt order; each epoch is a new permutation of it."""
     toy_num_prompts: int = 512
@@ -54,26 +65,40 @@ class DataConfig:
 
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
-        if self.source != "builtin:toy":
-            p = Path(self.source)
-            if p.suffix not in (".jsonl", ".parquet"):
-                raise bad("data.source", self.source, "'builtin:toy' or a .jsonl/.parquet file")
-            if not p.is_file():
-                raise bad("data.source", self.source, "an existing file", "check the path (it is read on the rollout node)")
+        if self.source != "builtin:toy" and Path(self.source).suffix not in (".jsonl", ".parquet"):
+            raise bad("data.source", self.source, "'builtin:toy' or a .jsonl/.parquet file")
+        check_choice("data.apply_chat_template", self.apply_chat_template, (None, True, False))
+        if self.max_prompt_length is not None:
+            check_int("data.max_prompt_length", self.max_prompt_length, 1)
+        check_choice("data.truncation", self.truncation, names.TRUNCATIONS)
         check_int("data.seed", self.seed, 0)
         check_int("data.toy_num_prompts", self.toy_num_prompts, 1)
 
 
 @dataclass
 class RewardConfig:
-    """``reward``: how a response is scored."""
+    """``reward``: how a response is scored: a built-in rule, or your own function with
+    verl's signature ``compute_score(data_source, solution_str, ground_truth, extra_info=None)``."""
 
     name: str = "toy_copy"
-    """Name of a built-in rule-based reward (:data:`hpcrl.config.names.REWARD_NAMES`)."""
+    """Built-in reward (:data:`hpcrl.config.names.REWARD_NAMES`), used when reward.path is null:
+    ``math_verify`` checks the final answer with the math-verify package, ``gsm8k`` the
+    ``#### answer`` convention."""
+    path: Optional[str] = None
+    """A Python file defining the reward function (verl: custom_reward_function.path).
+    It is imported and called once on the first prompt at launch; at run time an exception
+    gives reward 0 and is counted and logged with the sample id."""
+    function: str = "compute_score"
+    """Name of the function in reward.path (verl: custom_reward_function.name). It returns a
+    float, or a dict whose ``score`` is the reward and whose other numbers become metrics."""
 
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
         check_choice("reward.name", self.name, names.REWARD_NAMES)
+        if self.path is not None and Path(self.path).suffix != ".py":
+            raise bad("reward.path", self.path, "null or a .py file", "point reward.path at your reward file")
+        if not isinstance(self.function, str) or not self.function.isidentifier():
+            raise bad("reward.function", self.function, "a Python function name")
 
 
 @dataclass
@@ -299,13 +324,25 @@ class TimeoutsConfig:
 
 @dataclass
 class LoggingConfig:
-    """``logging``: the jobs' log level."""
+    """``logging``: the jobs' log level and where the trainer's metrics go."""
 
     level: str = "INFO"
     """Python logging level of both jobs."""
+    backends: list = field(default_factory=lambda: ["jsonl"])
+    """Metric sinks of the trainer (verl: trainer.logger): ``jsonl`` (always written,
+    logs/metrics.jsonl), ``tensorboard`` (logs/tensorboard/), ``wandb`` (logs/wandb/). The same
+    metric names go to each."""
+    project: str = "hpcrl"
+    """Project name of the TensorBoard/W&B run (verl: trainer.project_name)."""
+    experiment_name: Optional[str] = None
+    """Run name in W&B (verl: trainer.experiment_name); null = the run directory's name."""
+    wandb_mode: str = "offline"
+    """``offline`` writes the W&B run under logs/wandb/ with no network (upload later with
+    ``wandb sync``); ``online`` streams it (needs network and a login on the trainer node)."""
 
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
         check_choice("logging.level", self.level, ("DEBUG", "INFO", "WARNING", "ERROR"))
-
-
+        for b in self.backends:
+            check_choice("logging.backends", b, names.LOGGING_BACKENDS)
+        check_choice("logging.wandb_mode", self.wandb_mode, names.WANDB_MODES)

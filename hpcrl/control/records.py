@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+from hpcrl.control import termination
 from hpcrl.fsio import read_json, write_json_atomic
 from hpcrl.run_dir import RunDir
 
@@ -34,14 +35,16 @@ class HeartbeatState(str, enum.Enum):
     TRAINING = "training"                # trainer: inside an update
     WAITING_SAMPLES = "waiting_samples"  # trainer: waiting for committed groups
     DONE = "done"                        # ended normally (trainer finished / rollout told to stop)
-    FAILED = "failed"                    # ended by an exception or a signal
+    FAILED = "failed"                    # ended by an exception
+    STOPPED = "stopped"                  # ended by SIGTERM (scancel, the launcher's cancel, Ctrl-C)
     PREEMPTED = "preempted"              # ended on USR2 to be requeued (a new life beats again)
 
     def __str__(self) -> str:
         return self.value
 
 
-ENDED_STATES = frozenset({HeartbeatState.DONE.value, HeartbeatState.FAILED.value, HeartbeatState.PREEMPTED.value})
+ENDED_STATES = frozenset({HeartbeatState.DONE.value, HeartbeatState.FAILED.value, HeartbeatState.PREEMPTED.value,
+                          HeartbeatState.STOPPED.value})
 """States in which a job's process has ended: its heartbeat is not expected to move, and
 it pins nothing (weight retention), whatever the heartbeat's age."""
 
@@ -186,7 +189,10 @@ class HeartbeatThread:
                 pass  # a transient filesystem error must not kill the job; next beat retries
 
     def stop(self, final_state: str) -> None:
-        """Stop beating and write the final state (done, failed, preempted)."""
+        """Stop beating and write the final state (done, failed, preempted; a job that "failed"
+        because SIGTERM stopped it is ``stopped``: it was cancelled, nothing went wrong)."""
+        if final_state == HeartbeatState.FAILED and termination.received() is not None:
+            final_state = HeartbeatState.STOPPED
         self._stop.set()
         self._thread.join(timeout=5)
         self.update(state=final_state)

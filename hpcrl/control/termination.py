@@ -59,6 +59,11 @@ def install() -> None:
     signal.signal(signal.SIGTERM, _handler)
 
 
+def received() -> Optional[int]:
+    """The stopping signal this job received, or None."""
+    return _received
+
+
 def check() -> None:
     """Raise SystemExit if SIGTERM arrived, even when the handler's own raise was swallowed."""
     if _received is not None:

@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from hpcrl.config import RunConfig, load_config
+from hpcrl.config import ConfigError, RunConfig, load_config
 from hpcrl.control.records import read_heartbeats
 from hpcrl.fsio import read_json
 from hpcrl.launcher.follow import RunFollower
+from hpcrl.launcher.inputs import check_inputs
 from hpcrl.launcher.prepare import prepare_run_dir
 from hpcrl.launcher.submit import PlannedJob, plan_jobs, resolve_executor, submit_jobs, submit_one
 from hpcrl.run_dir import RunDir
@@ -38,31 +40,45 @@ class RunPlan:
     kind: str
     """Executor: ``local`` or ``slurm``."""
     jobs: list[PlannedJob]
+    notes: list[str] = field(default_factory=list)
+    """What the input checks found (prompt counts, the reward), for the user to read."""
 
 
 def plan_run(config: Optional[os.PathLike | str | RunConfig], run_dir: os.PathLike | str, executor: str = "auto",
              overrides: Sequence[str] = (), resume: bool = False) -> RunPlan:
     """Check the config (a file + overrides, a RunConfig, or with ``resume`` and no config the
-    frozen one) and plan the jobs. Raises ConfigError / ValueError; creates nothing."""
+    frozen one) and plan the jobs; check the model, data and reward (:mod:`hpcrl.launcher.inputs`)
+    and that the run directory is free (or, with ``resume``, holds a run). Raises ConfigError /
+    ValueError; creates nothing."""
     rd = RunDir(run_dir)
+    if rd.config_path.exists() and not resume:
+        raise ConfigError(f"run directory {rd.root} already holds a run; pass --resume to continue it "
+                          "or choose another --run-dir")
+    if resume and not rd.config_path.exists():
+        raise ConfigError(f"--resume: {rd.root} holds no run (no config.yaml)")
     if isinstance(config, RunConfig):
         cfg = config.validate()
     elif config is None and resume:
         cfg = rd.load_config()  # validated when it is parsed
+    elif config is None and not overrides:
+        raise ConfigError("no CONFIG given: pass a config file (e.g. configs/tiny.yaml) before --run-dir, "
+                          "or --resume to continue the run in --run-dir")
     else:
         cfg = load_config(config, list(overrides))
-    return RunPlan(cfg, rd, resolve_executor(executor), plan_jobs(cfg, rd))
+    kind = resolve_executor(executor)
+    notes = check_inputs(cfg)
+    return RunPlan(cfg, rd, kind, plan_jobs(cfg, rd), notes)
 
 
 class RunHandle:
     """A submitted run: its jobs, their state, and a follower that resubmits dead jobs."""
 
-    def __init__(self, plan: RunPlan, emit: Callable[[str], None]):
+    def __init__(self, plan: RunPlan, emit: Callable[[str], None], resume: bool = False):
         self.cfg, self.rd, self.kind = plan.cfg, plan.rd, plan.kind
         planned = {p.name: p for p in plan.jobs}
         jobs = submit_jobs(plan.rd, plan.kind, plan.jobs)
         self.follower = RunFollower(plan.rd, plan.cfg, jobs, emit=emit,
-                                    resubmit=lambda name: submit_one(plan.rd, plan.kind, planned[name]))
+                                    resubmit=lambda name: submit_one(plan.rd, plan.kind, planned[name]), resume=resume)
 
     @property
     def jobs(self) -> dict:
@@ -86,9 +102,16 @@ class RunHandle:
         the jobs are then cancelled)."""
         return self.follower.follow(timeout_s, poll_s) == 0
 
-    def cancel(self) -> None:
-        """Cancel every job of the run that is still queued or running."""
+    def cancel(self, wait_s: float = 0.0) -> bool:
+        """Cancel every job of the run that is still queued or running; wait up to ``wait_s``
+        for them to end. True when every job has ended."""
         self.follower.cancel_all()
+        end = time.monotonic() + wait_s
+        while not all(j.done() for j in self.jobs.values()):
+            if time.monotonic() > end:
+                return False
+            time.sleep(0.5)
+        return True
 
 
 def launch(config: Optional[os.PathLike | str | RunConfig | RunPlan], run_dir: Optional[os.PathLike | str] = None,
@@ -100,5 +123,11 @@ def launch(config: Optional[os.PathLike | str | RunConfig | RunPlan], run_dir: O
     then launches what it checked); then ``run_dir``, ``executor`` and ``overrides`` are its own.
     """
     plan = config if isinstance(config, RunPlan) else plan_run(config, run_dir, executor, overrides, resume)
-    prepare_run_dir(plan.cfg, plan.rd.root, resume)
-    return RunHandle(plan, emit or (lambda line: log.info("%s", line)))
+    fresh = not plan.rd.root.exists()
+    prepare_run_dir(plan.cfg, plan.rd.root, resume, inputs_checked=True)
+    try:
+        return RunHandle(plan, emit or (lambda line: log.info("%s", line)), resume)
+    except BaseException:
+        if fresh:  # nothing was submitted: leave nothing behind, so the same command can be retried
+            shutil.rmtree(plan.rd.root, ignore_errors=True)
+        raise

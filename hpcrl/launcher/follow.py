@@ -13,12 +13,23 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from hpcrl.config import RunConfig
+from hpcrl.control.fatal import read_fatal
 from hpcrl.control.records import has_ended, read_heartbeats
 from hpcrl.fsio import JsonlTail, read_json
 from hpcrl.run_dir import RunDir
 from hpcrl import metric_names as M
 
 log = logging.getLogger(__name__)
+
+
+def _hms(seconds: float) -> str:
+    """``42s``, ``3m05s``, ``2h07m``."""
+    s = int(max(seconds, 0))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def tail(path: Path, lines: int = 25) -> str:
@@ -41,7 +52,7 @@ class RunFollower:
     heartbeats, and stops at ``trainer_done`` or its deadline."""
 
     def __init__(self, rd: RunDir, cfg: RunConfig, jobs: dict, emit: Callable[[str], None] = print,
-                 resubmit: Optional[Callable[[str], object]] = None):
+                 resubmit: Optional[Callable[[str], object]] = None, resume: bool = False):
         self.rd = rd
         self.cfg = cfg
         self.jobs = jobs
@@ -53,6 +64,26 @@ class RunFollower:
         self._rollout: dict[Path, JsonlTail] = {}
         self._metrics_seen = 0
         self._rows_by_version: dict[int, list[dict]] = defaultdict(list)
+        self._started_s = time.monotonic()
+        self._start_step = 0
+        if resume:  # the rows of earlier sessions were printed then: start after them
+            old = self._metrics.poll()
+            self._metrics_seen = len(old)
+            self._start_step = old[-1][M.STEP] if old else 0
+            ckpt = read_json(rd.latest_checkpoint)
+            self._intro = (f"resuming {rd.root}: trainer checkpoint at step {ckpt['step'] if ckpt else 0}/"
+                      f"{cfg.total_updates} ({rd.latest_checkpoint if ckpt else 'none yet: from the start'}); "
+                      f"{len(old)} updates logged so far")
+        else:
+            self._intro = ("jobs starting: the first start is quiet for a minute or so (DeepSpeed builds its CPU Adam "
+                      f"op, both jobs load the model); the trainer logs to {rd.job_log(RunDir.trainer_job())}")
+
+    def _progress(self, step: int) -> str:
+        """``elapsed 1m05s eta 3m12s`` from the updates done since this follower started."""
+        elapsed = time.monotonic() - self._started_s
+        done, left = step - self._start_step, self.cfg.total_updates - step
+        eta = _hms(elapsed / done * left) if done > 0 else "?"
+        return f"elapsed {_hms(elapsed)} eta {eta}"
 
     def _rollout_idle(self) -> str:
         vals = []
@@ -64,6 +95,9 @@ class RunFollower:
 
     def _print_new_versions(self) -> None:
         rows = self._metrics.poll()
+        if len(rows) < self._metrics_seen:  # rolled back by a restarted trainer: what is left was printed
+            self._metrics_seen = len(rows)
+            self._rows_by_version.clear()
         K = self.cfg.async_training.trigger_parameter_sync_step
         for row in rows[self._metrics_seen:]:
             self._rows_by_version[row["param_version"]].append(row)
@@ -76,7 +110,8 @@ class RunFollower:
                 tps = sum(r[M.TOKENS_PER_S] for r in rs) / len(rs)
                 self.emit(f"v{row['param_version'] + 1:<4d} step {row['step']:>5d}/{self.cfg.total_updates} "
                           f"reward {reward:.3f}  lag mean {lag_mean:.2f} max {lag_max}  "
-                          f"idle trainer {idle:.2f} rollout {self._rollout_idle()}  tokens/s {tps:.0f}")
+                          f"idle trainer {idle:.2f} rollout {self._rollout_idle()}  tokens/s {tps:.0f}  "
+                          + self._progress(row["step"]))
         self._metrics_seen = len(rows)
 
     def _check_jobs(self) -> Optional[int]:
@@ -116,6 +151,9 @@ class RunFollower:
     def follow(self, timeout_s: float, poll_s: float = 1.0) -> int:
         """Return 0 when the trainer finished, 1 on a failed job or the deadline."""
         deadline = time.monotonic() + timeout_s
+        if self._intro:
+            self.emit(self._intro)
+            self._intro = ""
         while True:
             self._print_new_versions()
             done = read_json(self.rd.trainer_done)
@@ -123,8 +161,15 @@ class RunFollower:
                 self._finish_rollouts()
                 self._print_new_versions()
                 self.emit(f"run finished: {done['trainer_step']} updates, version {done['param_version']}, "
-                          f"{done['consumed_groups']} groups; logs in {self.rd.logs}")
+                          f"{done['consumed_groups']} groups in {_hms(time.monotonic() - self._started_s)}; "
+                          f"logs in {self.rd.logs}; next: hpcrl report {self.rd.root} --out {self.rd.report}")
                 return 0
+            fatal = read_fatal(self.rd)
+            if fatal is not None:
+                self.emit(f"run stopped: {fatal} (a restart would fail the same way; fix it, then "
+                          f"`hpcrl run --resume --run-dir {self.rd.root}`)")
+                self.cancel_all()
+                return 1
             failed = self._check_jobs()
             if failed is not None:
                 return failed

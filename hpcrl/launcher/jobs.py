@@ -10,6 +10,7 @@ accounting: ``sacct`` fails and the state reads ``UNKNOWN``). So Slurm jobs are 
 from __future__ import annotations
 
 import logging
+import signal
 import subprocess
 from pathlib import Path
 from typing import Optional
@@ -63,7 +64,13 @@ class JobHandle:
     def cancel(self) -> None:
         try:
             if self.kind == "local":
-                self.job.cancel(check=False)
+                # SIGTERM to submitit's controller, which forwards it to the job: the job stops cleanly
+                # (job.cancel() sends SIGINT, which the jobs ignore, see submit._sigint_ignored)
+                process = getattr(self.job, "_process", None)
+                if process is not None and process.poll() is None:
+                    process.send_signal(signal.SIGTERM)
+                else:
+                    self.job.cancel(check=False)
             else:
                 subprocess.run(["scancel", self.job_id], capture_output=True, timeout=30)
         except Exception as e:  # cancelling is best effort; say so

@@ -1,7 +1,7 @@
 """Everything that happens on the login node before a job is submitted.
 
-The config is validated (by :func:`hpcrl.config.load_config`), the run
-directory is created, ``builtin:tiny`` is built into ``RUN/base_model``, the
+The config is validated (by :func:`hpcrl.config.load_config`), the model, data
+and reward are checked (:mod:`hpcrl.launcher.inputs`), the run directory is created, ``builtin:tiny`` is built into ``RUN/base_model``, the
 config is frozen into ``RUN/config.yaml`` and the broadcast secret is written
 (mode 0600). Nothing is submitted if any of this fails.
 """
@@ -12,20 +12,15 @@ import secrets
 from pathlib import Path
 
 from hpcrl.config import ConfigError, RunConfig, dump_config
+from hpcrl.control.fatal import clear_fatal
+from hpcrl.launcher.inputs import check_inputs
 from hpcrl.run_dir import RunDir
 
 
-def check_data(cfg: RunConfig) -> None:
-    """Read the prompt file once on the login node, so a bad file fails before submission."""
-    from hpcrl.rollout.dataset import load_rows
-
-    try:
-        load_rows(cfg.data, cfg.rollout.response_length)
-    except (ValueError, OSError) as e:
-        raise ConfigError(f"config data.source: {e}") from None
-
-
-def prepare_run_dir(cfg: RunConfig, run_dir: Path, resume: bool) -> RunDir:
+def prepare_run_dir(cfg: RunConfig, run_dir: Path, resume: bool, inputs_checked: bool = False) -> RunDir:
+    """Create (or, with ``resume``, re-open) the run directory of ``cfg``; ConfigError before
+    anything is created if the directory holds another run or an input is wrong
+    (:func:`hpcrl.launcher.inputs.check_inputs`, skipped when the caller already ran it)."""
     rd = RunDir(run_dir)
     if rd.config_path.exists():
         if not resume:
@@ -35,10 +30,12 @@ def prepare_run_dir(cfg: RunConfig, run_dir: Path, resume: bool) -> RunDir:
         if dump_config(frozen) != dump_config(cfg):
             raise ConfigError(f"--resume: the config differs from the one frozen in {rd.config_path}; "
                               "resume without CONFIG/overrides to use the frozen one, or start a new run directory")
+        clear_fatal(rd)  # the user fixed what stopped the run, or will see it again at once
         return rd
     if resume:
         raise ConfigError(f"--resume: {rd.root} holds no run (no config.yaml)")
-    check_data(cfg)
+    if not inputs_checked:
+        check_inputs(cfg)
     rd.create()
     if cfg.model.path == "builtin:tiny" and not rd.base_model.exists():
         from hpcrl.tiny.model import build_tiny_model

@@ -15,8 +15,11 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import signal
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from hpcrl.config import JobResources, RunConfig
 from hpcrl.launcher.jobs import JobHandle
@@ -30,6 +33,11 @@ def resolve_executor(name: str) -> str:
         return "slurm" if shutil.which("srun") else "local"
     if name not in ("local", "slurm"):
         raise ValueError(f"--executor {name!r}: allowed local, slurm, auto")
+    if name == "slurm":
+        missing = [c for c in ("sbatch", "squeue", "scancel") if shutil.which(c) is None]
+        if missing:
+            raise ValueError(f"--executor slurm: {', '.join(missing)} not found on PATH (this is not a Slurm login "
+                             "node, or Slurm's module is not loaded); use --executor local, or run on a login node")
     return name
 
 
@@ -103,12 +111,41 @@ def _function(name: str):
     return {"hpcrl.trainer.main.trainer_main": trainer_main, "hpcrl.rollout.main.rollout_main": rollout_main}[name]
 
 
+@contextmanager
+def _sigint_ignored(kind: str) -> Iterator[None]:
+    """Local jobs are children of the launcher, in its terminal's process group: Ctrl-C would
+    reach them and submitit's controllers would print KeyboardInterrupt tracebacks. Started with
+    SIGINT ignored (inherited across exec), they leave Ctrl-C to the launcher, which cancels them
+    with SIGTERM (they stop cleanly, state ``stopped``)."""
+    old = None
+    if kind == "local":
+        try:
+            old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        except ValueError:  # not the main thread: leave the signal alone
+            old = None
+    try:
+        yield
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGINT, old)
+
+
 def submit_one(rd: RunDir, kind: str, planned: PlannedJob) -> JobHandle:
     """Submit one planned job (first submission or a restart)."""
-    job = _executor(kind, submitit_folder(rd), planned).submit(_function(planned.function), *planned.args)
+    with _sigint_ignored(kind):
+        job = _executor(kind, submitit_folder(rd), planned).submit(_function(planned.function), *planned.args)
     return JobHandle(planned.name, job, kind)
 
 
 def submit_jobs(rd: RunDir, kind: str, planned: list[PlannedJob]) -> dict[str, JobHandle]:
-    """Submit every planned job; return {name: JobHandle}."""
-    return {p.name: submit_one(rd, kind, p) for p in planned}
+    """Submit every planned job; return {name: JobHandle}. If one submission fails, the jobs
+    already submitted are cancelled before the error is raised (all or nothing)."""
+    jobs: dict[str, JobHandle] = {}
+    try:
+        for p in planned:
+            jobs[p.name] = submit_one(rd, kind, p)
+    except BaseException:
+        for handle in jobs.values():
+            handle.cancel()
+        raise
+    return jobs

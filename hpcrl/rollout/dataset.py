@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from hpcrl.config import DataConfig
+from hpcrl.rollout.data import parse_row
 
 TOY_LETTERS = "abcdefgh"
 
@@ -37,29 +38,30 @@ def toy_rows(num_prompts: int, answer_len: int, seed: int) -> list[dict]:
 
 
 def load_rows(cfg: DataConfig, answer_len: int) -> list[dict]:
+    """The prompt rows ``{prompt, answer, data_source, extra_info}`` of ``data.source``: the toy
+    task, or a verl-format file (hpcrl/rollout/data.py); ValueError naming the file and row."""
     if cfg.source == "builtin:toy":
-        return toy_rows(cfg.toy_num_prompts, answer_len, cfg.seed)
-    path = Path(cfg.source)
+        return [dict(r, data_source="builtin:toy", extra_info=None)
+                for r in toy_rows(cfg.toy_num_prompts, answer_len, cfg.seed)]
+    path = Path(cfg.source).expanduser()
+    if not path.is_file():
+        raise ValueError(f"{path} does not exist (it is read on the login node and on the rollout nodes)")
     if path.suffix == ".jsonl":
-        rows = []
+        raw = []
         with open(path) as f:
             for lineno, line in enumerate(f, 1):
                 if line.strip():
                     try:
-                        rows.append(json.loads(line))
+                        raw.append((f"{path}:{lineno}", json.loads(line)))
                     except json.JSONDecodeError as e:
                         raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from None
     else:
         import pandas as pd
 
-        rows = pd.read_parquet(path).to_dict("records")
-    if not rows:
+        raw = [(f"{path} row {i}", r) for i, r in enumerate(pd.read_parquet(path).to_dict("records"))]
+    if not raw:
         raise ValueError(f"{path}: no rows")
-    for i, row in enumerate(rows):
-        if cfg.prompt_key not in row:
-            raise ValueError(f"{path}: row {i} has no column {cfg.prompt_key!r} (data.prompt_key); "
-                             f"columns: {sorted(row)}")
-    return [{"prompt": str(r[cfg.prompt_key]), "answer": str(r.get(cfg.answer_key, ""))} for r in rows]
+    return [parse_row(r, cfg, where) for where, r in raw]
 
 
 class PromptStream:

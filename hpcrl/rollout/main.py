@@ -37,13 +37,15 @@ import torch
 
 from hpcrl.control import faults, termination
 from hpcrl.control.admission import Admission
+from hpcrl.control.fatal import fatal_inputs
 from hpcrl.control.preemption import PreemptionFlag, requeue_self
 from hpcrl.control.records import HeartbeatState, HeartbeatThread, describe_heartbeats
 from hpcrl.fsio import wait_for
 from hpcrl.logs import MetricsLog, setup_logging
 from hpcrl.rollout.dataset import PromptStream, WriterPositions, load_rows
 from hpcrl.rollout.engine import make_engine
-from hpcrl.rollout.rewards import REWARDS
+from hpcrl.rollout.data import encode_rows
+from hpcrl.rollout.reward_fn import RewardScorer, load_reward
 from hpcrl.run_dir import RunDir
 from hpcrl.samples.schema import Group, Trajectory
 from hpcrl.samples.skips import SkipLog
@@ -119,14 +121,20 @@ class RolloutJob:
 
     # ---- setup
     def _build(self) -> None:
+        """Tokenizer, prompts, reward, engine, shard writer, admission. An error in the run's
+        inputs (model, tokenizer, data, reward) is recorded as fatal: a restart would repeat it."""
         cfg = self.cfg
         torch.set_num_threads(cfg.rollout.torch_threads)
         mdir = self.run_dir.model_dir(cfg.model.path)
-        self.tokenizer = load_tokenizer(mdir)
-        self.engine = make_engine(cfg.rollout.engine, mdir, cfg.rollout.response_length, cfg.rollout.temperature,
-                                  cfg.rollout.top_p)
-        self.reward_fn = REWARDS[cfg.reward.name]
-        self.stream = PromptStream(load_rows(cfg.data, cfg.rollout.response_length), cfg.data.seed)
+        with fatal_inputs(self.run_dir, RunDir.rollout_job(self.writer), "loading the model, data or reward"):
+            self.tokenizer = load_tokenizer(mdir)
+            rows = load_rows(cfg.data, cfg.rollout.response_length)
+            rows, counts, template = encode_rows(self.tokenizer, cfg.data, rows)
+            self.scorer = RewardScorer(load_reward(cfg.reward))
+            self.engine = make_engine(cfg.rollout.engine, mdir, cfg.rollout.response_length, cfg.rollout.temperature,
+                                      cfg.rollout.top_p)
+        log.info("%s", counts.line(cfg.data, template))
+        self.stream = PromptStream(rows, cfg.data.seed)
         self.shards = ShardWriter(self.run_dir, self.writer, cfg.rollout.seal_groups, cfg.rollout.seal_interval_s,
                                   skips=SkipLog(self.run_dir))
         self.admission = Admission(self.run_dir, self.writer, cfg.admission_budget)
@@ -139,17 +147,16 @@ class RolloutJob:
     def _generate_group(self, prompt_index: int, version: int) -> Group:
         row = self.stream[prompt_index]
         created = time.time()
-        prompt_ids = self.tokenizer(row["prompt"])["input_ids"]
-        if not prompt_ids:
-            raise ValueError(f"prompt {prompt_index} tokenizes to nothing: {row['prompt']!r}")
+        prompt_ids = row["prompt_ids"]  # chat template and max_prompt_length applied in _build
         seed = (self.cfg.data.seed * 1_000_003 + prompt_index) % (2**63)
         trajs = []
-        for s in self.engine.generate(prompt_ids, self.cfg.rollout.n, seed=seed):
+        for j, s in enumerate(self.engine.generate(prompt_ids, self.cfg.rollout.n, seed=seed)):
             text = self.tokenizer.decode(s.response_ids.tolist(), skip_special_tokens=True)
+            reward = self.scorer.score(f"{self.writer}/{prompt_index}/{j}", row, text)
             trajs.append(Trajectory(prompt_ids=prompt_ids, response_ids=s.response_ids,
                                     response_mask=np.ones(len(s.response_ids), np.int8), logprobs=s.logprobs,
                                     token_versions=np.full(len(s.response_ids), version, np.int32),
-                                    reward=float(self.reward_fn(text, row["answer"]))))
+                                    reward=reward))
         return Group(writer=self.writer, prompt_index=prompt_index, trajectories=trajs, created_s=created,
                      finished_s=time.time())
 
@@ -261,7 +268,7 @@ class RolloutJob:
         self.stats.idle_s += self.cfg.timeouts.poll_interval_s
 
     def _write_version_stats(self) -> None:
-        self.metrics.write(self.stats.row(self.writer))
+        self.metrics.write({**self.stats.row(self.writer), **self.scorer.pop_metrics()})
 
     # ---- the loop
     def run(self) -> None:

@@ -1,10 +1,12 @@
 """Rule-based rewards: ``REWARDS[name](response_text, answer) -> float``.
 
 Add one by writing a function and registering it here; ``reward.name`` in the
-config picks it and is checked against this table before anything starts.
+config picks it and is checked against this table before anything starts. Your own
+function with verl's signature goes in ``reward.path`` instead (hpcrl/rollout/reward_fn.py).
 """
 from __future__ import annotations
 
+import logging
 import re
 from typing import Callable
 
@@ -35,9 +37,42 @@ def last_number(response: str, answer: str) -> float:
         return 0.0
 
 
+def _math_equal(gold: str, response: str) -> bool:
+    """math-verify's answer check. Its own timeouts use signal.alarm, which works only in the
+    main thread; rewards run in the rollout job's group threads, so they are off (a response is
+    at most rollout.response_length tokens)."""
+    from math_verify import parse, verify
+
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # it warns on every call without timeouts
+    g = parse(gold, parsing_timeout=None)
+    return bool(g) and verify(g, parse(response, parsing_timeout=None), timeout_seconds=None)
+
+
+def math_verify_reward(response: str, answer: str) -> float:
+    """1.0 if math-verify finds the response's final answer equal to the ground truth
+    (LaTeX, fractions, ``\\boxed{}``, plain numbers), else 0.0."""
+    return float(_math_equal(answer, response))
+
+
+GSM8K_MARK = "####"
+
+
+def gsm8k(response: str, answer: str) -> float:
+    """GSM8K's convention: the response ends with ``#### <answer>``; 1.0 if the text after the
+    last ``####`` equals the ground truth (checked by math-verify), 0.0 if it differs or there
+    is no ``####``. A ground truth that is a full GSM8K solution is cut after its ``####`` too."""
+    if GSM8K_MARK not in response:
+        return 0.0
+    gold = answer.rsplit(GSM8K_MARK, 1)[-1].strip()
+    got = response.rsplit(GSM8K_MARK, 1)[-1].strip().replace(",", "")
+    return float(_math_equal(gold.replace(",", ""), got))
+
+
 REWARDS: dict[str, RewardFn] = {
     "toy_copy": token_match,
     "token_match": token_match,
     "exact_match": exact_match,
     "last_number": last_number,
+    "math_verify": math_verify_reward,
+    "gsm8k": gsm8k,
 }

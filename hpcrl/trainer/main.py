@@ -35,12 +35,14 @@ import torch
 import torch.distributed as dist
 
 from hpcrl.control import faults, termination
+from hpcrl.control.fatal import fatal_inputs
 from hpcrl.control.preemption import PreemptionFlag, requeue_self
 from hpcrl.control.records import HeartbeatState, HeartbeatThread, TrainerDone, describe_heartbeats
 from hpcrl.fsio import write_json_atomic
 from hpcrl.logs import MetricsLog, StalenessLog, log_size, setup_logging, truncate_to
 from hpcrl.run_dir import RunDir
 from hpcrl.samples.reader import SampleReader
+from hpcrl.trackers import open_trackers
 from hpcrl.samples.schema import Group
 from hpcrl.samples.skips import SkipLog
 from hpcrl.trainer import checkpoint
@@ -89,7 +91,8 @@ class TrainerJob:
         torch.manual_seed(cfg.model.seed)
         torch.set_num_threads(cfg.trainer.torch_threads)
         path = self.run_dir.model_dir(cfg.model.path)
-        policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        with fatal_inputs(self.run_dir, RunDir.trainer_job(self.rank), f"loading the model {path}"):
+            policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         self.model_config_json = policy.config.to_json_string()
         self.pad_id = policy.config.pad_token_id if policy.config.pad_token_id is not None else 0
         model = PolicyWithValueHead(policy, value_head=cfg.algorithm.adv_estimator == "gae")
@@ -131,7 +134,7 @@ class TrainerJob:
         self.state = state or checkpoint.TrainerState()
         if self.rank == 0:
             self.reader = SampleReader(rd, cursor=self.state.cursor, skip_log=SkipLog(rd))
-            self.metrics = MetricsLog(rd.metrics)
+            self.metrics = MetricsLog(rd.metrics, trackers=open_trackers(self.cfg, rd))
             self.staleness = StalenessLog(rd)
         if self.state.param_version not in self.weights.published_versions():
             self._publish(self.state.param_version)

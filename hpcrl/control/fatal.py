@@ -1,0 +1,55 @@
+"""Errors that a restart would only repeat: one record, and the launcher stops the run at once.
+
+A job that cannot start because of its *inputs* (the model folder, the tokenizer, the
+reward file, the prompt file) fails the same way on every resubmission. Such a job writes
+``control/fatal.json`` (:attr:`hpcrl.run_dir.RunDir.fatal`) with a one-line message before
+it exits; the launcher's follower reads it, prints the line, cancels the other jobs and
+exits non-zero instead of spending ``resources.max_restarts``. Crashes of any other kind
+(a node failure, an out-of-memory kill, a bug) are still resubmitted.
+
+Writer: any job (the first one wins; later ones keep it). Readers: the launcher's
+follower and ``hpcrl status``.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
+from hpcrl.fsio import read_json, write_json_atomic
+from hpcrl.run_dir import RunDir
+
+
+class FatalInputError(RuntimeError):
+    """An error in the run's inputs (model, tokenizer, reward, data) that no restart can fix."""
+
+
+def write_fatal(run_dir: RunDir, job: str, message: str) -> None:
+    """Record ``message`` (one line) as the reason the run cannot go on; keeps an earlier record."""
+    if read_json(run_dir.fatal) is None:
+        run_dir.control.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(run_dir.fatal, {"job": job, "message": " ".join(message.split()), "time_s": time.time()})
+
+
+def read_fatal(run_dir: RunDir) -> Optional[str]:
+    """``"<job>: <message>"`` if a job recorded a fatal input error, else None."""
+    rec = read_json(run_dir.fatal)
+    return f"{rec['job']}: {rec['message']}" if rec else None
+
+
+def clear_fatal(run_dir: RunDir) -> None:
+    """Forget a recorded error (``--resume`` after the user fixed the input)."""
+    run_dir.fatal.unlink(missing_ok=True)
+
+
+@contextmanager
+def fatal_inputs(run_dir: RunDir, job: str, what: str) -> Iterator[None]:
+    """Around a job's loading of its inputs: an exception is recorded as fatal (one line naming
+    ``what``) and re-raised as :class:`FatalInputError`."""
+    try:
+        yield
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        message = f"{what} failed: {type(e).__name__}: {first}"
+        write_fatal(run_dir, job, message)
+        raise FatalInputError(f"{job}: {message}") from e

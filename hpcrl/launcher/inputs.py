@@ -1,0 +1,74 @@
+"""The run's inputs, checked on the login node before anything is created or submitted.
+
+Each of these fails the same way on every restart of a job, so it must fail here, in one
+line, instead of after ``resources.max_restarts`` resubmissions:
+
+- **model**: the folder of ``model.path`` exists and holds ``config.json``, weights
+  (``*.safetensors`` or ``pytorch_model*.bin``) and a tokenizer that loads;
+- **data**: ``data.source`` reads, every row parses (verl's format), prompts tokenize with
+  that tokenizer, through its chat template, within ``data.max_prompt_length``'s policy;
+- **reward**: ``reward.path`` imports and its function returns a score on the first prompt.
+
+This is also where a shipped config with a placeholder model path is refused: paths are
+checked at launch (and by ``--dry-run``), not when a config file is parsed.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from hpcrl.config import ConfigError, RunConfig
+from hpcrl.config.checks import bad
+
+WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+"""Files that count as a model's weights."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+"""Files that hold a tokenizer's vocabulary (transformers 5 builds an *empty* tokenizer from
+config.json alone, so "it loads" is not enough)."""
+
+
+def load_model_tokenizer(cfg: RunConfig):
+    """The tokenizer of ``model.path`` (``builtin:tiny``: built in memory); ConfigError in one
+    line for a folder without config.json, weights or a loadable tokenizer."""
+    from hpcrl.tiny.model import build_tokenizer, load_tokenizer
+
+    if cfg.model.path == "builtin:tiny":
+        return build_tokenizer()
+    folder = Path(cfg.model.path).expanduser()
+    fix = "point model.path at a folder written by save_pretrained() (model and tokenizer)"
+    if not folder.is_dir():
+        raise bad("model.path", cfg.model.path, "'builtin:tiny' or an existing local HF model folder", fix)
+    if not (folder / "config.json").is_file():
+        raise bad("model.path", cfg.model.path, "a HF model folder containing config.json", fix)
+    if not any(any(folder.glob(p)) for p in WEIGHT_PATTERNS):
+        raise bad("model.path", cfg.model.path, "a HF model folder with weights (*.safetensors or pytorch_model*.bin)",
+                  fix)
+    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise bad("model.path", cfg.model.path, f"a HF model folder with a tokenizer ({' or '.join(TOKENIZER_FILES)})",
+                  "save the tokenizer into it: AutoTokenizer.from_pretrained(base).save_pretrained(folder)")
+    try:
+        return load_tokenizer(folder)
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds; one line for the user
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise bad("model.path", cfg.model.path, "a HF model folder whose tokenizer loads",
+                  f"save the tokenizer into it (tokenizer.save_pretrained(folder)); loading failed with "
+                  f"{type(e).__name__}: {first[:200]}") from None
+
+
+def check_inputs(cfg: RunConfig) -> list[str]:
+    """Check model, data and reward (module docstring); return lines saying what was found.
+    Raises ConfigError (one line) on the first problem; creates nothing."""
+    from hpcrl.rollout.data import encode_rows
+    from hpcrl.rollout.dataset import load_rows
+    from hpcrl.rollout.reward_fn import check_reward
+
+    tokenizer = load_model_tokenizer(cfg)
+    try:
+        rows = load_rows(cfg.data, cfg.rollout.response_length)
+        rows, counts, template = encode_rows(tokenizer, cfg.data, rows)
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"config data.source: {e}") from None
+    try:
+        reward_line = check_reward(cfg.reward, rows[0])
+    except ValueError as e:
+        raise ConfigError(f"config {e}") from None
+    return [counts.line(cfg.data, template), reward_line]
