@@ -40,7 +40,7 @@ class Audit:
         """The non-empty problem lists by name (plus ``trainer_done`` when it is missing)."""
         out = {k: v for k, v in vars(self).items() if isinstance(v, list) and v}
         if not self.trainer_done:
-            out["trainer_done"] = ["control/trainer_done.json missing: the trainer did not finish"]
+            out["trainer_done"] = ["the trainer did not finish (no trainer_done record in control/)"]
         return out
 
 

@@ -187,6 +187,7 @@ class PolicyLossConfig:
     """kl_cov: coefficient of the abs(log-ratio) penalty on those tokens."""
 
     def validate(self) -> None:
+        """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
         k = "actor.policy_loss."
         check_choice(k + "loss_mode", self.loss_mode, names.POLICY_LOSS_MODES)
         check_float(k + "clip_cov_ratio", self.clip_cov_ratio, 0.0, 1.0, lo_open=True)
