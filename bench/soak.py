@@ -113,8 +113,9 @@ class Trial:
         return not self.problems
 
 
-def make_run(root: Path, rng: random.Random, kind: str) -> RunDir:
-    steps = rng.choice([40, 48, 64]) if kind in ("random", "commit", "instants") else 48
+def make_run(root: Path, rng: random.Random, kind: str, max_kills: int = 3) -> RunDir:
+    # more kills need a longer run for them to land in (each restart costs a few seconds)
+    steps = rng.choice([40, 48, 64]) * max(1, max_kills // 3) if kind in ("random", "commit", "instants") else 48
     overrides = [f"rollout.total_rollout_steps={steps}", f"trainer.checkpoint_every_updates={rng.randint(3, 8)}",
                  f"rollout.seal_groups={rng.randint(1, 4)}", "rollout.seal_interval_s=0.5",
                  f"async_training.staleness_threshold={rng.choice([0.0, 0.0, 0.5])}",
@@ -319,15 +320,17 @@ def check_run(rd: RunDir, trial: Trial) -> None:
         trial.problems["processes_left"] = strays
 
 
-def run_trial(index: int, kind: str, rng: random.Random, parent: Path, deadline_s: float) -> Trial:
+def run_trial(index: int, kind: str, rng: random.Random, parent: Path, deadline_s: float,
+              max_kills: int = 3) -> Trial:
+    """One trial of ``kind``; random and commit trials make 1..max_kills kills."""
     trial = Trial(index, kind)
     t0 = time.monotonic()
-    rd = make_run(parent / f"trial-{index:03d}-{kind}", rng, kind)
+    rd = make_run(parent / f"trial-{index:03d}-{kind}", rng, kind, max_kills)
     run = Runner(rd, rng, trial)
     info = {}
     try:
         if kind == "commit":
-            run.faults["rollout"] = [f"seal_manifest:{rng.randint(2, 12)}:term" for _ in range(rng.randint(1, 3))]
+            run.faults["rollout"] = [f"seal_manifest:{rng.randint(2, 12)}:term" for _ in range(rng.randint(1, max_kills))]
         elif kind == "instants":
             for point in rng.sample(TRAINER_POINTS + ROLLOUT_POINTS, 4):
                 role = "trainer" if point in TRAINER_POINTS else "rollout"
@@ -337,8 +340,8 @@ def run_trial(index: int, kind: str, rng: random.Random, parent: Path, deadline_
         run.start("trainer")
         run.start("rollout")
         if kind == "random":
-            for _ in range(rng.randint(1, 3)):
-                time.sleep(rng.uniform(1, 10))
+            for _ in range(rng.randint(1, max_kills)):
+                time.sleep(rng.uniform(1, 10 if max_kills <= 3 else 6))
                 run.restart_faulted()
                 run.kill_random()
         elif kind not in ("commit", "instants"):
@@ -377,10 +380,11 @@ def main(argv=None) -> int:
     p.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated subset of {','.join(KINDS)}")
     p.add_argument("--dir", default=None, help="parent folder of the trial run dirs (default: a temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the run dirs of failed trials")
+    p.add_argument("--max-kills", type=int, default=3, help="random/commit trials make 1..N kills (default 3)")
     p.add_argument("--deadline-s", type=float, default=300, help="a trainer not done after this long is a hang")
     a = p.parse_args(argv)
     kinds = a.kinds.split(",")
-    bad = [k for k in kinds if k not in KINDS]
+    bad = [k for k in kinds if k not in KINDS]  # a kind named twice is drawn twice as often
     if bad or a.trials < 1:
         p.error(f"--kinds must be a subset of {','.join(KINDS)} (got {bad}); --trials >= 1 (got {a.trials})")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s soak %(message)s")
@@ -389,7 +393,7 @@ def main(argv=None) -> int:
     trials = []
     for i in range(a.trials):
         kind = kinds[i % len(kinds)] if i < len(kinds) else rng.choice(kinds)
-        t = run_trial(i, kind, random.Random(rng.random()), parent, a.deadline_s)
+        t = run_trial(i, kind, random.Random(rng.random()), parent, a.deadline_s, a.max_kills)
         trials.append(t)
         log.info("trial %d %-13s %s in %.0fs kills %s %s", i, kind, "ok" if t.ok else "FAILED", t.wall_s, t.kills,
                  t.problems or "")
