@@ -207,6 +207,37 @@ def test_a_recorded_skip_is_final_and_hands_the_prompts_back(tmp_path):
     w.close()
 
 
+def test_a_partly_consumed_shard_hands_back_only_the_rows_after_the_cursor(tmp_path):
+    """Found by the soak campaign: the trainer had trained on rows 0-1 of a 4-group shard (its
+    checkpoint cursor was at row 2) when the shard was damaged; the skip handed back all 4
+    prompts, and rows 0-1 were generated and trained on a second time. Only the rows from the
+    cursor on are skipped and regenerated; a trainer resumed from an older cursor inside the
+    same shard adds the rows in between, and no prompt counts twice."""
+    from hpcrl.samples.skips import SkipLog
+
+    rd = RunDir(tmp_path).create()
+    write_groups(rd, range(4), seal_groups=4)
+    first = SampleReader(rd, verify_retries=0, skip_log=SkipLog(rd))
+    first.poll()
+    assert [g.prompt_index for g in first.take(2)] == [0, 1]
+    cursor = first.cursor()
+    assert cursor == {"w000": {"line": 0, "row": 2}}
+    os.truncate(rd.shard_path("w000", 0), 100)  # damaged while the trainer is down
+    resumed = SampleReader(rd, cursor=cursor, verify_retries=0, skip_log=SkipLog(rd))
+    assert drain(resumed) == []
+    assert resumed.skipped[0]["prompt_indices"] == [2, 3] and resumed.skipped[0]["n_groups"] == 2
+    assert SkipLog(rd).poll()[0].prompt_indices == [2, 3]
+    w = ShardWriter(rd, "w000", seal_groups=1, seal_interval_s=60, skips=SkipLog(rd))
+    assert w.committed_prompt_indices == {0, 1}, "rows trained on before the cursor stay committed"
+    older = SampleReader(rd, cursor={"w000": {"line": 0, "row": 1}}, verify_retries=0, skip_log=SkipLog(rd))
+    assert drain(older) == []
+    log_ = SkipLog(rd)
+    log_.poll()
+    assert log_.skipped_groups() == 3, "prompt 1 added, 2 and 3 not counted twice"
+    assert w.take_skipped_prompts() == [1]
+    w.close()
+
+
 def test_a_running_writer_regenerates_prompts_skipped_while_it_runs(tmp_path):
     from hpcrl.samples.skips import SkipLog
 

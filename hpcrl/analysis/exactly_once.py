@@ -54,7 +54,9 @@ def audit(rd: RunDir, max_in_flight: int) -> Audit:
     done = read_json(rd.trainer_done)
     a.trainer_done = done is not None
     cursor = (done or {}).get("cursor", {})
-    skipped = {(d["writer"], d["shard"]) for d in read_jsonl(rd.skipped_shards)}
+    skipped: dict[tuple[str, str], set[int]] = {}  # rows of a shard before the skip were trained on: not listed
+    for d in read_jsonl(rd.skipped_shards):
+        skipped.setdefault((d["writer"], d["shard"]), set()).update(d["prompt_indices"])
     W = rd.load_config().resources.rollout_jobs
     before, after, from_skipped = set(), set(), set()
     for writer in rd.writers():
@@ -63,7 +65,7 @@ def audit(rd: RunDir, max_in_flight: int) -> Audit:
         for li, line in enumerate(read_jsonl(rd.shard_manifest(writer))):
             for row, p in enumerate(line["prompt_indices"]):
                 gid = f"{writer}/{p}"
-                if (writer, line["shard"]) in skipped:
+                if p in skipped.get((writer, line["shard"]), ()):
                     from_skipped.add((gid, line["shard"]))
                     a.skipped_groups += 1
                     continue

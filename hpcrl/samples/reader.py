@@ -131,20 +131,23 @@ class SampleReader:
         while st.loaded_upto < len(st.lines) and not st.pending:
             line = st.lines[st.loaded_upto]
             path = self.run_dir.writer_dir(writer) / line.shard
-            groups = self._read_verified(path, line, writer)
+            start_row = st.row if st.line == st.loaded_upto else 0
+            groups = self._read_verified(path, line, writer, start_row)
             if groups is None:  # skipped
                 if st.line == st.loaded_upto:
                     st.line, st.row = st.loaded_upto + 1, 0
             else:
-                start_row = st.row if st.line == st.loaded_upto else 0
                 st.pending.extend(groups[start_row:])
                 if not st.pending and st.line == st.loaded_upto:
                     st.line, st.row = st.loaded_upto + 1, 0
             st.loaded_upto += 1
 
-    def _read_verified(self, path: Path, line: ShardManifestLine, writer: str) -> Optional[list[Group]]:
+    def _read_verified(self, path: Path, line: ShardManifestLine, writer: str,
+                       start_row: int) -> Optional[list[Group]]:
+        """The shard's groups, or None if it is skipped from ``start_row`` on (the rows before
+        the cursor were trained on already)."""
         if self.skip_log is not None and self.skip_log.is_skipped(writer, line.shard):
-            return self._skip(path, line, writer, f"recorded as skipped in {self.skip_log.path}")
+            return self._skip(path, line, writer, f"recorded as skipped in {self.skip_log.path}", start_row)
         for attempt in range(self.verify_retries + 1):
             try:
                 return read_shard(path, line, writer)
@@ -152,18 +155,20 @@ class SampleReader:
                 if attempt < self.verify_retries:
                     time.sleep(0.2)  # a lagging shared-filesystem client may not show the bytes yet
                     continue
-                return self._skip(path, line, writer, str(e))
+                return self._skip(path, line, writer, str(e), start_row)
         return None
 
-    def _skip(self, path: Path, line: ShardManifestLine, writer: str, reason: str) -> None:
-        """Record the skip (durably, before the cursor can move past the shard) and report it."""
-        log.error("SKIPPING shard %s (%d groups, prompts %s): %s", path, line.n_groups, line.prompt_indices[:8],
-                  reason)
-        if self.skip_log is not None:
-            self.skip_log.record(SkippedShard(writer=writer, shard=line.shard, prompt_indices=list(line.prompt_indices),
-                                              n_groups=line.n_groups, reason=reason, time_s=time.time()))
-        self.skipped.append({"writer": writer, "shard": line.shard, "reason": reason, "n_groups": line.n_groups,
-                             "prompt_indices": list(line.prompt_indices)})
+    def _skip(self, path: Path, line: ShardManifestLine, writer: str, reason: str, start_row: int) -> None:
+        """Record the skip of rows ``start_row:`` (durably, before the cursor can move past the
+        shard) and report it. Rows before ``start_row`` were trained on: they are not handed back."""
+        prompts = list(line.prompt_indices[start_row:])
+        if self.skip_log is not None:  # only prompts not recorded before are added (a resumed trainer re-skips)
+            self.skip_log.record(SkippedShard(writer=writer, shard=line.shard, prompt_indices=prompts,
+                                              n_groups=len(prompts), reason=reason, time_s=time.time()))
+        log.error("SKIPPING shard %s (%d of its %d groups, prompts %s): %s", path, len(prompts), line.n_groups,
+                  prompts[:8], reason)
+        self.skipped.append({"writer": writer, "shard": line.shard, "reason": reason, "n_groups": len(prompts),
+                             "prompt_indices": prompts})
         return None
 
     def poll(self) -> int:

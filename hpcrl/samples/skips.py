@@ -41,7 +41,8 @@ class SkippedShard:
     shard: str
     """File name in the writer's folder, e.g. ``shard-000042.h5``."""
     prompt_indices: list[int]
-    """Prompt indices of its groups (from the manifest line): the writer generates them again."""
+    """Prompt indices of the groups skipped (the shard's rows from the trainer's cursor on: rows
+    before it were trained on already): the writer generates them again."""
     n_groups: int
     reason: str
     time_s: float
@@ -58,14 +59,15 @@ class SkippedShard:
 class SkipLog:
     """Reads (and, for the trainer, appends to) ``control/skipped_shards.jsonl``.
 
-    Each instance tails the file on its own; a shard recorded twice (a trainer that
-    skipped it, died before its checkpoint, and skipped it again) counts once.
+    Each instance tails the file on its own. A shard may be recorded more than once (a
+    trainer that skipped it from row r, died before its checkpoint, and resumed with a
+    cursor at an earlier row of it records the rows in between); each prompt counts once.
     """
 
     def __init__(self, run_dir: RunDir):
         self.path = run_dir.skipped_shards
         self._tail = JsonlTail(self.path)
-        self._seen: dict[tuple[str, str], SkippedShard] = {}
+        self._seen: dict[tuple[str, str], set[int]] = {}  # (writer, shard) -> prompts skipped
         self._appender: Optional[JsonlAppender] = None
         self._rows_read = 0
 
@@ -79,31 +81,42 @@ class SkipLog:
             except TypeError:
                 log.warning("%s: malformed record ignored: %r", self.path, d)
                 continue
-            key = (rec.writer, rec.shard)
-            if key not in self._seen:
-                self._seen[key] = rec
-                new.append(rec)
+            fresh = self._add(rec)
+            if fresh is not None:
+                new.append(fresh)
         self._rows_read = len(rows)
         return new
+
+    def _add(self, rec: SkippedShard) -> Optional[SkippedShard]:
+        """Merge a record; the part of it not seen before (None if nothing is new)."""
+        seen = self._seen.setdefault((rec.writer, rec.shard), set())
+        new = [p for p in rec.prompt_indices if p not in seen]
+        if not new:
+            return None
+        seen.update(new)
+        return dataclasses.replace(rec, prompt_indices=new, n_groups=len(new))
 
     def is_skipped(self, writer: str, shard: str) -> bool:
         """True if the shard is recorded as skipped (as of the last :meth:`poll`)."""
         return (writer, shard) in self._seen
 
     def skipped_groups(self) -> int:
-        """Groups in all skipped shards, every writer (as of the last :meth:`poll`)."""
-        return sum(r.n_groups for r in self._seen.values())
+        """Groups skipped in all shards, every writer (as of the last :meth:`poll`)."""
+        return sum(len(p) for p in self._seen.values())
 
-    def record(self, rec: SkippedShard) -> bool:
-        """Trainer: make the skip durable (once per shard); True if it was new."""
+    def record(self, rec: SkippedShard) -> Optional[SkippedShard]:
+        """Trainer: make the skip of the prompts not recorded before durable; returns what
+        was new (None if every prompt was recorded already)."""
         self.poll()
-        if (rec.writer, rec.shard) in self._seen:
-            return False
+        seen = self._seen.get((rec.writer, rec.shard), set())
+        rec = dataclasses.replace(rec, prompt_indices=[p for p in rec.prompt_indices if p not in seen])
+        rec.n_groups = len(rec.prompt_indices)
+        if not rec.prompt_indices:
+            return None
         if self._appender is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if truncate_torn_tail(self.path):
                 log.warning("%s: cut off a torn last line left by a trainer killed mid-append", self.path)
             self._appender = JsonlAppender(self.path)
         self._appender.append(rec.to_json())
-        self._seen[(rec.writer, rec.shard)] = rec  # the tail reads it back later: already seen
-        return True
+        return self._add(rec)  # the tail reads it back later: already seen

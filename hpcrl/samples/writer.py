@@ -135,7 +135,7 @@ class ShardWriter:
         for rec in self.skips.poll():
             if rec.writer != self.writer:
                 continue
-            prompts = self._lines.get(rec.shard, rec.prompt_indices)
+            prompts = rec.prompt_indices  # the rows of the shard the trainer had not trained on
             self._live.subtract(prompts)
             for p in prompts:
                 if self._live[p] <= 0:
