@@ -252,6 +252,8 @@ def damage_trial(run: Runner, kind: str) -> dict:
             run.trial.problems["setup"] = ["no committed shard after the checkpoint's cursor"]
             return {}
         target = rd.writer_dir("w000") / lines[pos["line"]]["shard"]
+        # rows before the checkpoint's cursor were trained on before the damage; the rest must never be
+        damaged_rows = [f"w000/{p}" for p in lines[pos["line"]]["prompt_indices"][pos["row"]:]]
     else:
         target = rd.weight_version_dir(state["param_version"]) / "model.safetensors"
     size = target.stat().st_size
@@ -263,7 +265,8 @@ def damage_trial(run: Runner, kind: str) -> dict:
     time.sleep(rng.uniform(0, 3))
     run.start("trainer")
     run.start("rollout")
-    return {"path": target, "version": state.get("param_version")}
+    return {"path": target, "version": state.get("param_version"),
+            "rows": damaged_rows if kind.startswith("shard") else []}
 
 
 def check_damage(rd: RunDir, kind: str, info: dict, trial: Trial) -> None:
@@ -275,7 +278,7 @@ def check_damage(rd: RunDir, kind: str, info: dict, trial: Trial) -> None:
         if not re.search(r"SKIPPING shard \S*" + re.escape(path.name), logs):
             trial.problems["damage_not_named"] = [str(path)]
         st = read_staleness(rd)
-        if (st.shard == path.name).any():
+        if ((st.shard == path.name) & st.group_id.isin(info["rows"])).any():
             trial.damaged_used = True
             trial.problems["damaged_shard_trained"] = [path.name]
     else:
