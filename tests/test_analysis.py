@@ -17,6 +17,7 @@ import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -113,9 +114,12 @@ def parse_report(md: str) -> dict:
     return tables
 
 
-def close(cell: str, value: float, decimals: int = 3) -> bool:
+def close(cell: str, value: float, decimals: Optional[int] = None) -> bool:
+    """The cell shows ``value`` rounded to the digits it has (or to ``decimals``)."""
     if cell == "n/a":
         return math.isnan(value)
+    if decimals is None:
+        decimals = len(cell.split(".")[1]) if "." in cell else 0
     return abs(float(cell) - value) <= 0.5 * 10 ** -decimals + 1e-9
 
 

@@ -19,7 +19,9 @@ import pandas as pd
 
 
 def fmt(value, column: str = "") -> str:
-    """A table cell: integers as integers, ``%`` columns with 1 decimal, other reals with 3."""
+    """A table cell rounded to what it means: integers as integers, ``%`` columns with 1 decimal,
+    other reals to 3 significant digits (at most 4 decimals; whole numbers from 100 on):
+    ``1934`` tokens/s, ``12.3`` s, ``0.812`` idle, ``0.0123`` lag."""
     if isinstance(value, (bool, np.bool_)):
         return "yes" if value else "no"
     if value is None or value is pd.NA or (isinstance(value, numbers.Real) and math.isnan(value)):
@@ -27,7 +29,12 @@ def fmt(value, column: str = "") -> str:
     if isinstance(value, numbers.Integral):
         return str(int(value))
     if isinstance(value, numbers.Real):
-        return f"{float(value):.1f}" if column.startswith("%") else f"{float(value):.3f}"
+        x = float(value)
+        if column.startswith("%"):
+            return f"{x:.1f}"
+        if math.isinf(x) or abs(x) >= 100 or x == 0:
+            return f"{x:.0f}"
+        return f"{x:.{min(4, max(0, 2 - math.floor(math.log10(abs(x)))))}f}"
     return str(value)
 
 
