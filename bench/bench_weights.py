@@ -103,7 +103,7 @@ def time_publish(wt: FilesystemTransport, version: int, sd: dict, config_json: s
 def time_load(wt: FilesystemTransport, version: int, params: dict[str, torch.Tensor]) -> float:
     """Seconds for ``load`` as the rollout job calls it: announce, check sizes, map and (if the
     transport verifies) hash the file, copy into ``params`` inside ``apply``, release the announcement."""
-    def copy_into(state: dict[str, torch.Tensor]) -> None:
+    def copy_into(state: dict[str, torch.Tensor], _version_dir) -> None:
         if set(state) != set(params):
             raise RuntimeError(f"load_version({version}) returned {len(state)} tensors, expected {len(params)}")
         for k, dst in params.items():

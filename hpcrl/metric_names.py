@@ -73,6 +73,8 @@ LOAD_WEIGHTS_S = "timing_s/load_weights"
 """Seconds to load this version into the engine."""
 ROLLOUT_REWARD_MEAN = "reward_mean"
 """Mean trajectory reward of the groups generated with this version."""
+RESPONSE_CLIP_RATIO = "response_length/clip_ratio"
+"""Share of this version's responses cut at rollout.response_length (no EOS; verl's name)."""
 
 REWARD_ERRORS = "reward/errors"
 """Responses whose reward function raised (each got reward 0; logged with its sample id)."""

@@ -32,6 +32,7 @@ from typing import Optional
 import yaml
 
 from hpcrl.config import RunConfig, config_from_dict, dump_config
+from hpcrl.config.names import BUILTIN_MODELS
 
 TRAINER_JOB = "trainer"
 """Job name of the trainer's rank 0 (heartbeat, log file, launcher handle)."""
@@ -106,8 +107,8 @@ class RunDir:
         return self.root / "base_model"
 
     def model_dir(self, model_path: str) -> Path:
-        """The folder of ``model.path``: ``base_model/`` for ``builtin:tiny``, else the path itself (``~`` expanded)."""
-        return self.base_model if model_path == "builtin:tiny" else Path(model_path).expanduser()
+        """The folder of ``model.path``: ``base_model/`` for ``builtin:tiny[-h64]``, else the path itself (``~`` expanded)."""
+        return self.base_model if model_path in BUILTIN_MODELS else Path(model_path).expanduser()
 
     @property
     def sbatch_dir(self) -> Path:

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from hpcrl.rollout.engine import TransformersEngine
+from hpcrl.rollout.engine import EngineOptions
+from hpcrl.rollout.transformers_engine import TransformersEngine
 from hpcrl.samples.schema import Group, Trajectory
 from hpcrl.tiny.model import build_tiny_model
 from hpcrl.trainer.batch import build_batch, forward
@@ -19,12 +20,13 @@ def tiny(tmp_path_factory):
 
 
 def sampled_groups(tiny, temperature=1.0, version=3):
-    eng = TransformersEngine(tiny, max_new_tokens=6, temperature=temperature, top_p=1.0)
+    eng = TransformersEngine(EngineOptions(tiny, max_new_tokens=6, temperature=temperature, top_p=1.0, device="cpu",
+                                           dtype="float32"))
     groups = []
     for gi, prompt in enumerate([[30, 5], [31, 7, 8, 9]]):  # two prompt lengths: padding in the batch
         trajs = [Trajectory(prompt, s.response_ids, np.ones(len(s.response_ids), np.int8), s.logprobs,
                             np.full(len(s.response_ids), version - gi, np.int32), 0.0)
-                 for s in eng.generate(prompt, 4, seed=gi)]
+                 for s in eng.generate_sync(prompt, 4, seed=gi)]
         groups.append(Group("w000", gi, trajs, 0.0, 0.0))
     return groups
 

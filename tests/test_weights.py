@@ -93,14 +93,14 @@ def test_damaged_version_is_marked_bad_and_the_newest_intact_one_is_loaded(tmp_p
     damage_weights(wt.run_dir, 1, how)
     applied = []
     with pytest.raises(WeightVersionBad, match="version 1"):
-        wt.load(1, "w000", apply=applied.append)
+        wt.load(1, "w000", apply=lambda s, _dir: applied.append(s))
     assert applied == [], "a damaged version must never reach the engine"
     assert wt.is_bad(1) and wt.run_dir.weight_bad_marker(1).is_file()
     assert json.loads(wt.run_dir.loading_announcement("w000").read_text())["state"] != "loading"
     # another reader (a new process) sees the marker and never tries it
     other = transport(tmp_path)
     assert other.newest_usable() == 0
-    m = other.load_newest("w001", apply=applied.append)
+    m = other.load_newest("w001", apply=lambda s, _dir: applied.append(s))
     assert m.param_version == 0 and len(applied) == 1
     torch.testing.assert_close(applied[0]["a.weight"], state(0)["a.weight"])
 

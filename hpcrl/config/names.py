@@ -48,8 +48,18 @@ LOGGING_BACKENDS = ("jsonl", "tensorboard", "wandb")
 WANDB_MODES = ("offline", "online")
 """``logging.wandb_mode``."""
 
-ENGINES = ("transformers",)
-"""``rollout.engine`` (hpcrl/rollout/)."""
+ENGINES = ("transformers", "vllm")
+"""``rollout.engine`` (hpcrl/rollout/engine.py: one file per backend)."""
+
+ROLLOUT_DEVICES = ("auto", "cpu", "cuda")
+"""``rollout.device``: ``auto`` = cuda when the job sees a GPU, else cpu."""
+
+DTYPES = ("float32", "bfloat16", "float16")
+"""``rollout.dtype``: the engine's weights and activations."""
+
+BUILTIN_MODELS = ("builtin:tiny", "builtin:tiny-h64")
+"""``model.path`` values that build a tiny model at launch (hpcrl/tiny/model.py): ``tiny`` has
+4 heads of 32, ``tiny-h64`` 2 heads of 64 (what vLLM's CPU attention needs), same parameters."""
 
 WEIGHT_TRANSPORTS = ("filesystem",)
 """``weights.transport`` (hpcrl/weights/)."""

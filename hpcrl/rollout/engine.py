@@ -1,20 +1,36 @@
-"""Generation engines. The rollout loop needs only :class:`Engine`.
+"""Generation engines. The rollout loop needs only :class:`Engine` and :class:`EngineRunner`.
 
-:class:`TransformersEngine` runs any local HF causal LM with its own sampling loop
-(KV cache, temperature, top-p) so that it returns, for every sampled token, the
-log-prob under the distribution it was actually sampled from (after temperature
-and top-p): the behaviour policy of importance sampling. One engine is shared
-by the rollout job's group threads; weights are swapped only while no group is
-in flight (the loop drains first).
+One file per backend behind this interface: ``transformers_engine.py`` (CPU or GPU, any HF
+causal LM, the numerical reference) and ``vllm_engine.py`` (vLLM's ``AsyncLLM`` in the rollout
+process: no HTTP server, no Ray). The interface is async: vLLM batches the requests that are
+in flight together, and :meth:`Engine.abort_all` stops them within about one decoding step,
+handing back what each had generated (what partial rollout needs).
+
+The rollout loop is thread-based (one pool thread per group in flight); it reaches the engine
+through :class:`EngineRunner`, which owns one asyncio event loop in a daemon thread and waits
+for every call with a deadline, so no engine call can hang the job.
 """
 from __future__ import annotations
 
 import abc
+import asyncio
+import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Awaitable, Callable, Optional
 
 import numpy as np
 import torch
+
+log = logging.getLogger(__name__)
+
+FINISH_STOP = "stop"
+"""The response ended with EOS (or another stop token)."""
+FINISH_LENGTH = "length"
+"""The response was cut at ``rollout.response_length`` tokens."""
+FINISH_ABORT = "abort"
+"""Generation was stopped by :meth:`Engine.abort_all`; the tokens so far are kept."""
 
 
 @dataclass
@@ -24,90 +40,115 @@ class Sample:
     response_ids: np.ndarray
     """Sampled tokens, up to and including EOS if one was sampled."""
     logprobs: np.ndarray
-    """Log-prob of each sampled token under the sampling distribution."""
+    """Log-prob of each sampled token under the sampling distribution (after temperature, top-p)."""
+    finish_reason: str = FINISH_STOP
+    """:data:`FINISH_STOP`, :data:`FINISH_LENGTH` or :data:`FINISH_ABORT`."""
+
+
+@dataclass
+class EngineOptions:
+    """What every engine is built from (``rollout.*`` resolved for this job)."""
+
+    model_dir: Path
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    device: str
+    """``cpu`` or ``cuda`` (``rollout.device: auto`` already resolved)."""
+    dtype: str
+    """``float32``, ``bfloat16`` or ``float16``."""
+    seed: int = 0
+    gpu_memory_utilization: float = 0.5
+    """vLLM: share of GPU memory (on CPU: of host memory for the KV cache)."""
+    max_model_len: Optional[int] = None
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enforce_eager: bool = True
+    max_num_seqs: int = 256
 
 
 class Engine(abc.ABC):
-    """What the rollout loop needs from a generation engine (one file per backend)."""
+    """What the rollout loop needs from a generation engine (one file per backend). Every
+    coroutine runs on the :class:`EngineRunner`'s event loop."""
 
     @abc.abstractmethod
-    def generate(self, prompt_ids: list[int], n: int, seed: int) -> list[Sample]:
-        """``n`` independent responses to one prompt."""
+    async def generate(self, prompt_ids: list[int], n: int, seed: int,
+                       max_new_tokens: Optional[int] = None) -> list[Sample]:
+        """``n`` independent responses to one prompt, each at most ``max_new_tokens`` long (None:
+        ``rollout.response_length``; a resumed partial response gets what is left of its budget);
+        ``seed`` makes them reproducible where the backend allows. Aborted requests return
+        their partial tokens (:data:`FINISH_ABORT`)."""
 
     @abc.abstractmethod
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Replace the model weights (no generation is running)."""
+    async def abort_all(self) -> None:
+        """Stop every :meth:`generate` in flight within about one decoding step; each returns the
+        tokens and log-probs generated so far. New requests are served again afterwards."""
+
+    @abc.abstractmethod
+    async def load_weights(self, state_dict: dict[str, torch.Tensor], version_dir: Optional[Path]) -> None:
+        """Adopt new weights (no generation is running). ``state_dict`` holds the verified tensors
+        (valid only during the call); ``version_dir``, when the transport has one, is the folder
+        they were read from (config.json + model.safetensors), for engines that load files."""
+
+    def close(self) -> None:
+        """Release the engine (processes, memory). Safe to call twice."""
 
 
-def apply_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Mask (to -inf) the tokens outside the smallest set with probability >= top_p."""
-    if top_p >= 1.0:
-        return logits
-    sorted_logits, idx = torch.sort(logits, dim=-1, descending=True)
-    cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-    remove = cum - torch.softmax(sorted_logits, dim=-1) >= top_p  # keep the token that crosses top_p
-    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
+class EngineRunner:
+    """One asyncio event loop in a daemon thread, shared by the rollout job's threads.
+
+    :meth:`call` runs a coroutine there and waits for it with a deadline; on timeout the
+    coroutine is cancelled and TimeoutError names what was waited for.
+    """
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def call(self, make: Callable[[], Awaitable[Any]], timeout_s: float, what: str) -> Any:
+        """Run ``make()`` on the loop; its result, or TimeoutError after ``timeout_s`` naming ``what``."""
+        async def run():
+            return await make()
+
+        fut = asyncio.run_coroutine_threadsafe(run(), self.loop)
+        try:
+            return fut.result(timeout=timeout_s)
+        except TimeoutError:
+            fut.cancel()
+            raise TimeoutError(f"engine: {what} took longer than {timeout_s:.0f}s") from None
+
+    def close(self) -> None:
+        """Stop the loop (calls still running are abandoned)."""
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
 
 
-class TransformersEngine(Engine):
-    """Any local HF causal LM with hpcrl's own sampling loop; the numerical reference engine."""
-
-    def __init__(self, model_dir: Path | str, max_new_tokens: int, temperature: float, top_p: float,
-                 device: str = "cpu"):
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
-        self.device = device
-        self.max_new_tokens = max_new_tokens
-        self.temperature = temperature
-        self.top_p = top_p
-        self.eos_id = self.model.config.eos_token_id
-        if isinstance(self.eos_id, list):
-            self.eos_id = self.eos_id[0]
-        self.pad_id = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
-
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        self.model.load_state_dict(state_dict, strict=True)
-
-    @torch.no_grad()
-    def generate(self, prompt_ids: list[int], n: int, seed: int) -> list[Sample]:
-        gen = torch.Generator(device="cpu").manual_seed(seed)
-        ids = torch.tensor([prompt_ids] * n, dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, use_cache=True)
-        past, logits = out.past_key_values, out.logits[:, -1, :]
-        finished = torch.zeros(n, dtype=torch.bool)
-        tokens, logps = [], []
-        for _ in range(self.max_new_tokens):
-            logp = torch.log_softmax(apply_top_p(logits.float() / self.temperature, self.top_p), dim=-1).cpu()
-            tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(1)
-            tokens.append(torch.where(finished, self.pad_id, tok))
-            logps.append(logp.gather(1, tok[:, None]).squeeze(1))
-            if self.eos_id is not None:
-                finished |= tok == self.eos_id
-            if bool(finished.all()):
-                break
-            out = self.model(input_ids=tok[:, None].to(self.device), past_key_values=past, use_cache=True)
-            past, logits = out.past_key_values, out.logits[:, -1, :]
-        tok_mat = torch.stack(tokens, 1).numpy()
-        lp_mat = torch.stack(logps, 1).numpy()
-        samples = []
-        for r in range(n):
-            length = tok_mat.shape[1]
-            if self.eos_id is not None:
-                hits = np.nonzero(tok_mat[r] == self.eos_id)[0]
-                if len(hits):
-                    length = int(hits[0]) + 1
-            samples.append(Sample(tok_mat[r, :length].astype(np.int32), lp_mat[r, :length].astype(np.float32)))
-        return samples
+def _transformers(opts: EngineOptions) -> Engine:
+    from hpcrl.rollout.transformers_engine import TransformersEngine
+    return TransformersEngine(opts)
 
 
-ENGINES: dict[str, type] = {"transformers": TransformersEngine}
-"""Engine class by ``rollout.engine`` (the allowed names: :data:`hpcrl.config.names.ENGINES`)."""
+def _vllm(opts: EngineOptions) -> Engine:
+    from hpcrl.rollout.vllm_engine import VLLMEngine
+    return VLLMEngine(opts)
 
 
-def make_engine(name: str, model_dir: Path | str, max_new_tokens: int, temperature: float, top_p: float) -> Engine:
-    """The engine ``rollout.engine`` names, serving the model in ``model_dir``."""
+ENGINES: dict[str, Callable[[EngineOptions], Engine]] = {"transformers": _transformers, "vllm": _vllm}
+"""Engine builder by ``rollout.engine`` (the allowed names: :data:`hpcrl.config.names.ENGINES`).
+The backend module is imported only when chosen: vLLM is an optional dependency."""
+
+
+def make_engine(name: str, opts: EngineOptions, runner: EngineRunner, timeout_s: float) -> Engine:
+    """The engine ``rollout.engine`` names, built on the runner's loop (vLLM's AsyncLLM binds to
+    the loop it is created on) within ``timeout_s``; each start is logged with its duration."""
     if name not in ENGINES:
         raise ValueError(f"unknown rollout.engine {name!r}; allowed: {', '.join(ENGINES)}")
-    return ENGINES[name](model_dir, max_new_tokens, temperature, top_p)
+    log.info("starting the %s engine on %s (%s) for %s; waiting up to %.0fs", name, opts.device, opts.dtype,
+             opts.model_dir, timeout_s)
+
+    async def build():
+        return ENGINES[name](opts)
+
+    return runner.call(build, timeout_s, f"starting the {name} engine for {opts.model_dir}")

@@ -43,7 +43,7 @@ from hpcrl.control.records import HeartbeatState, HeartbeatThread, describe_hear
 from hpcrl.fsio import wait_for
 from hpcrl.logs import MetricsLog, setup_logging
 from hpcrl.rollout.dataset import PromptStream, WriterPositions, load_rows
-from hpcrl.rollout.engine import make_engine
+from hpcrl.rollout.engine import FINISH_ABORT, FINISH_LENGTH, Engine, EngineOptions, EngineRunner, make_engine
 from hpcrl.rollout.data import encode_rows
 from hpcrl.rollout.reward_fn import RewardScorer, load_reward
 from hpcrl.run_dir import RunDir
@@ -66,13 +66,15 @@ class VersionStats:
     groups: int = 0
     trajectories: int = 0
     tokens: int = 0
+    truncated: int = 0
     idle_s: float = 0.0
     load_s: float = 0.0
     reward_sum: float = 0.0
 
-    def count(self, group: Group) -> None:
-        """Add one finished group."""
+    def count(self, group: Group, truncated: int) -> None:
+        """Add one finished group (``truncated`` of its responses were cut by length)."""
         self.groups += 1
+        self.truncated += truncated
         self.trajectories += len(group.trajectories)
         self.tokens += sum(len(t.response_ids) for t in group.trajectories)
         self.reward_sum += sum(t.reward for t in group.trajectories)
@@ -83,8 +85,26 @@ class VersionStats:
         return {M.WRITER: writer, M.PARAM_VERSION: self.param_version, M.GROUPS: self.groups,
                 M.TRAJECTORIES: self.trajectories, M.TOKENS: self.tokens, M.WALL_S: wall,
                 M.ROLLOUT_IDLE_RATIO: min(1.0, self.idle_s / wall), M.LOAD_WEIGHTS_S: self.load_s,
-                M.TOKENS_PER_S: self.tokens / wall,
+                M.TOKENS_PER_S: self.tokens / wall, M.RESPONSE_CLIP_RATIO: self.truncated / max(self.trajectories, 1),
                 M.ROLLOUT_REWARD_MEAN: self.reward_sum / max(self.trajectories, 1), M.TIME_S: time.time()}
+
+
+class GroupAborted(Exception):
+    """A group's generation was aborted (job shutting down): its partial responses are not a group."""
+
+
+def engine_options(cfg, model_dir) -> EngineOptions:
+    """``rollout.*`` resolved for this job: ``device: auto`` becomes cuda when a GPU is visible."""
+    ro = cfg.rollout
+    device = ro.device if ro.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"rollout.device=cuda but this job sees no GPU (CUDA_VISIBLE_DEVICES="
+                           f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): check resources.rollout.gpus_per_node")
+    return EngineOptions(model_dir=model_dir, max_new_tokens=ro.response_length, temperature=ro.temperature,
+                         top_p=ro.top_p, device=device, dtype=ro.dtype, seed=cfg.model.seed,
+                         gpu_memory_utilization=ro.gpu_memory_utilization, max_model_len=ro.max_model_len,
+                         tensor_parallel_size=ro.tensor_parallel_size, data_parallel_size=ro.data_parallel_size,
+                         enforce_eager=ro.enforce_eager, max_num_seqs=ro.max_num_seqs)
 
 
 TRAINER_DONE_POLL_S = 0.5
@@ -113,6 +133,8 @@ class RolloutJob:
         self.in_flight: dict[Future, int] = {}
         # built by _build(); None until then, so that _shutdown works whatever stage failed
         self.pool: Optional[ThreadPoolExecutor] = None
+        self.runner: Optional[EngineRunner] = None
+        self.engine: Optional[Engine] = None
         self.shards: Optional[ShardWriter] = None
         self.metrics: Optional[MetricsLog] = None
         self.stats: Optional[VersionStats] = None
@@ -131,8 +153,9 @@ class RolloutJob:
             rows = load_rows(cfg.data, cfg.rollout.response_length)
             rows, counts, template = encode_rows(self.tokenizer, cfg.data, rows)
             self.scorer = RewardScorer(load_reward(cfg.reward))
-            self.engine = make_engine(cfg.rollout.engine, mdir, cfg.rollout.response_length, cfg.rollout.temperature,
-                                      cfg.rollout.top_p)
+            self.runner = EngineRunner()
+            self.engine = make_engine(cfg.rollout.engine, engine_options(cfg, mdir), self.runner,
+                                      cfg.timeouts.engine_start_s)
         log.info("%s", counts.line(cfg.data, template))
         self.stream = PromptStream(rows, cfg.data.seed)
         self.shards = ShardWriter(self.run_dir, self.writer, cfg.rollout.seal_groups, cfg.rollout.seal_interval_s,
@@ -144,21 +167,28 @@ class RolloutJob:
         self.pool = ThreadPoolExecutor(cfg.rollout.max_concurrent_groups, thread_name_prefix="group")
 
     # ---- the group task (runs in a pool thread)
-    def _generate_group(self, prompt_index: int, version: int) -> Group:
+    def _generate_group(self, prompt_index: int, version: int) -> tuple[Group, int]:
+        """The group of ``prompt_index`` with its rewards, and how many responses were cut by length.
+        GroupAborted if the engine was aborted under it (shutdown)."""
         row = self.stream[prompt_index]
         created = time.time()
         prompt_ids = row["prompt_ids"]  # chat template and max_prompt_length applied in _build
         seed = (self.cfg.data.seed * 1_000_003 + prompt_index) % (2**63)
+        samples = self.runner.call(lambda: self.engine.generate(prompt_ids, self.cfg.rollout.n, seed=seed),
+                                   self.cfg.timeouts.generate_s, f"generating the group of prompt {prompt_index}")
+        if any(s.finish_reason == FINISH_ABORT for s in samples):
+            raise GroupAborted(f"group of prompt {prompt_index} aborted")
         trajs = []
-        for j, s in enumerate(self.engine.generate(prompt_ids, self.cfg.rollout.n, seed=seed)):
+        for j, s in enumerate(samples):
             text = self.tokenizer.decode(s.response_ids.tolist(), skip_special_tokens=True)
             reward = self.scorer.score(f"{self.writer}/{prompt_index}/{j}", row, text)
             trajs.append(Trajectory(prompt_ids=prompt_ids, response_ids=s.response_ids,
                                     response_mask=np.ones(len(s.response_ids), np.int8), logprobs=s.logprobs,
                                     token_versions=np.full(len(s.response_ids), version, np.int32),
                                     reward=reward))
-        return Group(writer=self.writer, prompt_index=prompt_index, trajectories=trajs, created_s=created,
-                     finished_s=time.time())
+        group = Group(writer=self.writer, prompt_index=prompt_index, trajectories=trajs, created_s=created,
+                      finished_s=time.time())
+        return group, sum(s.finish_reason == FINISH_LENGTH for s in samples)
 
     # ---- steps of the loop
     def _stop_requested(self) -> Optional[HeartbeatState]:
@@ -179,7 +209,11 @@ class RolloutJob:
         publishes again); if none is intact, wait for one. The caller has drained the groups in flight."""
         t0 = time.time()
         faults.point("weight_load")
-        while (manifest := self.weights.load_newest(self.writer, apply=self.engine.load_weights)) is None:
+        def apply(state, version_dir):
+            self.runner.call(lambda: self.engine.load_weights(state, version_dir), self.cfg.timeouts.generate_s,
+                             f"loading the weights in {version_dir} into the {self.cfg.rollout.engine} engine")
+
+        while (manifest := self.weights.load_newest(self.writer, apply=apply)) is None:
             t = self.cfg.timeouts
             wait_for(f"an intact weight version in {self.run_dir.weights} (every one is marked bad)",
                      lambda: self.weights.newest_usable() is not None, t.wait_weights_s, t.poll_interval_s, log,
@@ -226,9 +260,9 @@ class RolloutJob:
         done, _ = wait(list(self.in_flight), timeout=timeout_s, return_when=FIRST_COMPLETED)
         for fut in done:
             self.in_flight.pop(fut)
-            group = fut.result()  # an exception in generation stops the job, loudly
+            group, truncated = fut.result()  # an exception in generation stops the job, loudly
             self.shards.add(group)
-            self.stats.count(group)
+            self.stats.count(group, truncated)
         return bool(done)
 
     def _drain(self) -> None:
@@ -310,6 +344,24 @@ class RolloutJob:
             self._seal_if_due()
             self._wait_if_blocked(progressed=admitted or collected)
 
+    def _abort_engine(self) -> None:
+        """Stop the generations in flight (their groups are dropped: the successor regenerates them)."""
+        if self.engine is not None and any(not f.done() for f in self.in_flight):
+            try:
+                self.runner.call(self.engine.abort_all, 60.0, "aborting the generations in flight")
+            except Exception as e:  # noqa: BLE001 - shutting down: say so and go on
+                log.warning("could not abort the engine's generations: %s", e)
+
+    def _close_engine(self) -> None:
+        try:
+            if self.engine is not None:
+                self.engine.close()
+        except Exception as e:  # noqa: BLE001 - shutting down: say so and go on
+            log.warning("closing the engine failed: %s", e)
+        finally:
+            if self.runner is not None:
+                self.runner.close()
+
     def _shutdown(self, final_state: HeartbeatState) -> None:
         """Seal complete groups, write the last version row and the final heartbeat. Works
         whatever stage the job failed in (nothing built yet, no version loaded, ...)."""
@@ -317,10 +369,11 @@ class RolloutJob:
             if self.pool is not None:
                 for fut in self.in_flight:
                     fut.cancel()
+                self._abort_engine()
                 self.pool.shutdown(wait=True, cancel_futures=True)
                 for fut in list(self.in_flight):  # finished while shutting down: complete groups are worth keeping
                     if fut.done() and not fut.cancelled() and fut.exception() is None:
-                        self.shards.add(fut.result())
+                        self.shards.add(fut.result()[0])
             if self.shards is not None:
                 self.shards.close()
             if self.metrics is not None:
@@ -328,6 +381,7 @@ class RolloutJob:
                     self._write_version_stats()
                 self.metrics.close()
         finally:
+            self._close_engine()
             self.heartbeat.stop(final_state)
             log.info("rollout %s %s: %d groups committed in total", self.writer, final_state,
                      self.shards.committed_groups if self.shards is not None else 0)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import abc
 import logging
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -36,9 +37,10 @@ from hpcrl.weights.manifest import WeightManifest
 
 log = logging.getLogger(__name__)
 
-Apply = Callable[[dict[str, torch.Tensor]], None]
-"""Receives a verified state dict (HF names, tied aliases restored) and copies it into the
-engine (``engine.load_weights``). The tensors are only valid during the call."""
+Apply = Callable[[dict[str, torch.Tensor], Optional[Path]], None]
+"""Receives a verified state dict (HF names, tied aliases restored) and the folder it was read
+from (None for a transport without files), and loads it into the engine. The tensors, and the
+folder's protection from retention, are only valid during the call."""
 
 
 class WeightVersionGone(Exception):

@@ -217,7 +217,7 @@ class FilesystemTransport(WeightTransport):
                 raise WeightVersionBad(f"weight version {version} in {rd.weight_version_dir(version)} "
                                        f"is damaged: {e}") from None
             if apply is not None:
-                apply(state)
+                apply(state, rd.weight_version_dir(version))
                 return manifest, {}
             # the tensors view a read-only mapping of the file: hand out copies that outlive it
             return manifest, {k: v.clone() for k, v in state.items()}

