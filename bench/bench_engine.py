@@ -94,7 +94,7 @@ def run_bare(opts, prompts, n: int, repeats: int) -> list[float]:
 
         async def one(i, p):
             sp = SamplingParams(n=n, temperature=opts.temperature, top_p=opts.top_p, max_tokens=opts.max_new_tokens,
-                                logprobs=0, seed=i, detokenize=False, stop_token_ids=[1],
+                                logprobs=0, seed=i if opts.device == "cuda" else None, detokenize=False, stop_token_ids=[1],
                                 output_kind=RequestOutputKind.FINAL_ONLY)
             last = None
             async for out in llm.generate({"prompt_token_ids": p}, sp, request_id=f"bare-{i}-{time.time_ns()}"):

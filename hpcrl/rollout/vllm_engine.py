@@ -5,7 +5,7 @@ Only calls that vLLM 0.25.0 (the GPU machines lent here, torch 2.11) and 0.32.0 
 ``pause_generation(mode=...)``, ``resume_generation``, ``collective_rpc("reload_weights")``,
 ``reset_prefix_cache``, ``shutdown`` (measured: ``../shared/gpu/README.md``).
 
-- Each of the ``n`` responses of a group is its own request (seed ``seed + j``), so every
+- Each of the ``n`` responses of a group is its own request (seed ``seed + j`` on GPUs), so every
   request ends with its own output, partial ones after an abort included; vLLM batches them
   and its prefix cache shares the prompt.
 - Log-probs are vLLM's *processed* ones (``logprobs_mode="processed_logprobs"``): the sampled
@@ -76,6 +76,10 @@ class VLLMEngine(Engine):
         self._closed = False
 
     def _params(self, seed: int, max_tokens: Optional[int] = None, temperature: Optional[float] = None):
+        # per-request seeds only on GPUs: vLLM's CPU build rewinds a request's generator when a
+        # chunked prefill is cut ("CPU Generator does not use offset", seen with 256 requests in
+        # flight), which kills the engine; on CPU the engine's own seed drives sampling
+        seed = seed if self.opts.device == "cuda" else None
         return self._SamplingParams(
             n=1, temperature=self.opts.temperature if temperature is None else temperature, top_p=self.opts.top_p,
             max_tokens=max_tokens or self.opts.max_new_tokens, logprobs=0, seed=seed, detokenize=False,
