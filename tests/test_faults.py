@@ -14,6 +14,7 @@ from conftest import check_exactly_once, start_rollout, start_trainer, wait_unti
 from hpcrl.control import termination
 from hpcrl.fsio import read_json, read_jsonl, wait_for
 from hpcrl.logs import read_staleness
+from hpcrl.run_dir import RunDir
 
 
 def n_updates(rd) -> int:
@@ -35,6 +36,25 @@ def test_rollout_sigkill_then_restart(tiny_run):
     assert n_updates(rd) == cfg.total_updates > done_before
     result = check_exactly_once(rd, cfg.rollout.max_concurrent_groups)
     assert result["consumed_groups"] == cfg.total_updates * cfg.groups_per_update
+
+
+def test_an_engine_that_fails_to_load_a_version_stays_on_its_own_and_retries(tiny_run):
+    """The engine refuses version 2 once (an injected error as the verified weights reach it): the
+    job says so, keeps generating with version 1 (re-applied), loads version 2 on the retry, and
+    the run ends with every group trained on once."""
+    rd = tiny_run("rollout.total_rollout_steps=64", "timeouts.retry_failed_load_s=1.0")
+    cfg = rd.load_config()
+    trainer = start_trainer(rd)
+    rollout = start_rollout(rd, env={"HPCRL_FAULT_POINT": "engine_load:3:fail"})  # loads 1, 2: v0, v1; 3: v2
+    assert trainer.wait(300) == 0, trainer.tail()
+    assert rollout.wait(120) == 0, rollout.tail()
+    log = rd.job_log(RunDir.rollout_job("w000")).read_text()
+    assert "could not load weight version 2 (InjectedFault" in log and "staying on version 1" in log
+    assert "loaded weight version 2" in log, "the retry loads it"
+    rows = [r["param_version"] for r in read_jsonl(rd.rollout_metrics("w000"))]
+    assert rows[:3] == [0, 1, 2] and rows.count(1) == 1, "version 2 is reported only once it is loaded"
+    assert n_updates(rd) == cfg.total_updates
+    check_exactly_once(rd, cfg.rollout.max_concurrent_groups)
 
 
 @pytest.mark.parametrize("zero_stage, extra", [

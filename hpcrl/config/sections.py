@@ -350,11 +350,15 @@ class TimeoutsConfig:
     profiles memory at start; a first start on a fresh node was once seen to sit for minutes)."""
     generate_s: float = 1800.0
     """Rollout gives up if one group's generation (or a weight load into the engine) takes longer."""
+    retry_failed_load_s: float = 30.0
+    """After its engine failed to load a (verified) version, a rollout job stays on its version and
+    tries that one again after this long (a newer version is tried at once)."""
 
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
         for name in ("wait_samples_s", "wait_weights_s", "heartbeat_interval_s", "heartbeat_stale_s",
-                     "poll_interval_s", "wait_log_interval_s", "engine_start_s", "generate_s"):
+                     "poll_interval_s", "wait_log_interval_s", "engine_start_s", "generate_s",
+                     "retry_failed_load_s"):
             check_float(f"timeouts.{name}", getattr(self, name), 0.0, lo_open=True)
         if self.heartbeat_stale_s <= 2 * self.heartbeat_interval_s:
             raise bad("timeouts.heartbeat_stale_s", self.heartbeat_stale_s,

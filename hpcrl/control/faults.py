@@ -6,8 +6,9 @@ harness ``bench/soak.py`` and ``tests/test_soak.py`` set it for one job)::
     HPCRL_FAULT_POINT=<point>:<n>:<action>
 
 At the ``n``-th time (1-based) this process reaches ``point`` it performs
-``action``: ``term`` (SIGTERM to itself), ``kill`` (SIGKILL to itself) or
-``sleep=<seconds>``. Points, each placed at the instant a step begins:
+``action``: ``term`` (SIGTERM to itself), ``kill`` (SIGKILL to itself),
+``sleep=<seconds>`` or ``fail`` (raise :class:`InjectedFault` there). Points, each placed
+at the instant a step begins:
 
 ==============  =====================================================================
 point           where
@@ -16,6 +17,7 @@ seal_manifest   ShardWriter.seal, just before the manifest line (the commit) is 
 checkpoint      trainer, before a checkpoint is saved
 publish         trainer, before a weight version is written
 weight_load     rollout, before a weight version is loaded
+engine_load     rollout, as verified weights are handed to the engine
 ==============  =====================================================================
 """
 from __future__ import annotations
@@ -26,11 +28,15 @@ import signal
 import time
 
 ENV = "HPCRL_FAULT_POINT"
-POINTS = ("seal_manifest", "checkpoint", "publish", "weight_load")
+POINTS = ("seal_manifest", "checkpoint", "publish", "weight_load", "engine_load")
 
 log = logging.getLogger(__name__)
 _spec = os.environ.get(ENV)
 _counts: dict[str, int] = {}
+
+
+class InjectedFault(RuntimeError):
+    """Raised by the ``fail`` action."""
 
 
 def point(name: str) -> None:
@@ -50,5 +56,7 @@ def point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     elif action.startswith("sleep="):
         time.sleep(float(action.split("=", 1)[1]))
+    elif action == "fail":
+        raise InjectedFault(f"{ENV}={_spec}")
     else:
-        raise ValueError(f"{ENV}={_spec}: action must be term, kill or sleep=<seconds>, got {action!r}")
+        raise ValueError(f"{ENV}={_spec}: action must be term, kill, sleep=<seconds> or fail, got {action!r}")

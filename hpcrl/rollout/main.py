@@ -89,6 +89,10 @@ class VersionStats:
                 M.ROLLOUT_REWARD_MEAN: self.reward_sum / max(self.trajectories, 1), M.TIME_S: time.time()}
 
 
+class EngineLoadFailed(Exception):
+    """The engine could not adopt a verified weight version (the files are fine: not marked bad)."""
+
+
 class GroupAborted(Exception):
     """A group's generation was aborted (job shutting down): its partial responses are not a group."""
 
@@ -140,6 +144,7 @@ class RolloutJob:
         self.stats: Optional[VersionStats] = None
         self._done_checked_s = 0.0
         self._blocked_since: Optional[float] = None
+        self._failed_load: tuple[int, float] = (-1, 0.0)  # (version, monotonic time) of the last failed engine load
 
     # ---- setup
     def _build(self) -> None:
@@ -204,33 +209,65 @@ class RolloutJob:
                 return HeartbeatState.DONE
         return None
 
-    def _load_newest(self) -> None:
-        """Load the newest intact version; a damaged one is marked bad and skipped (the trainer
-        publishes again); if none is intact, wait for one. The caller has drained the groups in flight."""
-        t0 = time.time()
-        faults.point("weight_load")
-        def apply(state, version_dir):
+    def _apply_to_engine(self, state, version_dir) -> None:
+        """Hand verified weights to the engine; EngineLoadFailed if it cannot take them."""
+        try:
+            faults.point("engine_load")
             self.runner.call(lambda: self.engine.load_weights(state, version_dir), self.cfg.timeouts.generate_s,
                              f"loading the weights in {version_dir} into the {self.cfg.rollout.engine} engine")
+        except Exception as e:  # noqa: BLE001 - any engine error: the caller decides whether the job can go on
+            raise EngineLoadFailed(f"{type(e).__name__}: {e}") from e
 
-        while (manifest := self.weights.load_newest(self.writer, apply=apply)) is None:
+    def _load_newest(self) -> None:
+        """Load the newest intact version; a damaged one is marked bad and skipped (the trainer
+        publishes again); if none is intact, wait for one. The caller has drained the groups in flight.
+
+        If the engine fails to take a version, the job stays on the one it has (re-applied, since
+        a half-done load may have changed part of the weights) and says so; it tries again after
+        ``timeouts.retry_failed_load_s``. Without a version to fall back on (start-up), or if re-applying
+        fails too, the job fails (its restart starts a fresh engine)."""
+        t0 = time.time()
+        faults.point("weight_load")
+        try:
+            manifest = self._load_newest_or_wait()
+        except EngineLoadFailed as e:
+            if self.version < 0:
+                raise
+            failed = self.weights.newest_usable()
+            log.error("the %s engine could not load weight version %s (%s); staying on version %d and trying "
+                      "again in %.0fs", self.cfg.rollout.engine, failed, e, self.version,
+                      self.cfg.timeouts.retry_failed_load_s)
+            self._failed_load = (failed if failed is not None else -1, time.monotonic())
+            self.weights.load(self.version, self.writer, apply=self._apply_to_engine)
+            return
+        self._adopt(manifest, time.time() - t0)
+
+    def _load_newest_or_wait(self):
+        while (manifest := self.weights.load_newest(self.writer, apply=self._apply_to_engine)) is None:
             t = self.cfg.timeouts
             wait_for(f"an intact weight version in {self.run_dir.weights} (every one is marked bad)",
                      lambda: self.weights.newest_usable() is not None, t.wait_weights_s, t.poll_interval_s, log,
                      describe=lambda: describe_heartbeats(self.run_dir, "trainer"), stop=termination.check)
+        return manifest
+
+    def _adopt(self, manifest, load_s: float) -> None:
+        """The engine holds ``manifest``'s version: report it (heartbeat, stats) only now."""
         if self.stats is not None:
             self._write_version_stats()
         self.version, self.consumed_at_version = manifest.param_version, manifest.consumed_groups
-        self.stats = VersionStats(self.version, load_s=time.time() - t0)
+        self.stats = VersionStats(self.version, load_s=load_s)
         self.heartbeat.update(param_version=self.version, state=HeartbeatState.GENERATING)
         log.info("loaded weight version %d in %.2fs (trainer step %d, consumed %d groups)", self.version,
-                 time.time() - t0, manifest.trainer_step, manifest.consumed_groups)
+                 load_s, manifest.trainer_step, manifest.consumed_groups)
 
     def _switch_weights_if_newer(self) -> None:
         """Step 2: load a newer version; also an *older* newest one: the trainer was restarted
         from a checkpoint and withdrew the versions published after it."""
         v = self.weights.newest_usable()
         if v is None or v == self.version:
+            return
+        failed_v, failed_at = self._failed_load
+        if v == failed_v and time.monotonic() - failed_at < self.cfg.timeouts.retry_failed_load_s:
             return
         if v < self.version:
             log.warning("newest weight version is %d, below ours (%d): the trainer rolled back; reloading",
