@@ -4,10 +4,12 @@ what it then generates with, abort hands back partial responses, and the tiny ta
 through the launcher. One engine is shared by the module's direct tests (~25 s to start)."""
 import importlib.util
 import json
+import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -156,3 +158,28 @@ def test_the_tiny_task_learns_with_vllm_through_the_launcher(tmp_path):
     assert set(range(100)) <= set(ro.param_version), "every version the trainer trained with reached the engine"
     assert "vLLM engine up" in rd.job_log(RunDir.rollout_job("w000")).read_text()
     check_exactly_once(rd, rd.load_config().rollout.max_concurrent_groups)
+
+
+def test_a_sigkilled_vllm_rollout_leaves_no_engine_behind_and_its_successor_goes_on(tiny_run):
+    """vLLM's engine core is a child process: SIGKILL of the rollout job must not leave it holding
+    the GPU (control/reaper.py); the restarted job recovers and the run ends exactly-once."""
+    from conftest import start_rollout, start_trainer, wait_until
+    from hpcrl.control.reaper import descendants
+    from hpcrl.fsio import read_jsonl
+
+    rd = tiny_run("model.path=builtin:tiny-h64", "rollout.engine=vllm", "rollout.total_rollout_steps=160",
+                  "async_training.staleness_threshold=0.5", "rollout.max_concurrent_groups=3")
+    cfg = rd.load_config()
+    trainer, rollout = start_trainer(rd), start_rollout(rd)
+    updates = lambda: sum(1 for _ in read_jsonl(rd.metrics)) if rd.metrics.exists() else 0  # noqa: E731
+    wait_until(lambda: updates() >= 10, 300, "10 updates", jobs=(trainer, rollout))
+    engine = [p for p, _ in descendants(rollout.proc.pid)]
+    assert any("EngineCore" in Path(f"/proc/{p}/cmdline").read_text(errors="replace") for p in engine)
+    rollout.kill(signal.SIGKILL)
+    wait_until(lambda: not any(Path(f"/proc/{p}").exists() for p in engine), 10,
+               f"the engine's processes {engine} to be gone after the job's SIGKILL")
+    rollout2 = start_rollout(rd)
+    assert trainer.wait(600) == 0, trainer.tail()
+    assert rollout2.wait(200) == 0, rollout2.tail()
+    assert updates() == cfg.total_updates
+    check_exactly_once(rd, cfg.rollout.max_concurrent_groups)

@@ -39,6 +39,7 @@ from hpcrl.control import faults, termination
 from hpcrl.control.admission import Admission
 from hpcrl.control.fatal import fatal_inputs
 from hpcrl.control.preemption import PreemptionFlag, requeue_self
+from hpcrl.control.reaper import start_reaper, stop_reaper
 from hpcrl.control.records import HeartbeatState, HeartbeatThread, describe_heartbeats
 from hpcrl.fsio import wait_for
 from hpcrl.logs import MetricsLog, setup_logging
@@ -139,6 +140,7 @@ class RolloutJob:
         self.pool: Optional[ThreadPoolExecutor] = None
         self.runner: Optional[EngineRunner] = None
         self.engine: Optional[Engine] = None
+        self.reaper = None  # kills the engine's processes if this job is SIGKILLed
         self.shards: Optional[ShardWriter] = None
         self.metrics: Optional[MetricsLog] = None
         self.stats: Optional[VersionStats] = None
@@ -161,6 +163,7 @@ class RolloutJob:
             self.runner = EngineRunner()
             self.engine = make_engine(cfg.rollout.engine, engine_options(cfg, mdir), self.runner,
                                       cfg.timeouts.engine_start_s)
+            self.reaper = start_reaper(f"the {cfg.rollout.engine} engine's processes")
         log.info("%s", counts.line(cfg.data, template))
         self.stream = PromptStream(rows, cfg.data.seed)
         self.shards = ShardWriter(self.run_dir, self.writer, cfg.rollout.seal_groups, cfg.rollout.seal_interval_s,
@@ -391,6 +394,7 @@ class RolloutJob:
 
     def _close_engine(self) -> None:
         try:
+            stop_reaper(self.reaper)
             if self.engine is not None:
                 self.engine.close()
         except Exception as e:  # noqa: BLE001 - shutting down: say so and go on
