@@ -43,7 +43,7 @@ def test_overrides_apply_with_types():
     (["reward.name=gsm9k"], "'math_verify'"),
     (["logging.backends=[tensorboard, mlflow]"], "'wandb'"),
     (["logging.wandb_mode=cloud"], "'offline'"),
-    (["async_training.partial_rollout=true"], "not implemented"),
+    (["async_training.partial_rollout=true"], "staleness_threshold is 0"),
     (["nosuchsection.x=1"], "known keys"),
     (["algorithm.adv_estimator=ppo"], "'reinforce_plus_plus'"),
     (["algorithm.adv_estimator=rloo", "rollout.n=1"], "at least 2 with adv_estimator=rloo"),

@@ -266,8 +266,10 @@ class AsyncConfig:
     trigger_parameter_sync_step: int = 1
     """K: local updates between two published weight versions."""
     partial_rollout: bool = False
-    """Interrupt in-flight generation at a version change and resume it under the
-    new weights (not implemented yet: must be false)."""
+    """At a version change, stop in-flight generation within about one decoding step and
+    continue each unfinished response under the new weights (every token keeps the version
+    that sampled it) instead of waiting for the slowest group. Needs staleness_threshold > 0
+    (at s = 0 no group is in flight at a version change)."""
     use_rollout_log_probs: bool = True
     """PPO anchor = the engine's log-probs of the sampled tokens (true, "bypass") or
     the trainer's own log-probs at the start of the update (false)."""
@@ -284,9 +286,10 @@ class AsyncConfig:
         check_float("async_training.staleness_threshold", self.staleness_threshold, 0.0)
         check_int("async_training.require_batches", self.require_batches, 1)
         check_int("async_training.trigger_parameter_sync_step", self.trigger_parameter_sync_step, 1)
-        if self.partial_rollout:
-            raise bad("async_training.partial_rollout", True, "false (partial rollout is not implemented yet)",
-                       "set async_training.partial_rollout=false")
+        check_choice("async_training.partial_rollout", self.partial_rollout, (True, False))
+        if self.partial_rollout and self.staleness_threshold == 0:
+            raise bad("async_training.partial_rollout", True, "false while async_training.staleness_threshold is 0 "
+                      "(no group is in flight at a version change)", "set async_training.staleness_threshold > 0")
         check_choice("async_training.use_rollout_log_probs", self.use_rollout_log_probs, (True, False))
         check_choice("async_training.compute_prox_log_prob", self.compute_prox_log_prob, (True, False))
         if self.max_staleness is not None:

@@ -44,7 +44,8 @@ from hpcrl.control.records import HeartbeatState, HeartbeatThread, describe_hear
 from hpcrl.fsio import wait_for
 from hpcrl.logs import MetricsLog, setup_logging
 from hpcrl.rollout.dataset import PromptStream, WriterPositions, load_rows
-from hpcrl.rollout.engine import FINISH_ABORT, FINISH_LENGTH, Engine, EngineOptions, EngineRunner, make_engine
+from hpcrl.rollout.engine import FINISH_LENGTH, Engine, EngineOptions, EngineRunner, make_engine
+from hpcrl.rollout.partial import EngineGate, generate_responses
 from hpcrl.rollout.data import encode_rows
 from hpcrl.rollout.reward_fn import RewardScorer, load_reward
 from hpcrl.run_dir import RunDir
@@ -68,6 +69,8 @@ class VersionStats:
     trajectories: int = 0
     tokens: int = 0
     truncated: int = 0
+    partial_groups: int = 0
+    pause_s: float = 0.0
     idle_s: float = 0.0
     load_s: float = 0.0
     reward_sum: float = 0.0
@@ -87,15 +90,12 @@ class VersionStats:
                 M.TRAJECTORIES: self.trajectories, M.TOKENS: self.tokens, M.WALL_S: wall,
                 M.ROLLOUT_IDLE_RATIO: min(1.0, self.idle_s / wall), M.LOAD_WEIGHTS_S: self.load_s,
                 M.TOKENS_PER_S: self.tokens / wall, M.RESPONSE_CLIP_RATIO: self.truncated / max(self.trajectories, 1),
+                M.PARTIAL_GROUPS: self.partial_groups, M.PAUSE_S: self.pause_s,
                 M.ROLLOUT_REWARD_MEAN: self.reward_sum / max(self.trajectories, 1), M.TIME_S: time.time()}
 
 
 class EngineLoadFailed(Exception):
     """The engine could not adopt a verified weight version (the files are fine: not marked bad)."""
-
-
-class GroupAborted(Exception):
-    """A group's generation was aborted (job shutting down): its partial responses are not a group."""
 
 
 def engine_options(cfg, model_dir) -> EngineOptions:
@@ -141,6 +141,7 @@ class RolloutJob:
         self.runner: Optional[EngineRunner] = None
         self.engine: Optional[Engine] = None
         self.reaper = None  # kills the engine's processes if this job is SIGKILLed
+        self.gate = EngineGate()  # closed while weights are switched (rollout/partial.py)
         self.shards: Optional[ShardWriter] = None
         self.metrics: Optional[MetricsLog] = None
         self.stats: Optional[VersionStats] = None
@@ -175,28 +176,26 @@ class RolloutJob:
         self.pool = ThreadPoolExecutor(cfg.rollout.max_concurrent_groups, thread_name_prefix="group")
 
     # ---- the group task (runs in a pool thread)
-    def _generate_group(self, prompt_index: int, version: int) -> tuple[Group, int]:
+    def _generate_group(self, prompt_index: int) -> tuple[Group, int]:
         """The group of ``prompt_index`` with its rewards, and how many responses were cut by length.
         GroupAborted if the engine was aborted under it (shutdown)."""
         row = self.stream[prompt_index]
         created = time.time()
         prompt_ids = row["prompt_ids"]  # chat template and max_prompt_length applied in _build
         seed = (self.cfg.data.seed * 1_000_003 + prompt_index) % (2**63)
-        samples = self.runner.call(lambda: self.engine.generate(prompt_ids, self.cfg.rollout.n, seed=seed),
-                                   self.cfg.timeouts.generate_s, f"generating the group of prompt {prompt_index}")
-        if any(s.finish_reason == FINISH_ABORT for s in samples):
-            raise GroupAborted(f"group of prompt {prompt_index} aborted")
+        responses = generate_responses(self.engine, self.runner, self.gate, list(prompt_ids), self.cfg.rollout.n,
+                                       seed, self.cfg.rollout.response_length, self.cfg.timeouts.generate_s,
+                                       f"generating the group of prompt {prompt_index}")
         trajs = []
-        for j, s in enumerate(samples):
-            text = self.tokenizer.decode(s.response_ids.tolist(), skip_special_tokens=True)
+        for j, r in enumerate(responses):
+            text = self.tokenizer.decode(r.tokens, skip_special_tokens=True)
             reward = self.scorer.score(f"{self.writer}/{prompt_index}/{j}", row, text)
-            trajs.append(Trajectory(prompt_ids=prompt_ids, response_ids=s.response_ids,
-                                    response_mask=np.ones(len(s.response_ids), np.int8), logprobs=s.logprobs,
-                                    token_versions=np.full(len(s.response_ids), version, np.int32),
-                                    reward=reward))
+            trajs.append(Trajectory(prompt_ids=prompt_ids, response_ids=r.tokens,
+                                    response_mask=np.ones(len(r.tokens), np.int8), logprobs=r.logprobs,
+                                    token_versions=r.versions, reward=reward))
         group = Group(writer=self.writer, prompt_index=prompt_index, trajectories=trajs, created_s=created,
                       finished_s=time.time())
-        return group, sum(s.finish_reason == FINISH_LENGTH for s in samples)
+        return group, sum(r.finish_reason == FINISH_LENGTH for r in responses)
 
     # ---- steps of the loop
     def _stop_requested(self) -> Optional[HeartbeatState]:
@@ -242,6 +241,7 @@ class RolloutJob:
                       self.cfg.timeouts.retry_failed_load_s)
             self._failed_load = (failed if failed is not None else -1, time.monotonic())
             self.weights.load(self.version, self.writer, apply=self._apply_to_engine)
+            self.gate.open(self.version)
             return
         self._adopt(manifest, time.time() - t0)
 
@@ -259,6 +259,7 @@ class RolloutJob:
             self._write_version_stats()
         self.version, self.consumed_at_version = manifest.param_version, manifest.consumed_groups
         self.stats = VersionStats(self.version, load_s=load_s)
+        self.gate.open(self.version)
         self.heartbeat.update(param_version=self.version, state=HeartbeatState.GENERATING)
         log.info("loaded weight version %d in %.2fs (trainer step %d, consumed %d groups)", self.version,
                  load_s, manifest.trainer_step, manifest.consumed_groups)
@@ -275,9 +276,26 @@ class RolloutJob:
         if v < self.version:
             log.warning("newest weight version is %d, below ours (%d): the trainer rolled back; reloading",
                         v, self.version)
-        self._drain()
+        if self.cfg.async_training.partial_rollout:
+            self._interrupt()
+        else:
+            self._drain()
         self._seal()
         self._load_newest()
+
+    def _interrupt(self) -> None:
+        """Partial rollout: stop the generations in flight where they are (their groups stay in
+        flight and continue under the new version once the gate opens)."""
+        t0 = time.monotonic()
+        self.gate.close()
+        if any(not f.done() for f in self.in_flight):
+            self.runner.call(self.engine.abort_all, self.cfg.timeouts.generate_s, "aborting generation for new weights")
+            self.gate.wait_idle(self.cfg.timeouts.generate_s)
+        self._collect(timeout_s=0.0)  # groups that finished meanwhile are committed with this version
+        carried = len(self.in_flight)
+        self.stats.partial_groups += carried
+        self.stats.pause_s += time.monotonic() - t0
+        log.debug("paused %d groups in flight in %.3fs for a weight switch", carried, time.monotonic() - t0)
 
     def _admit(self) -> bool:
         """Step 3: start groups while the concurrency limit and the shared budget allow; True if any.
@@ -288,7 +306,7 @@ class RolloutJob:
             if not self.admission.try_start(self.consumed_at_version):
                 break
             index = self.positions.next()
-            self.in_flight[self.pool.submit(self._generate_group, index, self.version)] = index
+            self.in_flight[self.pool.submit(self._generate_group, index)] = index
             admitted = True
         return admitted
 
@@ -386,6 +404,7 @@ class RolloutJob:
 
     def _abort_engine(self) -> None:
         """Stop the generations in flight (their groups are dropped: the successor regenerates them)."""
+        self.gate.stop()
         if self.engine is not None and any(not f.done() for f in self.in_flight):
             try:
                 self.runner.call(self.engine.abort_all, 60.0, "aborting the generations in flight")

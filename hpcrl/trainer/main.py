@@ -273,6 +273,7 @@ class TrainerJob:
         if dropped:
             self.staleness.write_groups(dropped, version_seen, st.step, now, dropped="max_staleness")
         lags = [version_seen - g.version_start for g in kept]
+        spans = [g.version_end - g.version_start for g in kept]
         stale = [g for g in kept if version_seen - g.version_start > 0]
         c[M.STALE_SAMPLES] = c.get(M.STALE_SAMPLES, 0) + len(stale)
         c[M.STALE_TRAJECTORIES] = (
@@ -283,6 +284,7 @@ class TrainerJob:
             c.setdefault(name, 0)
         row = {M.STEP: st.step, M.PARAM_VERSION: version_seen, M.CONSUMED_GROUPS: st.consumed_groups,
                **upd, **c, M.LAG_MEAN: sum(lags) / len(lags), M.LAG_MAX: max(lags),
+               M.PARTIAL_RATIO: sum(s > 0 for s in spans) / len(spans), M.MAX_PARTIAL_SPAN: max(spans),
                M.TRAINER_IDLE_RATIO: wait_s / max(total_s, 1e-9), M.WAIT_SAMPLES_S: wait_s,
                M.UPDATE_S: update_s, M.PARAM_SYNC_S: sync_s,
                M.TOKENS_PER_S: upd[M.N_TOKENS] / max(total_s, 1e-9), M.TIME_S: now}
