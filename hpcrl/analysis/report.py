@@ -81,9 +81,16 @@ def _lag(x: _Section) -> None:
     doc.table(tables.lag_table(d))
     doc.para("Lag = trainer version when it took the group - version that generated its oldest token. Groups by "
              "their largest trajectory lag, tokens by their trajectory's lag."
-             + (f" The admission budget bounds it by {d.knobs.max_lag_bound} (one writer)." if d.knobs else ""))
+             + (_bound_sentence(d.knobs) if d.knobs else ""))
     x.img("lag_distribution.png", "lag distribution")
     x.img("lag_over_time.png", "lag over time")
+
+
+def _bound_sentence(knobs) -> str:
+    if knobs.partial_rollout:
+        return (f" With partial rollout the admission budget bounds the lag of a group's newest token by "
+                f"{knobs.max_lag_bound} (one writer); its oldest token adds the group's span (below).")
+    return f" The admission budget bounds it by {knobs.max_lag_bound} (one writer)."
 
 
 def _partial(x: _Section) -> None:
