@@ -291,7 +291,8 @@ class RolloutJob:
         if any(not f.done() for f in self.in_flight):
             self.runner.call(self.engine.abort_all, self.cfg.timeouts.generate_s, "aborting generation for new weights")
             self.gate.wait_idle(self.cfg.timeouts.generate_s)
-        self._collect(timeout_s=0.0)  # groups that finished meanwhile are committed with this version
+            self._wait_parked()
+        self._collect(timeout_s=0.0)  # groups that finished are committed before the load: the lag bound needs it
         carried = len(self.in_flight)
         self.stats.partial_groups += carried
         self.stats.pause_s += time.monotonic() - t0
@@ -322,6 +323,17 @@ class RolloutJob:
             self.shards.add(group)
             self.stats.count(group, truncated)
         return bool(done)
+
+    def _wait_parked(self) -> None:
+        """Wait until every group in flight is either done or parked at the closed gate (a group
+        whose responses all finished may still be scoring them): no group that has all its
+        tokens from this version may commit after the next version is loaded."""
+        deadline = time.monotonic() + self.cfg.timeouts.generate_s
+        while sum(f.done() for f in self.in_flight) + self.gate.parked < len(self.in_flight):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"groups in flight neither finished nor paused in {self.cfg.timeouts.generate_s:.0f}s "
+                                   "after the engine was aborted for new weights")
+            time.sleep(0.001)
 
     def _drain(self) -> None:
         """Collect until no group is in flight (before a weight switch)."""

@@ -59,13 +59,19 @@ class EngineGate:
         self._open = False
         self._stopping = False
         self._calls = 0
+        self.parked = 0
+        """Threads waiting in :meth:`enter` (their group has an unfinished response)."""
         self.version = -1
 
     def enter(self, timeout_s: float) -> int:
         """Wait until the gate is open; count one running call; the version it generates with."""
         with self._cond:
-            if not self._cond.wait_for(lambda: self._open or self._stopping, timeout_s):
-                raise TimeoutError(f"a weight switch kept the engine closed for more than {timeout_s:.0f}s")
+            self.parked += 1
+            try:
+                if not self._cond.wait_for(lambda: self._open or self._stopping, timeout_s):
+                    raise TimeoutError(f"a weight switch kept the engine closed for more than {timeout_s:.0f}s")
+            finally:
+                self.parked -= 1
             if self._stopping:
                 raise GroupAborted("the rollout job is stopping")
             self._calls += 1
