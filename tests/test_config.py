@@ -28,6 +28,16 @@ def test_overrides_apply_with_types():
     assert cfg.async_training.max_staleness is None
 
 
+def test_exponent_floats_without_a_dot_are_floats(tmp_path):
+    """YAML 1.1 reads 1e-6 as a string; verl configs write lr: 1e-6."""
+    path = tmp_path / "c.yaml"
+    path.write_text(TINY.read_text().replace("lr: 0.001", "lr: 1e-6"))
+    cfg = load_config(path, ["async_training.staleness_threshold=5E-1", "critic.lr=2e-5"])
+    assert cfg.actor.lr == 1e-6 and cfg.async_training.staleness_threshold == 0.5 and cfg.critic.lr == 2e-5
+    with pytest.raises(ConfigError, match="actor.lr"):
+        load_config(TINY, ["actor.lr=1e-x"])
+
+
 @pytest.mark.parametrize("override, fragment", [
     (["async_training.staleness_treshold=0.5"], "async_training.staleness_treshold"),  # typo: unknown key
     (["async_training.staleness_threshold=-1"], "a number >= 0"),

@@ -16,6 +16,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -154,6 +155,9 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     return cls(**kwargs)
 
 
+_EXPONENT_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
 def _coerce(key: str, hint: Any, value: Any) -> Any:
     origin = typing.get_origin(hint)
     if origin is typing.Union:  # Optional[X]
@@ -173,6 +177,8 @@ def _coerce(key: str, hint: Any, value: Any) -> Any:
         return value
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if hint is float and isinstance(value, str) and _EXPONENT_FLOAT.fullmatch(value.strip()):
+        return float(value)  # YAML 1.1 reads 1e-6 (no dot) as a string; everyone writes lr: 1e-6
     if hint in (int, float, str, bool) and not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
         raise bad(key, value, f"a value of type {hint.__name__}")
     return value
