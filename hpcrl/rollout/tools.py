@@ -153,6 +153,8 @@ class PythonTool:
                                         preexec_fn=self._limits, env={"PATH": os.environ.get("PATH", ""),
                                                                       "HOME": str(scratch)})
                 error = self._wait(proc)
+            if (scratch / "out.txt").stat().st_size >= self.max_output_chars * 64:  # Python ignores SIGXFSZ:
+                error = f"output limit reached ({self.max_output_chars * 64} bytes)"  # its writes failed instead
             text = (scratch / "out.txt").read_bytes()[: self.max_output_chars * 4].decode(errors="replace")
             text = text[: self.max_output_chars]
             if error:
@@ -171,8 +173,6 @@ class PythonTool:
             return f"wall-clock limit of {self.wall_s:g}s reached"
         if rc in (-signal.SIGXCPU, -signal.SIGKILL) or rc == 128 + signal.SIGXCPU:
             return f"CPU-time limit of {self.cpu_s}s reached"
-        if rc == -signal.SIGXFSZ:
-            return f"output limit reached ({self.max_output_chars * 64} bytes)"
         return None if rc == 0 else f"exit code {rc}"
 
 
