@@ -83,12 +83,12 @@ def run_bare(opts, prompts, n: int, repeats: int) -> list[float]:
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from hpcrl.rollout.vllm_engine import CPU_MEMORY_SHARE, GPU_MEMORY_SHARE
+    from hpcrl.rollout.vllm_engine import memory_share
 
     async def main():
-        share = opts.gpu_memory_utilization or (GPU_MEMORY_SHARE if opts.device == "cuda" else CPU_MEMORY_SHARE)
         llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
-            model=str(opts.model_dir), skip_tokenizer_init=True, dtype=opts.dtype, gpu_memory_utilization=share,
+            model=str(opts.model_dir), skip_tokenizer_init=True, dtype=opts.dtype,
+            gpu_memory_utilization=memory_share(opts),
             max_model_len=opts.max_model_len, enforce_eager=opts.enforce_eager, max_num_seqs=opts.max_num_seqs,
             logprobs_mode="processed_logprobs", seed=0))
 

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -26,53 +28,39 @@ POLL_S = 0.5
 """How often the reaper checks that its parent is alive."""
 
 
-def _start_time(pid: int) -> Optional[str]:
-    """Field 22 of /proc/<pid>/stat (start time in clock ticks); None if the process is gone."""
+def _stat(pid: int | str) -> Optional[tuple[int, str]]:
+    """(parent pid, start time in clock ticks) from /proc/<pid>/stat; None if the process is gone."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return int(fields[1]), fields[19]
+    except (OSError, IndexError, ValueError):
         return None
-    return stat.rsplit(")", 1)[1].split()[19]
 
 
 def descendants(pid: int) -> list[tuple[int, str]]:
     """(pid, start time) of every live descendant of ``pid``."""
-    children: dict[int, list[int]] = {}
+    children: dict[int, list[tuple[int, str]]] = {}
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
+        if entry.name.isdigit() and (stat := _stat(entry.name)) is not None:
+            children.setdefault(stat[0], []).append((int(entry.name), stat[1]))
     out, todo = [], list(children.get(pid, []))
     while todo:
-        p = todo.pop()
-        start = _start_time(p)
-        if start is not None:
-            out.append((p, start))
-            todo.extend(children.get(p, []))
+        child = todo.pop()
+        out.append(child)
+        todo.extend(children.get(child[0], []))
     return out
 
 
-_REAPER = r'''
-import os, signal, sys, time
-parent, poll_s, targets = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3:]
-def start(pid):
-    try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[19]
-    except OSError:
-        return None
-while os.getppid() == parent:
-    time.sleep(poll_s)
-for t in targets:
-    pid, st = t.split(":")
-    if start(int(pid)) == st:
-        try:
-            os.kill(int(pid), signal.SIGKILL)
-        except OSError:
-            pass
-'''
+def _watch(parent: int, targets: list[tuple[int, str]]) -> None:
+    """The reaper process: once ``parent`` is gone, SIGKILL each target still the same process."""
+    while os.getppid() == parent:
+        time.sleep(POLL_S)
+    for pid, start in targets:
+        if (stat := _stat(pid)) is not None and stat[1] == start:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
 
 
 def start_reaper(what: str) -> Optional[subprocess.Popen]:
@@ -83,7 +71,7 @@ def start_reaper(what: str) -> Optional[subprocess.Popen]:
     targets = descendants(os.getpid())
     if not targets:
         return None
-    proc = subprocess.Popen([sys.executable, "-c", _REAPER, str(os.getpid()), str(POLL_S),
+    proc = subprocess.Popen([sys.executable, "-m", "hpcrl.control.reaper", str(os.getpid()),
                              *(f"{p}:{s}" for p, s in targets)], stdin=subprocess.DEVNULL, close_fds=True)
     log.info("reaper %d will kill %s (%s) if this job dies", proc.pid, what, ", ".join(str(p) for p, _ in targets))
     return proc
@@ -94,3 +82,7 @@ def stop_reaper(proc: Optional[subprocess.Popen]) -> None:
     if proc is not None and proc.poll() is None:
         proc.kill()
         proc.wait(timeout=10)
+
+
+if __name__ == "__main__":
+    _watch(int(sys.argv[1]), [(int(p), s) for p, s in (t.split(":") for t in sys.argv[2:])])

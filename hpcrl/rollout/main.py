@@ -5,7 +5,8 @@ The loop (:meth:`RolloutJob._loop`) repeats these named steps:
 1. **stop?** USR2 (seal and requeue) or ``control/trainer_done.json`` (seal, exit 0);
 2. **new weights?** a newer complete version exists (or an *older* newest one: the
    trainer rolled back to a checkpoint): stop admitting, let the groups in flight
-   finish (no partial rollout), seal them, load the version;
+   finish, seal them, load the version; with ``partial_rollout``, abort them instead
+   and let them continue under the new version (``rollout/partial.py``);
 3. **admit**: while fewer than ``rollout.max_concurrent_groups`` groups are in
    flight, take the next prompt index and reserve a start in the shared admission
    budget (``control/admission.py``);
@@ -290,7 +291,6 @@ class RolloutJob:
         self.gate.close()
         if any(not f.done() for f in self.in_flight):
             self.runner.call(self.engine.abort_all, self.cfg.timeouts.generate_s, "aborting generation for new weights")
-            self.gate.wait_idle(self.cfg.timeouts.generate_s)
             self._wait_parked()
         self._collect(timeout_s=0.0)  # groups that finished are committed before the load: the lag bound needs it
         carried = len(self.in_flight)
@@ -325,9 +325,9 @@ class RolloutJob:
         return bool(done)
 
     def _wait_parked(self) -> None:
-        """Wait until every group in flight is either done or parked at the closed gate (a group
-        whose responses all finished may still be scoring them): no group that has all its
-        tokens from this version may commit after the next version is loaded."""
+        """Wait until every group in flight is either done or parked at the closed gate: then no
+        generate call is running, and no group that has all its tokens from this version (it may
+        still be scoring them) can commit after the next version is loaded."""
         deadline = time.monotonic() + self.cfg.timeouts.generate_s
         while sum(f.done() for f in self.in_flight) + self.gate.parked < len(self.in_flight):
             if time.monotonic() > deadline:

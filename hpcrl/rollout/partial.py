@@ -4,7 +4,8 @@ A group's thread generates through an :class:`EngineGate`. Without partial rollo
 loop drains the groups in flight before it loads new weights, so every response is one
 segment of one version. With partial rollout the loop instead *closes* the gate, aborts
 the engine's generations (they come back within about one decoding step with the tokens
-and log-probs so far), waits until no generate call is running, loads the new version and
+and log-probs so far), waits until every group in flight has either finished or is parked
+at the gate (so no generate call is running and finished groups commit first), loads the new version and
 opens the gate again; each unfinished response then continues as a new request from
 prompt + tokens so far with what is left of its token budget. Every token keeps the version
 that sampled it (``token_versions``), so the trainer's per-token lag and importance weights
@@ -58,13 +59,12 @@ class EngineGate:
         self._cond = threading.Condition()
         self._open = False
         self._stopping = False
-        self._calls = 0
         self.parked = 0
         """Threads waiting in :meth:`enter` (their group has an unfinished response)."""
         self.version = -1
 
     def enter(self, timeout_s: float) -> int:
-        """Wait until the gate is open; count one running call; the version it generates with."""
+        """Wait until the gate is open (counted in :attr:`parked` meanwhile); the version to generate with."""
         with self._cond:
             self.parked += 1
             try:
@@ -74,24 +74,12 @@ class EngineGate:
                 self.parked -= 1
             if self._stopping:
                 raise GroupAborted("the rollout job is stopping")
-            self._calls += 1
             return self.version
-
-    def leave(self) -> None:
-        with self._cond:
-            self._calls -= 1
-            self._cond.notify_all()
 
     def close(self) -> None:
         """No new generate call starts until :meth:`open`."""
         with self._cond:
             self._open = False
-
-    def wait_idle(self, timeout_s: float) -> None:
-        """Wait until no generate call is running (after an abort they return at once)."""
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._calls == 0, timeout_s):
-                raise TimeoutError(f"{self._calls} generate calls still running {timeout_s:.0f}s after the gate closed")
 
     def open(self, version: int) -> None:
         """Generation goes on with ``version``."""
@@ -117,16 +105,13 @@ def generate_responses(engine: Engine, runner: EngineRunner, gate: EngineGate, p
         if not todo:
             return responses
         version = gate.enter(timeout_s)
-        try:
-            if round_ == 0:
-                make: Callable = lambda: engine.generate(prompt_ids, n, seed)  # noqa: E731
-            else:
-                make = lambda: asyncio.gather(*(  # noqa: E731
-                    engine.generate(prompt_ids + responses[j].tokens, 1, seed + 7919 * round_ + j,
-                                    max_new_tokens=budget - len(responses[j].tokens)) for j in todo))
-            samples = runner.call(make, timeout_s, what)
-        finally:
-            gate.leave()
+        if round_ == 0:
+            make: Callable = lambda: engine.generate(prompt_ids, n, seed)  # noqa: E731
+        else:
+            make = lambda: asyncio.gather(*(  # noqa: E731
+                engine.generate(prompt_ids + responses[j].tokens, 1, seed + 7919 * round_ + j,
+                                max_new_tokens=budget - len(responses[j].tokens)) for j in todo))
+        samples = runner.call(make, timeout_s, what)
         if round_:
             samples = [s for group in samples for s in group]
         for j, s in zip(todo, samples):

@@ -40,6 +40,13 @@ GPU_MEMORY_SHARE = 0.5
 """``gpu_memory_utilization`` when null, on cuda."""
 
 
+def memory_share(opts: EngineOptions) -> float:
+    """``gpu_memory_utilization`` for vLLM: the configured one, else the device's default."""
+    if opts.gpu_memory_utilization is not None:
+        return opts.gpu_memory_utilization
+    return GPU_MEMORY_SHARE if opts.device == "cuda" else CPU_MEMORY_SHARE
+
+
 def _eos_id(model_dir: Path) -> Optional[int]:
     import json
 
@@ -57,9 +64,7 @@ class VLLMEngine(Engine):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self._SamplingParams = SamplingParams
-        share = opts.gpu_memory_utilization
-        if share is None:
-            share = GPU_MEMORY_SHARE if opts.device == "cuda" else CPU_MEMORY_SHARE
+        share = memory_share(opts)
         args = AsyncEngineArgs(model=str(opts.model_dir), skip_tokenizer_init=True, dtype=opts.dtype,
                                gpu_memory_utilization=share, max_model_len=opts.max_model_len,
                                tensor_parallel_size=opts.tensor_parallel_size,
