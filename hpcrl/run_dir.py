@@ -13,6 +13,7 @@ Layout (DESIGN.md)::
       control/heartbeat/<job>.json, control/loading/<writer>.json, control/admission.json,
       control/skipped_shards.jsonl, ...
       control/fatal.json           an error no restart can fix                  (any job)
+      control/in_flight/<writer>.json  partial groups for the job's successor    (rollout job)
       checkpoints/<tag>/, checkpoints/latest.json                               (trainer)
       logs/metrics.jsonl, logs/staleness.jsonl, logs/rollout-<writer>.jsonl, logs/jobs/<job>.log,
       logs/tensorboard/, logs/wandb/  (logging.backends)                        (trainer)
@@ -207,6 +208,10 @@ class RunDir:
     def loading_announcement(self, writer: str) -> Path:
         """``control/loading/<writer>.json``: the version a rollout job is reading."""
         return self.loading / f"{writer}.json"
+
+    def in_flight_states(self, writer: str) -> Path:
+        """``control/in_flight/<writer>.json``: trajectories in flight, continued by the writer's next job."""
+        return self.control / "in_flight" / f"{writer}.json"
 
     @property
     def admission(self) -> Path:

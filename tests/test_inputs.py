@@ -19,8 +19,8 @@ def test_jsonl_and_parquet_prompt_files(tmp_path):
     pd.DataFrame(rows).to_parquet(tmp_path / "p.parquet")
     for name in ("p.jsonl", "p.parquet"):
         got = load_rows(DataConfig(source=str(tmp_path / name), prompt_key="question", answer_key="answer"), answer_len=8)
-        assert got == [{"prompt": r["question"], "answer": r["answer"], "data_source": "", "extra_info": None}
-                       for r in rows]
+        assert got == [{"prompt": r["question"], "answer": r["answer"], "data_source": "", "extra_info": None,
+                        "agent_name": None} for r in rows]
 
 
 def test_prompt_stream_covers_every_row_once_per_epoch():

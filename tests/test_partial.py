@@ -12,7 +12,7 @@ import torch
 from conftest import check_exactly_once, start_rollout, start_trainer
 from hpcrl.logs import read_metrics, read_staleness
 from hpcrl.rollout.engine import EngineOptions, EngineRunner
-from hpcrl.rollout.partial import EngineGate, generate_responses
+from hpcrl.rollout.partial import EngineGate, Response, generate_responses
 from hpcrl.rollout.transformers_engine import TransformersEngine
 from hpcrl.tiny.model import build_tiny_model
 from hpcrl.trainer.models import load_reference
@@ -39,7 +39,7 @@ def test_an_interrupted_response_continues_under_the_new_weights_without_a_gap(t
     gate.open(0)
     out = {}
     thread = threading.Thread(target=lambda: out.setdefault("r", generate_responses(
-        engine, runner, gate, PROMPT, 2, seed=3, budget=BUDGET, timeout_s=120, what="test group")))
+        engine, runner, gate, PROMPT, [Response(), Response()], seed=3, budget=BUDGET, timeout_s=120, what="test group")))
     thread.start()
     time.sleep(0.3)
     # what the rollout loop does at a version change with partial rollout

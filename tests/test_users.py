@@ -81,7 +81,7 @@ def test_verl_rows_chat_template_and_prompt_length_policy(tmp_path):
     # a plain-string prompt column (JSONL) with the answer in a flat column
     (tmp_path / "p.jsonl").write_text(json.dumps({"question": "repeat b", "answer": "b"}) + "\n")
     flat = load_rows(DataConfig(source=str(tmp_path / "p.jsonl"), prompt_key="question", answer_key="answer"), 8)
-    assert flat == [{"prompt": "repeat b", "answer": "b", "data_source": "", "extra_info": None}]
+    assert flat == [{"prompt": "repeat b", "answer": "b", "data_source": "", "extra_info": None, "agent_name": None}]
 
 
 def test_user_reward_errors_score_zero_and_are_counted(tmp_path):

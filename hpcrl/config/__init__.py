@@ -8,7 +8,7 @@ module             what it holds
 =================  ==============================================================
 ``names``          the names a field may choose from (estimators, rewards, ...)
 ``checks``         ConfigError and the check helpers (key, what is allowed, fix)
-``sections``       model, data, reward, actor, rollout, async_training, trainer,
+``sections``       model, data, reward, actor, rollout, agent, async_training, trainer,
                    weights, timeouts, logging
 ``algorithm``      algorithm (advantages, KL, rollout correction) and critic
 ``resources``      job sizes and Slurm options per role
@@ -22,11 +22,11 @@ from hpcrl.config.algorithm import (AlgorithmConfig, CriticConfig, KLControlConf
 from hpcrl.config.checks import ConfigError
 from hpcrl.config.resources import JobResources, ResourcesConfig
 from hpcrl.config.run import RunConfig, config_from_dict, dump_config, load_config, parse_override
-from hpcrl.config.sections import (ActorConfig, AsyncConfig, DataConfig, LoggingConfig, ModelConfig, RewardConfig,
+from hpcrl.config.sections import (ActorConfig, AgentConfig, AsyncConfig, DataConfig, LoggingConfig, ModelConfig, RewardConfig,
                                    RolloutConfig, TimeoutsConfig, TrainerConfig, WeightsConfig)
 
 __all__ = [
-    "ActorConfig", "AlgorithmConfig", "AsyncConfig", "ConfigError", "CriticConfig", "DataConfig", "JobResources",
+    "ActorConfig", "AgentConfig", "AlgorithmConfig", "AsyncConfig", "ConfigError", "CriticConfig", "DataConfig", "JobResources",
     "KLControlConfig", "LoggingConfig", "ModelConfig", "PolicyLossConfig", "ResourcesConfig", "RewardConfig", "RolloutConfig",
     "RolloutCorrectionConfig", "RunConfig", "TimeoutsConfig", "TrainerConfig", "WeightsConfig", "config_from_dict",
     "dump_config", "load_config", "parse_override",

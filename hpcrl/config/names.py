@@ -35,7 +35,7 @@ RS_RETIRED = {"token": "token_k1", "sequence": "seq_sum_k1", "geometric": "seq_m
 """verl 0.6's ``rollout_rs`` levels, refused with the 0.9.1 option that replaces each (the README
 translates the bounds: 0.9.1's k1 bounds apply to 1/rho)."""
 
-REWARD_NAMES = ("toy_copy", "token_match", "exact_match", "last_number", "math_verify", "gsm8k")
+REWARD_NAMES = ("toy_copy", "token_match", "exact_match", "last_number", "math_verify", "gsm8k", "toy_calc")
 """``reward.name``: the built-in rule-based rewards (hpcrl/rollout/rewards.py)."""
 
 TRUNCATIONS = ("filter", "left", "right", "error")
@@ -66,3 +66,12 @@ WEIGHT_TRANSPORTS = ("filesystem",)
 
 KL_CTRL_TYPES = ("fixed", "adaptive")
 """``algorithm.kl_ctrl.type`` (hpcrl/trainer/kl.py)."""
+
+AGENT_LOOPS = ("single_turn", "tool_agent")
+"""``agent.default`` and a data row's ``agent_name`` (hpcrl/rollout/agent.py)."""
+
+TOOL_PARSERS = ("hermes", "tiny")
+"""``agent.tool_parser`` (hpcrl/rollout/tool_parsers.py)."""
+
+BUILTIN_DATA = ("builtin:toy", "builtin:toy_calc")
+"""``data.source`` values generated in hpcrl/rollout/dataset.py."""

@@ -29,7 +29,7 @@ from hpcrl.config.checks import ConfigError, bad
 from hpcrl.config.names import GROUP_ESTIMATORS
 from hpcrl.config.resources import ResourcesConfig
 from hpcrl.config.sections import (ActorConfig, AsyncConfig, DataConfig, LoggingConfig, ModelConfig, RewardConfig,
-                                   RolloutConfig, TimeoutsConfig, TrainerConfig, WeightsConfig)
+                                   RolloutConfig, TimeoutsConfig, AgentConfig, TrainerConfig, WeightsConfig)
 
 
 @dataclass
@@ -43,6 +43,7 @@ class RunConfig:
     actor: ActorConfig = field(default_factory=ActorConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
     async_training: AsyncConfig = field(default_factory=AsyncConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     weights: WeightsConfig = field(default_factory=WeightsConfig)

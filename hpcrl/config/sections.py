@@ -42,7 +42,8 @@ class DataConfig:
     ``reward_model.ground_truth``, ``extra_info``; hpcrl/rollout/data.py)."""
 
     source: str = "builtin:toy"
-    """``builtin:toy`` (the generated toy task) or a local ``.jsonl`` / ``.parquet``
+    """``builtin:toy`` (the generated toy task), ``builtin:toy_calc`` (the multi-turn calculator
+    task, for the tool agent) or a local ``.jsonl`` / ``.parquet``
     file with one prompt per row (``~`` is expanded; checked at launch)."""
     prompt_key: str = "prompt"
     """Column holding the prompt: a list of chat messages ``[{role, content}, ...]`` (verl)
@@ -66,8 +67,8 @@ class DataConfig:
 
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
-        if self.source != "builtin:toy" and Path(self.source).suffix not in (".jsonl", ".parquet"):
-            raise bad("data.source", self.source, "'builtin:toy' or a .jsonl/.parquet file")
+        if self.source not in names.BUILTIN_DATA and Path(self.source).suffix not in (".jsonl", ".parquet"):
+            raise bad("data.source", self.source, f"{' or '.join(names.BUILTIN_DATA)} or a .jsonl/.parquet file")
         check_choice("data.apply_chat_template", self.apply_chat_template, (None, True, False))
         if self.max_prompt_length is not None:
             check_int("data.max_prompt_length", self.max_prompt_length, 1)
@@ -252,6 +253,40 @@ class RolloutConfig:
         check_int("rollout.seal_groups", self.seal_groups, 1)
         check_float("rollout.seal_interval_s", self.seal_interval_s, 0.0, lo_open=True)
         check_int("rollout.torch_threads", self.torch_threads, 1)
+
+
+@dataclass
+class AgentConfig:
+    """``agent``: how a trajectory is generated: one response (``single_turn``) or a multi-turn
+    tool agent (``tool_agent``: generate, call tools, append their answers, generate again).
+    A data row's ``agent_name`` column picks the loop for that prompt; ``default`` the rest."""
+
+    default: str = "single_turn"
+    """``single_turn`` or ``tool_agent`` for rows without an ``agent_name``."""
+    tools: list = field(default_factory=list)
+    """Tools the tool agent may call, e.g. ``[{name: calculator}, {name: python, cpu_s: 2}]``
+    (hpcrl/rollout/tools.py lists each tool's limits; checked at launch)."""
+    tool_parser: str = "hermes"
+    """How calls are read from the model's text: ``hermes`` (``<tool_call>{json}</tool_call>``,
+    Qwen's format) or ``tiny`` (the built-in tiny model's ``( ... )``)."""
+    max_assistant_turns: int = 5
+    """Model turns per trajectory at most; a call asked for in the last one is not run."""
+    max_user_turns: int = 5
+    """Tool-response turns per trajectory at most."""
+    max_parallel_calls: int = 1
+    """Calls of one turn that are run (at once); further calls in the turn are ignored."""
+    max_tool_response_length: int = 256
+    """Characters of a tool's answer shown to the model; the rest is cut."""
+
+    def validate(self) -> None:
+        """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
+        check_choice("agent.default", self.default, names.AGENT_LOOPS)
+        check_choice("agent.tool_parser", self.tool_parser, names.TOOL_PARSERS)
+        for key in ("max_assistant_turns", "max_user_turns", "max_parallel_calls", "max_tool_response_length"):
+            check_int(f"agent.{key}", getattr(self, key), 1)
+        if self.default == "tool_agent" and not self.tools:
+            raise bad("agent.tools", self.tools, "at least one tool with agent.default=tool_agent",
+                      "e.g. agent.tools=[{name: calculator}]")
 
 
 @dataclass

@@ -7,7 +7,9 @@ line, instead of after ``resources.max_restarts`` resubmissions:
   (``*.safetensors`` or ``pytorch_model*.bin``) and a tokenizer that loads;
 - **data**: ``data.source`` reads, every row parses (verl's format), prompts tokenize with
   that tokenizer, through its chat template, within ``data.max_prompt_length``'s policy;
-- **reward**: ``reward.path`` imports and its function returns a score on the first prompt.
+- **reward**: ``reward.path`` imports and its function returns a score on the first prompt;
+- **agent**: if any prompt uses the tool agent, its tools build from ``agent.tools``, its
+  parser accepts them, and the tokenizer's chat template can append tool responses.
 
 This is also where a shipped config with a placeholder model path is refused: paths are
 checked at launch (and by ``--dry-run``), not when a config file is parsed.
@@ -88,4 +90,22 @@ def check_inputs(cfg: RunConfig) -> list[str]:
         reward_line = check_reward(cfg.reward, rows[0])
     except ValueError as e:
         raise ConfigError(f"config {e}") from None
-    return [counts.line(cfg.data, template), reward_line]
+    return [counts.line(cfg.data, template), reward_line] + check_agent(cfg, tokenizer, rows)
+
+
+def check_agent(cfg: RunConfig, tokenizer, rows: list[dict]) -> list[str]:
+    """Build the tool agent the rollout jobs will build, if any prompt uses it; ConfigError in one line."""
+    from hpcrl.rollout.agent import ToolAgent
+    from hpcrl.rollout.resume import TOOL_AGENT
+
+    n = sum((r.get("agent_name") or cfg.agent.default) == TOOL_AGENT for r in rows)
+    if not n:
+        return []
+    if not cfg.agent.tools:
+        raise bad("agent.tools", [], f"at least one tool ({n} prompts use the tool agent)",
+                  "e.g. agent.tools=[{name: calculator}]")
+    try:
+        agent = ToolAgent(cfg.agent, tokenizer)
+    except ValueError as e:
+        raise ConfigError(f"config agent: {e}") from None
+    return [f"tool agent for {n} of {len(rows)} prompts: tools {', '.join(agent.tools)}, parser {cfg.agent.tool_parser}"]

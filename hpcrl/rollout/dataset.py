@@ -37,12 +37,30 @@ def toy_rows(num_prompts: int, answer_len: int, seed: int) -> list[dict]:
     return rows
 
 
+def toy_calc_rows(num_prompts: int, seed: int) -> list[dict]:
+    """The multi-turn toy task: "3 * 4" -> call the calculator, then answer "1 2".
+
+    Single digits and one of + - *, in the tiny vocabulary. The reward (``toy_calc``) pays for
+    trying a call, more for a call that works, most for then answering with its result."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(num_prompts):
+        a, b, op = rng.randrange(10), rng.randrange(10), rng.choice("+-*")
+        value = {"+": a + b, "-": a - b, "*": a * b}[op]
+        rows.append({"prompt": f"{a} {op} {b}", "answer": str(value)})
+    return rows
+
+
 def load_rows(cfg: DataConfig, answer_len: int) -> list[dict]:
     """The prompt rows ``{prompt, answer, data_source, extra_info}`` of ``data.source``: the toy
-    task, or a verl-format file (hpcrl/rollout/data.py); ValueError naming the file and row."""
+    task (``builtin:toy``), the multi-turn toy task (``builtin:toy_calc``, tool agent rows), or a
+    verl-format file (hpcrl/rollout/data.py); ValueError naming the file and row."""
     if cfg.source == "builtin:toy":
-        return [dict(r, data_source="builtin:toy", extra_info=None)
+        return [dict(r, data_source="builtin:toy", extra_info=None, agent_name=None)
                 for r in toy_rows(cfg.toy_num_prompts, answer_len, cfg.seed)]
+    if cfg.source == "builtin:toy_calc":
+        return [dict(r, data_source="builtin:toy_calc", extra_info=None, agent_name="tool_agent")
+                for r in toy_calc_rows(cfg.toy_num_prompts, cfg.seed)]
     path = Path(cfg.source).expanduser()
     if not path.is_file():
         raise ValueError(f"{path} does not exist (it is read on the login node and on the rollout nodes)")

@@ -30,7 +30,7 @@ import logging
 import os
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -46,7 +46,10 @@ from hpcrl.fsio import wait_for
 from hpcrl.logs import MetricsLog, setup_logging
 from hpcrl.rollout.dataset import PromptStream, WriterPositions, load_rows
 from hpcrl.rollout.engine import FINISH_LENGTH, Engine, EngineOptions, EngineRunner, make_engine
-from hpcrl.rollout.partial import EngineGate, generate_responses
+from hpcrl.rollout.agent import AgentTrajectory, ToolAgent, generate_agent_group
+from hpcrl.rollout.partial import EngineGate, Response, generate_responses
+from hpcrl.rollout.resume import SINGLE_TURN, TOOL_AGENT, InFlightStates
+from hpcrl.rollout.version_stats import VersionStats
 from hpcrl.rollout.data import encode_rows
 from hpcrl.rollout.reward_fn import RewardScorer, load_reward
 from hpcrl.run_dir import RunDir
@@ -54,45 +57,24 @@ from hpcrl.samples.schema import Group, Trajectory
 from hpcrl.samples.skips import SkipLog
 from hpcrl.samples.writer import ShardWriter
 from hpcrl.tiny.model import load_tokenizer
-from hpcrl import metric_names as M
 from hpcrl.weights import make_transport
 
 log = logging.getLogger("hpcrl.rollout")
 
 
 @dataclass
-class VersionStats:
-    """What this job did with one weight version (one row of logs/rollout-<writer>.jsonl)."""
+class GroupInfo:
+    """What a finished group adds to its version's counters besides the group itself."""
 
-    param_version: int
-    started_s: float = field(default_factory=time.time)
-    groups: int = 0
-    trajectories: int = 0
-    tokens: int = 0
-    truncated: int = 0
-    partial_groups: int = 0
-    pause_s: float = 0.0
-    idle_s: float = 0.0
-    load_s: float = 0.0
-    reward_sum: float = 0.0
-
-    def count(self, group: Group, truncated: int) -> None:
-        """Add one finished group (``truncated`` of its responses were cut by length)."""
-        self.groups += 1
-        self.truncated += truncated
-        self.trajectories += len(group.trajectories)
-        self.tokens += sum(len(t.response_ids) for t in group.trajectories)
-        self.reward_sum += sum(t.reward for t in group.trajectories)
-
-    def row(self, writer: str) -> dict:
-        """The log row of this version, its wall time ending now."""
-        wall = max(time.time() - self.started_s, 1e-9)
-        return {M.WRITER: writer, M.PARAM_VERSION: self.param_version, M.GROUPS: self.groups,
-                M.TRAJECTORIES: self.trajectories, M.TOKENS: self.tokens, M.WALL_S: wall,
-                M.ROLLOUT_IDLE_RATIO: min(1.0, self.idle_s / wall), M.LOAD_WEIGHTS_S: self.load_s,
-                M.TOKENS_PER_S: self.tokens / wall, M.RESPONSE_CLIP_RATIO: self.truncated / max(self.trajectories, 1),
-                M.PARTIAL_GROUPS: self.partial_groups, M.PAUSE_S: self.pause_s,
-                M.ROLLOUT_REWARD_MEAN: self.reward_sum / max(self.trajectories, 1), M.TIME_S: time.time()}
+    truncated: int
+    """Responses cut by length."""
+    turns: list[int]
+    """Turns (assistant + tool) of each trajectory."""
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_latency_s: float = 0.0
+    resumed: bool = False
+    """Continued from the state a previous job of this writer saved."""
 
 
 class EngineLoadFailed(Exception):
@@ -162,6 +144,8 @@ class RolloutJob:
             rows = load_rows(cfg.data, cfg.rollout.response_length)
             rows, counts, template = encode_rows(self.tokenizer, cfg.data, rows)
             self.scorer = RewardScorer(load_reward(cfg.reward))
+            uses_agent = cfg.agent.default == TOOL_AGENT or any(r.get("agent_name") == TOOL_AGENT for r in rows)
+            self.agent = ToolAgent(cfg.agent, self.tokenizer) if uses_agent else None
             self.runner = EngineRunner()
             self.engine = make_engine(cfg.rollout.engine, engine_options(cfg, mdir), self.runner,
                                       cfg.timeouts.engine_start_s)
@@ -174,29 +158,45 @@ class RolloutJob:
         self.admission.reset_writer(self.shards.committed_groups)
         self.positions = WriterPositions(self.writer_rank, self.num_writers, self.shards.committed_prompt_indices)
         self.metrics = MetricsLog(self.run_dir.rollout_metrics(self.writer))
+        self.states = InFlightStates(self.run_dir.in_flight_states(self.writer), cfg.async_training.partial_rollout)
         self.pool = ThreadPoolExecutor(cfg.rollout.max_concurrent_groups, thread_name_prefix="group")
 
     # ---- the group task (runs in a pool thread)
-    def _generate_group(self, prompt_index: int) -> tuple[Group, int]:
-        """The group of ``prompt_index`` with its rewards, and how many responses were cut by length.
-        GroupAborted if the engine was aborted under it (shutdown)."""
+    def _generate_group(self, prompt_index: int) -> tuple[Group, GroupInfo]:
+        """The group of ``prompt_index`` with its rewards, by the row's agent loop (``agent_name``, else
+        ``agent.default``), continued from a saved state if the previous job left one.
+        GroupAborted if the job stops meanwhile (its state stays live for :meth:`_shutdown` to save)."""
         row = self.stream[prompt_index]
         created = time.time()
-        prompt_ids = row["prompt_ids"]  # chat template and max_prompt_length applied in _build
+        prompt_ids = list(row["prompt_ids"])  # chat template and max_prompt_length applied in _build
+        ro, generate_s = self.cfg.rollout, self.cfg.timeouts.generate_s
         seed = (self.cfg.data.seed * 1_000_003 + prompt_index) % (2**63)
-        responses = generate_responses(self.engine, self.runner, self.gate, list(prompt_ids), self.cfg.rollout.n,
-                                       seed, self.cfg.rollout.response_length, self.cfg.timeouts.generate_s,
-                                       f"generating the group of prompt {prompt_index}")
+        what = f"generating the group of prompt {prompt_index}"
+        if (row.get("agent_name") or self.cfg.agent.default) == TOOL_AGENT:
+            trajs, resumed = self.states.start(prompt_index, TOOL_AGENT, [AgentTrajectory() for _ in range(ro.n)])
+            generate_agent_group(self.agent, self.engine, self.runner, self.gate, prompt_ids, trajs, seed,
+                                 ro.response_length, generate_s, what)
+            info = GroupInfo(sum(a.finish_reason == FINISH_LENGTH for a in trajs),
+                             [a.assistant_turns + a.user_turns for a in trajs], sum(a.tool_calls for a in trajs),
+                             sum(a.tool_errors for a in trajs), sum(a.tool_latency_s for a in trajs), resumed)
+            parts = [(a.tokens, a.mask, a.logprobs, a.versions,
+                      {"num_turns": a.assistant_turns + a.user_turns, "tool_calls": a.tool_calls,
+                       "tool_errors": a.tool_errors}) for a in trajs]
+        else:
+            responses, resumed = self.states.start(prompt_index, SINGLE_TURN, [Response() for _ in range(ro.n)])
+            generate_responses(self.engine, self.runner, self.gate, prompt_ids, responses, seed, ro.response_length,
+                               generate_s, what)
+            info = GroupInfo(sum(r.finish_reason == FINISH_LENGTH for r in responses), [1] * ro.n, resumed=resumed)
+            parts = [(r.tokens, np.ones(len(r.tokens), np.int8), r.logprobs, r.versions, None) for r in responses]
         trajs = []
-        for j, r in enumerate(responses):
-            text = self.tokenizer.decode(r.tokens, skip_special_tokens=True)
-            reward = self.scorer.score(f"{self.writer}/{prompt_index}/{j}", row, text)
-            trajs.append(Trajectory(prompt_ids=prompt_ids, response_ids=r.tokens,
-                                    response_mask=np.ones(len(r.tokens), np.int8), logprobs=r.logprobs,
-                                    token_versions=r.versions, reward=reward))
+        for j, (tokens, mask, logprobs, versions, agent_info) in enumerate(parts):
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            reward = self.scorer.score(f"{self.writer}/{prompt_index}/{j}", row, text, agent_info)
+            trajs.append(Trajectory(prompt_ids=prompt_ids, response_ids=tokens, response_mask=mask, logprobs=logprobs,
+                                    token_versions=versions, reward=reward))
         group = Group(writer=self.writer, prompt_index=prompt_index, trajectories=trajs, created_s=created,
                       finished_s=time.time())
-        return group, sum(r.finish_reason == FINISH_LENGTH for r in responses)
+        return group, info
 
     # ---- steps of the loop
     def _stop_requested(self) -> Optional[HeartbeatState]:
@@ -293,6 +293,7 @@ class RolloutJob:
             self.runner.call(self.engine.abort_all, self.cfg.timeouts.generate_s, "aborting generation for new weights")
             self._wait_parked()
         self._collect(timeout_s=0.0)  # groups that finished are committed before the load: the lag bound needs it
+        self.states.save(set(self.in_flight.values()))  # all parked: a successor continues them from here
         carried = len(self.in_flight)
         self.stats.partial_groups += carried
         self.stats.pause_s += time.monotonic() - t0
@@ -319,9 +320,12 @@ class RolloutJob:
         done, _ = wait(list(self.in_flight), timeout=timeout_s, return_when=FIRST_COMPLETED)
         for fut in done:
             self.in_flight.pop(fut)
-            group, truncated = fut.result()  # an exception in generation stops the job, loudly
+            group, info = fut.result()  # an exception in generation stops the job, loudly
+            self.states.finish(group.prompt_index)
             self.shards.add(group)
-            self.stats.count(group, truncated)
+            self.stats.count(group, info.truncated)
+            self.stats.count_agent(info.turns, info.tool_calls, info.tool_errors, info.tool_latency_s)
+            self.stats.resumed_groups += info.resumed
         return bool(done)
 
     def _wait_parked(self) -> None:
@@ -446,6 +450,8 @@ class RolloutJob:
                 for fut in list(self.in_flight):  # finished while shutting down: complete groups are worth keeping
                     if fut.done() and not fut.cancelled() and fut.exception() is None:
                         self.shards.add(fut.result()[0])
+                        self.states.finish(self.in_flight[fut])
+                self.states.save(set(self.in_flight.values()))  # the rest continue in this writer's next job
             if self.shards is not None:
                 self.shards.close()
             if self.metrics is not None:

@@ -23,7 +23,7 @@ import sys
 import threading
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from hpcrl.config import RewardConfig
 from hpcrl.rollout.rewards import REWARDS
@@ -43,6 +43,8 @@ def _builtin(name: str) -> ComputeScore:
     fn = REWARDS[name]
 
     def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        if getattr(fn, "wants_extra_info", False):
+            return fn(solution_str, ground_truth, extra_info)
         return fn(solution_str, ground_truth)
 
     compute_score.__name__ = name
@@ -113,10 +115,12 @@ class RewardScorer:
         self._sums: dict[str, float] = defaultdict(float)
         self._counts: dict[str, int] = defaultdict(int)
 
-    def score(self, sample_id: str, row: dict, response: str) -> float:
-        """The reward of one response; 0.0 (counted and logged) if the function raises or returns junk."""
+    def score(self, sample_id: str, row: dict, response: str, agent_info: Optional[dict] = None) -> float:
+        """The reward of one response; 0.0 (counted and logged) if the function raises or returns junk.
+        A tool agent's counters (``num_turns``, ``tool_calls``, ``tool_errors``) join ``extra_info``."""
+        extra_info = row["extra_info"] if not agent_info else {**(row["extra_info"] or {}), **agent_info}
         try:
-            reward, extra = split_result(self.fn(row["data_source"], response, row["answer"], row["extra_info"]))
+            reward, extra = split_result(self.fn(row["data_source"], response, row["answer"], extra_info))
         except Exception as e:  # noqa: BLE001 - a user's function must not stop the job
             with self._lock:
                 self._errors += 1

@@ -68,6 +68,27 @@ def gsm8k(response: str, answer: str) -> float:
     return float(_math_equal(gold.replace(",", ""), got))
 
 
+def toy_calc(response: str, answer: str, extra_info: dict | None) -> float:
+    """The multi-turn toy task's reward (``builtin:toy_calc`` with the ``tiny`` tool parser), from
+    the agent's counters in ``extra_info``: 0.3 for a turn that ended asking for a call, 0.6 if
+    the calculator answered it, 1.0 if the turn after its answer (``= 1 2 .``) starts with the
+    right number. A ``(`` in a turn that never ends earns nothing."""
+    info = extra_info or {}
+    calls, errors = info.get("tool_calls", 0), info.get("tool_errors", 0)
+    if not calls and not errors:
+        return 0.0
+    if calls <= errors:
+        return 0.3
+    # a call that worked has no "=" in it: the first "=" after it starts the calculator's answer
+    shown = response.find("=", response.find("("))
+    end = response.find(".", shown) if shown >= 0 else -1
+    want = list(answer.strip())
+    return 1.0 if end >= 0 and response[end + 1:].split()[:len(want)] == want else 0.6
+
+
+toy_calc.wants_extra_info = True  # the agent's counters (tool_calls, tool_errors) come in extra_info
+
+
 REWARDS: dict[str, RewardFn] = {
     "toy_copy": token_match,
     "token_match": token_match,
@@ -75,4 +96,5 @@ REWARDS: dict[str, RewardFn] = {
     "last_number": last_number,
     "math_verify": math_verify_reward,
     "gsm8k": gsm8k,
+    "toy_calc": toy_calc,
 }

@@ -23,6 +23,18 @@ def tiny_vocab() -> list[str]:
     return vocab[:64]
 
 
+TINY_CHAT_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'tool' -%}= {{ m['content'] | list | reject('equalto', ' ') | join(' ') }} . "
+    "{%- elif m['role'] == 'assistant' -%}{{ m['content'] }} <eos> "
+    "{%- else -%}{{ m['content'] }} {% endif -%}"
+    "{%- endfor -%}")
+"""The tiny tokenizer's chat template, in its 64 words: a user (or system) turn is its text, an
+assistant turn its text and ``<eos>``, a tool turn ``= <the result, one character per word> .``
+(so ``12`` becomes ``= 1 2 .``). There is no generation prompt, so a one-message prompt is
+exactly its text, as without a template."""
+
+
 def build_tokenizer():
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders
     from transformers import PreTrainedTokenizerFast
@@ -31,7 +43,9 @@ def build_tokenizer():
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token=UNK)
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token=UNK)
+    out.chat_template = TINY_CHAT_TEMPLATE
+    return out
 
 
 def build_tiny_model(out_dir: Path | str, seed: int = 0, head_dim: int = 32) -> Path:

@@ -1,0 +1,61 @@
+"""What a rollout job did with one weight version: one row of ``logs/rollout-<writer>.jsonl``."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from hpcrl import metric_names as M
+from hpcrl.samples.schema import Group
+
+
+@dataclass
+class VersionStats:
+    """Counters of one weight version, written as a row when the next version is loaded."""
+
+    param_version: int
+    started_s: float = field(default_factory=time.time)
+    groups: int = 0
+    trajectories: int = 0
+    tokens: int = 0
+    truncated: int = 0
+    partial_groups: int = 0
+    resumed_groups: int = 0
+    pause_s: float = 0.0
+    idle_s: float = 0.0
+    load_s: float = 0.0
+    reward_sum: float = 0.0
+    turns_sum: int = 0
+    turns_max: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_latency_s: float = 0.0
+
+    def count(self, group: Group, truncated: int) -> None:
+        """Add one finished group (``truncated`` of its responses were cut by length)."""
+        self.groups += 1
+        self.truncated += truncated
+        self.trajectories += len(group.trajectories)
+        self.tokens += sum(len(t.response_ids) for t in group.trajectories)
+        self.reward_sum += sum(t.reward for t in group.trajectories)
+
+    def count_agent(self, turns: list[int], tool_calls: int, tool_errors: int, tool_latency_s: float) -> None:
+        """Add a group's agent counters (turns per trajectory, its tool calls, failures, seconds in tools)."""
+        self.turns_sum += sum(turns)
+        self.turns_max = max([self.turns_max, *turns])
+        self.tool_calls += tool_calls
+        self.tool_errors += tool_errors
+        self.tool_latency_s += tool_latency_s
+
+    def row(self, writer: str) -> dict:
+        """The log row of this version, its wall time ending now."""
+        wall = max(time.time() - self.started_s, 1e-9)
+        trajs = max(self.trajectories, 1)
+        return {M.WRITER: writer, M.PARAM_VERSION: self.param_version, M.GROUPS: self.groups,
+                M.TRAJECTORIES: self.trajectories, M.TOKENS: self.tokens, M.WALL_S: wall,
+                M.ROLLOUT_IDLE_RATIO: min(1.0, self.idle_s / wall), M.LOAD_WEIGHTS_S: self.load_s,
+                M.TOKENS_PER_S: self.tokens / wall, M.RESPONSE_CLIP_RATIO: self.truncated / trajs,
+                M.PARTIAL_GROUPS: self.partial_groups, M.RESUMED_GROUPS: self.resumed_groups, M.PAUSE_S: self.pause_s,
+                M.NUM_TURNS_MEAN: self.turns_sum / trajs, M.NUM_TURNS_MAX: self.turns_max,
+                M.TOOL_CALLS_MEAN: self.tool_calls / trajs, M.TOOL_ERRORS: self.tool_errors,
+                M.TOOL_LATENCY_S: self.tool_latency_s / max(self.tool_calls, 1),
+                M.ROLLOUT_REWARD_MEAN: self.reward_sum / trajs, M.TIME_S: time.time()}

@@ -1,0 +1,253 @@
+"""The tool agent (hpcrl/rollout/agent.py): parsers, tool responses through the chat template,
+a trajectory stopped mid-generation and mid-tool-call that resumes from its JSON state with
+masks 0 exactly on tool tokens, a rollout job restarted mid-run that continues its saved
+groups, and the multi-turn toy task learning on the tiny model."""
+import json
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from conftest import check_exactly_once, start_rollout, start_trainer, wait_until
+from hpcrl.config import load_config
+from hpcrl.logs import read_jsonl_frame, read_metrics
+from hpcrl.rollout.agent import (FINISH_TOOL_ERROR, GENERATING, PROCESSING_TOOLS, AgentTrajectory, ToolAgent,
+                                 generate_agent_group, template_prefix)
+from hpcrl.rollout.engine import EngineOptions, EngineRunner
+from hpcrl.rollout.partial import EngineGate, GroupAborted
+from hpcrl.rollout.resume import TOOL_AGENT, InFlightStates
+from hpcrl.rollout.tool_parsers import HermesParser, TinyParser
+from hpcrl.rollout.transformers_engine import TransformersEngine
+from hpcrl.samples.reader import read_shard
+from hpcrl.samples.schema import ShardManifestLine
+from hpcrl.tiny.model import build_tiny_model, build_tokenizer, load_tokenizer
+from hpcrl.trainer.models import load_reference
+from test_partial import token_logprobs
+
+AGENT = ["data.source=builtin:toy_calc", "reward.name=toy_calc", "agent.default=tool_agent",
+         "agent.tools=[{name: calculator}]", "agent.tool_parser=tiny", "agent.max_assistant_turns=2",
+         "agent.max_user_turns=1", "rollout.response_length=16", "actor.lr=0.003"]
+"""configs/tiny-agent.yaml as overrides of configs/tiny.yaml."""
+
+
+def agent_cfg(*overrides):
+    return load_config(None, ["agent.default=tool_agent", *overrides]).agent
+
+
+def test_hermes_parser_reads_calls_and_names_what_does_not_parse():
+    p = HermesParser(None, ["calculator"])
+    calls, err = p.parse('a <tool_call>{"name": "calculator", "arguments": {"expression": "1+2"}}</tool_call>'
+                         '<tool_call>{"name": "python", "arguments": "{\\"code\\": \\"print(1)\\"}"}</tool_call>')
+    assert err is None and [(c.name, c.arguments) for c in calls] == [
+        ("calculator", {"expression": "1+2"}), ("python", {"code": "print(1)"})]
+    assert p.parse("no call here") == ([], None)
+    assert "not JSON" in p.parse("<tool_call>{name: x}</tool_call>")[1]
+    assert "'name'" in p.parse('<tool_call>{"arguments": {}}</tool_call>')[1]
+    assert "closing" in p.parse('<tool_call>{"name": "x"')[1]
+
+
+def test_tiny_parser_calls_the_one_tool_with_the_text_in_parentheses():
+    p = TinyParser(build_tokenizer(), ["calculator"])
+    assert [(c.name, c.arguments) for c in p.parse("it ( 3 * 4 ) <eos>")[0]] == [("calculator", {"expression": "3 * 4"})]
+    assert p.parse("( 3 + <eos>")[0][0].arguments == {"expression": "3 +"}
+    assert p.parse("yes no <eos>") == ([], None)
+    assert p.parse("( ) <eos>")[1] == "empty tool call ()"
+    with pytest.raises(ValueError, match="exactly one tool"):
+        TinyParser(build_tokenizer(), ["calculator", "python"])
+
+
+def test_tool_responses_are_appended_without_the_templates_conversation_prefix():
+    tok = build_tokenizer()
+    # a template that, like Qwen 2.5's, writes a default system prompt before every conversation
+    tok.chat_template = "say it . {% for m in messages %}{{ 'is' if m['role'] == 'tool' else 'the' }} : " \
+                        "{{ m['content'] }} . {% endfor %}" \
+                        "{% if add_generation_prompt %}yes {% endif %}"
+    assert template_prefix(tok) == "say it . "
+    agent = ToolAgent(agent_cfg("agent.tools=[{name: calculator}]"), tok)
+    assert tok.decode(agent.tool_response_ids(["7"])) == "is : 7. yes"
+    tok.chat_template = None
+    with pytest.raises(ValueError, match="no chat template"):
+        ToolAgent(agent_cfg("agent.tools=[{name: calculator}]"), tok)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return build_tiny_model(root / "a", seed=0), build_tiny_model(root / "b", seed=1)
+
+
+def engine_for(model_dir, budget):
+    return TransformersEngine(EngineOptions(model_dir, max_new_tokens=budget, temperature=1.0, top_p=1.0,
+                                            device="cpu", dtype="float32"))
+
+
+def test_an_agent_turn_cut_by_new_weights_continues_without_a_gap(models):
+    a, b = models
+    budget, prompt = 1500, [30, 5, 7]
+    engine = engine_for(a, budget)
+    engine.eos_id = None  # the turn ends only by the budget or the abort
+    agent = ToolAgent(agent_cfg("agent.tools=[{name: calculator}]", "agent.tool_parser=tiny"), load_tokenizer(a))
+    runner, gate, traj = EngineRunner(), EngineGate(), AgentTrajectory()
+    gate.open(0)
+    thread = threading.Thread(target=generate_agent_group, args=(agent, engine, runner, gate, prompt, [traj], 3, budget,
+                                                                 120, "test group"))
+    thread.start()
+    time.sleep(0.3)
+    gate.close()  # what the rollout loop does at a version change with partial rollout
+    runner.call(engine.abort_all, 30, "abort")
+    wait_until(lambda: gate.parked == 1, 30, "the group to park at the gate")
+    assert traj.state == GENERATING and 0 < len(traj.tokens) < budget
+    runner.call(lambda: engine.load_weights(dict(load_reference(b).state_dict()), None), 60, "load")
+    gate.open(1)
+    thread.join(120)
+    runner.close()
+    versions = np.array(traj.versions)
+    cut = int((versions == 0).sum())
+    print(f"agent turn of {len(traj.tokens)} tokens: {cut} under v0, the rest under v1")
+    assert len(traj.tokens) == budget and traj.finish_reason == "length" and traj.segments == 2
+    assert 0 < cut < budget and (versions[cut:] == 1).all() and traj.mask == [1] * budget
+    np.testing.assert_allclose(traj.logprobs[:cut], token_logprobs(a, prompt, traj.tokens)[:cut], atol=1e-4)
+    np.testing.assert_allclose(traj.logprobs[cut:], token_logprobs(b, prompt, traj.tokens)[cut:], atol=1e-4)
+
+
+def test_a_trajectory_stopped_mid_tool_call_resumes_from_its_saved_state(models, tmp_path):
+    a, b = models
+    tok = load_tokenizer(a)
+    cfg = agent_cfg("agent.tools=[{name: calculator}, {name: python, wall_s: 20}]")
+    prompt = tok("3 * 4", add_special_tokens=False)["input_ids"]
+    turn = tok("( 3 * 4 ) <eos>", add_special_tokens=False)["input_ids"]
+    slow_call = {"name": "python", "arguments": {"code": "import time; time.sleep(2); print(3 * 4)"}}
+    start = AgentTrajectory(state=PROCESSING_TOOLS, tokens=list(turn), mask=[1] * len(turn),
+                            logprobs=[-1.0] * len(turn), versions=[0] * len(turn), assistant_turns=1,
+                            pending_calls=[slow_call], segments=1)
+    # job 1: its tool call is running when the job stops
+    states = InFlightStates(tmp_path / "in_flight.json", enabled=True)
+    (traj,), resumed = states.start(7, TOOL_AGENT, [start])
+    assert not resumed
+    runner, gate = EngineRunner(), EngineGate()
+    gate.open(0)
+    agent = ToolAgent(cfg, tok)
+    result = {}
+
+    def group():
+        try:
+            generate_agent_group(agent, engine_for(a, 40), runner, gate, prompt, [traj], 3, 40, 60, "group 7")
+        except GroupAborted:
+            result["aborted"] = True
+
+    thread = threading.Thread(target=group)
+    thread.start()
+    time.sleep(0.5)
+    gate.stop()
+    thread.join(30)
+    runner.close()
+    assert result == {"aborted": True}
+    assert traj.state == PROCESSING_TOOLS and traj.pending_calls == [slow_call] and traj.tool_calls == 0
+    states.save({7})
+    # job 2 (new weights, version 1) reads the saved state and finishes the trajectory
+    states2 = InFlightStates(tmp_path / "in_flight.json", enabled=True)
+    (traj2,), resumed = states2.start(7, TOOL_AGENT, [AgentTrajectory()])
+    assert resumed and traj2 == traj
+    runner, gate = EngineRunner(), EngineGate()
+    gate.open(1)
+    generate_agent_group(agent, engine_for(b, 40), runner, gate, prompt, [traj2], 3, 40, 60, "group 7")
+    runner.close()
+    shown = tok("= 1 2 .", add_special_tokens=False)["input_ids"]
+    n0, n1 = len(turn), len(turn) + len(shown)
+    print(f"resumed trajectory: {tok.decode(traj2.tokens)!r}, {traj2.finish_reason}")
+    assert traj2.tokens[:n0] == turn and traj2.tokens[n0:n1] == shown  # nothing lost or repeated at the cut
+    assert traj2.mask == [1] * n0 + [0] * len(shown) + [1] * (len(traj2.tokens) - n1)  # 0 exactly on the tool's tokens
+    assert traj2.versions[:n1] == [0] * n1 and traj2.versions[n1:] == [1] * (len(traj2.tokens) - n1)
+    assert len(traj2.tokens) > n1 and traj2.tool_calls == 1 and traj2.user_turns == 1 and traj2.assistant_turns == 2
+    np.testing.assert_allclose(traj2.logprobs[n1:], token_logprobs(b, prompt, traj2.tokens)[n1:], atol=1e-4)
+
+
+def test_a_failed_tool_call_ends_the_episode_and_is_counted(models):
+    a, _ = models
+    tok = load_tokenizer(a)
+    agent = ToolAgent(agent_cfg("agent.tools=[{name: calculator}]", "agent.tool_parser=tiny"), tok)
+    turn = tok("( 9 * * ) <eos>", add_special_tokens=False)["input_ids"]
+    traj = AgentTrajectory(state=PROCESSING_TOOLS, tokens=list(turn), mask=[1] * len(turn), logprobs=[0.0] * len(turn),
+                           versions=[0] * len(turn), assistant_turns=1,
+                           pending_calls=[{"name": "calculator", "arguments": {"expression": "9 * *"}}])
+    runner, gate = EngineRunner(), EngineGate()
+    gate.open(0)
+    generate_agent_group(agent, engine_for(a, 16), runner, gate, [5], [traj], 0, 16, 60, "group")
+    runner.close()
+    assert traj.finish_reason == FINISH_TOOL_ERROR and traj.tool_errors == 1 and traj.tokens == turn
+
+
+def test_saved_states_that_cannot_be_read_are_ignored(tmp_path):
+    path = tmp_path / "in_flight.json"
+    path.write_text('{"schema": 1, "groups": [{"prompt_index": 3, "agent": "tool_agent", "trajectories": [{"state": 1}]}]}')
+    states = InFlightStates(path, enabled=True)
+    assert states.saved_count() == 0
+    fresh = [AgentTrajectory()]
+    assert states.start(3, TOOL_AGENT, fresh) == (fresh, False)
+    path.write_text('{"schema": 1, "groups": [{"prompt_index": 3, "agent": "tool_agent", "trajectories": '
+                    f'[{AgentTrajectory(tokens=[4], mask=[1], logprobs=[0.0], versions=[2]).to_json()}]}}]}}'
+                    .replace("'", '"').replace("None", "null"))
+    assert InFlightStates(path, enabled=True).saved_count() == 1
+    assert InFlightStates(path, enabled=False).saved_count() == 0  # without partial rollout nothing is continued
+
+
+def shard_trajectories(rd):
+    out = []
+    for line in read_jsonl_frame(rd.shard_manifest("w000")).to_dict("records"):
+        line = ShardManifestLine.from_json(line)
+        out += [t for g in read_shard(rd.writer_dir("w000") / line.shard, line, "w000") for t in g.trajectories]
+    return out
+
+
+def read_rollout_metrics(rd):
+    return read_jsonl_frame(rd.rollout_metrics("w000"))
+
+
+def test_the_multi_turn_toy_task_learns_and_masks_only_tool_tokens(tiny_run):
+    updates = 60  # the call is learnt in ~15 updates; a working call and the answer come slower
+    rd = tiny_run(*AGENT, f"rollout.total_rollout_steps={4 * updates}")
+    trainer, rollout = start_trainer(rd), start_rollout(rd)
+    assert trainer.wait(300) == 0, trainer.tail()
+    assert rollout.wait(120) == 0, rollout.tail()
+    reward = read_metrics(rd)["reward/mean"].to_numpy()
+    first, later = float(reward[:updates // 10].mean()), float(reward[updates // 2:].mean())
+    print(f"toy_calc: reward first tenth {first:.3f}, last half {later:.3f}")
+    # random: ~0.01-0.05 (a turn that ends asking for a call is rare); asking for calls is worth 0.3
+    assert later > first + 0.1 and later > 0.2, f"the multi-turn toy task did not learn: {first:.3f} -> {later:.3f}"
+    tok = load_tokenizer(rd.base_model)
+    eq, dot = tok.convert_tokens_to_ids("="), tok.convert_tokens_to_ids(".")
+    with_tools = 0
+    for t in shard_trajectories(rd):
+        masked = np.flatnonzero(t.response_mask == 0)
+        if len(masked):  # one tool turn at most (max_user_turns=1): "= <digits> ." right after the call's turn
+            with_tools += 1
+            shown = t.response_ids[masked[0]:masked[-1] + 1]
+            assert len(masked) == masked[-1] - masked[0] + 1 and shown[0] == eq and shown[-1] == dot
+            assert t.response_ids[masked[0] - 1] == tok.eos_token_id  # the model's turn ended just before
+    assert with_tools > 0
+    rows = read_rollout_metrics(rd)
+    assert rows["tool_calls/mean"].max() > 0 and rows["num_turns/max"].max() >= 3
+
+
+def test_a_restarted_rollout_job_continues_its_saved_groups(tiny_run):
+    rd = tiny_run(*AGENT, "async_training.staleness_threshold=1.0", "async_training.partial_rollout=true",
+                  "rollout.max_concurrent_groups=4", "rollout.total_rollout_steps=160", "rollout.response_length=48",
+                  "agent.max_assistant_turns=3", "agent.max_user_turns=2")
+    trainer, rollout = start_trainer(rd), start_rollout(rd)
+    saved = rd.in_flight_states("w000")
+    wait_until(lambda: saved.exists(), 120, "a weight switch that saves the groups in flight", jobs=(trainer, rollout))
+    time.sleep(2)  # a few more switches, so groups are well under way
+    rollout.kill(signal.SIGTERM)
+    groups = json.loads(saved.read_text())["groups"]
+    print(f"groups in flight saved at SIGTERM: {len(groups)}, "
+          f"{sum(len(t['tokens']) for g in groups for t in g['trajectories'])} tokens")
+    assert groups and any(t["tokens"] for g in groups for t in g["trajectories"])
+    rollout2 = start_rollout(rd)
+    assert trainer.wait(300) == 0, trainer.tail()
+    assert rollout2.wait(120) == 0, rollout2.tail()
+    rows = read_rollout_metrics(rd)
+    print(f"groups continued from a saved state: {int(rows['fully_async/partial/resumed_num'].sum())}")
+    assert rows["fully_async/partial/resumed_num"].sum() > 0
+    check_exactly_once(rd, max_in_flight=4)
