@@ -13,6 +13,7 @@ Layout (DESIGN.md)::
       control/heartbeat/<job>.json, control/loading/<writer>.json, control/admission.json,
       control/skipped_shards.jsonl, ...
       control/fatal.json           an error no restart can fix                  (any job)
+      control/broadcast.json       host/port/epoch of the weight broadcast      (trainer)
       checkpoints/<tag>/, checkpoints/latest.json                               (trainer)
       logs/metrics.jsonl, logs/staleness.jsonl, logs/rollout-<writer>.jsonl, logs/jobs/<job>.log,
       logs/tensorboard/, logs/wandb/  (logging.backends)                        (trainer)
@@ -207,6 +208,12 @@ class RunDir:
     def loading_announcement(self, writer: str) -> Path:
         """``control/loading/<writer>.json``: the version a rollout job is reading."""
         return self.loading / f"{writer}.json"
+
+    @property
+    def broadcast_rendezvous(self) -> Path:
+        """``control/broadcast.json``: host, port and epoch of the trainer's weight-broadcast store
+        (trainer rank 0 writes it, tmp -> rename; rollout jobs read it to join)."""
+        return self.control / "broadcast.json"
 
     @property
     def admission(self) -> Path:

@@ -75,6 +75,8 @@ class VersionStats:
     idle_s: float = 0.0
     load_s: float = 0.0
     reward_sum: float = 0.0
+    sync: dict = field(default_factory=dict)
+    """How the version arrived (the transport's ``last_load``: path, transfer/apply seconds, bytes)."""
 
     def count(self, group: Group, truncated: int) -> None:
         """Add one finished group (``truncated`` of its responses were cut by length)."""
@@ -92,7 +94,7 @@ class VersionStats:
                 M.ROLLOUT_IDLE_RATIO: min(1.0, self.idle_s / wall), M.LOAD_WEIGHTS_S: self.load_s,
                 M.TOKENS_PER_S: self.tokens / wall, M.RESPONSE_CLIP_RATIO: self.truncated / max(self.trajectories, 1),
                 M.PARTIAL_GROUPS: self.partial_groups, M.PAUSE_S: self.pause_s,
-                M.ROLLOUT_REWARD_MEAN: self.reward_sum / max(self.trajectories, 1), M.TIME_S: time.time()}
+                M.ROLLOUT_REWARD_MEAN: self.reward_sum / max(self.trajectories, 1), M.TIME_S: time.time(), **self.sync}
 
 
 class EngineLoadFailed(Exception):
@@ -133,7 +135,7 @@ class RolloutJob:
         self.num_writers = self.cfg.resources.rollout_jobs
         if not 0 <= writer_rank < self.num_writers:
             raise ValueError(f"writer rank {writer_rank} outside [0, resources.rollout_jobs={self.num_writers})")
-        self.weights = make_transport(self.cfg.weights, run_dir)
+        self.weights = make_transport(self.cfg.weights, run_dir, self.cfg.timeouts)
         self.version = -1
         self.consumed_at_version = 0
         self.in_flight: dict[Future, int] = {}
@@ -259,11 +261,12 @@ class RolloutJob:
         if self.stats is not None:
             self._write_version_stats()
         self.version, self.consumed_at_version = manifest.param_version, manifest.consumed_groups
-        self.stats = VersionStats(self.version, load_s=load_s)
+        self.stats = VersionStats(self.version, load_s=load_s, sync=dict(self.weights.last_load))
         self.gate.open(self.version)
         self.heartbeat.update(param_version=self.version, state=HeartbeatState.GENERATING)
-        log.info("loaded weight version %d in %.2fs (trainer step %d, consumed %d groups)", self.version,
-                 load_s, manifest.trainer_step, manifest.consumed_groups)
+        log.info("loaded weight version %d in %.2fs by %s (trainer step %d, consumed %d groups)", self.version,
+                 load_s, self.stats.sync.get(M.WEIGHTS_PATH, "filesystem"), manifest.trainer_step,
+                 manifest.consumed_groups)
 
     def _switch_weights_if_newer(self) -> None:
         """Step 2: load a newer version; also an *older* newest one: the trainer was restarted
