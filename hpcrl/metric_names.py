@@ -87,8 +87,8 @@ ROLLOUT_IDLE_RATIO = "rollouter/idle_ratio"
 LOAD_WEIGHTS_S = "timing_s/load_weights"
 """Seconds to load this version into the engine."""
 LOAD_TRANSFER_S = "timing_s/load_weights/transfer"
-"""Rollout: seconds from asking for the version to holding its tensors (waiting for the broadcast, or
-reading and verifying the files)."""
+"""Rollout: seconds the version's tensors took to arrive: broadcast = receiving the buckets (in the
+background, while generating) plus any wait for them at the switch; files = reading and verifying."""
 LOAD_APPLY_S = "timing_s/load_weights/apply"
 """Rollout: seconds the engine took to adopt the tensors."""
 ROLLOUT_REWARD_MEAN = "reward_mean"
