@@ -86,6 +86,29 @@ def test_buckets_roundtrip_odd_sizes_dtypes_and_tied_tensors(tmp_path):
     tt.close(), rt.close()
 
 
+@pytest.mark.parametrize("bucket_bytes", [64, 1000, 5000, 1 << 20])
+def test_messages_cover_every_tensor_byte_once_within_the_bucket_size(bucket_bytes):
+    from hpcrl.weights.process_group import messages, plan
+
+    g = torch.Generator().manual_seed(1)
+    sizes = torch.randint(0, 3000, (40,), generator=g).tolist() + [0, 1, 7000]
+    entries, total = plan({f"t{i}": torch.zeros(n, dtype=torch.uint8) for i, n in enumerate(sizes)})
+    msgs = messages(entries, total, bucket_bytes)
+    covered = torch.zeros(total, dtype=torch.int32)
+    for lo, hi, idx in msgs:
+        assert 0 < hi - lo <= bucket_bytes
+        if idx >= 0:  # sent from the tensor's own storage: inside it
+            assert entries[idx].offset_bytes <= lo and hi <= entries[idx].offset_bytes + entries[idx].nbytes
+        covered[lo:hi] += 1
+    assert covered.max() == 1, "no byte is sent twice"
+    for e in entries:
+        assert (covered[e.offset_bytes:e.offset_bytes + e.nbytes] == 1).all(), e.name
+    if bucket_bytes <= 5000:  # the 7000-byte tensor is at least half a bucket: sent without a copy
+        assert any(i >= 0 for *_, i in msgs) and any(i < 0 for *_, i in msgs), "both kinds of message occur"
+    else:
+        assert all(i < 0 for *_, i in msgs) and len(msgs) == 1, "all small: one packed bucket"
+
+
 def test_two_processes_broadcast_the_tiny_model_and_generate_like_the_trainer(tiny_run):
     rd = tiny_run("weights.transport=broadcast")
     wt = trainer_side(rd)

@@ -33,13 +33,11 @@ left for later.
 """
 from __future__ import annotations
 
-import bisect
 import collections
 import json
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
 
@@ -47,97 +45,21 @@ import torch
 
 from hpcrl import metric_names as M
 from hpcrl.config import TimeoutsConfig, WeightsConfig
-from hpcrl.control import faults
 from hpcrl.run_dir import RunDir
 from hpcrl.weights.base import Apply
 from hpcrl.weights.filesystem import FilesystemTransport, _dedupe_tied
 from hpcrl.weights.manifest import WeightManifest
-from hpcrl.weights.process_group import (Admitted, BroadcastFailed, BroadcastRefused, admit_one, broadcast_async,
-                                         call_with_deadline, connect_store, join, make_group, put_json,
-                                         read_rendezvous, read_secret, start_store)
+from hpcrl.weights.process_group import (ALIGN_BYTES, Admitted, BroadcastFailed, BroadcastRefused, Entry, admit_one,
+                                         call_with_deadline, connect_store, join, make_group, plan, put_json,
+                                         read_rendezvous, read_secret, recv_buckets, send_buckets, start_store)
 
 log = logging.getLogger(__name__)
 
-ALIGN_BYTES = 64
-"""Every tensor starts at a multiple of this in the flat byte stream (any dtype can view it)."""
-DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64,
-                                                     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
-                                                     torch.bool)}
-"""dtype names a header may carry (parsed from JSON, never unpickled)."""
 POLL_S = 0.02
 """How often a receiver looks for a new header in the store."""
 MAX_FAILURES = 2
 """Failed receives in a row after which a rollout job stops joining this trainer (each one costs the
 trainer up to ``timeouts.broadcast_s``); it joins again when a new trainer publishes a rendezvous."""
-
-
-@dataclass
-class Entry:
-    """One tensor in the flat byte stream of a version."""
-
-    name: str
-    dtype: str
-    shape: list[int]
-    offset_bytes: int
-    nbytes: int
-
-
-def plan(tensors: dict[str, torch.Tensor]) -> tuple[list[Entry], int]:
-    """Byte offsets of ``tensors`` (in insertion order, each aligned) and the stream's total bytes."""
-    out, off = [], 0
-    for name, t in tensors.items():
-        dtype = str(t.dtype).removeprefix("torch.")
-        if dtype not in DTYPES:
-            raise TypeError(f"tensor {name}: dtype {t.dtype} cannot be broadcast (allowed: {sorted(DTYPES)})")
-        n = t.numel() * t.element_size()
-        out.append(Entry(name, dtype, list(t.shape), off, n))
-        off += -(-n // ALIGN_BYTES) * ALIGN_BYTES
-    return out, off
-
-
-def send_buckets(group, tensors: dict[str, torch.Tensor], entries: list[Entry], total_bytes: int,
-                 bucket_bytes: int) -> None:
-    """Root: broadcast the stream in buckets of ``bucket_bytes``; two buffers, so that the next
-    bucket is packed while the previous one is on the wire. Blocks until the last one is sent."""
-    views = [tensors[e.name].reshape(-1).view(torch.uint8) for e in entries]
-    starts = [e.offset_bytes for e in entries]
-    size = min(bucket_bytes, total_bytes)
-    buffers = [torch.empty(size, dtype=torch.uint8) for _ in range(2)]
-    works: collections.deque = collections.deque()
-    for b, lo in enumerate(range(0, total_bytes, bucket_bytes)):
-        hi = min(lo + bucket_bytes, total_bytes)
-        if len(works) == 2:
-            works.popleft().wait()  # the buffer we are about to refill is on the wire no more
-        buf = buffers[b % 2][:hi - lo]
-        i = max(bisect.bisect_right(starts, lo) - 1, 0)
-        while i < len(entries) and starts[i] < hi:
-            e = entries[i]
-            a, z = max(lo, e.offset_bytes), min(hi, e.offset_bytes + e.nbytes)
-            if a < z:
-                buf[a - lo:z - lo].copy_(views[i][a - e.offset_bytes:z - e.offset_bytes])
-            i += 1
-        works.append(broadcast_async(group, buf))
-    while works:
-        works.popleft().wait()
-
-
-def recv_buckets(group, entries: list[Entry], total_bytes: int, bucket_bytes: int,
-                 aliases: dict[str, str]) -> dict[str, torch.Tensor]:
-    """Receiver: the buckets land straight in one flat buffer; the tensors are views of it."""
-    flat = torch.empty(total_bytes, dtype=torch.uint8)
-    works: collections.deque = collections.deque()
-    for lo in range(0, total_bytes, bucket_bytes):
-        faults.point("broadcast_bucket")
-        if len(works) == 2:
-            works.popleft().wait()
-        works.append(broadcast_async(group, flat[lo:min(lo + bucket_bytes, total_bytes)]))
-    while works:
-        works.popleft().wait()
-    state = {e.name: flat[e.offset_bytes:e.offset_bytes + e.nbytes].view(DTYPES[e.dtype]).reshape(e.shape)
-             for e in entries}
-    for alias, stored in aliases.items():
-        state[alias] = state[stored]
-    return state
 
 
 class _Sender:
@@ -152,6 +74,7 @@ class _Sender:
         self.seq = 0
         self.members: list[Admitted] = []  # in the next publish (guarded by lock)
         self.group, self.group_tickets, self.gen = None, (), 0
+        self.buffers: Optional[list[torch.Tensor]] = None  # the two pack buffers, kept across versions
         self._stop = threading.Event()
         threading.Thread(target=self._admit_loop, name="broadcast-admission", daemon=True).start()
         log.info("weight broadcast store listening at %s (epoch %s), published in %s", self.rdv.address,
@@ -225,7 +148,7 @@ class _Sender:
         if self.group is None:
             self.group = make_group(self.store, f"{self.rdv.epoch}/g{self.gen}", 0, world, self.broadcast_s,
                                     self.backend)
-        send_buckets(self.group, tensors, entries, total, self.bucket_bytes)
+        self.buffers = send_buckets(self.group, tensors, entries, total, self.bucket_bytes, self.buffers)
 
     def _drop(self, dropped: list[Admitted], version: int) -> None:
         if not dropped:
@@ -242,7 +165,7 @@ class _Sender:
         self._stop.set()
 
 
-_Staged = collections.namedtuple("_Staged", "version published_s state nbytes transfer_s")
+_Staged = collections.namedtuple("_Staged", "version published_s state nbytes transfer_s flat")
 """A version received by broadcast, waiting for :meth:`BroadcastTransport.load`."""
 
 
@@ -254,6 +177,7 @@ class _Receiver:
         self.backend = backend
         self.cond = threading.Condition()
         self.staged: Optional[_Staged] = None
+        self.spare: Optional[torch.Tensor] = None  # a flat buffer the engine is done with, for the next receive
         self.receiving: Optional[int] = None  # version in flight
         self.seen_version = -1  # newest version whose header this receiver has read
         self.joined = False
@@ -335,9 +259,11 @@ class _Receiver:
                     self.group = make_group(self.store, f"{self.rdv.epoch}/g{header['gen']}", rank, world,
                                             self.broadcast_s, self.backend)
                     self.gen = header["gen"]
+                with self.cond:
+                    out, self.spare = self.spare, None
                 return recv_buckets(self.group, entries, header["total_bytes"], header["bucket_bytes"],
-                                    header["aliases"])
-            state = call_with_deadline(transfer, self.broadcast_s, f"receiving weight version {version} from the "
+                                    header["aliases"], out)
+            state, flat = call_with_deadline(transfer, self.broadcast_s, f"receiving weight version {version} from the "
                                        f"trainer at {self.rdv.address} as rank {rank}/{world} (run {self.run_dir.root})")
             transfer_s = time.monotonic() - t0
             self.store.set(f"pub/{header['seq']}/ack/{self.ticket}", "1")
@@ -350,7 +276,7 @@ class _Receiver:
             return False
         self.failures = 0
         with self.cond:
-            self.staged = _Staged(version, header["published_s"], state, header["total_bytes"], transfer_s)
+            self.staged = _Staged(version, header["published_s"], state, header["total_bytes"], transfer_s, flat)
             self.receiving = None
             self.cond.notify_all()
         return True
@@ -377,6 +303,11 @@ class _Receiver:
                 if not self.joined or self.seen_version >= version or time.monotonic() > header_due:
                     return None
                 self.cond.wait(POLL_S)
+
+    def recycle(self, flat: torch.Tensor) -> None:
+        """``flat`` is no longer read by anyone: the next receive of the same size reuses it."""
+        with self.cond:
+            self.spare = flat
 
     def close(self) -> None:
         """Stop the thread (a receive in flight ends at its deadline)."""
@@ -457,6 +388,7 @@ class BroadcastTransport(FilesystemTransport):
             t1 = time.monotonic()
             if apply is not None:
                 apply(staged.state, self.run_dir.weight_version_dir(version))
+                self._receiver.recycle(staged.flat)  # the engine copied the tensors: reuse the buffer
             self.last_load = {M.WEIGHTS_PATH: "broadcast", M.LOAD_TRANSFER_S: t1 - t0 + staged.transfer_s,
                               M.LOAD_APPLY_S: time.monotonic() - t1, M.WEIGHTS_BYTES: staged.nbytes,
                               M.WEIGHTS_GB_PER_S: staged.nbytes / max(staged.transfer_s, 1e-9) / 1e9}
