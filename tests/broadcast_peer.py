@@ -1,4 +1,8 @@
-"""A rollout-side peer of the weight broadcast, as a real process (tests/test_broadcast.py).
+"""A peer of the weight broadcast, as a real process (tests/test_broadcast.py).
+
+``--role trainer``: publish v0, wait until a rollout job joined, publish v1 (perturbed weights);
+run with ``HPCRL_FAULT_POINT=broadcast_bucket:N:kill`` it dies in the middle of v1's broadcast.
+Otherwise (rollout):
 
 ``python tests/broadcast_peer.py RUN OUT --versions 0,1 [--transport broadcast] [--bucket-mb X]
 [--connect-s S] [--broadcast-s S]``: loads each version (waiting for its manifest) into the tiny
@@ -37,6 +41,7 @@ def main() -> int:
     p.add_argument("--bucket-mb", type=float, default=0.05)
     p.add_argument("--connect-s", type=float, default=5.0)
     p.add_argument("--broadcast-s", type=float, default=20.0)
+    p.add_argument("--role", default="rollout")
     a = p.parse_args()
     import logging
 
@@ -47,6 +52,15 @@ def main() -> int:
     model = AutoModelForCausalLM.from_pretrained(rd.base_model, dtype=torch.float32).eval()
     wt = make_transport(WeightsConfig(transport=a.transport, bucket_mb=a.bucket_mb), rd,
                         TimeoutsConfig(broadcast_connect_s=a.connect_s, broadcast_s=a.broadcast_s))
+    if a.role == "trainer":
+        wt.publish(0, model.state_dict(), model.config.to_json_string(), 0, 0)
+        while wt.waiting_members() < 1:
+            time.sleep(0.02)
+        with torch.no_grad():
+            for prm in model.parameters():
+                prm.add_(0.5)
+        wt.publish(1, model.state_dict(), model.config.to_json_string(), 1, 4)
+        return 0
     paths = {}
     for v in map(int, a.versions.split(",")):
         deadline = time.monotonic() + 60

@@ -201,6 +201,31 @@ def test_receiver_sigkilled_mid_broadcast_is_dropped_and_the_trainer_goes_on(tin
     wt.close()
 
 
+def test_trainer_sigkilled_mid_broadcast_leaves_the_rollout_on_files(tiny_run, caplog):
+    """The trainer writes files first, so the version it died broadcasting is read from them."""
+    rd = tiny_run("weights.transport=broadcast")
+    trainer = start_peer(rd, rd.root / "trainer.json", "--role", "trainer",
+                         env={"HPCRL_FAULT_POINT": "broadcast_bucket:3:kill"})
+    wt = trainer_side(rd)
+    end = time.monotonic() + 60
+    while not rd.weight_manifest(0).exists():
+        assert trainer.poll() is None and time.monotonic() < end, (rd.root / "trainer.log").read_text()[-2000:]
+        time.sleep(0.05)
+    caplog.set_level(logging.INFO)
+    wt.load(0, "w000")
+    assert wt.last_load["weights/path"] == "filesystem"
+    assert trainer.wait(60) == -9, "the trainer SIGKILLed itself at its third bucket"
+    t0 = time.monotonic()
+    _, state = wt.load(1, "w000")
+    assert time.monotonic() - t0 < FAST.broadcast_s + 3
+    assert wt.last_load["weights/path"] == "filesystem"
+    files = make_transport(WeightsConfig(transport="filesystem"), rd).load(1, "w001")[1]
+    assert all(torch.equal(state[k], files[k]) for k in files) and len(state) == len(files)
+    assert any("broadcast of weight version 1 failed" in r.getMessage() or "lost the broadcast store" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    wt.close()
+
+
 def test_run_with_broadcast_takes_versions_by_broadcast_exactly_once(tmp_path):
     run = tmp_path / "run"
     out = subprocess.run([sys.executable, "-m", "hpcrl", "run", str(TINY), "weights.transport=broadcast",

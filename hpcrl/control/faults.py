@@ -18,7 +18,7 @@ checkpoint        trainer, before a checkpoint is saved
 publish           trainer, before a weight version is written
 weight_load       rollout, before a weight version is loaded
 engine_load       rollout, as verified weights are handed to the engine
-broadcast_bucket  rollout, before each bucket of a weight broadcast is received
+broadcast_bucket  trainer or rollout, before each bucket of a weight broadcast is sent or received
 ================  ===================================================================
 """
 from __future__ import annotations

@@ -83,14 +83,18 @@ class _Sender:
     def _admit_loop(self) -> None:
         """Handshake every new ticket (serially; a silent joiner costs ``broadcast_connect_s``). Runs on
         its own store connection until the process ends."""
-        client = connect_store(self.rdv, self.connect_s, self.run_dir)
-        seen = 0
-        while not self._stop.is_set():
-            n = client.add("joiners", 0)
-            for ticket in range(seen + 1, n + 1):
-                admit_one(client, ticket, self.secret, self.rdv.epoch, self._admit, self.connect_s, self.run_dir)
-            seen = n
-            self._stop.wait(POLL_S)
+        try:
+            client = connect_store(self.rdv, self.connect_s, self.run_dir)
+            seen = 0
+            while not self._stop.is_set():
+                n = client.add("joiners", 0)
+                for ticket in range(seen + 1, n + 1):
+                    admit_one(client, ticket, self.secret, self.rdv.epoch, self._admit, self.connect_s, self.run_dir)
+                seen = n
+                self._stop.wait(POLL_S)
+        except Exception as e:  # noqa: BLE001 - nobody joins from now on: versions go by files only
+            log.error("weight broadcast: admission stopped (run %s): %s; rollout jobs use the files",
+                      self.run_dir.root, e)
 
     def _admit(self, who: Admitted) -> int:
         with self.lock:
@@ -132,7 +136,7 @@ class _Sender:
         except Exception as e:  # noqa: BLE001 - a dead or slow peer: the files have the version
             log.warning("broadcast of weight version %d to %s failed (run %s): %s; rollout jobs take it from files",
                         version, peers, self.run_dir.root, str(e).splitlines()[0] if str(e) else type(e).__name__)
-            self.group = None
+            self.group, self.buffers = None, None  # an abandoned transfer thread may still hold them
             transfer_s = time.monotonic() - t0
         acked = [m for m in members if self.store.check([f"pub/{seq}/ack/{m.ticket}"])]
         self._drop([m for m in members if m not in acked], version)

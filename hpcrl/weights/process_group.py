@@ -333,6 +333,7 @@ def send_buckets(group, tensors: dict[str, torch.Tensor], entries: list[Entry], 
         buffers = [torch.empty(bucket_bytes, dtype=torch.uint8) for _ in range(2)]
     work, n_packed = None, 0
     for lo, hi, idx in messages(entries, total_bytes, bucket_bytes):
+        faults.point("broadcast_bucket")
         if idx >= 0:
             off = entries[idx].offset_bytes
             msg = views[idx][lo - off:hi - off]
