@@ -86,6 +86,18 @@ def test_buckets_roundtrip_odd_sizes_dtypes_and_tied_tensors(tmp_path):
     tt.close(), rt.close()
 
 
+@pytest.mark.parametrize("override, allowed", [
+    ("weights.transport=nccl", "'auto', 'broadcast', 'filesystem'"), ("weights.bucket_mb=0", "a number > 0.0"),
+    ("timeouts.broadcast_s=0", "a number > 0.0"), ("timeouts.broadcast_connect_s=-1", "a number > 0.0")])
+def test_bad_broadcast_config_fails_before_anything_is_submitted(tmp_path, capsys, override, allowed):
+    from hpcrl.cli import main as cli_main
+
+    assert cli_main(["run", str(TINY), override, "--run-dir", str(tmp_path / "r"), "--executor", "local"]) == 2
+    err = capsys.readouterr().err
+    assert override.split("=")[0] in err and allowed in err and "Traceback" not in err, err
+    assert not (tmp_path / "r").exists()
+
+
 @pytest.mark.parametrize("bucket_bytes", [64, 1000, 5000, 1 << 20])
 def test_messages_cover_every_tensor_byte_once_within_the_bucket_size(bucket_bytes):
     from hpcrl.weights.process_group import messages, plan
