@@ -121,6 +121,26 @@ def test_messages_cover_every_tensor_byte_once_within_the_bucket_size(bucket_byt
         assert all(i < 0 for *_, i in msgs) and len(msgs) == 1, "all small: one packed bucket"
 
 
+def test_two_receivers_form_a_group_of_three_and_a_late_joiner_enters_at_the_next_version(tmp_path):
+    rd = RunDir(tmp_path).create()
+    rd.secret.write_text("s")
+    tt, r1, r2 = (trainer_side(rd, bucket_mb=0.001) for _ in range(3))
+    sd = lambda v: {"w": torch.full((5000,), float(v)), "b": torch.arange(7) + v}  # noqa: E731
+    tt.publish(0, sd(0), "{}", 0, 0)
+    r1.load(0, "w000")
+    tt.publish(1, sd(1), "{}", 1, 4)
+    assert tt.last_publish["weights/broadcast_members"] == 1
+    r2.load(1, "w001")  # joins late: v1 from files, a member from v2 on
+    assert r2.last_load["weights/path"] == "filesystem"
+    assert torch.equal(r1.load(1, "w000")[1]["w"], sd(1)["w"]) and r1.last_load["weights/path"] == "broadcast"
+    tt.publish(2, sd(2), "{}", 2, 8)
+    assert tt.last_publish["weights/broadcast_members"] == 2, "the group was re-formed with both"
+    for r, w in ((r1, "w000"), (r2, "w001")):
+        got = r.load(2, w)[1]
+        assert r.last_load["weights/path"] == "broadcast" and torch.equal(got["b"], sd(2)["b"]), w
+    tt.close(), r1.close(), r2.close()
+
+
 def test_two_processes_broadcast_the_tiny_model_and_generate_like_the_trainer(tiny_run):
     rd = tiny_run("weights.transport=broadcast")
     wt = trainer_side(rd)
