@@ -144,7 +144,13 @@ def start_store(run_dir: RunDir, timeout_s: float) -> tuple[dist.TCPStore, Broad
 
 
 def connect_store(rdv: BroadcastRendezvous, timeout_s: float, run_dir: RunDir) -> dist.TCPStore:
-    """A client of the trainer's store; BroadcastFailed (address, run dir) if it does not answer."""
+    """A client of the trainer's store; BroadcastFailed (address, run dir) if it does not answer. A plain
+    socket is tried first: a dead trainer's port is refused at once, in one line (the store's own client
+    retries until its timeout and prints a C++ trace per try)."""
+    try:
+        socket.create_connection((rdv.host, rdv.port), timeout=timeout_s).close()
+    except OSError as e:
+        raise BroadcastFailed(f"connecting to the broadcast store at {rdv.address} (run {run_dir.root}): {e}") from None
     try:
         return call_with_deadline(
             lambda: dist.TCPStore(rdv.host, rdv.port, None, False, timeout=timedelta(seconds=timeout_s)),
