@@ -14,6 +14,7 @@ Layout (DESIGN.md)::
       control/skipped_shards.jsonl, ...
       control/fatal.json           an error no restart can fix                  (any job)
       control/in_flight/<writer>.json  partial groups for the job's successor    (rollout job)
+      control/broadcast.json       host/port/epoch of the weight broadcast      (trainer)
       checkpoints/<tag>/, checkpoints/latest.json                               (trainer)
       logs/metrics.jsonl, logs/staleness.jsonl, logs/rollout-<writer>.jsonl, logs/jobs/<job>.log,
       logs/tensorboard/, logs/wandb/  (logging.backends)                        (trainer)
@@ -212,6 +213,12 @@ class RunDir:
     def in_flight_states(self, writer: str) -> Path:
         """``control/in_flight/<writer>.json``: trajectories in flight, continued by the writer's next job."""
         return self.control / "in_flight" / f"{writer}.json"
+
+    @property
+    def broadcast_rendezvous(self) -> Path:
+        """``control/broadcast.json``: host, port and epoch of the trainer's weight-broadcast store
+        (trainer rank 0 writes it, tmp -> rename; rollout jobs read it to join)."""
+        return self.control / "broadcast.json"
 
     @property
     def admission(self) -> Path:

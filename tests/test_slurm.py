@@ -141,3 +141,18 @@ def test_sbatch_trainer_preempted_with_usr2_requeues_and_resumes(slurm, tmp_path
     steps = [r["step"] for r in read_jsonl(rd.metrics)]
     assert steps == list(range(1, rd.load_config().total_updates + 1))
     check_exactly_once(rd, rd.load_config().rollout.max_concurrent_groups)
+
+
+def test_weight_broadcast_between_two_slurm_jobs(slurm, tmp_path):
+    """weights.transport=broadcast with the trainer and the rollout job as two Slurm jobs: the
+    rollout job joins the trainer's gloo group and takes versions by broadcast, exactly once."""
+    run = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "hpcrl", "run", str(TINY), "weights.transport=broadcast",
+                          "rollout.total_rollout_steps=48", "--run-dir", str(run), "--executor", "slurm",
+                          "--timeout-min", "5"], capture_output=True, text=True, cwd=REPO, env=slurm, timeout=420)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rd = RunDir(run)
+    paths = [r["weights/path"] for r in read_jsonl(rd.rollout_metrics("w000"))]
+    assert paths.count("broadcast") >= len(paths) - 2, paths
+    assert "by broadcast" in (rd.job_logs / "rollout-w000.log").read_text()
+    check_exactly_once(rd, rd.load_config().rollout.max_concurrent_groups)

@@ -61,8 +61,8 @@ BUILTIN_MODELS = ("builtin:tiny", "builtin:tiny-h64")
 """``model.path`` values that build a tiny model at launch (hpcrl/tiny/model.py): ``tiny`` has
 4 heads of 32, ``tiny-h64`` 2 heads of 64 (what vLLM's CPU attention needs), same parameters."""
 
-WEIGHT_TRANSPORTS = ("filesystem",)
-"""``weights.transport`` (hpcrl/weights/)."""
+WEIGHT_TRANSPORTS = ("auto", "broadcast", "filesystem")
+"""``weights.transport`` (hpcrl/weights/): ``auto`` = broadcast where it forms, files otherwise."""
 
 KL_CTRL_TYPES = ("fixed", "adaptive")
 """``algorithm.kl_ctrl.type`` (hpcrl/trainer/kl.py)."""

@@ -354,7 +354,14 @@ class WeightsConfig:
     """``weights``: how versions reach the rollout jobs, and how many are kept."""
 
     transport: str = "filesystem"
-    """How weights reach rollout jobs: ``filesystem`` (safetensors folders in RUN/weights)."""
+    """How weights reach rollout jobs. Every version is always written as a safetensors folder in
+    RUN/weights (late joiners, restarts, retention). ``filesystem``: only that. ``broadcast``: also
+    broadcast in buckets from trainer rank 0 to every rollout job that joined (gloo on CPU); a job that
+    cannot start or join it at its first try fails with the reason. ``auto``: the same, but such a
+    job logs why and uses the files. In both, a broadcast that fails later (a dead peer, a timeout)
+    falls back to the files for that version."""
+    bucket_mb: float = 64.0
+    """Broadcast bucket size in MiB (two buckets in flight on the trainer; larger = fewer messages)."""
     keep_versions: int = 3
     """Newest versions always kept; older ones are deleted unless a live rollout
     job has announced it is loading them."""
@@ -363,6 +370,7 @@ class WeightsConfig:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
         check_choice("weights.transport", self.transport, names.WEIGHT_TRANSPORTS)
         check_int("weights.keep_versions", self.keep_versions, 2)
+        check_float("weights.bucket_mb", self.bucket_mb, 0.0, 4096.0, lo_open=True)
 
 
 @dataclass
@@ -388,6 +396,12 @@ class TimeoutsConfig:
     profiles memory at start; a first start on a fresh node was once seen to sit for minutes)."""
     generate_s: float = 1800.0
     """Rollout gives up if one group's generation (or a weight load into the engine) takes longer."""
+    broadcast_connect_s: float = 5.0
+    """Weight broadcast: each step of joining (rendezvous, secret handshake) waits this long; a
+    rollout job also waits this long for the broadcast header of a version before reading the files."""
+    broadcast_s: float = 120.0
+    """Weight broadcast: forming the group, sending one version's buckets and the acknowledgements must
+    end in this long; a peer that misses it is dropped (trainer) or reads the version from files (rollout)."""
     retry_failed_load_s: float = 30.0
     """After its engine failed to load a (verified) version, a rollout job stays on its version and
     tries that one again after this long (a newer version is tried at once)."""
@@ -396,7 +410,7 @@ class TimeoutsConfig:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
         for name in ("wait_samples_s", "wait_weights_s", "heartbeat_interval_s", "heartbeat_stale_s",
                      "poll_interval_s", "wait_log_interval_s", "engine_start_s", "generate_s",
-                     "retry_failed_load_s"):
+                     "retry_failed_load_s", "broadcast_connect_s", "broadcast_s"):
             check_float(f"timeouts.{name}", getattr(self, name), 0.0, lo_open=True)
         if self.heartbeat_stale_s <= 2 * self.heartbeat_interval_s:
             raise bad("timeouts.heartbeat_stale_s", self.heartbeat_stale_s,

@@ -10,15 +10,16 @@ At the ``n``-th time (1-based) this process reaches ``point`` it performs
 ``sleep=<seconds>`` or ``fail`` (raise :class:`InjectedFault` there). Points, each placed
 at the instant a step begins:
 
-==============  =====================================================================
-point           where
-==============  =====================================================================
-seal_manifest   ShardWriter.seal, just before the manifest line (the commit) is appended
-checkpoint      trainer, before a checkpoint is saved
-publish         trainer, before a weight version is written
-weight_load     rollout, before a weight version is loaded
-engine_load     rollout, as verified weights are handed to the engine
-==============  =====================================================================
+================  ===================================================================
+point             where
+================  ===================================================================
+seal_manifest     ShardWriter.seal, just before the manifest line (the commit) is appended
+checkpoint        trainer, before a checkpoint is saved
+publish           trainer, before a weight version is written
+weight_load       rollout, before a weight version is loaded
+engine_load       rollout, as verified weights are handed to the engine
+broadcast_bucket  trainer or rollout, before each bucket of a weight broadcast is sent or received
+================  ===================================================================
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import signal
 import time
 
 ENV = "HPCRL_FAULT_POINT"
-POINTS = ("seal_manifest", "checkpoint", "publish", "weight_load", "engine_load")
+POINTS = ("seal_manifest", "checkpoint", "publish", "weight_load", "engine_load", "broadcast_bucket")
 
 log = logging.getLogger(__name__)
 _spec = os.environ.get(ENV)

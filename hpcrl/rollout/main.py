@@ -57,6 +57,7 @@ from hpcrl.samples.schema import Group, Trajectory
 from hpcrl.samples.skips import SkipLog
 from hpcrl.samples.writer import ShardWriter
 from hpcrl.tiny.model import load_tokenizer
+from hpcrl import metric_names as M
 from hpcrl.weights import make_transport
 
 log = logging.getLogger("hpcrl.rollout")
@@ -115,7 +116,7 @@ class RolloutJob:
         self.num_writers = self.cfg.resources.rollout_jobs
         if not 0 <= writer_rank < self.num_writers:
             raise ValueError(f"writer rank {writer_rank} outside [0, resources.rollout_jobs={self.num_writers})")
-        self.weights = make_transport(self.cfg.weights, run_dir)
+        self.weights = make_transport(self.cfg.weights, run_dir, self.cfg.timeouts)
         self.version = -1
         self.consumed_at_version = 0
         self.in_flight: dict[Future, int] = {}
@@ -259,11 +260,12 @@ class RolloutJob:
         if self.stats is not None:
             self._write_version_stats()
         self.version, self.consumed_at_version = manifest.param_version, manifest.consumed_groups
-        self.stats = VersionStats(self.version, load_s=load_s)
+        self.stats = VersionStats(self.version, load_s=load_s, sync=dict(self.weights.last_load))
         self.gate.open(self.version)
         self.heartbeat.update(param_version=self.version, state=HeartbeatState.GENERATING)
-        log.info("loaded weight version %d in %.2fs (trainer step %d, consumed %d groups)", self.version,
-                 load_s, manifest.trainer_step, manifest.consumed_groups)
+        log.info("loaded weight version %d in %.2fs by %s (trainer step %d, consumed %d groups)", self.version,
+                 load_s, self.stats.sync.get(M.WEIGHTS_PATH, "filesystem"), manifest.trainer_step,
+                 manifest.consumed_groups)
 
     def _switch_weights_if_newer(self) -> None:
         """Step 2: load a newer version; also an *older* newest one: the trainer was restarted

@@ -29,6 +29,8 @@ class VersionStats:
     tool_calls: int = 0
     tool_errors: int = 0
     tool_latency_s: float = 0.0
+    sync: dict = field(default_factory=dict)
+    """How the version arrived (the transport's ``last_load``: path, transfer/apply seconds, bytes)."""
 
     def count(self, group: Group, truncated: int) -> None:
         """Add one finished group (``truncated`` of its responses were cut by length)."""
@@ -58,4 +60,4 @@ class VersionStats:
                 M.NUM_TURNS_MEAN: self.turns_sum / trajs, M.NUM_TURNS_MAX: self.turns_max,
                 M.TOOL_CALLS_MEAN: self.tool_calls / trajs, M.TOOL_ERRORS: self.tool_errors,
                 M.TOOL_LATENCY_S: self.tool_latency_s / max(self.tool_calls, 1),
-                M.ROLLOUT_REWARD_MEAN: self.reward_sum / trajs, M.TIME_S: time.time()}
+                M.ROLLOUT_REWARD_MEAN: self.reward_sum / trajs, M.TIME_S: time.time(), **self.sync}

@@ -78,7 +78,8 @@ class TrainerJob:
         self.state = checkpoint.TrainerState()
         self.preemption = preemption
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.weights = make_transport(self.cfg.weights, run_dir)
+        self.weights = make_transport(self.cfg.weights, run_dir, self.cfg.timeouts)
+        self._sync_stats: dict = {}  # metrics of the last publish (gather, files, broadcast)
         self._taken: tuple[list[Group], list[Group]] = ([], [])  # kept/dropped while a republish interrupts
         self._bad_checked_s = 0.0
 
@@ -237,9 +238,11 @@ class TrainerJob:
         faults.point("publish")
         t0 = time.monotonic()
         state_dict = self._gathered_state_dict()
+        gather_s = time.monotonic() - t0
         if self.engine.global_rank == 0:
             self.weights.publish(version, state_dict, self.model_config_json, self.state.step,
                                  self.state.consumed_groups)
+            self._sync_stats = {M.PARAM_SYNC_GATHER_S: gather_s, **self.weights.last_publish}
             deleted = self.weights.retain(self.cfg.timeouts.heartbeat_stale_s)
             if deleted:
                 log.debug("retention deleted versions %s", deleted)
@@ -286,7 +289,7 @@ class TrainerJob:
                **upd, **c, M.LAG_MEAN: sum(lags) / len(lags), M.LAG_MAX: max(lags),
                M.PARTIAL_RATIO: sum(s > 0 for s in spans) / len(spans), M.MAX_PARTIAL_SPAN: max(spans),
                M.TRAINER_IDLE_RATIO: wait_s / max(total_s, 1e-9), M.WAIT_SAMPLES_S: wait_s,
-               M.UPDATE_S: update_s, M.PARAM_SYNC_S: sync_s,
+               M.UPDATE_S: update_s, M.PARAM_SYNC_S: sync_s, **(self._sync_stats if sync_s else {}),
                M.TOKENS_PER_S: upd[M.N_TOKENS] / max(total_s, 1e-9), M.TIME_S: now}
         self.metrics.write(row)
         self.heartbeat.update(stats={"step": st.step, "consumed_groups": st.consumed_groups,
@@ -367,9 +370,10 @@ class TrainerJob:
         """Rank 0: the staleness and metrics rows, and a log line per published version."""
         row = self._log_update(kept, dropped, upd, wait_s, update_s, sync_s, version_seen)
         if published:
-            log.info("v%d step %d/%d reward %.3f lag mean %.2f max %d idle %.2f; published in %.2fs",
+            log.info("v%d step %d/%d reward %.3f lag mean %.2f max %d idle %.2f; published in %.2fs (%s)",
                      self.state.param_version, self.state.step, self.cfg.total_updates, row[M.REWARD_MEAN],
-                     row[M.LAG_MEAN], row[M.LAG_MAX], row[M.TRAINER_IDLE_RATIO], sync_s)
+                     row[M.LAG_MEAN], row[M.LAG_MAX], row[M.TRAINER_IDLE_RATIO], sync_s,
+                     row.get(M.WEIGHTS_PATH, "filesystem"))
 
     def _checkpoint_if_due(self) -> None:
         """Right after a publish, every ``trainer.checkpoint_every_updates`` updates and at the end."""

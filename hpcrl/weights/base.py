@@ -1,7 +1,6 @@
 """The weight transport: how the trainer hands a policy version to rollout jobs.
 
-One interface, one file per backend (``filesystem.py`` today; a broadcast backend will
-be one more file). The trainer and the rollout job call only these methods; they get
+One interface, one file per backend (``filesystem.py``; ``broadcast.py`` adds a bucketed broadcast on top of it). The trainer and the rollout job call only these methods; they get
 their transport from :func:`hpcrl.weights.make_transport` (``weights.transport``).
 
 Who calls what:
@@ -31,7 +30,7 @@ from typing import Callable, Optional
 
 import torch
 
-from hpcrl.config import WeightsConfig
+from hpcrl.config import TimeoutsConfig, WeightsConfig
 from hpcrl.run_dir import RunDir
 from hpcrl.weights.manifest import WeightManifest
 
@@ -58,11 +57,16 @@ class WeightTransport(abc.ABC):
 
     name: str = ""
     """The ``weights.transport`` value that selects this backend."""
+    last_publish: dict = {}
+    """Trainer: metrics of the last :meth:`publish` (``hpcrl.metric_names``: path, seconds, bytes)."""
+    last_load: dict = {}
+    """Rollout: metrics of the last :meth:`load` (path, transfer and apply seconds, bytes)."""
 
     @classmethod
     @abc.abstractmethod
-    def from_config(cls, cfg: WeightsConfig, run_dir: RunDir) -> "WeightTransport":
-        """The backend as the jobs of the run in ``run_dir`` use it."""
+    def from_config(cls, cfg: WeightsConfig, run_dir: RunDir,
+                    timeouts: Optional[TimeoutsConfig] = None) -> "WeightTransport":
+        """The backend as the jobs of the run in ``run_dir`` use it (``timeouts``: the run's deadlines)."""
 
     # ---- trainer side
     @abc.abstractmethod

@@ -28,7 +28,8 @@ from typing import Optional
 
 import torch
 
-from hpcrl.config import WeightsConfig
+from hpcrl import metric_names as M
+from hpcrl.config import TimeoutsConfig, WeightsConfig
 from hpcrl.control.records import LoadingAnnouncement, live_jobs
 from hpcrl.fsio import fsync_path, read_json, write_json_atomic
 from hpcrl.run_dir import WEIGHT_MODEL_CONFIG, WEIGHT_TENSORS, RunDir
@@ -72,7 +73,8 @@ class FilesystemTransport(WeightTransport):
         self._bad: dict[int, Optional[tuple[int, int]]] = {}
 
     @classmethod
-    def from_config(cls, cfg: WeightsConfig, run_dir: RunDir) -> "FilesystemTransport":
+    def from_config(cls, cfg: WeightsConfig, run_dir: RunDir,
+                    timeouts: Optional[TimeoutsConfig] = None) -> "FilesystemTransport":
         """The transport a job uses (``weights.keep_versions``)."""
         return cls(run_dir, cfg.keep_versions)
 
@@ -80,6 +82,7 @@ class FilesystemTransport(WeightTransport):
     def publish(self, version: int, state_dict: dict[str, torch.Tensor], model_config_json: str,
                 trainer_step: int, consumed_groups: int) -> WeightManifest:
         rd = self.run_dir
+        t0 = time.monotonic()
         final = rd.weight_version_dir(version)
         if rd.weight_manifest(version).exists():
             raise FileExistsError(f"weight version {version} already published at {final}")
@@ -105,6 +108,10 @@ class FilesystemTransport(WeightTransport):
             tensors=[TensorEntry(k, str(v.dtype).removeprefix("torch."), list(v.shape)) for k, v in tensors.items()],
             total_bytes=sum(f.size_bytes for f in files.values()), published_s=time.time(), aliases=aliases)
         write_json_atomic(rd.weight_manifest(version), manifest.to_json())  # the commit point
+        files_s = time.monotonic() - t0
+        self.last_publish = {M.WEIGHTS_PATH: "filesystem", M.PARAM_SYNC_FILES_S: files_s,
+                             M.WEIGHTS_BYTES: manifest.total_bytes,
+                             M.WEIGHTS_GB_PER_S: manifest.total_bytes / max(files_s, 1e-9) / 1e9}
         return manifest
 
     def _delete(self, version: int) -> bool:
@@ -216,6 +223,7 @@ class FilesystemTransport(WeightTransport):
             except DamagedFile as e:
                 raise WeightVersionBad(f"weight version {version} in {rd.weight_version_dir(version)} "
                                        f"is damaged: {e}") from None
+            self.last_load = {M.WEIGHTS_PATH: "filesystem", M.WEIGHTS_BYTES: manifest.total_bytes}
             if apply is not None:
                 apply(state, rd.weight_version_dir(version))
                 return manifest, {}

@@ -1,0 +1,277 @@
+"""Weight broadcast (gloo on CPU) between real processes: the receiver generates like the trainer,
+an unreachable or stale rendezvous falls back to files within its timeout, a wrong secret is
+refused on both sides, a receiver SIGKILLed mid-broadcast is dropped and the trainer goes on, and
+a whole run with weights.transport=broadcast takes its versions by broadcast, exactly once."""
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import REPO, TINY, check_exactly_once
+from hpcrl.config import TimeoutsConfig, WeightsConfig
+from hpcrl.fsio import write_json_atomic
+from hpcrl.run_dir import RunDir
+from hpcrl.weights import make_transport
+from hpcrl.weights.process_group import BroadcastFailed, BroadcastRendezvous
+
+PEER = REPO / "tests" / "broadcast_peer.py"
+FAST = TimeoutsConfig(broadcast_connect_s=2.0, broadcast_s=5.0)
+
+
+def trainer_side(rd: RunDir, transport: str = "broadcast", bucket_mb: float = 0.05, timeouts=FAST):
+    return make_transport(WeightsConfig(transport=transport, bucket_mb=bucket_mb), rd, timeouts)
+
+
+def tiny_model(rd: RunDir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(rd.base_model, dtype=torch.float32).eval()
+
+
+def start_peer(rd: RunDir, out, *args, env=None):
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", **(env or {}))
+    log = open(rd.root / f"{out.stem}.log", "wb")
+    return subprocess.Popen([sys.executable, str(PEER), str(rd.root), str(out), "--broadcast-s",
+                             str(FAST.broadcast_s), *args], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+
+
+def wait_joined(wt, peer, timeout_s: float = 60.0) -> None:
+    end = time.monotonic() + timeout_s
+    while wt.waiting_members() < 1:
+        assert peer.poll() is None, f"peer exited ({peer.returncode}) before joining"
+        assert time.monotonic() < end, "peer did not join the broadcast"
+        time.sleep(0.05)
+
+
+def perturb(model, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.5)
+
+
+def publish(wt, version: int, model) -> float:
+    t0 = time.monotonic()
+    wt.publish(version, model.state_dict(), model.config.to_json_string(), version, 4 * version)
+    return time.monotonic() - t0
+
+
+def test_buckets_roundtrip_odd_sizes_dtypes_and_tied_tensors(tmp_path):
+    """In one process (two threads): buckets smaller than a tensor, bf16/int64, a tied alias."""
+    rd = RunDir(tmp_path).create()
+    rd.secret.write_text("s3cret")
+    tt, rt = trainer_side(rd, bucket_mb=0.001), trainer_side(rd, bucket_mb=0.001)
+    g = torch.Generator().manual_seed(0)
+    emb = torch.randn(10, 7, generator=g)
+    sd = {"emb": emb, "lm_head": emb, "b": torch.randn(5, generator=g).to(torch.bfloat16),
+          "steps": torch.arange(3), "big": torch.randn(3001, generator=g), "scalar": torch.tensor(2.5)}
+    tt.publish(0, sd, "{}", 0, 0)
+    assert rt.load(0, "w000")[0].param_version == 0 and rt.last_load["weights/path"] == "filesystem"
+    assert tt.waiting_members() == 1
+    sd = {k: v + 1 if v.dtype != torch.int64 else v * 2 for k, v in sd.items()}
+    sd["lm_head"] = sd["emb"]
+    tt.publish(1, sd, "{}", 1, 4)
+    assert tt.last_publish["weights/path"] == "broadcast" and tt.last_publish["weights/broadcast_members"] == 1
+    _, got = rt.load(1, "w000")
+    assert rt.last_load["weights/path"] == "broadcast"
+    for k, v in sd.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+    assert got["emb"].data_ptr() == got["lm_head"].data_ptr(), "a tied alias is the same tensor again"
+    tt.close(), rt.close()
+
+
+@pytest.mark.parametrize("override, allowed", [
+    ("weights.transport=nccl", "'auto', 'broadcast', 'filesystem'"), ("weights.bucket_mb=0", "a number > 0.0"),
+    ("timeouts.broadcast_s=0", "a number > 0.0"), ("timeouts.broadcast_connect_s=-1", "a number > 0.0")])
+def test_bad_broadcast_config_fails_before_anything_is_submitted(tmp_path, capsys, override, allowed):
+    from hpcrl.cli import main as cli_main
+
+    assert cli_main(["run", str(TINY), override, "--run-dir", str(tmp_path / "r"), "--executor", "local"]) == 2
+    err = capsys.readouterr().err
+    assert override.split("=")[0] in err and allowed in err and "Traceback" not in err, err
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("bucket_bytes", [64, 1000, 5000, 1 << 20])
+def test_messages_cover_every_tensor_byte_once_within_the_bucket_size(bucket_bytes):
+    from hpcrl.weights.process_group import messages, plan
+
+    g = torch.Generator().manual_seed(1)
+    sizes = torch.randint(0, 3000, (40,), generator=g).tolist() + [0, 1, 7000]
+    entries, total = plan({f"t{i}": torch.zeros(n, dtype=torch.uint8) for i, n in enumerate(sizes)})
+    msgs = messages(entries, total, bucket_bytes)
+    covered = torch.zeros(total, dtype=torch.int32)
+    for lo, hi, idx in msgs:
+        assert 0 < hi - lo <= bucket_bytes
+        if idx >= 0:  # sent from the tensor's own storage: inside it
+            assert entries[idx].offset_bytes <= lo and hi <= entries[idx].offset_bytes + entries[idx].nbytes
+        covered[lo:hi] += 1
+    assert covered.max() == 1, "no byte is sent twice"
+    for e in entries:
+        assert (covered[e.offset_bytes:e.offset_bytes + e.nbytes] == 1).all(), e.name
+    if bucket_bytes <= 5000:  # the 7000-byte tensor is at least half a bucket: sent without a copy
+        assert any(i >= 0 for *_, i in msgs) and any(i < 0 for *_, i in msgs), "both kinds of message occur"
+    else:
+        assert all(i < 0 for *_, i in msgs) and len(msgs) == 1, "all small: one packed bucket"
+
+
+def test_two_receivers_form_a_group_of_three_and_a_late_joiner_enters_at_the_next_version(tmp_path):
+    rd = RunDir(tmp_path).create()
+    rd.secret.write_text("s")
+    tt, r1, r2 = (trainer_side(rd, bucket_mb=0.001) for _ in range(3))
+    sd = lambda v: {"w": torch.full((5000,), float(v)), "b": torch.arange(7) + v}  # noqa: E731
+    tt.publish(0, sd(0), "{}", 0, 0)
+    r1.load(0, "w000")
+    tt.publish(1, sd(1), "{}", 1, 4)
+    assert tt.last_publish["weights/broadcast_members"] == 1
+    r2.load(1, "w001")  # joins late: v1 from files, a member from v2 on
+    assert r2.last_load["weights/path"] == "filesystem"
+    assert torch.equal(r1.load(1, "w000")[1]["w"], sd(1)["w"]) and r1.last_load["weights/path"] == "broadcast"
+    tt.publish(2, sd(2), "{}", 2, 8)
+    assert tt.last_publish["weights/broadcast_members"] == 2, "the group was re-formed with both"
+    for r, w in ((r1, "w000"), (r2, "w001")):
+        got = r.load(2, w)[1]
+        assert r.last_load["weights/path"] == "broadcast" and torch.equal(got["b"], sd(2)["b"]), w
+    tt.close(), r1.close(), r2.close()
+
+
+def test_two_processes_broadcast_the_tiny_model_and_generate_like_the_trainer(tiny_run):
+    rd = tiny_run("weights.transport=broadcast")
+    wt = trainer_side(rd)
+    model = tiny_model(rd)
+    publish(wt, 0, model)
+    out = rd.root / "peer.json"
+    peer = start_peer(rd, out, "--versions", "0,1")
+    wait_joined(wt, peer)
+    from broadcast_peer import greedy
+
+    before = greedy(model)
+    perturb(model, 1)
+    publish(wt, 1, model)
+    assert wt.last_publish["weights/path"] == "broadcast", wt.last_publish
+    assert wt.last_publish["weights/bytes"] > 1e6 and wt.last_publish["weights/gb_per_s"] > 0
+    assert peer.wait(60) == 0, (rd.root / "peer.log").read_text()[-3000:]
+    got = json.loads(out.read_text())
+    assert got["paths"]["0"]["weights/path"] == "filesystem", "v0 was published before the peer joined"
+    assert got["paths"]["1"]["weights/path"] == "broadcast"
+    want = greedy(model)
+    assert want != before, "the perturbation must change the greedy outputs, or this test proves nothing"
+    assert got["tokens"] == want
+    wt.close()
+
+
+def test_wrong_secret_is_refused_on_both_sides(tmp_path, caplog):
+    rd = RunDir(tmp_path).create()
+    rd.secret.write_text("the-run-secret")
+    tt = trainer_side(rd)
+    tt.publish(0, {"w": torch.ones(3)}, "{}", 0, 0)
+    rd.secret.write_text("a-stranger-secret")  # the joiner reads this one; the trainer read its own at start
+    caplog.set_level(logging.INFO)
+    with pytest.raises(BroadcastFailed, match="refused w000: wrong secret"):
+        trainer_side(rd).load(0, "w000")
+    auto = trainer_side(rd, transport="auto")
+    assert auto.load(0, "w000")[1]["w"].sum() == 3 and auto.last_load["weights/path"] == "filesystem"
+    refusals = [r.getMessage() for r in caplog.records if "refused broadcast peer w000@" in r.getMessage()]
+    assert len(refusals) == 2 and "does not know this run's secret" in refusals[0]
+    assert tt.waiting_members() == 0
+    tt.close(), auto.close()
+
+
+def closed_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+@pytest.mark.parametrize("rendezvous", ["stale", "missing"])
+def test_unreachable_rendezvous_falls_back_to_files_within_the_timeout(tmp_path, rendezvous):
+    rd = RunDir(tmp_path).create()
+    rd.secret.write_text("s")
+    make_transport(WeightsConfig(transport="filesystem"), rd).publish(0, {"w": torch.ones(2)}, "{}", 0, 0)
+    port = closed_port()
+    if rendezvous == "stale":  # a trainer that died: nobody listens there any more
+        write_json_atomic(rd.broadcast_rendezvous, BroadcastRendezvous("127.0.0.1", port, "dead", 1, 0.0).to_json())
+    t0 = time.monotonic()
+    auto = trainer_side(rd, transport="auto")
+    _, state = auto.load(0, "w000")
+    assert torch.equal(state["w"], torch.ones(2)) and auto.last_load["weights/path"] == "filesystem"
+    assert time.monotonic() - t0 < FAST.broadcast_connect_s + 3
+    t0 = time.monotonic()
+    with pytest.raises(BroadcastFailed, match=f"127.0.0.1:{port}" if rendezvous == "stale" else "no broadcast rendezvous"):
+        trainer_side(rd).load(0, "w000")
+    assert time.monotonic() - t0 < FAST.broadcast_connect_s + 3
+    auto.close()
+
+
+def test_receiver_sigkilled_mid_broadcast_is_dropped_and_the_trainer_goes_on(tiny_run, caplog):
+    rd = tiny_run("weights.transport=broadcast")
+    wt = trainer_side(rd)
+    model = tiny_model(rd)
+    publish(wt, 0, model)
+    peer = start_peer(rd, rd.root / "killed.json", "--versions", "0,1",
+                      env={"HPCRL_FAULT_POINT": "broadcast_bucket:3:kill"})
+    wait_joined(wt, peer)
+    caplog.set_level(logging.INFO)
+    perturb(model, 1)
+    took = publish(wt, 1, model)
+    assert peer.wait(30) == -9, "the peer SIGKILLed itself at its third bucket"
+    assert took < FAST.broadcast_s + 3, f"publish took {took:.1f}s with a dead peer"
+    assert wt.last_publish["weights/path"] == "filesystem" and wt.last_publish["weights/broadcast_members"] == 0
+    assert any("dropping broadcast peers w000@" in r.getMessage() for r in caplog.records)
+    assert wt.waiting_members() == 0
+    assert rd.weight_manifest(1).exists(), "the version is in files all the same"
+    took = publish(wt, 2, model)
+    assert took < 2 and wt.last_publish["weights/path"] == "filesystem", "no member left: nothing to wait for"
+    wt.close()
+
+
+def test_trainer_sigkilled_mid_broadcast_leaves_the_rollout_on_files(tiny_run, caplog):
+    """The trainer writes files first, so the version it died broadcasting is read from them."""
+    rd = tiny_run("weights.transport=broadcast")
+    trainer = start_peer(rd, rd.root / "trainer.json", "--role", "trainer",
+                         env={"HPCRL_FAULT_POINT": "broadcast_bucket:3:kill"})
+    wt = trainer_side(rd)
+    end = time.monotonic() + 60
+    while not rd.weight_manifest(0).exists():
+        assert trainer.poll() is None and time.monotonic() < end, (rd.root / "trainer.log").read_text()[-2000:]
+        time.sleep(0.05)
+    caplog.set_level(logging.INFO)
+    wt.load(0, "w000")
+    assert wt.last_load["weights/path"] == "filesystem"
+    assert trainer.wait(60) == -9, "the trainer SIGKILLed itself at its third bucket"
+    t0 = time.monotonic()
+    _, state = wt.load(1, "w000")
+    assert time.monotonic() - t0 < FAST.broadcast_s + 3
+    assert wt.last_load["weights/path"] == "filesystem"
+    files = make_transport(WeightsConfig(transport="filesystem"), rd).load(1, "w001")[1]
+    assert all(torch.equal(state[k], files[k]) for k in files) and len(state) == len(files)
+    assert any("broadcast of weight version 1 failed" in r.getMessage() or "lost the broadcast store" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    wt.close()
+
+
+def test_run_with_broadcast_takes_versions_by_broadcast_exactly_once(tmp_path):
+    run = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "hpcrl", "run", str(TINY), "weights.transport=broadcast",
+                          "rollout.total_rollout_steps=48", "--run-dir", str(run), "--executor", "local",
+                          "--timeout-min", "5"], capture_output=True, text=True, cwd=REPO, timeout=400,
+                         env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rd = RunDir(run)
+    rows = [json.loads(x) for x in rd.rollout_metrics("w000").read_text().splitlines()]
+    paths = [r["weights/path"] for r in rows]
+    assert paths[0] == "filesystem", "v0 is loaded before the rollout job joins"
+    assert paths.count("broadcast") >= len(paths) - 2, paths
+    metrics = [json.loads(x) for x in rd.metrics.read_text().splitlines()]
+    sent = [m for m in metrics if m.get("weights/path") == "broadcast"]
+    assert len(sent) >= len(metrics) - 2 and all(m["weights/broadcast_members"] == 1 for m in sent)
+    assert all(m["timing_s/param_sync/transfer"] > 0 and "timing_s/param_sync/gather" in m for m in sent)
+    check_exactly_once(rd, rd.load_config().rollout.max_concurrent_groups)
