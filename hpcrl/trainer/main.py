@@ -267,6 +267,13 @@ class TrainerJob:
         tag = checkpoint.save(self.engine, self.run_dir, state, self.cfg.trainer.keep_checkpoints)
         log.info("checkpoint %s (version %d, %d groups consumed)", tag, state.param_version, state.consumed_groups)
 
+    def _sync_row(self, sync_s: float) -> dict:
+        """The last publish's sync metrics for an update that published; zeros (path ``none``) for one
+        that did not, so every row has the same numeric columns (no NaN in metrics.jsonl)."""
+        if sync_s:
+            return self._sync_stats
+        return {k: (0.0 if isinstance(v, (int, float)) else "none") for k, v in self._sync_stats.items()}
+
     def _log_update(self, kept: list[Group], dropped: list[Group], upd: dict, wait_s: float, update_s: float,
                     sync_s: float, version_seen: int) -> dict:
         """Staleness rows (lag against the version the trainer had when it took the groups) and one metrics row."""
@@ -289,7 +296,7 @@ class TrainerJob:
                **upd, **c, M.LAG_MEAN: sum(lags) / len(lags), M.LAG_MAX: max(lags),
                M.PARTIAL_RATIO: sum(s > 0 for s in spans) / len(spans), M.MAX_PARTIAL_SPAN: max(spans),
                M.TRAINER_IDLE_RATIO: wait_s / max(total_s, 1e-9), M.WAIT_SAMPLES_S: wait_s,
-               M.UPDATE_S: update_s, M.PARAM_SYNC_S: sync_s, **(self._sync_stats if sync_s else {}),
+               M.UPDATE_S: update_s, M.PARAM_SYNC_S: sync_s, **self._sync_row(sync_s),
                M.TOKENS_PER_S: upd[M.N_TOKENS] / max(total_s, 1e-9), M.TIME_S: now}
         self.metrics.write(row)
         self.heartbeat.update(stats={"step": st.step, "consumed_groups": st.consumed_groups,
