@@ -3,7 +3,6 @@ command): its log-probs are the trainer's, a weight version loaded from the run 
 what it then generates with, abort hands back partial responses, and the tiny task learns
 through the launcher. One engine is shared by the module's direct tests (~25 s to start)."""
 import importlib.util
-import json
 import signal
 import subprocess
 import sys

@@ -92,6 +92,15 @@ class AgentTrajectory:
             raise ValueError("agent trajectory state: tokens, mask, log-probs and versions differ in length")
         return t
 
+    @property
+    def num_turns(self) -> int:
+        """Assistant turns plus tool-response turns."""
+        return self.assistant_turns + self.user_turns
+
+    def reward_info(self) -> dict:
+        """The counters the reward function gets in ``extra_info``."""
+        return {"num_turns": self.num_turns, "tool_calls": self.tool_calls, "tool_errors": self.tool_errors}
+
     def add(self, tokens: list[int], logprobs: list[float], version: int, model: bool) -> None:
         """Append tokens the model sampled (``model``) or a tool's response."""
         self.tokens += tokens

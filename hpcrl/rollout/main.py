@@ -177,12 +177,10 @@ class RolloutJob:
             trajs, resumed = self.states.start(prompt_index, TOOL_AGENT, [AgentTrajectory() for _ in range(ro.n)])
             generate_agent_group(self.agent, self.engine, self.runner, self.gate, prompt_ids, trajs, seed,
                                  ro.response_length, generate_s, what)
-            info = GroupInfo(sum(a.finish_reason == FINISH_LENGTH for a in trajs),
-                             [a.assistant_turns + a.user_turns for a in trajs], sum(a.tool_calls for a in trajs),
-                             sum(a.tool_errors for a in trajs), sum(a.tool_latency_s for a in trajs), resumed)
-            parts = [(a.tokens, a.mask, a.logprobs, a.versions,
-                      {"num_turns": a.assistant_turns + a.user_turns, "tool_calls": a.tool_calls,
-                       "tool_errors": a.tool_errors}) for a in trajs]
+            info = GroupInfo(sum(a.finish_reason == FINISH_LENGTH for a in trajs), [a.num_turns for a in trajs],
+                             sum(a.tool_calls for a in trajs), sum(a.tool_errors for a in trajs),
+                             sum(a.tool_latency_s for a in trajs), resumed)
+            parts = [(a.tokens, a.mask, a.logprobs, a.versions, a.reward_info()) for a in trajs]
         else:
             responses, resumed = self.states.start(prompt_index, SINGLE_TURN, [Response() for _ in range(ro.n)])
             generate_responses(self.engine, self.runner, self.gate, prompt_ids, responses, seed, ro.response_length,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 from pathlib import Path
-from typing import Optional, Union
+from typing import Union
 
 from hpcrl.fsio import read_json, write_json_atomic
 from hpcrl.rollout.agent import AgentTrajectory
@@ -89,7 +89,7 @@ class InFlightStates:
         if not self.enabled:
             return
         with self._lock:
-            groups = {i: g for i, g in self._saved.items()}
+            groups = dict(self._saved)
             groups.update({i: g for i, g in self._live.items() if i in in_flight})
             doc = {"schema": SCHEMA, "groups": [
                 {"prompt_index": i, "agent": kind, "trajectories": [s.to_json() for s in states]}
