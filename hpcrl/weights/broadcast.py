@@ -26,10 +26,11 @@ to the manifest on disk (same ``published_s``), pins the version's folder and ha
 rollback) loads the files. If the trainer dies mid-broadcast the receiver times out, logs it, and
 joins again when a trainer publishes a new rendezvous.
 
-Engines: the transformers engine copies the broadcast tensors into its parameters. vLLM reloads
-from the version folder (``collective_rpc("reload_weights")``), so with vLLM the files are read
-as before (the folder is pinned during ``apply``); loading buckets through ``collective_rpc`` is
-left for later.
+Engines: the receive buffer is a file in the node's shared memory (``shared_memory.py``; private
+memory where ``/dev/shm`` cannot hold it). The transformers engine copies the tensors into its
+parameters; vLLM's worker processes map the buffer and load the tensors in place
+(``collective_rpc``, ``hpcrl/rollout/vllm_worker.py``), so the version's files are not read. The
+folder stays pinned during ``apply``: an engine that cannot take the tensors reloads from it.
 """
 from __future__ import annotations
 
@@ -52,6 +53,7 @@ from hpcrl.weights.manifest import WeightManifest
 from hpcrl.weights.process_group import (ALIGN_BYTES, Admitted, BroadcastFailed, BroadcastRefused, Entry, admit_one,
                                          call_with_deadline, connect_store, join, make_group, plan, put_json,
                                          read_rendezvous, read_secret, recv_buckets, send_buckets, start_store)
+from hpcrl.weights.shared_memory import receive_buffer
 
 log = logging.getLogger(__name__)
 
@@ -266,7 +268,7 @@ class _Receiver:
                 with self.cond:
                     out, self.spare = self.spare, None
                 return recv_buckets(self.group, entries, header["total_bytes"], header["bucket_bytes"],
-                                    header["aliases"], out)
+                                    header["aliases"], out, allocate=receive_buffer)
             state, flat = call_with_deadline(transfer, self.broadcast_s, f"receiving weight version {version} from the "
                                        f"trainer at {self.rdv.address} as rank {rank}/{world} (run {self.run_dir.root})")
             transfer_s = time.monotonic() - t0

@@ -362,11 +362,15 @@ def send_buckets(group, tensors: dict[str, torch.Tensor], entries: list[Entry], 
 
 
 def recv_buckets(group, entries: list[Entry], total_bytes: int, bucket_bytes: int, aliases: dict[str, str],
-                 out: Optional[torch.Tensor] = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+                 out: Optional[torch.Tensor] = None, allocate: Optional[Callable[[int], torch.Tensor]] = None
+                 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Receiver: every message lands straight at its place in one flat buffer (``out`` if it has the
-    right size: reusing it saves the page faults of a fresh one); the tensors are views of it.
-    Returns the tensors and the buffer."""
-    flat = out if out is not None and out.numel() == total_bytes else torch.empty(total_bytes, dtype=torch.uint8)
+    right size: reusing it saves the page faults of a fresh one; else ``allocate(total_bytes)``, private
+    memory by default); the tensors are views of it. Returns the tensors and the buffer."""
+    if out is not None and out.numel() == total_bytes:
+        flat = out
+    else:
+        flat = allocate(total_bytes) if allocate is not None else torch.empty(total_bytes, dtype=torch.uint8)
     for lo, hi, _ in messages(entries, total_bytes, bucket_bytes):
         faults.point("broadcast_bucket")
         broadcast_async(group, flat[lo:hi]).wait()

@@ -1,0 +1,47 @@
+"""Code that runs inside vLLM's worker processes (``worker_extension_cls``): load a weight version from a
+buffer in the node's shared memory (``hpcrl/weights/shared_memory.py``).
+
+The rollout process received the version by broadcast into a file in ``/dev/shm``; it calls
+``collective_rpc("hpcrl_load_mapped", kwargs={path, nbytes, layout})`` on the paused engine. Every
+worker (one per tensor-parallel rank) maps the file read-only and hands vLLM's in-place reload the
+tensors as views of the mapping, in the checkpoint's (HF) names; vLLM's ``load_weights`` shards them
+and copies them into its parameters (onto the GPU on GPUs). Nothing is copied between processes and
+nothing is pickled: the layout is JSON-able lists.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Iterator
+
+import torch
+
+log = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "hpcrl.rollout.vllm_worker.MappedWeightsLoader"
+"""The qualified name given to vLLM as ``worker_extension_cls``."""
+
+
+def mapped_tensors(path: str, nbytes: int, layout: list[list]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` views of the buffer file at ``path`` (``layout``: ``[name, dtype, shape,
+    offset_bytes]`` rows, as ``shared_memory.mapped_layout`` writes them)."""
+    from hpcrl.weights.process_group import DTYPES
+
+    flat = torch.from_file(path, shared=False, size=nbytes, dtype=torch.uint8)
+    for name, dtype, shape, offset in layout:
+        dt = DTYPES[dtype]
+        n = dt.itemsize
+        for s in shape:
+            n *= s
+        yield name, flat[offset:offset + n].view(dt).reshape(shape)
+
+
+class MappedWeightsLoader:
+    """Mixed into vLLM's worker class by vLLM (``self`` is the worker)."""
+
+    def hpcrl_load_mapped(self, path: str, nbytes: int, layout: list[list]) -> dict:
+        """Load the tensors of the buffer at ``path`` into this worker's model in place; how many
+        tensors and how long it took."""
+        t0 = time.monotonic()
+        self.reload_weights(weights_iterator=mapped_tensors(path, nbytes, layout), is_checkpoint_format=True)
+        return {"tensors": len(layout), "seconds": time.monotonic() - t0}
