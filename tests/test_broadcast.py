@@ -303,3 +303,21 @@ def test_shared_memory_buffers_go_with_their_tensor_and_a_killed_jobs_files_are_
     with pytest.raises(OSError, match="no room"):
         shm.shared_buffer(1 << 62, tmp_path)
     assert not list(tmp_path.glob(f"{shm.PREFIX}{os.getpid()}-*")), "a refused buffer leaves no file"
+
+
+def test_zero3_policy_is_gathered_per_layer_on_two_ranks_bit_for_bit(tmp_path):
+    """Two ZeRO-3 ranks (DeepSpeed, gloo): rank 0's gathered policy equals the model's weights and
+    DeepSpeed's own consolidation, tied weights stay one tensor, the value head is left out, and it took
+    one gather per decoder layer plus one for the rest."""
+    out, port = tmp_path / "zero3.json", closed_port()  # free now: the store binds it
+    procs = [subprocess.Popen([sys.executable, str(REPO / "tests" / "zero3_peer.py"), str(out), "--layers", "3"],
+                              env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                       MASTER_PORT=str(port), LOCAL_RANK=str(r), PYTHONPATH=str(REPO)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO) for r in range(2)]
+    for p in procs:
+        p.wait(timeout=300)
+        assert p.returncode == 0, p.stdout.read().decode()[-3000:]
+    got = json.loads(out.read_text())
+    assert got["world"] == 2 and got["sharded_empty"], "the parameters were partitioned (ZeRO-3)"
+    assert got["equal_to_model"] and got["equal_to_deepspeed"] and got["tied_shared"], got
+    assert got["value_head_left_out"] and got["gathers"] == 3 + 1, got

@@ -3,7 +3,7 @@ buffer in the node's shared memory (``hpcrl/weights/shared_memory.py``).
 
 The rollout process received the version by broadcast into a file in ``/dev/shm``; it calls
 ``collective_rpc("hpcrl_load_mapped", kwargs={path, nbytes, layout})`` on the paused engine. Every
-worker (one per tensor-parallel rank) maps the file read-only and hands vLLM's in-place reload the
+worker (one per tensor-parallel rank) maps the file (reads only) and hands vLLM's in-place reload the
 tensors as views of the mapping, in the checkpoint's (HF) names; vLLM's ``load_weights`` shards them
 and copies them into its parameters (onto the GPU on GPUs). Nothing is copied between processes and
 nothing is pickled: the layout is JSON-able lists.
@@ -27,7 +27,7 @@ def mapped_tensors(path: str, nbytes: int, layout: list[list]) -> Iterator[tuple
     offset_bytes]`` rows, as ``shared_memory.mapped_layout`` writes them)."""
     from hpcrl.weights.process_group import DTYPES
 
-    flat = torch.from_file(path, shared=False, size=nbytes, dtype=torch.uint8)
+    flat = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
     for name, dtype, shape, offset in layout:
         dt = DTYPES[dtype]
         n = dt.itemsize

@@ -48,7 +48,8 @@ from hpcrl.samples.skips import SkipLog
 from hpcrl.trainer import checkpoint
 from hpcrl.trainer.batch import build_batch
 from hpcrl.trainer.distributed import init_distributed, rank_environment
-from hpcrl.trainer.models import PolicyWithValueHead, load_reference, policy_state_dict
+from hpcrl.trainer.gather import zero3_state_dict
+from hpcrl.trainer.models import POLICY_PREFIX, PolicyWithValueHead, load_reference, policy_state_dict
 from hpcrl.trainer.share import ABORT, BATCH, PREEMPT, REPUBLISH, share_groups, share_json
 from hpcrl.trainer.update import PolicyUpdate
 from hpcrl import metric_names as M
@@ -82,6 +83,7 @@ class TrainerJob:
         self._sync_stats: dict = {}  # metrics of the last publish (gather, files, broadcast)
         self._taken: tuple[list[Group], list[Group]] = ([], [])  # kept/dropped while a republish interrupts
         self._bad_checked_s = 0.0
+        self._gathers_logged = False
 
     # ---- setup
     def _build(self) -> None:
@@ -229,9 +231,13 @@ class TrainerJob:
 
     def _gathered_state_dict(self) -> dict[str, torch.Tensor]:
         """The policy's weights under the HF names (the value head stays in the trainer)."""
-        if self.cfg.actor.zero_stage == 3:
-            # gathered on rank 0 only; the other ranks get None
-            return policy_state_dict(self.engine._zero3_consolidated_16bit_state_dict() or {})
+        if self.cfg.actor.zero_stage == 3:  # a collective: one gather per layer, the tensors on rank 0 only
+            state, gathers = zero3_state_dict(self.engine.module, self.engine.global_rank, POLICY_PREFIX)
+            if not self._gathers_logged:
+                self._gathers_logged = True
+                log.info("ZeRO-3: the policy is gathered for each publish in %d groups (one per layer + the rest)",
+                         gathers)
+            return policy_state_dict(state)
         return policy_state_dict(self.engine.module.state_dict())
 
     def _publish(self, version: int) -> float:

