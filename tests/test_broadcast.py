@@ -234,6 +234,28 @@ def test_receiver_sigkilled_mid_broadcast_is_dropped_and_the_trainer_goes_on(tin
     wt.close()
 
 
+def test_receiver_sigkilled_between_publishes_costs_the_trainer_nothing(tiny_run, caplog):
+    """A member that stopped beating (killed while idle) is dropped before the group is formed, so
+    the next publish does not wait ``timeouts.broadcast_s`` for it."""
+    rd = tiny_run("weights.transport=broadcast")
+    wt = trainer_side(rd)
+    model = tiny_model(rd)
+    publish(wt, 0, model)
+    peer = start_peer(rd, rd.root / "idle.json", "--versions", "0,1,2")
+    wait_joined(wt, peer)
+    publish(wt, 1, model)
+    assert wt.last_publish["weights/broadcast_members"] == 1, "a live member receives"
+    peer.kill()
+    peer.wait(10)
+    time.sleep(wt._sender.stale_s + 1)
+    caplog.set_level(logging.INFO)
+    took = publish(wt, 2, model)
+    assert took < FAST.broadcast_s / 2, f"publish took {took:.1f}s with a member killed while idle"
+    assert wt.last_publish["weights/path"] == "filesystem" and wt.waiting_members() == 0
+    assert any("no sign of life" in r.getMessage() and "w000@" in r.getMessage() for r in caplog.records)
+    wt.close()
+
+
 def test_trainer_sigkilled_mid_broadcast_leaves_the_rollout_on_files(tiny_run, caplog):
     """The trainer writes files first, so the version it died broadcasting is read from them."""
     rd = tiny_run("weights.transport=broadcast")

@@ -14,8 +14,11 @@ Membership: a rollout job joins through the secret handshake (``process_group.py
 it becomes a member at the next publish (a *version boundary*): the group is rebuilt there for
 the members present (a new generation = a new ``PrefixStore`` prefix). Until then it takes
 versions from files. A member that fails or does not acknowledge within ``timeouts.broadcast_s``
-is dropped (logged) and the trainer goes on: training waits at most ``broadcast_s`` for a dead
-rollout job, once. A dropped member that is alive joins again (a fresh handshake).
+is dropped (logged) and the trainer goes on. Each member's receiver thread bumps a counter in the
+store every ``BEAT_S``; a member whose counter has not moved for ``max(4 * BEAT_S,
+broadcast_connect_s)`` is dropped before the group is formed, so a rollout job killed between
+publishes costs nothing; one that dies within that window before a publish costs at most
+``broadcast_s``, once. A dropped member that is alive joins again (a fresh handshake).
 
 Rollout job: a receiver thread follows ``latest``; for a header it is a member of, it receives
 the buckets straight into one flat buffer (no copy), acknowledges, and keeps the tensors until
@@ -59,6 +62,8 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.02
 """How often a receiver looks for a new header in the store."""
+BEAT_S = 0.5
+"""How often a member's receiver thread bumps its ``alive/<ticket>`` counter in the store."""
 MAX_FAILURES = 2
 """Failed receives in a row after which a rollout job stops joining this trainer (each one costs the
 trainer up to ``timeouts.broadcast_s``); it joins again when a new trainer publishes a rendezvous."""
@@ -75,6 +80,8 @@ class _Sender:
         self.lock = threading.Lock()
         self.seq = 0
         self.members: list[Admitted] = []  # in the next publish (guarded by lock)
+        self.last_sign: dict[int, float] = {}  # ticket -> monotonic time its alive counter last moved (lock)
+        self.stale_s = max(4 * BEAT_S, connect_s)  # no sign of life for this long: gone, not waited for
         self.group, self.group_tickets, self.gen = None, (), 0
         self.buffers: Optional[list[torch.Tensor]] = None  # the two pack buffers, kept across versions
         self._stop = threading.Event()
@@ -87,12 +94,15 @@ class _Sender:
         its own store connection until the process ends."""
         try:
             client = connect_store(self.rdv, self.connect_s, self.run_dir)
-            seen = 0
+            seen, beats, next_look = 0, {}, 0.0
             while not self._stop.is_set():
                 n = client.add("joiners", 0)
                 for ticket in range(seen + 1, n + 1):
                     admit_one(client, ticket, self.secret, self.rdv.epoch, self._admit, self.connect_s, self.run_dir)
                 seen = n
+                if time.monotonic() >= next_look:
+                    next_look = time.monotonic() + BEAT_S
+                    self._look_for_signs_of_life(client, beats)
                 self._stop.wait(POLL_S)
         except Exception as e:  # noqa: BLE001 - nobody joins from now on: versions go by files only
             log.error("weight broadcast: admission stopped (run %s): %s; rollout jobs use the files",
@@ -101,7 +111,32 @@ class _Sender:
     def _admit(self, who: Admitted) -> int:
         with self.lock:
             self.members.append(who)
+            self.last_sign[who.ticket] = time.monotonic()
             return self.seq + 1
+
+    def _look_for_signs_of_life(self, client, beats: dict[int, int]) -> None:
+        """Note which members' receivers bumped their alive counter since the last look."""
+        with self.lock:
+            tickets = [m.ticket for m in self.members]
+        for t in tickets:
+            count = client.add(f"alive/{t}", 0)
+            if beats.get(t) != count:
+                beats[t] = count
+                with self.lock:
+                    self.last_sign[t] = time.monotonic()
+
+    def _drop_silent(self, version: int) -> None:
+        """Drop members whose receiver has shown no sign of life for ``stale_s`` (a job killed between
+        publishes): forming the group with them would cost ``broadcast_s``."""
+        now = time.monotonic()
+        with self.lock:
+            silent = [m for m in self.members if now - self.last_sign.get(m.ticket, now) > self.stale_s]
+        if silent:
+            log.warning("dropping broadcast peers %s before weight version %d: no sign of life for over %.0fs (the "
+                        "job died or hangs); they load from files, and join again if alive",
+                        ", ".join(m.peer for m in silent), version, self.stale_s)
+            with self.lock:
+                self.members = [m for m in self.members if m not in silent]
 
     def waiting_members(self) -> int:
         """Members admitted so far (they receive from the next publish on)."""
@@ -111,6 +146,7 @@ class _Sender:
     def send(self, version: int, tensors: dict[str, torch.Tensor], aliases: dict[str, str],
              manifest: WeightManifest) -> dict:
         """Broadcast the committed ``version`` to the members; its metrics (path, seconds, bytes)."""
+        self._drop_silent(version)
         with self.lock:
             self.seq += 1
             seq, members = self.seq, list(self.members)
@@ -141,6 +177,8 @@ class _Sender:
             self.group, self.buffers = None, None  # an abandoned transfer thread may still hold them
             transfer_s = time.monotonic() - t0
         acked = [m for m in members if self.store.check([f"pub/{seq}/ack/{m.ticket}"])]
+        with self.lock:  # an ack is a sign of life (a long receive does not beat)
+            self.last_sign.update({m.ticket: time.monotonic() for m in acked})
         self._drop([m for m in members if m not in acked], version)
         if seq > 2:
             self.store.delete_key(f"pub/{seq - 2}")
@@ -228,9 +266,12 @@ class _Receiver:
 
     def _follow(self) -> None:
         """Receive every publish we are a member of until the store is lost or we were dropped."""
-        seen_seq = 0
+        seen_seq, next_beat = 0, 0.0
         while not self._stop.is_set():
             try:
+                if time.monotonic() >= next_beat:  # the trainer drops a member that stops beating
+                    next_beat = time.monotonic() + BEAT_S
+                    self.store.add(f"alive/{self.ticket}", 1)
                 latest = int(self.store.get("latest")) if self.store.check(["latest"]) else 0
                 if latest <= seen_seq:
                     self._stop.wait(POLL_S)
