@@ -3,7 +3,7 @@ buffer in the node's shared memory (``hpcrl/weights/shared_memory.py``).
 
 The rollout process received the version by broadcast into a file in ``/dev/shm``; it calls
 ``collective_rpc("hpcrl_load_mapped", kwargs={path, nbytes, layout})`` on the paused engine. Every
-worker (one per tensor-parallel rank) maps the file (reads only) and hands vLLM's in-place reload the
+worker (one per tensor-parallel rank) maps the file (privately: it only reads) and hands vLLM's in-place reload the
 tensors as views of the mapping, in the checkpoint's (HF) names; vLLM's ``load_weights`` shards them
 and copies them into its parameters (onto the GPU on GPUs). Nothing is copied between processes and
 nothing is pickled: the layout is JSON-able lists.
@@ -11,6 +11,7 @@ nothing is pickled: the layout is JSON-able lists.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Iterator
 
@@ -27,7 +28,10 @@ def mapped_tensors(path: str, nbytes: int, layout: list[list]) -> Iterator[tuple
     offset_bytes]`` rows, as ``shared_memory.mapped_layout`` writes them)."""
     from hpcrl.weights.process_group import DTYPES
 
-    flat = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    size = os.stat(path).st_size  # FileNotFoundError if gone: never map (or create) a file of zeros
+    if size != nbytes:
+        raise ValueError(f"weight buffer {path} has {size} bytes, the layout {nbytes}")
+    flat = torch.from_file(path, shared=False, size=nbytes, dtype=torch.uint8)  # private: cannot create the file
     for name, dtype, shape, offset in layout:
         dt = DTYPES[dtype]
         n = dt.itemsize
