@@ -37,7 +37,7 @@ from _common import bench_parser, table  # noqa: E402
 from hpcrl.rollout.engine import EngineOptions, EngineRunner, make_engine  # noqa: E402
 from hpcrl.run_dir import RunDir  # noqa: E402
 from hpcrl.weights.filesystem import FilesystemTransport, _dedupe_tied  # noqa: E402
-from hpcrl.weights.process_group import DTYPES, plan  # noqa: E402
+from hpcrl.weights.process_group import plan, views  # noqa: E402
 from hpcrl.weights.shared_memory import shared_buffer  # noqa: E402
 
 TIMEOUT_S = 600.0
@@ -56,20 +56,17 @@ def build_model(folder: Path, layers: int, hidden: int, dtype: torch.dtype):
     return model
 
 
-def to_shared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The tensors copied into one /dev/shm buffer, laid out as a received broadcast is."""
+def to_shared(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The tensors copied into one /dev/shm buffer, laid out as a received broadcast is; and the buffer
+    (which keeps the file)."""
     tensors, aliases = _dedupe_tied(state)
     entries, total = plan(tensors)
     flat = shared_buffer(total)
-    out = {}
-    for e in entries:
-        view = flat[e.offset_bytes:e.offset_bytes + e.nbytes].view(DTYPES[e.dtype]).reshape(e.shape)
-        view.copy_(tensors[e.name])
-        out[e.name] = view
-    for alias, stored in aliases.items():
-        out[alias] = out[stored]
-    out["__flat__"] = flat  # keeps the file; removed before loading
-    return out
+    out = views(flat, entries)
+    for name, t in tensors.items():
+        out[name].copy_(t)
+    out.update({alias: out[stored] for alias, stored in aliases.items()})
+    return out, flat
 
 
 def main(argv=None) -> int:
@@ -96,8 +93,7 @@ def main(argv=None) -> int:
     for r in range(a.repeats):
         state = {k: v + (r + 1) * 1e-3 for k, v in model.state_dict().items()}
         transport.publish(r, state, model.config.to_json_string(), r, r)
-        shared = to_shared(state)
-        flat = shared.pop("__flat__")
+        shared, flat = to_shared(state)
         nbytes = flat.numel()
         folder = transport.run_dir.weight_version_dir(r)
 
@@ -119,7 +115,6 @@ def main(argv=None) -> int:
         transport.load(r, "w000", apply=lambda s, d: runner.call(lambda: engine.load_weights({}, d), TIMEOUT_S,
                                                                   "files"))
         times["files"].append(time.perf_counter() - t0)
-        del shared, flat
         transport.retain(60.0)
     med = {k: statistics.median(v) for k, v in times.items()}
     gb = nbytes / 1e9

@@ -317,7 +317,7 @@ def test_shared_memory_buffers_go_with_their_tensor_and_a_killed_jobs_files_are_
     assert not left.exists() and alive.exists(), "only the dead job's buffer is swept"
     view = flat[64:128].view(torch.float32)
     path, nbytes, layout = shm.mapped_layout({"w": view})
-    assert Path(path).parent == tmp_path and nbytes == 1 << 16 and layout == [["w", "float32", [16], 64]]
+    assert Path(path).parent == tmp_path and nbytes == 1 << 16 and layout == [["w", "float32", [16], 64, 64]]
     assert shm.mapped_layout({"w": view, "other": torch.zeros(3)}) is None, "not all in one buffer: no layout"
     del flat, view
     gc.collect()

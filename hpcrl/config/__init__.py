@@ -22,8 +22,8 @@ from hpcrl.config.algorithm import (AlgorithmConfig, CriticConfig, KLControlConf
 from hpcrl.config.checks import ConfigError
 from hpcrl.config.resources import JobResources, ResourcesConfig
 from hpcrl.config.run import RunConfig, config_from_dict, dump_config, load_config, parse_override
-from hpcrl.config.sections import (ActorConfig, AgentConfig, AsyncConfig, DataConfig, LoggingConfig, ModelConfig, RewardConfig,
-                                   RolloutConfig, TimeoutsConfig, TrainerConfig, WeightsConfig)
+from hpcrl.config.sections import (ActorConfig, AgentConfig, AsyncConfig, DataConfig, LoggingConfig, ModelConfig,
+                                   RewardConfig, RolloutConfig, TimeoutsConfig, TrainerConfig, WeightsConfig)
 
 __all__ = [
     "ActorConfig", "AgentConfig", "AlgorithmConfig", "AsyncConfig", "ConfigError", "CriticConfig", "DataConfig", "JobResources",

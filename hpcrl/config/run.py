@@ -28,8 +28,8 @@ from hpcrl.config.algorithm import AlgorithmConfig, CriticConfig
 from hpcrl.config.checks import ConfigError, bad
 from hpcrl.config.names import GROUP_ESTIMATORS
 from hpcrl.config.resources import ResourcesConfig
-from hpcrl.config.sections import (ActorConfig, AsyncConfig, DataConfig, LoggingConfig, ModelConfig, RewardConfig,
-                                   RolloutConfig, TimeoutsConfig, AgentConfig, TrainerConfig, WeightsConfig)
+from hpcrl.config.sections import (ActorConfig, AgentConfig, AsyncConfig, DataConfig, LoggingConfig, ModelConfig,
+                                   RewardConfig, RolloutConfig, TimeoutsConfig, TrainerConfig, WeightsConfig)
 
 
 @dataclass

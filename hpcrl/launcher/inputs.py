@@ -95,10 +95,9 @@ def check_inputs(cfg: RunConfig) -> list[str]:
 
 def check_agent(cfg: RunConfig, tokenizer, rows: list[dict]) -> list[str]:
     """Build the tool agent the rollout jobs will build, if any prompt uses it; ConfigError in one line."""
-    from hpcrl.rollout.agent import ToolAgent
-    from hpcrl.rollout.resume import TOOL_AGENT
+    from hpcrl.rollout.agent import TOOL_AGENT, ToolAgent, agent_loop
 
-    n = sum((r.get("agent_name") or cfg.agent.default) == TOOL_AGENT for r in rows)
+    n = sum(agent_loop(r, cfg.agent) == TOOL_AGENT for r in rows)
     if not n:
         return []
     if not cfg.agent.tools:

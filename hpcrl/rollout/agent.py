@@ -36,12 +36,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from hpcrl.config import AgentConfig
+from hpcrl.config import AgentConfig, names
 from hpcrl.rollout.engine import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Engine, EngineRunner
 from hpcrl.rollout.partial import EngineGate
 from hpcrl.rollout.tool_parsers import PARSERS, ToolCall
 from hpcrl.rollout.tools import ToolResult, make_tools
 
+SINGLE_TURN, TOOL_AGENT = names.AGENT_LOOPS
+"""The agent loops: one response per trajectory, or the tool agent of this file."""
 PENDING, GENERATING, PROCESSING_TOOLS, TERMINATED = "pending", "generating", "processing_tools", "terminated"
 AGENT_STATES = (PENDING, GENERATING, PROCESSING_TOOLS, TERMINATED)
 FINISH_TOOL_ERROR = "tool_error"
@@ -110,6 +112,11 @@ class AgentTrajectory:
 
     def terminate(self, reason: str) -> None:
         self.state, self.finish_reason, self.pending_calls = TERMINATED, reason, []
+
+
+def agent_loop(row: dict, cfg: AgentConfig) -> str:
+    """The loop a prompt row is generated with: its ``agent_name``, else ``agent.default``."""
+    return row.get("agent_name") or cfg.default
 
 
 def template_prefix(tokenizer) -> str:

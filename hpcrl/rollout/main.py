@@ -46,9 +46,9 @@ from hpcrl.fsio import wait_for
 from hpcrl.logs import MetricsLog, setup_logging
 from hpcrl.rollout.dataset import PromptStream, WriterPositions, load_rows
 from hpcrl.rollout.engine import FINISH_LENGTH, Engine, EngineOptions, EngineRunner, make_engine
-from hpcrl.rollout.agent import AgentTrajectory, ToolAgent, generate_agent_group
+from hpcrl.rollout.agent import SINGLE_TURN, TOOL_AGENT, AgentTrajectory, ToolAgent, agent_loop, generate_agent_group
 from hpcrl.rollout.partial import EngineGate, Response, generate_responses
-from hpcrl.rollout.resume import SINGLE_TURN, TOOL_AGENT, InFlightStates
+from hpcrl.rollout.resume import InFlightStates
 from hpcrl.rollout.version_stats import VersionStats
 from hpcrl.rollout.data import encode_rows
 from hpcrl.rollout.reward_fn import RewardScorer, load_reward
@@ -145,7 +145,7 @@ class RolloutJob:
             rows = load_rows(cfg.data, cfg.rollout.response_length)
             rows, counts, template = encode_rows(self.tokenizer, cfg.data, rows)
             self.scorer = RewardScorer(load_reward(cfg.reward))
-            uses_agent = cfg.agent.default == TOOL_AGENT or any(r.get("agent_name") == TOOL_AGENT for r in rows)
+            uses_agent = any(agent_loop(r, cfg.agent) == TOOL_AGENT for r in rows)
             self.agent = ToolAgent(cfg.agent, self.tokenizer) if uses_agent else None
             self.runner = EngineRunner()
             self.engine = make_engine(cfg.rollout.engine, engine_options(cfg, mdir), self.runner,
@@ -173,7 +173,7 @@ class RolloutJob:
         ro, generate_s = self.cfg.rollout, self.cfg.timeouts.generate_s
         seed = (self.cfg.data.seed * 1_000_003 + prompt_index) % (2**63)
         what = f"generating the group of prompt {prompt_index}"
-        if (row.get("agent_name") or self.cfg.agent.default) == TOOL_AGENT:
+        if agent_loop(row, self.cfg.agent) == TOOL_AGENT:
             trajs, resumed = self.states.start(prompt_index, TOOL_AGENT, [AgentTrajectory() for _ in range(ro.n)])
             generate_agent_group(self.agent, self.engine, self.runner, self.gate, prompt_ids, trajs, seed,
                                  ro.response_length, generate_s, what)

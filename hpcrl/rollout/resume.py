@@ -21,12 +21,11 @@ from pathlib import Path
 from typing import Union
 
 from hpcrl.fsio import read_json, write_json_atomic
-from hpcrl.rollout.agent import AgentTrajectory
+from hpcrl.rollout.agent import SINGLE_TURN, TOOL_AGENT, AgentTrajectory
 from hpcrl.rollout.partial import Response
 
 log = logging.getLogger(__name__)
 
-SINGLE_TURN, TOOL_AGENT = "single_turn", "tool_agent"
 STATE_CLASSES = {SINGLE_TURN: Response, TOOL_AGENT: AgentTrajectory}
 SCHEMA = 1
 

@@ -141,28 +141,28 @@ class VLLMEngine(Engine):
                              "this transport gave neither")
         await self.llm.pause_generation(mode="wait")
         try:
-            if layout is not None:
-                try:
-                    path, nbytes, rows = layout
-                    await self.llm.collective_rpc("hpcrl_load_mapped", kwargs={"path": path, "nbytes": nbytes,
-                                                                               "layout": rows})
-                    if self.last_load_path != "shared_memory":
-                        log.info("vLLM workers load broadcast weight versions from shared memory (%s)", path)
-                    self.last_load_path = "shared_memory"
-                except Exception as e:  # noqa: BLE001 - the model may be half-loaded: the folder has all of it
-                    if version_dir is None:
-                        raise
-                    self._mapped_ok = False
-                    log.warning("vLLM could not load weights from shared memory (%s: %s); reloading this and every "
-                                "later version from its folder", type(e).__name__, str(e).splitlines()[0] if str(e)
-                                else "")
-                    layout = None
-            if layout is None:
+            if layout is None or not await self._load_mapped(*layout, can_fall_back=version_dir is not None):
                 await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(version_dir)})
                 self.last_load_path = "folder"
             await self.llm.reset_prefix_cache()
         finally:
             await self.llm.resume_generation()
+
+    async def _load_mapped(self, path: str, nbytes: int, rows: list[list], can_fall_back: bool) -> bool:
+        """The workers load the buffer at ``path``; False (logged, folders from now on) if that failed."""
+        try:
+            await self.llm.collective_rpc("hpcrl_load_mapped", kwargs={"path": path, "nbytes": nbytes, "layout": rows})
+        except Exception as e:  # noqa: BLE001 - the model may be half-loaded: the folder has all of it
+            if not can_fall_back:
+                raise
+            self._mapped_ok = False
+            log.warning("vLLM could not load weights from shared memory (%s: %s); reloading this and every later "
+                        "version from its folder", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            return False
+        if self.last_load_path != "shared_memory":
+            log.info("vLLM workers load broadcast weight versions from shared memory (%s)", path)
+        self.last_load_path = "shared_memory"
+        return True
 
     def close(self) -> None:
         if not self._closed:

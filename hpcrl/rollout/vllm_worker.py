@@ -10,34 +10,26 @@ nothing is pickled: the layout is JSON-able lists.
 """
 from __future__ import annotations
 
-import logging
 import os
 import time
 from typing import Iterator
 
 import torch
 
-log = logging.getLogger(__name__)
-
 WORKER_EXTENSION = "hpcrl.rollout.vllm_worker.MappedWeightsLoader"
 """The qualified name given to vLLM as ``worker_extension_cls``."""
 
 
 def mapped_tensors(path: str, nbytes: int, layout: list[list]) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` views of the buffer file at ``path`` (``layout``: ``[name, dtype, shape,
-    offset_bytes]`` rows, as ``shared_memory.mapped_layout`` writes them)."""
-    from hpcrl.weights.process_group import DTYPES
+    """``(name, tensor)`` views of the buffer file at ``path`` (``layout``: the rows
+    ``shared_memory.mapped_layout`` writes, ``process_group.Entry`` fields)."""
+    from hpcrl.weights.process_group import Entry, views
 
     size = os.stat(path).st_size  # FileNotFoundError if gone: never map (or create) a file of zeros
     if size != nbytes:
         raise ValueError(f"weight buffer {path} has {size} bytes, the layout {nbytes}")
     flat = torch.from_file(path, shared=False, size=nbytes, dtype=torch.uint8)  # private: cannot create the file
-    for name, dtype, shape, offset in layout:
-        dt = DTYPES[dtype]
-        n = dt.itemsize
-        for s in shape:
-            n *= s
-        yield name, flat[offset:offset + n].view(dt).reshape(shape)
+    return iter(views(flat, [Entry(*row) for row in layout]).items())
 
 
 class MappedWeightsLoader:

@@ -8,7 +8,8 @@ a decoder layer, with its attention, MLP and norms) plus one group for what lies
 list: one coalesced all-gather), so a version costs ``layers + 1`` collectives instead of one per
 module. Rank 0 copies each gathered group to CPU before it is released, so no GPU holds more than one
 layer unsharded on top of its slice. Measured on CPU (gloo, 2 ranks, ``bench/bench_zero3_gather.py``)
-it takes the same time as DeepSpeed's (bytes dominate there); the fewer collectives are for NCCL. Every rank calls this in the same order (it is a collective); ranks > 0 get ``{}``.
+it takes the same time as DeepSpeed's (bytes dominate there); the fewer collectives are for NCCL.
+Every rank calls this in the same order (it is a collective); ranks > 0 get ``{}``.
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The weight transport: how the trainer hands a policy version to rollout jobs.
 
-One interface, one file per backend (``filesystem.py``; ``broadcast.py`` adds a bucketed broadcast on top of it). The trainer and the rollout job call only these methods; they get
+One interface, one file per backend (``filesystem.py``; ``broadcast.py`` adds a bucketed
+broadcast on top of it). The trainer and the rollout job call only these methods; they get
 their transport from :func:`hpcrl.weights.make_transport` (``weights.transport``).
 
 Who calls what:

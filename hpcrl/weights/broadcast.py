@@ -131,12 +131,8 @@ class _Sender:
         now = time.monotonic()
         with self.lock:
             silent = [m for m in self.members if now - self.last_sign.get(m.ticket, now) > self.stale_s]
-        if silent:
-            log.warning("dropping broadcast peers %s before weight version %d: no sign of life for over %.0fs (the "
-                        "job died or hangs); they load from files, and join again if alive",
-                        ", ".join(m.peer for m in silent), version, self.stale_s)
-            with self.lock:
-                self.members = [m for m in self.members if m not in silent]
+        self._drop(silent, f"no sign of life for over {self.stale_s:.0f}s before weight version {version} (the job "
+                           "died or hangs)")
 
     def waiting_members(self) -> int:
         """Members admitted so far (they receive from the next publish on)."""
@@ -179,7 +175,8 @@ class _Sender:
         acked = [m for m in members if self.store.check([f"pub/{seq}/ack/{m.ticket}"])]
         with self.lock:  # an ack is a sign of life (a long receive does not beat)
             self.last_sign.update({m.ticket: time.monotonic() for m in acked})
-        self._drop([m for m in members if m not in acked], version)
+        self._drop([m for m in members if m not in acked],
+                   f"no acknowledgement of weight version {version} in {self.broadcast_s:.0f}s")
         if seq > 2:
             self.store.delete_key(f"pub/{seq - 2}")
         out = {M.WEIGHTS_PATH: "filesystem", M.WEIGHTS_MEMBERS: len(acked), M.PARAM_SYNC_TRANSFER_S: transfer_s}
@@ -194,14 +191,16 @@ class _Sender:
                                     self.backend)
         self.buffers = send_buckets(self.group, tensors, entries, total, self.bucket_bytes, self.buffers)
 
-    def _drop(self, dropped: list[Admitted], version: int) -> None:
+    def _drop(self, dropped: list[Admitted], why: str) -> None:
+        """Leave ``dropped`` out of the group from the next publish on (logged with ``why``)."""
         if not dropped:
             return
-        log.warning("dropping broadcast peers %s: no acknowledgement of weight version %d in %.0fs; the group is "
-                    "re-formed at the next version (they load from files, and join again if alive)",
-                    ", ".join(m.peer for m in dropped), version, self.broadcast_s)
+        log.warning("dropping broadcast peers %s: %s; the group is re-formed at the next version (they load from "
+                    "files, and join again if alive)", ", ".join(m.peer for m in dropped), why)
         with self.lock:
             self.members = [m for m in self.members if m not in dropped]
+            for m in dropped:
+                self.last_sign.pop(m.ticket, None)
         self.group = None
 
     def close(self) -> None:

@@ -361,6 +361,12 @@ def send_buckets(group, tensors: dict[str, torch.Tensor], entries: list[Entry], 
     return buffers
 
 
+def views(flat: torch.Tensor, entries: list[Entry]) -> dict[str, torch.Tensor]:
+    """The tensors of a version's flat byte stream, as views of ``flat`` (no copy)."""
+    return {e.name: flat[e.offset_bytes:e.offset_bytes + e.nbytes].view(DTYPES[e.dtype]).reshape(e.shape)
+            for e in entries}
+
+
 def recv_buckets(group, entries: list[Entry], total_bytes: int, bucket_bytes: int, aliases: dict[str, str],
                  out: Optional[torch.Tensor] = None, allocate: Optional[Callable[[int], torch.Tensor]] = None
                  ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -374,8 +380,7 @@ def recv_buckets(group, entries: list[Entry], total_bytes: int, bucket_bytes: in
     for lo, hi, _ in messages(entries, total_bytes, bucket_bytes):
         faults.point("broadcast_bucket")
         broadcast_async(group, flat[lo:hi]).wait()
-    state = {e.name: flat[e.offset_bytes:e.offset_bytes + e.nbytes].view(DTYPES[e.dtype]).reshape(e.shape)
-             for e in entries}
+    state = views(flat, entries)
     for alias, stored in aliases.items():
         state[alias] = state[stored]
     return state, flat

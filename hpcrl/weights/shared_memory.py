@@ -104,7 +104,8 @@ def receive_buffer(nbytes: int, folder: Path = SHM_DIR) -> torch.Tensor:
 
 def mapped_layout(state: dict[str, torch.Tensor]) -> Optional[tuple[str, int, list[list]]]:
     """Where ``state``'s tensors lie if all are views of one shared buffer file: ``(path, file bytes,
-    [[name, dtype, shape, offset_bytes], ...])`` (JSON-able); None otherwise."""
+    rows)``, a row per tensor in the broadcast header's form (``process_group.Entry`` fields, JSON-able);
+    None otherwise."""
     path, layout = None, []
     for name, t in state.items():
         storage = t.untyped_storage()
@@ -112,7 +113,8 @@ def mapped_layout(state: dict[str, torch.Tensor]) -> Optional[tuple[str, int, li
         if not filename or (path is not None and filename != path) or not t.is_contiguous():
             return None
         path = filename
-        layout.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), t.storage_offset() * t.element_size()])
+        layout.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), t.storage_offset() * t.element_size(),
+                       t.numel() * t.element_size()])
     if path is None or not Path(path).name.startswith(PREFIX):
         return None
     return path, state[next(iter(state))].untyped_storage().nbytes(), layout
