@@ -460,6 +460,7 @@ class RolloutJob:
                 self.metrics.close()
         finally:
             self._close_engine()
+            self.weights.close()
             self.heartbeat.stop(final_state)
             log.info("rollout %s %s: %d groups committed in total", self.writer, final_state,
                      self.shards.committed_groups if self.shards is not None else 0)

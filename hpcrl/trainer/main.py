@@ -333,6 +333,7 @@ class TrainerJob:
                 log.exception("trainer rank %d failed", self.rank)  # into RUN/logs/jobs/, where the launcher looks
             raise
         finally:
+            self.weights.close()
             self.heartbeat.stop(final_state)
 
     def _train(self) -> HeartbeatState:

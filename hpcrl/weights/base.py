@@ -143,3 +143,7 @@ class WeightTransport(abc.ABC):
                 log.warning("%s; picking the newest again", e)
             except WeightVersionBad as e:
                 log.error("%s; falling back to the newest intact version", e)
+
+    def close(self) -> None:
+        """Stop this transport's background threads, waiting for them (bounded); safe to call twice.
+        The jobs call it at exit; files-only transports have nothing to stop."""

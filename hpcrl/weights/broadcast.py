@@ -57,6 +57,7 @@ from hpcrl.weights.process_group import (ALIGN_BYTES, Admitted, BroadcastFailed,
                                          call_with_deadline, connect_store, join, make_group, plan, put_json,
                                          read_rendezvous, read_secret, recv_buckets, send_buckets, start_store)
 from hpcrl.weights.shared_memory import receive_buffer
+from hpcrl.weights.threads import spawn, stop_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,8 @@ class _Sender:
         self.group, self.group_tickets, self.gen = None, (), 0
         self.buffers: Optional[list[torch.Tensor]] = None  # the two pack buffers, kept across versions
         self._stop = threading.Event()
-        threading.Thread(target=self._admit_loop, name="broadcast-admission", daemon=True).start()
+        self._stop_bound_s = 2 * connect_s + 2.0  # one handshake in flight (two waits) and the store connection
+        self._thread = spawn(self._admit_loop, "broadcast-admission", self._stop_bound_s, self._stop)
         log.info("weight broadcast store listening at %s (epoch %s), published in %s", self.rdv.address,
                  self.rdv.epoch, run_dir.broadcast_rendezvous)
 
@@ -98,6 +100,8 @@ class _Sender:
             while not self._stop.is_set():
                 n = client.add("joiners", 0)
                 for ticket in range(seen + 1, n + 1):
+                    if self._stop.is_set():
+                        return
                     admit_one(client, ticket, self.secret, self.rdv.epoch, self._admit, self.connect_s, self.run_dir)
                 seen = n
                 if time.monotonic() >= next_look:
@@ -204,8 +208,8 @@ class _Sender:
         self.group = None
 
     def close(self) -> None:
-        """Stop admitting (the store closes with the process)."""
-        self._stop.set()
+        """Stop admitting and wait for the admission thread (the store closes with the process)."""
+        stop_and_wait(self._stop, self._thread, self._stop_bound_s)
 
 
 _Staged = collections.namedtuple("_Staged", "version published_s state nbytes transfer_s flat")
@@ -229,6 +233,9 @@ class _Receiver:
         self.failed_epoch: Optional[str] = None  # do not join this epoch again
         self.failures = 0  # failed receives in a row in this epoch
         self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        # once stopped, the thread may be in a receive (broadcast_s) or a join (connect, hello, proof)
+        self._stop_bound_s = max(broadcast_s, 4 * connect_s + 1.0) + 1.0
 
     def join_now(self) -> None:
         """Read the rendezvous record and run the handshake; BroadcastFailed / BroadcastRefused."""
@@ -243,7 +250,7 @@ class _Receiver:
                  self.ticket, self.first_seq)
 
     def start(self) -> "_Receiver":
-        threading.Thread(target=self._run, name="broadcast-receiver", daemon=True).start()
+        self._thread = spawn(self._run, "broadcast-receiver", self._stop_bound_s, self._stop)
         return self
 
     def _run(self) -> None:
@@ -356,8 +363,8 @@ class _Receiver:
             self.spare = flat
 
     def close(self) -> None:
-        """Stop the thread (a receive in flight ends at its deadline)."""
-        self._stop.set()
+        """Stop the thread and wait for it (a receive in flight ends at its deadline)."""
+        stop_and_wait(self._stop, self._thread, self._stop_bound_s)
 
 
 class BroadcastTransport(FilesystemTransport):
@@ -459,7 +466,7 @@ class BroadcastTransport(FilesystemTransport):
         return manifest, state
 
     def close(self) -> None:
-        """Stop the admission or receiver thread (tests; a job just exits)."""
+        """Stop the admission or receiver thread and wait for it (bounded)."""
         for part in (self._sender, self._receiver):
             if part is not None:
                 part.close()

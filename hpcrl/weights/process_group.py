@@ -40,7 +40,6 @@ import logging
 import os
 import secrets
 import socket
-import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -52,6 +51,7 @@ import torch.distributed as dist
 from hpcrl.control import faults
 from hpcrl.fsio import read_json, write_json_atomic
 from hpcrl.run_dir import RunDir
+from hpcrl.weights.threads import spawn
 
 log = logging.getLogger(__name__)
 
@@ -124,8 +124,7 @@ def call_with_deadline(fn: Callable[[], Any], timeout_s: float, step: str) -> An
         except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
             box["error"] = e
 
-    t = threading.Thread(target=target, name=f"broadcast:{step[:40]}", daemon=True)
-    t.start()
+    t = spawn(target, f"broadcast:{step[:40]}", bound_s=2 * timeout_s)  # abandoned: the backend's timeout ends it
     t.join(timeout_s)
     if t.is_alive():
         raise BroadcastFailed(f"{step}: no answer in {timeout_s:.1f}s")

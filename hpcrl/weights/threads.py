@@ -1,0 +1,78 @@
+"""The weight broadcast's background threads, and why the process waits for them at exit.
+
+CPython 3.11 ends a daemon thread that comes back from a native call after interpreter shutdown
+began by unwinding its stack (``pthread_exit``). Inside torch's bindings that unwind meets a
+``noexcept`` destructor and the process aborts: ``terminate called without an active
+exception``, exit status 134, after the job's work was done (seen: a rollout process that had
+loaded its last version by broadcast, while its receiver thread sat in ``store.check``).
+
+So every thread of the broadcast is started by :func:`spawn`, which records how long it can
+still take, and an ``atexit`` hook (atexit runs before shutdown freezes daemon threads) stops
+them and waits for each, at most that long, saying what it waits for.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Tracked:
+    thread: threading.Thread
+    stop: Optional[threading.Event]  # set at exit; None: the thread ends by itself
+    bound_s: float  # with stop: seconds it may still take once stopped; without: seconds from start_s
+    start_s: float  # time.monotonic() at start
+
+    def deadline_s(self, now_s: float) -> float:
+        return now_s + self.bound_s if self.stop is not None else self.start_s + self.bound_s
+
+
+_LOCK = threading.Lock()
+_THREADS: list[_Tracked] = []
+
+
+def spawn(target: Callable[[], None], name: str, bound_s: float,
+          stop: Optional[threading.Event] = None) -> threading.Thread:
+    """Start ``target`` on a daemon thread that the process waits for at exit. With ``stop``: the
+    thread returns within ``bound_s`` once ``stop`` is set; without: it ends within ``bound_s``."""
+    t = threading.Thread(target=target, name=name, daemon=True)
+    with _LOCK:
+        _THREADS[:] = [x for x in _THREADS if x.thread.is_alive()]
+        _THREADS.append(_Tracked(t, stop, bound_s, time.monotonic()))
+    t.start()
+    return t
+
+
+def stop_and_wait(stop: threading.Event, thread: Optional[threading.Thread], bound_s: float) -> bool:
+    """Set ``stop`` and wait at most ``bound_s`` for ``thread`` to end; whether it did."""
+    stop.set()
+    if thread is not None and thread is not threading.current_thread():
+        thread.join(bound_s)
+    return thread is None or not thread.is_alive()
+
+
+@atexit.register
+def wait_for_threads_at_exit() -> None:
+    """Stop the broadcast's threads and wait for each to leave torch (module docstring)."""
+    with _LOCK:
+        live = [x for x in _THREADS if x.thread.is_alive()]
+    for x in live:
+        if x.stop is not None:
+            x.stop.set()
+    now = time.monotonic()
+    for x in sorted(live, key=lambda x: x.deadline_s(now)):
+        x.thread.join(min(1.0, max(x.deadline_s(now) - time.monotonic(), 0.0)))
+        if x.thread.is_alive():
+            left = max(x.deadline_s(now) - time.monotonic(), 0.0)
+            log.info("exit: waiting up to %.0fs for the thread %r to end (a weight broadcast step in flight)",
+                     left, x.thread.name)
+            x.thread.join(left)
+        if x.thread.is_alive():
+            log.warning("exit: the thread %r did not end in time; the process may abort while exiting "
+                        "(its work is done)", x.thread.name)
