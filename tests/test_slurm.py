@@ -124,7 +124,7 @@ def test_sbatch_two_rank_trainer_and_two_rollout_tasks(slurm, tmp_path):
 
 def test_sbatch_trainer_preempted_with_usr2_requeues_and_resumes(slurm, tmp_path):
     """USR2 (what Slurm sends before a time limit or on preemption): the trainer checkpoints,
-    requeues itself (Slurm holds a requeued job ~120 s), resumes; nothing lost or doubled."""
+    requeues itself, resumes; nothing lost or doubled."""
     run = tmp_path / "run"
     trainer_id, array_id = submit_sbatch(slurm, run, "rollout.total_rollout_steps=480",
                                          "timeouts.wait_weights_s=600", "timeouts.wait_samples_s=600")
@@ -133,6 +133,10 @@ def test_sbatch_trainer_preempted_with_usr2_requeues_and_resumes(slurm, tmp_path
     subprocess.run(["scancel", "--signal=USR2", trainer_id], check=True, env=slurm)
     wait_until(lambda: "Restarts=1" in subprocess.run(["scontrol", "show", "job", trainer_id], capture_output=True,
                                                       text=True, env=slurm).stdout, 60, "the trainer to be requeued")
+    # Slurm holds a requeued job ~120 s (Reason=BeginTime): a cluster's policy, not ours; let it start now
+    wait_until(lambda: "Reason=BeginTime" in subprocess.run(["scontrol", "show", "job", trainer_id], capture_output=True,
+                                                            text=True, env=slurm).stdout, 60, "the requeued trainer's hold")
+    subprocess.run(["scontrol", "update", f"JobId={trainer_id}", "StartTime=now"], check=True, env=slurm)
     wait_until(lambda: read_json(rd.trainer_done), 420, "the requeued trainer to finish")
     log_text = (rd.job_logs / "trainer.log").read_text()
     assert "received SIGUSR2" in log_text and f"requeueing Slurm job {trainer_id}" in log_text
