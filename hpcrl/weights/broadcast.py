@@ -57,7 +57,7 @@ from hpcrl.weights.process_group import (ALIGN_BYTES, Admitted, BroadcastFailed,
                                          call_with_deadline, connect_store, join, make_group, plan, put_json,
                                          read_rendezvous, read_secret, recv_buckets, send_buckets, start_store)
 from hpcrl.weights.shared_memory import receive_buffer
-from hpcrl.weights.threads import spawn, stop_and_wait
+from hpcrl.weights.threads import Tracked, spawn
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +86,8 @@ class _Sender:
         self.group, self.group_tickets, self.gen = None, (), 0
         self.buffers: Optional[list[torch.Tensor]] = None  # the two pack buffers, kept across versions
         self._stop = threading.Event()
-        self._stop_bound_s = 2 * connect_s + 2.0  # one handshake in flight (two waits) and the store connection
-        self._thread = spawn(self._admit_loop, "broadcast-admission", self._stop_bound_s, self._stop)
+        # once stopped, it may be in one handshake (two waits) and the store connection
+        self._worker = spawn(self._admit_loop, "broadcast-admission", 2 * connect_s + 2.0, self._stop)
         log.info("weight broadcast store listening at %s (epoch %s), published in %s", self.rdv.address,
                  self.rdv.epoch, run_dir.broadcast_rendezvous)
 
@@ -209,7 +209,7 @@ class _Sender:
 
     def close(self) -> None:
         """Stop admitting and wait for the admission thread (the store closes with the process)."""
-        stop_and_wait(self._stop, self._thread, self._stop_bound_s)
+        self._worker.stop_and_wait()
 
 
 _Staged = collections.namedtuple("_Staged", "version published_s state nbytes transfer_s flat")
@@ -233,9 +233,7 @@ class _Receiver:
         self.failed_epoch: Optional[str] = None  # do not join this epoch again
         self.failures = 0  # failed receives in a row in this epoch
         self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
-        # once stopped, the thread may be in a receive (broadcast_s) or a join (connect, hello, proof)
-        self._stop_bound_s = max(broadcast_s, 4 * connect_s + 1.0) + 1.0
+        self._worker: Optional[Tracked] = None
 
     def join_now(self) -> None:
         """Read the rendezvous record and run the handshake; BroadcastFailed / BroadcastRefused."""
@@ -250,7 +248,9 @@ class _Receiver:
                  self.ticket, self.first_seq)
 
     def start(self) -> "_Receiver":
-        self._thread = spawn(self._run, "broadcast-receiver", self._stop_bound_s, self._stop)
+        # once stopped, it may be in a receive (broadcast_s) or a join (connect, hello, proof)
+        bound_s = max(self.broadcast_s, 4 * self.connect_s + 1.0) + 1.0
+        self._worker = spawn(self._run, "broadcast-receiver", bound_s, self._stop)
         return self
 
     def _run(self) -> None:
@@ -364,7 +364,8 @@ class _Receiver:
 
     def close(self) -> None:
         """Stop the thread and wait for it (a receive in flight ends at its deadline)."""
-        stop_and_wait(self._stop, self._thread, self._stop_bound_s)
+        if self._worker is not None:
+            self._worker.stop_and_wait()
 
 
 class BroadcastTransport(FilesystemTransport):

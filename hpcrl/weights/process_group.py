@@ -124,7 +124,7 @@ def call_with_deadline(fn: Callable[[], Any], timeout_s: float, step: str) -> An
         except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
             box["error"] = e
 
-    t = spawn(target, f"broadcast:{step[:40]}", bound_s=2 * timeout_s)  # abandoned: the backend's timeout ends it
+    t = spawn(target, f"broadcast:{step[:40]}", bound_s=2 * timeout_s).thread  # abandoned: the backend's timeout ends it
     t.join(timeout_s)
     if t.is_alive():
         raise BroadcastFailed(f"{step}: no answer in {timeout_s:.1f}s")

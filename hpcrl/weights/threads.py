@@ -23,7 +23,9 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class _Tracked:
+class Tracked:
+    """A broadcast thread the process waits for at exit."""
+
     thread: threading.Thread
     stop: Optional[threading.Event]  # set at exit; None: the thread ends by itself
     bound_s: float  # with stop: seconds it may still take once stopped; without: seconds from start_s
@@ -32,29 +34,26 @@ class _Tracked:
     def deadline_s(self, now_s: float) -> float:
         return now_s + self.bound_s if self.stop is not None else self.start_s + self.bound_s
 
+    def stop_and_wait(self) -> None:
+        """Set its stop event and wait for it to end, at most ``bound_s``."""
+        if self.stop is not None:
+            self.stop.set()
+        self.thread.join(self.bound_s)
+
 
 _LOCK = threading.Lock()
-_THREADS: list[_Tracked] = []
+_THREADS: list[Tracked] = []
 
 
-def spawn(target: Callable[[], None], name: str, bound_s: float,
-          stop: Optional[threading.Event] = None) -> threading.Thread:
+def spawn(target: Callable[[], None], name: str, bound_s: float, stop: Optional[threading.Event] = None) -> Tracked:
     """Start ``target`` on a daemon thread that the process waits for at exit. With ``stop``: the
     thread returns within ``bound_s`` once ``stop`` is set; without: it ends within ``bound_s``."""
-    t = threading.Thread(target=target, name=name, daemon=True)
+    x = Tracked(threading.Thread(target=target, name=name, daemon=True), stop, bound_s, time.monotonic())
     with _LOCK:
-        _THREADS[:] = [x for x in _THREADS if x.thread.is_alive()]
-        _THREADS.append(_Tracked(t, stop, bound_s, time.monotonic()))
-    t.start()
-    return t
-
-
-def stop_and_wait(stop: threading.Event, thread: Optional[threading.Thread], bound_s: float) -> bool:
-    """Set ``stop`` and wait at most ``bound_s`` for ``thread`` to end; whether it did."""
-    stop.set()
-    if thread is not None and thread is not threading.current_thread():
-        thread.join(bound_s)
-    return thread is None or not thread.is_alive()
+        _THREADS[:] = [t for t in _THREADS if t.thread.is_alive()]
+        _THREADS.append(x)
+    x.thread.start()
+    return x
 
 
 @atexit.register
