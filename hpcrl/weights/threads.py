@@ -32,6 +32,7 @@ class Tracked:
     start_s: float  # time.monotonic() at start
 
     def deadline_s(self, now_s: float) -> float:
+        """The monotonic time by which it ends if stopped at ``now_s``."""
         return now_s + self.bound_s if self.stop is not None else self.start_s + self.bound_s
 
     def stop_and_wait(self) -> None:
