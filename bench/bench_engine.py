@@ -54,7 +54,8 @@ def prompts_of(count: int, vocab: int) -> list[list[int]]:
 
 def run_ours(name: str, opts, prompts, n: int, repeats: int) -> list[float]:
     """tokens/s of hpcrl's engine ``name`` over ``repeats`` timed runs (after one warm-up)."""
-    from hpcrl.rollout.engine import EngineRunner, make_engine
+    from hpcrl.rollout.engine import EngineRunner
+    from hpcrl.rollout.engines import make_engine
 
     runner = EngineRunner()
     engine = make_engine(name, opts, runner, timeout_s=900)

@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import bench_parser, table  # noqa: E402
-from hpcrl.rollout.engine import EngineOptions, EngineRunner, make_engine  # noqa: E402
+from hpcrl.rollout.engine import EngineOptions, EngineRunner  # noqa: E402
+from hpcrl.rollout.engines import make_engine  # noqa: E402
 from hpcrl.run_dir import RunDir  # noqa: E402
 from hpcrl.weights.filesystem import FilesystemTransport, _dedupe_tied  # noqa: E402
 from hpcrl.weights.process_group import plan, views  # noqa: E402

@@ -199,7 +199,7 @@ def wait_for(what: str, check: Callable[[], Any], timeout_s: float, poll_s: floa
     raise TimeoutError naming it after ``timeout_s``.
 
     ``stop()`` is called at every poll and may raise to end the wait early (the jobs
-    pass :func:`hpcrl.control.termination.check`, so a SIGTERM whose own SystemExit
+    pass :func:`hpcrl.process.termination.check`, so a SIGTERM whose own SystemExit
     was swallowed still ends the wait).
     """
     start = time.monotonic()

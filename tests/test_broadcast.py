@@ -171,7 +171,7 @@ EXIT_WHILE_IN_THE_STORE = """
 import sys, threading, time
 from datetime import timedelta
 import torch.distributed as dist
-from hpcrl.weights.threads import spawn
+from hpcrl.process.threads import spawn
 store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=30), wait_for_workers=False)
 stop, inside = threading.Event(), threading.Event()
 def follow():  # like the receiver: short native calls on the store until stopped

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from conftest import check_exactly_once, start_rollout, start_trainer, wait_until
-from hpcrl.control import termination
+from hpcrl.process import termination
 from hpcrl.fsio import read_json, read_jsonl, wait_for
 from hpcrl.logs import read_staleness
 from hpcrl.run_dir import RunDir
@@ -219,7 +219,7 @@ SEAL_UNDER_SIGTERM = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     import fault_wrapper  # SIGTERM right after the manifest append #TEST_TERM_AFTER_MANIFEST_APPEND returns
     from test_samples import make_group
-    from hpcrl.control import termination
+    from hpcrl.process import termination
     from hpcrl.run_dir import RunDir
     from hpcrl.samples.writer import ShardWriter
     termination.install()

@@ -18,8 +18,17 @@ from hpcrl.config import names
 
 PKG = Path(__file__).resolve().parents[1] / "hpcrl"
 
-BOTTOM = ["samples", "weights", "control", "config", "fsio.py", "run_dir.py", "metric_names.py"]
-"""Modules every job and the launcher build on: the run directory's contracts."""
+BOTTOM_ORDER = [
+    ("config",),
+    ("fsio.py", "metric_names.py", "process", "tiny"),
+    ("run_dir.py",),
+    ("samples",),
+    ("control", "logs.py", "trackers.py"),
+    ("weights",),
+]
+"""The bottom layer, lowest first: the run directory's contracts every job and the launcher build on.
+A module may import its own package and anything on a lower level, nothing on its own level or above."""
+BOTTOM = [part for level in BOTTOM_ORDER for part in level]
 UPPER = ("hpcrl.trainer", "hpcrl.rollout", "hpcrl.launcher", "hpcrl.analysis", "hpcrl.cli")
 """The jobs, the launcher and the analysis: nothing below may import them."""
 
@@ -49,6 +58,110 @@ def _imports(path: Path) -> list[tuple[int, str]]:
     return out
 
 
+MODULES = {_module(p): p for p in _files(".")}
+"""Every module of the package by dotted name (a package by its ``__init__``)."""
+
+
+def _target(name: str):
+    """The hpcrl module an imported dotted name lives in (``hpcrl.x.y`` for ``hpcrl.x.y.SomeClass``)."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _edges() -> dict[str, set[str]]:
+    """module -> the hpcrl modules it imports (at the top or inside a function). ``from pkg import
+    sub`` is an edge to the submodule only, ``from pkg import name`` to the package's ``__init__``."""
+    out = {}
+    for mod, path in MODULES.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets |= {_target(a.name) for a in node.names if a.name.startswith("hpcrl")}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("hpcrl"):
+                targets |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else _target(node.module)
+                            for a in node.names}
+        out[mod] = {t for t in targets if t and t != mod}
+    return out
+
+
+def _level(mod: str):
+    rel = mod.removeprefix("hpcrl.")
+    for i, level in enumerate(BOTTOM_ORDER):
+        for part in level:
+            name = part.removesuffix(".py")
+            if rel == name or rel.startswith(name + "."):
+                return i, name
+    return None
+
+
+def test_bottom_layers_import_only_lower_levels_and_nothing_above():
+    bad = []
+    for p in _files(*BOTTOM):
+        mod = _module(p)
+        level, pkg = _level(mod)
+        for line, name in _imports(p):
+            target = _target(name) if name.startswith("hpcrl") else None
+            if target is None or target == "hpcrl":
+                continue
+            other = _level(target)
+            if other is None:
+                bad.append(f"{p.relative_to(PKG.parent)}:{line} imports {target} (not in the bottom layer)")
+            elif other[1] != pkg and other[0] >= level:
+                bad.append(f"{p.relative_to(PKG.parent)}:{line} imports {target} (level {other[0]}, "
+                           f"{BOTTOM_ORDER[other[0]]}), not below its own level {level}")
+    assert not bad, "the bottom layer's order is broken:\n" + "\n".join(bad)
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's strongly connected components of two or more modules: each is a loop of imports."""
+    index, low, stack, on, cycles = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while not comp or comp[-1] != v:
+                comp.append(stack.pop())
+                on.discard(comp[-1])
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_import_cycle_between_any_two_modules():
+    """Every import counts, lazy ones inside functions too (a registry importing its backends lazily
+    while they import it is still a loop)."""
+    cycles = _cycles(_edges())
+    assert not cycles, "modules that import each other (through a loop of imports):\n" + "\n".join(map(str, cycles))
+
+
+def test_the_import_walk_resolves_names_and_finds_loops():
+    assert _target("hpcrl.samples.schema.Group") == "hpcrl.samples.schema"
+    assert "hpcrl.samples.schema" in _edges()["hpcrl.samples.writer"]
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_trainer_and_rollout_never_import_each_other():
+    bad = [f"{p.relative_to(PKG.parent)}:{line} imports {m}"
+           for side, other in (("trainer", "hpcrl.rollout"), ("rollout", "hpcrl.trainer"))
+           for p in _files(side) for line, m in _imports(p) if m == other or m.startswith(other + ".")]
+    assert not bad, "the two jobs only meet in the run directory:\n" + "\n".join(bad)
+
+
 def test_bottom_layers_import_no_job_launcher_or_analysis():
     bad = [f"{p.relative_to(PKG.parent)}:{line} imports {mod}"
            for p in _files(*BOTTOM) for line, mod in _imports(p)
@@ -62,8 +175,9 @@ def test_config_imports_only_the_config():
     assert not bad, "the config is the bottom layer:\n" + "\n".join(bad)
 
 
-def test_fsio_imports_nothing_of_hpcrl():
-    assert not [m for _, m in _imports(PKG / "fsio.py") if m.startswith("hpcrl")]
+def test_fsio_and_the_process_primitives_import_nothing_of_hpcrl():
+    for p in [PKG / "fsio.py", *_files("process")]:
+        assert not [m for _, m in _imports(p) if m.startswith("hpcrl")], p
 
 
 # Names that only RunDir may spell: file names of the run directory and job/writer names.
@@ -192,7 +306,7 @@ def test_rollout_correction_levels_match_the_implementation():
 
 
 def test_rewards_and_engines_match_the_implementation():
-    from hpcrl.rollout.engine import ENGINES
+    from hpcrl.rollout.engines import ENGINES
     from hpcrl.rollout.rewards import REWARDS
 
     assert set(REWARDS) == set(names.REWARD_NAMES)

@@ -294,7 +294,7 @@ def test_torn_manifest_tail_is_cut_not_completed(tmp_path):
 
 
 def test_deferred_sigterm_raises_when_the_block_ends():
-    from hpcrl.control import termination
+    from hpcrl.process import termination
 
     previous = signal.getsignal(signal.SIGTERM)
     termination.install()

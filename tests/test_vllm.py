@@ -19,7 +19,8 @@ import torch
 from conftest import REPO, TINY, check_exactly_once
 from hpcrl.config import WeightsConfig
 from hpcrl.logs import read_metrics
-from hpcrl.rollout.engine import FINISH_ABORT, EngineOptions, EngineRunner, make_engine
+from hpcrl.rollout.engine import FINISH_ABORT, EngineOptions, EngineRunner
+from hpcrl.rollout.engines import make_engine
 from hpcrl.run_dir import RunDir
 from hpcrl.samples.schema import Group, Trajectory
 from hpcrl.tiny.model import build_tiny_model
@@ -211,9 +212,9 @@ def test_the_tiny_task_learns_with_vllm_through_the_launcher(tmp_path):
 
 def test_a_sigkilled_vllm_rollout_leaves_no_engine_behind_and_its_successor_goes_on(tiny_run):
     """vLLM's engine core is a child process: SIGKILL of the rollout job must not leave it holding
-    the GPU (control/reaper.py); the restarted job recovers and the run ends exactly-once."""
+    the GPU (process/reaper.py); the restarted job recovers and the run ends exactly-once."""
     from conftest import start_rollout, start_trainer, wait_until
-    from hpcrl.control.reaper import descendants
+    from hpcrl.process.reaper import descendants
     from hpcrl.fsio import read_jsonl
 
     rd = tiny_run("model.path=builtin:tiny-h64", "rollout.engine=vllm", "rollout.total_rollout_steps=160",

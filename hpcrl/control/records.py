@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from hpcrl.control import termination
+from hpcrl.process import termination
 from hpcrl.fsio import read_json, write_json_atomic
 from hpcrl.run_dir import RunDir
 

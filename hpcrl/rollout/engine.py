@@ -2,7 +2,7 @@
 
 One file per backend behind this interface: ``transformers_engine.py`` (CPU or GPU, any HF
 causal LM, the numerical reference) and ``vllm_engine.py`` (vLLM's ``AsyncLLM`` in the rollout
-process: no HTTP server, no Ray). The interface is async: vLLM batches the requests that are
+process: no HTTP server, no Ray); ``engines.py`` builds the one ``rollout.engine`` names. The interface is async: vLLM batches the requests that are
 in flight together, and :meth:`Engine.abort_all` stops them within about one decoding step,
 handing back what each had generated (what partial rollout needs).
 
@@ -123,32 +123,3 @@ class EngineRunner:
         if self.loop.is_running():
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=10)
-
-
-def _transformers(opts: EngineOptions) -> Engine:
-    from hpcrl.rollout.transformers_engine import TransformersEngine
-    return TransformersEngine(opts)
-
-
-def _vllm(opts: EngineOptions) -> Engine:
-    from hpcrl.rollout.vllm_engine import VLLMEngine
-    return VLLMEngine(opts)
-
-
-ENGINES: dict[str, Callable[[EngineOptions], Engine]] = {"transformers": _transformers, "vllm": _vllm}
-"""Engine builder by ``rollout.engine`` (the allowed names: :data:`hpcrl.config.names.ENGINES`).
-The backend module is imported only when chosen: vLLM is an optional dependency."""
-
-
-def make_engine(name: str, opts: EngineOptions, runner: EngineRunner, timeout_s: float) -> Engine:
-    """The engine ``rollout.engine`` names, built on the runner's loop (vLLM's AsyncLLM binds to
-    the loop it is created on) within ``timeout_s``; each start is logged with its duration."""
-    if name not in ENGINES:
-        raise ValueError(f"unknown rollout.engine {name!r}; allowed: {', '.join(ENGINES)}")
-    log.info("starting the %s engine on %s (%s) for %s; waiting up to %.0fs", name, opts.device, opts.dtype,
-             opts.model_dir, timeout_s)
-
-    async def build():
-        return ENGINES[name](opts)
-
-    return runner.call(build, timeout_s, f"starting the {name} engine for {opts.model_dir}")

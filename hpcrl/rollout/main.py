@@ -36,16 +36,17 @@ from typing import Optional
 import numpy as np
 import torch
 
-from hpcrl.control import faults, termination
+from hpcrl.process import faults, termination
 from hpcrl.control.admission import Admission
 from hpcrl.control.fatal import fatal_inputs
-from hpcrl.control.preemption import PreemptionFlag, requeue_self
-from hpcrl.control.reaper import start_reaper, stop_reaper
+from hpcrl.process.preemption import PreemptionFlag, requeue_self
+from hpcrl.process.reaper import start_reaper, stop_reaper
 from hpcrl.control.records import HeartbeatState, HeartbeatThread, describe_heartbeats
 from hpcrl.fsio import wait_for
 from hpcrl.logs import MetricsLog, setup_logging
 from hpcrl.rollout.dataset import PromptStream, WriterPositions, load_rows
-from hpcrl.rollout.engine import FINISH_LENGTH, Engine, EngineOptions, EngineRunner, make_engine
+from hpcrl.rollout.engine import FINISH_LENGTH, Engine, EngineOptions, EngineRunner
+from hpcrl.rollout.engines import make_engine
 from hpcrl.rollout.agent import SINGLE_TURN, TOOL_AGENT, AgentTrajectory, ToolAgent, agent_loop, generate_agent_group
 from hpcrl.rollout.partial import EngineGate, Response, generate_responses
 from hpcrl.rollout.resume import InFlightStates

@@ -12,7 +12,7 @@ Rules that make a kill at any instant safe (issue #14):
 - every seal takes a fresh shard index, before anything is written: a shard
   file is never overwritten, so a committed line always describes its file;
 - the commit (manifest append, then recording it in memory) runs inside
-  :func:`hpcrl.control.termination.deferred`: a SIGTERM cannot land between
+  :func:`hpcrl.process.termination.deferred`: a SIGTERM cannot land between
   "durable" and "recorded", where the shutdown path used to seal the same
   groups a second time;
 - if the append itself fails, nobody knows whether the line is durable: the
@@ -37,7 +37,7 @@ from typing import Optional
 
 import h5py
 
-from hpcrl.control import faults, termination
+from hpcrl.process import faults, termination
 from hpcrl.fsio import JsonlAppender, fsync_path, read_jsonl, truncate_torn_tail, write_file_durably
 from hpcrl.run_dir import RunDir
 from hpcrl.samples.schema import SCHEMA_VERSION, Group, ShardManifestLine, groups_to_arrays

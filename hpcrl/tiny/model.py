@@ -18,6 +18,7 @@ WORDS = ["repeat", "copy", "say", "=", ":", "?", "yes", "no", "the", "an", "and"
 
 
 def tiny_vocab() -> list[str]:
+    """The 64 words of the tiny tokenizer: specials, letters, digits, a few words and signs."""
     vocab = [PAD, EOS, UNK] + list(string.ascii_lowercase) + list(string.digits) + WORDS
     assert len(vocab) == len(set(vocab))
     return vocab[:64]
@@ -36,6 +37,7 @@ exactly its text, as without a template."""
 
 
 def build_tokenizer():
+    """The tiny word-level tokenizer (whitespace-split, :func:`tiny_vocab`) with its chat template."""
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders
     from transformers import PreTrainedTokenizerFast
 

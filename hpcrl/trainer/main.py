@@ -34,9 +34,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from hpcrl.control import faults, termination
+from hpcrl.process import faults, termination
 from hpcrl.control.fatal import fatal_inputs
-from hpcrl.control.preemption import PreemptionFlag, requeue_self
+from hpcrl.process.preemption import PreemptionFlag, requeue_self
 from hpcrl.control.records import HeartbeatState, HeartbeatThread, TrainerDone, describe_heartbeats
 from hpcrl.fsio import write_json_atomic
 from hpcrl.logs import MetricsLog, StalenessLog, log_size, setup_logging, truncate_to

@@ -57,7 +57,7 @@ from hpcrl.weights.process_group import (ALIGN_BYTES, Admitted, BroadcastFailed,
                                          call_with_deadline, connect_store, join, make_group, plan, put_json,
                                          read_rendezvous, read_secret, recv_buckets, send_buckets, start_store)
 from hpcrl.weights.shared_memory import receive_buffer
-from hpcrl.weights.threads import Tracked, spawn
+from hpcrl.process.threads import Tracked, spawn
 
 log = logging.getLogger(__name__)
 

@@ -48,10 +48,10 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from hpcrl.control import faults
+from hpcrl.process import faults
 from hpcrl.fsio import read_json, write_json_atomic
 from hpcrl.run_dir import RunDir
-from hpcrl.weights.threads import spawn
+from hpcrl.process.threads import spawn
 
 log = logging.getLogger(__name__)
 

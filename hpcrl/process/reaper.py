@@ -71,7 +71,7 @@ def start_reaper(what: str) -> Optional[subprocess.Popen]:
     targets = descendants(os.getpid())
     if not targets:
         return None
-    proc = subprocess.Popen([sys.executable, "-m", "hpcrl.control.reaper", str(os.getpid()),
+    proc = subprocess.Popen([sys.executable, "-m", "hpcrl.process.reaper", str(os.getpid()),
                              *(f"{p}:{s}" for p, s in targets)], stdin=subprocess.DEVNULL, close_fds=True)
     log.info("reaper %d will kill %s (%s) if this job dies", proc.pid, what, ", ".join(str(p) for p, _ in targets))
     return proc
