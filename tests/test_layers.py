@@ -20,7 +20,7 @@ PKG = Path(__file__).resolve().parents[1] / "hpcrl"
 
 BOTTOM_ORDER = [
     ("config",),
-    ("fsio.py", "metric_names.py", "process", "tiny"),
+    ("fsio.py", "json_record.py", "metric_names.py", "process", "tiny"),
     ("run_dir.py",),
     ("samples",),
     ("control", "logs.py", "trackers.py"),
@@ -175,8 +175,8 @@ def test_config_imports_only_the_config():
     assert not bad, "the config is the bottom layer:\n" + "\n".join(bad)
 
 
-def test_fsio_and_the_process_primitives_import_nothing_of_hpcrl():
-    for p in [PKG / "fsio.py", *_files("process")]:
+def test_fsio_records_and_the_process_primitives_import_nothing_of_hpcrl():
+    for p in [PKG / "fsio.py", PKG / "json_record.py", *_files("process")]:
         assert not [m for _, m in _imports(p) if m.startswith("hpcrl")], p
 
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hpcrl.fsio import read_json, read_jsonl
+from hpcrl.control.records import read_trainer_done
+from hpcrl.fsio import read_jsonl
 from hpcrl.logs import read_staleness
 from hpcrl.run_dir import RunDir
 
@@ -51,9 +52,9 @@ def audit(rd: RunDir, max_in_flight: int) -> Audit:
     a.consumed_twice = sorted(set(st.sample_id[st.sample_id.duplicated()]))[:20]
     consumed = set(st.group_id.dropna())
     a.consumed_groups = len(consumed)
-    done = read_json(rd.trainer_done)
+    done = read_trainer_done(rd)
     a.trainer_done = done is not None
-    cursor = (done or {}).get("cursor", {})
+    cursor = done.cursor if done is not None else {}
     skipped: dict[tuple[str, str], set[int]] = {}  # rows of a shard before the skip were trained on: not listed
     for d in read_jsonl(rd.skipped_shards):
         skipped.setdefault((d["writer"], d["shard"]), set()).update(d["prompt_indices"])

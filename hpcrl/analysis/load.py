@@ -37,7 +37,7 @@ import pandas as pd
 import yaml
 
 from hpcrl.config import ConfigError, RunConfig, config_from_dict
-from hpcrl.control.records import read_heartbeats
+from hpcrl.control.records import Heartbeat, TrainerDone, read_heartbeats, read_trainer_done
 from hpcrl.logs import read_jsonl_frame
 from hpcrl.metric_names import STALENESS_COLUMNS
 from hpcrl.run_dir import RunDir
@@ -101,8 +101,8 @@ class RunData:
     """One row per local update."""
     rollout: pd.DataFrame
     """One row per rollout writer and weight version."""
-    heartbeats: dict
-    trainer_done: Optional[dict]
+    heartbeats: dict[str, Heartbeat]
+    trainer_done: Optional[TrainerDone]
     t0_s: float
     """Unix time taken as 0 on every time axis: the earliest event in the logs."""
     notes: list[str] = field(default_factory=list)
@@ -267,10 +267,10 @@ def load_run(path: os.PathLike | str, name: Optional[str] = None) -> RunData:
                      "version; the sections that need them are left out.")
     if not m.empty and "step" in m and m["step"].notna().all():
         m = m.sort_values("step", kind="stable").reset_index(drop=True)
-    done = read_json_tolerant(rd.trainer_done)
+    done = read_trainer_done(rd)
     heartbeats = read_heartbeats(rd)
     if done is None:
-        states = ", ".join(f"{j} {h.get('state', '?')}" for j, h in heartbeats.items()) or "no heartbeats"
+        states = ", ".join(f"{j} {h.state}" for j, h in heartbeats.items()) or "no heartbeats"
         notes.append(f"The run has not finished (no {rd.trainer_done.relative_to(rd.root)}; jobs: {states}): the numbers cover "
                      f"the {len(m)} update(s) logged so far.")
     return RunData(name=name or root.name, root=root, knobs=Knobs.from_config(cfg) if cfg else None, staleness=st,

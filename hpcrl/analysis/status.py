@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Optional, TextIO
 
 from hpcrl.analysis.load import Knobs, read_config_leniently, read_json_tolerant
-from hpcrl.control.records import has_ended, read_heartbeats
+from hpcrl.control.records import TrainerDone, has_ended, read_heartbeats, read_trainer_done
 from hpcrl.fsio import JsonlTail
 from hpcrl.run_dir import RunDir
 from hpcrl import metric_names as M
@@ -87,8 +87,7 @@ class StatusView:
     def jobs(self, now: float) -> list[JobView]:
         out = []
         for job, h in read_heartbeats(self.rd).items():
-            v = JobView(job, str(h.get("state", "?")), int(h.get("param_version", -1)), now - float(h.get("time_s", 0)),
-                        str(h.get("host", "?")), int(h.get("pid", -1)))
+            v = JobView(job, h.state, h.param_version, h.age_s(now), h.host, h.pid)
             if not has_ended(v.state):
                 if _process_gone(v.host, v.pid):
                     v.flag = "GONE"
@@ -109,7 +108,7 @@ class StatusView:
 
     def render(self, now: float) -> tuple[str, int]:
         """The text of one view and what it implies: 0 finished, 1 stopped unfinished, -1 running."""
-        done = read_json_tolerant(self.rd.trainer_done)
+        done = read_trainer_done(self.rd)
         m = self.metrics.poll()
         jobs = self.jobs(now)
         stopped = done is None and bool(jobs) and not any(j.alive for j in jobs)
@@ -121,8 +120,8 @@ class StatusView:
         committed = self.committed()
         lines += self._job_lines(jobs, m, committed) + [""] + self._group_lines(m, committed)
         if done is not None:
-            lines.append(f"run finished: {done.get('trainer_step')} updates, version {done.get('param_version')}, "
-                         f"{done.get('consumed_groups')} groups consumed")
+            lines.append(f"run finished: {done.trainer_step} updates, version {done.param_version}, "
+                         f"{done.consumed_groups} groups consumed")
             return "\n".join(lines), 0
         if stopped:
             lines.append(f"run stopped before finishing: no job alive and no {self.rd.trainer_done.name}; "
@@ -198,7 +197,7 @@ def _recent_trainer_idle(m: list[dict]) -> float:
     return wait / total if total > 0 else math.nan  # NaN also when an older log lacks a part
 
 
-def _progress(m: list[dict], knobs: Optional[Knobs], done: Optional[dict], stopped: bool) -> str:
+def _progress(m: list[dict], knobs: Optional[Knobs], done: Optional[TrainerDone], stopped: bool) -> str:
     step = int(m[-1].get("step", 0)) if m else 0
     if knobs is None:
         return f"trainer: {step} updates (total unknown)"

@@ -28,15 +28,14 @@ job stops with an error saying so.
 """
 from __future__ import annotations
 
-import dataclasses
 import errno
 import fcntl
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Optional
 
 from hpcrl.fsio import read_json, write_json_atomic
+from hpcrl.json_record import JsonRecord
 from hpcrl.run_dir import RunDir
 from hpcrl.samples.skips import SkipLog
 
@@ -46,23 +45,12 @@ class AdmissionLockUnsupported(RuntimeError):
 
 
 @dataclass
-class AdmissionRecord:
+class AdmissionRecord(JsonRecord):
     """``control/admission.json``: written and read by rollout jobs, under ``control/admission.lock``."""
 
     started: dict[str, int] = field(default_factory=dict)
     """Per writer: groups started. A writer resets its own entry at start to the groups in its
     committed manifest lines (skipped shards included), then adds one per group it starts."""
-
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, d: Optional[dict]) -> "AdmissionRecord":
-        if d is None:
-            return cls()
-        if not isinstance(d, dict) or not isinstance(d.get("started"), dict):
-            raise ValueError(f"admission record is not {{'started': {{writer: int}}}}: {d!r}")
-        return cls(started={str(k): int(v) for k, v in d["started"].items()})
 
     @property
     def started_total(self) -> int:
@@ -98,7 +86,8 @@ class Admission:
         self.skips = SkipLog(run_dir)
 
     def _read(self) -> AdmissionRecord:
-        return AdmissionRecord.from_json(read_json(self.run_dir.admission))
+        d = read_json(self.run_dir.admission)
+        return AdmissionRecord() if d is None else AdmissionRecord.from_json(d, str(self.run_dir.admission))
 
     def reset_writer(self, committed_groups: int) -> None:
         """At writer start: groups in flight in a previous life of this writer are released."""

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Iterator, Optional
 
 from hpcrl.fsio import read_json, write_json_atomic
+from hpcrl.json_record import JsonRecord
 from hpcrl.run_dir import RunDir
 
 
@@ -24,17 +26,34 @@ class FatalInputError(RuntimeError):
     """An error in the run's inputs (model, tokenizer, reward, data) that no restart can fix."""
 
 
+@dataclass
+class FatalRecord(JsonRecord):
+    """``control/fatal.json``: why the run cannot go on."""
+
+    job: str
+    """The job that found the error (``trainer``, ``rollout-w000``)."""
+    message: str
+    """One line: what failed and why."""
+    time_s: float
+
+
 def write_fatal(run_dir: RunDir, job: str, message: str) -> None:
     """Record ``message`` (one line) as the reason the run cannot go on; keeps an earlier record."""
     if read_json(run_dir.fatal) is None:
         run_dir.control.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(run_dir.fatal, {"job": job, "message": " ".join(message.split()), "time_s": time.time()})
+        write_json_atomic(run_dir.fatal, FatalRecord(job, " ".join(message.split()), time.time()).to_json())
 
 
 def read_fatal(run_dir: RunDir) -> Optional[str]:
     """``"<job>: <message>"`` if a job recorded a fatal input error, else None."""
-    rec = read_json(run_dir.fatal)
-    return f"{rec['job']}: {rec['message']}" if rec else None
+    d = read_json(run_dir.fatal)
+    if d is None:
+        return None
+    try:
+        rec = FatalRecord.from_json(d)
+    except ValueError:  # not our record: still a reason to stop, said as it is
+        return f"unreadable {run_dir.fatal}: {str(d)[:200]}"
+    return f"{rec.job}: {rec.message}"
 
 
 def clear_fatal(run_dir: RunDir) -> None:

@@ -5,6 +5,7 @@ record                                 written by   read by
 =====================================  ===========  ======================================
 heartbeat/<job>.json  (Heartbeat)      every job    launcher, trainer (waiting), retention
 loading/<writer>.json (LoadingAnn.)    rollout job  trainer weight retention
+checkpoints/latest.json (LatestCkpt.)  trainer      trainer (resume), launcher (--resume)
 trainer_done.json     (TrainerDone)    trainer      rollout jobs (stop), launcher
 admission.json        (AdmissionRecord) rollout job  rollout jobs (see admission.py)
 skipped_shards.jsonl  (SkippedShard)   trainer      rollout jobs, trainer (samples/skips.py)
@@ -23,6 +24,7 @@ from typing import Optional
 
 from hpcrl.process import termination
 from hpcrl.fsio import read_json, write_json_atomic
+from hpcrl.json_record import JsonRecord
 from hpcrl.run_dir import RunDir
 
 
@@ -55,7 +57,7 @@ def has_ended(state: object) -> bool:
 
 
 @dataclass
-class Heartbeat:
+class Heartbeat(JsonRecord):
     """One job's liveness record, ``control/heartbeat/<job>.json``; rewritten every few seconds."""
 
     job: str
@@ -79,9 +81,18 @@ class Heartbeat:
         d["state"] = str(self.state)
         return d
 
+    @property
+    def ended(self) -> bool:
+        """Its job's process has ended (the beat is not expected to move)."""
+        return has_ended(self.state)
+
+    def age_s(self, now_s: float) -> float:
+        """Seconds since this beat was written."""
+        return now_s - self.time_s
+
 
 @dataclass
-class LoadingAnnouncement:
+class LoadingAnnouncement(JsonRecord):
     """``control/loading/<writer>.json``: which weight version a rollout job is reading."""
 
     writer: str
@@ -90,12 +101,9 @@ class LoadingAnnouncement:
     """``loading`` pins the version against deletion; ``loaded`` releases it."""
     time_s: float
 
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 @dataclass
-class TrainerDone:
+class TrainerDone(JsonRecord):
     """``control/trainer_done.json``: the trainer finished; rollout jobs stop, the launcher reports."""
 
     trainer_step: int
@@ -105,32 +113,61 @@ class TrainerDone:
     cursor: dict = field(default_factory=dict)
     """Final sample cursor: every committed group before it was consumed, none after."""
 
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+
+@dataclass
+class LatestCheckpoint(JsonRecord):
+    """``checkpoints/latest.json``: the newest complete checkpoint. Written by trainer rank 0 after every
+    rank saved it; read by the trainer at resume and by the launcher (``--resume`` says where it starts)."""
+
+    tag: str
+    """Folder name of the checkpoint in ``checkpoints/`` (``step-00000040``)."""
+    step: int
+    """Local updates done at that checkpoint."""
 
 
-def read_heartbeats(run_dir: RunDir) -> dict[str, dict]:
-    """Heartbeat records by job name. One that cannot be read (not JSON, not a record,
-    written by something else) is left out: it is rewritten every few seconds."""
+def read_latest_checkpoint(run_dir: RunDir) -> Optional[LatestCheckpoint]:
+    """The newest checkpoint's record; None if there is none yet. ValueError (naming the file) if it is
+    not one: the trainer must not start over silently when its checkpoint record is damaged."""
+    d = read_json(run_dir.latest_checkpoint)
+    if d is None:
+        return None
+    try:
+        return LatestCheckpoint.from_json(d)
+    except ValueError as e:
+        raise ValueError(f"{run_dir.latest_checkpoint} is not a checkpoint record ({e}); restore it, or remove it "
+                         "to start the run over") from None
+
+
+def read_heartbeats(run_dir: RunDir) -> dict[str, Heartbeat]:
+    """Heartbeat records by job name. One that cannot be read (not JSON, not a heartbeat, written by
+    something else) is left out: it is rewritten every few seconds."""
     out = {}
     folder = run_dir.heartbeats
     if folder.is_dir():
         for p in sorted(folder.glob("*.json")):
             try:
-                d = read_json(p)
-            except (ValueError, OSError):
+                beat = Heartbeat.from_json(read_json(p))
+            except (ValueError, OSError):  # RecordError is a ValueError
                 continue
-            if isinstance(d, dict) and "job" in d and "time_s" in d:
-                out[d["job"]] = d
+            out[beat.job] = beat
     return out
+
+
+def read_trainer_done(run_dir: RunDir) -> Optional[TrainerDone]:
+    """The trainer's final record; None until it is written (or if it is not one: logged by the caller's
+    wait, never trusted)."""
+    try:
+        return TrainerDone.from_json(read_json(run_dir.trainer_done)) if run_dir.trainer_done.exists() else None
+    except (ValueError, OSError):
+        return None
 
 
 def live_jobs(run_dir: RunDir, heartbeat_stale_s: float) -> set[str]:
     """Writers/jobs whose heartbeat is fresh. Rollout jobs are keyed by writer name too."""
     now = time.time()
     alive = set()
-    for job, d in read_heartbeats(run_dir).items():
-        if now - d["time_s"] <= heartbeat_stale_s and not has_ended(d.get("state")):
+    for job, beat in read_heartbeats(run_dir).items():
+        if beat.age_s(now) <= heartbeat_stale_s and not beat.ended:
             alive.add(job)
             writer = RunDir.writer_of_job(job)
             if writer is not None:
@@ -141,8 +178,8 @@ def live_jobs(run_dir: RunDir, heartbeat_stale_s: float) -> set[str]:
 def describe_heartbeats(run_dir: RunDir, role: Optional[str] = None) -> str:
     """One line for wait messages: each job, its state and its heartbeat age."""
     now = time.time()
-    parts = [f"{job}: {d.get('state')} v{d.get('param_version')} heartbeat {now - d['time_s']:.0f}s ago"
-             for job, d in read_heartbeats(run_dir).items() if role is None or d.get("role") == role]
+    parts = [f"{job}: {b.state} v{b.param_version} heartbeat {b.age_s(now):.0f}s ago"
+             for job, b in read_heartbeats(run_dir).items() if role is None or b.role == role]
     return f"run dir {run_dir.root}; " + ("; ".join(parts) if parts else f"no {role or 'job'} heartbeat yet")
 
 

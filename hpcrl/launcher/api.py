@@ -19,8 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from hpcrl.config import ConfigError, RunConfig, load_config
-from hpcrl.control.records import read_heartbeats
-from hpcrl.fsio import read_json
+from hpcrl.control.records import read_heartbeats, read_trainer_done
 from hpcrl.launcher.follow import RunFollower
 from hpcrl.launcher.inputs import check_inputs
 from hpcrl.launcher.prepare import prepare_run_dir
@@ -90,12 +89,13 @@ class RunHandle:
         beats = read_heartbeats(self.rd)
         jobs = {}
         for name, handle in self.jobs.items():
-            beat = beats.get(name, {})
+            beat = beats.get(name)
             jobs[name] = {"job_id": handle.job_id, "state": handle.state(),
-                          "heartbeat_age_s": (now - beat["time_s"]) if beat else None,
-                          "job_state": beat.get("state"), "param_version": beat.get("param_version"),
-                          "stats": beat.get("stats", {}), "restarts": self.follower.restarts.get(name, 0)}
-        return {"run_dir": str(self.rd.root), "finished": read_json(self.rd.trainer_done) is not None, "jobs": jobs}
+                          "heartbeat_age_s": beat.age_s(now) if beat else None,
+                          "job_state": beat.state if beat else None,
+                          "param_version": beat.param_version if beat else None,
+                          "stats": beat.stats if beat else {}, "restarts": self.follower.restarts.get(name, 0)}
+        return {"run_dir": str(self.rd.root), "finished": read_trainer_done(self.rd) is not None, "jobs": jobs}
 
     def wait(self, timeout_s: float, poll_s: float = 1.0) -> bool:
         """Follow until the trainer finishes (True) or a job fails for good / the timeout passes (False;

@@ -14,8 +14,8 @@ from typing import Callable, Optional
 
 from hpcrl.config import RunConfig
 from hpcrl.control.fatal import read_fatal
-from hpcrl.control.records import has_ended, read_heartbeats
-from hpcrl.fsio import JsonlTail, read_json
+from hpcrl.control.records import read_heartbeats, read_latest_checkpoint, read_trainer_done
+from hpcrl.fsio import JsonlTail
 from hpcrl.run_dir import RunDir
 from hpcrl import metric_names as M
 
@@ -70,8 +70,8 @@ class RunFollower:
             old = self._metrics.poll()
             self._metrics_seen = len(old)
             self._start_step = old[-1][M.STEP] if old else 0
-            ckpt = read_json(rd.latest_checkpoint)
-            self._intro = (f"resuming {rd.root}: trainer checkpoint at step {ckpt['step'] if ckpt else 0}/"
+            ckpt = read_latest_checkpoint(rd)
+            self._intro = (f"resuming {rd.root}: trainer checkpoint at step {ckpt.step if ckpt else 0}/"
                       f"{cfg.total_updates} ({rd.latest_checkpoint if ckpt else 'none yet: from the start'}); "
                       f"{len(old)} updates logged so far")
         else:
@@ -120,7 +120,7 @@ class RunFollower:
         for name, handle in list(self.jobs.items()):
             if not handle.done():
                 continue
-            if read_json(self.rd.trainer_done) is not None:
+            if read_trainer_done(self.rd) is not None:
                 return None
             used = self.restarts.get(name, 0)
             if self.resubmit is not None and used < self.cfg.resources.max_restarts:
@@ -141,11 +141,10 @@ class RunFollower:
     def _warn_stale_heartbeats(self) -> None:
         now = time.time()
         for job, beat in read_heartbeats(self.rd).items():
-            age = now - beat["time_s"]
-            if not has_ended(beat.get("state")) and age > self.cfg.timeouts.heartbeat_stale_s \
-                    and self._warned.get(job, 0) < now - 60:
+            age = beat.age_s(now)
+            if not beat.ended and age > self.cfg.timeouts.heartbeat_stale_s and self._warned.get(job, 0) < now - 60:
                 self._warned[job] = now
-                self.emit(f"warning: {job} heartbeat is {age:.0f}s old (state {beat.get('state')}); "
+                self.emit(f"warning: {job} heartbeat is {age:.0f}s old (state {beat.state}); "
                           "it may be hung or its node unreachable")
 
     def follow(self, timeout_s: float, poll_s: float = 1.0) -> int:
@@ -156,12 +155,12 @@ class RunFollower:
             self._intro = ""
         while True:
             self._print_new_versions()
-            done = read_json(self.rd.trainer_done)
+            done = read_trainer_done(self.rd)
             if done is not None:
                 self._finish_rollouts()
                 self._print_new_versions()
-                self.emit(f"run finished: {done['trainer_step']} updates, version {done['param_version']}, "
-                          f"{done['consumed_groups']} groups in {_hms(time.monotonic() - self._started_s)}; "
+                self.emit(f"run finished: {done.trainer_step} updates, version {done.param_version}, "
+                          f"{done.consumed_groups} groups in {_hms(time.monotonic() - self._started_s)}; "
                           f"logs in {self.rd.logs}; next: hpcrl report {self.rd.root} --out {self.rd.report}")
                 return 0
             fatal = read_fatal(self.rd)

@@ -39,6 +39,8 @@ from typing import Optional
 
 import numpy as np
 
+from hpcrl.json_record import JsonRecord
+
 SCHEMA_VERSION = 1
 
 
@@ -97,7 +99,7 @@ class Group:
 
 
 @dataclass
-class ShardManifestLine:
+class ShardManifestLine(JsonRecord):
     """One line of ``samples/<writer>/manifest.jsonl``: the commit record of a shard.
 
     Written by the shard's writer after the shard file is durable; read by the trainer.
@@ -122,13 +124,6 @@ class ShardManifestLine:
     The reader, having checked sha256, takes the arrays straight from the bytes; without it
     (shards of older writers) it parses the HDF5 file."""
 
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, d: dict) -> "ShardManifestLine":
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
 
 
 DATASET_DTYPES: dict[str, type] = {

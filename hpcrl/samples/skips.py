@@ -28,13 +28,14 @@ from dataclasses import dataclass
 from typing import Optional
 
 from hpcrl.fsio import JsonlAppender, JsonlTail, truncate_torn_tail
+from hpcrl.json_record import JsonRecord
 from hpcrl.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class SkippedShard:
+class SkippedShard(JsonRecord):
     """One line of ``control/skipped_shards.jsonl``. Written by the trainer, read by rollout jobs."""
 
     writer: str
@@ -47,13 +48,6 @@ class SkippedShard:
     reason: str
     time_s: float
 
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, d: dict) -> "SkippedShard":
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
 
 
 class SkipLog:

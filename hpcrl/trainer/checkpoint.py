@@ -12,10 +12,12 @@ from __future__ import annotations
 import logging
 import re
 import shutil
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Optional
 
-from hpcrl.fsio import read_json, write_json_atomic
+from hpcrl.control.records import LatestCheckpoint, read_latest_checkpoint
+from hpcrl.fsio import write_json_atomic
+from hpcrl.json_record import JsonRecord
 from hpcrl.run_dir import RunDir
 
 log = logging.getLogger(__name__)
@@ -24,7 +26,7 @@ _TAG_RE = re.compile(r"^step-(\d{8})$")
 
 
 @dataclass
-class TrainerState:
+class TrainerState(JsonRecord):
     """What the trainer must know to continue exactly (saved in every checkpoint)."""
 
     step: int = 0
@@ -45,8 +47,6 @@ class TrainerState:
     """Reward-KL coefficient beta after the last update (the adaptive controller's state;
     None = not started, take algorithm.kl_ctrl.kl_coef)."""
 
-    def to_json(self) -> dict:
-        return asdict(self)
 
 
 def tag_for(step: int) -> str:
@@ -58,7 +58,7 @@ def save(engine, run_dir: RunDir, state: TrainerState, keep: int) -> str:
     engine.save_checkpoint(str(run_dir.checkpoints), tag=tag, client_state={"hpcrl": state.to_json()},
                            save_latest=False)
     if engine.global_rank == 0:
-        write_json_atomic(run_dir.latest_checkpoint, {"tag": tag, "step": state.step})
+        write_json_atomic(run_dir.latest_checkpoint, LatestCheckpoint(tag, state.step).to_json())
         tags = sorted(p.name for p in run_dir.checkpoints.iterdir() if _TAG_RE.match(p.name))
         for old in tags[:-keep]:
             shutil.rmtree(run_dir.checkpoints / old, ignore_errors=True)
@@ -66,16 +66,16 @@ def save(engine, run_dir: RunDir, state: TrainerState, keep: int) -> str:
 
 
 def load_latest(engine, run_dir: RunDir) -> Optional[TrainerState]:
-    latest = read_json(run_dir.latest_checkpoint)
+    latest = read_latest_checkpoint(run_dir)
     if latest is None:
         return None
-    tag = latest["tag"]
+    tag = latest.tag
     path, client = engine.load_checkpoint(str(run_dir.checkpoints), tag=tag, load_optimizer_states=True,
                                           load_lr_scheduler_states=True)
     if path is None:
         raise RuntimeError(f"checkpoint {run_dir.checkpoints / tag} named by {run_dir.latest_checkpoint} "
                            "could not be loaded; remove latest.json to start over, or restore the folder")
-    state = TrainerState(**client["hpcrl"])
+    state = TrainerState.from_json(client["hpcrl"], f"the trainer state in checkpoint {tag}")
     log.info("resumed from %s: step %d, version %d, %d groups consumed", tag, state.step, state.param_version,
              state.consumed_groups)
     return state

@@ -269,7 +269,7 @@ class TrainerJob:
     def _checkpoint(self) -> None:
         faults.point("checkpoint")
         # every rank saves rank 0's record (only rank 0 reads samples and writes logs)
-        state = checkpoint.TrainerState(**share_json(self._boundary))
+        state = checkpoint.TrainerState.from_json(share_json(self._boundary))
         tag = checkpoint.save(self.engine, self.run_dir, state, self.cfg.trainer.keep_checkpoints)
         log.info("checkpoint %s (version %d, %d groups consumed)", tag, state.param_version, state.consumed_groups)
 

@@ -19,9 +19,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from hpcrl.json_record import JsonRecord
+
 
 @dataclass
-class FileEntry:
+class FileEntry(JsonRecord):
     """One file of a version folder, as the trainer wrote it."""
 
     size_bytes: int
@@ -34,7 +36,7 @@ class FileEntry:
 
 
 @dataclass
-class TensorEntry:
+class TensorEntry(JsonRecord):
     """One stored tensor (tied aliases are listed in :attr:`WeightManifest.aliases` instead)."""
 
     name: str
@@ -45,7 +47,7 @@ class TensorEntry:
 
 
 @dataclass
-class WeightManifest:
+class WeightManifest(JsonRecord):
     """``weights/vNNNNNN/manifest.json``. Written by the trainer (rank 0) last; read by rollout
     jobs before and while they load the version, and by the trainer's retention/withdraw."""
 
@@ -69,20 +71,10 @@ class WeightManifest:
     aliases: dict[str, str] = dataclasses.field(default_factory=dict)
     """Tied tensors stored once: name -> the stored name it shares storage with."""
 
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, d: dict) -> "WeightManifest":
-        """Parse a manifest; TypeError/KeyError/ValueError for anything that is not one."""
-        d = dict(d)
-        d["tensors"] = [TensorEntry(**t) for t in d["tensors"]]
-        d["files"] = {name: FileEntry(**f) for name, f in d["files"].items()}
-        return cls(**d)
 
 
 @dataclass
-class BadVersionMarker:
+class BadVersionMarker(JsonRecord):
     """``weights/vNNNNNN/bad.json``: the version is damaged. Written by the rollout job that
     found it; read by every rollout job (skip it), the trainer (publish a new version) and
     retention (it is not an intact version)."""
@@ -94,6 +86,3 @@ class BadVersionMarker:
     """What was wrong (``model.safetensors: 1234 bytes, manifest says 1244``)."""
     time_s: float
     """Unix time the damage was found."""
-
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)

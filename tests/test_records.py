@@ -1,0 +1,75 @@
+"""Records that cross a job boundary are checked by type when read (hpcrl/json_record.py): anything
+that is not the record is a RecordError naming the record and the field, never a crash deep inside."""
+import json
+from dataclasses import dataclass, field
+from typing import Optional
+
+import pytest
+
+from hpcrl.control.records import Heartbeat, TrainerDone, read_heartbeats, read_trainer_done
+from hpcrl.json_record import JsonRecord, RecordError
+from hpcrl.run_dir import RunDir
+from hpcrl.weights.manifest import WeightManifest
+
+
+@dataclass
+class Inner(JsonRecord):
+    name: str
+    size: int
+
+
+@dataclass
+class Outer(JsonRecord):
+    version: int
+    rate: float
+    inner: list[Inner]
+    by_name: dict[str, int] = field(default_factory=dict)
+    note: Optional[str] = None
+
+
+GOOD = {"version": 3, "rate": 2, "inner": [{"name": "a", "size": 1}], "by_name": {"x": 1}, "note": None}
+
+
+def test_a_good_record_round_trips_and_ints_widen_to_floats():
+    rec = Outer.from_json(GOOD)
+    assert rec.inner == [Inner("a", 1)] and rec.rate == 2.0 and isinstance(rec.rate, float)
+    assert Outer.from_json(rec.to_json()) == rec
+    assert Outer.from_json({**GOOD, "written_by_a_newer_job": 1}) == rec, "unknown fields are ignored"
+
+
+@pytest.mark.parametrize("value, message", [
+    (None, "expected a JSON object, got null"),
+    ([], "expected a JSON object, got list"),
+    ({**GOOD, "version": None}, "Outer.version: expected int, got null"),
+    ({**GOOD, "version": True}, "Outer.version: expected int, got bool"),
+    ({**GOOD, "version": "3"}, "Outer.version: expected int, got str"),
+    ({**GOOD, "inner": {"name": "a"}}, "Outer.inner: expected a list"),
+    ({**GOOD, "inner": [{"name": "a"}]}, r"Outer.inner\[0\]: field 'size' is missing"),
+    ({**GOOD, "by_name": {"x": "1"}}, "Outer.by_name.x: expected int"),
+    ({k: v for k, v in GOOD.items() if k != "rate"}, "field 'rate' is missing"),
+])
+def test_anything_else_is_refused_naming_the_field(value, message):
+    with pytest.raises(RecordError, match=message):
+        Outer.from_json(value)
+
+
+def test_a_manifest_of_the_wrong_shape_is_refused():
+    with pytest.raises(RecordError, match="WeightManifest.files"):
+        WeightManifest.from_json({"param_version": 0, "trainer_step": 0, "consumed_groups": 0, "files": [],
+                                  "tensors": [], "total_bytes": 0, "published_s": 0.0})
+
+
+def test_readers_leave_out_heartbeats_that_are_not_records_and_trust_no_malformed_trainer_done(tmp_path):
+    rd = RunDir(tmp_path).create()
+    rd.heartbeats.mkdir(parents=True, exist_ok=True)
+    good = Heartbeat(job="trainer", role="trainer", host="h", pid=1, time_s=1.0)
+    rd.heartbeat("trainer").write_text(json.dumps(good.to_json()))
+    for i, text in enumerate(["null", "[]", '{"job": "x"}', '{"job": "y", "role": "r", "host": "h", "pid": "1", '
+                                                            '"time_s": 1}']):
+        (rd.heartbeats / f"bad{i}.json").write_text(text)
+    assert list(read_heartbeats(rd)) == ["trainer"]
+    assert read_trainer_done(rd) is None
+    rd.trainer_done.write_text("[]")
+    assert read_trainer_done(rd) is None
+    rd.trainer_done.write_text(json.dumps(TrainerDone(3, 1, 12, 5.0).to_json()))
+    assert read_trainer_done(rd).consumed_groups == 12
