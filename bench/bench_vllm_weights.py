@@ -8,8 +8,8 @@ engine's pause -> load -> resume of a new version by three paths:
   (``weights/shared_memory.py``); vLLM's worker maps it and reloads in place through
   ``collective_rpc("hpcrl_load_mapped")`` (what a broadcast version costs the engine);
 - **folder**: ``reload_weights`` from the version's folder, page cache warm (what the engine
-  costs when the version came as files, before the transport's own read and check);
-- **files**: ``FilesystemTransport.load`` (read + sha256 check) then ``reload_weights`` from
+  costs when the version came as files, before the subscriber's own read and check);
+- **files**: ``FilesystemSubscriber.take`` (read + hash check) then ``reload_weights`` from
   the folder: the whole rollout-side cost of the filesystem path;
 
 and, as the limit, **raw copy**: ``copy_`` of the same bytes into preallocated tensors of the
@@ -37,9 +37,10 @@ from _common import bench_parser, table  # noqa: E402
 from hpcrl.rollout.engine import EngineOptions, EngineRunner  # noqa: E402
 from hpcrl.rollout.engines import make_engine  # noqa: E402
 from hpcrl.run_dir import RunDir  # noqa: E402
-from hpcrl.weights.filesystem import FilesystemTransport, _dedupe_tied  # noqa: E402
-from hpcrl.weights.process_group import plan, views  # noqa: E402
+from hpcrl.weights.base import MappedBuffer, WeightVersion  # noqa: E402
+from hpcrl.weights.filesystem import FilesystemPublisher, FilesystemSubscriber, dedupe_tied  # noqa: E402
 from hpcrl.weights.shared_memory import shared_buffer  # noqa: E402
+from hpcrl.weights.wire import Entry, plan, views  # noqa: E402
 
 TIMEOUT_S = 600.0
 
@@ -57,17 +58,20 @@ def build_model(folder: Path, layers: int, hidden: int, dtype: torch.dtype):
     return model
 
 
-def to_shared(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """The tensors copied into one /dev/shm buffer, laid out as a received broadcast is; and the buffer
-    (which keeps the file)."""
-    tensors, aliases = _dedupe_tied(state)
+def to_shared(state: dict[str, torch.Tensor], version: int, folder: Path) -> tuple[WeightVersion, torch.Tensor]:
+    """The tensors copied into one /dev/shm buffer, laid out as a received broadcast is, as the version a
+    broadcast subscriber hands the engine; and the buffer (which keeps the file)."""
+    tensors, aliases = dedupe_tied(state)
     entries, total = plan(tensors)
     flat = shared_buffer(total)
-    out = views(flat, entries)
+    out = views(flat, entries, aliases)
     for name, t in tensors.items():
         out[name].copy_(t)
-    out.update({alias: out[stored] for alias, stored in aliases.items()})
-    return out, flat
+    rows = {e.name: e for e in entries}
+    layout = entries + [Entry(a, rows[s].dtype, rows[s].shape, rows[s].offset_bytes, rows[s].nbytes)
+                        for a, s in aliases.items()]
+    mapped = MappedBuffer(flat.untyped_storage().filename, total, layout)
+    return WeightVersion(version, None, folder, out, "broadcast", 0.0, total, mapped), flat
 
 
 def main(argv=None) -> int:
@@ -87,16 +91,17 @@ def main(argv=None) -> int:
     engine = make_engine("vllm", EngineOptions(base / "model", max_new_tokens=8, temperature=1.0, top_p=1.0,
                                                device=a.device, dtype=a.dtype, max_model_len=256, max_num_seqs=8),
                          runner, timeout_s=TIMEOUT_S)
-    transport = FilesystemTransport(RunDir(base / "run").create(), keep_versions=2)
+    rd = RunDir(base / "run").create()
+    publisher, subscriber = FilesystemPublisher(rd, keep_versions=2), FilesystemSubscriber(rd, "w000")
     times: dict[str, list[float]] = {"raw copy": [], "mapped": [], "folder": [], "files": []}
     params = {k: torch.empty_like(v) for k, v in model.state_dict().items()}
     nbytes = 0
     for r in range(a.repeats):
         state = {k: v + (r + 1) * 1e-3 for k, v in model.state_dict().items()}
-        transport.publish(r, state, model.config.to_json_string(), r, r)
-        shared, flat = to_shared(state)
+        publisher.publish(r, state, model.config.to_json_string(), r, r)
+        folder = rd.weight_version_dir(r)
+        shared, flat = to_shared(state, r, folder)
         nbytes = flat.numel()
-        folder = transport.run_dir.weight_version_dir(r)
 
         t0 = time.perf_counter()
         for k, v in state.items():
@@ -104,19 +109,20 @@ def main(argv=None) -> int:
         times["raw copy"].append(time.perf_counter() - t0)
 
         t0 = time.perf_counter()
-        runner.call(lambda: engine.load_weights(shared, folder), TIMEOUT_S, "mapped load")
+        how = runner.call(lambda: engine.load_weights(shared), TIMEOUT_S, "mapped load")
         times["mapped"].append(time.perf_counter() - t0)
-        assert engine.last_load_path == "shared_memory", engine.last_load_path
+        assert how == "shared_memory", how
 
+        files_only = WeightVersion(r, None, folder, {}, "filesystem", 0.0, nbytes)
         t0 = time.perf_counter()
-        runner.call(lambda: engine.load_weights({}, folder), TIMEOUT_S, "folder reload")
+        runner.call(lambda: engine.load_weights(files_only), TIMEOUT_S, "folder reload")
         times["folder"].append(time.perf_counter() - t0)
 
         t0 = time.perf_counter()
-        transport.load(r, "w000", apply=lambda s, d: runner.call(lambda: engine.load_weights({}, d), TIMEOUT_S,
-                                                                  "files"))
+        with subscriber.take(r) as wv:
+            runner.call(lambda: engine.load_weights(wv), TIMEOUT_S, "files")
         times["files"].append(time.perf_counter() - t0)
-        transport.retain(60.0)
+        publisher.retain(60.0)
     med = {k: statistics.median(v) for k, v in times.items()}
     gb = nbytes / 1e9
     print(f"{gb * 1e3:.0f} MB ({a.dtype}, {a.layers} layers, hidden {a.hidden}) into vLLM on {a.device}, "

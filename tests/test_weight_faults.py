@@ -65,8 +65,8 @@ def test_damaged_newest_version_mid_run_falls_back_to_the_previous_one(tiny_run)
     def quiet():
         v = newest_published(rd)
         time.sleep(3)
-        hb = read_heartbeats(rd).get("trainer", {})
-        return v >= 1 and v == newest_published(rd) and hb.get("state") == "waiting_samples" and v
+        hb = read_heartbeats(rd).get("trainer")
+        return v >= 1 and v == newest_published(rd) and hb is not None and hb.state == "waiting_samples" and v
     bad = wait_until(quiet, 60, "the trainer waiting for samples", jobs=(trainer,))
     shards_before = {line["shard"] for line in read_jsonl(rd.shard_manifest("w000"))}
     damage_weights(rd, bad, "data")

@@ -62,7 +62,16 @@ BUILTIN_MODELS = ("builtin:tiny", "builtin:tiny-h64")
 4 heads of 32, ``tiny-h64`` 2 heads of 64 (what vLLM's CPU attention needs), same parameters."""
 
 WEIGHT_TRANSPORTS = ("auto", "broadcast", "filesystem")
-"""``weights.transport`` (hpcrl/weights/): ``auto`` = broadcast where it forms, files otherwise."""
+"""``weights.transport`` (hpcrl/weights/registry.py): ``auto`` = broadcast where it forms, files otherwise."""
+
+BROADCAST_BACKENDS = ("auto", "gloo", "nccl")
+"""``weights.broadcast_backend`` (hpcrl/weights/group.py): ``auto`` = nccl when both ends hold CUDA tensors."""
+
+RENAMED_KEYS = {
+    "weights.bucket_mb": ("weights.bucket_mib", "the same number: it always counted MiB"),
+    "agent.max_tool_response_length": ("agent.max_tool_response_chars", "the same number: it counts characters"),
+}
+"""Keys that were renamed (units in the name): the old key is refused with the new one and how to convert."""
 
 KL_CTRL_TYPES = ("fixed", "adaptive")
 """``algorithm.kl_ctrl.type`` (hpcrl/trainer/kl.py)."""

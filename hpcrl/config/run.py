@@ -26,7 +26,7 @@ import yaml
 
 from hpcrl.config.algorithm import AlgorithmConfig, CriticConfig
 from hpcrl.config.checks import ConfigError, bad
-from hpcrl.config.names import GROUP_ESTIMATORS
+from hpcrl.config.names import GROUP_ESTIMATORS, RENAMED_KEYS
 from hpcrl.config.resources import ResourcesConfig
 from hpcrl.config.sections import (ActorConfig, AgentConfig, AsyncConfig, DataConfig, LoggingConfig, ModelConfig,
                                    RewardConfig, RolloutConfig, TimeoutsConfig, TrainerConfig, WeightsConfig)
@@ -120,6 +120,11 @@ class RunConfig:
                       f"tensor_parallel_size * data_parallel_size ({ro.tensor_parallel_size} * "
                       f"{ro.data_parallel_size}) <= resources.rollout.gpus_per_node ({gpus})",
                       "lower the parallel sizes or give each rollout job more GPUs")
+        if self.weights.broadcast_backend == "nccl" and 0 in (self.resources.trainer.gpus_per_node, gpus):
+            raise bad("weights.broadcast_backend", "nccl", "auto or gloo on a run without GPUs (nccl needs a GPU on "
+                      f"the trainer and on every rollout job; resources.trainer.gpus_per_node="
+                      f"{self.resources.trainer.gpus_per_node}, resources.rollout.gpus_per_node={gpus})",
+                      "set weights.broadcast_backend=auto (picks gloo here), or give both jobs GPUs")
         if abs(self.actor.temperature - self.rollout.temperature) > 1e-9:
             raise bad("actor.temperature", self.actor.temperature,
                        f"equal to rollout.temperature={self.rollout.temperature}",
@@ -142,6 +147,9 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     unknown = sorted(set(data) - names)
     if unknown:
         key = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
+        if key in RENAMED_KEYS:
+            new, how = RENAMED_KEYS[key]
+            raise bad(key, data[unknown[0]], f"{new} (renamed)", f"write {new} ({how})")
         near = difflib.get_close_matches(str(unknown[0]), sorted(names), n=1, cutoff=0.6)
         fix = f"did you mean {prefix + '.' if prefix else ''}{near[0]}?" if near else "remove or rename the key"
         raise bad(key, data[unknown[0]], "known keys: " + ", ".join(sorted(names)), fix)

@@ -275,14 +275,14 @@ class AgentConfig:
     """Tool-response turns per trajectory at most."""
     max_parallel_calls: int = 1
     """Calls of one turn that are run (at once); further calls in the turn are ignored."""
-    max_tool_response_length: int = 256
-    """Characters of a tool's answer shown to the model; the rest is cut."""
+    max_tool_response_chars: int = 256
+    """Characters (not tokens) of a tool's answer shown to the model; the rest is cut."""
 
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
         check_choice("agent.default", self.default, names.AGENT_LOOPS)
         check_choice("agent.tool_parser", self.tool_parser, names.TOOL_PARSERS)
-        for key in ("max_assistant_turns", "max_user_turns", "max_parallel_calls", "max_tool_response_length"):
+        for key in ("max_assistant_turns", "max_user_turns", "max_parallel_calls", "max_tool_response_chars"):
             check_int(f"agent.{key}", getattr(self, key), 1)
         if self.default == "tool_agent" and not self.tools:
             raise bad("agent.tools", self.tools, "at least one tool with agent.default=tool_agent",
@@ -360,8 +360,13 @@ class WeightsConfig:
     cannot start or join it at its first try fails with the reason. ``auto``: the same, but such a
     job logs why and uses the files. In both, a broadcast that fails later (a dead peer, a timeout)
     falls back to the files for that version."""
-    bucket_mb: float = 64.0
-    """Broadcast bucket size in MiB (two buckets in flight on the trainer; larger = fewer messages)."""
+    bucket_mib: float = 64.0
+    """Broadcast bucket size in MiB (2**20 bytes; two buckets in flight on the trainer; larger = fewer messages)."""
+    broadcast_backend: str = "auto"
+    """The broadcast group's backend: ``gloo`` (through host memory; CPU runs, and vLLM, whose workers map the
+    received bytes from shared memory), ``nccl`` (GPU to GPU: the trainer and every rollout job need GPUs, and
+    the rollout engine must hold its weights on its GPU: the transformers engine on cuda), or ``auto`` (nccl
+    when both ends hold CUDA tensors, gloo otherwise)."""
     keep_versions: int = 3
     """Newest versions always kept; older ones are deleted unless a live rollout
     job has announced it is loading them."""
@@ -370,7 +375,8 @@ class WeightsConfig:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
         check_choice("weights.transport", self.transport, names.WEIGHT_TRANSPORTS)
         check_int("weights.keep_versions", self.keep_versions, 2)
-        check_float("weights.bucket_mb", self.bucket_mb, 0.0, 4096.0, lo_open=True)
+        check_float("weights.bucket_mib", self.bucket_mib, 0.0, 4096.0, lo_open=True)
+        check_choice("weights.broadcast_backend", self.broadcast_backend, names.BROADCAST_BACKENDS)
 
 
 @dataclass

@@ -14,7 +14,7 @@
   ``agent.max_parallel_calls`` calls become the state's ``pending_calls``.
 - **processing_tools**: the pending calls run at once (threads; the Python tool is a
   subprocess with its own limits). A failed call ends the episode cleanly (``tool_error``,
-  counted). Otherwise the results, each cut to ``agent.max_tool_response_length`` characters,
+  counted). Otherwise the results, each cut to ``agent.max_tool_response_chars`` characters,
   are rendered as ``tool`` messages through the tokenizer's chat template, without the prefix
   the template puts before every conversation (found once by diffing one against two empty
   turns, as verl does), and appended with mask 0.
@@ -235,7 +235,7 @@ class ToolAgent:
         return True
 
     def _truncate(self, text: str) -> str:
-        limit = self.cfg.max_tool_response_length
+        limit = self.cfg.max_tool_response_chars
         return text if len(text) <= limit else text[:limit] + "...(truncated)"
 
     def tool_response_ids(self, texts: list[str]) -> list[int]:

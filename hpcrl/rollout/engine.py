@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Optional
 
 import numpy as np
-import torch
+
+from hpcrl.weights.base import WeightVersion
 
 log = logging.getLogger(__name__)
 
@@ -85,10 +86,17 @@ class Engine(abc.ABC):
         tokens and log-probs generated so far. New requests are served again afterwards."""
 
     @abc.abstractmethod
-    async def load_weights(self, state_dict: dict[str, torch.Tensor], version_dir: Optional[Path]) -> None:
-        """Adopt new weights (no generation is running). ``state_dict`` holds the verified tensors
-        (valid only during the call); ``version_dir``, when the transport has one, is the folder
-        they were read from (config.json + model.safetensors), for engines that load files."""
+    async def load_weights(self, version: WeightVersion) -> str:
+        """Adopt ``version`` (no generation is running): its verified tensors (valid only during the
+        call), its pinned folder for engines that load files, its shared-memory buffer for engines whose
+        workers map one. Returns how the weights reached the engine (``state_dict``, ``folder``,
+        ``shared_memory``). Raises if the engine could not take them."""
+
+    @property
+    def receive_device(self) -> str:
+        """Where this engine wants a version's tensors handed to it: ``cpu``, or ``cuda`` for an engine that
+        holds its weights on the GPU in this process (then a broadcast may come by NCCL)."""
+        return "cpu"
 
     def close(self) -> None:
         """Release the engine (processes, memory). Safe to call twice."""

@@ -59,7 +59,7 @@ from hpcrl.samples.skips import SkipLog
 from hpcrl.samples.writer import ShardWriter
 from hpcrl.tiny.model import load_tokenizer
 from hpcrl import metric_names as M
-from hpcrl.weights import make_transport
+from hpcrl.weights import WeightSubscriber, WeightVersion, make_subscriber
 
 log = logging.getLogger("hpcrl.rollout")
 
@@ -117,7 +117,7 @@ class RolloutJob:
         self.num_writers = self.cfg.resources.rollout_jobs
         if not 0 <= writer_rank < self.num_writers:
             raise ValueError(f"writer rank {writer_rank} outside [0, resources.rollout_jobs={self.num_writers})")
-        self.weights = make_transport(self.cfg.weights, run_dir, self.cfg.timeouts)
+        self.weights: Optional[WeightSubscriber] = None
         self.version = -1
         self.consumed_at_version = 0
         self.in_flight: dict[Future, int] = {}
@@ -152,6 +152,7 @@ class RolloutJob:
             self.engine = make_engine(cfg.rollout.engine, engine_options(cfg, mdir), self.runner,
                                       cfg.timeouts.engine_start_s)
             self.reaper = start_reaper(f"the {cfg.rollout.engine} engine's processes")
+        self.weights = make_subscriber(cfg.weights, self.run_dir, self.writer, cfg.timeouts, self.engine.receive_device)
         log.info("%s", counts.line(cfg.data, template))
         self.stream = PromptStream(rows, cfg.data.seed)
         self.shards = ShardWriter(self.run_dir, self.writer, cfg.rollout.seal_groups, cfg.rollout.seal_interval_s,
@@ -212,14 +213,18 @@ class RolloutJob:
                 return HeartbeatState.DONE
         return None
 
-    def _apply_to_engine(self, state, version_dir) -> None:
-        """Hand verified weights to the engine; EngineLoadFailed if it cannot take them."""
+    def _apply_to_engine(self, wv: WeightVersion) -> tuple[str, float]:
+        """Hand a verified version to the engine: how it reached the engine and the seconds it took;
+        EngineLoadFailed if the engine cannot take it."""
+        t0 = time.monotonic()
         try:
             faults.point("engine_load")
-            self.runner.call(lambda: self.engine.load_weights(state, version_dir), self.cfg.timeouts.generate_s,
-                             f"loading the weights in {version_dir} into the {self.cfg.rollout.engine} engine")
+            how = self.runner.call(lambda: self.engine.load_weights(wv), self.cfg.timeouts.generate_s,
+                                   f"loading weight version {wv.version} ({wv.folder}) into the "
+                                   f"{self.cfg.rollout.engine} engine")
         except Exception as e:  # noqa: BLE001 - any engine error: the caller decides whether the job can go on
             raise EngineLoadFailed(f"{type(e).__name__}: {e}") from e
+        return how, time.monotonic() - t0
 
     def _load_newest(self) -> None:
         """Load the newest intact version; a damaged one is marked bad and skipped (the trainer
@@ -232,7 +237,7 @@ class RolloutJob:
         t0 = time.time()
         faults.point("weight_load")
         try:
-            manifest = self._load_newest_or_wait()
+            wv, how, apply_s = self._load_newest_or_wait()
         except EngineLoadFailed as e:
             if self.version < 0:
                 raise
@@ -241,30 +246,33 @@ class RolloutJob:
                       "again in %.0fs", self.cfg.rollout.engine, failed, e, self.version,
                       self.cfg.timeouts.retry_failed_load_s)
             self._failed_load = (failed if failed is not None else -1, time.monotonic())
-            self.weights.load(self.version, self.writer, apply=self._apply_to_engine)
+            with self.weights.take(self.version) as wv:
+                self._apply_to_engine(wv)
             self.gate.open(self.version)
             return
-        self._adopt(manifest, time.time() - t0)
+        self._adopt(wv, how, apply_s, time.time() - t0)
 
-    def _load_newest_or_wait(self):
-        while (manifest := self.weights.load_newest(self.writer, apply=self._apply_to_engine)) is None:
+    def _load_newest_or_wait(self) -> tuple[WeightVersion, str, float]:
+        """Take the newest usable version (waiting while every one is marked bad) and hand it to the engine."""
+        while (wv := self.weights.take_newest()) is None:
             t = self.cfg.timeouts
             wait_for(f"an intact weight version in {self.run_dir.weights} (every one is marked bad)",
                      lambda: self.weights.newest_usable() is not None, t.wait_weights_s, t.poll_interval_s, log,
                      describe=lambda: describe_heartbeats(self.run_dir, "trainer"), stop=termination.check)
-        return manifest
+        with wv:
+            how, apply_s = self._apply_to_engine(wv)
+        return wv, how, apply_s
 
-    def _adopt(self, manifest, load_s: float) -> None:
-        """The engine holds ``manifest``'s version: report it (heartbeat, stats) only now."""
+    def _adopt(self, wv: WeightVersion, how: str, apply_s: float, load_s: float) -> None:
+        """The engine holds version ``wv``: report it (heartbeat, stats) only now."""
         if self.stats is not None:
             self._write_version_stats()
-        self.version, self.consumed_at_version = manifest.param_version, manifest.consumed_groups
-        self.stats = VersionStats(self.version, load_s=load_s, sync=dict(self.weights.last_load))
+        self.version, self.consumed_at_version = wv.version, wv.manifest.consumed_groups
+        self.stats = VersionStats(self.version, load_s=load_s, sync=wv.metrics(apply_s))
         self.gate.open(self.version)
         self.heartbeat.update(param_version=self.version, state=HeartbeatState.GENERATING)
-        log.info("loaded weight version %d in %.2fs by %s (trainer step %d, consumed %d groups)", self.version,
-                 load_s, self.stats.sync.get(M.WEIGHTS_PATH, "filesystem"), manifest.trainer_step,
-                 manifest.consumed_groups)
+        log.info("loaded weight version %d in %.2fs by %s into the engine's %s (trainer step %d, consumed %d groups)",
+                 self.version, load_s, wv.path, how, wv.manifest.trainer_step, wv.manifest.consumed_groups)
 
     def _switch_weights_if_newer(self) -> None:
         """Step 2: load a newer version; also an *older* newest one: the trainer was restarted
@@ -461,7 +469,8 @@ class RolloutJob:
                 self.metrics.close()
         finally:
             self._close_engine()
-            self.weights.close()
+            if self.weights is not None:
+                self.weights.close()
             self.heartbeat.stop(final_state)
             log.info("rollout %s %s: %d groups committed in total", self.writer, final_state,
                      self.shards.committed_groups if self.shards is not None else 0)

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from hpcrl.rollout.engine import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Engine, EngineOptions, Sample
+from hpcrl.weights.base import WeightVersion
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -49,8 +50,13 @@ class TransformersEngine(Engine):
         self.pad_id = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
         self._abort_epoch = 0  # bumped by abort_all; a generation started in an older epoch stops
 
-    async def load_weights(self, state_dict: dict[str, torch.Tensor], version_dir: Optional[Path]) -> None:
-        self.model.load_state_dict(state_dict, strict=True)  # copies into the parameters (device, dtype)
+    async def load_weights(self, version: WeightVersion) -> str:
+        self.model.load_state_dict(version.tensors, strict=True)  # copies into the parameters (device, dtype)
+        return "state_dict"
+
+    @property
+    def receive_device(self) -> str:
+        return "cuda" if str(self.device).startswith("cuda") else "cpu"
 
     async def abort_all(self) -> None:
         self._abort_epoch += 1

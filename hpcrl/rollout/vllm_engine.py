@@ -36,7 +36,7 @@ import torch
 
 from hpcrl.rollout.engine import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Engine, EngineOptions, Sample
 from hpcrl.rollout.vllm_worker import WORKER_EXTENSION
-from hpcrl.weights.shared_memory import mapped_layout
+from hpcrl.weights.base import MappedBuffer, WeightVersion
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +87,7 @@ class VLLMEngine(Engine):
         self._ids = itertools.count()
         self._closed = False
         self._mapped_ok = True  # False after a mapped load failed: folders only from then on
-        self.last_load_path = ""
-        """How the last version reached the workers: ``shared_memory`` or ``folder``."""
+        self._mapped_logged = False
 
     def _params(self, seed: int, max_tokens: Optional[int] = None, temperature: Optional[float] = None):
         # per-request seeds only on GPUs: vLLM's CPU build rewinds a request's generator when a
@@ -132,26 +131,29 @@ class VLLMEngine(Engine):
         await self.llm.pause_generation(mode="abort")
         await self.llm.resume_generation()
 
-    async def load_weights(self, state_dict: dict[str, torch.Tensor], version_dir: Optional[Path]) -> None:
-        """Tensors that lie in one shared-memory buffer (a broadcast) are mapped by the workers; anything
-        else, or a mapped load that fails, is reloaded from ``version_dir`` (pinned by the transport)."""
-        layout = mapped_layout(state_dict) if self._mapped_ok else None
-        if layout is None and version_dir is None:
-            raise ValueError("the vLLM engine loads weights from a version folder or a shared-memory buffer; "
-                             "this transport gave neither")
+    async def load_weights(self, version: WeightVersion) -> str:
+        """A version in one shared-memory buffer (a broadcast) is mapped by the workers; anything else, or a
+        mapped load that fails, is reloaded from the version's folder (pinned until the version is released)."""
+        mapped = version.mapped if self._mapped_ok else None
+        if mapped is None and version.folder is None:
+            raise ValueError(f"weight version {version.version} has neither a folder nor a shared-memory buffer: "
+                             "the vLLM engine loads one of them")
         await self.llm.pause_generation(mode="wait")
         try:
-            if layout is None or not await self._load_mapped(*layout, can_fall_back=version_dir is not None):
-                await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(version_dir)})
-                self.last_load_path = "folder"
+            how = "shared_memory"
+            if mapped is None or not await self._load_mapped(mapped, can_fall_back=version.folder is not None):
+                await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(version.folder)})
+                how = "folder"
             await self.llm.reset_prefix_cache()
         finally:
             await self.llm.resume_generation()
+        return how
 
-    async def _load_mapped(self, path: str, nbytes: int, rows: list[list], can_fall_back: bool) -> bool:
-        """The workers load the buffer at ``path``; False (logged, folders from now on) if that failed."""
+    async def _load_mapped(self, mapped: MappedBuffer, can_fall_back: bool) -> bool:
+        """The workers load the buffer ``mapped`` names; False (logged, folders from now on) if that failed."""
         try:
-            await self.llm.collective_rpc("hpcrl_load_mapped", kwargs={"path": path, "nbytes": nbytes, "layout": rows})
+            await self.llm.collective_rpc("hpcrl_load_mapped", kwargs={
+                "path": mapped.path, "nbytes": mapped.nbytes, "layout": [e.row() for e in mapped.layout]})
         except Exception as e:  # noqa: BLE001 - the model may be half-loaded: the folder has all of it
             if not can_fall_back:
                 raise
@@ -159,9 +161,9 @@ class VLLMEngine(Engine):
             log.warning("vLLM could not load weights from shared memory (%s: %s); reloading this and every later "
                         "version from its folder", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
             return False
-        if self.last_load_path != "shared_memory":
-            log.info("vLLM workers load broadcast weight versions from shared memory (%s)", path)
-        self.last_load_path = "shared_memory"
+        if not self._mapped_logged:
+            self._mapped_logged = True
+            log.info("vLLM workers load broadcast weight versions from shared memory (%s)", mapped.path)
         return True
 
     def close(self) -> None:

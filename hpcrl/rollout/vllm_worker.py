@@ -21,9 +21,9 @@ WORKER_EXTENSION = "hpcrl.rollout.vllm_worker.MappedWeightsLoader"
 
 
 def mapped_tensors(path: str, nbytes: int, layout: list[list]) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` views of the buffer file at ``path`` (``layout``: the rows
-    ``shared_memory.mapped_layout`` writes, ``process_group.Entry`` fields)."""
-    from hpcrl.weights.process_group import Entry, views
+    """``(name, tensor)`` views of the buffer file at ``path`` (``layout``: ``wire.Entry`` rows, the
+    rollout process's ``WeightVersion.mapped``)."""
+    from hpcrl.weights.wire import Entry, views
 
     size = os.stat(path).st_size  # FileNotFoundError if gone: never map (or create) a file of zeros
     if size != nbytes:

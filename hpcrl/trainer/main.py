@@ -53,7 +53,7 @@ from hpcrl.trainer.models import POLICY_PREFIX, PolicyWithValueHead, load_refere
 from hpcrl.trainer.share import ABORT, BATCH, PREEMPT, REPUBLISH, share_groups, share_json
 from hpcrl.trainer.update import PolicyUpdate
 from hpcrl import metric_names as M
-from hpcrl.weights import make_transport
+from hpcrl.weights import make_publisher
 
 log = logging.getLogger("hpcrl.trainer")
 
@@ -79,7 +79,7 @@ class TrainerJob:
         self.state = checkpoint.TrainerState()
         self.preemption = preemption
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.weights = make_transport(self.cfg.weights, run_dir, self.cfg.timeouts)
+        self.weights = make_publisher(self.cfg.weights, run_dir, self.cfg.timeouts)
         self._sync_stats: dict = {}  # metrics of the last publish (gather, files, broadcast)
         self._taken: tuple[list[Group], list[Group]] = ([], [])  # kept/dropped while a republish interrupts
         self._bad_checked_s = 0.0
@@ -246,9 +246,9 @@ class TrainerJob:
         state_dict = self._gathered_state_dict()
         gather_s = time.monotonic() - t0
         if self.engine.global_rank == 0:
-            self.weights.publish(version, state_dict, self.model_config_json, self.state.step,
-                                 self.state.consumed_groups)
-            self._sync_stats = {M.PARAM_SYNC_GATHER_S: gather_s, **self.weights.last_publish}
+            published = self.weights.publish(version, state_dict, self.model_config_json, self.state.step,
+                                             self.state.consumed_groups)
+            self._sync_stats = {M.PARAM_SYNC_GATHER_S: gather_s, **published.metrics()}
             deleted = self.weights.retain(self.cfg.timeouts.heartbeat_stale_s)
             if deleted:
                 log.debug("retention deleted versions %s", deleted)

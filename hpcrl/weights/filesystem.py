@@ -6,13 +6,13 @@ Publish (trainer rank 0)::
     rename -> weights/v000007/, fsync weights/
     weights/v000007/manifest.json (tmp -> fsync -> replace): the version now exists
 
-Load (rollout): poll for the newest version with a manifest and no ``bad.json`` (no
-inotify on Lustre), announce it in ``control/loading/<writer>.json`` (the pin), map the
-file, check its size and hash against the manifest (one pass over the bytes), and only
-then hand the tensors to ``apply``; release the announcement. A damaged version (torn
-file, flipped bytes, unreadable manifest or header) is named in the log, marked with
-``bad.json`` and never loaded again; ``load_newest`` falls back to the newest intact one
-and the trainer publishes its current weights as a new version.
+Take (a subscriber: rollout job, evaluation): poll for the newest version with a manifest and no
+``bad.json`` (no inotify on Lustre), announce it in ``control/loading/<reader>.json`` (the pin), map
+the file, check its size and hash against the manifest (one pass over the bytes), and only then
+hand the tensors to the caller in a ``WeightVersion``; its release withdraws the announcement. A
+damaged version (torn file, flipped bytes, unreadable manifest or header) is named in the log,
+marked with ``bad.json`` and never taken again; ``take_newest`` falls back to the newest intact
+one and the trainer publishes its current weights as a new version.
 
 Retention (trainer): keep the newest ``keep_versions`` and the newest intact version; an
 older version is deleted only if no live rollout job (fresh heartbeat) has announced it
@@ -28,12 +28,12 @@ from typing import Optional
 
 import torch
 
-from hpcrl import metric_names as M
 from hpcrl.config import TimeoutsConfig, WeightsConfig
 from hpcrl.control.records import LoadingAnnouncement, live_jobs
 from hpcrl.fsio import fsync_path, read_json, write_json_atomic
 from hpcrl.run_dir import WEIGHT_MODEL_CONFIG, WEIGHT_TENSORS, RunDir
-from hpcrl.weights.base import Apply, WeightTransport, WeightVersionBad, WeightVersionGone
+from hpcrl.weights.base import (Published, WeightPublisher, WeightSubscriber, WeightVersion, WeightVersionBad,
+                                WeightVersionGone)
 from hpcrl.weights.manifest import BadVersionMarker, FileEntry, TensorEntry, WeightManifest
 from hpcrl.weights.safetensors_io import (HASH_ALGORITHM, HASHES, DamagedFile, check_file, load_verified,
                                           save_hashed, write_hashed)
@@ -41,8 +41,10 @@ from hpcrl.weights.safetensors_io import (HASH_ALGORITHM, HASHES, DamagedFile, c
 log = logging.getLogger(__name__)
 
 
-def _dedupe_tied(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """safetensors refuses shared storage (tied embeddings): store each storage once."""
+def dedupe_tied(state_dict: dict[str, torch.Tensor], to_cpu: bool = True
+                ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Each storage once (safetensors refuses shared storage: tied embeddings) and the aliases of the rest;
+    contiguous copies in host memory unless ``to_cpu`` is False."""
     seen: dict[tuple, str] = {}
     tensors, aliases = {}, {}
     for k, v in state_dict.items():
@@ -52,37 +54,124 @@ def _dedupe_tied(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.T
             continue
         if key is not None:
             seen[key] = k
-        tensors[k] = v.detach().to("cpu").contiguous()
+        tensors[k] = (v.detach().to("cpu") if to_cpu else v.detach()).contiguous()
     return tensors, aliases
 
 
-class FilesystemTransport(WeightTransport):
-    """Versions as safetensors folders in ``RUN/weights`` (see the module docstring)."""
+class VersionFolders:
+    """``RUN/weights`` as both sides see it: which versions are complete, their manifests, bad markers
+    and the readers' pins (``control/loading/<reader>.json``)."""
 
-    name = "filesystem"
-
-    def __init__(self, run_dir: RunDir, keep_versions: int, verify: bool = True, checksum: bool = True):
-        """``verify``/``checksum`` exist for the benchmark (what hashing costs); jobs keep both on."""
+    def __init__(self, run_dir: RunDir):
         self.run_dir = run_dir
-        self.keep_versions = keep_versions
-        self.verify = verify
-        self.checksum = checksum
         # Versions this process found damaged, with the identity of the manifest it saw: never
         # tried again even if the marker could not be written, but a version number the trainer
         # withdrew and published again (after a rollback) is a new version.
         self._bad: dict[int, Optional[tuple[int, int]]] = {}
 
+    def published_versions(self) -> list[int]:
+        """Versions whose manifest exists, oldest first."""
+        rd = self.run_dir
+        if not rd.weights.is_dir():
+            return []
+        out = []
+        for p in rd.weights.iterdir():
+            v = rd.parse_weight_version(p.name)
+            if v is not None and rd.weight_manifest(v).is_file():
+                out.append(v)
+        return sorted(out)
+
+    def read_manifest(self, version: int) -> Optional[WeightManifest]:
+        """The manifest of ``version``; None if there is none; WeightVersionBad if it is not one."""
+        path = self.run_dir.weight_manifest(version)
+        try:
+            d = read_json(path)
+            if d is None:
+                return None
+            manifest = WeightManifest.from_json(d, str(path))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise WeightVersionBad(f"weight version {version}: {path} is not a manifest ({e})") from None
+        if manifest.param_version != version:
+            raise WeightVersionBad(f"weight version {version}: {path} says param_version {manifest.param_version}")
+        return manifest
+
+    def is_bad(self, version: int) -> bool:
+        """This process found it damaged, or a reader left its marker."""
+        if version in self._bad and self._bad[version] == self._manifest_stamp(version):
+            return True
+        return self.run_dir.weight_bad_marker(version).exists()
+
+    def _manifest_stamp(self, version: int) -> Optional[tuple[int, int]]:
+        try:
+            st = self.run_dir.weight_manifest(version).stat()
+        except FileNotFoundError:
+            return None
+        return st.st_ino, st.st_mtime_ns
+
+    def mark_bad(self, version: int, reader: str, reason: str) -> None:
+        """Record that ``version`` is damaged so no reader loads it again and the trainer republishes."""
+        self._bad[version] = self._manifest_stamp(version)
+        marker = BadVersionMarker(param_version=version, writer=reader, reason=reason, time_s=time.time())
+        try:
+            write_json_atomic(self.run_dir.weight_bad_marker(version), marker.to_json())
+        except FileNotFoundError:
+            pass  # the version was deleted meanwhile: nobody can load it anyway
+
+    def pin(self, reader: str, version: int, pinned: bool) -> None:
+        """Announce that ``reader`` is loading ``version`` (retention must not delete it), or is done with it."""
+        write_json_atomic(self.run_dir.loading_announcement(reader), LoadingAnnouncement(
+            writer=reader, version=version, state="loading" if pinned else "loaded", time_s=time.time()).to_json())
+
+    def pinned_by_live_readers(self, heartbeat_stale_s: float) -> set[int]:
+        """Versions a reader with a fresh heartbeat announced it is loading (a dead reader pins nothing)."""
+        alive = live_jobs(self.run_dir, heartbeat_stale_s)
+        out = set()
+        for path in self.run_dir.loading.glob("*.json"):
+            try:
+                pin = LoadingAnnouncement.from_json(read_json(path))
+            except (ValueError, OSError):
+                continue  # not a record (rewritten atomically, so never torn): pins nothing
+            if pin.state == "loading" and pin.writer in alive:
+                out.add(pin.version)
+        return out
+
+    def delete(self, version: int) -> bool:
+        """Remove ``version`` (its manifest first: from that instant it does not exist for readers)."""
+        try:
+            self.run_dir.weight_manifest(version).unlink()
+        except FileNotFoundError:
+            return False
+        shutil.rmtree(self.run_dir.weight_version_dir(version), ignore_errors=True)
+        return True
+
+
+class FilesystemPublisher(WeightPublisher):
+    """Trainer rank 0: versions as safetensors folders in ``RUN/weights`` (module docstring)."""
+
+    def __init__(self, run_dir: RunDir, keep_versions: int, checksum: bool = True):
+        """``checksum`` exists for the benchmark (what hashing costs); jobs keep it on."""
+        self.run_dir = run_dir
+        self.folders = VersionFolders(run_dir)
+        self.keep_versions = keep_versions
+        self.checksum = checksum
+
     @classmethod
-    def from_config(cls, cfg: WeightsConfig, run_dir: RunDir,
-                    timeouts: Optional[TimeoutsConfig] = None) -> "FilesystemTransport":
-        """The transport a job uses (``weights.keep_versions``)."""
+    def from_config(cls, cfg: WeightsConfig, run_dir: RunDir, timeouts: TimeoutsConfig) -> "FilesystemPublisher":
+        """The publisher the trainer uses (``weights.keep_versions``)."""
         return cls(run_dir, cfg.keep_versions)
 
-    # ---- trainer side
     def publish(self, version: int, state_dict: dict[str, torch.Tensor], model_config_json: str,
-                trainer_step: int, consumed_groups: int) -> WeightManifest:
-        rd = self.run_dir
+                trainer_step: int, consumed_groups: int) -> Published:
         t0 = time.monotonic()
+        manifest = self.write_version(version, *dedupe_tied(state_dict), model_config_json, trainer_step,
+                                      consumed_groups)
+        return Published(manifest, files_s=time.monotonic() - t0)
+
+    def write_version(self, version: int, tensors: dict[str, torch.Tensor], aliases: dict[str, str],
+                      model_config_json: str, trainer_step: int, consumed_groups: int) -> WeightManifest:
+        """The files of ``version`` (``tensors`` stored once, ``aliases`` in the manifest), committed by the
+        manifest written last."""
+        rd = self.run_dir
         final = rd.weight_version_dir(version)
         if rd.weight_manifest(version).exists():
             raise FileExistsError(f"weight version {version} already published at {final}")
@@ -91,7 +180,6 @@ class FilesystemTransport(WeightTransport):
         if final.exists():  # renamed by a trainer killed before its manifest: never visible, rewrite it
             shutil.rmtree(final)
         tmp.mkdir(parents=True)
-        tensors, aliases = _dedupe_tied(state_dict)
         metadata = {"format": "pt", "param_version": str(version)}
         size, digest = save_hashed(tensors, tmp / WEIGHT_TENSORS, metadata)
         files = {WEIGHT_TENSORS: FileEntry(size, HASH_ALGORITHM, digest)}
@@ -108,20 +196,7 @@ class FilesystemTransport(WeightTransport):
             tensors=[TensorEntry(k, str(v.dtype).removeprefix("torch."), list(v.shape)) for k, v in tensors.items()],
             total_bytes=sum(f.size_bytes for f in files.values()), published_s=time.time(), aliases=aliases)
         write_json_atomic(rd.weight_manifest(version), manifest.to_json())  # the commit point
-        files_s = time.monotonic() - t0
-        self.last_publish = {M.WEIGHTS_PATH: "filesystem", M.PARAM_SYNC_FILES_S: files_s,
-                             M.WEIGHTS_BYTES: manifest.total_bytes,
-                             M.WEIGHTS_GB_PER_S: manifest.total_bytes / max(files_s, 1e-9) / 1e9}
         return manifest
-
-    def _delete(self, version: int) -> bool:
-        # manifest first: from this instant the version does not exist for readers
-        try:
-            self.run_dir.weight_manifest(version).unlink()
-        except FileNotFoundError:
-            return False
-        shutil.rmtree(self.run_dir.weight_version_dir(version), ignore_errors=True)
-        return True
 
     def withdraw_after(self, version: int) -> list[int]:
         removed = []
@@ -129,7 +204,7 @@ class FilesystemTransport(WeightTransport):
             if v > version:
                 log.warning("removing weight version %d published after the checkpoint we resume from (v%d)",
                             v, version)
-                if self._delete(v):
+                if self.folders.delete(v):
                     removed.append(v)
         return removed
 
@@ -139,83 +214,63 @@ class FilesystemTransport(WeightTransport):
         intact = [v for v in versions if not self.is_bad(v)]
         if intact:
             protected.add(intact[-1])  # readers fall back to it while the newest ones are damaged
-        alive = live_jobs(self.run_dir, heartbeat_stale_s)
-        for path in self.run_dir.loading.glob("*.json"):
-            try:
-                d = read_json(path)
-            except (ValueError, OSError):
-                continue  # not a record (rewritten atomically, so never torn): pins nothing
-            if isinstance(d, dict) and d.get("state") == "loading" and d.get("writer") in alive:
-                protected.add(int(d["version"]))
-        return [v for v in versions if v not in protected and self._delete(v)]
+        protected |= self.folders.pinned_by_live_readers(heartbeat_stale_s)
+        return [v for v in versions if v not in protected and self.folders.delete(v)]
+
+    def published_versions(self) -> list[int]:
+        return self.folders.published_versions()
 
     def is_bad(self, version: int) -> bool:
-        if version in self._bad and self._bad[version] == self._manifest_stamp(version):
-            return True
-        return self.run_dir.weight_bad_marker(version).exists()
+        return self.folders.is_bad(version)
 
-    def _manifest_stamp(self, version: int) -> Optional[tuple[int, int]]:
-        try:
-            st = self.run_dir.weight_manifest(version).stat()
-        except FileNotFoundError:
-            return None
-        return st.st_ino, st.st_mtime_ns
 
-    # ---- both sides
+class FilesystemSubscriber(WeightSubscriber):
+    """A reader of the safetensors folders in ``RUN/weights`` (module docstring)."""
+
+    def __init__(self, run_dir: RunDir, reader: str, verify: bool = True):
+        """``verify`` exists for the benchmark (what checking the hashes costs); jobs keep it on."""
+        self.run_dir = run_dir
+        self.reader = reader
+        self.folders = VersionFolders(run_dir)
+        self.verify = verify
+
+    @classmethod
+    def from_config(cls, cfg: WeightsConfig, run_dir: RunDir, reader: str, timeouts: TimeoutsConfig,
+                    device: str = "cpu") -> "FilesystemSubscriber":
+        """The subscriber a reader named ``reader`` uses."""
+        return cls(run_dir, reader)
+
     def published_versions(self) -> list[int]:
-        rd = self.run_dir
-        if not rd.weights.is_dir():
-            return []
-        out = []
-        for p in rd.weights.iterdir():
-            v = rd.parse_weight_version(p.name)
-            if v is not None and rd.weight_manifest(v).is_file():
-                out.append(v)
-        return sorted(out)
+        return self.folders.published_versions()
+
+    def is_bad(self, version: int) -> bool:
+        return self.folders.is_bad(version)
 
     def read_manifest(self, version: int) -> Optional[WeightManifest]:
-        path = self.run_dir.weight_manifest(version)
+        return self.folders.read_manifest(version)
+
+    def take(self, version: int) -> WeightVersion:
+        t0 = time.monotonic()
+        self.folders.pin(self.reader, version, True)
         try:
-            d = read_json(path)
-            if d is None:
-                return None
-            manifest = WeightManifest.from_json(d)
-        except (ValueError, TypeError, KeyError, AttributeError, UnicodeDecodeError) as e:
-            raise WeightVersionBad(f"weight version {version}: {path} is not a manifest ({e!r})") from None
-        if manifest.param_version != version:
-            raise WeightVersionBad(f"weight version {version}: {path} says param_version {manifest.param_version}")
-        return manifest
+            manifest, tensors = self._read_verified(version)
+        except BaseException:
+            self.folders.pin(self.reader, version, False)
+            raise
+        return WeightVersion(version, manifest, self.run_dir.weight_version_dir(version), tensors, path="filesystem",
+                             transfer_s=time.monotonic() - t0, nbytes=manifest.total_bytes,
+                             _release=lambda: self.folders.pin(self.reader, version, False))
 
-    # ---- rollout side
-    def _announce(self, writer: str, version: int, state: str) -> None:
-        write_json_atomic(self.run_dir.loading_announcement(writer),
-                          LoadingAnnouncement(writer=writer, version=version, state=state, time_s=time.time()).to_json())
-
-    def pin(self, writer: str, version: int) -> None:
-        self._announce(writer, version, "loading")
-
-    def unpin(self, writer: str, version: int) -> None:
-        self._announce(writer, version, "loaded")
-
-    def mark_bad(self, version: int, writer: str, reason: str) -> None:
-        self._bad[version] = self._manifest_stamp(version)
-        marker = BadVersionMarker(param_version=version, writer=writer, reason=reason, time_s=time.time())
-        try:
-            write_json_atomic(self.run_dir.weight_bad_marker(version), marker.to_json())
-        except FileNotFoundError:
-            pass  # the version was deleted meanwhile: nobody can load it anyway
-
-    def load(self, version: int, writer: str, apply: Optional[Apply] = None
-             ) -> tuple[WeightManifest, dict[str, torch.Tensor]]:
+    def _read_verified(self, version: int) -> tuple[WeightManifest, dict[str, torch.Tensor]]:
+        """The manifest and verified tensors of ``version``; WeightVersionGone / WeightVersionBad (marked)."""
         rd = self.run_dir
-        self.pin(writer, version)
         try:
             try:
                 manifest = self.read_manifest(version)
                 if manifest is None:
                     raise WeightVersionGone(f"weight version {version} disappeared from {rd.weights} "
                                             "before it was loaded")
-                state = self._read(version, manifest)
+                return manifest, self._read(version, manifest)
             except FileNotFoundError as e:
                 if not rd.weight_manifest(version).exists():
                     raise WeightVersionGone(f"weight version {version} was deleted while it was loaded") from None
@@ -223,17 +278,9 @@ class FilesystemTransport(WeightTransport):
             except DamagedFile as e:
                 raise WeightVersionBad(f"weight version {version} in {rd.weight_version_dir(version)} "
                                        f"is damaged: {e}") from None
-            self.last_load = {M.WEIGHTS_PATH: "filesystem", M.WEIGHTS_BYTES: manifest.total_bytes}
-            if apply is not None:
-                apply(state, rd.weight_version_dir(version))
-                return manifest, {}
-            # the tensors view a read-only mapping of the file: hand out copies that outlive it
-            return manifest, {k: v.clone() for k, v in state.items()}
         except WeightVersionBad as e:
-            self.mark_bad(version, writer, str(e))
+            self.folders.mark_bad(version, self.reader, str(e))
             raise
-        finally:
-            self.unpin(writer, version)
 
     def _read(self, version: int, manifest: WeightManifest) -> dict[str, torch.Tensor]:
         """The verified tensors of ``version`` with tied aliases restored; DamagedFile if anything differs."""

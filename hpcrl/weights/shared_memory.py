@@ -1,9 +1,10 @@
 """Receive buffers in the node's shared memory, so another process maps the bytes instead of copying them.
 
-A version received by broadcast lands in one flat byte buffer (``process_group.recv_buckets``). When
+A version received by broadcast lands in one flat byte buffer (``wire.recv_buckets``). When
 that buffer is a file in ``/dev/shm`` (a tmpfs: RAM, no disk), vLLM's worker process, which holds the
 model, maps the same pages and loads the tensors from them (``hpcrl/rollout/vllm_worker.py``): the
-rollout process hands over a path and a JSON layout, never the bytes (and nothing is pickled).
+rollout process hands over a path and a JSON layout (the subscriber's ``WeightVersion.mapped``), never
+the bytes (and nothing is pickled).
 
 - The space is reserved with ``posix_fallocate`` before the buffer is mapped, so a full tmpfs (Docker's
   default is 64 MiB) is a clear ``OSError`` at allocation, and the caller falls back to private memory;
@@ -89,32 +90,16 @@ def _unlink(path: Path) -> None:
     path.unlink(missing_ok=True)
 
 
-def receive_buffer(nbytes: int, folder: Path = SHM_DIR) -> torch.Tensor:
-    """:func:`shared_buffer`, or private memory (logged) where the node's shared memory cannot hold it."""
+def receive_buffer(nbytes: int, folder: Path = SHM_DIR) -> tuple[torch.Tensor, Optional[str]]:
+    """:func:`shared_buffer` and its file's path, or private memory and None (logged once) where the node's
+    shared memory cannot hold it."""
     try:
-        return shared_buffer(nbytes, folder)
+        flat = shared_buffer(nbytes, folder)
+        return flat, flat.untyped_storage().filename
     except OSError as e:
         global _warned
         if not _warned:
             _warned = True
             log.warning("weight buffers in private memory: %s (the vLLM engine then reloads each version from "
                         "its files; a larger /dev/shm avoids that)", e)
-        return torch.empty(nbytes, dtype=torch.uint8)
-
-
-def mapped_layout(state: dict[str, torch.Tensor]) -> Optional[tuple[str, int, list[list]]]:
-    """Where ``state``'s tensors lie if all are views of one shared buffer file: ``(path, file bytes,
-    rows)``, a row per tensor in the broadcast header's form (``process_group.Entry`` fields, JSON-able);
-    None otherwise."""
-    path, layout = None, []
-    for name, t in state.items():
-        storage = t.untyped_storage()
-        filename = getattr(storage, "filename", None)
-        if not filename or (path is not None and filename != path) or not t.is_contiguous():
-            return None
-        path = filename
-        layout.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), t.storage_offset() * t.element_size(),
-                       t.numel() * t.element_size()])
-    if path is None or not Path(path).name.startswith(PREFIX):
-        return None
-    return path, state[next(iter(state))].untyped_storage().nbytes(), layout
+        return torch.empty(nbytes, dtype=torch.uint8), None
