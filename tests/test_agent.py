@@ -1,4 +1,4 @@
-"""The tool agent (hpcrl/rollout/agent.py): parsers, tool responses through the chat template,
+"""The tool agent (hpcrl/rollout/tool_agent.py): parsers, tool responses through the chat template,
 a trajectory stopped mid-generation and mid-tool-call that resumes from its JSON state with
 masks 0 exactly on tool tokens, a rollout job restarted mid-run that continues its saved
 groups, and the multi-turn toy task learning on the tiny model."""
@@ -14,11 +14,13 @@ from conftest import check_exactly_once, start_rollout, start_trainer, wait_unti
 from hpcrl.config import load_config
 from hpcrl.fsio import read_jsonl
 from hpcrl.logs import read_jsonl_frame, read_metrics
-from hpcrl.rollout.agent import (FINISH_TOOL_ERROR, GENERATING, PROCESSING_TOOLS, AgentTrajectory, ToolAgent,
-                                 generate_agent_group, template_prefix)
+from hpcrl.rollout.agent_loop import GroupContext, run_group
 from hpcrl.rollout.engine import EngineOptions, EngineRunner
-from hpcrl.rollout.partial import EngineGate, GroupAborted
-from hpcrl.rollout.resume import TOOL_AGENT, InFlightStates
+from hpcrl.rollout.gate import EngineGate, GroupAborted
+from hpcrl.rollout.loops import TOOL_AGENT
+from hpcrl.rollout.resume import InFlightStates
+from hpcrl.rollout.tool_agent import FINISH_TOOL_ERROR, ToolAgentLoop, template_prefix
+from hpcrl.rollout.trajectory import GENERATING, PROCESSING_TOOLS, TrajectoryState
 from hpcrl.rollout.tool_parsers import HermesParser, TinyParser
 from hpcrl.rollout.transformers_engine import TransformersEngine
 from hpcrl.samples.reader import read_shard
@@ -36,6 +38,11 @@ AGENT = ["data.source=builtin:toy_calc", "reward.name=toy_calc", "agent.default=
 
 def agent_cfg(*overrides):
     return load_config(None, ["agent.default=tool_agent", *overrides]).agent
+
+
+def generate_group(agent, engine, runner, gate, prompt, trajs, seed, budget, timeout_s, what):
+    """One group's trajectories run to the end by the tool agent, as the rollout job runs them."""
+    return run_group(agent, GroupContext(engine, gate, prompt, seed, budget), trajs, runner, timeout_s, what)
 
 
 def test_hermes_parser_reads_calls_and_names_what_does_not_parse():
@@ -67,11 +74,11 @@ def test_tool_responses_are_appended_without_the_templates_conversation_prefix()
                         "{{ m['content'] }} . {% endfor %}" \
                         "{% if add_generation_prompt %}yes {% endif %}"
     assert template_prefix(tok) == "say it . "
-    agent = ToolAgent(agent_cfg("agent.tools=[{name: calculator}]"), tok)
+    agent = ToolAgentLoop(agent_cfg("agent.tools=[{name: calculator}]"), tok)
     assert tok.decode(agent.tool_response_ids(["7"])) == "is : 7. yes"
     tok.chat_template = None
     with pytest.raises(ValueError, match="no chat template"):
-        ToolAgent(agent_cfg("agent.tools=[{name: calculator}]"), tok)
+        ToolAgentLoop(agent_cfg("agent.tools=[{name: calculator}]"), tok)
 
 
 @pytest.fixture(scope="module")
@@ -90,11 +97,11 @@ def test_an_agent_turn_cut_by_new_weights_continues_without_a_gap(models):
     budget, prompt = 1500, [30, 5, 7]
     engine = engine_for(a, budget)
     engine.eos_id = None  # the turn ends only by the budget or the abort
-    agent = ToolAgent(agent_cfg("agent.tools=[{name: calculator}]", "agent.tool_parser=tiny"), load_tokenizer(a))
-    runner, gate, traj = EngineRunner(), EngineGate(), AgentTrajectory()
+    agent = ToolAgentLoop(agent_cfg("agent.tools=[{name: calculator}]", "agent.tool_parser=tiny"), load_tokenizer(a))
+    runner, gate, traj = EngineRunner(), EngineGate(), TrajectoryState()
     gate.open(0)
-    thread = threading.Thread(target=generate_agent_group, args=(agent, engine, runner, gate, prompt, [traj], 3, budget,
-                                                                 120, "test group"))
+    thread = threading.Thread(target=generate_group, args=(agent, engine, runner, gate, prompt, [traj], 3, budget,
+                                                           120, "test group"))
     thread.start()
     time.sleep(0.3)
     gate.close()  # what the rollout loop does at a version change with partial rollout
@@ -122,7 +129,7 @@ def test_a_trajectory_stopped_mid_tool_call_resumes_from_its_saved_state(models,
     prompt = tok("3 * 4", add_special_tokens=False)["input_ids"]
     turn = tok("( 3 * 4 ) <eos>", add_special_tokens=False)["input_ids"]
     slow_call = {"name": "python", "arguments": {"code": "import time; time.sleep(2); print(3 * 4)"}}
-    start = AgentTrajectory(state=PROCESSING_TOOLS, tokens=list(turn), mask=[1] * len(turn),
+    start = TrajectoryState(state=PROCESSING_TOOLS, tokens=list(turn), mask=[1] * len(turn),
                             logprobs=[-1.0] * len(turn), versions=[0] * len(turn), assistant_turns=1,
                             pending_calls=[slow_call], segments=1)
     # job 1: its tool call is running when the job stops
@@ -131,12 +138,12 @@ def test_a_trajectory_stopped_mid_tool_call_resumes_from_its_saved_state(models,
     assert not resumed
     runner, gate = EngineRunner(), EngineGate()
     gate.open(0)
-    agent = ToolAgent(cfg, tok)
+    agent = ToolAgentLoop(cfg, tok)
     result = {}
 
     def group():
         try:
-            generate_agent_group(agent, engine_for(a, 40), runner, gate, prompt, [traj], 3, 40, 60, "group 7")
+            generate_group(agent, engine_for(a, 40), runner, gate, prompt, [traj], 3, 40, 60, "group 7")
         except GroupAborted:
             result["aborted"] = True
 
@@ -151,11 +158,11 @@ def test_a_trajectory_stopped_mid_tool_call_resumes_from_its_saved_state(models,
     states.save({7})
     # job 2 (new weights, version 1) reads the saved state and finishes the trajectory
     states2 = InFlightStates(tmp_path / "in_flight.json", enabled=True)
-    (traj2,), resumed = states2.start(7, TOOL_AGENT, [AgentTrajectory()])
+    (traj2,), resumed = states2.start(7, TOOL_AGENT, [TrajectoryState()])
     assert resumed and traj2 == traj
     runner, gate = EngineRunner(), EngineGate()
     gate.open(1)
-    generate_agent_group(agent, engine_for(b, 40), runner, gate, prompt, [traj2], 3, 40, 60, "group 7")
+    generate_group(agent, engine_for(b, 40), runner, gate, prompt, [traj2], 3, 40, 60, "group 7")
     runner.close()
     shown = tok("= 1 2 .", add_special_tokens=False)["input_ids"]
     n0, n1 = len(turn), len(turn) + len(shown)
@@ -170,14 +177,14 @@ def test_a_trajectory_stopped_mid_tool_call_resumes_from_its_saved_state(models,
 def test_a_failed_tool_call_ends_the_episode_and_is_counted(models):
     a, _ = models
     tok = load_tokenizer(a)
-    agent = ToolAgent(agent_cfg("agent.tools=[{name: calculator}]", "agent.tool_parser=tiny"), tok)
+    agent = ToolAgentLoop(agent_cfg("agent.tools=[{name: calculator}]", "agent.tool_parser=tiny"), tok)
     turn = tok("( 9 * * ) <eos>", add_special_tokens=False)["input_ids"]
-    traj = AgentTrajectory(state=PROCESSING_TOOLS, tokens=list(turn), mask=[1] * len(turn), logprobs=[0.0] * len(turn),
+    traj = TrajectoryState(state=PROCESSING_TOOLS, tokens=list(turn), mask=[1] * len(turn), logprobs=[0.0] * len(turn),
                            versions=[0] * len(turn), assistant_turns=1,
                            pending_calls=[{"name": "calculator", "arguments": {"expression": "9 * *"}}])
     runner, gate = EngineRunner(), EngineGate()
     gate.open(0)
-    generate_agent_group(agent, engine_for(a, 16), runner, gate, [5], [traj], 0, 16, 60, "group")
+    generate_group(agent, engine_for(a, 16), runner, gate, [5], [traj], 0, 16, 60, "group")
     runner.close()
     assert traj.finish_reason == FINISH_TOOL_ERROR and traj.tool_errors == 1 and traj.tokens == turn
 
@@ -187,11 +194,10 @@ def test_saved_states_that_cannot_be_read_are_ignored(tmp_path):
     path.write_text('{"schema": 1, "groups": [{"prompt_index": 3, "agent": "tool_agent", "trajectories": [{"state": 1}]}]}')
     states = InFlightStates(path, enabled=True)
     assert states.saved_count() == 0
-    fresh = [AgentTrajectory()]
+    fresh = [TrajectoryState()]
     assert states.start(3, TOOL_AGENT, fresh) == (fresh, False)
-    path.write_text('{"schema": 1, "groups": [{"prompt_index": 3, "agent": "tool_agent", "trajectories": '
-                    f'[{AgentTrajectory(tokens=[4], mask=[1], logprobs=[0.0], versions=[2]).to_json()}]}}]}}'
-                    .replace("'", '"').replace("None", "null"))
+    path.write_text(json.dumps({"schema": 1, "groups": [{"prompt_index": 3, "agent": "tool_agent", "trajectories": [
+        TrajectoryState(tokens=[4], mask=[1], logprobs=[0.0], versions=[2]).to_json()]}]}))
     assert InFlightStates(path, enabled=True).saved_count() == 1
     assert InFlightStates(path, enabled=False).saved_count() == 0  # without partial rollout nothing is continued
 

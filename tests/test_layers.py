@@ -311,3 +311,12 @@ def test_rewards_and_engines_match_the_implementation():
 
     assert set(REWARDS) == set(names.REWARD_NAMES)
     assert set(ENGINES) == set(names.ENGINES)
+
+
+def test_agent_loops_match_the_implementation():
+    from hpcrl.rollout.loops import LOOPS
+    from hpcrl.rollout.single_turn import SingleTurnLoop
+    from hpcrl.rollout.tool_agent import ToolAgentLoop
+
+    assert set(LOOPS) == set(names.AGENT_LOOPS)
+    assert {SingleTurnLoop.name, ToolAgentLoop.name} == set(names.AGENT_LOOPS)

@@ -11,8 +11,11 @@ import torch
 
 from conftest import check_exactly_once, start_rollout, start_trainer
 from hpcrl.logs import read_metrics, read_staleness
+from hpcrl.rollout.agent_loop import GroupContext, run_group
 from hpcrl.rollout.engine import EngineOptions, EngineRunner
-from hpcrl.rollout.partial import EngineGate, Response, generate_responses
+from hpcrl.rollout.gate import EngineGate
+from hpcrl.rollout.single_turn import SingleTurnLoop
+from hpcrl.rollout.trajectory import TrajectoryState
 from hpcrl.rollout.transformers_engine import TransformersEngine
 from hpcrl.weights import WeightVersion
 from hpcrl.tiny.model import build_tiny_model
@@ -39,8 +42,9 @@ def test_an_interrupted_response_continues_under_the_new_weights_without_a_gap(t
     runner, gate = EngineRunner(), EngineGate()
     gate.open(0)
     out = {}
-    thread = threading.Thread(target=lambda: out.setdefault("r", generate_responses(
-        engine, runner, gate, PROMPT, [Response(), Response()], seed=3, budget=BUDGET, timeout_s=120, what="test group")))
+    ctx = GroupContext(engine, gate, PROMPT, seed=3, budget=BUDGET)
+    thread = threading.Thread(target=lambda: out.setdefault("r", run_group(
+        SingleTurnLoop(), ctx, [TrajectoryState(), TrajectoryState()], runner, timeout_s=120, what="test group")))
     thread.start()
     time.sleep(0.3)
     # what the rollout loop does at a version change with partial rollout
@@ -61,6 +65,7 @@ def test_an_interrupted_response_continues_under_the_new_weights_without_a_gap(t
               f"{r.segments} segments")
         assert len(r.tokens) == len(r.logprobs) == len(r.versions) == BUDGET and r.finish_reason == "length"
         assert 0 < cut < BUDGET and r.segments == 2, "the abort landed mid-response"
+        assert r.mask == [1] * BUDGET and r.num_turns == 1 and r.done
         assert (versions[:cut] == 0).all() and (versions[cut:] == 1).all()
         # each token's log-prob is its own version's, given exactly the tokens before it
         np.testing.assert_allclose(r.logprobs[:cut], token_logprobs(a, PROMPT, r.tokens)[:cut], atol=1e-4)

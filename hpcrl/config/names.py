@@ -77,7 +77,7 @@ KL_CTRL_TYPES = ("fixed", "adaptive")
 """``algorithm.kl_ctrl.type`` (hpcrl/trainer/kl.py)."""
 
 AGENT_LOOPS = ("single_turn", "tool_agent")
-"""``agent.default`` and a data row's ``agent_name`` (hpcrl/rollout/agent.py)."""
+"""``agent.default`` and a data row's ``agent_name`` (hpcrl/rollout/loops.py: one file per loop)."""
 
 TOOL_PARSERS = ("hermes", "tiny")
 """``agent.tool_parser`` (hpcrl/rollout/tool_parsers.py)."""

@@ -94,17 +94,18 @@ def check_inputs(cfg: RunConfig) -> list[str]:
 
 
 def check_agent(cfg: RunConfig, tokenizer, rows: list[dict]) -> list[str]:
-    """Build the tool agent the rollout jobs will build, if any prompt uses it; ConfigError in one line."""
-    from hpcrl.rollout.agent import TOOL_AGENT, ToolAgent, agent_loop
+    """Build the agent loops the rollout jobs will build; ConfigError in one line if one cannot be."""
+    from hpcrl.rollout.loops import TOOL_AGENT, loop_name, make_loops
 
-    n = sum(agent_loop(r, cfg.agent) == TOOL_AGENT for r in rows)
-    if not n:
-        return []
-    if not cfg.agent.tools:
+    n = sum(loop_name(r, cfg.agent) == TOOL_AGENT for r in rows)
+    if n and not cfg.agent.tools:
         raise bad("agent.tools", [], f"at least one tool ({n} prompts use the tool agent)",
                   "e.g. agent.tools=[{name: calculator}]")
     try:
-        agent = ToolAgent(cfg.agent, tokenizer)
+        loops = make_loops(cfg.agent, tokenizer, rows)
     except ValueError as e:
         raise ConfigError(f"config agent: {e}") from None
-    return [f"tool agent for {n} of {len(rows)} prompts: tools {', '.join(agent.tools)}, parser {cfg.agent.tool_parser}"]
+    if not n:
+        return []
+    tools = ", ".join(loops[TOOL_AGENT].tools)
+    return [f"tool agent for {n} of {len(rows)} prompts: tools {tools}, parser {cfg.agent.tool_parser}"]

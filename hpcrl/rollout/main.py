@@ -6,7 +6,7 @@ The loop (:meth:`RolloutJob._loop`) repeats these named steps:
 2. **new weights?** a newer complete version exists (or an *older* newest one: the
    trainer rolled back to a checkpoint): stop admitting, let the groups in flight
    finish, seal them, load the version; with ``partial_rollout``, abort them instead
-   and let them continue under the new version (``rollout/partial.py``);
+   and let them continue under the new version (``rollout/gate.py``);
 3. **admit**: while fewer than ``rollout.max_concurrent_groups`` groups are in
    flight, take the next prompt index and reserve a start in the shared admission
    budget (``control/admission.py``);
@@ -29,37 +29,25 @@ import argparse
 import logging
 import os
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Optional
 
-import numpy as np
-import torch
-
-from hpcrl.process import faults, termination
-from hpcrl.control.admission import Admission
-from hpcrl.control.fatal import fatal_inputs
-from hpcrl.process.preemption import PreemptionFlag, requeue_self
-from hpcrl.process.reaper import start_reaper, stop_reaper
 from hpcrl.control.records import HeartbeatState, HeartbeatThread, describe_heartbeats
 from hpcrl.fsio import wait_for
-from hpcrl.logs import MetricsLog, setup_logging
-from hpcrl.rollout.dataset import PromptStream, WriterPositions, load_rows
-from hpcrl.rollout.engine import FINISH_LENGTH, Engine, EngineOptions, EngineRunner
-from hpcrl.rollout.engines import make_engine
-from hpcrl.rollout.agent import SINGLE_TURN, TOOL_AGENT, AgentTrajectory, ToolAgent, agent_loop, generate_agent_group
-from hpcrl.rollout.partial import EngineGate, Response, generate_responses
-from hpcrl.rollout.resume import InFlightStates
+from hpcrl.logs import setup_logging
+from hpcrl.process import faults, termination
+from hpcrl.process.preemption import PreemptionFlag, requeue_self
+from hpcrl.rollout.agent_loop import GroupContext, group_seed, run_group
+from hpcrl.rollout.engine import FINISH_LENGTH
+from hpcrl.rollout.gate import EngineGate
+from hpcrl.rollout.loops import loop_name
+from hpcrl.rollout.parts import RolloutParts, build_parts
+from hpcrl.rollout.trajectory import TrajectoryState
 from hpcrl.rollout.version_stats import VersionStats
-from hpcrl.rollout.data import encode_rows
-from hpcrl.rollout.reward_fn import RewardScorer, load_reward
 from hpcrl.run_dir import RunDir
 from hpcrl.samples.schema import Group, Trajectory
-from hpcrl.samples.skips import SkipLog
-from hpcrl.samples.writer import ShardWriter
-from hpcrl.tiny.model import load_tokenizer
-from hpcrl import metric_names as M
-from hpcrl.weights import WeightSubscriber, WeightVersion, make_subscriber
+from hpcrl.weights import WeightVersion
 
 log = logging.getLogger("hpcrl.rollout")
 
@@ -78,23 +66,16 @@ class GroupInfo:
     resumed: bool = False
     """Continued from the state a previous job of this writer saved."""
 
+    @classmethod
+    def of(cls, trajs: list[TrajectoryState], resumed: bool) -> "GroupInfo":
+        """The counters of a finished group's trajectories."""
+        return cls(sum(t.finish_reason == FINISH_LENGTH for t in trajs), [t.num_turns for t in trajs],
+                   sum(t.tool_calls for t in trajs), sum(t.tool_errors for t in trajs),
+                   sum(t.tool_latency_s for t in trajs), resumed)
+
 
 class EngineLoadFailed(Exception):
     """The engine could not adopt a verified weight version (the files are fine: not marked bad)."""
-
-
-def engine_options(cfg, model_dir) -> EngineOptions:
-    """``rollout.*`` resolved for this job: ``device: auto`` becomes cuda when a GPU is visible."""
-    ro = cfg.rollout
-    device = ro.device if ro.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"rollout.device=cuda but this job sees no GPU (CUDA_VISIBLE_DEVICES="
-                           f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): check resources.rollout.gpus_per_node")
-    return EngineOptions(model_dir=model_dir, max_new_tokens=ro.response_length, temperature=ro.temperature,
-                         top_p=ro.top_p, device=device, dtype=ro.dtype, seed=cfg.model.seed,
-                         gpu_memory_utilization=ro.gpu_memory_utilization, max_model_len=ro.max_model_len,
-                         tensor_parallel_size=ro.tensor_parallel_size, data_parallel_size=ro.data_parallel_size,
-                         enforce_eager=ro.enforce_eager, max_num_seqs=ro.max_num_seqs)
 
 
 TRAINER_DONE_POLL_S = 0.5
@@ -114,90 +95,52 @@ class RolloutJob:
         self.cfg = run_dir.load_config()
         self.writer = RunDir.writer_name(writer_rank)
         self.writer_rank = writer_rank
-        self.num_writers = self.cfg.resources.rollout_jobs
-        if not 0 <= writer_rank < self.num_writers:
-            raise ValueError(f"writer rank {writer_rank} outside [0, resources.rollout_jobs={self.num_writers})")
-        self.weights: Optional[WeightSubscriber] = None
+        num_writers = self.cfg.resources.rollout_jobs
+        if not 0 <= writer_rank < num_writers:
+            raise ValueError(f"writer rank {writer_rank} outside [0, resources.rollout_jobs={num_writers})")
+        self.heartbeat = HeartbeatThread(run_dir, RunDir.rollout_job(self.writer), "rollout",
+                                         self.cfg.timeouts.heartbeat_interval_s)
+        self.parts: Optional[RolloutParts] = None
+        """Everything built once (``parts.py``); None until built, so that shutdown works whatever stage failed."""
+        self.gate = EngineGate()
+        """Closed while weights are switched, stopped at shutdown (``gate.py``)."""
+        # the loop's own state
         self.version = -1
+        """The weight version the engine holds (-1: none yet)."""
         self.consumed_at_version = 0
+        """Groups the trainer had consumed when it published that version (the admission budget's base)."""
         self.in_flight: dict[Future, int] = {}
-        # built by _build(); None until then, so that _shutdown works whatever stage failed
-        self.pool: Optional[ThreadPoolExecutor] = None
-        self.runner: Optional[EngineRunner] = None
-        self.engine: Optional[Engine] = None
-        self.reaper = None  # kills the engine's processes if this job is SIGKILLed
-        self.gate = EngineGate()  # closed while weights are switched (rollout/partial.py)
-        self.shards: Optional[ShardWriter] = None
-        self.metrics: Optional[MetricsLog] = None
+        """Groups generating (or parked at the gate) -> their prompt index."""
         self.stats: Optional[VersionStats] = None
+        """Counters of the current version, written as a row when the next one is loaded."""
         self._done_checked_s = 0.0
         self._blocked_since: Optional[float] = None
         self._failed_load: tuple[int, float] = (-1, 0.0)  # (version, monotonic time) of the last failed engine load
-
-    # ---- setup
-    def _build(self) -> None:
-        """Tokenizer, prompts, reward, engine, shard writer, admission. An error in the run's
-        inputs (model, tokenizer, data, reward) is recorded as fatal: a restart would repeat it."""
-        cfg = self.cfg
-        torch.set_num_threads(cfg.rollout.torch_threads)
-        mdir = self.run_dir.model_dir(cfg.model.path)
-        with fatal_inputs(self.run_dir, RunDir.rollout_job(self.writer), "loading the model, data or reward"):
-            self.tokenizer = load_tokenizer(mdir)
-            rows = load_rows(cfg.data, cfg.rollout.response_length)
-            rows, counts, template = encode_rows(self.tokenizer, cfg.data, rows)
-            self.scorer = RewardScorer(load_reward(cfg.reward))
-            uses_agent = any(agent_loop(r, cfg.agent) == TOOL_AGENT for r in rows)
-            self.agent = ToolAgent(cfg.agent, self.tokenizer) if uses_agent else None
-            self.runner = EngineRunner()
-            self.engine = make_engine(cfg.rollout.engine, engine_options(cfg, mdir), self.runner,
-                                      cfg.timeouts.engine_start_s)
-            self.reaper = start_reaper(f"the {cfg.rollout.engine} engine's processes")
-        self.weights = make_subscriber(cfg.weights, self.run_dir, self.writer, cfg.timeouts, self.engine.receive_device)
-        log.info("%s", counts.line(cfg.data, template))
-        self.stream = PromptStream(rows, cfg.data.seed)
-        self.shards = ShardWriter(self.run_dir, self.writer, cfg.rollout.seal_groups, cfg.rollout.seal_interval_s,
-                                  skips=SkipLog(self.run_dir))
-        self.admission = Admission(self.run_dir, self.writer, cfg.admission_budget)
-        self.admission.reset_writer(self.shards.committed_groups)
-        self.positions = WriterPositions(self.writer_rank, self.num_writers, self.shards.committed_prompt_indices)
-        self.metrics = MetricsLog(self.run_dir.rollout_metrics(self.writer))
-        self.states = InFlightStates(self.run_dir.in_flight_states(self.writer), cfg.async_training.partial_rollout)
-        self.pool = ThreadPoolExecutor(cfg.rollout.max_concurrent_groups, thread_name_prefix="group")
 
     # ---- the group task (runs in a pool thread)
     def _generate_group(self, prompt_index: int) -> tuple[Group, GroupInfo]:
         """The group of ``prompt_index`` with its rewards, by the row's agent loop (``agent_name``, else
         ``agent.default``), continued from a saved state if the previous job left one.
         GroupAborted if the job stops meanwhile (its state stays live for :meth:`_shutdown` to save)."""
-        row = self.stream[prompt_index]
+        p, ro = self.parts, self.cfg.rollout
+        row = p.stream[prompt_index]
         created = time.time()
-        prompt_ids = list(row["prompt_ids"])  # chat template and max_prompt_length applied in _build
-        ro, generate_s = self.cfg.rollout, self.cfg.timeouts.generate_s
-        seed = (self.cfg.data.seed * 1_000_003 + prompt_index) % (2**63)
-        what = f"generating the group of prompt {prompt_index}"
-        if agent_loop(row, self.cfg.agent) == TOOL_AGENT:
-            trajs, resumed = self.states.start(prompt_index, TOOL_AGENT, [AgentTrajectory() for _ in range(ro.n)])
-            generate_agent_group(self.agent, self.engine, self.runner, self.gate, prompt_ids, trajs, seed,
-                                 ro.response_length, generate_s, what)
-            info = GroupInfo(sum(a.finish_reason == FINISH_LENGTH for a in trajs), [a.num_turns for a in trajs],
-                             sum(a.tool_calls for a in trajs), sum(a.tool_errors for a in trajs),
-                             sum(a.tool_latency_s for a in trajs), resumed)
-            parts = [(a.tokens, a.mask, a.logprobs, a.versions, a.reward_info()) for a in trajs]
-        else:
-            responses, resumed = self.states.start(prompt_index, SINGLE_TURN, [Response() for _ in range(ro.n)])
-            generate_responses(self.engine, self.runner, self.gate, prompt_ids, responses, seed, ro.response_length,
-                               generate_s, what)
-            info = GroupInfo(sum(r.finish_reason == FINISH_LENGTH for r in responses), [1] * ro.n, resumed=resumed)
-            parts = [(r.tokens, np.ones(len(r.tokens), np.int8), r.logprobs, r.versions, None) for r in responses]
-        trajs = []
-        for j, (tokens, mask, logprobs, versions, agent_info) in enumerate(parts):
-            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-            reward = self.scorer.score(f"{self.writer}/{prompt_index}/{j}", row, text, agent_info)
-            trajs.append(Trajectory(prompt_ids=prompt_ids, response_ids=tokens, response_mask=mask, logprobs=logprobs,
-                                    token_versions=versions, reward=reward))
-        group = Group(writer=self.writer, prompt_index=prompt_index, trajectories=trajs, created_s=created,
+        prompt_ids = list(row["prompt_ids"])  # chat template and max_prompt_length applied in the build
+        loop = p.loops[loop_name(row, self.cfg.agent)]
+        trajs, resumed = p.states.start(prompt_index, loop.name, [TrajectoryState() for _ in range(ro.n)])
+        ctx = GroupContext(p.engine, self.gate, prompt_ids, group_seed(self.cfg.data.seed, prompt_index),
+                           ro.response_length)
+        run_group(loop, ctx, trajs, p.runner, self.cfg.timeouts.generate_s,
+                  f"generating the group of prompt {prompt_index}")
+        out = []
+        for j, t in enumerate(trajs):
+            text = p.tokenizer.decode(t.tokens, skip_special_tokens=True)
+            reward = p.scorer.score(f"{self.writer}/{prompt_index}/{j}", row, text, loop.reward_info(t))
+            out.append(Trajectory(prompt_ids=prompt_ids, response_ids=t.tokens, response_mask=t.mask,
+                                  logprobs=t.logprobs, token_versions=t.versions, reward=reward))
+        group = Group(writer=self.writer, prompt_index=prompt_index, trajectories=out, created_s=created,
                       finished_s=time.time())
-        return group, info
+        return group, GroupInfo.of(trajs, resumed)
 
     # ---- steps of the loop
     def _stop_requested(self) -> Optional[HeartbeatState]:
@@ -219,7 +162,7 @@ class RolloutJob:
         t0 = time.monotonic()
         try:
             faults.point("engine_load")
-            how = self.runner.call(lambda: self.engine.load_weights(wv), self.cfg.timeouts.generate_s,
+            how = self.parts.runner.call(lambda: self.parts.engine.load_weights(wv), self.cfg.timeouts.generate_s,
                                    f"loading weight version {wv.version} ({wv.folder}) into the "
                                    f"{self.cfg.rollout.engine} engine")
         except Exception as e:  # noqa: BLE001 - any engine error: the caller decides whether the job can go on
@@ -241,12 +184,12 @@ class RolloutJob:
         except EngineLoadFailed as e:
             if self.version < 0:
                 raise
-            failed = self.weights.newest_usable()
+            failed = self.parts.weights.newest_usable()
             log.error("the %s engine could not load weight version %s (%s); staying on version %d and trying "
                       "again in %.0fs", self.cfg.rollout.engine, failed, e, self.version,
                       self.cfg.timeouts.retry_failed_load_s)
             self._failed_load = (failed if failed is not None else -1, time.monotonic())
-            with self.weights.take(self.version) as wv:
+            with self.parts.weights.take(self.version) as wv:
                 self._apply_to_engine(wv)
             self.gate.open(self.version)
             return
@@ -254,10 +197,11 @@ class RolloutJob:
 
     def _load_newest_or_wait(self) -> tuple[WeightVersion, str, float]:
         """Take the newest usable version (waiting while every one is marked bad) and hand it to the engine."""
-        while (wv := self.weights.take_newest()) is None:
+        weights = self.parts.weights
+        while (wv := weights.take_newest()) is None:
             t = self.cfg.timeouts
             wait_for(f"an intact weight version in {self.run_dir.weights} (every one is marked bad)",
-                     lambda: self.weights.newest_usable() is not None, t.wait_weights_s, t.poll_interval_s, log,
+                     lambda: weights.newest_usable() is not None, t.wait_weights_s, t.poll_interval_s, log,
                      describe=lambda: describe_heartbeats(self.run_dir, "trainer"), stop=termination.check)
         with wv:
             how, apply_s = self._apply_to_engine(wv)
@@ -277,7 +221,7 @@ class RolloutJob:
     def _switch_weights_if_newer(self) -> None:
         """Step 2: load a newer version; also an *older* newest one: the trainer was restarted
         from a checkpoint and withdrew the versions published after it."""
-        v = self.weights.newest_usable()
+        v = self.parts.weights.newest_usable()
         if v is None or v == self.version:
             return
         failed_v, failed_at = self._failed_load
@@ -299,10 +243,11 @@ class RolloutJob:
         t0 = time.monotonic()
         self.gate.close()
         if any(not f.done() for f in self.in_flight):
-            self.runner.call(self.engine.abort_all, self.cfg.timeouts.generate_s, "aborting generation for new weights")
+            self.parts.runner.call(self.parts.engine.abort_all, self.cfg.timeouts.generate_s,
+                                   "aborting generation for new weights")
             self._wait_parked()
         self._collect(timeout_s=0.0)  # groups that finished are committed before the load: the lag bound needs it
-        self.states.save(set(self.in_flight.values()))  # all parked: a successor continues them from here
+        self.parts.states.save(set(self.in_flight.values()))  # all parked: a successor continues them from here
         carried = len(self.in_flight)
         self.stats.partial_groups += carried
         self.stats.pause_s += time.monotonic() - t0
@@ -311,13 +256,14 @@ class RolloutJob:
     def _admit(self) -> bool:
         """Step 3: start groups while the concurrency limit and the shared budget allow; True if any.
         Prompts of shards the trainer skipped as damaged are generated again first."""
-        self.positions.requeue(self.shards.take_skipped_prompts())
+        p = self.parts
+        p.positions.requeue(p.shards.take_skipped_prompts())
         admitted = False
         while len(self.in_flight) < self.cfg.rollout.max_concurrent_groups:
-            if not self.admission.try_start(self.consumed_at_version):
+            if not p.admission.try_start(self.consumed_at_version):
                 break
-            index = self.positions.next()
-            self.in_flight[self.pool.submit(self._generate_group, index)] = index
+            index = p.positions.next()
+            self.in_flight[p.pool.submit(self._generate_group, index)] = index
             admitted = True
         return admitted
 
@@ -330,8 +276,8 @@ class RolloutJob:
         for fut in done:
             self.in_flight.pop(fut)
             group, info = fut.result()  # an exception in generation stops the job, loudly
-            self.states.finish(group.prompt_index)
-            self.shards.add(group)
+            self.parts.states.finish(group.prompt_index)
+            self.parts.shards.add(group)
             self.stats.count(group, info.truncated)
             self.stats.count_agent(info.turns, info.tool_calls, info.tool_errors, info.tool_latency_s)
             self.stats.resumed_groups += info.resumed
@@ -355,13 +301,13 @@ class RolloutJob:
 
     def _seal_if_due(self) -> None:
         """Step 5: commit the buffer when it is full or old, or when nothing is in flight."""
-        if self.shards.seal_due() or (not self.in_flight and self.shards.buffered):
+        if self.parts.shards.seal_due() or (not self.in_flight and self.parts.shards.buffered):
             self._seal()
 
     def _seal(self) -> None:
-        line = self.shards.seal()
+        line = self.parts.shards.seal()
         if line is not None:
-            self.heartbeat.update(stats={"groups_committed": self.shards.committed_groups})
+            self.heartbeat.update(stats={"groups_committed": self.parts.shards.committed_groups})
             log.debug("committed %s (%d groups)", line.shard, line.n_groups)
 
     def _wait_if_blocked(self, progressed: bool) -> None:
@@ -385,19 +331,19 @@ class RolloutJob:
         self.stats.idle_s += self.cfg.timeouts.poll_interval_s
 
     def _write_version_stats(self) -> None:
-        self.metrics.write({**self.stats.row(self.writer), **self.scorer.pop_metrics()})
+        self.parts.metrics.write({**self.stats.row(self.writer), **self.parts.scorer.pop_metrics()})
 
     # ---- the loop
     def run(self) -> None:
         """Build, wait for version 0, loop until stopped; shut down whatever stage failed."""
-        cfg = self.cfg
-        self.heartbeat = HeartbeatThread(self.run_dir, RunDir.rollout_job(self.writer), "rollout",
-                                         cfg.timeouts.heartbeat_interval_s).start()
+        t = self.cfg.timeouts
+        self.heartbeat.start()
         final_state = HeartbeatState.FAILED  # until the loop ends normally
         try:
-            self._build()
-            wait_for(f"weight version 0 in {self.run_dir.weights}", lambda: self.weights.newest_usable() is not None,
-                     cfg.timeouts.wait_weights_s, cfg.timeouts.poll_interval_s, log,
+            self.parts = build_parts(self.cfg, self.run_dir, self.writer, self.writer_rank)
+            weights = self.parts.weights
+            wait_for(f"weight version 0 in {self.run_dir.weights}", lambda: weights.newest_usable() is not None,
+                     t.wait_weights_s, t.poll_interval_s, log,
                      describe=lambda: describe_heartbeats(self.run_dir, "trainer"), stop=termination.check)
             self._load_newest()
             final_state = self._loop()
@@ -427,53 +373,46 @@ class RolloutJob:
             self._seal_if_due()
             self._wait_if_blocked(progressed=admitted or collected)
 
-    def _abort_engine(self) -> None:
+    def _abort_generations(self) -> None:
         """Stop the generations in flight (their groups are dropped: the successor regenerates them)."""
         self.gate.stop()
-        if self.engine is not None and any(not f.done() for f in self.in_flight):
+        if any(not f.done() for f in self.in_flight):
             try:
-                self.runner.call(self.engine.abort_all, 60.0, "aborting the generations in flight")
+                self.parts.runner.call(self.parts.engine.abort_all, 60.0, "aborting the generations in flight")
             except Exception as e:  # noqa: BLE001 - shutting down: say so and go on
                 log.warning("could not abort the engine's generations: %s", e)
 
-    def _close_engine(self) -> None:
-        try:
-            stop_reaper(self.reaper)
-            if self.engine is not None:
-                self.engine.close()
-        except Exception as e:  # noqa: BLE001 - shutting down: say so and go on
-            log.warning("closing the engine failed: %s", e)
-        finally:
-            if self.runner is not None:
-                self.runner.close()
+    def _keep_what_finished(self) -> None:
+        """Stop the groups in flight; keep the complete ones and save the states of the rest for this
+        writer's next job."""
+        p = self.parts
+        for fut in self.in_flight:
+            fut.cancel()
+        self._abort_generations()
+        p.pool.shutdown(wait=True, cancel_futures=True)
+        for fut in list(self.in_flight):  # finished while shutting down: complete groups are worth keeping
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                p.shards.add(fut.result()[0])
+                p.states.finish(self.in_flight[fut])
+        p.states.save(set(self.in_flight.values()))
 
     def _shutdown(self, final_state: HeartbeatState) -> None:
-        """Seal complete groups, write the last version row and the final heartbeat. Works
-        whatever stage the job failed in (nothing built yet, no version loaded, ...)."""
+        """Seal complete groups, write the last version row, release the engine, write the final heartbeat.
+        Works whatever stage the job failed in (nothing built yet, no version loaded, ...)."""
+        p = self.parts
         try:
-            if self.pool is not None:
-                for fut in self.in_flight:
-                    fut.cancel()
-                self._abort_engine()
-                self.pool.shutdown(wait=True, cancel_futures=True)
-                for fut in list(self.in_flight):  # finished while shutting down: complete groups are worth keeping
-                    if fut.done() and not fut.cancelled() and fut.exception() is None:
-                        self.shards.add(fut.result()[0])
-                        self.states.finish(self.in_flight[fut])
-                self.states.save(set(self.in_flight.values()))  # the rest continue in this writer's next job
-            if self.shards is not None:
-                self.shards.close()
-            if self.metrics is not None:
+            if p is not None:
+                self._keep_what_finished()
+                p.shards.close()
                 if self.stats is not None:
                     self._write_version_stats()
-                self.metrics.close()
+                p.metrics.close()
         finally:
-            self._close_engine()
-            if self.weights is not None:
-                self.weights.close()
+            if p is not None:
+                p.close()
             self.heartbeat.stop(final_state)
             log.info("rollout %s %s: %d groups committed in total", self.writer, final_state,
-                     self.shards.committed_groups if self.shards is not None else 0)
+                     p.shards.committed_groups if p is not None else 0)
 
 
 def rollout_main(run_dir: str, writer_rank: int) -> None:

@@ -1,35 +1,56 @@
 """Groups in flight saved for the job's successor (``control/in_flight/<writer>.json``).
 
-With partial rollout a group in flight is a set of trajectory states -- responses so far, or a
-tool agent's state machine (:class:`~hpcrl.rollout.agent.AgentTrajectory`: its state, pending
-tool calls, turn counters) -- that the next version continues. This file keeps them across a
-restart of the rollout job: it is written (JSON, tmp -> fsync -> rename) whenever every group
-in flight is parked (at each weight switch) and when the job stops, and read once by the
-successor (same writer), which continues a saved prompt index where it stopped instead of
-starting it over. A SIGKILL loses only what was generated since the last switch.
+With partial rollout a group in flight is a list of trajectory states
+(:class:`~hpcrl.rollout.trajectory.TrajectoryState`: responses so far, or a tool agent's state
+machine with its pending calls and turn counters) that the next version continues. This file keeps
+them across a restart of the rollout job: it is written (JSON, tmp -> fsync -> rename) whenever
+every group in flight is parked (at each weight switch) and when the job stops, and read once by the
+successor (same writer), which continues a saved prompt index where it stopped instead of starting it
+over. A SIGKILL loses only what was generated since the last switch.
 
 Nothing here can break exactly-once: a group exists for the trainer only once its shard is
-committed, a saved state is used only for a prompt index the successor admits (an index
-that was committed is never admitted again), and an unreadable file is logged and ignored
-(the prompts are generated from scratch, as without it).
+committed, a saved state is used only for a prompt index the successor admits (an index that was
+committed is never admitted again), and a file that is not the record (unreadable, torn, ``null``,
+``[]``, a field of the wrong type) is logged and ignored: the prompts are generated from scratch, as
+without it.
 """
 from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Union
 
 from hpcrl.fsio import read_json, write_json_atomic
-from hpcrl.rollout.agent import SINGLE_TURN, TOOL_AGENT, AgentTrajectory
-from hpcrl.rollout.partial import Response
+from hpcrl.json_record import JsonRecord, RecordError
+from hpcrl.rollout.trajectory import TrajectoryState
 
 log = logging.getLogger(__name__)
 
-STATE_CLASSES = {SINGLE_TURN: Response, TOOL_AGENT: AgentTrajectory}
 SCHEMA = 1
 
-TrajectoryState = Union[Response, AgentTrajectory]
+
+@dataclass
+class SavedGroup(JsonRecord):
+    """One group in flight: its prompt, the loop that generates it, its trajectories so far."""
+
+    prompt_index: int
+    agent: str
+    """The agent loop's name."""
+    trajectories: list[TrajectoryState]
+
+
+@dataclass
+class SavedGroups(JsonRecord):
+    """``control/in_flight/<writer>.json``: written and read by the same writer's jobs."""
+
+    schema: int
+    groups: list[SavedGroup] = field(default_factory=list)
+
+    def check(self) -> None:
+        """The schema this code writes."""
+        if self.schema != SCHEMA:
+            raise RecordError(f"schema {self.schema!r}, expected {SCHEMA}")
 
 
 class InFlightStates:
@@ -41,21 +62,15 @@ class InFlightStates:
         self.path = path
         self.enabled = enabled
         self._lock = threading.Lock()
-        self._live: dict[int, tuple[str, list]] = {}
-        self._saved: dict[int, tuple[str, list]] = self._read() if enabled else {}
+        self._live: dict[int, SavedGroup] = {}
+        self._saved: dict[int, SavedGroup] = self._read() if enabled else {}
 
-    def _read(self) -> dict[int, tuple[str, list]]:
+    def _read(self) -> dict[int, SavedGroup]:
         if not self.path.exists():
             return {}
         try:
-            doc = read_json(self.path)
-            if doc.get("schema") != SCHEMA:
-                raise ValueError(f"schema {doc.get('schema')!r}, expected {SCHEMA}")
-            saved = {}
-            for g in doc["groups"]:
-                cls = STATE_CLASSES[g["agent"]]
-                saved[int(g["prompt_index"])] = (g["agent"], [cls.from_json(t) for t in g["trajectories"]])
-        except (OSError, ValueError, KeyError, TypeError) as e:
+            saved = {g.prompt_index: g for g in SavedGroups.from_json(read_json(self.path), str(self.path)).groups}
+        except (OSError, ValueError, UnicodeDecodeError) as e:  # RecordError is a ValueError
             log.warning("ignoring the groups in flight saved in %s (%s: %s): their prompts start over",
                         self.path, type(e).__name__, e)
             return {}
@@ -65,17 +80,17 @@ class InFlightStates:
 
     def start(self, prompt_index: int, agent: str, fresh: list[TrajectoryState]) -> tuple[list[TrajectoryState], bool]:
         """The states a group starts from, and whether they were saved: the predecessor's for
-        ``prompt_index`` (same agent and size), else ``fresh``. They are live (saved by :meth:`save`)."""
+        ``prompt_index`` (same loop and size), else ``fresh``. They are live (saved by :meth:`save`)."""
         with self._lock:
-            kind, states = self._saved.pop(prompt_index, (None, None))
-            resumed = kind == agent and states is not None and len(states) == len(fresh)
+            saved = self._saved.pop(prompt_index, None)
+            resumed = saved is not None and saved.agent == agent and len(saved.trajectories) == len(fresh)
             if resumed:
                 log.info("prompt %d continues from its saved state (%d tokens so far)", prompt_index,
-                         sum(len(s.tokens) for s in states))
+                         sum(len(s.tokens) for s in saved.trajectories))
             else:
-                states = fresh
-            self._live[prompt_index] = (agent, states)
-            return states, resumed
+                saved = SavedGroup(prompt_index, agent, fresh)
+            self._live[prompt_index] = saved
+            return saved.trajectories, resumed
 
     def finish(self, prompt_index: int) -> None:
         """The group is done (or dropped): nothing to save for it."""
@@ -90,9 +105,7 @@ class InFlightStates:
         with self._lock:
             groups = dict(self._saved)
             groups.update({i: g for i, g in self._live.items() if i in in_flight})
-            doc = {"schema": SCHEMA, "groups": [
-                {"prompt_index": i, "agent": kind, "trajectories": [s.to_json() for s in states]}
-                for i, (kind, states) in sorted(groups.items())]}
+            doc = SavedGroups(SCHEMA, [groups[i] for i in sorted(groups)]).to_json()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(self.path, doc)
 

@@ -1,4 +1,5 @@
-"""The tool agent: a multi-turn trajectory as a state machine, resumable in any state.
+"""The tool agent: a multi-turn trajectory as a state machine, resumable in any state (an
+:class:`~hpcrl.rollout.agent_loop.AgentLoop`).
 
 ::
 
@@ -19,104 +20,36 @@
   the template puts before every conversation (found once by diffing one against two empty
   turns, as verl does), and appended with mask 0.
 
-The whole state (:class:`AgentTrajectory`) is plain data with a JSON form, so a trajectory
-stopped anywhere -- mid-generation or mid-tool-call -- is saved and resumed by a restarted
-job (``hpcrl/rollout/resume.py``); tool calls that were running are simply run again.
+The whole state (:class:`~hpcrl.rollout.trajectory.TrajectoryState`) is plain data with a JSON
+form, so a trajectory stopped anywhere -- mid-generation or mid-tool-call -- is saved and resumed
+by a restarted job (``hpcrl/rollout/resume.py``); tool calls that were running are simply run again.
 
 What it waits for: the engine (every call is bounded by the caller's ``EngineRunner``
 deadline), the tools (each bounded by its own wall-clock limit), and between two turns the
-:class:`~hpcrl.rollout.partial.EngineGate`: when the gate is closed (weights switching, job
-stopping) :meth:`ToolAgent.advance` returns and the group parks there.
+:class:`~hpcrl.rollout.gate.EngineGate`: when the gate is closed (weights switching, job
+stopping) :meth:`ToolAgentLoop.advance` returns and the group parks there.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import time
-from dataclasses import dataclass, field
 from typing import Optional
 
 from hpcrl.config import AgentConfig, names
-from hpcrl.rollout.engine import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Engine, EngineRunner
-from hpcrl.rollout.partial import EngineGate
+from hpcrl.rollout.agent_loop import AgentLoop, GroupContext, call_seed
+from hpcrl.rollout.engine import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
+from hpcrl.rollout.gate import EngineGate
 from hpcrl.rollout.tool_parsers import PARSERS, ToolCall
 from hpcrl.rollout.tools import ToolResult, make_tools
+from hpcrl.rollout.trajectory import GENERATING, PENDING, PROCESSING_TOOLS, TERMINATED, TrajectoryState
 
-SINGLE_TURN, TOOL_AGENT = names.AGENT_LOOPS
-"""The agent loops: one response per trajectory, or the tool agent of this file."""
-PENDING, GENERATING, PROCESSING_TOOLS, TERMINATED = "pending", "generating", "processing_tools", "terminated"
-AGENT_STATES = (PENDING, GENERATING, PROCESSING_TOOLS, TERMINATED)
 FINISH_TOOL_ERROR = "tool_error"
 """A tool call failed or did not parse: the episode ends there, counted."""
 FINISH_MAX_TURNS = "max_turns"
 """``agent.max_assistant_turns`` or ``max_user_turns`` reached with a call still asked for."""
 TOOL_POLL_S = 0.05
 """How often a running tool call looks whether the job is stopping."""
-
-
-@dataclass
-class AgentTrajectory:
-    """Where one trajectory is: its state, its response so far, its counters. Plain data, JSON both ways."""
-
-    state: str = PENDING
-    tokens: list[int] = field(default_factory=list)
-    mask: list[int] = field(default_factory=list)
-    """1 on tokens the model sampled, 0 on tool tokens."""
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    """Version that sampled each model token; a tool token has its turn's version."""
-    turn_start: int = 0
-    """Index in ``tokens`` where the current assistant turn began."""
-    assistant_turns: int = 0
-    user_turns: int = 0
-    """Tool-response turns appended."""
-    tool_calls: int = 0
-    tool_errors: int = 0
-    tool_latency_s: float = 0.0
-    pending_calls: list[dict] = field(default_factory=list)
-    """Calls parsed from the last turn, not yet answered (``{name, arguments}``)."""
-    segments: int = 0
-    """Engine calls so far (a turn cut by an abort is two)."""
-    finish_reason: Optional[str] = None
-
-    def to_json(self) -> dict:
-        """The state as JSON-ready data."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, d: dict) -> "AgentTrajectory":
-        """The state :meth:`to_json` wrote; ValueError if it is not one."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        if not isinstance(d, dict) or set(d) - names or d.get("state") not in AGENT_STATES:
-            raise ValueError(f"not an agent trajectory state: {str(d)[:200]}")
-        t = cls(**d)
-        if not len(t.tokens) == len(t.mask) == len(t.logprobs) == len(t.versions):
-            raise ValueError("agent trajectory state: tokens, mask, log-probs and versions differ in length")
-        return t
-
-    @property
-    def num_turns(self) -> int:
-        """Assistant turns plus tool-response turns."""
-        return self.assistant_turns + self.user_turns
-
-    def reward_info(self) -> dict:
-        """The counters the reward function gets in ``extra_info``."""
-        return {"num_turns": self.num_turns, "tool_calls": self.tool_calls, "tool_errors": self.tool_errors}
-
-    def add(self, tokens: list[int], logprobs: list[float], version: int, model: bool) -> None:
-        """Append tokens the model sampled (``model``) or a tool's response."""
-        self.tokens += tokens
-        self.logprobs += logprobs
-        self.mask += [1 if model else 0] * len(tokens)
-        self.versions += [version] * len(tokens)
-
-    def terminate(self, reason: str) -> None:
-        self.state, self.finish_reason, self.pending_calls = TERMINATED, reason, []
-
-
-def agent_loop(row: dict, cfg: AgentConfig) -> str:
-    """The loop a prompt row is generated with: its ``agent_name``, else ``agent.default``."""
-    return row.get("agent_name") or cfg.default
 
 
 def template_prefix(tokenizer) -> str:
@@ -134,8 +67,10 @@ def template_prefix(tokenizer) -> str:
     return one[:n]
 
 
-class ToolAgent:
-    """Runs :class:`AgentTrajectory` state machines on the engine's event loop (module docstring)."""
+class ToolAgentLoop(AgentLoop):
+    """Runs trajectory state machines with tool calls on the engine's event loop (module docstring)."""
+
+    name = names.AGENT_LOOPS[1]
 
     def __init__(self, cfg: AgentConfig, tokenizer):
         self.cfg = cfg
@@ -146,27 +81,34 @@ class ToolAgent:
             raise ValueError("agent: the tokenizer has no chat template to render tool responses with")
         self.prefix = template_prefix(tokenizer)
 
-    async def advance(self, traj: AgentTrajectory, engine: Engine, gate: EngineGate, version: int,
-                      prompt_ids: list[int], seed: int, budget: int) -> None:
-        """Run ``traj`` until it terminates, or until it must wait: its generation was aborted
-        (new weights), the gate closed between two steps, or the job is stopping mid-tool-call."""
+    async def step(self, ctx: GroupContext, trajs: list[TrajectoryState], version: int) -> None:
+        await asyncio.gather(*(self.advance(t, ctx, version, j) for j, t in enumerate(trajs) if not t.done))
+
+    def reward_info(self, traj: TrajectoryState) -> Optional[dict]:
+        """The counters the reward function gets in ``extra_info``."""
+        return {"num_turns": traj.num_turns, "tool_calls": traj.tool_calls, "tool_errors": traj.tool_errors}
+
+    async def advance(self, traj: TrajectoryState, ctx: GroupContext, version: int, position: int) -> None:
+        """Run ``traj`` (the ``position``-th of its group) until it terminates, or until it must wait: its
+        generation was aborted (new weights), the gate closed between two steps, or the job is stopping
+        mid-tool-call."""
         while traj.state != TERMINATED:
             if traj.state == PENDING:
                 traj.state, traj.turn_start = GENERATING, len(traj.tokens)
             if traj.state == GENERATING:
-                if not gate.is_open():
+                if not ctx.gate.is_open():
                     return
-                if not await self._generate(traj, engine, version, prompt_ids, seed, budget):
+                if not await self._generate(traj, ctx, version, position):
                     return
-            if traj.state == PROCESSING_TOOLS and not await self._run_tools(traj, gate, version, budget):
+            if traj.state == PROCESSING_TOOLS and not await self._run_tools(traj, ctx.gate, version, ctx.budget):
                 return
 
-    async def _generate(self, traj: AgentTrajectory, engine: Engine, version: int, prompt_ids: list[int],
-                        seed: int, budget: int) -> bool:
+    async def _generate(self, traj: TrajectoryState, ctx: GroupContext, version: int, position: int) -> bool:
         """One engine call of the current turn; False if it was aborted (continue after the switch)."""
+        budget = ctx.budget
         left = budget - len(traj.tokens)
-        (sample,) = await engine.generate(prompt_ids + traj.tokens, 1, seed + 7919 * traj.segments,
-                                          max_new_tokens=left)
+        (sample,) = await ctx.engine.generate(ctx.prompt_ids + traj.tokens, 1,
+                                              call_seed(ctx.seed, position, traj.segments), max_new_tokens=left)
         traj.segments += 1
         traj.add(sample.response_ids.tolist(), sample.logprobs.tolist(), version, model=True)
         if sample.finish_reason == FINISH_ABORT and len(traj.tokens) < budget:
@@ -174,7 +116,7 @@ class ToolAgent:
         self._end_turn(traj, FINISH_LENGTH if sample.finish_reason != FINISH_STOP else FINISH_STOP, budget)
         return True
 
-    def _end_turn(self, traj: AgentTrajectory, reason: str, budget: int) -> None:
+    def _end_turn(self, traj: TrajectoryState, reason: str, budget: int) -> None:
         """The assistant turn is complete: decide what comes next from its text."""
         traj.assistant_turns += 1
         if reason == FINISH_LENGTH or len(traj.tokens) >= budget:
@@ -205,7 +147,7 @@ class ToolAgent:
         result.latency_s = time.monotonic() - t0
         return result
 
-    async def _run_tools(self, traj: AgentTrajectory, gate: EngineGate, version: int, budget: int) -> bool:
+    async def _run_tools(self, traj: TrajectoryState, gate: EngineGate, version: int, budget: int) -> bool:
         """Answer the pending calls; False (state unchanged, calls still pending) if the job stops meanwhile."""
         tasks = [asyncio.ensure_future(asyncio.to_thread(self.call_tool, ToolCall(**c))) for c in traj.pending_calls]
         while not all(t.done() for t in tasks):
@@ -246,16 +188,3 @@ class ToolAgent:
         if text.startswith(self.prefix):
             text = text[len(self.prefix):]
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def generate_agent_group(agent: ToolAgent, engine: Engine, runner: EngineRunner, gate: EngineGate,
-                         prompt_ids: list[int], trajs: list[AgentTrajectory], seed: int, budget: int,
-                         timeout_s: float, what: str) -> list[AgentTrajectory]:
-    """Run a group's trajectories (fresh or saved) to the end, together on the engine's loop; between
-    rounds the group waits at the gate (weights switching). GroupAborted if the job stops."""
-    while any(t.state != TERMINATED for t in trajs):
-        version = gate.enter(timeout_s)
-        runner.call(lambda: asyncio.gather(*(
-            agent.advance(t, engine, gate, version, prompt_ids, seed + 1_000_003 * j, budget)
-            for j, t in enumerate(trajs) if t.state != TERMINATED)), timeout_s, what)
-    return trajs

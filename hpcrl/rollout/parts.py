@@ -1,0 +1,123 @@
+"""Everything a rollout job builds once, before its loop: :class:`RolloutParts`.
+
+Built in one place (:func:`build_parts`) from the frozen config, in this order: tokenizer, prompts,
+reward, agent loops, engine (the slow step; its child processes get a reaper), weight subscriber,
+shard writer (recovered from its own folder), admission budget (this writer's count reset to what it
+committed), prompt positions, saved groups in flight, the version log, the group pool. Nothing is
+attached to the job later. An error in the run's inputs (model, tokenizer, data, reward) is recorded
+as fatal (a restart would repeat it); whatever was built before any error is closed again.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hpcrl.config import RunConfig
+from hpcrl.control.admission import Admission
+from hpcrl.control.fatal import fatal_inputs
+from hpcrl.logs import MetricsLog
+from hpcrl.process.reaper import start_reaper, stop_reaper
+from hpcrl.rollout.agent_loop import AgentLoop
+from hpcrl.rollout.data import encode_rows
+from hpcrl.rollout.dataset import PromptStream, WriterPositions, load_rows
+from hpcrl.rollout.engine import Engine, EngineOptions, EngineRunner
+from hpcrl.rollout.engines import make_engine
+from hpcrl.rollout.loops import make_loops
+from hpcrl.rollout.resume import InFlightStates
+from hpcrl.rollout.reward_fn import RewardScorer, load_reward
+from hpcrl.run_dir import RunDir
+from hpcrl.samples.skips import SkipLog
+from hpcrl.samples.writer import ShardWriter
+from hpcrl.tiny.model import load_tokenizer
+from hpcrl.weights import WeightSubscriber, make_subscriber
+
+log = logging.getLogger("hpcrl.rollout")
+
+
+def engine_options(cfg: RunConfig, model_dir) -> EngineOptions:
+    """``rollout.*`` resolved for this job: ``device: auto`` becomes cuda when a GPU is visible."""
+    ro = cfg.rollout
+    device = ro.device if ro.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"rollout.device=cuda but this job sees no GPU (CUDA_VISIBLE_DEVICES="
+                           f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): check resources.rollout.gpus_per_node")
+    return EngineOptions(model_dir=model_dir, max_new_tokens=ro.response_length, temperature=ro.temperature,
+                         top_p=ro.top_p, device=device, dtype=ro.dtype, seed=cfg.model.seed,
+                         gpu_memory_utilization=ro.gpu_memory_utilization, max_model_len=ro.max_model_len,
+                         tensor_parallel_size=ro.tensor_parallel_size, data_parallel_size=ro.data_parallel_size,
+                         enforce_eager=ro.enforce_eager, max_num_seqs=ro.max_num_seqs)
+
+
+@dataclass
+class RolloutParts:
+    """What one rollout job holds for its whole life (module docstring)."""
+
+    tokenizer: Any
+    stream: PromptStream
+    """Prompt index -> row (chat template and max_prompt_length applied)."""
+    scorer: RewardScorer
+    loops: dict[str, AgentLoop]
+    """The agent loops the rows name."""
+    runner: EngineRunner
+    """The engine's event loop; every engine call goes through it with a deadline."""
+    engine: Engine
+    weights: WeightSubscriber
+    shards: ShardWriter
+    admission: Admission
+    positions: WriterPositions
+    """Which prompt indices this writer generates next."""
+    states: InFlightStates
+    """Groups in flight, saved for this writer's next job (partial rollout)."""
+    metrics: MetricsLog
+    """``logs/rollout-<writer>.jsonl``: one row per weight version."""
+    pool: ThreadPoolExecutor
+    """One thread per group in flight."""
+    closers: contextlib.ExitStack
+    """Closes the engine (and its processes), its loop and the subscriber, last built first."""
+
+    def close(self) -> None:
+        """Release the engine, its processes and loop, and the subscriber's threads (logged, never raises)."""
+        try:
+            self.closers.close()
+        except Exception as e:  # noqa: BLE001 - shutting down: say so and go on
+            log.warning("closing the engine failed: %s", e)
+
+
+def build_parts(cfg: RunConfig, run_dir: RunDir, writer: str, writer_rank: int) -> RolloutParts:
+    """Build every part of writer ``writer`` (rank ``writer_rank`` of ``resources.rollout_jobs``)."""
+    torch.set_num_threads(cfg.rollout.torch_threads)
+    mdir = run_dir.model_dir(cfg.model.path)
+    with contextlib.ExitStack() as closers:
+        with fatal_inputs(run_dir, RunDir.rollout_job(writer), "loading the model, data or reward"):
+            tokenizer = load_tokenizer(mdir)
+            rows = load_rows(cfg.data, cfg.rollout.response_length)
+            rows, counts, template = encode_rows(tokenizer, cfg.data, rows)
+            scorer = RewardScorer(load_reward(cfg.reward))
+            loops = make_loops(cfg.agent, tokenizer, rows)
+            runner = EngineRunner()
+            closers.callback(runner.close)
+            engine = make_engine(cfg.rollout.engine, engine_options(cfg, mdir), runner, cfg.timeouts.engine_start_s)
+            closers.callback(engine.close)
+            closers.callback(stop_reaper, start_reaper(f"the {cfg.rollout.engine} engine's processes"))
+        log.info("%s", counts.line(cfg.data, template))
+        weights = make_subscriber(cfg.weights, run_dir, writer, cfg.timeouts, engine.receive_device)
+        closers.callback(weights.close)
+        shards = ShardWriter(run_dir, writer, cfg.rollout.seal_groups, cfg.rollout.seal_interval_s,
+                             skips=SkipLog(run_dir))
+        admission = Admission(run_dir, writer, cfg.admission_budget)
+        admission.reset_writer(shards.committed_groups)
+        parts = RolloutParts(
+            tokenizer=tokenizer, stream=PromptStream(rows, cfg.data.seed), scorer=scorer, loops=loops, runner=runner,
+            engine=engine, weights=weights, shards=shards, admission=admission,
+            positions=WriterPositions(writer_rank, cfg.resources.rollout_jobs, shards.committed_prompt_indices),
+            states=InFlightStates(run_dir.in_flight_states(writer), cfg.async_training.partial_rollout),
+            metrics=MetricsLog(run_dir.rollout_metrics(writer)),
+            pool=ThreadPoolExecutor(cfg.rollout.max_concurrent_groups, thread_name_prefix="group"),
+            closers=closers.pop_all())
+    return parts
