@@ -9,7 +9,6 @@ a worker thread of the runner's loop; :meth:`abort_all` is seen between two deco
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 from typing import Optional
 
 import numpy as np

@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
-import torch
 
 from hpcrl.rollout.engine import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Engine, EngineOptions, Sample
 from hpcrl.rollout.vllm_worker import WORKER_EXTENSION

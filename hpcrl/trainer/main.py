@@ -30,36 +30,35 @@ import argparse
 import logging
 import os
 import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from hpcrl.process import faults, termination
-from hpcrl.control.fatal import fatal_inputs
-from hpcrl.process.preemption import PreemptionFlag, requeue_self
+from hpcrl import metric_names as M
 from hpcrl.control.records import HeartbeatState, HeartbeatThread, TrainerDone, describe_heartbeats
 from hpcrl.fsio import write_json_atomic
-from hpcrl.logs import MetricsLog, StalenessLog, log_size, setup_logging, truncate_to
+from hpcrl.logs import log_size, setup_logging
+from hpcrl.process import faults, termination
+from hpcrl.process.preemption import PreemptionFlag, requeue_self
 from hpcrl.run_dir import RunDir
-from hpcrl.samples.reader import SampleReader
-from hpcrl.trackers import open_trackers
 from hpcrl.samples.schema import Group
-from hpcrl.samples.skips import SkipLog
 from hpcrl.trainer import checkpoint
 from hpcrl.trainer.batch import build_batch
 from hpcrl.trainer.distributed import init_distributed, rank_environment
 from hpcrl.trainer.gather import zero3_state_dict
-from hpcrl.trainer.models import POLICY_PREFIX, PolicyWithValueHead, load_reference, policy_state_dict
+from hpcrl.trainer.models import POLICY_PREFIX, policy_state_dict
+from hpcrl.trainer.parts import LeadParts, TrainerParts, build_parts
 from hpcrl.trainer.share import ABORT, BATCH, PREEMPT, REPUBLISH, share_groups, share_json
-from hpcrl.trainer.update import PolicyUpdate
-from hpcrl import metric_names as M
-from hpcrl.weights import make_publisher
 
 log = logging.getLogger("hpcrl.trainer")
 
 
 class _NoHeartbeat:
     """Ranks other than 0 do not write heartbeats."""
+
+    def start(self) -> "_NoHeartbeat":
+        return self
 
     def update(self, **fields) -> None:
         pass
@@ -76,73 +75,39 @@ class TrainerJob:
     def __init__(self, run_dir: RunDir, preemption: PreemptionFlag):
         self.run_dir = run_dir
         self.cfg = run_dir.load_config()
-        self.state = checkpoint.TrainerState()
         self.preemption = preemption
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.weights = make_publisher(self.cfg.weights, run_dir, self.cfg.timeouts)
+        self.heartbeat = (HeartbeatThread(run_dir, RunDir.trainer_job(), "trainer", self.cfg.timeouts.heartbeat_interval_s)
+                          if self.rank == 0 else _NoHeartbeat())
+        self.parts: Optional[TrainerParts] = None
+        """Everything built once (``parts.py``); None until built."""
+        # the loop's own state
+        self.state = checkpoint.TrainerState()
+        """Step, version, consumed groups, cursor, counters: what a checkpoint saves."""
+        self._boundary: dict = self.state.to_json()
+        """The state right after the last completed update: what a checkpoint taken now holds."""
+        self._last_checkpoint_step = 0
         self._sync_stats: dict = {}  # metrics of the last publish (gather, files, broadcast)
         self._taken: tuple[list[Group], list[Group]] = ([], [])  # kept/dropped while a republish interrupts
         self._bad_checked_s = 0.0
         self._gathers_logged = False
 
-    # ---- setup
-    def _build(self) -> None:
-        import deepspeed
-        from transformers import AutoModelForCausalLM
+    @property
+    def lead(self) -> LeadParts:
+        """Rank 0's parts (the run directory's readers and writers)."""
+        assert self.parts is not None and self.parts.lead is not None, "rank 0 only"
+        return self.parts.lead
 
-        cfg = self.cfg
-        torch.manual_seed(cfg.model.seed)
-        torch.set_num_threads(cfg.trainer.torch_threads)
-        path = self.run_dir.model_dir(cfg.model.path)
-        with fatal_inputs(self.run_dir, RunDir.trainer_job(self.rank), f"loading the model {path}"):
-            policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        self.model_config_json = policy.config.to_json_string()
-        self.pad_id = policy.config.pad_token_id if policy.config.pad_token_id is not None else 0
-        model = PolicyWithValueHead(policy, value_head=cfg.algorithm.adv_estimator == "gae")
-        groups = [{"params": list(policy.parameters()), "lr": cfg.actor.lr}]
-        if model.value_head is not None:
-            groups.append({"params": list(model.value_head.parameters()), "lr": cfg.critic.lr})
-        optimizer = torch.optim.AdamW(groups, lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay)
-        micro_per_mini = cfg.actor.ppo_mini_batch_size // self.world // cfg.actor.ppo_micro_batch_size
-        ds_config = {
-            "train_micro_batch_size_per_gpu": 1,  # one "micro step" = one backward of ppo_micro_batch_size groups
-            "gradient_accumulation_steps": micro_per_mini,
-            "gradient_clipping": cfg.actor.grad_clip,
-            "zero_optimization": {"stage": cfg.actor.zero_stage},
-            "zero_allow_untested_optimizer": True,  # a plain torch AdamW: no JIT-compiled fused_adam on CPU
-            "bf16": {"enabled": cfg.actor.bf16},
-            "steps_per_print": 10**9,
-        }
-        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
-        from hpcrl.trainer.safe_checkpoint import SafeCheckpointEngine
-
-        self.engine.checkpoint_engine = SafeCheckpointEngine()
-        self.micro_per_mini = micro_per_mini
-        self.reference = load_reference(path, self.engine.device) if cfg.needs_reference else None
-
-    def _resume_or_start(self) -> None:
-        rd = self.run_dir
-        state = checkpoint.load_latest(self.engine, rd)
-        if self.rank == 0:
-            if state is None:
-                # A fresh start: anything published by an earlier attempt that died before its
-                # first checkpoint belongs to a model we no longer have.
-                self.weights.withdraw_after(-1)
-                truncate_to(rd.metrics, 0)
-                truncate_to(rd.staleness, 0)
-            else:
-                self.weights.withdraw_after(state.param_version)
-                truncate_to(rd.metrics, state.metrics_bytes)
-                truncate_to(rd.staleness, state.staleness_bytes)
-        self.state = state or checkpoint.TrainerState()
-        if self.rank == 0:
-            self.reader = SampleReader(rd, cursor=self.state.cursor, skip_log=SkipLog(rd))
-            self.metrics = MetricsLog(rd.metrics, trackers=open_trackers(self.cfg, rd))
-            self.staleness = StalenessLog(rd)
-        if self.state.param_version not in self.weights.published_versions():
+    def _resume_or_start(self, resumed: Optional[checkpoint.TrainerState]) -> None:
+        """Continue from the checkpoint's state (or a fresh one): publish its version if the run directory
+        lacks it, mark the update boundary, and checkpoint a fresh start at once."""
+        self.state = resumed or checkpoint.TrainerState()
+        missing = self.state.param_version not in self.lead.weights.published_versions() if self.rank == 0 else None
+        if share_json({"publish": missing})["publish"]:  # every rank: the gather of ZeRO-3 weights is collective
             self._publish(self.state.param_version)
         self._mark_update_boundary()
-        if state is None:
+        self._last_checkpoint_step = self.state.step
+        if resumed is None:
             self._checkpoint()
 
     # ---- steps
@@ -163,9 +128,9 @@ class TrainerJob:
             if self._newest_weights_bad():
                 self._taken = (kept, dropped)
                 return REPUBLISH, [], [], time.monotonic() - t0
-            self.reader.poll()
+            self.lead.reader.poll()
             self._count_skipped()
-            for g in self.reader.take(need - len(kept)):
+            for g in self.lead.reader.take(need - len(kept)):
                 lag = self.state.param_version - g.version_start  # the version this update starts from
                 max_st = cfg.async_training.max_staleness
                 (dropped if max_st is not None and lag > max_st else kept).append(g)
@@ -192,7 +157,7 @@ class TrainerJob:
         if now - self._bad_checked_s < 1.0:
             return False
         self._bad_checked_s = now
-        if not self.weights.is_bad(self.state.param_version):
+        if not self.lead.weights.is_bad(self.state.param_version):
             return False
         log.error("weight version %d was found damaged by a rollout job (see %s); publishing the current "
                   "weights as version %d", self.state.param_version,
@@ -218,38 +183,41 @@ class TrainerJob:
         return status, kept, dropped, wait_s
 
     def _count_skipped(self) -> None:
-        while self.reader.skipped:
-            s = self.reader.skipped.pop(0)  # not consumed: recorded, its budget returned, its prompts regenerated
+        while self.lead.reader.skipped:
+            s = self.lead.reader.skipped.pop(0)  # not consumed: recorded, its budget returned, its prompts regenerated
             c = self.state.counters
             c[M.CORRUPT_GROUPS_SKIPPED] = c.get(M.CORRUPT_GROUPS_SKIPPED, 0) + s["n_groups"]
 
     def _update(self, groups: list[Group], version_seen: int) -> dict:
         """Train on the groups; lag is measured against ``version_seen``, the version this update starts from."""
-        out = self.updater.run(build_batch(groups, self.pad_id, version_seen))
-        self.state.kl_coef = self.updater.kl_coef
+        updater = self.parts.updater
+        out = updater.run(build_batch(groups, self.parts.pad_id, version_seen))
+        self.state.kl_coef = updater.kl_coef
         return out
 
     def _gathered_state_dict(self) -> dict[str, torch.Tensor]:
         """The policy's weights under the HF names (the value head stays in the trainer)."""
+        engine = self.parts.engine
         if self.cfg.actor.zero_stage == 3:  # a collective: one gather per layer, the tensors on rank 0 only
-            state, gathers = zero3_state_dict(self.engine.module, self.engine.global_rank, POLICY_PREFIX)
+            state, gathers = zero3_state_dict(engine.module, engine.global_rank, POLICY_PREFIX)
             if not self._gathers_logged:
                 self._gathers_logged = True
                 log.info("ZeRO-3: the policy is gathered for each publish in %d groups (one per layer + the rest)",
                          gathers)
             return policy_state_dict(state)
-        return policy_state_dict(self.engine.module.state_dict())
+        return policy_state_dict(engine.module.state_dict())
 
     def _publish(self, version: int) -> float:
         faults.point("publish")
         t0 = time.monotonic()
         state_dict = self._gathered_state_dict()
         gather_s = time.monotonic() - t0
-        if self.engine.global_rank == 0:
-            published = self.weights.publish(version, state_dict, self.model_config_json, self.state.step,
-                                             self.state.consumed_groups)
+        if self.parts.engine.global_rank == 0:
+            weights = self.lead.weights
+            published = weights.publish(version, state_dict, self.parts.model_config_json, self.state.step,
+                                        self.state.consumed_groups)
             self._sync_stats = {M.PARAM_SYNC_GATHER_S: gather_s, **published.metrics()}
-            deleted = self.weights.retain(self.cfg.timeouts.heartbeat_stale_s)
+            deleted = weights.retain(self.cfg.timeouts.heartbeat_stale_s)
             if deleted:
                 log.debug("retention deleted versions %s", deleted)
         self.state.param_version = version
@@ -261,7 +229,7 @@ class TrainerJob:
         last completed update (cursor just past its groups, log sizes). Groups taken for an
         update that never ran (USR2 arrived while waiting for the rest) stay unconsumed."""
         if self.rank == 0:
-            self.state.cursor = self.reader.cursor()
+            self.state.cursor = self.lead.reader.cursor()
             self.state.metrics_bytes = log_size(self.run_dir.metrics)
             self.state.staleness_bytes = log_size(self.run_dir.staleness)
         self._boundary = self.state.to_json()  # a deep copy
@@ -270,7 +238,7 @@ class TrainerJob:
         faults.point("checkpoint")
         # every rank saves rank 0's record (only rank 0 reads samples and writes logs)
         state = checkpoint.TrainerState.from_json(share_json(self._boundary))
-        tag = checkpoint.save(self.engine, self.run_dir, state, self.cfg.trainer.keep_checkpoints)
+        tag = checkpoint.save(self.parts.engine, self.run_dir, state, self.cfg.trainer.keep_checkpoints)
         log.info("checkpoint %s (version %d, %d groups consumed)", tag, state.param_version, state.consumed_groups)
 
     def _sync_row(self, sync_s: float) -> dict:
@@ -285,9 +253,9 @@ class TrainerJob:
         """Staleness rows (lag against the version the trainer had when it took the groups) and one metrics row."""
         st, c = self.state, self.state.counters
         now = time.time()
-        self.staleness.write_groups(kept, version_seen, st.step, now)
+        self.lead.staleness.write_groups(kept, version_seen, st.step, now)
         if dropped:
-            self.staleness.write_groups(dropped, version_seen, st.step, now, dropped="max_staleness")
+            self.lead.staleness.write_groups(dropped, version_seen, st.step, now, dropped="max_staleness")
         lags = [version_seen - g.version_start for g in kept]
         spans = [g.version_end - g.version_start for g in kept]
         stale = [g for g in kept if version_seen - g.version_start > 0]
@@ -304,36 +272,31 @@ class TrainerJob:
                M.TRAINER_IDLE_RATIO: wait_s / max(total_s, 1e-9), M.WAIT_SAMPLES_S: wait_s,
                M.UPDATE_S: update_s, M.PARAM_SYNC_S: sync_s, **self._sync_row(sync_s),
                M.TOKENS_PER_S: upd[M.N_TOKENS] / max(total_s, 1e-9), M.TIME_S: now}
-        self.metrics.write(row)
+        self.lead.metrics.write(row)
         self.heartbeat.update(stats={"step": st.step, "consumed_groups": st.consumed_groups,
                                      "reward_mean": upd[M.REWARD_MEAN], "idle_ratio": row[M.TRAINER_IDLE_RATIO]})
         return row
 
     # ---- the loop
     def run(self) -> None:
+        """Build, resume or start, train until done or preempted; the final heartbeat whatever happened."""
         cfg = self.cfg
-        if self.rank == 0:
-            self.heartbeat = HeartbeatThread(self.run_dir, RunDir.trainer_job(), "trainer",
-                                             cfg.timeouts.heartbeat_interval_s).start()
-        else:
-            self.heartbeat = _NoHeartbeat()
+        self.heartbeat.start()
         final_state = HeartbeatState.FAILED
         try:
-            self._build()
-            self._resume_or_start()
-            self._last_checkpoint_step = self.state.step
+            self.parts, resumed = build_parts(cfg, self.run_dir, self.rank, self.world)
+            self._resume_or_start(resumed)
             log.info("training %d -> %d local updates on %d rank(s), R=%d groups each, K=%d, budget B=%d",
                      self.state.step, cfg.total_updates, self.world, cfg.groups_per_update,
                      cfg.async_training.trigger_parameter_sync_step, cfg.admission_budget)
-            self.updater = PolicyUpdate(cfg, self.engine, self.micro_per_mini, self.reference, self.state.kl_coef,
-                                        rank=self.rank, world=self.world)
             final_state = self._train()
         except BaseException as e:
             if not isinstance(e, SystemExit):
                 log.exception("trainer rank %d failed", self.rank)  # into RUN/logs/jobs/, where the launcher looks
             raise
         finally:
-            self.weights.close()
+            if self.parts is not None:
+                self.parts.close()
             self.heartbeat.stop(final_state)
 
     def _train(self) -> HeartbeatState:
@@ -407,7 +370,7 @@ class TrainerJob:
         if self.rank == 0:
             write_json_atomic(self.run_dir.trainer_done, TrainerDone(
                 self.state.step, self.state.param_version, self.state.consumed_groups, time.time(),
-                cursor=self.reader.cursor()).to_json())
+                cursor=self.lead.reader.cursor()).to_json())
             log.info("done: %d updates, version %d, %d groups consumed", self.state.step, self.state.param_version,
                      self.state.consumed_groups)
 

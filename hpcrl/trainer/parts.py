@@ -1,0 +1,137 @@
+"""Everything a trainer rank builds once, before its loop: :class:`TrainerParts`, and on rank 0 also
+:class:`LeadParts` (the run directory's readers and writers: only rank 0 reads samples, writes logs
+and publishes weights).
+
+Built in one place (:func:`build_parts`), in this order: the policy (and value head) under DeepSpeed,
+the frozen reference if a KL term needs it, the newest checkpoint if there is one (every rank), then
+on rank 0 the resume of the run directory (versions published after the checkpoint withdrawn, logs
+cut back to it) and its readers and writers from the checkpoint's cursor, and last the update whose
+KL controller continues from the checkpoint. Nothing is attached to the job later.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from hpcrl.config import RunConfig
+from hpcrl.control.fatal import fatal_inputs
+from hpcrl.logs import MetricsLog, StalenessLog, truncate_to
+from hpcrl.run_dir import RunDir
+from hpcrl.samples.reader import SampleReader
+from hpcrl.samples.skips import SkipLog
+from hpcrl.trackers import open_trackers
+from hpcrl.trainer import checkpoint
+from hpcrl.trainer.models import PolicyWithValueHead, load_reference
+from hpcrl.trainer.update import PolicyUpdate
+from hpcrl.weights import WeightPublisher, make_publisher
+
+log = logging.getLogger("hpcrl.trainer")
+
+
+@dataclass
+class LeadParts:
+    """Rank 0's parts: the run directory's readers and writers."""
+
+    weights: WeightPublisher
+    reader: SampleReader
+    """Committed groups, from the checkpoint's cursor on."""
+    metrics: MetricsLog
+    """``logs/metrics.jsonl`` (and the trackers): one row per update."""
+    staleness: StalenessLog
+    """``logs/staleness.jsonl``: one row per consumed trajectory."""
+
+    def close(self) -> None:
+        """Stop the publisher's threads (bounded)."""
+        self.weights.close()
+
+
+@dataclass
+class TrainerParts:
+    """What one trainer rank holds for its whole life (module docstring)."""
+
+    engine: Any
+    """The DeepSpeed engine around the policy (and value head)."""
+    reference: Optional[torch.nn.Module]
+    """The frozen initial policy, when a KL term needs it."""
+    model_config_json: str
+    """The policy's ``config.json``, written with every published version."""
+    pad_id: int
+    micro_per_mini: int
+    """Micro-batches (backward passes) per optimizer step on this rank."""
+    updater: PolicyUpdate
+    lead: Optional[LeadParts]
+    """Rank 0 only; None on the other ranks."""
+
+    def close(self) -> None:
+        """Release what has threads of its own (rank 0's publisher)."""
+        if self.lead is not None:
+            self.lead.close()
+
+
+def _deepspeed(cfg: RunConfig, run_dir: RunDir, rank: int, world: int):
+    """The policy (and value head) under DeepSpeed; its config.json, pad id and micro-batches per step."""
+    import deepspeed
+    from transformers import AutoModelForCausalLM
+
+    from hpcrl.trainer.safe_checkpoint import SafeCheckpointEngine
+
+    path = run_dir.model_dir(cfg.model.path)
+    with fatal_inputs(run_dir, RunDir.trainer_job(rank), f"loading the model {path}"):
+        policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = PolicyWithValueHead(policy, value_head=cfg.algorithm.adv_estimator == "gae")
+    groups = [{"params": list(policy.parameters()), "lr": cfg.actor.lr}]
+    if model.value_head is not None:
+        groups.append({"params": list(model.value_head.parameters()), "lr": cfg.critic.lr})
+    optimizer = torch.optim.AdamW(groups, lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay)
+    micro_per_mini = cfg.actor.ppo_mini_batch_size // world // cfg.actor.ppo_micro_batch_size
+    ds_config = {
+        "train_micro_batch_size_per_gpu": 1,  # one "micro step" = one backward of ppo_micro_batch_size groups
+        "gradient_accumulation_steps": micro_per_mini,
+        "gradient_clipping": cfg.actor.grad_clip,
+        "zero_optimization": {"stage": cfg.actor.zero_stage},
+        "zero_allow_untested_optimizer": True,  # a plain torch AdamW: no JIT-compiled fused_adam on CPU
+        "bf16": {"enabled": cfg.actor.bf16},
+        "steps_per_print": 10**9,
+    }
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    engine.checkpoint_engine = SafeCheckpointEngine()
+    pad_id = policy.config.pad_token_id if policy.config.pad_token_id is not None else 0
+    return engine, policy.config.to_json_string(), pad_id, micro_per_mini
+
+
+def _lead(cfg: RunConfig, run_dir: RunDir, resumed: Optional[checkpoint.TrainerState]) -> LeadParts:
+    """Rank 0: bring the run directory back to the checkpoint (or to a fresh start), then open its readers
+    and writers there."""
+    weights = make_publisher(cfg.weights, run_dir, cfg.timeouts)
+    if resumed is None:
+        # A fresh start: anything published by an earlier attempt that died before its first checkpoint
+        # belongs to a model we no longer have.
+        weights.withdraw_after(-1)
+        truncate_to(run_dir.metrics, 0)
+        truncate_to(run_dir.staleness, 0)
+    else:
+        weights.withdraw_after(resumed.param_version)
+        truncate_to(run_dir.metrics, resumed.metrics_bytes)
+        truncate_to(run_dir.staleness, resumed.staleness_bytes)
+    cursor = resumed.cursor if resumed is not None else {}
+    return LeadParts(weights=weights, reader=SampleReader(run_dir, cursor=cursor, skip_log=SkipLog(run_dir)),
+                     metrics=MetricsLog(run_dir.metrics, trackers=open_trackers(cfg, run_dir)),
+                     staleness=StalenessLog(run_dir))
+
+
+def build_parts(cfg: RunConfig, run_dir: RunDir, rank: int, world: int
+                ) -> tuple[TrainerParts, Optional[checkpoint.TrainerState]]:
+    """Every part of trainer rank ``rank`` of ``world``, and the checkpointed state it resumes from (None:
+    a fresh start)."""
+    torch.manual_seed(cfg.model.seed)
+    torch.set_num_threads(cfg.trainer.torch_threads)
+    engine, config_json, pad_id, micro_per_mini = _deepspeed(cfg, run_dir, rank, world)
+    reference = load_reference(run_dir.model_dir(cfg.model.path), engine.device) if cfg.needs_reference else None
+    resumed = checkpoint.load_latest(engine, run_dir)
+    lead = _lead(cfg, run_dir, resumed) if rank == 0 else None
+    kl_coef = resumed.kl_coef if resumed is not None else None
+    updater = PolicyUpdate(cfg, engine, micro_per_mini, reference, kl_coef, rank=rank, world=world)
+    return TrainerParts(engine, reference, config_json, pad_id, micro_per_mini, updater, lead), resumed
