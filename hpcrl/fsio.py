@@ -1,6 +1,6 @@
 """Crash-safe file primitives: every file another job reads goes through here.
 
-Two patterns only (DESIGN.md "The run directory"):
+Two patterns only (ARCHITECTURE.md, "Invariants"):
 - whole files: write ``x.tmp`` -> fsync -> ``os.replace(x.tmp, x)`` -> fsync the folder;
 - append-only logs: one JSON object per line, each ``write`` + ``fsync``; a reader
   skips a last line without its newline (the writer died mid-line).

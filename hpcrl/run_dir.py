@@ -1,6 +1,6 @@
 """RunDir: the one place that names every path and every job of a run (cf. submitit's JobPaths).
 
-Layout (DESIGN.md)::
+Layout (ARCHITECTURE.md, "The run directory")::
 
     RUN/
       config.yaml                  resolved config, frozen at launch            (launcher writes)

@@ -35,6 +35,8 @@ class Job:
     ``wrapped`` runs it through ``tests/fault_wrapper.py``."""
 
     def __init__(self, args: list[str], log_path: Path, env: dict | None = None, wrapped: bool = False):
+        self.args = list(args)
+        """The job's own arguments (``trainer RUN``, ...), whichever way it is started."""
         self.log_path = log_path
         self._log = open(log_path, "ab")
         env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
@@ -76,7 +78,7 @@ def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.1, jobs
             return value
         for job in jobs:
             if job.proc.poll() is not None:
-                raise AssertionError(f"job {job.proc.args[3:]} exited ({job.proc.returncode}) while waiting for "
+                raise AssertionError(f"job {job.args} exited ({job.proc.returncode}) while waiting for "
                                      f"{what}:\n{job.tail()}")
         time.sleep(poll_s)
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")

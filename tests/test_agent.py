@@ -214,6 +214,7 @@ def read_rollout_metrics(rd):
     return read_jsonl_frame(rd.rollout_metrics("w000"))
 
 
+@pytest.mark.slow
 def test_the_multi_turn_toy_task_learns_and_masks_only_tool_tokens(tiny_run):
     updates = 60  # the call is learnt in ~15 updates; a working call and the answer come slower
     rd = tiny_run(*AGENT, f"rollout.total_rollout_steps={4 * updates}")
@@ -240,6 +241,7 @@ def test_the_multi_turn_toy_task_learns_and_masks_only_tool_tokens(tiny_run):
     assert rows["tool_calls/mean"].max() > 0 and rows["num_turns/max"].max() >= 3
 
 
+@pytest.mark.slow
 def test_a_restarted_rollout_job_continues_its_saved_groups(tiny_run):
     rd = tiny_run(*AGENT, "async_training.staleness_threshold=1.0", "async_training.partial_rollout=true",
                   "rollout.max_concurrent_groups=4", "rollout.total_rollout_steps=160", "rollout.response_length=48",

@@ -31,6 +31,7 @@ def run_to_the_end(rd, updates: int):
     return m
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("estimator", list(RUNS))
 def test_estimator_learns_the_toy_task(tiny_run, estimator):
     rd = tiny_run(f"algorithm.adv_estimator={estimator}", "rollout.total_rollout_steps=400", *RUNS[estimator])
@@ -66,6 +67,7 @@ RARE = {  # name: (overrides, K, require_batches, ppo_epochs)
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(RARE))
 def test_less_travelled_paths_run_end_to_end(tiny_run, name):
     """bf16, several PPO epochs, micro-batches, K > 1 updates per weight version,
@@ -115,6 +117,7 @@ LOSS_RUNS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", list(LOSS_RUNS))
 def test_policy_loss_mode_learns_the_toy_task(tiny_run, mode):
     # 100 updates, the first tenth against the mean of the last half: at 50 updates, first fifth

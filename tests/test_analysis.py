@@ -170,6 +170,7 @@ def report(runs, tmp_path_factory):
 
 # ---------------------------------------------------------------- tests
 
+@pytest.mark.slow
 def test_side_by_side_table_has_one_row_per_run_equal_to_the_raw_logs(runs, report):
     out, md, _ = report
     (table,) = parse_report(md)[("Side by side", "")]
@@ -182,6 +183,7 @@ def test_side_by_side_table_has_one_row_per_run_equal_to_the_raw_logs(runs, repo
     assert (out / "report.html").read_text().count("<tr>") > 10
 
 
+@pytest.mark.slow
 def test_per_run_tables_equal_the_raw_logs(runs, report):
     _, md, _ = report
     tables = parse_report(md)
@@ -241,6 +243,7 @@ def test_per_run_tables_equal_the_raw_logs(runs, report):
     assert md.count("None: all 1600 trained trajectories were generated under one weight version") == 2
 
 
+@pytest.mark.slow
 def test_every_plot_exists_and_is_a_valid_png(report):
     out, md, res = report
     linked = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", md)
@@ -256,6 +259,7 @@ def test_every_plot_exists_and_is_a_valid_png(report):
     assert "22 plots" in res.stdout
 
 
+@pytest.mark.slow
 def test_recommendation_states_the_idle_ratios_it_used(runs, report):
     _, md, res = report
     (table,) = parse_report(md)[("Side by side", "")]
@@ -285,6 +289,7 @@ def test_recommendation_rule():
     assert HIGH < 0.6
 
 
+@pytest.mark.slow
 def test_status_once_on_a_finished_run(runs):
     res = run_cli("status", str(runs["s05"]), "--once", timeout_s=60)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -298,6 +303,7 @@ def test_status_once_on_a_finished_run(runs):
     assert run_cli("status", str(runs["s0"]), "--interval-s", "0.2", timeout_s=60).returncode == 0
 
 
+@pytest.mark.slow
 def test_status_and_report_on_a_run_killed_mid_way(tmp_path):
     rd = make_run(tmp_path, "rollout.total_rollout_steps=400", name="killed")
     trainer, rollout = start_trainer(rd), start_rollout(rd)
@@ -337,6 +343,7 @@ def _rewrite(path: Path, change) -> None:
     path.write_text("".join(json.dumps(change(r)) + "\n" for r in rows))
 
 
+@pytest.mark.slow
 def test_run_from_an_older_hpcrl_gets_a_clear_message(runs, tmp_path):
     old = tmp_path / "old"
     shutil.copytree(runs["s0"], old, ignore=shutil.ignore_patterns("checkpoints", "weights", "samples", "base_model"))
@@ -358,6 +365,7 @@ def test_run_from_an_older_hpcrl_gets_a_clear_message(runs, tmp_path):
     assert cli("status", str(old), "--once").returncode == 0
 
 
+@pytest.mark.slow
 def test_dropped_samples_are_counted_by_reason(runs, tmp_path):
     """Drops are rare in tiny runs: mark the groups of update 3 as dropped for staleness
     and count 4 groups of damaged shards, as the trainer would have logged them."""

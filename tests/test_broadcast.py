@@ -365,6 +365,7 @@ def test_trainer_sigkilled_mid_broadcast_leaves_the_rollout_on_files(tiny_run, c
     wt.close()
 
 
+@pytest.mark.slow
 def test_run_with_broadcast_takes_versions_by_broadcast_exactly_once(tmp_path):
     run = tmp_path / "run"
     out = subprocess.run([sys.executable, "-m", "hpcrl", "run", str(TINY), "weights.transport=broadcast",

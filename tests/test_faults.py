@@ -21,6 +21,7 @@ def n_updates(rd) -> int:
     return sum(1 for _ in read_jsonl(rd.metrics))
 
 
+@pytest.mark.slow
 def test_rollout_sigkill_then_restart(tiny_run):
     rd = tiny_run("rollout.total_rollout_steps=320", "async_training.staleness_threshold=0.5",
                   "rollout.max_concurrent_groups=3")
@@ -38,6 +39,7 @@ def test_rollout_sigkill_then_restart(tiny_run):
     assert result["consumed_groups"] == cfg.total_updates * cfg.groups_per_update
 
 
+@pytest.mark.slow
 def test_an_engine_that_fails_to_load_a_version_stays_on_its_own_and_retries(tiny_run):
     """The engine refuses version 2 once (an injected error as the verified weights reach it): the
     job says so, keeps generating with version 1 (re-applied), loads version 2 on the retry, and
@@ -62,6 +64,7 @@ def test_an_engine_that_fails_to_load_a_version_stays_on_its_own_and_retries(tin
     # the value head and the adaptive KL controller are trainer state too: both must survive
     (3, ("algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive")),
 ], ids=["zero2", "zero3-gae-adaptive-kl"])
+@pytest.mark.slow
 def test_trainer_sigkill_after_checkpoint_then_resume(tiny_run, zero_stage, extra):
     rd = tiny_run("rollout.total_rollout_steps=320", "trainer.checkpoint_every_updates=10",
                   f"actor.zero_stage={zero_stage}", *extra)
@@ -94,6 +97,7 @@ def test_trainer_sigkill_after_checkpoint_then_resume(tiny_run, zero_stage, extr
         assert after["actor/reward_kl_penalty_coeff"] != ctrl.kl_coef
 
 
+@pytest.mark.slow
 def test_trainer_waits_with_a_message_naming_what_it_waits_for(tiny_run):
     rd = tiny_run("rollout.total_rollout_steps=40", "timeouts.wait_samples_s=4")
     trainer = start_trainer(rd)  # no rollout job at all
@@ -103,6 +107,7 @@ def test_trainer_waits_with_a_message_naming_what_it_waits_for(tiny_run):
     assert json.loads(rd.heartbeat("trainer").read_text())["state"] == "failed"
 
 
+@pytest.mark.slow
 def test_damaged_shard_is_skipped_by_a_running_trainer(tiny_run):
     """Kill the trainer, damage the first shard it has not read yet, resume: the shard is
     reported and counted, its prompts generated again, the run completes, every prompt is
@@ -142,6 +147,7 @@ def test_damaged_shard_is_skipped_by_a_running_trainer(tiny_run):
     check_exactly_once(rd, cfg.rollout.max_concurrent_groups)
 
 
+@pytest.mark.slow
 def test_usr2_while_waiting_keeps_the_groups_already_taken(tiny_run):
     """USR2 reaches the trainer after it took 2 of the 4 groups of its next update: the
     checkpoint must not count them, and the resumed trainer trains on them exactly once."""
@@ -173,6 +179,7 @@ def test_usr2_while_waiting_keeps_the_groups_already_taken(tiny_run):
     assert not st.sample_id.duplicated().any()
 
 
+@pytest.mark.slow
 def test_rollout_usr2_seals_and_its_successor_continues(tiny_run):
     rd = tiny_run("rollout.total_rollout_steps=160")
     trainer, rollout = start_trainer(rd), start_rollout(rd)
@@ -257,6 +264,7 @@ def test_sigterm_right_after_a_manifest_line_is_durable_commits_each_prompt_once
     assert [g.prompt_index for g in drain(r)] == [0, 1, 2, 3, 4] and not r.skipped, r.skipped
 
 
+@pytest.mark.slow
 def test_rollout_sigterm_at_a_shard_commit_then_restart(tiny_run):
     """The same, in a real rollout job with a slow (NFS-like) manifest fsync: restarted, the run
     completes with no shard skipped and every prompt trained on exactly once."""
@@ -276,6 +284,7 @@ def test_rollout_sigterm_at_a_shard_commit_then_restart(tiny_run):
 
 # ---- issue #14 (2): a skipped shard must not deadlock a run at s=0
 
+@pytest.mark.slow
 def test_skipped_shard_gives_its_budget_back_and_its_prompts_are_regenerated(tiny_run):
     """s=0, the rollout has started every group the version allows, and the next shard the
     trainer reads is damaged: before, the trainer waited for its 4th group forever. Now the

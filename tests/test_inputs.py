@@ -59,6 +59,7 @@ def test_torn_last_row_of_the_staleness_log_is_skipped(tmp_path):
     assert list(st.sample_id) == ["w000/0/0"]
 
 
+@pytest.mark.slow
 def test_a_model_the_jobs_cannot_load_stops_the_run_at_once(tmp_path):
     """config.json, weights and tokenizer are there (the launch check passes) but the model does not
     load: every restart would fail the same way, so the run stops at once with one line."""
@@ -75,6 +76,7 @@ def test_a_model_the_jobs_cannot_load_stops_the_run_at_once(tmp_path):
     assert "resubmitting" not in out.stdout and "Traceback" not in out.stdout + out.stderr
 
 
+@pytest.mark.slow
 def test_python_api_launch_status_wait(tmp_path):
     import hpcrl
 

@@ -3,10 +3,13 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from conftest import REPO, TINY, check_exactly_once, start_rollout, start_trainer
 from hpcrl.logs import read_metrics, read_staleness
 from hpcrl.run_dir import RunDir
+
+pytestmark = pytest.mark.slow
 
 
 def fifths(values):

@@ -77,6 +77,7 @@ def test_an_interrupted_response_continues_under_the_new_weights_without_a_gap(t
 ENGINES = {"transformers": [], "vllm": ["model.path=builtin:tiny-h64", "rollout.engine=vllm"]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_a_run_with_partial_rollout_spans_versions_within_the_rederived_bound(tiny_run, engine):
     if engine == "vllm" and importlib.util.find_spec("vllm") is None:

@@ -18,6 +18,8 @@ from hpcrl.logs import read_metrics, read_staleness
 from hpcrl.run_dir import RunDir
 from test_learning import fifths
 
+pytestmark = pytest.mark.slow
+
 CLUSTER = REPO / "sbatch" / "private-cluster.sh"
 
 

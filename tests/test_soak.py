@@ -14,6 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import soak  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("kind, seed", [("instants", 3)])
 def test_soak_trial(tmp_path, kind, seed):

@@ -105,6 +105,7 @@ def test_builtin_math_rewards(name, response, truth, want):
     assert REWARDS[name](response, truth) == want
 
 
+@pytest.mark.slow
 def test_verl_format_run_learns_through_the_launcher(tmp_path):
     """verl parquet + chat template + the user's reward file, launched like a user would."""
     folder = chat_model(tmp_path)
@@ -210,6 +211,7 @@ def test_broken_inputs_fail_before_anything_is_submitted(tmp_path, case, capsys)
         assert not (tmp_path / "run").exists(), "nothing may be created"
 
 
+@pytest.mark.slow
 def test_ctrl_c_cancels_quietly_and_the_jobs_read_stopped(tmp_path):
     """Ctrl-C in the terminal (SIGINT to the launcher's whole process group): the launcher
     cancels the jobs, no job prints a KeyboardInterrupt traceback, status says "stopped"."""

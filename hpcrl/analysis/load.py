@@ -60,7 +60,7 @@ class RunFormatError(ValueError):
 
 @dataclass
 class Knobs:
-    """The flow-control knobs of a run and what follows from them (DESIGN.md "Flow control")."""
+    """The flow-control knobs of a run and what follows from them (ARCHITECTURE.md, "Admission budget with skips")."""
 
     staleness_threshold: float
     trigger_parameter_sync_step: int

@@ -51,7 +51,7 @@ class RunConfig:
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
-    # ---- derived quantities (the flow-control arithmetic of DESIGN.md) ----
+    # ---- derived quantities (the flow-control arithmetic: ARCHITECTURE.md, "Admission budget") ----
     @property
     def groups_per_update(self) -> int:
         """R = ppo_mini_batch_size * require_batches."""

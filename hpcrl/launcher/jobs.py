@@ -77,7 +77,9 @@ class JobHandle:
             log.warning("could not cancel %s (%s): %s", self.name, self.job_id, e)
 
     def log_paths(self) -> list[Path]:
+        """submitit's stdout and stderr files of this job ([] if submitit cannot name them: logged)."""
         try:
             return [Path(self.job.paths.stdout), Path(self.job.paths.stderr)]
-        except Exception:
+        except (AttributeError, OSError, ValueError) as e:  # no paths for this kind of job, or a job id it cannot parse
+            log.warning("no submitit log paths for %s (%s): %s", self.name, self.job_id, e)
             return []
