@@ -175,3 +175,29 @@ def test_withdraw_after_removes_newer_versions_and_their_markers(tmp_path):
     assert wt.published_versions() == [0, 1]
     wt.publish(3, state(9), "{}", 3, 12)  # the restarted trainer publishes v3 again: a new, intact version
     assert sub.newest_usable() == 3, "a reader that marked the old v3 bad must load the new one"
+
+
+def test_a_reader_that_is_neither_job_follows_versions_with_the_subscriber_alone(tmp_path):
+    """An evaluation job (reader ``eval``) follows the versions with nothing but a subscriber; while it
+    holds a version with a live heartbeat, retention keeps it; released, it may go."""
+    wt = transport(tmp_path, keep_versions=2)
+    rd = wt.run_dir
+    for v in range(2):
+        wt.publish(v, state(v), "{}", v, 4 * v)
+    ev = make_subscriber(WeightsConfig(), RunDir(rd.root), "eval")
+    hb = HeartbeatThread(rd, "eval", "eval", interval_s=0.2).start()
+    try:
+        seen = []
+        with ev.take(ev.newest_usable()) as held:
+            for v in range(2, 5):
+                wt.publish(v, state(v), "{}", v, 4 * v)
+                wt.retain(heartbeat_stale_s=5)
+            assert held.version == 1 and 1 in wt.published_versions(), "pinned by a live reader"
+            torch.testing.assert_close(held.tensors["a.weight"], state(1)["a.weight"])
+        for v in ev.published_versions():
+            seen.append(ev.load(v).version)
+        assert seen == [1, 3, 4]
+        wt.retain(heartbeat_stale_s=5)
+        assert wt.published_versions() == [3, 4], "released: retention may delete it"
+    finally:
+        hb.stop("done")

@@ -1,4 +1,5 @@
-"""The weight broadcast's background threads, and why the process waits for them at exit.
+"""Background threads that may sit in a native call (the weight broadcast's), and why the process
+waits for them at exit.
 
 CPython 3.11 ends a daemon thread that comes back from a native call after interpreter shutdown
 began by unwinding its stack (``pthread_exit``). Inside torch's bindings that unwind meets a
@@ -6,8 +7,8 @@ began by unwinding its stack (``pthread_exit``). Inside torch's bindings that un
 exception``, exit status 134, after the job's work was done (seen: a rollout process that had
 loaded its last version by broadcast, while its receiver thread sat in ``store.check``).
 
-So every thread of the broadcast is started by :func:`spawn`, which records how long it can
-still take, and an ``atexit`` hook (atexit runs before shutdown freezes daemon threads) stops
+So every such thread (the broadcast's admission, receiver and transfer threads) is started by
+:func:`spawn`, which records how long it can still take, and an ``atexit`` hook (atexit runs before shutdown freezes daemon threads) stops
 them and waits for each, at most that long, saying what it waits for.
 """
 from __future__ import annotations
