@@ -42,7 +42,7 @@ def _check(value: Any, hint: Any, where: str) -> Any:
                 errors.append(str(e))
         raise RecordError(errors[-1])
     if isinstance(hint, type) and issubclass(hint, JsonRecord):
-        return hint.from_json(value, where)
+        return hint._build(value, where)
     if origin is list or hint is list:
         if not isinstance(value, list):
             raise RecordError(f"{where}: expected a list, got {_kind(value)}")
@@ -73,9 +73,18 @@ class JsonRecord:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_json(cls: type[R], d: Any, where: str = "") -> R:
-        """The record ``d`` holds; RecordError (naming ``where``, the field and the value) if it is not one."""
-        where = where or cls.__name__
+    def from_json(cls: type[R], d: Any, source: str = "") -> R:
+        """The record ``d`` holds; RecordError (naming ``source``, e.g. the file, then the field and the value)
+        if it is not one."""
+        try:
+            return cls._build(d, cls.__name__)
+        except RecordError as e:
+            if source:
+                raise RecordError(f"{source}: {e}") from None
+            raise
+
+    @classmethod
+    def _build(cls: type[R], d: Any, where: str) -> R:
         if not isinstance(d, dict):
             raise RecordError(f"{where}: expected a JSON object, got {_kind(d)}")
         hints = typing.get_type_hints(cls)

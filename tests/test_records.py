@@ -73,3 +73,15 @@ def test_readers_leave_out_heartbeats_that_are_not_records_and_trust_no_malforme
     assert read_trainer_done(rd) is None
     rd.trainer_done.write_text(json.dumps(TrainerDone(3, 1, 12, 5.0).to_json()))
     assert read_trainer_done(rd).consumed_groups == 12
+
+
+def test_a_skipped_shard_record_of_the_wrong_shape_is_named_and_ignored(tmp_path, caplog):
+    from hpcrl.samples.skips import SkipLog, SkippedShard
+
+    rd = RunDir(tmp_path).create()
+    good = SkippedShard("w000", "shard-000001.h5", [3, 5], 2, "truncated", 1.0)
+    rd.skipped_shards.write_text("null\n" + json.dumps({**good.to_json(), "prompt_indices": "3,5"}) + "\n"
+                                 + json.dumps(good.to_json()) + "\n")
+    log = SkipLog(rd)
+    assert [r.shard for r in log.poll()] == ["shard-000001.h5"] and log.skipped_groups() == 2
+    assert "SkippedShard.prompt_indices: expected a list" in caplog.text and str(rd.skipped_shards) in caplog.text

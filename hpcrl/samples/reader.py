@@ -122,7 +122,7 @@ class SampleReader:
         for raw in data[:end].splitlines():
             try:
                 st.lines.append(ShardManifestLine.from_json(json.loads(raw)))
-            except (json.JSONDecodeError, TypeError) as e:
+            except ValueError as e:  # not JSON, or JSON that is not a manifest line (RecordError)
                 # a writer killed mid-line leaves a fragment, then appends a newline after it
                 log.warning("writer %s: unparsable manifest line skipped (%s): %r", writer, e, raw[:80])
         st.manifest_offset += end

@@ -71,9 +71,9 @@ class SkipLog:
         new = []
         for d in rows[self._rows_read:]:
             try:
-                rec = SkippedShard.from_json(d)
-            except TypeError:
-                log.warning("%s: malformed record ignored: %r", self.path, d)
+                rec = SkippedShard.from_json(d, str(self.path))
+            except ValueError as e:  # not a record (RecordError): named and ignored, never a crash
+                log.warning("%s: malformed record ignored (%s)", self.path, e)
                 continue
             fresh = self._add(rec)
             if fresh is not None:

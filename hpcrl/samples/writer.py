@@ -103,7 +103,11 @@ class ShardWriter:
         highest = -1
         for d in read_jsonl(manifest, on_bad_line=lambda n, t: log.warning("manifest line %d unparsable, ignored: %r",
                                                                            n, t[:80])):
-            line = ShardManifestLine.from_json(d)
+            try:
+                line = ShardManifestLine.from_json(d, str(manifest))
+            except ValueError as e:  # JSON, but not a manifest line: the reader skips it too, so it commits nothing
+                log.error("writer %s: %s; its prompts are generated again", self.writer, e)
+                continue
             if line.shard in self._lines:
                 log.error("writer %s: %s listed twice in its manifest (written by an older hpcrl)", self.writer,
                           line.shard)
