@@ -17,6 +17,7 @@ import time
 import torch
 
 from hpcrl.config import TimeoutsConfig, WeightsConfig
+from hpcrl.control.records import HeartbeatThread
 from hpcrl.run_dir import RunDir
 from hpcrl.weights import make_publisher, make_subscriber
 from hpcrl.weights.group import BroadcastFailed
@@ -53,6 +54,7 @@ def main() -> int:
     cfg = WeightsConfig(transport=a.transport, bucket_mib=a.bucket_mib)
     timeouts = TimeoutsConfig(broadcast_connect_s=a.connect_s, broadcast_s=a.broadcast_s)
     if a.role == "trainer":
+        HeartbeatThread(rd, RunDir.trainer_job(), "trainer", 0.5).start()  # readers join a live trainer only
         wt = make_publisher(cfg, rd, timeouts)
         wt.publish(0, model.state_dict(), model.config.to_json_string(), 0, 0)
         while wt.waiting_members() < 1:

@@ -155,7 +155,7 @@ def test_a_trajectory_stopped_mid_tool_call_resumes_from_its_saved_state(models,
     runner.close()
     assert result == {"aborted": True}
     assert traj.state == PROCESSING_TOOLS and traj.pending_calls == [slow_call] and traj.tool_calls == 0
-    states.save({7})
+    states.save()
     # job 2 (new weights, version 1) reads the saved state and finishes the trajectory
     states2 = InFlightStates(tmp_path / "in_flight.json", enabled=True)
     (traj2,), resumed = states2.start(7, TOOL_AGENT, [TrajectoryState()])
@@ -187,6 +187,38 @@ def test_a_failed_tool_call_ends_the_episode_and_is_counted(models):
     generate_group(agent, engine_for(a, 16), runner, gate, [5], [traj], 0, 16, 60, "group")
     runner.close()
     assert traj.finish_reason == FINISH_TOOL_ERROR and traj.tool_errors == 1 and traj.tokens == turn
+
+
+@pytest.mark.parametrize("text", ["null", "[]", '{"schema": 1, "groups": null}', '{"schema": 1, "groups": [null]}',
+                                  '{"schema": 1, "groups": [{"prompt_index": "3", "agent": "x", "trajectories": []}]}'])
+def test_saved_states_of_the_wrong_shape_are_named_and_ignored(tmp_path, caplog, text):
+    """Valid JSON that is not the record (seen: ``null`` crashed every restart of the rollout job)."""
+    path = tmp_path / "in_flight.json"
+    path.write_text(text)
+    states = InFlightStates(path, enabled=True)
+    assert states.saved_count() == 0
+    assert "ignoring the groups in flight saved in" in caplog.text and str(path) in caplog.text
+    assert states.start(3, TOOL_AGENT, [TrajectoryState()])[1] is False
+
+
+def test_a_state_taken_from_the_saved_set_is_saved_again_whatever_the_loop_knows(tmp_path):
+    """The hand-over from the saved set to the live one is one locked step, and a save writes both: a stop
+    between a group's thread taking its saved state and the loop registering the group loses nothing."""
+    path = tmp_path / "in_flight.json"
+    saved = TrajectoryState(state=GENERATING, tokens=[4, 5], mask=[1, 1], logprobs=[-1.0, -2.0], versions=[3, 3],
+                            segments=1)
+    path.write_text(json.dumps({"schema": 1, "groups": [
+        {"prompt_index": 94, "agent": TOOL_AGENT, "trajectories": [saved.to_json()]},
+        {"prompt_index": 92, "agent": TOOL_AGENT, "trajectories": [saved.to_json()]}]}))
+    states = InFlightStates(path, enabled=True)
+    (state,), resumed = states.start(94, TOOL_AGENT, [TrajectoryState()])  # the group's thread, before the loop...
+    assert resumed and state == saved
+    states.save()  # ...is stopped here
+    again = InFlightStates(path, enabled=True)
+    assert again.saved_count() == 2 and again.start(94, TOOL_AGENT, [TrajectoryState()]) == ([saved], True)
+    states.finish(94)
+    states.save()
+    assert InFlightStates(path, enabled=True).saved_count() == 1, "a finished group is not saved"
 
 
 def test_saved_states_that_cannot_be_read_are_ignored(tmp_path):

@@ -16,6 +16,7 @@ import torch
 
 from conftest import REPO, TINY, check_exactly_once
 from hpcrl.config import TimeoutsConfig, WeightsConfig
+from hpcrl.control.records import HeartbeatThread
 from hpcrl.fsio import write_json_atomic
 from hpcrl.run_dir import RunDir
 from hpcrl.weights import make_publisher, make_subscriber
@@ -23,11 +24,22 @@ from hpcrl.weights.group import BroadcastFailed, choose_backend
 from hpcrl.weights.rendezvous import BroadcastRendezvous
 
 PEER = REPO / "tests" / "broadcast_peer.py"
-FAST = TimeoutsConfig(broadcast_connect_s=2.0, broadcast_s=5.0)
+FAST = TimeoutsConfig(broadcast_connect_s=2.0, broadcast_s=5.0, wait_weights_s=4.0)
+
+
+_BEATS: list = []
+
+
+@pytest.fixture(autouse=True)
+def _stop_heartbeats():
+    yield
+    while _BEATS:
+        _BEATS.pop().stop("done")
 
 
 def trainer_side(rd: RunDir, transport: str = "broadcast", bucket_mib: float = 0.05, timeouts=FAST):
-    """The trainer's publisher."""
+    """The trainer's publisher, in a process that beats as the trainer (a reader joins a live trainer only)."""
+    _BEATS.append(HeartbeatThread(rd, RunDir.trainer_job(), "trainer", 0.5).start())
     return make_publisher(WeightsConfig(transport=transport, bucket_mib=bucket_mib), rd, timeouts)
 
 
@@ -116,6 +128,7 @@ def test_a_reader_on_cpu_is_refused_by_an_nccl_trainer_in_one_line(tmp_path, cap
 
     rd = RunDir(tmp_path).create()
     rd.secret.write_text("s")
+    _BEATS.append(HeartbeatThread(rd, RunDir.trainer_job(), "trainer", 0.5).start())
     tt = BroadcastPublisher(rd, 3, required=True, bucket_mib=1, connect_s=2.0, broadcast_s=5.0, backend="nccl")
     tt.publish(0, {"w": torch.ones(3)}, "{}", 0, 0)
     caplog.set_level(logging.INFO)
@@ -278,7 +291,10 @@ def closed_port() -> int:
 
 
 @pytest.mark.parametrize("rendezvous", ["stale", "missing"])
-def test_unreachable_rendezvous_falls_back_to_files_within_the_timeout(tmp_path, rendezvous):
+def test_without_a_live_trainer_auto_uses_the_files_and_broadcast_waits_for_one_bounded(tmp_path, rendezvous):
+    """A rendezvous of a trainer that died (both jobs killed), or none yet (the trainer is down): ``auto`` takes
+    the files at once; ``broadcast`` waits for a live trainer to announce itself, at most wait_weights_s, and then
+    fails naming what it waited for and what is there."""
     rd = RunDir(tmp_path).create()
     rd.secret.write_text("s")
     make_publisher(WeightsConfig(transport="filesystem"), rd).publish(0, {"w": torch.ones(2)}, "{}", 0, 0)
@@ -291,10 +307,25 @@ def test_unreachable_rendezvous_falls_back_to_files_within_the_timeout(tmp_path,
     assert torch.equal(got.tensors["w"], torch.ones(2)) and got.path == "filesystem"
     assert time.monotonic() - t0 < FAST.broadcast_connect_s + 3
     t0 = time.monotonic()
-    with pytest.raises(BroadcastFailed, match=f"127.0.0.1:{port}" if rendezvous == "stale" else "no broadcast rendezvous"):
+    there = f"names the trainer at 127.0.0.1:{port}" if rendezvous == "stale" else "no "
+    with pytest.raises(BroadcastFailed, match=f"gave up after .* a live trainer's broadcast rendezvous .*{there}"):
+        rollout_side(rd).take(0)
+    assert FAST.wait_weights_s <= time.monotonic() - t0 < FAST.wait_weights_s + 3
+    auto.close()
+
+
+def test_a_live_trainer_that_cannot_be_reached_fails_a_broadcast_reader_in_one_line(tmp_path):
+    rd = RunDir(tmp_path).create()
+    rd.secret.write_text("s")
+    make_publisher(WeightsConfig(transport="filesystem"), rd).publish(0, {"w": torch.ones(2)}, "{}", 0, 0)
+    port = closed_port()  # the trainer beats (this process), but its store cannot be reached
+    write_json_atomic(rd.broadcast_rendezvous,
+                      BroadcastRendezvous(socket.gethostname(), port, "e", os.getpid(), time.time()).to_json())
+    _BEATS.append(HeartbeatThread(rd, RunDir.trainer_job(), "trainer", 0.5).start())
+    t0 = time.monotonic()
+    with pytest.raises(BroadcastFailed, match=f"connecting to the broadcast store at .*:{port}"):
         rollout_side(rd).take(0)
     assert time.monotonic() - t0 < FAST.broadcast_connect_s + 3
-    auto.close()
 
 
 def test_receiver_sigkilled_mid_broadcast_is_dropped_and_the_trainer_goes_on(tiny_run, caplog):
@@ -428,3 +459,31 @@ def test_zero3_policy_is_gathered_per_layer_on_two_ranks_bit_for_bit(tmp_path):
     assert got["world"] == 2 and got["sharded_empty"], "the parameters were partitioned (ZeRO-3)"
     assert got["equal_to_model"] and got["equal_to_deepspeed"] and got["tied_shared"], got
     assert got["value_head_left_out"] and got["gathers"] == 3 + 1, got
+
+
+@pytest.mark.slow
+def test_both_jobs_sigkilled_with_broadcast_resume_with_the_same_commands_rollout_first(tiny_run):
+    """weights.transport=broadcast: SIGKILL both jobs mid-run, start the rollout job again while the trainer is
+    still down (the rendezvous names the dead trainer): it waits, saying so, instead of failing; the trainer
+    restarted with the same command announces itself at start, the rollout job joins it, the run finishes
+    exactly once and the versions after the restart come by broadcast."""
+    from conftest import start_rollout, start_trainer, wait_until
+    from hpcrl.fsio import read_jsonl
+
+    rd = tiny_run("weights.transport=broadcast", "rollout.total_rollout_steps=120", "timeouts.wait_weights_s=120",
+                  "trainer.checkpoint_every_updates=5")
+    trainer, rollout = start_trainer(rd), start_rollout(rd)
+    wait_until(lambda: sum(1 for _ in read_jsonl(rd.metrics)) >= 8, 180, "8 updates", jobs=(trainer, rollout))
+    trainer.kill(), rollout.kill()
+    rollout = start_rollout(rd)
+    wait_until(lambda: "no live trainer to join yet" in rollout.log_path.read_text(), 60,
+               "the rollout job to wait for a live trainer", jobs=(rollout,))
+    time.sleep(3)
+    assert rollout.proc.poll() is None, "the rollout job must wait for the trainer, not fail:\n" + rollout.tail()
+    rows_before = len(rd.rollout_metrics("w000").read_text().splitlines())
+    trainer = start_trainer(rd)
+    assert trainer.wait(300) == 0, trainer.tail()
+    assert rollout.wait(120) == 0, rollout.tail()
+    check_exactly_once(rd, rd.load_config().rollout.max_concurrent_groups)
+    after = [json.loads(x)["weights/path"] for x in rd.rollout_metrics("w000").read_text().splitlines()[rows_before:]]
+    assert after.count("broadcast") >= len(after) - 2, after

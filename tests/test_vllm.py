@@ -18,6 +18,7 @@ import torch
 
 from conftest import REPO, TINY, check_exactly_once
 from hpcrl.config import WeightsConfig
+from hpcrl.control.records import HeartbeatThread
 from hpcrl.logs import read_metrics
 from hpcrl.rollout.engine import FINISH_ABORT, EngineOptions, EngineRunner
 from hpcrl.rollout.engines import make_engine
@@ -128,6 +129,7 @@ def test_a_broadcast_version_is_loaded_by_the_workers_from_shared_memory(vllm_en
     rd.secret.write_text("s3cret")
     timeouts = TimeoutsConfig(broadcast_connect_s=2.0, broadcast_s=10.0)
     cfg = WeightsConfig(transport="broadcast", bucket_mib=0.25)
+    beat = HeartbeatThread(rd, RunDir.trainer_job(), "trainer", 0.5).start()  # a reader joins a live trainer only
     tt, rt = make_publisher(cfg, rd, timeouts), make_subscriber(cfg, rd, "w000", timeouts)
     m0, m1 = load_reference(models[0]), load_reference(models[1])
     apply = lambda wv: runner.call(lambda: engine.load_weights(wv), 120, "load")  # noqa: E731
@@ -148,7 +150,7 @@ def test_a_broadcast_version_is_loaded_by_the_workers_from_shared_memory(vllm_en
         assert wv.path == "broadcast" and apply(wv) == "folder"
     assert [greedy(p) for p in PROMPTS] == [greedy_hf(models[0], p, 8) for p in PROMPTS]
     engine._mapped_ok = True  # for the other tests
-    tt.close(), rt.close()
+    tt.close(), rt.close(), beat.stop("done")
 
 
 def test_abort_returns_the_partial_responses_and_the_engine_serves_again(vllm_engine):

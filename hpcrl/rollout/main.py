@@ -247,7 +247,7 @@ class RolloutJob:
                                    "aborting generation for new weights")
             self._wait_parked()
         self._collect(timeout_s=0.0)  # groups that finished are committed before the load: the lag bound needs it
-        self.parts.states.save(set(self.in_flight.values()))  # all parked: a successor continues them from here
+        self.parts.states.save()  # all parked: a successor continues them from here
         carried = len(self.in_flight)
         self.stats.partial_groups += carried
         self.stats.pause_s += time.monotonic() - t0
@@ -394,7 +394,7 @@ class RolloutJob:
             if fut.done() and not fut.cancelled() and fut.exception() is None:
                 p.shards.add(fut.result()[0])
                 p.states.finish(self.in_flight[fut])
-        p.states.save(set(self.in_flight.values()))
+        p.states.save()
 
     def _shutdown(self, final_state: HeartbeatState) -> None:
         """Seal complete groups, write the last version row, release the engine, write the final heartbeat.

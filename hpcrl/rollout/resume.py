@@ -97,14 +97,16 @@ class InFlightStates:
         with self._lock:
             self._live.pop(prompt_index, None)
 
-    def save(self, in_flight: set[int]) -> None:
-        """Write the states of the groups in ``in_flight`` (every one parked or stopped, so no thread
-        changes them now), plus saved ones not admitted yet."""
+    def save(self) -> None:
+        """Write the states of every group started and not finished (each is parked or stopped when this is
+        called, so no thread changes it now), plus saved ones not started yet. A state moves from the saved set
+        to the live one in one locked step when its group starts, so it is in one of them at every instant: a
+        stop at any moment saves it (it is not matched against the loop's own list of groups in flight, which
+        a group joins a moment later)."""
         if not self.enabled:
             return
         with self._lock:
-            groups = dict(self._saved)
-            groups.update({i: g for i, g in self._live.items() if i in in_flight})
+            groups = {**self._saved, **self._live}
             doc = SavedGroups(SCHEMA, [groups[i] for i in sorted(groups)]).to_json()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(self.path, doc)

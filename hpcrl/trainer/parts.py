@@ -116,6 +116,7 @@ def _lead(cfg: RunConfig, run_dir: RunDir, resumed: Optional[checkpoint.TrainerS
         weights.withdraw_after(resumed.param_version)
         truncate_to(run_dir.metrics, resumed.metrics_bytes)
         truncate_to(run_dir.staleness, resumed.staleness_bytes)
+    weights.start()  # a resumed trainer announces its broadcast now, not at its first publish
     cursor = resumed.cursor if resumed is not None else {}
     return LeadParts(weights=weights, reader=SampleReader(run_dir, cursor=cursor, skip_log=SkipLog(run_dir)),
                      metrics=MetricsLog(run_dir.metrics, trackers=open_trackers(cfg, run_dir)),

@@ -135,6 +135,11 @@ class Published:
 class WeightPublisher(abc.ABC):
     """Trainer rank 0: makes versions available and keeps the folder tidy (module table)."""
 
+    def start(self) -> None:
+        """Announce this trainer to the readers before its first publish (a broadcast's rendezvous: a resumed
+        trainer re-announces itself at start, so readers waiting on a dead trainer's record can join). Files-only
+        backends have nothing to announce."""
+
     @abc.abstractmethod
     def publish(self, version: int, state_dict: dict[str, torch.Tensor], model_config_json: str,
                 trainer_step: int, consumed_groups: int) -> Published:

@@ -43,6 +43,7 @@ take the tensors reloads from it. With NCCL the buffer is on the receiver's GPU 
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from typing import Optional
 
@@ -54,7 +55,9 @@ from hpcrl.weights.base import Published, WeightVersion
 from hpcrl.weights.filesystem import FilesystemPublisher, FilesystemSubscriber, dedupe_tied
 from hpcrl.weights.group import BroadcastFailed, BroadcastRefused
 from hpcrl.weights.receiver import Receiver
-from hpcrl.weights.rendezvous import read_rendezvous
+from hpcrl.fsio import wait_for
+from hpcrl.process import termination
+from hpcrl.weights.rendezvous import BroadcastRendezvous, describe_rendezvous, is_live, read_rendezvous
 from hpcrl.weights.sender import Sender
 from hpcrl.weights.wire import ALIGN_BYTES
 
@@ -94,12 +97,16 @@ class BroadcastPublisher(FilesystemPublisher):
         return cls(run_dir, cfg.keep_versions, cfg.transport == "broadcast", cfg.bucket_mib,
                    timeouts.broadcast_connect_s, timeouts.broadcast_s, cfg.broadcast_backend)
 
-    def publish(self, version: int, state_dict: dict[str, torch.Tensor], model_config_json: str,
-                trainer_step: int, consumed_groups: int) -> Published:
-        if not self._tried:  # before the first version's files: a joiner finds the rendezvous with v0
+    def start(self) -> None:
+        """Start the store and write the rendezvous (a resumed trainer announces its new epoch at once)."""
+        if not self._tried:
             self._tried = True
             self._sender = _start(self.required, "starting the broadcast store", lambda: Sender(
                 self.run_dir, self.bucket_bytes, self.connect_s, self.broadcast_s, self.backend))
+
+    def publish(self, version: int, state_dict: dict[str, torch.Tensor], model_config_json: str,
+                trainer_step: int, consumed_groups: int) -> Published:
+        self.start()  # before the first version's files, if the trainer did not: a joiner finds it with v0
         t0 = time.monotonic()
         tensors, aliases = dedupe_tied(state_dict)
         manifest = self.write_version(version, tensors, aliases, model_config_json, trainer_step, consumed_groups)
@@ -121,13 +128,13 @@ class BroadcastPublisher(FilesystemPublisher):
 
 class BroadcastSubscriber(FilesystemSubscriber):
     """Versions by broadcast where this reader is a member, from the files otherwise (module docstring).
-    ``required``: a reader that cannot join at its first take fails with the reason; ``auto``: it logs it."""
+    ``required``: a reader that cannot join a live trainer at its first take fails with the reason (one whose
+    rendezvous names a dead trainer waits for a live one, bounded); ``auto``: it logs the reason and uses files."""
 
-    def __init__(self, run_dir: RunDir, reader: str, required: bool, connect_s: float, broadcast_s: float,
-                 device: str = "cpu"):
+    def __init__(self, run_dir: RunDir, reader: str, required: bool, timeouts: TimeoutsConfig, device: str = "cpu"):
         """``device``: where this reader's engine wants the tensors (``cuda``: it can receive by NCCL)."""
         super().__init__(run_dir, reader)
-        self.required, self.connect_s, self.broadcast_s, self.device = required, connect_s, broadcast_s, device
+        self.required, self.timeouts, self.device = required, timeouts, device
         self._receiver: Optional[Receiver] = None
         self._tried = False
 
@@ -135,14 +142,64 @@ class BroadcastSubscriber(FilesystemSubscriber):
     def from_config(cls, cfg: WeightsConfig, run_dir: RunDir, reader: str, timeouts: TimeoutsConfig,
                     device: str = "cpu") -> "BroadcastSubscriber":
         """The subscriber of ``weights.transport=broadcast`` (required) or ``auto``."""
-        return cls(run_dir, reader, cfg.transport == "broadcast", timeouts.broadcast_connect_s, timeouts.broadcast_s,
-                   device)
+        return cls(run_dir, reader, cfg.transport == "broadcast", timeouts, device)
+
+    def _live_rendezvous(self) -> Optional[BroadcastRendezvous]:
+        rdv = read_rendezvous(self.run_dir)
+        return rdv if rdv is not None and is_live(self.run_dir, rdv, self.timeouts.heartbeat_interval_s) else None
+
+    def _wait_for_a_live_trainer(self, deadline_s: float) -> BroadcastRendezvous:
+        """Until the rendezvous names a trainer that runs (``rendezvous.is_live``), wait for one, until the
+        monotonic ``deadline_s``, saying what is there: both jobs were killed and restarted, or this one started
+        while the trainer is down; the resumed trainer re-announces itself at start."""
+        t = self.timeouts
+        rdv = self._live_rendezvous()
+        if rdv is None:
+            log.warning("weight broadcast: no live trainer to join yet (%s); waiting up to %.0fs for one",
+                        describe_rendezvous(self.run_dir), deadline_s - time.monotonic())
+            rdv = wait_for(f"a live trainer's broadcast rendezvous in {self.run_dir.broadcast_rendezvous}",
+                           self._live_rendezvous, max(deadline_s - time.monotonic(), 0.0), max(t.poll_interval_s, 0.2),
+                           log, t.wait_log_interval_s, describe=lambda: describe_rendezvous(self.run_dir),
+                           stop=termination.check)
+        return rdv
+
+    def _join_a_live_trainer(self, r: Receiver) -> None:
+        """Required mode: join the trainer that runs. A join that fails while that trainer keeps running fails
+        the job in one line; one that fails because it just died (it stops beating within three beats) waits
+        for its successor, all within ``timeouts.wait_weights_s``."""
+        t = self.timeouts
+        deadline_s = time.monotonic() + t.wait_weights_s
+        while True:
+            rdv = self._wait_for_a_live_trainer(deadline_s)
+            try:
+                return r.join_now()
+            except BroadcastRefused:
+                raise
+            except BroadcastFailed:
+                if not self._died(rdv):
+                    raise
+                log.warning("weight broadcast: the trainer at %s died; waiting for the next one", rdv.address)
+
+    def _died(self, rdv: BroadcastRendezvous) -> bool:
+        """After a failed join: whether the trainer of ``rdv`` is gone (on this host: its process; elsewhere: its
+        heartbeat stops moving within three beats, or it was alive all along and could not be reached)."""
+        interval_s = self.timeouts.heartbeat_interval_s
+        end = time.monotonic() + (0.0 if rdv.host == socket.gethostname() else 3 * interval_s + 2.0)
+        while True:
+            if not is_live(self.run_dir, rdv, interval_s):
+                return True
+            if time.monotonic() >= end:
+                return False
+            termination.check()
+            time.sleep(0.2)
 
     def _join_once(self) -> None:
-        """At the first take: join (required: or fail), then follow the publishes on a thread."""
+        """At the first take: join (required: a live trainer, or fail), then follow the publishes on a thread."""
         self._tried = True
-        r = Receiver(self.run_dir, self.reader, self.device, self.connect_s, self.broadcast_s)
-        _start(self.required, "joining the weight broadcast", r.join_now)
+        t = self.timeouts
+        r = Receiver(self.run_dir, self.reader, self.device, t.broadcast_connect_s, t.broadcast_s)
+        _start(self.required, "joining the weight broadcast",
+               (lambda: self._join_a_live_trainer(r)) if self.required else r.join_now)
         if not r.joined:  # auto: tried again once a trainer publishes a new rendezvous
             rdv = read_rendezvous(self.run_dir)
             r.failed_epoch = rdv.epoch if rdv is not None else None

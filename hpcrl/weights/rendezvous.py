@@ -33,6 +33,7 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
+from hpcrl.control.records import read_heartbeats
 from hpcrl.fsio import read_json, write_json_atomic
 from hpcrl.json_record import JsonRecord
 from hpcrl.run_dir import RunDir
@@ -117,6 +118,40 @@ def read_rendezvous(run_dir: RunDir) -> Optional[BroadcastRendezvous]:
         return None if d is None else BroadcastRendezvous.from_json(d)
     except (ValueError, OSError):
         return None
+
+
+def _pid_runs(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def is_live(run_dir: RunDir, rdv: BroadcastRendezvous, heartbeat_interval_s: float) -> bool:
+    """Whether the trainer process that wrote ``rdv`` still runs. Its heartbeat must come from that host and
+    process (a restarted trainer beats with a new pid before it re-announces) and not have ended; on this host
+    the process is looked up directly, elsewhere its heartbeat must have moved within three beats (a SIGKILLed
+    trainer's last beat stays on disk)."""
+    beat = read_heartbeats(run_dir).get(RunDir.trainer_job())
+    if beat is None or beat.ended or (beat.host, beat.pid) != (rdv.host, rdv.trainer_pid):
+        return False
+    if rdv.host == socket.gethostname():
+        return _pid_runs(rdv.trainer_pid)
+    return beat.age_s(time.time()) <= 3 * heartbeat_interval_s + 1.0
+
+
+def describe_rendezvous(run_dir: RunDir) -> str:
+    """One line for wait messages: the rendezvous record there is, and the trainer's heartbeat."""
+    rdv = read_rendezvous(run_dir)
+    beat = read_heartbeats(run_dir).get(RunDir.trainer_job())
+    there = (f"{run_dir.broadcast_rendezvous} names the trainer at {rdv.address} (pid {rdv.trainer_pid}, epoch "
+             f"{rdv.epoch})" if rdv is not None else f"no {run_dir.broadcast_rendezvous}")
+    hb = (f"trainer heartbeat: {beat.state}, pid {beat.pid} on {beat.host}, {beat.age_s(time.time()):.0f}s ago"
+          if beat is not None else "no trainer heartbeat")
+    return f"{there}; {hb}"
 
 
 def read_secret(run_dir: RunDir) -> bytes:
