@@ -20,4 +20,7 @@ if [ "${1:-}" = "--test" ]; then
 else
   "${PIP[@]}" -e .
 fi
+# DeepSpeed compiles an op the first time a trainer starts on a node (a minute or two on a few cores): do it
+# now for this node, so that the first run starts at once (hpcrl/trainer/ops.py says where and why)
+.venv/bin/hpcrl build-ops
 echo "install.sh: hpcrl installed in $(pwd)/.venv"

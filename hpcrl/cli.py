@@ -13,6 +13,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 from hpcrl import __version__
@@ -150,6 +151,17 @@ def run_analysis_command(a: argparse.Namespace) -> int:
     return 1 if rep.failed_plots else 0
 
 
+def _cmd_build_ops(timeout_s: float) -> int:
+    from hpcrl.trainer.ops import extensions_dir, prepare_ops
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    t0 = time.monotonic()
+    names = prepare_ops(timeout_s)
+    print(f"DeepSpeed ops ready in {extensions_dir()}: {', '.join(names)} ({time.monotonic() - t0:.0f}s)" if names
+          else "no DeepSpeed op to build on this node")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="hpcrl", description="asynchronous RL post-training on Slurm")
     p.add_argument("--version", action="version", version=f"hpcrl {__version__}")
@@ -176,6 +188,9 @@ def main(argv=None) -> int:
     ro = sub.add_parser("rollout", help="run one rollout job in this process")
     ro.add_argument("run_dir")
     ro.add_argument("--writer-rank", type=int, default=0)
+    bo = sub.add_parser("build-ops", help="build DeepSpeed's ops for this node now (install.sh runs it), so that "
+                                          "a trainer's first start does not")
+    bo.add_argument("--timeout-s", type=float, default=1800.0)
 
     add_analysis_commands(sub)
     # overrides may also follow the options (`hpcrl run CONFIG --run-dir D k=v`)
@@ -193,6 +208,8 @@ def main(argv=None) -> int:
         return _cmd_run(a)
     if a.cmd == "sbatch-lines":
         return _cmd_sbatch_lines(a)
+    if a.cmd == "build-ops":
+        return _cmd_build_ops(a.timeout_s)
     from hpcrl.run_dir import RunDir
 
     if not RunDir(a.run_dir).config_path.is_file():

@@ -52,6 +52,10 @@ class JobView:
     pid: int
     flag: str = ""
     """``STALE`` (no heartbeat for too long), ``GONE`` (process not running on this host), or ``""``."""
+    step: str = ""
+    """The start-up step it is in (or failed in), from its heartbeat."""
+    step_s: float = 0.0
+    """Seconds since that step began."""
 
     @property
     def alive(self) -> bool:
@@ -87,7 +91,8 @@ class StatusView:
     def jobs(self, now: float) -> list[JobView]:
         out = []
         for job, h in read_heartbeats(self.rd).items():
-            v = JobView(job, h.state, h.param_version, h.age_s(now), h.host, h.pid)
+            v = JobView(job, h.state, h.param_version, h.age_s(now), h.host, h.pid, step=h.step,
+                        step_s=now - h.step_started_s if h.step else 0.0)
             if not has_ended(v.state):
                 if _process_gone(v.host, v.pid):
                     v.flag = "GONE"
@@ -154,6 +159,8 @@ class StatusView:
                     f", {tps:.0f} tokens/s" if not math.isnan(tps) else "")
             state = j.state + (f" {j.flag}" if j.flag else "")
             idle_s = "-" if math.isnan(idle) else f"{idle:.2f}"
+            if j.step:  # starting (or failed while starting): the step says what it does, and for how long
+                detail = f"{'in' if j.state == 'failed' else 'step'}: {j.step} ({j.step_s:.0f}s)"
             lines.append(f"{j.job:<14}{state:<22}{'v' + str(j.version):>8}  {age:>12}  {idle_s:>5}  {detail}")
             if j.flag == "GONE":
                 lines.append(f"{'':14}process {j.pid} is not running on {j.host} (killed or crashed)")

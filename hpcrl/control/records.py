@@ -73,6 +73,11 @@ class Heartbeat(JsonRecord):
     """Trainer: newest published version. Rollout: version it generates with."""
     state: str = HeartbeatState.STARTING.value
     """A :class:`HeartbeatState` value."""
+    step: str = ""
+    """While ``starting``: the start-up step running (``building DeepSpeed's ops``, ``starting the vllm engine``);
+    after it, the step it failed in, if it failed there."""
+    step_started_s: float = 0.0
+    """Unix time the step began."""
     stats: dict = field(default_factory=dict)
     """Counters for the status view (groups committed/consumed, idle ratio, ...)."""
 
@@ -228,7 +233,8 @@ class HeartbeatThread:
     def stop(self, final_state: str) -> None:
         """Stop beating and write the final state (done, failed, preempted; a job that "failed"
         because SIGTERM stopped it is ``stopped``: it was cancelled, nothing went wrong)."""
-        if final_state == HeartbeatState.FAILED and termination.received() is not None:
+        if final_state == HeartbeatState.FAILED and termination.received() is not None \
+                and termination.failure_reason() is None:
             final_state = HeartbeatState.STOPPED
         self._stop.set()
         self._thread.join(timeout=5)

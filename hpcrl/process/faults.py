@@ -19,6 +19,8 @@ publish           trainer, before a weight version is written
 weight_load       rollout, before a weight version is loaded
 engine_load       rollout, as verified weights are handed to the engine
 broadcast_bucket  trainer or rollout, before each bucket of a weight broadcast is sent or received
+startup           trainer or rollout, as each start-up step begins (``control/startup.py``)
+op_build          trainer, as DeepSpeed's op build begins (in the build's own process)
 ================  ===================================================================
 """
 from __future__ import annotations
@@ -29,7 +31,8 @@ import signal
 import time
 
 ENV = "HPCRL_FAULT_POINT"
-POINTS = ("seal_manifest", "checkpoint", "publish", "weight_load", "engine_load", "broadcast_bucket")
+POINTS = ("seal_manifest", "checkpoint", "publish", "weight_load", "engine_load", "broadcast_bucket", "startup",
+          "op_build")
 
 log = logging.getLogger(__name__)
 _spec = os.environ.get(ENV)

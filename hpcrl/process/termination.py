@@ -14,6 +14,10 @@ job went on producing groups for 15 s. So the handler also records the signal,
 and the job loops call :func:`check` at every step (``fsio.wait_for`` at every
 poll), which raises again.
 
+A job can also stop itself this way for a failure it found on another thread (a start-up step past
+its deadline): :func:`stop_self` records the reason and sends SIGTERM to the process, so the job
+unwinds exactly as on ``scancel``, but ends as failed, with the reason in the exit message.
+
 A few steps must not be cut in half: a shard commit makes its manifest line
 durable and then records it in memory; a SystemExit between the two made the
 shutdown path seal the same groups again (same prompts committed twice, a
@@ -23,19 +27,25 @@ outermost ``deferred`` block ends (an exception from the block itself wins).
 """
 from __future__ import annotations
 
+import os
 import signal
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
 _received: Optional[int] = None
+_reason: Optional[str] = None
 _defer_depth = 0
+
+
+def _message(signum: int) -> str:
+    return f"stopping: {_reason}" if _reason else f"received {signal.Signals(signum).name}: stopping"
 
 
 def _handler(signum, frame) -> None:
     global _received
     _received = signum
     if _defer_depth == 0:
-        raise SystemExit(f"received {signal.Signals(signum).name}: stopping")
+        raise SystemExit(_message(signum))
 
 
 @contextmanager
@@ -54,9 +64,21 @@ def deferred() -> Iterator[None]:
 
 def install() -> None:
     """In a job's main thread: SIGTERM stops the job (see the module docstring)."""
-    global _received
-    _received = None
+    global _received, _reason
+    _received, _reason = None, None
     signal.signal(signal.SIGTERM, _handler)
+
+
+def stop_self(reason: str) -> None:
+    """From any thread: stop this job as SIGTERM would, but as a failure for ``reason`` (one line)."""
+    global _reason
+    _reason = reason
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def failure_reason() -> Optional[str]:
+    """Why the job stopped itself (:func:`stop_self`), or None."""
+    return _reason
 
 
 def received() -> Optional[int]:
@@ -67,4 +89,5 @@ def received() -> Optional[int]:
 def check() -> None:
     """Raise SystemExit if SIGTERM arrived, even when the handler's own raise was swallowed."""
     if _received is not None:
-        raise SystemExit(f"received {signal.Signals(_received).name} earlier: stopping")
+        raise SystemExit(_message(_received) if _reason else f"received {signal.Signals(_received).name} earlier: "
+                         "stopping")

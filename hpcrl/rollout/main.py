@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from hpcrl.control.records import HeartbeatState, HeartbeatThread, describe_heartbeats
+from hpcrl.control.startup import StartupSteps
 from hpcrl.fsio import wait_for
 from hpcrl.logs import setup_logging
 from hpcrl.process import faults, termination
@@ -100,6 +101,8 @@ class RolloutJob:
             raise ValueError(f"writer rank {writer_rank} outside [0, resources.rollout_jobs={num_writers})")
         self.heartbeat = HeartbeatThread(run_dir, RunDir.rollout_job(self.writer), "rollout",
                                          self.cfg.timeouts.heartbeat_interval_s)
+        self.startup = StartupSteps(self.heartbeat, RunDir.rollout_job(self.writer), self.cfg.timeouts.job_start_s)
+        """Named, bounded start-up steps (shown in the heartbeat)."""
         self.parts: Optional[RolloutParts] = None
         """Everything built once (``parts.py``); None until built, so that shutdown works whatever stage failed."""
         self.gate = EngineGate()
@@ -340,12 +343,15 @@ class RolloutJob:
         self.heartbeat.start()
         final_state = HeartbeatState.FAILED  # until the loop ends normally
         try:
-            self.parts = build_parts(self.cfg, self.run_dir, self.writer, self.writer_rank)
+            self.parts = build_parts(self.cfg, self.run_dir, self.writer, self.writer_rank, self.startup)
             weights = self.parts.weights
-            wait_for(f"weight version 0 in {self.run_dir.weights}", lambda: weights.newest_usable() is not None,
-                     t.wait_weights_s, t.poll_interval_s, log,
-                     describe=lambda: describe_heartbeats(self.run_dir, "trainer"), stop=termination.check)
-            self._load_newest()
+            with self.startup.step("waiting for weight version 0", t.wait_weights_s + 60):
+                wait_for(f"weight version 0 in {self.run_dir.weights}", lambda: weights.newest_usable() is not None,
+                         t.wait_weights_s, t.poll_interval_s, log,
+                         describe=lambda: describe_heartbeats(self.run_dir, "trainer"), stop=termination.check)
+            with self.startup.step("loading the first weight version", t.wait_weights_s + t.generate_s):
+                self._load_newest()
+            self.heartbeat.update(step="", step_started_s=0.0)
             final_state = self._loop()
         except BaseException as e:
             if not isinstance(e, SystemExit):

@@ -21,6 +21,7 @@ import torch
 from hpcrl.config import RunConfig
 from hpcrl.control.admission import Admission
 from hpcrl.control.fatal import fatal_inputs
+from hpcrl.control.startup import StartupSteps
 from hpcrl.logs import MetricsLog
 from hpcrl.process.reaper import start_reaper, stop_reaper
 from hpcrl.rollout.agent_loop import AgentLoop
@@ -89,29 +90,34 @@ class RolloutParts:
             log.warning("closing the engine failed: %s", e)
 
 
-def build_parts(cfg: RunConfig, run_dir: RunDir, writer: str, writer_rank: int) -> RolloutParts:
-    """Build every part of writer ``writer`` (rank ``writer_rank`` of ``resources.rollout_jobs``)."""
+def build_parts(cfg: RunConfig, run_dir: RunDir, writer: str, writer_rank: int, steps: StartupSteps) -> RolloutParts:
+    """Build every part of writer ``writer`` (rank ``writer_rank`` of ``resources.rollout_jobs``), each slow part a
+    start-up step of ``steps``."""
     torch.set_num_threads(cfg.rollout.torch_threads)
     mdir = run_dir.model_dir(cfg.model.path)
+    t = cfg.timeouts
     with contextlib.ExitStack() as closers:
         with fatal_inputs(run_dir, RunDir.rollout_job(writer), "loading the model, data or reward"):
-            tokenizer = load_tokenizer(mdir)
-            rows = load_rows(cfg.data, cfg.rollout.response_length)
-            rows, counts, template = encode_rows(tokenizer, cfg.data, rows)
-            scorer = RewardScorer(load_reward(cfg.reward))
-            loops = make_loops(cfg.agent, tokenizer, rows)
+            with steps.step("loading the tokenizer, prompts and reward"):
+                tokenizer = load_tokenizer(mdir)
+                rows = load_rows(cfg.data, cfg.rollout.response_length)
+                rows, counts, template = encode_rows(tokenizer, cfg.data, rows)
+                scorer = RewardScorer(load_reward(cfg.reward))
+                loops = make_loops(cfg.agent, tokenizer, rows)
             runner = EngineRunner()
             closers.callback(runner.close)
-            engine = make_engine(cfg.rollout.engine, engine_options(cfg, mdir), runner, cfg.timeouts.engine_start_s)
+            with steps.step(f"starting the {cfg.rollout.engine} engine", t.engine_start_s + 10):  # its own limit first
+                engine = make_engine(cfg.rollout.engine, engine_options(cfg, mdir), runner, t.engine_start_s)
             closers.callback(engine.close)
             closers.callback(stop_reaper, start_reaper(f"the {cfg.rollout.engine} engine's processes"))
         log.info("%s", counts.line(cfg.data, template))
-        weights = make_subscriber(cfg.weights, run_dir, writer, cfg.timeouts, engine.receive_device)
+        weights = make_subscriber(cfg.weights, run_dir, writer, t, engine.receive_device)
         closers.callback(weights.close)
-        shards = ShardWriter(run_dir, writer, cfg.rollout.seal_groups, cfg.rollout.seal_interval_s,
-                             skips=SkipLog(run_dir))
-        admission = Admission(run_dir, writer, cfg.admission_budget)
-        admission.reset_writer(shards.committed_groups)
+        with steps.step(f"recovering writer {writer}'s shards and admission count"):
+            shards = ShardWriter(run_dir, writer, cfg.rollout.seal_groups, cfg.rollout.seal_interval_s,
+                                 skips=SkipLog(run_dir))
+            admission = Admission(run_dir, writer, cfg.admission_budget)
+            admission.reset_writer(shards.committed_groups)
         parts = RolloutParts(
             tokenizer=tokenizer, stream=PromptStream(rows, cfg.data.seed), scorer=scorer, loops=loops, runner=runner,
             engine=engine, weights=weights, shards=shards, admission=admission,

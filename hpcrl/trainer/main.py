@@ -33,10 +33,10 @@ import time
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from hpcrl import metric_names as M
 from hpcrl.control.records import HeartbeatState, HeartbeatThread, TrainerDone, describe_heartbeats
+from hpcrl.control.startup import StartupSteps
 from hpcrl.fsio import write_json_atomic
 from hpcrl.logs import log_size, setup_logging
 from hpcrl.process import faults, termination
@@ -48,6 +48,7 @@ from hpcrl.trainer.batch import build_batch
 from hpcrl.trainer.distributed import init_distributed, rank_environment
 from hpcrl.trainer.gather import zero3_state_dict
 from hpcrl.trainer.models import POLICY_PREFIX, policy_state_dict
+from hpcrl.trainer.ops import prepare_ops
 from hpcrl.trainer.parts import LeadParts, TrainerParts, build_parts
 from hpcrl.trainer.share import ABORT, BATCH, PREEMPT, REPUBLISH, share_groups, share_json
 
@@ -63,6 +64,9 @@ class _NoHeartbeat:
     def update(self, **fields) -> None:
         pass
 
+    def write(self) -> None:
+        pass
+
     def stop(self, final_state: str) -> None:
         pass
 
@@ -72,13 +76,15 @@ class TrainerJob:
     versions; every rank trains its share of each mini-batch. :meth:`run` is the whole life
     of the job (see the module docstring for what happens when either job dies)."""
 
-    def __init__(self, run_dir: RunDir, preemption: PreemptionFlag):
+    def __init__(self, run_dir: RunDir, preemption: PreemptionFlag, rank: int, world: int):
         self.run_dir = run_dir
         self.cfg = run_dir.load_config()
         self.preemption = preemption
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.rank, self.world = rank, world
         self.heartbeat = (HeartbeatThread(run_dir, RunDir.trainer_job(), "trainer", self.cfg.timeouts.heartbeat_interval_s)
                           if self.rank == 0 else _NoHeartbeat())
+        self.startup = StartupSteps(self.heartbeat, RunDir.trainer_job(rank), self.cfg.timeouts.job_start_s)
+        """Named, bounded start-up steps (shown in the heartbeat)."""
         self.parts: Optional[TrainerParts] = None
         """Everything built once (``parts.py``); None until built."""
         # the loop's own state
@@ -98,17 +104,30 @@ class TrainerJob:
         assert self.parts is not None and self.parts.lead is not None, "rank 0 only"
         return self.parts.lead
 
+    def _start(self) -> Optional[checkpoint.TrainerState]:
+        """The start-up steps: DeepSpeed's ops, the ranks' own process group, the parts (model, checkpoint, run
+        directory); the checkpointed state it resumes from (None: a fresh start)."""
+        t = self.cfg.timeouts
+        with self.startup.step("building DeepSpeed's ops"):
+            prepare_ops(t.job_start_s)
+        with self.startup.step(f"joining the other trainer ranks ({self.world} in all)"):
+            init_distributed(timeout_s=t.wait_samples_s + 600)
+        self.parts, resumed = build_parts(self.cfg, self.run_dir, self.rank, self.world, self.startup)
+        return resumed
+
     def _resume_or_start(self, resumed: Optional[checkpoint.TrainerState]) -> None:
         """Continue from the checkpoint's state (or a fresh one): publish its version if the run directory
         lacks it, mark the update boundary, and checkpoint a fresh start at once."""
         self.state = resumed or checkpoint.TrainerState()
         missing = self.state.param_version not in self.lead.weights.published_versions() if self.rank == 0 else None
-        if share_json({"publish": missing})["publish"]:  # every rank: the gather of ZeRO-3 weights is collective
-            self._publish(self.state.param_version)
-        self._mark_update_boundary()
-        self._last_checkpoint_step = self.state.step
-        if resumed is None:
-            self._checkpoint()
+        with self.startup.step(f"publishing weight version {self.state.param_version}"):
+            if share_json({"publish": missing})["publish"]:  # every rank: the gather of ZeRO-3 weights is collective
+                self._publish(self.state.param_version)
+            self._mark_update_boundary()
+            self._last_checkpoint_step = self.state.step
+            if resumed is None:
+                self._checkpoint()
+        self.heartbeat.update(step="", step_started_s=0.0)
 
     # ---- steps
     def _take_groups(self) -> tuple[int, list[Group], list[Group], float]:
@@ -284,8 +303,7 @@ class TrainerJob:
         self.heartbeat.start()
         final_state = HeartbeatState.FAILED
         try:
-            self.parts, resumed = build_parts(cfg, self.run_dir, self.rank, self.world)
-            self._resume_or_start(resumed)
+            self._resume_or_start(self._start())
             log.info("training %d -> %d local updates on %d rank(s), R=%d groups each, K=%d, budget B=%d",
                      self.state.step, cfg.total_updates, self.world, cfg.groups_per_update,
                      cfg.async_training.trigger_parameter_sync_step, cfg.admission_budget)
@@ -384,8 +402,7 @@ def trainer_main(run_dir: str) -> None:
     setup_logging(job, cfg.logging.level, rd.job_log(job))
     termination.install()  # scancel: stop now; a restart resumes from the last checkpoint
     preemption = PreemptionFlag()
-    init_distributed(timeout_s=cfg.timeouts.wait_samples_s + 600)
-    TrainerJob(rd, preemption).run()
+    TrainerJob(rd, preemption, rank, int(os.environ["WORLD_SIZE"])).run()
 
 
 def main(argv=None) -> None:

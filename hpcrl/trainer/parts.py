@@ -18,6 +18,7 @@ import torch
 
 from hpcrl.config import RunConfig
 from hpcrl.control.fatal import fatal_inputs
+from hpcrl.control.startup import StartupSteps
 from hpcrl.logs import MetricsLog, StalenessLog, truncate_to
 from hpcrl.run_dir import RunDir
 from hpcrl.samples.reader import SampleReader
@@ -123,16 +124,19 @@ def _lead(cfg: RunConfig, run_dir: RunDir, resumed: Optional[checkpoint.TrainerS
                      staleness=StalenessLog(run_dir))
 
 
-def build_parts(cfg: RunConfig, run_dir: RunDir, rank: int, world: int
+def build_parts(cfg: RunConfig, run_dir: RunDir, rank: int, world: int, steps: StartupSteps
                 ) -> tuple[TrainerParts, Optional[checkpoint.TrainerState]]:
-    """Every part of trainer rank ``rank`` of ``world``, and the checkpointed state it resumes from (None:
-    a fresh start)."""
+    """Every part of trainer rank ``rank`` of ``world``, each slow part a start-up step of ``steps``, and the
+    checkpointed state it resumes from (None: a fresh start)."""
     torch.manual_seed(cfg.model.seed)
     torch.set_num_threads(cfg.trainer.torch_threads)
-    engine, config_json, pad_id, micro_per_mini = _deepspeed(cfg, run_dir, rank, world)
-    reference = load_reference(run_dir.model_dir(cfg.model.path), engine.device) if cfg.needs_reference else None
-    resumed = checkpoint.load_latest(engine, run_dir)
-    lead = _lead(cfg, run_dir, resumed) if rank == 0 else None
+    with steps.step(f"loading the model {cfg.model.path} and initialising DeepSpeed"):
+        engine, config_json, pad_id, micro_per_mini = _deepspeed(cfg, run_dir, rank, world)
+        reference = load_reference(run_dir.model_dir(cfg.model.path), engine.device) if cfg.needs_reference else None
+    with steps.step("loading the newest checkpoint"):
+        resumed = checkpoint.load_latest(engine, run_dir)
+    with steps.step("bringing the run directory to the checkpoint"):
+        lead = _lead(cfg, run_dir, resumed) if rank == 0 else None
     kl_coef = resumed.kl_coef if resumed is not None else None
     updater = PolicyUpdate(cfg, engine, micro_per_mini, reference, kl_coef, rank=rank, world=world)
     return TrainerParts(engine, reference, config_json, pad_id, micro_per_mini, updater, lead), resumed
