@@ -16,13 +16,23 @@ shard-header   both jobs down, bytes flipped in the first 64 bytes of the next u
 shard-data     the same, in its second half
 weight-header  both jobs down, bytes flipped in the safetensors header of the checkpoint's version
 weight-data    the same, in its tensor data
+broadcast      ``weights.transport=broadcast``: kills at random times (sometimes both jobs at once) and
+               inside a bucket's send or receive (``broadcast_bucket``)
+partial        ``partial_rollout`` with s=1: kills at random times while groups span versions
+agent          the tool agent on the toy calculator task with partial rollout: kills at random times,
+               mid-generation and mid-tool-call
+in-flight      partial rollout; once groups in flight were saved, the rollout job is killed and
+               ``control/in_flight/w000.json`` replaced by ``null``, ``[]``, a wrong type, torn JSON or
+               random bytes; it must be named in the log and ignored (the prompts start over)
 =============  ==========================================================================
 
 Checks per trial: the trainer finished (else: hang); exactly-once
 (:mod:`hpcrl.analysis.exactly_once`: nothing committed twice, consumed twice or
 lost); each metrics step once; only complete weight versions on disk; no job
-process left behind; injected damage named in a job log and never trained on
-(shards) or loaded (weights). Damaged-weight handling lands with branch
+process left behind; no job failing by itself (a crash loop); injected damage named in a
+job log and never trained on (shards) or loaded (weights); with partial rollout, every
+token's weight version is one the trainer had published, non-decreasing along a
+trajectory, and never newer than the trainer's version when it consumed the group. Damaged-weight handling lands with branch
 ``weights``: run ``--kinds random,commit,instants,shard-header,shard-data`` before it.
 
 Run::
@@ -57,7 +67,8 @@ from hpcrl.logs import read_staleness  # noqa: E402
 from hpcrl.run_dir import RunDir  # noqa: E402
 
 log = logging.getLogger("soak")
-KINDS = ("random", "commit", "instants", "shard-header", "shard-data", "weight-header", "weight-data")
+KINDS = ("random", "commit", "instants", "shard-header", "shard-data", "weight-header", "weight-data", "broadcast",
+         "partial", "agent", "in-flight")
 SAMPLE_KINDS = KINDS[:5]
 TRAINER_POINTS, ROLLOUT_POINTS = ("checkpoint", "publish"), ("seal_manifest", "weight_load")
 
@@ -77,11 +88,15 @@ class Proc:
                                   env=env, cwd=REPO)
         out.close()
 
+    stopped_by_us = False
+    """The campaign signalled it (its exit status is then no failure of its own)."""
+
     def alive(self) -> bool:
         return self.p.poll() is None
 
     def stop(self, sig: int, timeout_s: float = 60) -> bool:
         """Send ``sig``; True if the process ended within ``timeout_s`` (then SIGKILL)."""
+        self.stopped_by_us = True
         if self.alive():
             self.p.send_signal(sig)
         try:
@@ -106,6 +121,9 @@ class Trial:
     lost: int = 0
     duplicated: int = 0
     damaged_used: bool = False
+    wrong_versions: int = 0
+    """Trajectories whose token versions are not ones the trainer had published, go backwards, or are newer
+    than the trainer's version when it consumed them."""
     wall_s: float = 0.0
 
     @property
@@ -113,14 +131,31 @@ class Trial:
         return not self.problems
 
 
+KILLED_AT_RANDOM = ("random", "broadcast", "partial", "agent")
+PARTIAL = ["async_training.staleness_threshold=1.0", "async_training.partial_rollout=true",
+           "rollout.max_concurrent_groups=4"]
+AGENT = ["data.source=builtin:toy_calc", "reward.name=toy_calc", "agent.default=tool_agent",
+         "agent.tools=[{name: calculator}]", "agent.tool_parser=tiny", "agent.max_assistant_turns=2",
+         "agent.max_user_turns=1", "rollout.response_length=16"]
+KIND_OVERRIDES = {"broadcast": ["weights.transport=broadcast", "timeouts.broadcast_s=10",
+                                "timeouts.broadcast_connect_s=2"],
+                  "partial": PARTIAL + ["rollout.response_length=24"], "agent": PARTIAL + AGENT,
+                  "in-flight": PARTIAL + ["rollout.response_length=24"]}
+"""What a kind changes in the tiny config (after the random staleness, which it may override)."""
+
+
 def make_run(root: Path, rng: random.Random, kind: str, max_kills: int = 3) -> RunDir:
     # more kills need a longer run for them to land in (each restart costs a few seconds)
-    steps = rng.choice([40, 48, 64]) * max(1, max_kills // 3) if kind in ("random", "commit", "instants") else 48
+    steps = 48
+    if kind in ("commit", "instants"):
+        steps = rng.choice([40, 48, 64]) * max(1, max_kills // 3)
+    elif kind in KILLED_AT_RANDOM:  # long enough for the kills to land while it runs (~2 s per 4 updates here)
+        steps = rng.choice([96, 128, 160]) * max(1, max_kills // 3)
     overrides = [f"rollout.total_rollout_steps={steps}", f"trainer.checkpoint_every_updates={rng.randint(3, 8)}",
                  f"rollout.seal_groups={rng.randint(1, 4)}", "rollout.seal_interval_s=0.5",
                  f"async_training.staleness_threshold={rng.choice([0.0, 0.0, 0.5])}",
                  "timeouts.wait_samples_s=90", "timeouts.wait_weights_s=90", "timeouts.heartbeat_interval_s=0.5",
-                 "timeouts.heartbeat_stale_s=5"]
+                 "timeouts.heartbeat_stale_s=5", *KIND_OVERRIDES.get(kind, [])]
     cfg = load_config(REPO / "configs" / "tiny.yaml", overrides)
     return prepare_run_dir(cfg, root, resume=False)
 
@@ -165,23 +200,40 @@ class Runner:
         path = self.rd.job_log(job)
         return path.exists() and "fault injection" in path.read_text(errors="replace")[-200_000:]
 
-    def kill_random(self) -> None:
-        role = self.rng.choice(["trainer", "rollout"])
-        p = self.procs[role]
-        if not p.alive() or self.done():
-            return
-        sig = self.rng.choice([signal.SIGKILL, signal.SIGTERM])
-        if not p.stop(sig, timeout_s=60):
-            self.trial.problems.setdefault("stuck_after_sigterm", []).append(role)
-        self.count("sigkill" if sig == signal.SIGKILL else "sigterm")
-        time.sleep(self.rng.uniform(0, 3))
-        self.start(role)
+    def kill_random(self, both: bool = False) -> None:
+        """SIGKILL or SIGTERM one job (or both, one after the other), then start it again after 0-3 s."""
+        roles = ["trainer", "rollout"] if both else [self.rng.choice(["trainer", "rollout"])]
+        killed = []
+        for role in roles:
+            p = self.procs[role]
+            if not p.alive() or self.done():
+                continue
+            sig = self.rng.choice([signal.SIGKILL, signal.SIGTERM])
+            if not p.stop(sig, timeout_s=60):
+                self.trial.problems.setdefault("stuck_after_sigterm", []).append(role)
+            self.count("sigkill" if sig == signal.SIGKILL else "sigterm")
+            killed.append(role)
+        for role in self.rng.sample(killed, len(killed)):  # either may come back first
+            time.sleep(self.rng.uniform(0, 3))
+            self.start(role)
+
+    def restart_failed(self) -> None:
+        """A job that ended by itself with an error (not killed by the campaign) is a problem (a crash loop
+        shows as several); start it again so the trial goes on."""
+        for role, p in list(self.procs.items()):
+            if not p.fault and not p.alive() and p.p.returncode != 0 and not p.stopped_by_us:
+                self.trial.problems.setdefault("job_failed", []).append(f"{role} rc {p.p.returncode}")
+                p.stopped_by_us = True
+                if not self.done():
+                    self.start(role)
 
     def finish(self, deadline_s: float) -> None:
         """Wait for the trainer to finish (restarting jobs that faulted); then for the rollout."""
         end = time.monotonic() + deadline_s
         while time.monotonic() < end:
             self.restart_faulted()
+            if not self.procs["rollout"].alive() and not self.done():
+                self.restart_failed()
             t = self.procs["trainer"]
             if not t.alive() and not t.fault:
                 if t.p.returncode == 0 and self.done():
@@ -272,6 +324,11 @@ def damage_trial(run: Runner, kind: str) -> dict:
 def check_damage(rd: RunDir, kind: str, info: dict, trial: Trial) -> None:
     if not info:
         return
+    if kind == "in-flight":
+        rlog = rd.job_log("rollout-w000").read_text(errors="replace")
+        if f"ignoring the groups in flight saved in {info['in_flight']}" not in rlog:
+            trial.problems["damage_not_named"] = [f"{info['in_flight']} ({info['form']})"]
+        return
     path: Path = info["path"]
     logs = "\n".join(p.read_text(errors="replace") for p in rd.job_logs.glob("*.log"))
     if kind.startswith("shard"):
@@ -293,7 +350,56 @@ def check_damage(rd: RunDir, kind: str, info: dict, trial: Trial) -> None:
             trial.problems["damaged_weights_loaded"] = [vdir]
 
 
+IN_FLIGHT_FORMS = {"null": b"null", "list": b"[]", "groups null": b'{"schema": 1, "groups": null}',
+                   "wrong type": b'{"schema": 1, "groups": [{"prompt_index": "7", "agent": 1, "trajectories": {}}]}',
+                   "zeros": bytes(64), "random": None, "torn": None}
+"""What a damaged ``control/in_flight/<writer>.json`` holds (random: 64 random bytes; torn: the file cut in half)."""
+
+
+def in_flight_trial(run: Runner) -> dict:
+    """Once the rollout job has saved groups in flight, SIGKILL it, damage the file, start it again."""
+    rd, rng = run.rd, run.rng
+    path = rd.in_flight_states("w000")
+    if not wait_for(path.exists, 120):
+        run.trial.problems["setup"] = ["no groups in flight saved within 120 s"]
+        return {}
+    run.procs["rollout"].stop(signal.SIGKILL)
+    run.count("sigkill")
+    form = rng.choice(sorted(IN_FLIGHT_FORMS))
+    data = IN_FLIGHT_FORMS[form]
+    if form == "random":
+        data = bytes(rng.randrange(256) for _ in range(64))
+    elif form == "torn":
+        data = path.read_bytes()[: max(len(path.read_bytes()) // 2, 1)]
+    path.write_bytes(data)
+    time.sleep(rng.uniform(0, 3))
+    run.start("rollout")
+    return {"in_flight": path, "form": form}
+
+
 # ---------------------------------------------------------------- checks
+
+def check_token_versions(rd: RunDir, trial: Trial) -> None:
+    """Every committed trajectory: versions non-decreasing and published; every consumed one: no newer than
+    the trainer's version when it took the group."""
+    from hpcrl.samples.reader import read_shard
+    from hpcrl.samples.schema import ShardManifestLine
+
+    newest = max((int(r["param_version"]) for r in read_jsonl(rd.metrics)), default=0) + 1
+    bad = []
+    for d in read_jsonl(rd.shard_manifest("w000")):
+        line = ShardManifestLine.from_json(d)
+        for g in read_shard(rd.writer_dir("w000") / line.shard, line, "w000"):
+            for j, t in enumerate(g.trajectories):
+                v = t.token_versions
+                if len(v) and ((v[1:] < v[:-1]).any() or v.min() < 0 or v.max() > newest):
+                    bad.append(f"{line.shard} prompt {g.prompt_index} #{j}")
+    st = read_staleness(rd)
+    late = st[st.version_end > st.trainer_version]
+    bad += [f"consumed at v{r.trainer_version} with a token of v{r.version_end}" for r in late.itertuples()]
+    trial.wrong_versions = len(bad)
+    if bad:
+        trial.problems["wrong_token_versions"] = bad[:5]
 
 def check_run(rd: RunDir, trial: Trial) -> None:
     cfg = rd.load_config()
@@ -340,13 +446,19 @@ def run_trial(index: int, kind: str, rng: random.Random, parent: Path, deadline_
                 n = {"checkpoint": rng.randint(1, 2), "publish": rng.randint(2, 6), "weight_load": rng.randint(1, 4),
                      "seal_manifest": rng.randint(2, 12)}[point]
                 run.faults[role].append(f"{point}:{n}:{rng.choice(['term', 'kill'])}")
+        elif kind == "broadcast":  # sometimes inside a bucket's send or receive too
+            for role in ("trainer", "rollout"):
+                if rng.random() < 0.5:
+                    run.faults[role].append(f"broadcast_bucket:{rng.randint(2, 30)}:{rng.choice(['term', 'kill'])}")
         run.start("trainer")
         run.start("rollout")
-        if kind == "random":
+        if kind in KILLED_AT_RANDOM:
             for _ in range(rng.randint(1, max_kills)):
                 time.sleep(rng.uniform(1, 10 if max_kills <= 3 else 6))
                 run.restart_faulted()
-                run.kill_random()
+                run.kill_random(both=kind != "random" and rng.random() < 0.3)
+        elif kind == "in-flight":
+            info = in_flight_trial(run)
         elif kind not in ("commit", "instants"):
             info = damage_trial(run, kind)
         if "setup" not in trial.problems:
@@ -356,6 +468,8 @@ def run_trial(index: int, kind: str, rng: random.Random, parent: Path, deadline_
     if "setup" not in trial.problems:
         check_run(rd, trial)
         check_damage(rd, kind, info, trial)
+        if not trial.hang and "trainer_failed" not in trial.problems:
+            check_token_versions(rd, trial)
     trial.wall_s = time.monotonic() - t0
     return trial
 
@@ -371,9 +485,9 @@ def summary(trials: list[Trial]) -> str:
         ts = [t for t in trials if kind in ("total", t.kind)]
         rows.append([kind, len(ts), sum(t.ok for t in ts)] + [sum(t.kills.get(k, 0) for t in ts) for k in kill_kinds]
                     + [sum(sum(t.kills.values()) for t in ts), sum(t.lost for t in ts), sum(t.duplicated for t in ts),
-                       sum(t.hang for t in ts), sum(t.damaged_used for t in ts)])
-    return table(["kind", "trials", "passed", *kill_kinds, "kills", "lost", "duplicated", "hangs", "damaged used"],
-                 rows)
+                       sum(t.hang for t in ts), sum(t.damaged_used for t in ts), sum(t.wrong_versions for t in ts)])
+    return table(["kind", "trials", "passed", *kill_kinds, "kills", "lost", "duplicated", "hangs", "damaged used",
+                  "wrong versions"], rows)
 
 
 def main(argv=None) -> int:

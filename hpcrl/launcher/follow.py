@@ -75,8 +75,9 @@ class RunFollower:
                       f"{cfg.total_updates} ({rd.latest_checkpoint if ckpt else 'none yet: from the start'}); "
                       f"{len(old)} updates logged so far")
         else:
-            self._intro = ("jobs starting: the first start is quiet for a minute or so (DeepSpeed builds its CPU Adam "
-                      f"op, both jobs load the model); the trainer logs to {rd.job_log(RunDir.trainer_job())}")
+            self._intro = ("jobs starting (both jobs load the model; on a node where install.sh did not run, the "
+                           "trainer first builds DeepSpeed's op, a minute or two); `hpcrl status` shows each job's "
+                           f"start-up step; the trainer logs to {rd.job_log(RunDir.trainer_job())}")
 
     def _progress(self, step: int) -> str:
         """``elapsed 1m05s eta 3m12s`` from the updates done since this follower started."""
