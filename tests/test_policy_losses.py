@@ -29,20 +29,32 @@ def test_vanilla_is_ppo_clip_with_dual_clip():
     assert a.item() == b.item()
 
 
-def test_gspo_uses_the_sequence_geometric_mean_ratio_and_seq_mean_token_mean():
+def test_gspo_uses_the_sequence_geometric_mean_ratio():
     # row 0: ratios 1.1, 1.1 -> s = 1.1, A = +1, inside the clip: l = -1.1 on both tokens
     # row 1: ratios 2.0, 0.5 -> s = 1, A = -1: l = 1.0; a per-token PPO would see ratio 2.0 here
     # row 2: ratios 1.5, 1.5 -> s = 1.5 > 1.2 with A = +1: clipped, l = -1.2, no gradient
     logp = torch.log(torch.tensor([[1.1, 1.1, 9.0], [2.0, 0.5, 9.0], [1.5, 1.5, 9.0]])).requires_grad_()
     adv = torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0], [1.0, 1.0, 1.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
-    for mode in ("token-mean", "token-sum"):  # gspo aggregates seq-mean-token-mean whatever the mode
-        loss, s = policy_loss("gspo", logp, torch.zeros(3, 3), adv, mask, P, mode=mode)
-        assert abs(loss.item() - (-1.1 + 1.0 - 1.2) / 3) < 1e-6
+    loss, s = policy_loss("gspo", logp, torch.zeros(3, 3), adv, mask, P, mode="seq-mean-token-mean")
+    assert abs(loss.item() - (-1.1 + 1.0 - 1.2) / 3) < 1e-6
     loss.backward()
     # d l_t / d logp_t = -A s_i (the value of s_it is s_i, its gradient that of log pi_t), / (n_i |S|)
     torch.testing.assert_close(logp.grad, torch.tensor([[-1.1 / 6, -1.1 / 6, 0.0], [1 / 6, 1 / 6, 0.0], [0.0, 0.0, 0.0]]))
     assert abs(s["actor/pg_clipfrac"] - 2 / 6) < 1e-6
+
+
+def test_gspo_aggregates_with_the_actors_loss_agg_mode_as_verl_0_9_1():
+    # row 0: one token, ratio 1.1, A = +1: l = -1.1; row 1: ratios 2.0, 0.5 -> s = 1, A = -1: l = 1.0, 1.0.
+    # Lengths differ, so the modes differ: verl 0.9.1 passes the actor's loss_agg_mode to gspo.
+    logp = torch.log(torch.tensor([[1.1, 1.0], [2.0, 0.5]]))
+    adv = torch.tensor([[1.0, 1.0], [-1.0, -1.0]])
+    mask = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
+    want = {"token-mean": (-1.1 + 1.0 + 1.0) / 3, "token-sum": -1.1 + 1.0 + 1.0,
+            "seq-mean-token-mean": (-1.1 + 1.0) / 2, "seq-mean-token-sum": (-1.1 + 2.0) / 2}
+    for mode, value in want.items():
+        loss, _ = policy_loss("gspo", logp, torch.zeros(2, 2), adv, mask, P, mode=mode)
+        assert abs(loss.item() - value) < 1e-6, mode
 
 
 def test_cispo_weights_log_prob_by_the_detached_clipped_ratio_and_keeps_the_gradient_of_clipped_tokens():
@@ -96,6 +108,17 @@ def test_kl_cov_penalises_the_largest_covariance_tokens_without_any_clip():
     want = (-2.0 * math.exp(0.5) + 2.0 * math.exp(0.1) + 0.1 * 0.1) / 4
     assert abs(loss.item() - want) < 1e-6
     assert abs(s["actor/pg_clipfrac"] - 1 / 4) < 1e-6
+    # verl reports kl_cov's ppo_kl as the mean absolute log-ratio: (0.5 + 0.1 + 0 + 0) / 4
+    assert abs(s["actor/ppo_kl"] - 0.6 / 4) < 1e-6
+
+
+def test_kl_cov_reports_the_mean_absolute_log_ratio_as_ppo_kl():
+    # B = L = 1, logp = -1.0, logp_old = -1.5, A = 1: l = -e^0.5 + 0.1 * 0.5 = -1.59872 (the one token is
+    # the top covariance); verl's actor/ppo_kl = mean abs(logp - logp_old) = 0.5 (signed -log-ratio: -0.5)
+    loss, s = policy_loss("kl_cov", torch.tensor([[-1.0]]), torch.tensor([[-1.5]]), torch.tensor([[1.0]]),
+                          torch.ones(1, 1), LossParams())
+    assert abs(loss.item() - (-1.59872)) < 1e-5
+    assert abs(s["actor/ppo_kl"] - 0.5) < 1e-7
 
 
 def test_geo_mean_clips_log_ratios_towards_the_advantage_sign_and_averages_per_sequence():

@@ -9,8 +9,8 @@ eps_high the clip ratios, sg() a stop-gradient, ``agg`` the ``actor.loss_agg_mod
 - ``vanilla``:  PPO clip with dual clip (:func:`hpcrl.trainer.losses.ppo_policy_loss`).
 - ``gspo``:     s_i = exp(mean_t (logp - logp_old)) (sequence-level geometric-mean ratio);
   per token s_it = sg(s_i) * pi / sg(pi) (value s_i, gradient of log pi_t), log s_it clamped at 10;
-  l_t = max(-A s_it, -A clip(s_it, 1 - eps_low, 1 + eps_high)); always aggregated with
-  ``seq-mean-token-mean`` whatever ``loss_agg_mode`` says (as verl; Zheng et al. 2025).
+  l_t = max(-A s_it, -A clip(s_it, 1 - eps_low, 1 + eps_high)); aggregated with ``loss_agg_mode``
+  as verl 0.9.1 does (Zheng et al. 2025; the paper's objective is ``seq-mean-token-mean``).
 - ``cispo``:    l_t = -sg(clip(r_t, 1 - eps_low, 1 + eps_high)) A_t logp_t: the clipped ratio only
   weights the REINFORCE term, so clipped tokens keep their gradient (MiniMax-M1, 2025).
 - ``gpg``:      l_t = -A_t logp_t (plain policy gradient; Chu et al. 2025).
@@ -19,7 +19,8 @@ eps_high the clip ratios, sg() a stop-gradient, ``agg`` the ``actor.loss_agg_mod
   lb < cov_t < ub, max(1, floor(clip_cov_ratio * #tokens)) chosen uniformly at random get loss 0
   (no gradient) (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs").
 - ``kl_cov``:   l_t = -A_t r_t (no clip), plus ppo_kl_coef * abs(logp_t - logp_old_t) on the
-  max(1, floor(kl_cov_ratio * #tokens)) tokens of the micro-batch with the largest cov_t (same paper).
+  max(1, floor(kl_cov_ratio * #tokens)) tokens of the micro-batch with the largest cov_t (same paper);
+  its ``actor/ppo_kl`` is the mean of abs(logp - logp_old), as verl reports it.
 - ``geo_mean``: GMPO (Zhao et al. 2025). Per token, d_t = logp - logp_old clipped towards 0 on the
   side that helps the objective: d'_t = sgn(A) min(sgn(A) d_t, sgn(A) clip(d_t, -eps_low, eps_high));
   per sequence, rho_i = exp(mean_t d'_t), A_i = mean_t A_t, w_i = exp(mean_t log w_t);
@@ -75,8 +76,9 @@ def gspo_loss(logp, logp_old, adv, m, p: LossParams, weights, agg: dict) -> tupl
     unclipped = -adv * s
     clipped = -adv * torch.clamp(s, 1.0 - p.clip_low, 1.0 + p.clip_high)
     per_token = _weighted(torch.maximum(unclipped, clipped), weights)
-    loss = agg_loss(per_token, m, "seq-mean-token-mean", agg["n_tokens"], agg["n_seqs"])
-    return loss, {"actor/pg_clipfrac": _frac(clipped > unclipped, m), "actor/ppo_kl": _ppo_kl(log_ratio, m)}
+    loss = agg_loss(per_token, m, **agg)
+    return loss, {"actor/pg_clipfrac": _frac(clipped > unclipped, m), "actor/pg_clipfrac_lower": 0.0,
+                  "actor/ppo_kl": _ppo_kl(log_ratio, m)}
 
 
 def cispo_loss(logp, logp_old, adv, m, p: LossParams, weights, agg: dict) -> tuple[torch.Tensor, dict]:
@@ -128,7 +130,8 @@ def kl_cov_loss(logp, logp_old, adv, m, p: LossParams, weights, agg: dict) -> tu
         penalised.view(-1)[top] = True
         per_token = torch.where(penalised, per_token + p.ppo_kl_coef * log_ratio.abs(), per_token)
     loss = agg_loss(_weighted(per_token, weights), m, **agg)
-    return loss, {"actor/pg_clipfrac": _frac(penalised, m), "actor/ppo_kl": _ppo_kl(log_ratio, m)}
+    # verl reports kl_cov's ppo_kl as the mean absolute log-ratio (the others: the signed mean of -log-ratio)
+    return loss, {"actor/pg_clipfrac": _frac(penalised, m), "actor/ppo_kl": float(_masked_mean(log_ratio.detach().abs(), m))}
 
 
 def geo_mean_loss(logp, logp_old, adv, m, p: LossParams, weights, agg: dict) -> tuple[torch.Tensor, dict]:
