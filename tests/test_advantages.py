@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from hpcrl.config.names import ADV_ESTIMATORS, GROUP_ESTIMATORS
-from hpcrl.trainer.advantages import (compute_advantages, discounted_returns, gae, gdpo, grpo, masked_whiten, place_scores,
-                                      rloo)
+from hpcrl.trainer.advantages import (compute_advantages, discounted_returns, gae, gdpo, grpo, masked_whiten,
+                                      place_scores, rloo)
 from hpcrl.trainer.pf_ppo import pf_ppo_indices, pf_ppo_weights
 from hpcrl.trainer.token_baseline import score_norm_sq
 

@@ -139,8 +139,9 @@ def test_verl_0_9_1_later_options_parse():
                              "algorithm.kl_penalty=low_var_kl+", "algorithm.adv_estimator=tir_optimal_token_baseline"])
     assert cfg.algorithm.rollout_correction.rollout_is_threshold == "0.5_5.0" and not cfg.uses_prox_log_prob
     assert load_config(TINY, [rc + "rollout_is_threshold=3"]).algorithm.rollout_correction.rollout_is_threshold == 3.0
-    cfg = load_config(TINY, ["actor.policy_loss.loss_mode=dro", "actor.policy_loss.dro_beta=0.1", "algorithm.adv_estimator=gae",
-                             "algorithm.use_pf_ppo=true", "algorithm.pf_ppo.reweight_method=max_min"])
+    cfg = load_config(TINY, ["actor.policy_loss.loss_mode=dro", "actor.policy_loss.dro_beta=0.1",
+                             "algorithm.adv_estimator=gae", "algorithm.use_pf_ppo=true",
+                             "algorithm.pf_ppo.reweight_method=max_min"])
     assert cfg.algorithm.pf_ppo.reweight_method == "max_min" and cfg.actor.policy_loss.dro_beta == 0.1
     for mode in ("dppo_tv", "dppo_kl", "sapo"):
         assert load_config(TINY, [f"actor.policy_loss.loss_mode={mode}"]).actor.policy_loss.loss_mode == mode

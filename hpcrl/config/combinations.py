@@ -42,7 +42,8 @@ def _check_rollout_correction(cfg) -> None:
                       "vanilla with bypass_mode=true (verl replaces the loss by bypass mode's loss_type)",
                       "choose the loss with algorithm.rollout_correction.loss_type=ppo_clip|reinforce")
     elif rc.needs_prox and not cfg.uses_prox_log_prob:
-        name = next(n for n in ("rollout_is", "rollout_rs", "rollout_token_veto_threshold") if getattr(rc, n) is not None)
+        name = next(n for n in ("rollout_is", "rollout_rs", "rollout_token_veto_threshold")
+                    if getattr(rc, n) is not None)
         raise bad(k + name, getattr(rc, name),
                   "null unless the trainer computes proximal log-probs (the ratio is pi_prox / engine log-probs)",
                   "set async_training.compute_prox_log_prob=true, or bypass_mode=true (ratio pi_theta / mu, "

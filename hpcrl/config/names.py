@@ -14,7 +14,8 @@ ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_
 implementations of grpo and rloo, accepted as their aliases."""
 
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "grpo_passk", "gpg",
-                    "optimal_token_baseline", "tir_optimal_token_baseline", "gdpo", "grpo_vectorized", "rloo_vectorized")
+                    "optimal_token_baseline", "tir_optimal_token_baseline", "gdpo", "grpo_vectorized",
+                    "rloo_vectorized")
 """The estimators whose baseline is the rest of the group: they need ``rollout.n >= 2``."""
 
 POLICY_LOSS_MODES = ("vanilla", "gspo", "cispo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dppo_tv", "dppo_kl", "sapo",

@@ -151,7 +151,8 @@ def kl_cov_loss(logp, logp_old, adv, m, p: LossParams, weights, agg: dict) -> tu
         per_token = torch.where(penalised, per_token + p.ppo_kl_coef * log_ratio.abs(), per_token)
     loss = agg_loss(_weighted(per_token, weights), m, **agg)
     # verl reports kl_cov's ppo_kl as the mean absolute log-ratio (the others: the signed mean of -log-ratio)
-    return loss, {"actor/pg_clipfrac": _frac(penalised, m), "actor/ppo_kl": float(_masked_mean(log_ratio.detach().abs(), m))}
+    return loss, {"actor/pg_clipfrac": _frac(penalised, m),
+                  "actor/ppo_kl": float(_masked_mean(log_ratio.detach().abs(), m))}
 
 
 def geo_mean_loss(logp, logp_old, adv, m, p: LossParams, weights, agg: dict) -> tuple[torch.Tensor, dict]:
@@ -181,7 +182,8 @@ def _dppo(valid_fn: Callable, logp, logp_old, adv, m, p: LossParams, weights, ag
         valid = valid_fn(logp.detach(), logp_old, adv, p).float()
     per_token = _weighted(-adv * torch.clamp(ratio, max=cap).detach() * logp * valid, weights)
     loss = agg_loss(per_token, m, **agg)
-    return loss, {"actor/pg_clipfrac": _frac(valid == 0, m), "actor/pg_clipfrac_lower": _frac((ratio > cap) & (valid > 0), m),
+    return loss, {"actor/pg_clipfrac": _frac(valid == 0, m),
+                  "actor/pg_clipfrac_lower": _frac((ratio > cap) & (valid > 0), m),
                   "actor/ppo_kl": _ppo_kl(log_ratio, m)}
 
 

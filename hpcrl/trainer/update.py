@@ -101,7 +101,8 @@ class PolicyUpdate:
         for r0 in range(0, len(batch), rows):
             chunk = batch.slice(slice(r0, r0 + rows))
             if need_trainer:
-                logp, w, v = forward(self.engine.module, chunk, cfg.actor.temperature, score_norm=est in TOKEN_BASELINES)
+                logp, w, v = forward(self.engine.module, chunk, cfg.actor.temperature,
+                                     score_norm=est in TOKEN_BASELINES)
                 prox.append(logp.float())
                 values.append(v)
                 w_token.append(w)
@@ -160,7 +161,8 @@ class PolicyUpdate:
                           clip_high=actor.clip_ratio_high if actor.clip_ratio_high is not None else actor.clip_ratio,
                           clip_ratio_c=actor.clip_ratio_c, clip_cov_ratio=pl.clip_cov_ratio,
                           clip_cov_lb=pl.clip_cov_lb, clip_cov_ub=pl.clip_cov_ub, kl_cov_ratio=pl.kl_cov_ratio,
-                          ppo_kl_coef=pl.ppo_kl_coef, tau_pos=actor.tau_pos, tau_neg=actor.tau_neg, dro_beta=pl.dro_beta)
+                          ppo_kl_coef=pl.ppo_kl_coef, tau_pos=actor.tau_pos, tau_neg=actor.tau_neg,
+                          dro_beta=pl.dro_beta)
 
     def _bypass_correction(self, micro: Batch, logp: torch.Tensor) -> tuple[str, torch.Tensor, object, dict]:
         """verl's bypass loss: (loss mode, policy-loss mask, IS weights or None, metrics) of a micro-batch
