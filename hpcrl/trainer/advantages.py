@@ -38,9 +38,12 @@ the group (prompt) trajectory ``i`` belongs to. Every estimator returns
 - ``optimal_token_baseline``, ``tir_optimal_token_baseline``: a baseline per token from the
   group's returns at that step (:mod:`hpcrl.trainer.token_baseline`); need ``w_token``.
 
-Deviation from verl, on purpose: a group of one has no baseline, so every group
+Deviations from verl, on purpose: a group of one has no baseline, so every group
 estimator gives it advantage 0 (verl falls back to the raw score, or raises for
-grpo_passk). The config refuses ``rollout.n < 2`` for these estimators anyway.
+grpo_passk). The config refuses ``rollout.n < 2`` for these estimators anyway. Group means
+and stds are computed in float64, so a group of equal scores gets exactly 0: verl's float32
+statistics of eight scores of 0.6 give every one of them grpo advantage +0.056 (a rounding
+step over a std of 6e-8 + 1e-6), which sharpens the policy on whatever the group sampled.
 
 ``keep`` (the rejection / lag mask, with ``rollout_correction.mask_before_advantages``)
 removes tokens as verl's rejection does: token-level estimators (gae,
@@ -109,13 +112,18 @@ def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: f
 
 
 def _group_stats(scores: torch.Tensor, group_index: torch.Tensor):
-    """Per-trajectory group mean, unbiased group std (0 for a group of one) and group size."""
+    """Per-trajectory group mean, unbiased group std (0 for a group of one) and group size.
+
+    In float64: the float32 mean of equal scores can miss them by a rounding step (eight 0.6s:
+    by 6e-8, with a std of 6e-8 instead of 0), and grpo's division by std + 1e-6 turned that into
+    an advantage of +0.056 on every response of the group (verl computes it so): a push towards
+    whatever the group sampled. In float64 the mean of equal float32 scores is exact and the std 0."""
     mean = torch.zeros_like(scores)
     std = torch.zeros_like(scores)
     size = torch.zeros_like(scores)
     for g in torch.unique(group_index):
         sel = group_index == g
-        s = scores[sel]
+        s = scores[sel].double()
         mean[sel] = s.mean()
         std[sel] = s.std(unbiased=True) if s.numel() > 1 else 0.0
         size[sel] = float(s.numel())
