@@ -238,7 +238,7 @@ def test_the_multi_turn_toy_task_learns_working_calls_and_masks_only_tool_tokens
     calls, errors = float((last["tool_calls/mean"] * last["trajectories"]).sum()), float(last["tool_calls/errors"].sum())
     print(f"toy_calc: reward first tenth {reward[:10].mean():.3f}, last 20 updates {reward[-20:].mean():.3f}; "
           f"last 20 versions: {errors:.0f} tool errors, {calls:.0f} calls")
-    # a working call is worth 0.6; seeds 0-2 read 0.60-0.62 (README): 0.5 leaves room for a slow seed
+    # a working call is worth 0.6; seeds 0-2 read 0.586-0.608 (README): 0.5 leaves room for a slow seed
     assert reward[-20:].mean() > 0.5, f"no working calls: last 20 updates {reward[-20:].mean():.3f}"
     assert errors < calls / 4, f"{errors:.0f} tool errors in {calls:.0f} calls over the last 20 versions"
     tok = load_tokenizer(rd.base_model)
@@ -249,7 +249,9 @@ def test_the_multi_turn_toy_task_learns_working_calls_and_masks_only_tool_tokens
         if len(masked):  # one tool turn at most (max_user_turns=1): "= <digits> ." right after the call's turn
             with_tools += 1
             shown = t.response_ids[masked[0]:masked[-1] + 1]
-            assert len(masked) == masked[-1] - masked[0] + 1 and shown[0] == eq and shown[-1] == dot
+            # the answer is cut where the response budget ends (16 tokens, the tool's included)
+            cut = masked[-1] == len(t.response_ids) - 1 == 15
+            assert len(masked) == masked[-1] - masked[0] + 1 and shown[0] == eq and (shown[-1] == dot or cut)
             assert t.response_ids[masked[0] - 1] == tok.eos_token_id  # the model's turn ended just before
     assert with_tools > 0
     rows = read_rollout_metrics(rd)
