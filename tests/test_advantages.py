@@ -3,8 +3,10 @@ import pytest
 import torch
 
 from hpcrl.config.names import ADV_ESTIMATORS, GROUP_ESTIMATORS
-from hpcrl.trainer.advantages import (compute_advantages, discounted_returns, gae, grpo, masked_whiten, place_scores,
-                                      rloo)
+from hpcrl.trainer.advantages import (compute_advantages, discounted_returns, gae, gdpo, grpo, masked_whiten,
+                                      place_scores, rloo)
+from hpcrl.trainer.pf_ppo import pf_ppo_indices, pf_ppo_weights
+from hpcrl.trainer.token_baseline import score_norm_sq
 
 
 def reference_discounted(r, mask, gamma):
@@ -107,13 +109,18 @@ def test_reinforce_plus_plus_baseline_subtracts_the_group_mean_then_whitens():
     torch.testing.assert_close(adv, masked_whiten(centred, mask))
 
 
+def inputs(B: int, L: int) -> dict:
+    """What the estimators beyond scores and masks read: optimal token baselines' score norms, remax's baselines."""
+    return {"w_token": torch.linspace(0.2, 1.0, B * L).reshape(B, L), "reward_baselines": torch.full((B,), 0.25)}
+
+
 @pytest.mark.parametrize("est", ADV_ESTIMATORS)
 def test_estimators_broadcast_to_model_tokens_only_and_survive_an_empty_mask(est):
     mask = torch.tensor([[1, 1, 0], [1, 0, 1], [0, 0, 0], [1, 1, 1]], dtype=torch.float32)
     s = torch.tensor([1.0, 0.0, 0.7, 0.3])
     g = torch.tensor([0, 0, 1, 1])
     values = torch.full((4, 3), 0.1)
-    adv, ret = compute_advantages(est, place_scores(s, mask), mask, g, values=values)
+    adv, ret = compute_advantages(est, place_scores(s, mask), mask, g, values=values, **inputs(4, 3))
     assert torch.isfinite(adv).all() and torch.isfinite(ret).all()
     assert torch.all(adv[mask == 0] == 0), "masked tokens get no advantage"
     assert torch.all(adv[2] == 0), "a trajectory with no model token gets nothing"
@@ -122,10 +129,15 @@ def test_estimators_broadcast_to_model_tokens_only_and_survive_an_empty_mask(est
 
 
 @pytest.mark.parametrize("est", GROUP_ESTIMATORS)
-def test_all_equal_rewards_give_no_signal(est):
-    mask = torch.ones(4, 3)
-    adv, _ = compute_advantages(est, place_scores(torch.full((4,), 0.5), mask), mask, torch.tensor([0, 0, 1, 1]))
-    torch.testing.assert_close(adv, torch.zeros(4, 3))
+@pytest.mark.parametrize("score", [0.5, 0.3, 0.6])
+def test_all_equal_rewards_give_no_signal(est, score):
+    # 0.3 and 0.6 are not exact in float32: eight of them averaged in float32 miss the value by a
+    # rounding step and have a std of ~6e-8, which grpo's 1 / (std + 1e-6) turned into +0.056 on
+    # every response of the group (what verl computes); the group statistics are float64 here
+    mask = torch.ones(16, 3)
+    adv, _ = compute_advantages(est, place_scores(torch.full((16,), score), mask), mask,
+                                torch.arange(16) // 8, **inputs(16, 3))
+    assert torch.all(adv.abs() < 1e-6), f"{est}: {adv.abs().max()}"
 
 
 def test_whiten_of_fewer_than_two_tokens_is_zero_not_nan():
@@ -135,7 +147,14 @@ def test_whiten_of_fewer_than_two_tokens_is_zero_not_nan():
 
 def test_unknown_estimator_is_refused():
     with pytest.raises(ValueError, match="grpo_passk"):
-        compute_advantages("remax", torch.zeros(2, 2), torch.ones(2, 2), torch.tensor([0, 0]))
+        compute_advantages("remax2", torch.zeros(2, 2), torch.ones(2, 2), torch.tensor([0, 0]))
+
+
+@pytest.mark.parametrize("alias, name", [("grpo_vectorized", "grpo"), ("rloo_vectorized", "rloo")])
+def test_verls_vectorized_names_are_aliases(alias, name):
+    mask, g = torch.ones(4, 2), torch.tensor([0, 0, 1, 1])
+    tr = place_scores(torch.tensor([1.0, 0.2, 0.5, 0.7]), mask)
+    torch.testing.assert_close(compute_advantages(alias, tr, mask, g)[0], compute_advantages(name, tr, mask, g)[0])
 
 
 def test_opo_subtracts_the_length_weighted_group_mean():
@@ -179,9 +198,9 @@ def test_keep_removes_rejected_tokens_as_verl_rejection_does(est):
     g = torch.tensor([0, 0, 1, 1])
     values = torch.randn(4, 3)
     tr = place_scores(s, mask)
-    adv, ret = compute_advantages(est, tr, mask, g, values=values, keep=keep)
+    adv, ret = compute_advantages(est, tr, mask, g, values=values, keep=keep, **inputs(4, 3))
     assert torch.all(adv[keep == 0] == 0)
-    full, _ = compute_advantages(est, tr, mask, g, values=values)
+    full, _ = compute_advantages(est, tr, mask, g, values=values, **inputs(4, 3))
     if est in ("grpo", "rloo", "grpo_passk", "gpg"):  # per-trajectory: the full batch's, masked
         torch.testing.assert_close(adv, full * keep)
     if est == "gae":  # row 2 steps over its rejected middle token: as if it were a tool token
@@ -191,3 +210,88 @@ def test_keep_removes_rejected_tokens_as_verl_rejection_does(est):
     if est == "opo":  # lengths are kept tokens: group 1 weights 2 and 3
         b1 = (2 * 0.6 + 3 * 0.2) / 5
         torch.testing.assert_close(adv[2:, 0], torch.tensor([0.6 - b1, 0.2 - b1]))
+
+
+# ---- verl 0.9.1's later estimators: hand-computed on one group of two
+
+def test_optimal_token_baseline_weights_each_steps_returns_by_the_accumulated_score_norm():
+    # traj 0 scores 1, traj 1 scores 0; w_0 = [1, 2] -> W_0 = [1, 3], w_1 = [1, 1] -> W_1 = [1, 2]
+    # B_0 = (1*1 + 0*1) / (1 + 1) = 0.5, B_1 = (1*3 + 0*2) / (3 + 2) = 0.6
+    mask, g = torch.ones(2, 2), torch.tensor([0, 0])
+    tr = place_scores(torch.tensor([1.0, 0.0]), mask)
+    w = torch.tensor([[1.0, 2.0], [1.0, 1.0]])
+    adv, ret = compute_advantages("optimal_token_baseline", tr, mask, g, w_token=w)
+    torch.testing.assert_close(adv, torch.tensor([[0.5, 0.4], [-0.5, -0.6]]))
+    torch.testing.assert_close(ret, torch.tensor([[1.0, 1.0], [0.0, 0.0]]))
+    # importance weights scale w by their square: w_0 = [1, 0.5] -> W_0 = [1, 1.5], B_1 = 1.5 / 3.5
+    adv, _ = compute_advantages("optimal_token_baseline", tr, mask, g, w_token=w,
+                                is_weights=torch.tensor([[1.0, 0.5], [1.0, 1.0]]))
+    assert abs(float(adv[0, 1]) - (1 - 1.5 / 3.5)) < 1e-6
+
+
+def test_optimal_token_baseline_zeroes_the_baseline_of_the_longest_trajectorys_tail():
+    # traj 1 has one token: B_1 = (1*3) / 3 = 1 would take traj 0's whole return; no one else is there,
+    # so the baseline of traj 0 is 0 from step 1 on (verl's handle_zero_tail)
+    mask, g = torch.tensor([[1.0, 1.0], [1.0, 0.0]]), torch.tensor([0, 0])
+    tr = place_scores(torch.tensor([1.0, 0.0]), mask)
+    adv, _ = compute_advantages("optimal_token_baseline", tr, mask, g, w_token=torch.tensor([[1.0, 2.0], [1.0, 1.0]]))
+    torch.testing.assert_close(adv, torch.tensor([[0.5, 1.0], [-0.5, 0.0]]))
+
+
+def test_tir_optimal_token_baseline_aligns_steps_by_model_token_not_position():
+    # traj 0: model tokens at 0 and 2 (a tool token at 1); traj 1 at 0 and 1; w = 1
+    # by model token: G = [1, 1] and [0, 0], W = [1, 2] both: B = [0.5, 0.5]
+    # by position (optimal_token_baseline): B_2 = (1*2) / 2 = 1 (traj 1 has no token 2): A_02 = 0
+    mask, g = torch.tensor([[1.0, 0.0, 1.0], [1.0, 1.0, 0.0]]), torch.tensor([0, 0])
+    tr, w = place_scores(torch.tensor([1.0, 0.0]), mask), torch.ones(2, 3)
+    tir, ret = compute_advantages("tir_optimal_token_baseline", tr, mask, g, w_token=w)
+    torch.testing.assert_close(tir, torch.tensor([[0.5, 0.0, 0.5], [-0.5, -0.5, 0.0]]))
+    torch.testing.assert_close(ret, torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]))
+    pos, _ = compute_advantages("optimal_token_baseline", tr, mask, g, w_token=w)
+    torch.testing.assert_close(pos, torch.tensor([[0.5, 0.0, 0.0], [-0.5, 0.0, 0.0]]))
+
+
+def test_score_norm_is_the_squared_norm_of_the_log_prob_gradient():
+    logits = torch.tensor([[[0.3, -1.0, 2.0, 0.1]]], requires_grad=True)
+    logp = torch.log_softmax(logits, -1)
+    logp[0, 0, 2].backward()
+    w = score_norm_sq(logp.detach(), torch.tensor([[2]]))
+    assert abs(float(w) - float(logits.grad.square().sum())) < 1e-6
+
+
+def test_remax_subtracts_the_greedy_baseline_from_the_return():
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    tr = place_scores(torch.tensor([1.0, 0.0]), mask)
+    adv, ret = compute_advantages("remax", tr, mask, torch.tensor([0, 1]), reward_baselines=torch.tensor([0.3, 0.3]))
+    torch.testing.assert_close(adv, torch.tensor([[0.7, 0.7], [-0.3, 0.0]]))
+    torch.testing.assert_close(ret, torch.tensor([[1.0, 1.0], [0.0, 0.0]]))
+    with pytest.raises(ValueError, match="greedy"):
+        compute_advantages("remax", tr, mask, torch.tensor([0, 1]))
+
+
+def test_gdpo_with_one_reward_is_grpo_whitened_over_the_batch():
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0], [1.0, 1.0]])
+    s, g = torch.tensor([1.0, 0.0, 0.5, 0.1]), torch.tensor([0, 0, 1, 1])
+    adv, ret = compute_advantages("gdpo", place_scores(s, mask), mask, g)
+    # grpo: each group of two is (+-1/sqrt(2)) / std = +-0.70711 / 0.70711 -> +-1 (over std + 1e-6)
+    a = 1 / (1 + 1e-6 / 0.70710678)
+    grpo_tokens = torch.tensor([[a, a], [-a, 0.0], [a, a], [-a, -a]])
+    torch.testing.assert_close(adv, masked_whiten(grpo_tokens, mask))
+    torch.testing.assert_close(ret, adv)
+    # two components, weighted: c_0 grpo(s) + c_1 grpo(s'), then whitened
+    comps = torch.stack([s, torch.tensor([1.0, 0.0, 0.0, 1.0])], 1)  # grpo of the second: +a, -a, -a, +a
+    two = gdpo(comps, g, mask, True, torch.tensor([1.0, 0.5]))
+    summed = torch.tensor([[1.5 * a] * 2, [-1.5 * a, 0.0], [0.5 * a] * 2, [-0.5 * a] * 2]) * mask
+    torch.testing.assert_close(two, masked_whiten(summed, mask))
+
+
+def test_pf_ppo_weights_and_draws_follow_verls_methods():
+    s = torch.tensor([0.5, -1.0, 0.0, 1.0])
+    torch.testing.assert_close(pf_ppo_weights(s, "pow", 2.0), torch.tensor([0.25, 1.0, 0.0, 1.0]) + 1e-8)
+    torch.testing.assert_close(pf_ppo_weights(s, "max_min", 2.0), torch.tensor([0.0, 1.0, 0.0, 1.0]) + 1e-8)
+    torch.testing.assert_close(pf_ppo_weights(s, "max_random", 2.0), torch.tensor([0.1, 0.1, 0.1, 0.4]) + 1e-8)
+    rows = pf_ppo_indices(s.repeat(50), "max_min", 2.0, seed=7)
+    assert len(rows) == 200 and set((rows % 4).tolist()) == {1, 3}, "only the highest and lowest scores are drawn"
+    assert torch.equal(rows, pf_ppo_indices(s.repeat(50), "max_min", 2.0, seed=7)), "every rank draws the same rows"
+    counts = torch.bincount(pf_ppo_indices(s.repeat(500), "max_random", 2.0, seed=1) % 4, minlength=4).float()
+    assert abs(float(counts[3] / counts.sum()) - 0.4 / 0.7) < 0.03  # 0.4 / (0.4 + 3 * 0.1)

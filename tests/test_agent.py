@@ -19,6 +19,7 @@ from hpcrl.rollout.engine import EngineOptions, EngineRunner
 from hpcrl.rollout.gate import EngineGate, GroupAborted
 from hpcrl.rollout.loops import TOOL_AGENT
 from hpcrl.rollout.resume import InFlightStates
+from hpcrl.rollout.rewards import toy_calc
 from hpcrl.rollout.tool_agent import FINISH_TOOL_ERROR, ToolAgentLoop, template_prefix
 from hpcrl.rollout.trajectory import GENERATING, PROCESSING_TOOLS, TrajectoryState
 from hpcrl.rollout.tool_parsers import HermesParser, TinyParser
@@ -63,8 +64,26 @@ def test_tiny_parser_calls_the_one_tool_with_the_text_in_parentheses():
     assert p.parse("( 3 + <eos>")[0][0].arguments == {"expression": "3 +"}
     assert p.parse("yes no <eos>") == ([], None)
     assert p.parse("( ) <eos>")[1] == "empty tool call ()"
+    # the innermost call: a stray "(" before the expression does not make it a syntax error
+    assert p.parse("( ( ( 8 <eos>")[0][0].arguments == {"expression": "8"}
+    assert p.parse("a ( b ( 3 * 4 ) ) <eos>")[0][0].arguments == {"expression": "3 * 4"}
+    assert p.parse(") ( 3 <eos>")[0][0].arguments == {"expression": "3"}
+    assert p.parse("( ( ( <eos>")[1] == "empty tool call ()"
     with pytest.raises(ValueError, match="exactly one tool"):
         TinyParser(build_tokenizer(), ["calculator", "python"])
+
+
+@pytest.mark.parametrize("response, info, reward", [
+    ("yes no", {"tool_calls": 0, "tool_errors": 0}, 0.0),   # no call
+    ("(", {"tool_calls": 0, "tool_errors": 1}, 0.0),        # an empty call does not parse: no call either
+    ("( ( a", {"tool_calls": 1, "tool_errors": 1}, 0.3),    # the calculator rejected "a"
+    ("( 8 = 8. 8", {"tool_calls": 1, "tool_errors": 0}, 0.6),  # a call that worked, a wrong answer
+    ("( 3 * 4 = 1 2. 1 2", {"tool_calls": 1, "tool_errors": 0}, 1.0),
+    ("( 3 * 4 = 1 2. 1 2 ( (", {"tool_calls": 1, "tool_errors": 1}, 0.3),  # then a failed second call
+    ("( 3 * 4 = 1 2. 1 2 ( 5", {"tool_calls": 1, "tool_errors": 0}, 0.6),  # an answer and more is no answer
+])
+def test_toy_calc_pays_for_calls_that_ran_more_for_working_ones_most_for_the_answer(response, info, reward):
+    assert toy_calc(response, "12", info) == reward
 
 
 def test_tool_responses_are_appended_without_the_templates_conversation_prefix():
@@ -247,17 +266,22 @@ def read_rollout_metrics(rd):
 
 
 @pytest.mark.slow
-def test_the_multi_turn_toy_task_learns_and_masks_only_tool_tokens(tiny_run):
-    updates = 60  # the call is learnt in ~15 updates; a working call and the answer come slower
+def test_the_multi_turn_toy_task_learns_working_calls_and_masks_only_tool_tokens(tiny_run):
+    """The README's run (configs/tiny-agent.yaml, 100 updates): past failing calls (0.3) to calls
+    that work (0.6), which took 20-40 updates in every seed measured."""
+    updates = 100
     rd = tiny_run(*AGENT, f"rollout.total_rollout_steps={4 * updates}")
     trainer, rollout = start_trainer(rd), start_rollout(rd)
-    assert trainer.wait(300) == 0, trainer.tail()
+    assert trainer.wait(400) == 0, trainer.tail()
     assert rollout.wait(120) == 0, rollout.tail()
     reward = read_metrics(rd)["reward/mean"].to_numpy()
-    first, later = float(reward[:updates // 10].mean()), float(reward[updates // 2:].mean())
-    print(f"toy_calc: reward first tenth {first:.3f}, last half {later:.3f}")
-    # random: ~0.01-0.05 (a turn that ends asking for a call is rare); asking for calls is worth 0.3
-    assert later > first + 0.1 and later > 0.2, f"the multi-turn toy task did not learn: {first:.3f} -> {later:.3f}"
+    last = read_rollout_metrics(rd).iloc[-20:]
+    calls, errors = float((last["tool_calls/mean"] * last["trajectories"]).sum()), float(last["tool_calls/errors"].sum())
+    print(f"toy_calc: reward first tenth {reward[:10].mean():.3f}, last 20 updates {reward[-20:].mean():.3f}; "
+          f"last 20 versions: {errors:.0f} tool errors, {calls:.0f} calls")
+    # a working call is worth 0.6; seeds 0-2 read 0.586-0.608 (README): 0.5 leaves room for a slow seed
+    assert reward[-20:].mean() > 0.5, f"no working calls: last 20 updates {reward[-20:].mean():.3f}"
+    assert errors < calls / 4, f"{errors:.0f} tool errors in {calls:.0f} calls over the last 20 versions"
     tok = load_tokenizer(rd.base_model)
     eq, dot = tok.convert_tokens_to_ids("="), tok.convert_tokens_to_ids(".")
     with_tools = 0
@@ -266,7 +290,9 @@ def test_the_multi_turn_toy_task_learns_and_masks_only_tool_tokens(tiny_run):
         if len(masked):  # one tool turn at most (max_user_turns=1): "= <digits> ." right after the call's turn
             with_tools += 1
             shown = t.response_ids[masked[0]:masked[-1] + 1]
-            assert len(masked) == masked[-1] - masked[0] + 1 and shown[0] == eq and shown[-1] == dot
+            # the answer is cut where the response budget ends (16 tokens, the tool's included)
+            cut = masked[-1] == len(t.response_ids) - 1 == 15
+            assert len(masked) == masked[-1] - masked[0] + 1 and shown[0] == eq and (shown[-1] == dot or cut)
             assert t.response_ids[masked[0] - 1] == tok.eos_token_id  # the model's turn ended just before
     assert with_tools > 0
     rows = read_rollout_metrics(rd)

@@ -84,6 +84,29 @@ def test_exponent_floats_without_a_dot_are_floats(tmp_path):
     (["actor.clip_ratio_c=0.5"], "a number > 1 or null"),
     (["actor.kl_loss_type=full"], "actor.kl_loss_type"),
     (["critic.vf_coef=0"], "critic.vf_coef"),
+    # verl 0.9.1's later options: one line each for what they cannot be combined with
+    (["algorithm.rollout_correction.rollout_is_threshold=abc"], "neither a number nor"),
+    (["algorithm.rollout_correction.rollout_is_threshold='2.0_0.5'"], "0 < lower <= upper"),
+    (["algorithm.rollout_correction.bypass_mode=true", "async_training.compute_prox_log_prob=true"],
+     "false while the trainer computes proximal log-probs"),
+    (["algorithm.rollout_correction.bypass_mode=true", "actor.policy_loss.loss_mode=gspo"],
+     "vanilla with bypass_mode=true"),
+    (["algorithm.rollout_correction.loss_type=reinforce"], "ppo_clip unless bypass_mode=true"),
+    (["algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.loss_type=pg"], "'reinforce'"),
+    (["algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.rollout_token_veto_threshold=0.1"],
+     "has no veto"),
+    (["actor.policy_loss.loss_mode=dro"], "a number > 0 with loss_mode=dro"),
+    (["actor.policy_loss.loss_mode=dppo_tv", "actor.clip_ratio_c=null"], "a number > 1 with loss_mode=dppo_tv"),
+    (["actor.tau_neg=0"], "actor.tau_neg"),
+    (["algorithm.adv_estimator=remax"], "greedy baseline rollout per prompt"),
+    (["algorithm.adv_estimator=optimal_token_baseline", "rollout.n=1"], "at least 2 with adv_estimator=optimal"),
+    (["algorithm.use_pf_ppo=true"], "verl resamples only with gae"),
+    (["algorithm.adv_estimator=gae", "algorithm.use_pf_ppo=true", "algorithm.pf_ppo.reweight_method=top"],
+     "'max_random'"),
+    (["algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[format, accuracy]"], "one reward per trajectory"),
+    (["algorithm.gdpo_reward_weights=[1.0]"], "null while gdpo_reward_keys is null"),
+    (["actor.kl_loss_type=k4+"], "'k3+'"),
+    (["actor.policy_loss.loss_mode=bypass_mode"], "set algorithm.rollout_correction.bypass_mode=true"),
     (["rollout"], "key=value"),
 ])
 def test_bad_values_are_refused_with_a_clear_message(override, fragment):
@@ -106,6 +129,22 @@ def test_algorithm_options_parse_with_verl_names():
     # use_rollout_log_probs=false also gives proximal log-probs (the trainer recomputes the anchor)
     assert load_config(TINY, ["async_training.use_rollout_log_probs=false",
                                     "algorithm.rollout_correction.rollout_is=token"]).uses_prox_log_prob
+
+
+def test_verl_0_9_1_later_options_parse():
+    rc = "algorithm.rollout_correction."
+    cfg = load_config(TINY, [rc + "bypass_mode=true", rc + "loss_type=reinforce", rc + "rollout_is=sequence",
+                             rc + "rollout_is_threshold='0.5_5.0'", rc + "rollout_rs=seq_mean_k1",
+                             rc + "rollout_rs_threshold='0.9_1.1'", "actor.use_kl_loss=true", "actor.kl_loss_type=k3+",
+                             "algorithm.kl_penalty=low_var_kl+", "algorithm.adv_estimator=tir_optimal_token_baseline"])
+    assert cfg.algorithm.rollout_correction.rollout_is_threshold == "0.5_5.0" and not cfg.uses_prox_log_prob
+    assert load_config(TINY, [rc + "rollout_is_threshold=3"]).algorithm.rollout_correction.rollout_is_threshold == 3.0
+    cfg = load_config(TINY, ["actor.policy_loss.loss_mode=dro", "actor.policy_loss.dro_beta=0.1",
+                             "algorithm.adv_estimator=gae", "algorithm.use_pf_ppo=true",
+                             "algorithm.pf_ppo.reweight_method=max_min"])
+    assert cfg.algorithm.pf_ppo.reweight_method == "max_min" and cfg.actor.policy_loss.dro_beta == 0.1
+    for mode in ("dppo_tv", "dppo_kl", "sapo"):
+        assert load_config(TINY, [f"actor.policy_loss.loss_mode={mode}"]).actor.policy_loss.loss_mode == mode
 
 
 def test_derived_budget_matches_design():

@@ -67,3 +67,18 @@ def test_kl_in_reward_subtracts_beta_times_kl_on_model_tokens_only():
     assert s["actor/reward_kl_penalty_coeff"] == 0.5, "the coefficient used, before the controller moves it"
     err = max(-0.2, min(0.2, s["actor/reward_kl_penalty"] / 1.0 - 1))
     assert math.isclose(ctrl.value, 0.5 * (1 + err * 2 / 10))
+
+
+@pytest.mark.parametrize("kind", ["kl+", "k1+", "abs+", "low_var_kl+", "k3+", "mse+", "k2+"])
+def test_straight_through_forms_have_the_base_value_and_the_gradient_of_k2(kind):
+    """verl 0.9.1's "+" forms: value of the base estimator, gradient of k2 = x (x = logp - ref)."""
+    logp = torch.tensor([-1.0, -2.0, -0.5], requires_grad=True)
+    ref = torch.tensor([-1.5, -1.0, -0.5])
+    est = kl_estimate(logp, ref, kind)
+    torch.testing.assert_close(est, kl_estimate(logp.detach(), ref, kind[:-1]))
+    est.sum().backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([0.5, -1.0, 0.0]))
+    # the base k3's own gradient differs: 1 - exp(-x)
+    plain = logp.detach().clone().requires_grad_()
+    kl_estimate(plain, ref, "k3").sum().backward()
+    assert not torch.allclose(plain.grad, logp.grad)

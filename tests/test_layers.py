@@ -275,7 +275,8 @@ def test_advantage_estimators_match_the_implementation():
     from hpcrl.trainer.advantages import compute_advantages
 
     r, m, g = torch.tensor([[0.0, 1.0], [1.0, 0.0]]), torch.ones(2, 2), torch.tensor([0, 0])
-    _calls(lambda e: compute_advantages(e, r, m, g, values=torch.zeros(2, 2), gamma=1.0, lam=1.0), names.ADV_ESTIMATORS)
+    inputs = {"values": torch.zeros(2, 2), "w_token": torch.ones(2, 2), "reward_baselines": torch.zeros(2)}
+    _calls(lambda e: compute_advantages(e, r, m, g, gamma=1.0, lam=1.0, **inputs), names.ADV_ESTIMATORS)
 
 
 def test_kl_estimators_and_controllers_match_the_implementation():
@@ -294,7 +295,7 @@ def test_loss_agg_modes_and_policy_losses_match_the_implementation():
 
     _calls(lambda mode: agg_loss(torch.ones(2, 3), torch.ones(2, 3), mode, horizon=3), names.LOSS_AGG_MODES)
     x, m = torch.zeros(2, 3), torch.ones(2, 3)
-    _calls(lambda mode: policy_loss(mode, x, x, x, m, LossParams()), names.POLICY_LOSS_MODES)
+    _calls(lambda mode: policy_loss(mode, x, x, x, m, LossParams(dro_beta=0.1)), names.POLICY_LOSS_MODES)
 
 
 def test_rollout_correction_levels_match_the_implementation():
@@ -302,7 +303,14 @@ def test_rollout_correction_levels_match_the_implementation():
 
     lr, m = torch.zeros(2, 3), torch.ones(2, 3)
     _calls(lambda lv: importance_weights(lr, m, lv, 2.0), names.IS_LEVELS)
+    _calls(lambda lv: importance_weights(lr, m, lv, "0.5_2.0"), names.IS_LEVELS)
     _calls(lambda opt: rejection_mask(lr, m, opt, 2.0), names.RS_OPTIONS)
+
+
+def test_pf_ppo_methods_match_the_implementation():
+    from hpcrl.trainer.pf_ppo import pf_ppo_weights
+
+    _calls(lambda method: pf_ppo_weights(torch.tensor([0.0, 1.0]), method, 2.0), names.PF_PPO_REWEIGHT_METHODS)
 
 
 def test_rewards_and_engines_match_the_implementation():

@@ -25,6 +25,26 @@ def test_sequence_level_weight_is_the_truncated_product_over_model_tokens():
     torch.testing.assert_close(w, torch.tensor([[1.5, 1.5, 0.0], [0.4, 0.4, 0.4]]))
 
 
+def test_icepop_keeps_the_ratio_inside_lower_upper_and_zeroes_it_outside():
+    """verl 0.9.1's rollout_is_threshold "lower_upper": no truncation, weights outside the band are 0."""
+    log_rho = torch.tensor([[LOG(0.4), LOG(1.0), LOG(1.9), LOG(2.5)]])
+    mask = torch.ones(1, 4)
+    w, raw = importance_weights(log_rho, mask, "token", threshold="0.5_2.0")
+    torch.testing.assert_close(w, torch.tensor([[0.0, 1.0, 1.9, 0.0]]))
+    torch.testing.assert_close(raw, torch.tensor([[0.4, 1.0, 1.9, 2.5]]))
+    # sequence level: products 0.4 * 1.0 = 0.4 (outside) and 1.9 * 1.0 = 1.9 (inside)
+    seq = torch.tensor([[LOG(0.4), 0.0], [LOG(1.9), 0.0]])
+    w, _ = importance_weights(seq, torch.ones(2, 2), "sequence", threshold="0.5_2.0")
+    torch.testing.assert_close(w, torch.tensor([[0.0, 0.0], [1.9, 1.9]]))
+    # batch-normalised after the band: mean of [0, 1, 1.9, 0] is 0.725
+    w, _ = importance_weights(log_rho, mask, "token", threshold="0.5_2.0", batch_normalize=True)
+    torch.testing.assert_close(w, torch.tensor([[0.0, 1.0, 1.9, 0.0]]) / 0.725)
+    _, loss_mask, stats = correct(mask, prox_logp=log_rho, behav_logp=torch.zeros(1, 4), rollout_is="token",
+                                  rollout_is_threshold="0.5_2.0")
+    assert abs(stats["rollout_corr/rollout_is_oob_ratio"] - 2 / 4) < 1e-6
+    torch.testing.assert_close(loss_mask, mask)  # zero weights, not rejection: the tokens stay in the denominators
+
+
 # rho per token: [[1.0, 2.4, 1.0], [0.9, 1.1, 0.58]]; sequence products 2.4 and 0.574, geometric means
 # 1.339 and 0.831. k1 bounds apply to 1/rho: [[1, 0.417, 1], [1.111, 0.909, 1.724]], products of 1/rho
 # 0.417 and 1.742, geometric means 0.747 and 1.203. The asymmetric bounds are chosen so that reading

@@ -11,6 +11,7 @@ module             what it holds
 ``sections``       model, data, reward, actor, rollout, agent, async_training, trainer,
                    weights, timeouts, logging
 ``algorithm``      algorithm (advantages, KL, rollout correction) and critic
+``combinations``   the algorithm rules that span sections (what an estimator or loss needs)
 ``resources``      job sizes and Slurm options per role
 ``run``            RunConfig (all sections, derived R/K/B), load_config, dump_config
 =================  ==============================================================

@@ -82,6 +82,25 @@ def rs_thresholds(rollout_rs: str, spec: Union[str, float]) -> dict[str, tuple[O
     return out
 
 
+def is_bounds(spec: Union[str, float]) -> tuple[Optional[float], float]:
+    """``rollout_is_threshold`` -> ``(lower, upper)``: a number C is truncation (lower None); a string
+    ``"lower_upper"`` is IcePop (weights outside [lower, upper] become 0), verl 0.9.1's format.
+    Raises ValueError naming what is wrong."""
+    if isinstance(spec, bool):
+        raise ValueError("a number or a \"lower_upper\" string, not a boolean")
+    text = str(spec).strip()
+    lo_s, up_s = text.split("_", 1) if isinstance(spec, str) and "_" in text else (None, text)
+    try:
+        upper, lower = float(up_s), (float(lo_s) if lo_s is not None else None)
+    except ValueError:
+        raise ValueError(f"{spec!r} is neither a number nor \"lower_upper\" (e.g. \"0.5_5.0\")") from None
+    if lower is None and upper < 1.0:
+        raise ValueError("a number >= 1.0 (the truncation C) or \"lower_upper\" (IcePop)")
+    if lower is not None and not 0 < lower <= upper:
+        raise ValueError(f"IcePop bounds {spec!r} must satisfy 0 < lower <= upper")
+    return lower, upper
+
+
 @dataclass
 class RolloutCorrectionConfig:
     """Off-policy correction between the engine's (behaviour, mu) and the trainer's proximal
@@ -92,8 +111,9 @@ class RolloutCorrectionConfig:
     """Truncated importance weights min(rho, C) on the policy loss: ``token``,
     ``sequence`` (product over the sequence), or null (off). Needs the proximal
     log-probs (async_training.compute_prox_log_prob=true or use_rollout_log_probs=false)."""
-    rollout_is_threshold: float = 2.0
-    """C, the truncation threshold of the importance weights."""
+    rollout_is_threshold: Union[float, str] = 2.0
+    """A number C: truncated IS, w = min(rho, C) (C >= 1). A string ``"lower_upper"`` (quote it in YAML):
+    IcePop, w = rho inside [lower, upper] and 0 outside (verl 0.9.1's format)."""
     rollout_is_batch_normalize: bool = False
     """Divide the truncated weights by their mean over the local batch (tokens for ``token``,
     sequences for ``sequence``) so that they average 1."""
@@ -115,6 +135,15 @@ class RolloutCorrectionConfig:
     max_token_lag: Optional[int] = None
     """Mask tokens sampled more than this many weight versions before the trainer's
     version (per-token lag from the shards' token_versions; null = off)."""
+    bypass_mode: bool = False
+    """verl 0.9.1's bypass mode: the engine's log-probs mu are the PPO anchor (no proximal forward,
+    async_training.compute_prox_log_prob=false) and rollout_is / rollout_rs are computed in the loss,
+    per micro-batch, from pi_theta / mu with the current weights (no gradient through them).
+    false (decoupled): they use pi_prox / mu, and need the proximal log-probs."""
+    loss_type: str = "ppo_clip"
+    """With bypass_mode: ``ppo_clip`` (PPO clip on pi_theta / mu, rejection applied, IS weights only
+    logged: the ratio already corrects) or ``reinforce`` (l = -A w log pi_theta with the IS weights;
+    no clip). Must stay ppo_clip without bypass_mode (verl ignores it there)."""
     mask_before_advantages: bool = True
     """Where the rejection, veto and lag masks act. true (verl's behaviour): they replace the
     response mask before advantages and critic targets, so rejected tokens are no steps, take no
@@ -125,7 +154,11 @@ class RolloutCorrectionConfig:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
         k = "algorithm.rollout_correction."
         check_optional_choice(k + "rollout_is", self.rollout_is, names.IS_LEVELS)
-        check_float(k + "rollout_is_threshold", self.rollout_is_threshold, 1.0)
+        try:
+            is_bounds(self.rollout_is_threshold)
+        except ValueError as e:
+            raise bad(k + "rollout_is_threshold", self.rollout_is_threshold, str(e),
+                      "e.g. 2.0 (truncation) or \"0.5_5.0\" (IcePop)") from None
         check_choice(k + "rollout_is_batch_normalize", self.rollout_is_batch_normalize, (True, False))
         check_choice(k + "mask_before_advantages", self.mask_before_advantages, (True, False))
         if self.rollout_rs_threshold_lower is not None:
@@ -141,6 +174,15 @@ class RolloutCorrectionConfig:
             check_float(k + "rollout_token_veto_threshold", self.rollout_token_veto_threshold, 0.0, 1.0, lo_open=True)
         if self.max_token_lag is not None:
             check_int(k + "max_token_lag", self.max_token_lag, 0)
+        check_choice(k + "bypass_mode", self.bypass_mode, (True, False))
+        check_choice(k + "loss_type", self.loss_type, names.BYPASS_LOSS_TYPES)
+        if not self.bypass_mode and self.loss_type != "ppo_clip":
+            raise bad(k + "loss_type", self.loss_type, "ppo_clip unless bypass_mode=true (it picks bypass mode's loss)",
+                      "set algorithm.rollout_correction.bypass_mode=true, or remove loss_type")
+        if self.bypass_mode and self.rollout_token_veto_threshold is not None:
+            raise bad(k + "rollout_token_veto_threshold", self.rollout_token_veto_threshold,
+                      "null with bypass_mode=true (verl 0.9.1's bypass mode has no veto)",
+                      "use rollout_rs (e.g. token_k1 with \"lower_upper\") or bypass_mode=false")
 
     def _validate_rs(self, k: str) -> None:
         if not isinstance(self.rollout_rs, str) or not split_rs_options(self.rollout_rs):
@@ -163,7 +205,9 @@ class RolloutCorrectionConfig:
 
     @property
     def needs_prox(self) -> bool:
-        return any(v is not None for v in (self.rollout_is, self.rollout_rs, self.rollout_token_veto_threshold))
+        """IS weights or rejection against pi_prox: the trainer must compute proximal log-probs."""
+        return not self.bypass_mode and any(v is not None for v in (self.rollout_is, self.rollout_rs,
+                                                                    self.rollout_token_veto_threshold))
 
 
 @dataclass
@@ -174,7 +218,8 @@ class PolicyLossConfig:
     loss_mode: str = "vanilla"
     """``vanilla`` (PPO clip + dual clip), ``gspo`` (sequence-level geometric-mean ratio), ``cispo``
     (clipped, detached ratio times log-prob), ``gpg`` (-A log pi), ``clip_cov``, ``kl_cov``,
-    ``geo_mean`` (GMPO)."""
+    ``geo_mean`` (GMPO), ``dppo_tv`` / ``dppo_kl`` (DPPO: a probability-divergence trust region),
+    ``sapo`` (smooth gate instead of a clip), ``dro`` (quadratic log-ratio penalty)."""
     clip_cov_ratio: float = 0.0002
     """clip_cov: fraction of a micro-batch's tokens (at least one) whose gradient is cut."""
     clip_cov_lb: float = 1.0
@@ -185,10 +230,15 @@ class PolicyLossConfig:
     """kl_cov: fraction of a micro-batch's tokens (at least one), the largest covariances, that get the KL penalty."""
     ppo_kl_coef: float = 0.1
     """kl_cov: coefficient of the abs(log-ratio) penalty on those tokens."""
+    dro_beta: Optional[float] = None
+    """dro: beta of the penalty beta/2 (log pi_theta - log pi_old)^2 (required, > 0, with loss_mode=dro)."""
 
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
         k = "actor.policy_loss."
+        if self.loss_mode == "bypass_mode":
+            raise bad(k + "loss_mode", self.loss_mode, "one of " + ", ".join(names.POLICY_LOSS_MODES),
+                      "verl sets bypass_mode itself: set algorithm.rollout_correction.bypass_mode=true (and loss_type)")
         check_choice(k + "loss_mode", self.loss_mode, names.POLICY_LOSS_MODES)
         check_float(k + "clip_cov_ratio", self.clip_cov_ratio, 0.0, 1.0, lo_open=True)
         check_float(k + "clip_cov_lb", self.clip_cov_lb, -math.inf)
@@ -196,6 +246,28 @@ class PolicyLossConfig:
             raise bad(k + "clip_cov_ub", self.clip_cov_ub, f"a number > clip_cov_lb = {self.clip_cov_lb}")
         check_float(k + "kl_cov_ratio", self.kl_cov_ratio, 0.0, 1.0, lo_open=True)
         check_float(k + "ppo_kl_coef", self.ppo_kl_coef, 0.0)
+        if self.dro_beta is not None:
+            check_float(k + "dro_beta", self.dro_beta, 0.0, lo_open=True)
+        elif self.loss_mode == "dro":
+            raise bad(k + "dro_beta", None, "a number > 0 with loss_mode=dro (verl 0.9.1 has no default)",
+                      "e.g. actor.policy_loss.dro_beta=0.1")
+
+
+@dataclass
+class PfPpoConfig:
+    """``algorithm.pf_ppo``: how PF-PPO resamples the batch (``use_pf_ppo``; verl's keys)."""
+
+    reweight_method: str = "pow"
+    """Sampling weight of trajectory i from its score s_i: ``pow`` abs(s_i)^weight_pow, ``max_min``
+    1 for the batch's highest and lowest scores and 0 otherwise, ``max_random`` 0.4 for the highest
+    score, 0.1 otherwise (each + 1e-8)."""
+    weight_pow: float = 2.0
+    """The power of ``pow``."""
+
+    def validate(self) -> None:
+        """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
+        check_choice("algorithm.pf_ppo.reweight_method", self.reweight_method, names.PF_PPO_REWEIGHT_METHODS)
+        check_float("algorithm.pf_ppo.weight_pow", self.weight_pow, 0.0)
 
 
 @dataclass
@@ -205,7 +277,9 @@ class AlgorithmConfig:
     adv_estimator: str = "grpo"
     """Advantage estimator (verl's names): ``gae`` (critic = value head), ``grpo``,
     ``rloo``, ``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``, ``opo``,
-    ``grpo_passk``, ``gpg``. Equations in ``hpcrl/trainer/advantages.py`` and the README."""
+    ``grpo_passk``, ``gpg``, ``optimal_token_baseline``, ``tir_optimal_token_baseline``, ``gdpo``,
+    ``remax`` (refused until the rollout job writes greedy baselines, see the README).
+    Equations in ``hpcrl/trainer/advantages.py`` and the README."""
     norm_adv_by_std_in_grpo: bool = True
     """grpo, grpo_passk: divide by the group's reward std (+1e-6); false = Dr. GRPO (mean only)."""
     gamma: float = 1.0
@@ -220,6 +294,17 @@ class AlgorithmConfig:
     """beta of the reward penalty: fixed or adaptive."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """Importance weights and rejection masks for stale / mismatched samples."""
+    use_pf_ppo: bool = False
+    """PF-PPO (verl's name): after the advantages, resample the local batch's trajectories with
+    replacement by ``pf_ppo``'s weights of their scores. verl applies it with ``gae`` only, so the
+    config refuses it with other estimators."""
+    pf_ppo: PfPpoConfig = field(default_factory=PfPpoConfig)
+    """PF-PPO's sampling weights."""
+    gdpo_reward_keys: Optional[list] = None
+    """gdpo: names of reward components to normalise separately (verl). Must be null: a shard holds
+    one reward per trajectory, so gdpo normalises that one (see the README)."""
+    gdpo_reward_weights: Optional[list] = None
+    """gdpo: a weight per reward component (null = equal). Must be null with gdpo_reward_keys null."""
 
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
@@ -231,6 +316,15 @@ class AlgorithmConfig:
         check_choice("algorithm.kl_penalty", self.kl_penalty, names.KL_ESTIMATORS)
         self.kl_ctrl.validate()
         self.rollout_correction.validate()
+        check_choice("algorithm.use_pf_ppo", self.use_pf_ppo, (True, False))
+        self.pf_ppo.validate()
+        if self.gdpo_reward_keys is not None:
+            raise bad("algorithm.gdpo_reward_keys", self.gdpo_reward_keys,
+                      "null (a shard holds one reward per trajectory; per-component rewards need a shard field)",
+                      "return the weighted sum of the components as the score, or use adv_estimator=grpo")
+        if self.gdpo_reward_weights is not None:
+            raise bad("algorithm.gdpo_reward_weights", self.gdpo_reward_weights, "null while gdpo_reward_keys is null",
+                      "remove gdpo_reward_weights")
 
 
 @dataclass

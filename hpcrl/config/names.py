@@ -8,17 +8,24 @@ every name here has an implementation and every implementation a name.
 from __future__ import annotations
 
 ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "grpo_passk",
-                  "gpg")
-"""``algorithm.adv_estimator`` (hpcrl/trainer/advantages.py)."""
+                  "gpg", "remax", "optimal_token_baseline", "tir_optimal_token_baseline", "gdpo", "grpo_vectorized",
+                  "rloo_vectorized")
+"""``algorithm.adv_estimator`` (hpcrl/trainer/advantages.py); ``*_vectorized`` are verl's other
+implementations of grpo and rloo, accepted as their aliases."""
 
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "grpo_passk", "gpg")
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "grpo_passk", "gpg",
+                    "optimal_token_baseline", "tir_optimal_token_baseline", "gdpo", "grpo_vectorized",
+                    "rloo_vectorized")
 """The estimators whose baseline is the rest of the group: they need ``rollout.n >= 2``."""
 
-POLICY_LOSS_MODES = ("vanilla", "gspo", "cispo", "gpg", "clip_cov", "kl_cov", "geo_mean")
+POLICY_LOSS_MODES = ("vanilla", "gspo", "cispo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dppo_tv", "dppo_kl", "sapo",
+                     "dro")
 """``actor.policy_loss.loss_mode`` (hpcrl/trainer/policy_losses.py)."""
 
-KL_ESTIMATORS = ("kl", "k1", "mse", "k2", "low_var_kl", "k3", "abs")
-"""``actor.kl_loss_type`` and ``algorithm.kl_penalty`` (hpcrl/trainer/kl.py)."""
+KL_ESTIMATORS = ("kl", "k1", "mse", "k2", "low_var_kl", "k3", "abs",
+                 "kl+", "k1+", "mse+", "k2+", "low_var_kl+", "k3+", "abs+")
+"""``actor.kl_loss_type`` and ``algorithm.kl_penalty`` (hpcrl/trainer/kl.py); ``+``: verl 0.9.1's
+straight-through forms (the base estimator's value, k2's gradient)."""
 
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 """``actor.loss_agg_mode`` (hpcrl/trainer/losses.py)."""
@@ -30,6 +37,12 @@ RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "s
               "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
 """``algorithm.rollout_correction.rollout_rs`` (hpcrl/trainer/offpolicy.py), verl 0.9.1's names; a
 comma-separated list of them applies all (a token is kept only if every option keeps it)."""
+
+PF_PPO_REWEIGHT_METHODS = ("pow", "max_min", "max_random")
+"""``algorithm.pf_ppo.reweight_method`` (hpcrl/trainer/pf_ppo.py)."""
+
+BYPASS_LOSS_TYPES = ("ppo_clip", "reinforce")
+"""``algorithm.rollout_correction.loss_type``: the loss of verl 0.9.1's bypass mode (hpcrl/trainer/update.py)."""
 
 RS_RETIRED = {"token": "token_k1", "sequence": "seq_sum_k1", "geometric": "seq_mean_k1"}
 """verl 0.6's ``rollout_rs`` levels, refused with the 0.9.1 option that replaces each (the README

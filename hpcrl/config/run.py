@@ -26,7 +26,8 @@ import yaml
 
 from hpcrl.config.algorithm import AlgorithmConfig, CriticConfig
 from hpcrl.config.checks import ConfigError, bad
-from hpcrl.config.names import GROUP_ESTIMATORS, RENAMED_KEYS
+from hpcrl.config.combinations import check_algorithm_combinations
+from hpcrl.config.names import RENAMED_KEYS
 from hpcrl.config.resources import ResourcesConfig
 from hpcrl.config.sections import (ActorConfig, AgentConfig, AsyncConfig, DataConfig, LoggingConfig, ModelConfig,
                                    RewardConfig, RolloutConfig, TimeoutsConfig, TrainerConfig, WeightsConfig)
@@ -95,17 +96,7 @@ class RunConfig:
             raise bad("rollout.total_rollout_steps", self.rollout.total_rollout_steps,
                        f"at least R = actor.ppo_mini_batch_size * async_training.require_batches = "
                        f"{self.groups_per_update}")
-        est = self.algorithm.adv_estimator
-        if self.rollout.n < 2 and est in GROUP_ESTIMATORS:
-            raise bad("rollout.n", self.rollout.n, f"at least 2 with adv_estimator={est} (a group of one has no baseline)",
-                       "raise rollout.n, or use adv_estimator=gae or reinforce_plus_plus")
-        rc = self.algorithm.rollout_correction
-        if rc.needs_prox and not self.uses_prox_log_prob:
-            name = next(k for k in ("rollout_is", "rollout_rs", "rollout_token_veto_threshold")
-                        if getattr(rc, k) is not None)
-            raise bad(f"algorithm.rollout_correction.{name}", getattr(rc, name),
-                       "null unless the trainer computes proximal log-probs (the ratio is pi_prox / engine log-probs)",
-                       "set async_training.compute_prox_log_prob=true")
+        check_algorithm_combinations(self)
         world = self.resources.trainer.world_size
         if self.actor.ppo_mini_batch_size % (world * self.actor.ppo_micro_batch_size):
             raise bad("actor.ppo_mini_batch_size", self.actor.ppo_mini_batch_size,

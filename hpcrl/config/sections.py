@@ -137,6 +137,10 @@ class ActorConfig:
     rollout.response_length, verl's default: its padded response length)."""
     entropy_coeff: float = 0.0
     """Entropy bonus: loss -= entropy_coeff * agg(entropy of the tempered distribution)."""
+    tau_pos: float = 1.0
+    """sapo: temperature of the gate on tokens with A > 0 (verl's actor.tau_pos)."""
+    tau_neg: float = 1.05
+    """sapo: temperature of the gate on tokens with A <= 0 (verl's actor.tau_neg)."""
     use_kl_loss: bool = False
     """Add kl_loss_coef * agg(KL(pi_theta || reference)) to the loss (needs the reference model)."""
     kl_loss_coef: float = 0.001
@@ -173,6 +177,8 @@ class ActorConfig:
         if self.loss_scale_factor is not None:
             check_int("actor.loss_scale_factor", self.loss_scale_factor, 1)
         check_float("actor.entropy_coeff", self.entropy_coeff, 0.0)
+        check_float("actor.tau_pos", self.tau_pos, 0.0, lo_open=True)
+        check_float("actor.tau_neg", self.tau_neg, 0.0, lo_open=True)
         check_choice("actor.use_kl_loss", self.use_kl_loss, (True, False))
         check_float("actor.kl_loss_coef", self.kl_loss_coef, 0.0)
         check_choice("actor.kl_loss_type", self.kl_loss_type, names.KL_ESTIMATORS)

@@ -70,12 +70,15 @@ def gsm8k(response: str, answer: str) -> float:
 
 def toy_calc(response: str, answer: str, extra_info: dict | None) -> float:
     """The multi-turn toy task's reward (``builtin:toy_calc`` with the ``tiny`` tool parser), from
-    the agent's counters in ``extra_info``: 0.3 for a turn that ended asking for a call, 0.6 if
-    the calculator answered it, 1.0 if the turn after its answer (``= 1 2 .``) starts with the
-    right number. A ``(`` in a turn that never ends earns nothing."""
+    the agent's counters in ``extra_info``: 0.3 for a call the calculator ran but rejected, 0.6 if
+    it answered the call, 1.0 if the turn after its answer (``= 1 2 .``) is the right number. A
+    call that does not parse (``( <eos>``, empty) is no call and earns nothing, nor does a ``(`` in
+    a turn that never ends: paying 0.3 for the two-token empty call made it the policy every
+    trajectory converged to. An answer followed by more (another call) is no answer: paying 1.0
+    for it reinforced the junk after the number, until the first turn stopped ending."""
     info = extra_info or {}
     calls, errors = info.get("tool_calls", 0), info.get("tool_errors", 0)
-    if not calls and not errors:
+    if not calls:
         return 0.0
     if calls <= errors:
         return 0.3
@@ -83,7 +86,7 @@ def toy_calc(response: str, answer: str, extra_info: dict | None) -> float:
     shown = response.find("=", response.find("("))
     end = response.find(".", shown) if shown >= 0 else -1
     want = list(answer.strip())
-    return 1.0 if end >= 0 and response[end + 1:].split()[:len(want)] == want else 0.6
+    return 1.0 if end >= 0 and response[end + 1:].split() == want else 0.6
 
 
 toy_calc.wants_extra_info = True  # the agent's counters (tool_calls, tool_errors) come in extra_info

@@ -3,8 +3,12 @@
 - ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, one block per call
   (the format of Qwen 2.5/3 and the Hermes models; ``arguments`` may also be a JSON string).
 - ``tiny``: the built-in tiny model's format, for its 64-word vocabulary without braces or
-  quotes: ``( 3 + 4 )`` calls the one configured tool with the text between the parentheses
-  (to the end of the turn if the ``)`` is missing) as its only argument.
+  quotes: ``( 3 + 4 )`` calls the one configured tool with the text inside the innermost
+  parentheses -- after the last ``(`` before the first ``)``, to the end of the turn if no ``)``
+  follows -- as its only argument. So ``( ( 5`` calls ``5``: a stray ``(`` before the expression
+  does not turn the call into a syntax error (the toy task's reward for asking teaches the tiny
+  model exactly that token; read from the first ``(``, such calls all failed). The tiny syntax
+  has no nested expressions.
 
 Each parser returns ``(calls, error)``: ``error`` (one line) when the turn tried to call a tool
 but the call does not parse; the agent counts it as a tool error and ends the episode.
@@ -69,7 +73,10 @@ class TinyParser:
         """The call in ``text`` (at most one), or the reason it does not parse."""
         if self.eos:
             text = text.replace(self.eos, " ")
-        start = text.find("(")
+        close = text.find(")")
+        start = text.rfind("(", 0, close if close >= 0 else len(text))  # the innermost call
+        if start < 0:  # a ")" before any "(": the call opens after it
+            start = text.find("(")
         if start < 0:
             return [], None
         end = text.find(")", start + 1)

@@ -16,6 +16,7 @@ the group (prompt) trajectory ``i`` belongs to. Every estimator returns
 - ``grpo``: A_i = (s_i - mean_g(s)) / (std_g(s) + eps) (unbiased std), or
   s_i - mean_g(s) without ``norm_adv_by_std_in_grpo`` (Dr. GRPO).
 - ``rloo``: A_i = s_i - mean_{j in g, j != i} s_j = n/(n-1) * (s_i - mean_g(s)).
+  ``grpo_vectorized`` and ``rloo_vectorized`` (verl's vectorised implementations) are aliases.
 - ``reinforce_plus_plus``: R_t = sum_k gamma^k r_{t+k} (mask-1 steps), then
   whitened over the batch: A = (R - mean(R)) / sqrt(var(R) + 1e-8).
 - ``reinforce_plus_plus_baseline``: A_i = s_i - mean_g(s) on every token, then
@@ -28,10 +29,21 @@ the group (prompt) trajectory ``i`` belongs to. Every estimator returns
   ``norm_adv_by_std_in_grpo``); the others get 0 (Pass@k training, Chen et al. 2025).
 - ``gpg``:  A_i = alpha (s_i - mean_g(s)), alpha = B / #{i : s_i != 0} over the B
   trajectories of the batch (at least one counted) (Chu et al. 2025, GPG).
+- ``gdpo``: per reward component k, grpo's A_ik; then A = whiten(sum_k c_k A_ik) over the batch's
+  tokens (Group reward-Decoupled normalisation, arXiv 2601.05242). The shards hold one reward per
+  trajectory, so here K = 1: whiten(grpo) (verl's gdpo with one component).
+- ``remax``: G_t = sum_{k >= t} m_k r_k; A_t = (G_t - b_i) m_t, b_i the reward of a greedy response
+  to i's prompt (ReMax, Li et al. 2023); returns G. Needs ``reward_baselines``, which the rollout
+  job does not write yet (the config refuses remax; README).
+- ``optimal_token_baseline``, ``tir_optimal_token_baseline``: a baseline per token from the
+  group's returns at that step (:mod:`hpcrl.trainer.token_baseline`); need ``w_token``.
 
-Deviation from verl, on purpose: a group of one has no baseline, so every group
+Deviations from verl, on purpose: a group of one has no baseline, so every group
 estimator gives it advantage 0 (verl falls back to the raw score, or raises for
-grpo_passk). The config refuses ``rollout.n < 2`` for these estimators anyway.
+grpo_passk). The config refuses ``rollout.n < 2`` for these estimators anyway. Group means
+and stds are computed in float64, so a group of equal scores gets exactly 0: verl's float32
+statistics of eight scores of 0.6 give every one of them grpo advantage +0.056 (a rounding
+step over a std of 6e-8 + 1e-6), which sharpens the policy on whatever the group sampled.
 
 ``keep`` (the rejection / lag mask, with ``rollout_correction.mask_before_advantages``)
 removes tokens as verl's rejection does: token-level estimators (gae,
@@ -47,6 +59,7 @@ from typing import Optional
 import torch
 
 from hpcrl.config.names import ADV_ESTIMATORS  # the allowed names live with the config
+from hpcrl.trainer.token_baseline import optimal_token_baseline
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -99,13 +112,18 @@ def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: f
 
 
 def _group_stats(scores: torch.Tensor, group_index: torch.Tensor):
-    """Per-trajectory group mean, unbiased group std (0 for a group of one) and group size."""
+    """Per-trajectory group mean, unbiased group std (0 for a group of one) and group size.
+
+    In float64: the float32 mean of equal scores can miss them by a rounding step (eight 0.6s:
+    by 6e-8, with a std of 6e-8 instead of 0), and grpo's division by std + 1e-6 turned that into
+    an advantage of +0.056 on every response of the group (verl computes it so): a push towards
+    whatever the group sampled. In float64 the mean of equal float32 scores is exact and the std 0."""
     mean = torch.zeros_like(scores)
     std = torch.zeros_like(scores)
     size = torch.zeros_like(scores)
     for g in torch.unique(group_index):
         sel = group_index == g
-        s = scores[sel]
+        s = scores[sel].double()
         mean[sel] = s.mean()
         std[sel] = s.std(unbiased=True) if s.numel() > 1 else 0.0
         size[sel] = float(s.numel())
@@ -162,14 +180,41 @@ def gpg(scores: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
     return torch.where(size > 1, alpha * (scores - mean), torch.zeros_like(scores))
 
 
+def gdpo(components: torch.Tensor, group_index: torch.Tensor, steps: torch.Tensor, norm_by_std: bool,
+         weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[B, L] whiten(sum_k c_k grpo(component k)) over ``steps``; ``components`` is [B, K]."""
+    c = weights if weights is not None else torch.ones(components.shape[1])
+    per_traj = sum(float(c[k]) * grpo(components[:, k], group_index, norm_by_std) for k in range(components.shape[1]))
+    return masked_whiten(per_traj[:, None] * steps, steps)
+
+
+def remax(token_rewards: torch.Tensor, steps: torch.Tensor, baselines: Optional[torch.Tensor]
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A, G): reward-to-go minus each trajectory's greedy baseline, on ``steps``."""
+    if baselines is None:
+        raise ValueError("remax needs reward_baselines: the reward of a greedy response per prompt")
+    returns = (token_rewards * steps).flip(-1).cumsum(-1).flip(-1) * steps
+    return (returns - baselines[:, None].float()) * steps, returns
+
+
 def compute_advantages(estimator: str, token_rewards: torch.Tensor, mask: torch.Tensor, group_index: torch.Tensor,
                        *, values: Optional[torch.Tensor] = None, gamma: float = 1.0, lam: float = 1.0,
-                       norm_adv_by_std_in_grpo: bool = True, keep: Optional[torch.Tensor] = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(advantages, returns)`` for ``algorithm.adv_estimator`` (see the module docstring)."""
+                       norm_adv_by_std_in_grpo: bool = True, keep: Optional[torch.Tensor] = None,
+                       w_token: Optional[torch.Tensor] = None, is_weights: Optional[torch.Tensor] = None,
+                       reward_baselines: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(advantages, returns)`` for ``algorithm.adv_estimator`` (see the module docstring). ``w_token``:
+    the optimal token baselines' score norms; ``is_weights``: their importance weights (optional);
+    ``reward_baselines``: remax's greedy rewards, one per trajectory."""
     mask = mask.float()
     token_rewards = token_rewards * mask
     steps = mask * keep.float() if keep is not None else mask
+    if estimator in ("optimal_token_baseline", "tir_optimal_token_baseline"):
+        if w_token is None:
+            raise ValueError(f"{estimator} needs w_token (the trainer's score norms of the sampled tokens)")
+        return optimal_token_baseline(token_rewards * steps, steps, group_index, w_token, is_weights,
+                                      multi_turn=estimator.startswith("tir_"))
+    if estimator == "remax":
+        return remax(token_rewards, steps, reward_baselines)
     if estimator == "gae":
         if values is None:
             raise ValueError("gae needs values from the critic")
@@ -179,6 +224,10 @@ def compute_advantages(estimator: str, token_rewards: torch.Tensor, mask: torch.
         returns = discounted_returns(token_rewards * steps, steps, gamma)
         return masked_whiten(returns, steps), returns
     scores = token_rewards.sum(dim=1)
+    estimator = {"grpo_vectorized": "grpo", "rloo_vectorized": "rloo"}.get(estimator, estimator)
+    if estimator == "gdpo":
+        adv = gdpo(scores[:, None], group_index, steps, norm_adv_by_std_in_grpo)
+        return adv, adv
     if estimator == "grpo":
         per_traj = grpo(scores, group_index, norm_adv_by_std_in_grpo)
     elif estimator == "rloo":

@@ -16,6 +16,7 @@ import torch
 
 from hpcrl.samples.schema import Group
 from hpcrl.trainer.losses import entropy_from_logp
+from hpcrl.trainer.token_baseline import score_norm_sq
 
 
 @dataclass
@@ -44,6 +45,10 @@ class Batch:
     loss_mask: Optional[torch.Tensor] = None    # [B, L] mask times rejection / lag masks
     adv_mask: Optional[torch.Tensor] = None     # [B, L] tokens advantages and the critic see: loss_mask
                                                 # with rollout_correction.mask_before_advantages, else mask
+    w_token: Optional[torch.Tensor] = None      # [B, L] 1 - 2 pi(y_t) + sum_v pi_v^2 at the start of the
+                                                # update (the optimal token baselines)
+    reward_baselines: Optional[torch.Tensor] = None  # [B] remax: reward of a greedy response to the prompt;
+                                                # no shard field holds it yet, so build_batch leaves it None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -88,13 +93,8 @@ def build_batch(groups: list[Group], pad_id: int, trainer_version: int) -> Batch
                  rewards, group_index)
 
 
-def forward(model, batch: Batch, temperature: float, entropy: bool = False
-            ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """``(logp, entropy, values)`` of the response tokens, each [B, L] (entropy and values may be None).
-
-    ``model`` is a :class:`hpcrl.trainer.models.PolicyWithValueHead` (or the DeepSpeed
-    engine wrapping one), or a plain HF causal LM (the reference model).
-    """
+def _tempered_logp(model, batch: Batch, temperature: float) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """[B, L, V] log_softmax(logits / temperature) at the positions choosing each response token, and values."""
     from hpcrl.trainer.models import PolicyWithValueHead
 
     inner = getattr(model, "module", model)
@@ -105,8 +105,19 @@ def forward(model, batch: Batch, temperature: float, entropy: bool = False
         full = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
         logits = full.gather(1, batch.gather_pos.unsqueeze(-1).expand(-1, -1, full.shape[-1]))
         values = None
-    scaled = logits.float() / temperature
-    logp = torch.log_softmax(scaled, dim=-1)
+    return torch.log_softmax(logits.float() / temperature, dim=-1), values
+
+
+def forward(model, batch: Batch, temperature: float, entropy: bool = False, score_norm: bool = False
+            ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """``(logp, entropy, values)`` of the response tokens, each [B, L] (entropy and values may be None);
+    with ``score_norm`` the second is w_t = 1 - 2 pi(y_t) + sum_v pi_v^2 instead of the entropy.
+
+    ``model`` is a :class:`hpcrl.trainer.models.PolicyWithValueHead` (or the DeepSpeed
+    engine wrapping one), or a plain HF causal LM (the reference model).
+    """
+    logp, values = _tempered_logp(model, batch, temperature)
     picked = logp.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
-    ent = entropy_from_logp(logp) if entropy else None
-    return picked, ent, values
+    if score_norm:
+        return picked, score_norm_sq(logp, batch.targets), values
+    return picked, (entropy_from_logp(logp) if entropy else None), values

@@ -11,6 +11,12 @@ Samples are drawn from the policy pi, so per sampled token, with
 As verl does, k3 clamps ``-x`` to [-20, 20] and the result to at most 10 for
 numerical safety (it stays >= 0).
 
+**Straight-through forms** (verl 0.9.1): a name ending in ``+`` (``kl+``, ``k1+``, ``abs+``,
+``low_var_kl+``, ``k3+``; ``mse+``/``k2+`` equal k2) has the value of its base estimator and the
+gradient of k2, ``x^2 / 2``: ``k2(x) - sg(k2(x)) + sg(base(x))``. k1 and k3 are unbiased for the
+KL's value but their expected gradient is not the KL's gradient; k2's is. In the reward (no
+gradient) a ``+`` form equals its base.
+
 Where the KL goes (verl's switches):
 
 - ``algorithm.use_kl_in_reward``: token reward r_t <- r_t - beta * kl_t with
@@ -29,7 +35,16 @@ from hpcrl.config.names import KL_CTRL_TYPES, KL_ESTIMATORS  # the allowed names
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per-token KL estimate of KL(pi || ref) from the sampled tokens' log-probs."""
+    """Per-token KL estimate of KL(pi || ref) from the sampled tokens' log-probs (a ``+`` form:
+    the base estimator's value with k2's gradient)."""
+    if kind.endswith("+") and kind in KL_ESTIMATORS:
+        value = _forward(logp, ref_logp, kind[:-1]).detach()
+        k2 = 0.5 * (logp - ref_logp).square()
+        return k2 - k2.detach() + value
+    return _forward(logp, ref_logp, kind)
+
+
+def _forward(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
     if kind in ("kl", "k1"):
         return logp - ref_logp
     if kind in ("mse", "k2"):

@@ -19,7 +19,9 @@ weight version, or the same weights in a different engine). Per token,
 - ``rollout_is = token``:    w_t = min(rho_t, C)
 - ``rollout_is = sequence``: w_t = min(prod_t' rho_t', C) for every token of the sequence
   (truncated IS, "TIS"; C = ``rollout_is_threshold``). The weight multiplies the
-  per-token PPO loss and carries no gradient.
+  per-token PPO loss and carries no gradient. With ``rollout_is_threshold = "lower_upper"``
+  (IcePop, verl 0.9.1) the weight is the ratio itself inside [lower, upper] and 0 outside
+  (the token or sequence stays in the loss's denominators, unlike rejection).
   ``rollout_is_batch_normalize`` divides w by its mean over the batch (tokens for
   ``token``, sequences for ``sequence``).
 - ``rollout_rs`` rejects (masks out of the loss and of its denominator; with
@@ -54,7 +56,7 @@ from typing import Optional
 
 import torch
 
-from hpcrl.config.algorithm import rs_thresholds
+from hpcrl.config.algorithm import is_bounds, rs_thresholds
 from hpcrl.config.names import IS_LEVELS, RS_OPTIONS
 
 
@@ -76,13 +78,18 @@ def _ratio(log_rho: torch.Tensor, m: torch.Tensor, level: str, knob: str, allowe
     return _seq_broadcast(torch.exp(torch.clamp(lr.sum(dim=1), -20.0, 20.0)), lr)
 
 
-def importance_weights(log_rho: torch.Tensor, mask: torch.Tensor, level: str, threshold: float,
+def importance_weights(log_rho: torch.Tensor, mask: torch.Tensor, level: str, threshold,
                        batch_normalize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(truncated weights, untruncated weights), both [B, L] and 0 where mask is 0; with
-    ``batch_normalize`` the truncated weights are divided by their batch mean."""
+    """(applied weights, raw weights), both [B, L] and 0 where mask is 0. ``threshold``: a number C
+    (truncation, min(rho, C)) or ``"lower_upper"`` (IcePop: rho inside the bounds, 0 outside); with
+    ``batch_normalize`` the applied weights are divided by their batch mean."""
     m = mask.float()
     raw = _ratio(log_rho, m, level, "rollout_is", IS_LEVELS)
-    w = torch.clamp(raw, max=threshold) * m
+    lower, upper = is_bounds(threshold)
+    if lower is None:
+        w = torch.clamp(raw, max=upper) * m
+    else:
+        w = torch.where((raw >= lower) & (raw <= upper), raw, torch.zeros_like(raw)) * m
     if batch_normalize:
         if level == "token":
             mean = (w * m).sum() / m.sum().clamp(min=1)
@@ -91,6 +98,19 @@ def importance_weights(log_rho: torch.Tensor, mask: torch.Tensor, level: str, th
             mean = w.max(dim=1).values[has].mean() if bool(has.any()) else w.new_tensor(1.0)
         w = w / mean if float(mean) > 1e-8 else w
     return w, raw * m
+
+
+def _is_stats(weights: torch.Tensor, raw: torch.Tensor, m: torch.Tensor, threshold) -> dict:
+    sel = raw[m > 0]
+    lower, upper = is_bounds(threshold)
+    stats = {"rollout_corr/rollout_is_mean": float(sel.mean()) if sel.numel() else 1.0,
+             "rollout_corr/rollout_is_max": float(sel.max()) if sel.numel() else 1.0,
+             "rollout_corr/rollout_is_min": float(sel.min()) if sel.numel() else 1.0,
+             "rollout_corr/rollout_is_truncated_fraction": _mean((raw > upper).float(), m),
+             "rollout_corr/rollout_is_eff_sample_size": effective_sample_size(weights, m)}
+    if lower is not None:  # IcePop: the share of weights set to 0 (verl's name)
+        stats["rollout_corr/rollout_is_oob_ratio"] = _mean(((raw < lower) | (raw > upper)).float(), m)
+    return stats
 
 
 def effective_sample_size(weights: torch.Tensor, mask: torch.Tensor) -> float:
@@ -158,7 +178,7 @@ def lag_mask(token_lag: torch.Tensor, max_lag: int) -> torch.Tensor:
 
 def correct(mask: torch.Tensor, *, prox_logp: Optional[torch.Tensor], behav_logp: torch.Tensor,
             token_lag: Optional[torch.Tensor] = None, rollout_is: Optional[str] = None,
-            rollout_is_threshold: float = 2.0, rollout_is_batch_normalize: bool = False,
+            rollout_is_threshold=2.0, rollout_is_batch_normalize: bool = False,
             rollout_rs: Optional[str] = None, rollout_rs_threshold=None,
             rollout_token_veto_threshold: Optional[float] = None, max_token_lag: Optional[int] = None
             ) -> tuple[Optional[torch.Tensor], torch.Tensor, dict]:
@@ -177,12 +197,7 @@ def correct(mask: torch.Tensor, *, prox_logp: Optional[torch.Tensor], behav_logp
         stats["rollout_corr/chi2_token"], stats["rollout_corr/chi2_seq"] = chi2(log_rho, m)
         if rollout_is is not None:
             weights, raw = importance_weights(log_rho, m, rollout_is, rollout_is_threshold, rollout_is_batch_normalize)
-            sel = raw[m > 0]
-            stats.update({"rollout_corr/rollout_is_mean": float(sel.mean()) if sel.numel() else 1.0,
-                          "rollout_corr/rollout_is_max": float(sel.max()) if sel.numel() else 1.0,
-                          "rollout_corr/rollout_is_min": float(sel.min()) if sel.numel() else 1.0,
-                          "rollout_corr/rollout_is_truncated_fraction": _mean((raw > rollout_is_threshold).float(), m),
-                          "rollout_corr/rollout_is_eff_sample_size": effective_sample_size(weights, m)})
+            stats.update(_is_stats(weights, raw, m, rollout_is_threshold))
         if rollout_rs is not None:
             rs, rs_stats = rejection_mask(log_rho, m, rollout_rs, rollout_rs_threshold)
             stats.update(rs_stats)

@@ -12,14 +12,20 @@
 3. **correct**: importance weights pi_prox / mu, rejection and lag masks
    (:mod:`hpcrl.trainer.offpolicy`) -> ``is_weights``, ``loss_mask``, and ``adv_mask``
    (= ``loss_mask`` with ``rollout_correction.mask_before_advantages``, else the response mask);
+   in ``bypass_mode`` only the lag mask here: weights and rejection come per micro-batch in step 6;
 4. **rewards**: the score on each trajectory's last model token, minus
    beta * KL(anchor || reference) per token with ``use_kl_in_reward``
    (then the KL controller updates beta);
-5. **advantages** (and returns) with ``algorithm.adv_estimator`` over ``adv_mask``;
+5. **advantages** (and returns) with ``algorithm.adv_estimator`` over ``adv_mask``; with
+   ``use_pf_ppo`` the batch's rows are then resampled by their scores (:mod:`hpcrl.trainer.pf_ppo`);
 6. **train**: ``ppo_epochs`` passes over ``require_batches`` mini-batches; per
    micro-batch: policy loss (``actor.policy_loss.loss_mode``, IS weights) - entropy
    bonus + KL loss + value loss (over ``adv_mask``), ``engine.backward``; DeepSpeed
-   steps (and clips the gradient norm) once per mini-batch.
+   steps (and clips the gradient norm) once per mini-batch. In ``bypass_mode`` (verl 0.9.1) the
+   micro-batch's IS weights and rejection mask are computed first from pi_theta / mu (detached, the
+   current weights), as verl's bypass loss does: ``loss_type=ppo_clip`` is vanilla PPO on the
+   rejection-masked tokens (weights only logged), ``reinforce`` is -A w log pi (``gpg``); rejected
+   tokens stay in the denominators, as in verl.
 
 Per-token versions are in ``batch.token_versions`` / ``batch.token_lag``; the
 built-in use is ``rollout_correction.max_token_lag``, and any other lag
@@ -34,7 +40,11 @@ from hpcrl.trainer.advantages import compute_advantages, masked_mean, place_scor
 from hpcrl.trainer.batch import Batch, forward
 from hpcrl.trainer.kl import apply_kl_in_reward, kl_estimate, make_controller
 from hpcrl.trainer.losses import agg_counts, agg_loss, value_loss
+from hpcrl.trainer.pf_ppo import pf_ppo_indices
 from hpcrl.trainer.policy_losses import LossParams, policy_loss
+
+TOKEN_BASELINES = ("optimal_token_baseline", "tir_optimal_token_baseline")
+"""Estimators that need the trainer's score norms w_t from the start-of-update forward pass."""
 
 
 def step_with_grad_norm(engine, last_norm: float) -> float:
@@ -71,32 +81,39 @@ class PolicyUpdate:
 
     def run(self, batch: Batch) -> dict:
         batch = batch.to(self.engine.device)
+        # of the batch as sampled (PF-PPO resamples its rows in prepare)
+        sampled = {"reward/mean": float(batch.rewards.mean()),
+                   "reward/std": float(batch.rewards.std()) if len(batch) > 1 else 0.0,
+                   "response_length/mean": float(batch.mask.sum(1).mean()), "n_tokens": batch.n_tokens}
         stats = self.prepare(batch)
         stats.update(self.train(batch))
-        stats.update({"reward/mean": float(batch.rewards.mean()),
-                      "reward/std": float(batch.rewards.std()) if len(batch) > 1 else 0.0,
-                      "response_length/mean": float(batch.mask.sum(1).mean()), "n_tokens": batch.n_tokens})
+        stats.update(sampled)
         return stats
 
     # ---- steps 1-5
     @torch.no_grad()
     def _precompute(self, batch: Batch) -> None:
         cfg = self.cfg
-        need_trainer = cfg.uses_prox_log_prob or cfg.algorithm.adv_estimator == "gae"
+        est = cfg.algorithm.adv_estimator
+        need_trainer = cfg.uses_prox_log_prob or est == "gae" or est in TOKEN_BASELINES
         rows = cfg.actor.ppo_micro_batch_size * cfg.rollout.n
-        prox, values, ref = [], [], []
+        prox, values, ref, w_token = [], [], [], []
         for r0 in range(0, len(batch), rows):
             chunk = batch.slice(slice(r0, r0 + rows))
             if need_trainer:
-                logp, _, v = forward(self.engine.module, chunk, cfg.actor.temperature)
+                logp, w, v = forward(self.engine.module, chunk, cfg.actor.temperature,
+                                     score_norm=est in TOKEN_BASELINES)
                 prox.append(logp.float())
                 values.append(v)
+                w_token.append(w)
             if self.reference is not None:
                 ref.append(forward(self.reference, chunk, cfg.actor.temperature)[0].float())
         if cfg.uses_prox_log_prob:
             batch.prox_logp = torch.cat(prox)
-        if cfg.algorithm.adv_estimator == "gae":
+        if est == "gae":
             batch.old_values = torch.cat(values).float()
+        if est in TOKEN_BASELINES:
+            batch.w_token = torch.cat(w_token)
         if self.reference is not None:
             batch.ref_logp = torch.cat(ref)
 
@@ -105,10 +122,11 @@ class PolicyUpdate:
         self._precompute(batch)
         batch.logp_old = batch.prox_logp if batch.prox_logp is not None else batch.behav_logp
         rc = alg.rollout_correction
+        here = not rc.bypass_mode  # bypass mode weighs and rejects per micro-batch (_bypass_correction)
         batch.is_weights, batch.loss_mask, stats = offpolicy.correct(
             batch.mask, prox_logp=batch.prox_logp, behav_logp=batch.behav_logp, token_lag=batch.token_lag,
-            rollout_is=rc.rollout_is, rollout_is_threshold=rc.rollout_is_threshold,
-            rollout_is_batch_normalize=rc.rollout_is_batch_normalize, rollout_rs=rc.rollout_rs,
+            rollout_is=rc.rollout_is if here else None, rollout_is_threshold=rc.rollout_is_threshold,
+            rollout_is_batch_normalize=rc.rollout_is_batch_normalize, rollout_rs=rc.rollout_rs if here else None,
             rollout_rs_threshold=rc.rollout_rs_threshold, rollout_token_veto_threshold=rc.rollout_token_veto_threshold,
             max_token_lag=rc.max_token_lag)
         batch.adv_mask = batch.loss_mask if rc.mask_before_advantages else batch.mask
@@ -120,7 +138,13 @@ class PolicyUpdate:
         batch.advantages, batch.returns = compute_advantages(
             alg.adv_estimator, token_rewards, batch.mask, batch.group_index, values=batch.old_values,
             gamma=alg.gamma, lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
-            keep=batch.adv_mask)
+            keep=batch.adv_mask, w_token=batch.w_token, is_weights=batch.is_weights,
+            reward_baselines=batch.reward_baselines)
+        if alg.use_pf_ppo:
+            rows = pf_ppo_indices(batch.rewards, alg.pf_ppo.reweight_method, alg.pf_ppo.weight_pow,
+                                  seed=self.cfg.model.seed * 1_000_003 + int(self.engine.global_steps))
+            for name, value in vars(batch.slice(rows)).items():
+                setattr(batch, name, value)
         m = batch.adv_mask
         stats["critic/advantages/mean"] = float(masked_mean(batch.advantages, m))
         stats["critic/advantages/max"] = float(batch.advantages[m > 0].max()) if bool((m > 0).any()) else 0.0
@@ -137,7 +161,21 @@ class PolicyUpdate:
                           clip_high=actor.clip_ratio_high if actor.clip_ratio_high is not None else actor.clip_ratio,
                           clip_ratio_c=actor.clip_ratio_c, clip_cov_ratio=pl.clip_cov_ratio,
                           clip_cov_lb=pl.clip_cov_lb, clip_cov_ub=pl.clip_cov_ub, kl_cov_ratio=pl.kl_cov_ratio,
-                          ppo_kl_coef=pl.ppo_kl_coef)
+                          ppo_kl_coef=pl.ppo_kl_coef, tau_pos=actor.tau_pos, tau_neg=actor.tau_neg,
+                          dro_beta=pl.dro_beta)
+
+    def _bypass_correction(self, micro: Batch, logp: torch.Tensor) -> tuple[str, torch.Tensor, object, dict]:
+        """verl's bypass loss: (loss mode, policy-loss mask, IS weights or None, metrics) of a micro-batch
+        from pi_theta / mu with the current weights."""
+        rc = self.cfg.algorithm.rollout_correction
+        weights, keep, stats = offpolicy.correct(
+            micro.loss_mask, prox_logp=logp.detach(), behav_logp=micro.behav_logp, rollout_is=rc.rollout_is,
+            rollout_is_threshold=rc.rollout_is_threshold, rollout_is_batch_normalize=rc.rollout_is_batch_normalize,
+            rollout_rs=rc.rollout_rs, rollout_rs_threshold=rc.rollout_rs_threshold)
+        stats.pop("rollout_corr/masked_fraction")  # prepare's (the lag mask's); the rejected share is rollout_rs_*
+        if rc.loss_type == "reinforce":
+            return "gpg", keep, weights, stats
+        return "vanilla", keep, None, stats  # PPO's ratio pi_theta / mu is the correction: weights only logged
 
     def _micro_loss(self, micro: Batch, counts: tuple[int, int], critic_counts: tuple[int, int]
                     ) -> tuple[torch.Tensor, dict]:
@@ -147,9 +185,12 @@ class PolicyUpdate:
         # seq-mean-token-sum-norm's constant: verl's padded response length unless set
         horizon = actor.loss_scale_factor if actor.loss_scale_factor is not None else cfg.rollout.response_length
         counts, critic_counts = (*counts, horizon), (*critic_counts, horizon)
-        pg, stats = policy_loss(actor.policy_loss.loss_mode, logp, micro.logp_old, micro.advantages, lm,
-                                self._loss_params(), weights=micro.is_weights, mode=mode, n_tokens=counts[0],
-                                n_seqs=counts[1], horizon=horizon)
+        loss_mode, pg_mask, weights, bypass_stats = actor.policy_loss.loss_mode, lm, micro.is_weights, {}
+        if cfg.algorithm.rollout_correction.bypass_mode:
+            loss_mode, pg_mask, weights, bypass_stats = self._bypass_correction(micro, logp)
+        pg, stats = policy_loss(loss_mode, logp, micro.logp_old, micro.advantages, pg_mask, self._loss_params(),
+                                weights=weights, mode=mode, n_tokens=counts[0], n_seqs=counts[1], horizon=horizon)
+        stats.update(bypass_stats)
         ent = agg_loss(entropy, lm, mode, *counts)
         total = pg - actor.entropy_coeff * ent if actor.entropy_coeff > 0 else pg
         shares = {"actor/pg_loss": pg.item(), "actor/entropy": ent.item()}
