@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -81,7 +82,8 @@ def truncate_torn_tail(path: os.PathLike | str) -> int:
 def write_bytes_atomic(path: os.PathLike | str, data: bytes) -> None:
     """Write ``data`` to ``path`` as tmp -> fsync -> replace -> fsync the folder: never torn."""
     path = Path(path)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    # one tmp name per process and thread: two threads writing the same file must not share (and rename) one
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}.{threading.get_ident()}")
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()

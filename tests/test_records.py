@@ -85,3 +85,28 @@ def test_a_skipped_shard_record_of_the_wrong_shape_is_named_and_ignored(tmp_path
     log = SkipLog(rd)
     assert [r.shard for r in log.poll()] == ["shard-000001.h5"] and log.skipped_groups() == 2
     assert "SkippedShard.prompt_indices: expected a list" in caplog.text and str(rd.skipped_shards) in caplog.text
+
+
+def test_two_threads_rewriting_one_record_never_trip_over_each_other(tmp_path):
+    """A job's start-up steps rewrite its heartbeat while the beat thread does (seen: a rename of the other
+    thread's temp file failed and the rollout job died)."""
+    import threading
+
+    from hpcrl.fsio import write_json_atomic
+
+    path, errors = tmp_path / "beat.json", []
+
+    def writer(k: int) -> None:
+        try:
+            for i in range(300):
+                write_json_atomic(path, {"writer": k, "i": i})
+        except OSError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and json.loads(path.read_text())["i"] == 299
+    assert not list(tmp_path.glob("beat.json.tmp*")), "no temp file left behind"

@@ -202,6 +202,7 @@ class HeartbeatThread:
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        self._write_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"heartbeat-{job}", daemon=True)
 
     def start(self) -> "HeartbeatThread":
@@ -217,11 +218,13 @@ class HeartbeatThread:
                 setattr(self.beat, k, v)
 
     def write(self) -> None:
-        """Write the record now (tmp -> fsync -> replace)."""
-        with self._lock:
-            self.beat.time_s = time.time()
-            record = self.beat.to_json()
-        write_json_atomic(self.path, record)
+        """Write the record now (tmp -> fsync -> replace); the job's thread and the beat's write one at a time, so
+        an older beat never lands after a newer one."""
+        with self._write_lock:
+            with self._lock:
+                self.beat.time_s = time.time()
+                record = self.beat.to_json()
+            write_json_atomic(self.path, record)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
