@@ -110,3 +110,21 @@ def test_two_threads_rewriting_one_record_never_trip_over_each_other(tmp_path):
         t.join()
     assert not errors and json.loads(path.read_text())["i"] == 299
     assert not list(tmp_path.glob("beat.json.tmp*")), "no temp file left behind"
+
+
+@pytest.mark.parametrize("text", ["null", "[]", '{"started": {"w000": "3"}}', "{torn"])
+def test_a_damaged_admission_record_is_set_aside_and_rebuilt_from_the_manifests(tmp_path, caplog, text):
+    """Every writer reads it at start: a crash there would be a crash loop of the whole fleet."""
+    from hpcrl.control.admission import Admission
+
+    rd = RunDir(tmp_path).create()
+    for w, groups in (("w000", [2, 3]), ("w001", [4])):
+        rd.writer_dir(w).mkdir(parents=True)
+        rd.shard_manifest(w).write_text("".join(json.dumps({"n_groups": g}) + "\n" for g in groups))
+    rd.admission.parent.mkdir(parents=True, exist_ok=True)
+    rd.admission.write_text(text)
+    adm = Admission(rd, "w001", budget=8)
+    adm.reset_writer(4)
+    assert json.loads(rd.admission.read_text())["started"] == {"w000": 5, "w001": 4}
+    assert "was damaged" in caplog.text and list(rd.admission.parent.glob(rd.admission.name + ".damaged-*"))
+    assert adm.try_start(consumed_groups_at_version=0) is False, "9 started >= 0 + 8: the rebuilt count holds"

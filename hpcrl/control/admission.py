@@ -30,14 +30,19 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from hpcrl.fsio import read_json, write_json_atomic
+from hpcrl.fsio import read_json, read_jsonl, write_json_atomic
 from hpcrl.json_record import JsonRecord
 from hpcrl.run_dir import RunDir
 from hpcrl.samples.skips import SkipLog
+
+
+log = logging.getLogger(__name__)
 
 
 class AdmissionLockUnsupported(RuntimeError):
@@ -86,8 +91,28 @@ class Admission:
         self.skips = SkipLog(run_dir)
 
     def _read(self) -> AdmissionRecord:
-        d = read_json(self.run_dir.admission)
-        return AdmissionRecord() if d is None else AdmissionRecord.from_json(d, str(self.run_dir.admission))
+        """The record (the lock held); a damaged one is set aside and rebuilt (:meth:`_rebuild`)."""
+        path = self.run_dir.admission
+        if not path.exists():
+            return AdmissionRecord()
+        try:
+            return AdmissionRecord.from_json(read_json(path), str(path))  # JSON null is not a record either
+        except (ValueError, UnicodeDecodeError) as e:  # not JSON, or JSON that is not the record
+            return self._rebuild(f"{type(e).__name__}: {e}")
+
+    def _rebuild(self, why: str) -> AdmissionRecord:
+        """Set the damaged record aside and count each writer's committed groups from its manifest instead (what
+        a restarted writer resets its own count to). Groups other writers have in flight are not counted until
+        they restart: the budget may be exceeded by that many once, which beats every writer failing at each
+        start; logged."""
+        path = self.run_dir.admission
+        aside = path.with_name(f"{path.name}.damaged-{int(time.time())}")
+        os.replace(path, aside)
+        started = {w: sum(int(line.get("n_groups", 0)) for line in read_jsonl(self.run_dir.shard_manifest(w))
+                          if isinstance(line, dict)) for w in self.run_dir.writers()}
+        log.error("%s was damaged (%s); moved to %s and rebuilt from the writers' manifests: %s (groups in flight "
+                  "elsewhere are counted again when their writers restart)", path, why, aside.name, started)
+        return AdmissionRecord(started=started)
 
     def reset_writer(self, committed_groups: int) -> None:
         """At writer start: groups in flight in a previous life of this writer are released."""
