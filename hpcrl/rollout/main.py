@@ -166,8 +166,8 @@ class RolloutJob:
         try:
             faults.point("engine_load")
             how = self.parts.runner.call(lambda: self.parts.engine.load_weights(wv), self.cfg.timeouts.generate_s,
-                                   f"loading weight version {wv.version} ({wv.folder}) into the "
-                                   f"{self.cfg.rollout.engine} engine")
+                                         f"loading weight version {wv.version} ({wv.folder}) into the "
+                                         f"{self.cfg.rollout.engine} engine")
         except Exception as e:  # noqa: BLE001 - any engine error: the caller decides whether the job can go on
             raise EngineLoadFailed(f"{type(e).__name__}: {e}") from e
         return how, time.monotonic() - t0
