@@ -259,9 +259,17 @@ def test_a_process_exits_cleanly_while_a_broadcast_thread_waits_in_the_store():
 @pytest.mark.skipif(sys.version_info >= (3, 14), reason="Python 3.14 no longer unwinds daemon threads at exit: "
                     "the hazard the test above guards against cannot be shown there")
 def test_a_plain_daemon_thread_in_the_store_aborts_the_process_at_exit():
-    """The hazard itself, so that the test above can fail: without the exit wait the process aborts."""
-    p = exit_while_in_the_store("plain")
-    assert p.returncode == -6 and "terminate called" in p.stderr, (p.returncode, p.stderr[-2000:])
+    """The hazard itself, so that the test above can fail: without the exit wait the process aborts. It is a
+    race (the thread must come back from the store while the interpreter shuts down): seen in 5 of 5 tries on a
+    quiet machine, less often on a loaded one, so up to 5 tries, one abort needed."""
+    tries = []
+    for _ in range(5):
+        p = exit_while_in_the_store("plain")
+        tries.append(p.returncode)
+        if p.returncode == -6:
+            assert "terminate called" in p.stderr, p.stderr[-2000:]
+            return
+    raise AssertionError(f"a plain daemon thread never aborted the process in 5 tries: exit codes {tries}")
 
 
 def test_wrong_secret_is_refused_on_both_sides(tmp_path, caplog):
