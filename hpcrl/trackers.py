@@ -7,6 +7,11 @@ library: ``torch.utils.tensorboard.SummaryWriter`` (event files in ``logs/tensor
 and ``wandb`` (``logs/wandb/``; ``logging.wandb_mode=offline`` needs no network, upload
 later with ``wandb sync RUN/logs/wandb/offline-run-*``). Only trainer rank 0 writes.
 
+The evaluation job (``role="eval"``) writes its validation metrics the same way, at the trainer step of
+the version it evaluated: into the same TensorBoard folder (its own event file, so the val curves sit beside
+the training ones), and into a W&B run of its own in the trainer's group (``<name>-eval``; W&B allows one
+writer per run, and the trainer's may be long gone when the last version is evaluated).
+
 A tracker that fails to start is a warning, never a stopped run: the JSONL log has it all.
 """
 from __future__ import annotations
@@ -30,19 +35,22 @@ def _numbers(row: dict) -> dict[str, float]:
 class Trackers:
     """The trackers of ``logging.backends`` other than jsonl; :meth:`log` sends one metrics row to each."""
 
-    def __init__(self, cfg: RunConfig, run_dir: RunDir):
+    def __init__(self, cfg: RunConfig, run_dir: RunDir, role: str = "trainer"):
+        """``role``: ``trainer`` or ``eval`` (module docstring)."""
         self._tb = None
         self._wandb = None
         backends = set(cfg.logging.backends)
+        own = "" if role == "trainer" else f"-{role}"
         if "tensorboard" in backends:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(run_dir.tensorboard))
+            self._tb = SummaryWriter(log_dir=str(run_dir.tensorboard), filename_suffix=own)
         if "wandb" in backends:
             import wandb
 
-            run_id = hashlib.sha256(str(run_dir.root).encode()).hexdigest()[:12]  # a resumed run continues it
-            self._wandb = wandb.init(project=cfg.logging.project, name=cfg.logging.experiment_name or run_dir.root.name,
+            run_id = hashlib.sha256(str(run_dir.root).encode()).hexdigest()[:12] + own  # a resumed run continues it
+            name = cfg.logging.experiment_name or run_dir.root.name
+            self._wandb = wandb.init(project=cfg.logging.project, name=name + own, group=name, job_type=role,
                                      id=run_id, resume="allow", dir=str(run_dir.wandb_init_dir),
                                      mode=cfg.logging.wandb_mode, config=cfg.to_dict(),
                                      settings=wandb.Settings(console="off", silent=True))
@@ -66,12 +74,13 @@ class Trackers:
             self._wandb.finish()
 
 
-def open_trackers(cfg: RunConfig, run_dir: RunDir) -> Optional[Trackers]:
-    """The run's trackers, or None when logging.backends asks only for jsonl (or none could start)."""
+def open_trackers(cfg: RunConfig, run_dir: RunDir, role: str = "trainer") -> Optional[Trackers]:
+    """The run's trackers for ``role`` (``trainer``, ``eval``), or None when logging.backends asks only for jsonl
+    (or none could start)."""
     if not set(cfg.logging.backends) - {"jsonl"}:
         return None
     try:
-        return Trackers(cfg, run_dir)
+        return Trackers(cfg, run_dir, role)
     except Exception as e:  # noqa: BLE001 - a missing package or a W&B login must not stop training
         log.warning("logging.backends %s could not start (%s: %s); metrics go to %s only",
                     cfg.logging.backends, type(e).__name__, e, run_dir.metrics)
