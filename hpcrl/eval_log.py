@@ -116,6 +116,16 @@ class EvalSample(JsonRecord):
     source: str = JOB
 
 
+def split_metric(name: str) -> tuple[str, str, str, str]:
+    """``val-core/openai/gsm8k/acc/best@4/mean`` -> (``val-core``, ``openai/gsm8k``, ``acc``, ``best@4/mean``): a
+    data source may hold slashes, so the name is read from the right (a metric is ``mean@8``, ``mean`` or
+    ``<stat>@<k>/<mean|std>``). ``val-aux/num_turns/mean`` has no data source (``""``)."""
+    parts = name.split("/")
+    cut = 2 if len(parts) >= 4 and parts[-1] in ("mean", "std") and "@" in parts[-2] else 1
+    metric, key = "/".join(parts[-cut:]), parts[-cut - 1]
+    return parts[0], "/".join(parts[1:-cut - 1]), key, metric
+
+
 def finite_metrics(metrics: dict[str, Any]) -> dict[str, float]:
     """The numbers of ``metrics`` that JSON can hold (finite floats)."""
     out = {}

@@ -10,8 +10,6 @@ order), the same for every version, so the curves compare like with like.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
-
 import numpy as np
 
 from hpcrl.config import RewardConfig, RunConfig
@@ -54,11 +52,11 @@ def eval_engine_options(cfg: RunConfig, model_dir) -> EngineOptions:
                                top_k=-1 if greedy else e.top_k)
 
 
-def load_heldout(cfg: RunConfig, tokenizer, files: Optional[list[str]] = None) -> tuple[list[dict], list[str]]:
-    """The held-out rows (``data.val_files``, or ``files``), each with ``prompt_ids``, ``prompt_id`` and
-    ``data_source``, and one line per file saying what was read; ValueError naming the file and row."""
+def load_heldout(cfg: RunConfig, tokenizer) -> tuple[list[dict], list[str]]:
+    """The held-out rows (``data.val_files``), each with ``prompt_ids``, ``prompt_id`` and ``data_source``, and one
+    line per file saying what was read; ValueError naming the file and row."""
     rows, lines = [], []
-    for i, path in enumerate(files or cfg.data.val_files):
+    for i, path in enumerate(cfg.data.val_files):
         data = dataclasses.replace(cfg.data, source=path)
         raw = load_rows(data, response_length(cfg))
         for j, r in enumerate(raw):

@@ -46,11 +46,11 @@ class EvalInputs:
     loops: dict[str, AgentLoop]
 
 
-def build_inputs(cfg: RunConfig, model_dir: Path, files: list[str] | None = None) -> EvalInputs:
-    """Tokenizer of ``model_dir``, held-out rows (``data.val_files`` or ``files``), reward and agent loops."""
+def build_inputs(cfg: RunConfig, tokenizer_dir: Path) -> EvalInputs:
+    """The tokenizer in ``tokenizer_dir``, the held-out rows (``data.val_files``), the reward and agent loops."""
     torch.set_num_threads(cfg.rollout.torch_threads)
-    tokenizer = load_tokenizer(model_dir)
-    rows, lines = load_heldout(cfg, tokenizer, files)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    rows, lines = load_heldout(cfg, tokenizer)
     return EvalInputs(tokenizer, rows, lines, RewardScorer(load_reward(eval_reward(cfg))),
                       make_loops(cfg.agent, tokenizer, rows))
 
