@@ -273,10 +273,14 @@ def load_config(path: Optional[os.PathLike | str] = None, overrides: Optional[li
             raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"config file {p}: top level must be a mapping of sections")
+    tree = rename_verl_keys(tree)  # within the file, a key given under both names must agree
     for text in overrides or []:
         key, value = parse_override(text)
+        if key in VERL_KEYS:  # an override wins over the file, whichever name either uses
+            log.info("config: verl's %s -> %s", key, VERL_KEYS[key])
+            key = VERL_KEYS[key]
         _set_dotted(tree, key, value)
-    return _build(RunConfig, rename_verl_keys(tree), "").validate()
+    return _build(RunConfig, tree, "").validate()
 
 
 def config_from_dict(tree: dict) -> RunConfig:

@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", metavar="HF_FOLDER", help="evaluate this model folder instead of a run's versions")
     p.add_argument("--config", metavar="CONFIG", help="with --model: the config (data keys, reward, eval.*)")
     p.add_argument("--tokenizer", metavar="DIR", help="with --model: the folder of the tokenizer, if the model folder "
-                                                     "has none (a run's weights/vN: --tokenizer RUN/base_model)")
+                                                     "has none (a run's weight version: its run's base model folder)")
     p.add_argument("--versions", default="last", help="with a run: comma-separated versions, 'last' = the newest "
                                                       "(default last)")
     p.add_argument("--data", nargs="+", metavar="FILE", help="held-out prompt files (default: data.val_files)")
