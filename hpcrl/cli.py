@@ -182,7 +182,7 @@ def main(argv=None) -> int:
     sl.add_argument("overrides", nargs="*")
     sl.add_argument("--run-dir", required=True)
     sl.add_argument("--scripts", default=str(Path(__file__).resolve().parents[1] / "sbatch"),
-                    help="folder holding trainer.sbatch and rollout.sbatch")
+                    help="folder holding trainer.sbatch, rollout.sbatch and eval.sbatch")
     sl.add_argument("--python", default=None, help="python the jobs run (default: this one)")
     sl.add_argument("--dry-run", action="store_true", help="print the lines; create and submit nothing")
     t = sub.add_parser("trainer", help="run the trainer job in this process")

@@ -3,6 +3,7 @@ log's crash safety, greedy decoding, the toy task's held-out split, the launcher
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -161,3 +162,26 @@ def test_greedy_and_top_k_in_the_transformers_engine(tmp_path):
     masked = apply_top_k(torch.tensor([[0.1, 3.0, 2.0, -1.0]]), 2)
     assert torch.isinf(masked).tolist() == [[True, False, False, True]]
     assert apply_top_k(torch.tensor([[1.0, 2.0]]), -1).tolist() == [[1.0, 2.0]]
+
+
+def test_a_version_published_again_after_a_trainer_rollback_is_evaluated_again(tmp_path):
+    """The trainer resumed from an earlier checkpoint and published v20 anew: another ``published_s``, a new version."""
+    from types import SimpleNamespace
+
+    from hpcrl.config import WeightsConfig
+    from hpcrl.eval.job import EvalJob
+    from hpcrl.weights import make_publisher, make_subscriber
+
+    rd = RunDir(tmp_path).create()
+    pub = make_publisher(WeightsConfig(keep_versions=10), rd)
+    state = {"w": torch.zeros(2)}
+    first = pub.publish(20, state, "{}", 20, 80).manifest.published_s
+    job = SimpleNamespace(run_dir=rd, weights=make_subscriber(WeightsConfig(), rd, EVAL_JOB), handled={20: first},
+                          _manifest_seen={})
+    EvalJob._forget_if_republished(job, 20)
+    assert job.handled == {20: first}, "the same version: still handled"
+    pub.withdraw_after(19)
+    time.sleep(0.01)
+    pub.publish(20, {"w": torch.ones(2)}, "{}", 20, 80)
+    EvalJob._forget_if_republished(job, 20)
+    assert 20 not in job.handled, "published again: due again"

@@ -71,7 +71,8 @@ class ResourcesConfig:
     """Number of rollout jobs (each one sample writer; a Slurm job array in sbatch/)."""
     max_restarts: int = 3
     """The launcher resubmits a job that ended before the trainer finished (crash,
-    scancel, node failure) at most this many times per job; then the run fails."""
+    scancel, node failure; the evaluation job: before it evaluated the final version) at most
+    this many times per job; then the run fails (an evaluation job's: training goes on without it)."""
 
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""

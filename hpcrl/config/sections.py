@@ -449,9 +449,9 @@ class LoggingConfig:
     level: str = "INFO"
     """Python logging level of both jobs."""
     backends: list = field(default_factory=lambda: ["jsonl"])
-    """Metric sinks of the trainer (verl: trainer.logger): ``jsonl`` (always written,
-    logs/metrics.jsonl), ``tensorboard`` (logs/tensorboard/), ``wandb`` (logs/wandb/). The same
-    metric names go to each."""
+    """Metric sinks of the trainer and the evaluation job (verl: trainer.logger): ``jsonl`` (always
+    written, logs/metrics.jsonl, logs/eval.jsonl), ``tensorboard`` (logs/tensorboard/), ``wandb``
+    (logs/wandb/). The same metric names go to each."""
     project: str = "hpcrl"
     """Project name of the TensorBoard/W&B run (verl: trainer.project_name)."""
     experiment_name: Optional[str] = None
