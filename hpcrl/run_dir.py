@@ -17,7 +17,8 @@ Layout (ARCHITECTURE.md, "The run directory")::
       control/broadcast.json       host/port/epoch of the weight broadcast      (trainer)
       checkpoints/<tag>/, checkpoints/latest.json                               (trainer)
       logs/metrics.jsonl, logs/staleness.jsonl, logs/rollout-<writer>.jsonl, logs/jobs/<job>.log,
-      logs/tensorboard/, logs/wandb/  (logging.backends)                        (trainer; eval adds its own)
+      logs/tensorboard/, logs/wandb/  (logging.backends)                        (trainer)
+      logs/tensorboard/eval/, logs/eval/wandb/  the same for the evaluation job        (evaluation job)
       logs/eval.jsonl, logs/eval_samples.jsonl  one row per evaluated version,
                                    one per evaluated response                   (evaluation job)
 
@@ -297,6 +298,16 @@ class RunDir:
     def wandb_init_dir(self) -> Path:
         """``logs/``: the ``dir`` given to ``wandb.init``, which writes its run under ``logs/wandb/``."""
         return self.logs
+
+    @property
+    def eval_tensorboard(self) -> Path:
+        """``logs/tensorboard/eval/``: the evaluation job's TensorBoard events (a run of its own beside the trainer's)."""
+        return self.tensorboard / "eval"
+
+    @property
+    def eval_wandb_init_dir(self) -> Path:
+        """``logs/eval/``: the evaluation job's ``wandb.init`` dir (its W&B run under ``logs/eval/wandb/``)."""
+        return self.logs / "eval"
 
     @property
     def job_logs(self) -> Path:

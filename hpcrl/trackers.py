@@ -8,9 +8,10 @@ and ``wandb`` (``logs/wandb/``; ``logging.wandb_mode=offline`` needs no network,
 later with ``wandb sync RUN/logs/wandb/offline-run-*``). Only trainer rank 0 writes.
 
 The evaluation job (``role="eval"``) writes its validation metrics the same way, at the trainer step of
-the version it evaluated: into the same TensorBoard folder (its own event file, so the val curves sit beside
-the training ones), and into a W&B run of its own in the trainer's group (``<name>-eval``; W&B allows one
-writer per run, and the trainer's may be long gone when the last version is evaluated).
+the version it evaluated, into folders of its own (one writer per folder): ``logs/tensorboard/eval/`` (a
+TensorBoard run named ``eval`` beside the trainer's under ``--logdir RUN/logs/tensorboard``) and a W&B run
+``<name>-eval`` in the trainer run's group, under ``logs/eval/wandb/`` (W&B allows one writer per run, and
+the trainer's may be long gone when the last version is evaluated).
 
 A tracker that fails to start is a warning, never a stopped run: the JSONL log has it all.
 """
@@ -40,18 +41,21 @@ class Trackers:
         self._tb = None
         self._wandb = None
         backends = set(cfg.logging.backends)
-        own = "" if role == "trainer" else f"-{role}"
+        trainer = role == "trainer"
+        own = "" if trainer else f"-{role}"
         if "tensorboard" in backends:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(run_dir.tensorboard), filename_suffix=own)
+            self._tb = SummaryWriter(log_dir=str(run_dir.tensorboard if trainer else run_dir.eval_tensorboard))
         if "wandb" in backends:
             import wandb
 
             run_id = hashlib.sha256(str(run_dir.root).encode()).hexdigest()[:12] + own  # a resumed run continues it
+            folder = run_dir.wandb_init_dir if trainer else run_dir.eval_wandb_init_dir
+            folder.mkdir(parents=True, exist_ok=True)
             name = cfg.logging.experiment_name or run_dir.root.name
             self._wandb = wandb.init(project=cfg.logging.project, name=name + own, group=name, job_type=role,
-                                     id=run_id, resume="allow", dir=str(run_dir.wandb_init_dir),
+                                     id=run_id, resume="allow", dir=str(folder),
                                      mode=cfg.logging.wandb_mode, config=cfg.to_dict(),
                                      settings=wandb.Settings(console="off", silent=True))
 

@@ -185,3 +185,24 @@ def test_a_version_published_again_after_a_trainer_rollback_is_evaluated_again(t
     pub.publish(20, {"w": torch.ones(2)}, "{}", 20, 80)
     EvalJob._forget_if_republished(job, 20)
     assert 20 not in job.handled, "published again: due again"
+
+
+def test_the_evaluation_jobs_metrics_reach_tensorboard_in_a_run_of_their_own(tmp_path):
+    """At the trainer step of the version, read back by TensorBoard's own event reader; the trainer's folder
+    holds none of them (one writer per folder)."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from hpcrl.trackers import open_trackers
+
+    rd = RunDir(tmp_path).create()
+    cfg = load_config(TINY, ["logging.backends=[jsonl,tensorboard]"])
+    trackers = open_trackers(cfg, rd, role="eval")
+    for step, value in ((0, 0.0), (20, 0.26), (40, 0.27)):
+        trackers.log({"step": step, "val-core/builtin:toy_heldout/reward/mean@1": value})
+    trackers.close()
+    acc = EventAccumulator(str(rd.eval_tensorboard), size_guidance={"scalars": 0})
+    acc.Reload()
+    got = [(e.step, round(e.value, 4)) for e in acc.Scalars("val-core/builtin:toy_heldout/reward/mean@1")]
+    assert got == [(0, 0.0), (20, 0.26), (40, 0.27)]
+    assert not list(rd.tensorboard.glob("events.*")), "the trainer's folder is the trainer's"
