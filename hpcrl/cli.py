@@ -3,6 +3,8 @@
     hpcrl run CONFIG [key=value ...] --run-dir DIR [--executor local|slurm|auto] [--dry-run] [--resume]
     hpcrl trainer RUN_DIR                 # job entry points (used by sbatch/ scripts)
     hpcrl rollout RUN_DIR --writer-rank W
+    hpcrl eval-job RUN_DIR
+    hpcrl eval RUN_DIR [--versions 0,20,last] [--data FILE] [--n 8 ...] | hpcrl eval --model HF_FOLDER --data FILE
     hpcrl report RUN_DIR [RUN_DIR ...] [--out DIR] # offline report (default: RUN_DIR/report)
     hpcrl status RUN_DIR [--interval-s 5] [--once] # live view from the login node
     hpcrl summary RUN_DIR                          # per-version table of the staleness log
@@ -180,7 +182,7 @@ def main(argv=None) -> int:
     sl.add_argument("overrides", nargs="*")
     sl.add_argument("--run-dir", required=True)
     sl.add_argument("--scripts", default=str(Path(__file__).resolve().parents[1] / "sbatch"),
-                    help="folder holding trainer.sbatch and rollout.sbatch")
+                    help="folder holding trainer.sbatch, rollout.sbatch and eval.sbatch")
     sl.add_argument("--python", default=None, help="python the jobs run (default: this one)")
     sl.add_argument("--dry-run", action="store_true", help="print the lines; create and submit nothing")
     t = sub.add_parser("trainer", help="run the trainer job in this process")
@@ -188,6 +190,14 @@ def main(argv=None) -> int:
     ro = sub.add_parser("rollout", help="run one rollout job in this process")
     ro.add_argument("run_dir")
     ro.add_argument("--writer-rank", type=int, default=0)
+    ej = sub.add_parser("eval-job", help="run the evaluation job in this process")
+    ej.add_argument("run_dir")
+    from hpcrl.eval.offline import add_arguments as add_eval_arguments
+
+    add_eval_arguments(sub.add_parser(
+        "eval", help="evaluate a run's weight versions, or a model folder, on held-out prompts (verl's metrics)",
+        description="Evaluate weight versions of RUN (or --model HF_FOLDER) on held-out prompts with the evaluation "
+                    "job's code; rows go to RUN/logs/eval.jsonl (marked offline) or --out DIR."))
     bo = sub.add_parser("build-ops", help="build DeepSpeed's ops for this node now (install.sh runs it), so that "
                                           "a trainer's first start does not")
     bo.add_argument("--timeout-s", type=float, default=1800.0)
@@ -196,7 +206,7 @@ def main(argv=None) -> int:
     # overrides may also follow the options (`hpcrl run CONFIG --run-dir D k=v`)
     a, extra = p.parse_known_args(argv)
     if extra:
-        if a.cmd not in ("run", "sbatch-lines") or any("=" not in x or x.startswith("-") for x in extra):
+        if a.cmd not in ("run", "sbatch-lines", "eval") or any("=" not in x or x.startswith("-") for x in extra):
             p.error("unrecognized arguments: " + " ".join(extra))
         a.overrides = list(a.overrides) + extra
     if a.cmd in ("report", "status", "summary"):
@@ -210,6 +220,13 @@ def main(argv=None) -> int:
         return _cmd_sbatch_lines(a)
     if a.cmd == "build-ops":
         return _cmd_build_ops(a.timeout_s)
+    if a.cmd == "eval":
+        from hpcrl.eval.offline import eval_command
+
+        if a.run_dir is not None and "=" in a.run_dir:  # `hpcrl eval --model F key=value`
+            a.overrides.insert(0, a.run_dir)
+            a.run_dir = None
+        return eval_command(a)
     from hpcrl.run_dir import RunDir
 
     if not RunDir(a.run_dir).config_path.is_file():
@@ -221,6 +238,11 @@ def main(argv=None) -> int:
         from hpcrl.trainer.main import trainer_main
 
         trainer_main(a.run_dir)
+        return 0
+    if a.cmd == "eval-job":
+        from hpcrl.eval.job import eval_main
+
+        eval_main(a.run_dir)
         return 0
     from hpcrl.rollout.main import rollout_main
 

@@ -124,6 +124,17 @@ ROLLOUT_COLUMNS = (WRITER, PARAM_VERSION, GROUPS, TOKENS, WALL_S, ROLLOUT_IDLE_R
                    TIME_S)
 """Columns every rollout row has (the report needs them)."""
 
+# ---- evaluation: the metrics of a logs/eval.jsonl row (hpcrl/eval_log.py), verl's names ----
+VAL_CORE = "val-core"
+"""verl's section of the headline validation metrics: ``val-core/<data_source>/<key>/<stat>`` (``hpcrl/eval/metrics.py``
+says which are core)."""
+VAL_AUX = "val-aux"
+"""verl's section of every other validation metric."""
+VAL_RESPONSE_LENGTH = "response_length/mean"
+"""+ ``val-aux/<data_source>/``: mean response length in tokens."""
+VAL_CLIP_RATIO = "response_length/clip_ratio"
+"""+ ``val-aux/<data_source>/``: share of responses cut at the response length."""
+
 # ---- logs/staleness.jsonl, one row per consumed trajectory -----------------------------
 STALENESS_COLUMNS = [
     "sample_id",        # "<writer>/<prompt_index>/<j>": trajectory j of that group

@@ -18,11 +18,15 @@ Layout (ARCHITECTURE.md, "The run directory")::
       checkpoints/<tag>/, checkpoints/latest.json                               (trainer)
       logs/metrics.jsonl, logs/staleness.jsonl, logs/rollout-<writer>.jsonl, logs/jobs/<job>.log,
       logs/tensorboard/, logs/wandb/  (logging.backends)                        (trainer)
+      logs/tensorboard/eval/, logs/eval/wandb/  the same for the evaluation job        (evaluation job)
+      logs/eval.jsonl, logs/eval_samples.jsonl  one row per evaluated version,
+                                   one per evaluated response                   (evaluation job)
 
 Names: rollout job ``w`` of a run writes samples as writer ``w000`` (:meth:`RunDir.writer_name`)
 and runs as job ``rollout-w000`` (:meth:`RunDir.rollout_job`); the trainer's rank 0 is job
-``trainer``, its other ranks ``trainer-rank1``, ... No other module spells a path or a job
-name (``tests/test_layers.py`` checks).
+``trainer``, its other ranks ``trainer-rank1``, ...; the evaluation job is ``eval`` (also its name as
+a reader of weights), an offline ``hpcrl eval`` of the run's versions ``eval-offline``. No other module
+spells a path or a job name (``tests/test_layers.py`` checks).
 """
 from __future__ import annotations
 
@@ -38,6 +42,10 @@ from hpcrl.config.names import BUILTIN_MODELS
 
 TRAINER_JOB = "trainer"
 """Job name of the trainer's rank 0 (heartbeat, log file, launcher handle)."""
+EVAL_JOB = "eval"
+"""Job name of the evaluation job, and its name as a reader of weights (pins, bad markers)."""
+EVAL_OFFLINE_JOB = "eval-offline"
+"""Job and reader name of an offline ``hpcrl eval`` of a run's versions (while it holds a version)."""
 _WRITER_RE = re.compile(r"^w(\d{3,})$")
 _ROLLOUT_PREFIX = "rollout-"
 _VERSION_RE = re.compile(r"^v(\d{6})$")
@@ -292,12 +300,32 @@ class RunDir:
         return self.logs
 
     @property
+    def eval_tensorboard(self) -> Path:
+        """``logs/tensorboard/eval/``: the evaluation job's TensorBoard events (a run of its own beside the trainer's)."""
+        return self.tensorboard / "eval"
+
+    @property
+    def eval_wandb_init_dir(self) -> Path:
+        """``logs/eval/``: the evaluation job's ``wandb.init`` dir (its W&B run under ``logs/eval/wandb/``)."""
+        return self.logs / "eval"
+
+    @property
     def job_logs(self) -> Path:
         return self.logs / "jobs"
 
     def slurm_log_pattern(self, role: str) -> Path:
         """Slurm's own output file of the sbatch scripts (``%j`` job id; ``%A_%a`` array task)."""
-        return self.job_logs / ("slurm-trainer-%j.out" if role == "trainer" else "slurm-rollout-%A_%a.out")
+        return self.job_logs / ("slurm-rollout-%A_%a.out" if role == "rollout" else f"slurm-{role}-%j.out")
+
+    @property
+    def eval_log(self) -> Path:
+        """``logs/eval.jsonl``: one row per weight version the evaluation evaluated (or skipped: the row says why)."""
+        return self.logs / "eval.jsonl"
+
+    @property
+    def eval_samples(self) -> Path:
+        """``logs/eval_samples.jsonl``: one row per evaluated response (prompt, response, score)."""
+        return self.logs / "eval_samples.jsonl"
 
     def job_log(self, job: str) -> Path:
         """The Python log of one job (rank): ``logs/jobs/<job>.log``."""

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Launch a whole hpcrl run with plain sbatch: one trainer job + one rollout job array.
+# Launch a whole hpcrl run with plain sbatch: one trainer job + one rollout job array
+# (+ the evaluation job, sbatch/eval.sbatch, when the config has eval.every_versions > 0).
 #
 #   sbatch/submit.sh [--dry-run] CONFIG RUN_DIR [key=value ...]
 #

@@ -102,9 +102,11 @@ def test_sbatch_dry_run_renders_the_config(tmp_path):
                          capture_output=True, text=True, cwd=REPO, timeout=120,
                          env=dict(__import__("os").environ, HPCRL_PYTHON=sys.executable))
     assert out.returncode == 0, out.stderr
-    trainer, rollout = out.stdout.strip().splitlines()
+    trainer, rollout, evaluation = out.stdout.strip().splitlines()  # tiny.yaml validates: an evaluation job
     assert trainer.startswith("sbatch --parsable --job-name=hpcrl-trainer") and trainer.endswith(
         f"sbatch/trainer.sbatch {tmp_path / 'run'}")
+    assert evaluation.startswith("sbatch --parsable --job-name=hpcrl-eval") and evaluation.endswith(
+        f"sbatch/eval.sbatch {tmp_path / 'run'}") and "--time=30" in evaluation
     for opt in ("--ntasks-per-node=2", "--partition=gpu", "--account=proj1", "--gpus-per-node=4", "--time=30"):
         assert opt in trainer
     for opt in ("--array=0-2", "--exclusive", "--reservation=rl", "rollout.sbatch"):

@@ -23,13 +23,13 @@ BOTTOM_ORDER = [
     ("fsio.py", "json_record.py", "metric_names.py", "process", "tiny"),
     ("run_dir.py",),
     ("samples",),
-    ("control", "logs.py", "trackers.py"),
+    ("control", "logs.py", "trackers.py", "eval_log.py"),
     ("weights",),
 ]
 """The bottom layer, lowest first: the run directory's contracts every job and the launcher build on.
 A module may import its own package and anything on a lower level, nothing on its own level or above."""
 BOTTOM = [part for level in BOTTOM_ORDER for part in level]
-UPPER = ("hpcrl.trainer", "hpcrl.rollout", "hpcrl.launcher", "hpcrl.analysis", "hpcrl.cli")
+UPPER = ("hpcrl.trainer", "hpcrl.rollout", "hpcrl.eval", "hpcrl.launcher", "hpcrl.analysis", "hpcrl.cli")
 """The jobs, the launcher and the analysis: nothing below may import them."""
 
 
@@ -160,6 +160,15 @@ def test_trainer_and_rollout_never_import_each_other():
            for side, other in (("trainer", "hpcrl.rollout"), ("rollout", "hpcrl.trainer"))
            for p in _files(side) for line, m in _imports(p) if m == other or m.startswith(other + ".")]
     assert not bad, "the two jobs only meet in the run directory:\n" + "\n".join(bad)
+
+
+def test_the_evaluation_job_imports_no_trainer_and_no_job_imports_it():
+    """The evaluation uses the rollout job's parts (engines, loops, data, reward); the trainer and the rollout
+    job know nothing of it, and it knows nothing of the trainer."""
+    bad = [f"{p.relative_to(PKG.parent)}:{line} imports {m}"
+           for side, other in (("trainer", "hpcrl.eval"), ("rollout", "hpcrl.eval"), ("eval", "hpcrl.trainer"))
+           for p in _files(side) for line, m in _imports(p) if m == other or m.startswith(other + ".")]
+    assert not bad, "the evaluation is a reader of the run directory, like the other jobs:\n" + "\n".join(bad)
 
 
 def test_bottom_layers_import_no_job_launcher_or_analysis():

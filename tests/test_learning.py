@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, TINY, check_exactly_once, start_rollout, start_trainer
+from hpcrl.eval_log import EVALUATED, JOB, read_eval_rows
 from hpcrl.logs import read_metrics, read_staleness
 from hpcrl.run_dir import RunDir
 
@@ -18,7 +19,9 @@ def fifths(values):
 
 
 def test_tiny_default_run_learns_through_the_launcher(tmp_path):
-    """`hpcrl run configs/tiny.yaml` with submitit's local executor: reward rises, lag 0 at s=0."""
+    """`hpcrl run configs/tiny.yaml` with submitit's local executor: reward rises, lag 0 at s=0; its evaluation job
+    evaluates v0, every 20th version and the last on the held-out split, whose score rises too; the report draws
+    the curve and `hpcrl status` shows the last score."""
     run = tmp_path / "tiny"
     out = subprocess.run([sys.executable, "-m", "hpcrl", "run", str(TINY), "--run-dir", str(run), "--executor", "local",
                           "--timeout-min", "10"], capture_output=True, text=True, cwd=REPO, timeout=900)
@@ -38,6 +41,27 @@ def test_tiny_default_run_learns_through_the_launcher(tmp_path):
                                "n_tokens", "reward", "created_s", "committed_s", "consumed_s"}
     assert (st.created_s <= st.committed_s).all() and (st.committed_s <= st.consumed_s).all()
     check_exactly_once(rd, cfg.rollout.max_concurrent_groups)
+    check_validation(rd, out.stdout)
+
+
+def check_validation(rd: RunDir, stdout: str) -> None:
+    """logs/eval.jsonl holds v0, every 20th version and the last, once each; held-out mean@1 rises from ~0 to >= 0.8."""
+    rows = read_eval_rows(rd.eval_log)
+    assert [(r.version, r.status, r.source) for r in rows] == [(v, EVALUATED, JOB) for v in range(0, 301, 20)]
+    first, last = rows[0].score, rows[-1].score
+    print(f"held-out {rows[-1].score_name}: v0 {first:.3f}, v300 {last:.3f}")
+    assert first < 0.1 and last >= 0.8, [(r.version, r.score) for r in rows]
+    assert "eval v300 (step 300): val-core/builtin:toy_heldout/reward/mean@1" in stdout
+    status = subprocess.run([sys.executable, "-m", "hpcrl", "status", str(rd.root), "--once"], capture_output=True,
+                            text=True, cwd=REPO, timeout=120)
+    assert f"validation: v300 (step 300) {last:.3f} val-core/builtin:toy_heldout/reward/mean@1" in status.stdout, \
+        status.stdout
+    report = subprocess.run([sys.executable, "-m", "hpcrl", "report", str(rd.root)], capture_output=True, text=True,
+                            cwd=REPO, timeout=300)
+    assert report.returncode == 0, report.stdout + report.stderr
+    png = rd.report / rd.root.name / "validation.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"last {last:.3f} (v300)" in (rd.report / "report.md").read_text()
 
 
 def test_staleness_half_with_truncated_is_learns_within_the_derived_bound(tiny_run):

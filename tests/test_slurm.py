@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from conftest import REPO, TINY, check_exactly_once, wait_until
+from hpcrl.eval_log import EVALUATED, read_eval_rows
 from hpcrl.fsio import read_json, read_jsonl
 from hpcrl.logs import read_metrics, read_staleness
 from hpcrl.run_dir import RunDir
@@ -92,6 +93,7 @@ def test_submitit_run_learns_and_survives_a_scancelled_rollout(slurm, tmp_path):
 
 
 def submit_sbatch(slurm, run, *overrides) -> list[str]:
+    """The job ids of trainer, rollout array and evaluation job (tiny.yaml validates)."""
     out = subprocess.run(["bash", str(REPO / "sbatch" / "submit.sh"), str(TINY), str(run), *overrides],
                          capture_output=True, text=True, env=slurm, cwd=REPO, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -100,14 +102,18 @@ def submit_sbatch(slurm, run, *overrides) -> list[str]:
 
 def test_sbatch_two_rank_trainer_and_two_rollout_tasks(slurm, tmp_path):
     run = tmp_path / "run"
-    trainer_id, array_id = submit_sbatch(slurm, run, "resources.rollout_jobs=2", "resources.trainer.tasks_per_node=2",
+    trainer_id, array_id, eval_id = submit_sbatch(slurm, run, "resources.rollout_jobs=2",
+                                         "resources.trainer.tasks_per_node=2",
                                          "actor.zero_stage=3", "actor.ppo_micro_batch_size=2",
                                          "rollout.total_rollout_steps=400", "async_training.staleness_threshold=0.5",
                                          # value head + frozen reference across 2 ZeRO-3 ranks
                                          "algorithm.adv_estimator=gae", "actor.use_kl_loss=true")
     rd = RunDir(run)
     wait_until(lambda: read_json(rd.trainer_done), 400, "trainer_done.json")
-    wait_until(lambda: not squeue_ids(slurm) & {trainer_id, f"{array_id}_0", f"{array_id}_1"}, 90, "jobs to leave")
+    wait_until(lambda: not squeue_ids(slurm) & {trainer_id, f"{array_id}_0", f"{array_id}_1", eval_id}, 90,
+               "jobs to leave")
+    # the evaluation job (sbatch/eval.sbatch, tiny.yaml's eval section): v0, every 20th version and the last
+    assert [r.version for r in read_eval_rows(rd.eval_log) if r.status == EVALUATED] == [0, 20, 40, 60, 80, 100]
     cfg = rd.load_config()
     st = read_staleness(rd)
     assert set(st.writer) == {"w000", "w001"}, "both array tasks wrote samples"
@@ -128,7 +134,7 @@ def test_sbatch_trainer_preempted_with_usr2_requeues_and_resumes(slurm, tmp_path
     """USR2 (what Slurm sends before a time limit or on preemption): the trainer checkpoints,
     requeues itself, resumes; nothing lost or doubled."""
     run = tmp_path / "run"
-    trainer_id, array_id = submit_sbatch(slurm, run, "rollout.total_rollout_steps=480",
+    trainer_id, array_id, _ = submit_sbatch(slurm, run, "rollout.total_rollout_steps=480",
                                          "timeouts.wait_weights_s=600", "timeouts.wait_samples_s=600")
     rd = RunDir(run)
     wait_until(lambda: n_updates(rd) >= 30, 180, "30 trainer updates")

@@ -113,6 +113,7 @@ def test_verl_format_run_learns_through_the_launcher(tmp_path):
     (tmp_path / "reward.py").write_text(USER_REWARD)
     run = tmp_path / "run"
     out = hpcrl("run", TINY, f"model.path={folder}", f"data.source={src}", f"reward.path={tmp_path / 'reward.py'}",
+                f"data.val_files={src}",  # tiny.yaml's held-out split is the toy task's: validate on the user's rows
                 "data.max_prompt_length=16", "rollout.total_rollout_steps=720", "logging.backends=[jsonl,tensorboard,wandb]",
                 "--run-dir", run,
                 "--executor", "local", "--timeout-min", "5", timeout=400)

@@ -19,10 +19,11 @@ import torch
 from conftest import REPO, TINY, check_exactly_once
 from hpcrl.config import WeightsConfig
 from hpcrl.control.records import HeartbeatThread
+from hpcrl.eval_log import EVALUATED, read_eval_rows
 from hpcrl.logs import read_metrics
 from hpcrl.rollout.engine import FINISH_ABORT, EngineOptions, EngineRunner
 from hpcrl.rollout.engines import make_engine
-from hpcrl.run_dir import RunDir
+from hpcrl.run_dir import EVAL_JOB, RunDir
 from hpcrl.samples.schema import Group, Trajectory
 from hpcrl.tiny.model import build_tiny_model
 from hpcrl.trainer.batch import build_batch, forward
@@ -199,6 +200,9 @@ def test_the_tiny_task_learns_with_vllm_through_the_launcher(tmp_path):
     paths = ro["weights/path"].tolist()
     assert paths.count("broadcast") >= len(paths) - 2, paths
     check_exactly_once(rd, rd.load_config().rollout.max_concurrent_groups)
+    evals = [r for r in read_eval_rows(rd.eval_log) if r.status == EVALUATED]  # tiny.yaml validates: on vLLM too
+    assert [r.version for r in evals] == list(range(0, 101, 20)) and evals[0].sampling["engine"] == "vllm", evals
+    assert "vLLM engine up" in rd.job_log(EVAL_JOB).read_text()
 
 
 def test_a_sigkilled_vllm_rollout_leaves_no_engine_behind_and_its_successor_goes_on(tiny_run):

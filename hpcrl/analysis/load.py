@@ -11,6 +11,8 @@ logs/staleness.jsonl            lag, partial spans, group life times, reward per
 logs/metrics.jsonl              trainer timings (wait/update/sync), idle ratio,
                                 throughput, reward over time, drop counters
 logs/rollout-<writer>.jsonl     rollout idle ratio, load time, throughput per version
+logs/eval.jsonl                 validation curves and scores (the evaluation job, ``hpcrl eval``)
+logs/eval_samples.jsonl         example responses of the last evaluated version
 control/heartbeat/*.json        job states (status view, "crashed?" notes)
 control/trainer_done.json       the run finished
 config.yaml                     the knobs (s, K, R, B) and the lag bound
@@ -38,6 +40,7 @@ import yaml
 
 from hpcrl.config import ConfigError, RunConfig, config_from_dict
 from hpcrl.control.records import Heartbeat, TrainerDone, read_heartbeats, read_trainer_done
+from hpcrl.eval_log import EVALUATED, JOB, read_eval_rows
 from hpcrl.logs import read_jsonl_frame
 from hpcrl.metric_names import STALENESS_COLUMNS
 from hpcrl.run_dir import RunDir
@@ -109,6 +112,13 @@ class RunData:
     """What a reader of the report must know (torn lines skipped, run unfinished, ...)."""
     missing: dict[str, list[str]] = field(default_factory=dict)
     """Log name -> required columns it lacks (an older hpcrl wrote it)."""
+    evals: pd.DataFrame = field(default_factory=pd.DataFrame)
+    """One row per evaluated version (``logs/eval.jsonl``: the evaluation job's rows, else ``hpcrl eval``'s),
+    by version; its metrics are columns (``val-core/...``)."""
+    eval_rows: list = field(default_factory=list)
+    """Every row of ``logs/eval.jsonl`` (:class:`hpcrl.eval_log.EvalRow`), skipped and damaged included."""
+    eval_enabled: bool = False
+    """The config asks for an evaluation job."""
 
     @property
     def finished(self) -> bool:
@@ -238,6 +248,20 @@ def _time_origin(st: pd.DataFrame, m: pd.DataFrame, ro: pd.DataFrame) -> float:
     return min(cands) if cands else 0.0
 
 
+def read_evals(rd: RunDir) -> tuple[list, pd.DataFrame]:
+    """Every row of the eval log, and the evaluated ones as a frame (the job's; ``hpcrl eval``'s if the job
+    wrote none), one row per version (the last row of a version evaluated twice), metrics as columns."""
+    rows = read_eval_rows(rd.eval_log)
+    done = [r for r in rows if r.status == EVALUATED]
+    done = [r for r in done if r.source == JOB] or done
+    if not done:
+        return rows, pd.DataFrame()
+    frame = pd.DataFrame([{"version": r.version, "trainer_step": r.trainer_step, "published_s": r.published_s,
+                           "finished_s": r.finished_s, "score": r.score, "score_name": r.score_name, "n": r.n,
+                           "prompts": r.prompts, "eval_s": r.eval_s, "source": r.source, **r.metrics} for r in done])
+    return rows, frame.drop_duplicates("version", keep="last").sort_values("version").reset_index(drop=True)
+
+
 def load_run(path: os.PathLike | str, name: Optional[str] = None) -> RunData:
     """Everything the report needs from one run directory (read-only)."""
     rd = RunDir(path)
@@ -259,7 +283,8 @@ def load_run(path: os.PathLike | str, name: Optional[str] = None) -> RunData:
     ro_logs = [f for f in ro_logs if len(f)]
     ro = _frame(pd.concat(ro_logs, ignore_index=True) if ro_logs else pd.DataFrame(), ROLLOUT_COLUMNS, "rollout",
                 missing)
-    if st.empty and m.empty and ro.empty:
+    eval_rows, evals = read_evals(rd)
+    if st.empty and m.empty and ro.empty and evals.empty:
         raise RunFormatError(f"{root}: nothing to analyse yet: {rd.staleness.name}, {rd.metrics.name} and "
                              f"rollout-*.jsonl in {rd.logs} are empty or missing (has the trainer made its first update?)")
     for name_, cols in missing.items():
@@ -275,4 +300,5 @@ def load_run(path: os.PathLike | str, name: Optional[str] = None) -> RunData:
                      f"the {len(m)} update(s) logged so far.")
     return RunData(name=name or root.name, root=root, knobs=Knobs.from_config(cfg) if cfg else None, staleness=st,
                    metrics=m, rollout=ro, heartbeats=heartbeats, trainer_done=done, t0_s=_time_origin(st, m, ro),
-                   notes=notes, missing=missing)
+                   notes=notes, missing=missing, evals=evals, eval_rows=eval_rows,
+                   eval_enabled=bool(cfg and cfg.eval.enabled))

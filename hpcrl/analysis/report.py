@@ -6,7 +6,8 @@ reading nothing but the run directories (see :mod:`hpcrl.analysis.load`).
 
 Sections per run: recommendation, notes, summary, lag (groups and tokens, over
 time), partial spans, idle ratios per version, timeline of generation / training
-/ weight sync, group life times, throughput and queue, reward, samples dropped.
+/ weight sync, group life times, throughput and queue, reward, held-out validation
+(``logs/eval.jsonl``), samples dropped.
 Several runs add the side-by-side (ablation) table and overlaid curves.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hpcrl.analysis import compare, plots, tables, training_plots
+from hpcrl.analysis import compare, plots, tables, training_plots, validation
 from hpcrl.analysis.doc import Doc
 from hpcrl.analysis.load import RunData, load_run
 from hpcrl.analysis.recommend import recommend_run
@@ -58,7 +59,7 @@ def _plot(doc: Doc, rep: Report, draw, out: Path, rel: str, alt: str, *args) -> 
         doc.para(f"(plot `{out.name}` could not be drawn: {e!r})")
 
 
-ALL_PLOTS = {**plots.PLOTS, **training_plots.PLOTS}
+ALL_PLOTS = {**plots.PLOTS, **training_plots.PLOTS, "validation.png": validation.validation}
 """Every per-run plot, by file name."""
 
 
@@ -152,6 +153,25 @@ def _training(x: _Section) -> None:
     x.img("training.png", "loss, KL, entropy, gradient norm, clip fraction and response length per update")
 
 
+def _validation(x: _Section) -> None:
+    d, doc = x.d, x.doc
+    doc.para(validation.evaluation_line(d))
+    if d.evals.empty:
+        return
+    doc.table(validation.validation_table(d))
+    doc.para("score: the row's headline (mean over data sources of their core mean@N); the next columns: each data "
+             "source's first core metric; published (s): the version's publish time since the run's first event. "
+             "Metrics as verl's `process_validation_metrics` (README, \"Validation\").")
+    x.img("validation.png", "held-out validation curves against trainer step and wall time")
+    skipped = validation.skipped_versions(d)
+    if skipped:
+        doc.bullets([f"v{v} {status}: {reason}" for v, status, reason in skipped])
+    ex = validation.examples(d)
+    if not ex.empty:
+        doc.para("Responses of the last evaluated version (logs/eval_samples.jsonl):")
+        doc.table(ex)
+
+
 def _drops(x: _Section) -> None:
     d, doc = x.d, x.doc
     dt = tables.drops_table(d)
@@ -166,7 +186,8 @@ def _drops(x: _Section) -> None:
 
 SECTIONS = [("Lag", _lag), ("Partial rollout spans", _partial), ("Idle ratios per version", _idle),
             ("Timeline: generation, training, weight sync", _timeline), ("Throughput and queue", _throughput),
-            ("Reward", _reward), ("Training curves", _training), ("Samples dropped", _drops)]
+            ("Reward", _reward), ("Training curves", _training), ("Held-out validation", _validation),
+            ("Samples dropped", _drops)]
 
 
 def _run_section(doc: Doc, rep: Report, d: RunData, out_dir: Path, level: int) -> None:
@@ -208,6 +229,9 @@ def build_report(run_dirs: list, out_dir, names: list[str] | None = None) -> Rep
         doc.heading(2, "Overlaid curves")
         for name, draw in compare.COMPARE_PLOTS.items():
             _plot(doc, rep, draw, out_dir / name, name, name[:-4].replace("_", " "), runs)
+        if any(len(d.evals) for d in runs):
+            _plot(doc, rep, validation.compare_validation, out_dir / "compare_validation.png",
+                  "compare_validation.png", "compare validation", runs)
     for d in runs:
         doc.heading(2, f"Run {d.name}" if len(runs) > 1 else "Details")
         _run_section(doc, rep, d, out_dir, 2)

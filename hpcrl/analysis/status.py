@@ -8,7 +8,9 @@ Every few seconds (``--interval-s``) it reads the run directory and prints:
   counters; a job whose heartbeat is older than ``timeouts.heartbeat_stale_s``
   is flagged STALE, and one on this host whose process is gone is flagged GONE;
 - groups committed (shard manifests), consumed (trainer), the queue between
-  them and the groups in flight (admission counter), and the lag of the last update.
+  them and the groups in flight (admission counter), and the lag of the last update;
+- with an evaluation job, the last validated version and its score, the best so far
+  and how many due versions were skipped (``logs/eval.jsonl``).
 
 It exits 0 when ``control/trainer_done.json`` appears, 1 when no job is alive
 and the trainer has not finished (crashed or cancelled: resume with
@@ -31,8 +33,9 @@ from typing import Optional, TextIO
 
 from hpcrl.analysis.load import Knobs, read_config_leniently, read_json_tolerant
 from hpcrl.control.records import TrainerDone, has_ended, read_heartbeats, read_trainer_done
+from hpcrl.eval_log import EVALUATED, JOB, SKIPPED, EvalRow
 from hpcrl.fsio import JsonlTail
-from hpcrl.run_dir import RunDir
+from hpcrl.run_dir import EVAL_JOB, RunDir
 from hpcrl import metric_names as M
 
 RECENT = 20
@@ -56,6 +59,8 @@ class JobView:
     """The start-up step it is in (or failed in), from its heartbeat."""
     step_s: float = 0.0
     """Seconds since that step began."""
+    stats: dict = field(default_factory=dict)
+    """The heartbeat's counters."""
 
     @property
     def alive(self) -> bool:
@@ -82,9 +87,12 @@ class StatusView:
     knobs: Optional[Knobs]
     stale_s: float
     notes: list[str] = field(default_factory=list)
+    knobs_eval: bool = False
+    """The run has an evaluation job (say so while nothing is evaluated yet)."""
 
     def __post_init__(self):
         self.metrics = JsonlTail(self.rd.metrics)
+        self.evals = JsonlTail(self.rd.eval_log)
         self.rollout: dict[str, JsonlTail] = {}
         self.manifests: dict[str, JsonlTail] = {}
 
@@ -92,7 +100,7 @@ class StatusView:
         out = []
         for job, h in read_heartbeats(self.rd).items():
             v = JobView(job, h.state, h.param_version, h.age_s(now), h.host, h.pid, step=h.step,
-                        step_s=now - h.step_started_s if h.step else 0.0)
+                        step_s=now - h.step_started_s if h.step else 0.0, stats=h.stats)
             if not has_ended(v.state):
                 if _process_gone(v.host, v.pid):
                     v.flag = "GONE"
@@ -123,7 +131,7 @@ class StatusView:
         lines += self.notes
         lines += [_progress(m, self.knobs, done, stopped), ""]
         committed = self.committed()
-        lines += self._job_lines(jobs, m, committed) + [""] + self._group_lines(m, committed)
+        lines += self._job_lines(jobs, m, committed) + [""] + self._group_lines(m, committed) + self._eval_lines()
         if done is not None:
             lines.append(f"run finished: {done.trainer_step} updates, version {done.param_version}, "
                          f"{done.consumed_groups} groups consumed")
@@ -144,7 +152,9 @@ class StatusView:
         for j in jobs:
             age = f"{j.age_s:.1f}s ago" if j.age_s < 600 else f"{j.age_s / 60:.0f}min ago"
             writer = RunDir.writer_of_job(j.job)
-            if writer is None:
+            if j.job == EVAL_JOB:
+                idle, detail = math.nan, _eval_detail(j)
+            elif writer is None:
                 if last:  # the heartbeat file is rewritten every few seconds; the metrics row is newer
                     published = _num(last.get(M.PARAM_SYNC_S)) > 0
                     j.version = max(j.version, int(_num(last.get("param_version"), -1)) + int(published))
@@ -185,6 +195,35 @@ class StatusView:
                          f"(mean of last {min(len(m), 10)}: {_mean(m[-10:], 'reward/mean'):.3f}); "
                          f"trainer {_num(last.get('throughput/tokens_per_s')):.0f} tokens/s")
         return lines
+
+
+    def _eval_lines(self) -> list[str]:
+        """The last validated version and its score, the best so far, skipped versions (``logs/eval.jsonl``)."""
+        rows = []
+        for d in self.evals.poll():
+            try:
+                rows.append(EvalRow.from_json(d))
+            except ValueError:
+                continue
+        job = [r for r in rows if r.source == JOB] or rows
+        done = [r for r in job if r.status == EVALUATED and r.score is not None]
+        if not done:
+            return ["validation: no version evaluated yet"] if job or self.knobs_eval else []
+        last, best = done[-1], max(done, key=lambda r: r.score)
+        skipped = sum(r.status == SKIPPED for r in job)
+        return [f"validation: v{last.version} (step {last.trainer_step}) {last.score:.3f} {last.score_name}; best "
+                f"{best.score:.3f} at v{best.version}; {len(done)} versions evaluated"
+                + (f", {skipped} skipped (the evaluation fell behind)" if skipped else "")]
+
+
+def _eval_detail(j: JobView) -> str:
+    """The evaluation job's line: its last version and score, what it evaluates now."""
+    st = j.stats
+    score = st.get("score")
+    last = (f"last v{st.get('last_version')} {score:.3f}" if isinstance(score, (int, float)) else "nothing evaluated yet")
+    if isinstance(st.get("evaluating"), int) and st["evaluating"] >= 0:
+        return f"{last}; evaluating v{st['evaluating']} ({st.get('prompts_done', 0)}/{st.get('prompts', 0)} prompts)"
+    return last
 
 
 def _num(value, default: float = math.nan) -> float:
@@ -241,7 +280,8 @@ def status_main(run_dir, interval_s: float = 5.0, once: bool = False, out: Optio
     notes: list[str] = []
     cfg = read_config_leniently(rd, notes)
     view = StatusView(rd, Knobs.from_config(cfg) if cfg else None,
-                      cfg.timeouts.heartbeat_stale_s if cfg else 60.0, [f"note: {n}" for n in notes])
+                      cfg.timeouts.heartbeat_stale_s if cfg else 60.0, [f"note: {n}" for n in notes],
+                      knobs_eval=bool(cfg and cfg.eval.enabled))
     clear = out.isatty() and not once
     while True:
         text, code = view.render(time.time())

@@ -239,6 +239,17 @@ def final_window(n_updates: int) -> int:
     return max(1, round(n_updates / 10))
 
 
+def best_and_last(d: RunData) -> dict:
+    """The best and the last held-out score (``logs/eval.jsonl``'s headline) and their versions; NaN without any."""
+    ev = d.evals[d.evals["score"].notna()] if len(d.evals) else d.evals
+    if ev.empty:
+        return {"val best": math.nan, "val best v": None, "val last": math.nan, "val last v": None}
+    best = ev.loc[ev["score"].idxmax()]
+    last = ev.iloc[-1]
+    return {"val best": float(best["score"]), "val best v": int(best["version"]), "val last": float(last["score"]),
+            "val last v": int(last["version"])}
+
+
 def summary_row(data: RunData) -> dict:
     """One row of the side-by-side (ablation) table for this run; see REPORT_COLUMNS."""
     m, g, k = data.metrics, groups(data), data.knobs
@@ -265,6 +276,7 @@ def summary_row(data: RunData) -> dict:
         "idle rollout": rollout_idle(data.rollout) if len(data.rollout) else math.nan,
         "tokens/s": float(m["n_tokens"].sum() / total) if n and total > 0 else math.nan,
         "dropped groups": int(dropped),
+        **{k: v for k, v in best_and_last(data).items() if not k.endswith(" v")},
     }
 
 
@@ -279,6 +291,8 @@ COLUMN_DEFINITIONS = {
     "lag mean / lag max": "over trained groups, in versions",
     "idle trainer / idle rollout": "time-weighted idle ratios over the whole run",
     "tokens/s": "trained response tokens / total (s)",
+    "val best / val last": "held-out score (logs/eval.jsonl: the mean over data sources of val-core/<source>/<key>/mean@N) "
+                           "of the best and of the last evaluated version",
 }
 
 

@@ -6,12 +6,13 @@ whole before anything is created or submitted, then frozen into ``RUN/config.yam
 =================  ==============================================================
 module             what it holds
 =================  ==============================================================
-``names``          the names a field may choose from (estimators, rewards, ...)
+``names``          the names a field may choose from (estimators, rewards, ...), renamed and verl keys
 ``checks``         ConfigError and the check helpers (key, what is allowed, fix)
 ``sections``       model, data, reward, actor, rollout, agent, async_training, trainer,
                    weights, timeouts, logging
 ``algorithm``      algorithm (advantages, KL, rollout correction) and critic
 ``combinations``   the algorithm rules that span sections (what an estimator or loss needs)
+``evaluation``     eval: the evaluation job (which versions, sampling, engine, reward)
 ``resources``      job sizes and Slurm options per role
 ``run``            RunConfig (all sections, derived R/K/B), load_config, dump_config
 =================  ==============================================================
@@ -21,13 +22,15 @@ This package imports nothing from the jobs (``tests/test_layers.py``).
 from hpcrl.config.algorithm import (AlgorithmConfig, CriticConfig, KLControlConfig, PolicyLossConfig,
                                     RolloutCorrectionConfig)
 from hpcrl.config.checks import ConfigError
+from hpcrl.config.evaluation import EvalConfig, EvalRewardConfig
 from hpcrl.config.resources import JobResources, ResourcesConfig
 from hpcrl.config.run import RunConfig, config_from_dict, dump_config, load_config, parse_override
 from hpcrl.config.sections import (ActorConfig, AgentConfig, AsyncConfig, DataConfig, LoggingConfig, ModelConfig,
                                    RewardConfig, RolloutConfig, TimeoutsConfig, TrainerConfig, WeightsConfig)
 
 __all__ = [
-    "ActorConfig", "AgentConfig", "AlgorithmConfig", "AsyncConfig", "ConfigError", "CriticConfig", "DataConfig", "JobResources",
+    "ActorConfig", "AgentConfig", "AlgorithmConfig", "AsyncConfig", "ConfigError", "CriticConfig", "DataConfig", "EvalConfig",
+    "EvalRewardConfig", "JobResources",
     "KLControlConfig", "LoggingConfig", "ModelConfig", "PolicyLossConfig", "ResourcesConfig", "RewardConfig", "RolloutConfig",
     "RolloutCorrectionConfig", "RunConfig", "TimeoutsConfig", "TrainerConfig", "WeightsConfig", "config_from_dict",
     "dump_config", "load_config", "parse_override",

@@ -95,5 +95,19 @@ AGENT_LOOPS = ("single_turn", "tool_agent")
 TOOL_PARSERS = ("hermes", "tiny")
 """``agent.tool_parser`` (hpcrl/rollout/tool_parsers.py)."""
 
-BUILTIN_DATA = ("builtin:toy", "builtin:toy_calc")
-"""``data.source`` values generated in hpcrl/rollout/dataset.py."""
+BUILTIN_DATA = ("builtin:toy", "builtin:toy_calc", "builtin:toy_heldout")
+"""``data.source`` and ``data.val_files`` values generated in hpcrl/rollout/dataset.py (``toy_heldout``: the toy
+task in phrasings it never trains on, its held-out split)."""
+
+VERL_KEYS = {
+    "trainer.test_freq": "eval.every_versions",
+    "trainer.val_before_train": "eval.before_training",
+    "actor_rollout_ref.rollout.val_kwargs.n": "eval.n",
+    "actor_rollout_ref.rollout.val_kwargs.do_sample": "eval.do_sample",
+    "actor_rollout_ref.rollout.val_kwargs.temperature": "eval.temperature",
+    "actor_rollout_ref.rollout.val_kwargs.top_p": "eval.top_p",
+    "actor_rollout_ref.rollout.val_kwargs.top_k": "eval.top_k",
+}
+"""verl's dotted keys that mean an hpcrl key under another name: the config (YAML or ``key=value``) may use
+either; the verl key is renamed before the config is built (``hpcrl/config/run.py``). ``data.val_files`` has
+the same name in both."""

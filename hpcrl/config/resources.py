@@ -8,7 +8,7 @@ from hpcrl.config.checks import bad, check_int
 
 @dataclass
 class JobResources:
-    """The size and Slurm options of one job (``resources.trainer``, ``resources.rollout``)."""
+    """The size and Slurm options of one job (``resources.trainer``, ``resources.rollout``, ``resources.eval``)."""
 
     nodes: int = 1
     """Nodes for this job."""
@@ -59,26 +59,33 @@ class JobResources:
 
 @dataclass
 class ResourcesConfig:
-    """``resources``: both jobs' sizes, how many rollout jobs, and the restart budget."""
+    """``resources``: the jobs' sizes, how many rollout jobs, and the restart budget."""
 
     trainer: JobResources = field(default_factory=JobResources)
     """Resources of the trainer job (nodes * tasks_per_node DeepSpeed ranks)."""
     rollout: JobResources = field(default_factory=JobResources)
     """Resources of each rollout job."""
+    eval: JobResources = field(default_factory=JobResources)
+    """Resources of the evaluation job (only submitted when ``eval.every_versions`` > 0)."""
     rollout_jobs: int = 1
     """Number of rollout jobs (each one sample writer; a Slurm job array in sbatch/)."""
     max_restarts: int = 3
     """The launcher resubmits a job that ended before the trainer finished (crash,
-    scancel, node failure) at most this many times per job; then the run fails."""
+    scancel, node failure; the evaluation job: before it evaluated the final version) at most
+    this many times per job; then the run fails (an evaluation job's: training goes on without it)."""
 
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
         self.trainer.validate("resources.trainer")
         self.rollout.validate("resources.rollout")
+        self.eval.validate("resources.eval")
         check_int("resources.rollout_jobs", self.rollout_jobs, 1)
         check_int("resources.max_restarts", self.max_restarts, 0)
         if self.rollout.world_size != 1:
             raise bad("resources.rollout.tasks_per_node", self.rollout.tasks_per_node,
                        "1 task on 1 node per rollout job", "add capacity with resources.rollout_jobs instead")
+        if self.eval.world_size != 1:
+            raise bad("resources.eval.tasks_per_node", self.eval.tasks_per_node, "1 task on 1 node for the evaluation "
+                      "job", "give it more GPUs per node (vLLM's tensor_parallel_size) instead")
 
 

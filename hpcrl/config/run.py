@@ -12,8 +12,10 @@ keep verl's names (``fully_async_policy``) so users can move their settings acro
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
+import logging
 import math
 import os
 import re
@@ -27,7 +29,8 @@ import yaml
 from hpcrl.config.algorithm import AlgorithmConfig, CriticConfig
 from hpcrl.config.checks import ConfigError, bad
 from hpcrl.config.combinations import check_algorithm_combinations
-from hpcrl.config.names import RENAMED_KEYS
+from hpcrl.config.evaluation import EvalConfig
+from hpcrl.config.names import RENAMED_KEYS, VERL_KEYS
 from hpcrl.config.resources import ResourcesConfig
 from hpcrl.config.sections import (ActorConfig, AgentConfig, AsyncConfig, DataConfig, LoggingConfig, ModelConfig,
                                    RewardConfig, RolloutConfig, TimeoutsConfig, TrainerConfig, WeightsConfig)
@@ -51,6 +54,7 @@ class RunConfig:
     timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     # ---- derived quantities (the flow-control arithmetic: ARCHITECTURE.md, "Admission budget") ----
     @property
@@ -116,11 +120,24 @@ class RunConfig:
                       f"the trainer and on every rollout job; resources.trainer.gpus_per_node="
                       f"{self.resources.trainer.gpus_per_node}, resources.rollout.gpus_per_node={gpus})",
                       "set weights.broadcast_backend=auto (picks gloo here), or give both jobs GPUs")
+        self._check_eval()
         if abs(self.actor.temperature - self.rollout.temperature) > 1e-9:
             raise bad("actor.temperature", self.actor.temperature,
                        f"equal to rollout.temperature={self.rollout.temperature}",
                        "set both to the same value so the trainer's log-probs match the engine's")
         return self
+
+    def _check_eval(self) -> None:
+        """The evaluation job needs held-out prompts, and GPUs where its engine runs on cuda."""
+        if not self.eval.enabled:
+            return
+        if not self.data.val_files:
+            raise bad("data.val_files", self.data.val_files, f"held-out prompt files with eval.every_versions="
+                      f"{self.eval.every_versions}", "set data.val_files (e.g. builtin:toy_heldout or a .parquet), "
+                      "or eval.every_versions=0 for no evaluation")
+        if self.rollout.device == "cuda" and self.resources.eval.gpus_per_node == 0:
+            raise bad("resources.eval.gpus_per_node", 0, "at least 1 with rollout.device=cuda (the evaluation "
+                      "engine uses rollout's device)", "set resources.eval.gpus_per_node, or rollout.device=auto")
 
     def to_dict(self) -> dict:
         """Plain dict of every field (what ``config.yaml`` holds)."""
@@ -129,6 +146,44 @@ class RunConfig:
 
 # ---------------------------------------------------------------------------
 # Building a RunConfig from YAML + overrides, strictly.
+
+log = logging.getLogger(__name__)
+
+
+def _pop_dotted(tree: dict, dotted: str) -> tuple[bool, Any]:
+    """Remove ``dotted`` from the nested ``tree`` (and the sections it empties): (found, value)."""
+    parts = dotted.split(".")
+    path = [tree]
+    for part in parts[:-1]:
+        node = path[-1].get(part)
+        if not isinstance(node, dict):
+            return False, None
+        path.append(node)
+    if parts[-1] not in path[-1]:
+        return False, None
+    value = path[-1].pop(parts[-1])
+    for depth in range(len(parts) - 1, 0, -1):  # drop sections left empty (actor_rollout_ref.rollout.val_kwargs)
+        if path[depth]:
+            break
+        del path[depth - 1][parts[depth - 1]]
+    return True, value
+
+
+def rename_verl_keys(tree: dict) -> dict:
+    """``tree`` with verl's keys (:data:`hpcrl.config.names.VERL_KEYS`) renamed to hpcrl's, each logged once;
+    ConfigError if a key is given under both names with different values. The caller's tree is not changed."""
+    tree = copy.deepcopy(tree)
+    for verl_key, key in VERL_KEYS.items():
+        found, value = _pop_dotted(tree, verl_key)
+        if not found:
+            continue
+        has, ours = _pop_dotted(tree, key)
+        if has and ours != value:
+            raise bad(verl_key, value, f"the same value as {key} ({ours!r}): it is verl's name for it",
+                      f"set only one of {verl_key} and {key}")
+        _set_dotted(tree, key, value)
+        log.info("config: verl's %s -> %s", verl_key, key)
+    return tree
 
 def _build(cls: type, data: Any, prefix: str) -> Any:
     if not isinstance(data, dict):
@@ -218,15 +273,19 @@ def load_config(path: Optional[os.PathLike | str] = None, overrides: Optional[li
             raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"config file {p}: top level must be a mapping of sections")
+    tree = rename_verl_keys(tree)  # within the file, a key given under both names must agree
     for text in overrides or []:
         key, value = parse_override(text)
+        if key in VERL_KEYS:  # an override wins over the file, whichever name either uses
+            log.info("config: verl's %s -> %s", key, VERL_KEYS[key])
+            key = VERL_KEYS[key]
         _set_dotted(tree, key, value)
     return _build(RunConfig, tree, "").validate()
 
 
 def config_from_dict(tree: dict) -> RunConfig:
-    """Build and validate a RunConfig from a parsed YAML tree (unknown keys fail)."""
-    return _build(RunConfig, tree, "").validate()
+    """Build and validate a RunConfig from a parsed YAML tree (unknown keys fail; verl's keys renamed)."""
+    return _build(RunConfig, rename_verl_keys(tree), "").validate()
 
 
 def dump_config(cfg: RunConfig) -> str:

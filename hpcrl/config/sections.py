@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 from hpcrl.config import names
 from hpcrl.config.algorithm import PolicyLossConfig
@@ -64,11 +64,20 @@ class DataConfig:
     """Seed of the prompt order; each epoch is a new permutation of it."""
     toy_num_prompts: int = 512
     """Number of distinct prompts the toy generator makes (builtin:toy only)."""
+    val_files: Union[list, str] = field(default_factory=list)
+    """Held-out prompts of the evaluation job (``eval``; verl: ``data.val_files``): a file or a list of
+    ``.jsonl`` / ``.parquet`` files in the same format as ``data.source`` (each row keeps its
+    ``data_source``: the metrics are per data source), or ``builtin:toy_heldout``. Checked at launch."""
 
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
         if self.source not in names.BUILTIN_DATA and Path(self.source).suffix not in (".jsonl", ".parquet"):
             raise bad("data.source", self.source, f"{' or '.join(names.BUILTIN_DATA)} or a .jsonl/.parquet file")
+        if isinstance(self.val_files, str):  # verl writes one file as a string
+            self.val_files = [self.val_files]
+        for f in self.val_files:
+            if not isinstance(f, str) or (f not in names.BUILTIN_DATA and Path(f).suffix not in (".jsonl", ".parquet")):
+                raise bad("data.val_files", f, f"{' or '.join(names.BUILTIN_DATA)} or .jsonl/.parquet files")
         check_choice("data.apply_chat_template", self.apply_chat_template, (None, True, False))
         if self.max_prompt_length is not None:
             check_int("data.max_prompt_length", self.max_prompt_length, 1)
@@ -440,9 +449,9 @@ class LoggingConfig:
     level: str = "INFO"
     """Python logging level of both jobs."""
     backends: list = field(default_factory=lambda: ["jsonl"])
-    """Metric sinks of the trainer (verl: trainer.logger): ``jsonl`` (always written,
-    logs/metrics.jsonl), ``tensorboard`` (logs/tensorboard/), ``wandb`` (logs/wandb/). The same
-    metric names go to each."""
+    """Metric sinks of the trainer and the evaluation job (verl: trainer.logger): ``jsonl`` (always
+    written, logs/metrics.jsonl, logs/eval.jsonl), ``tensorboard`` (logs/tensorboard/), ``wandb``
+    (logs/wandb/). The same metric names go to each."""
     project: str = "hpcrl"
     """Project name of the TensorBoard/W&B run (verl: trainer.project_name)."""
     experiment_name: Optional[str] = None

@@ -4,9 +4,9 @@
 record                                 written by   read by
 =====================================  ===========  ======================================
 heartbeat/<job>.json  (Heartbeat)      every job    launcher, trainer (waiting), retention
-loading/<writer>.json (LoadingAnn.)    rollout job  trainer weight retention
+loading/<reader>.json (LoadingAnn.)    every reader trainer weight retention (rollout jobs, eval)
 checkpoints/latest.json (LatestCkpt.)  trainer      trainer (resume), launcher (--resume)
-trainer_done.json     (TrainerDone)    trainer      rollout jobs (stop), launcher
+trainer_done.json     (TrainerDone)    trainer      rollout jobs (stop), evaluation job (final version), launcher
 admission.json        (AdmissionRecord) rollout job  rollout jobs (see admission.py)
 skipped_shards.jsonl  (SkippedShard)   trainer      rollout jobs, trainer (samples/skips.py)
 =====================================  ===========  ======================================
@@ -36,6 +36,7 @@ class HeartbeatState(str, enum.Enum):
     WAITING_WEIGHTS = "waiting_weights"  # rollout: budget spent, waiting for a newer version
     TRAINING = "training"                # trainer: inside an update
     WAITING_SAMPLES = "waiting_samples"  # trainer: waiting for committed groups
+    EVALUATING = "evaluating"            # evaluation job: a version is being evaluated
     DONE = "done"                        # ended normally (trainer finished / rollout told to stop)
     FAILED = "failed"                    # ended by an exception
     STOPPED = "stopped"                  # ended by SIGTERM (scancel, the launcher's cancel, Ctrl-C)
@@ -63,14 +64,14 @@ class Heartbeat(JsonRecord):
     job: str
     """Job name from :class:`~hpcrl.run_dir.RunDir` (``trainer``, ``rollout-w000``, ...)."""
     role: str
-    """``trainer`` or ``rollout``."""
+    """``trainer``, ``rollout`` or ``eval``."""
     host: str
     """Host name the job runs on (``hpcrl status`` checks the pid there)."""
     pid: int
     time_s: float
     """Unix time of this beat; older than timeouts.heartbeat_stale_s = dead."""
     param_version: int = -1
-    """Trainer: newest published version. Rollout: version it generates with."""
+    """Trainer: newest published version. Rollout: version it generates with. Evaluation: last version evaluated."""
     state: str = HeartbeatState.STARTING.value
     """A :class:`HeartbeatState` value."""
     step: str = ""
@@ -98,9 +99,10 @@ class Heartbeat(JsonRecord):
 
 @dataclass
 class LoadingAnnouncement(JsonRecord):
-    """``control/loading/<writer>.json``: which weight version a rollout job is reading."""
+    """``control/loading/<reader>.json``: which weight version a reader (rollout job, evaluation) is reading."""
 
     writer: str
+    """The reader's name (a rollout job's writer name, ``eval``); a pin counts while a job of that name beats."""
     version: int
     state: str
     """``loading`` pins the version against deletion; ``loaded`` releases it."""
@@ -109,7 +111,8 @@ class LoadingAnnouncement(JsonRecord):
 
 @dataclass
 class TrainerDone(JsonRecord):
-    """``control/trainer_done.json``: the trainer finished; rollout jobs stop, the launcher reports."""
+    """``control/trainer_done.json``: the trainer finished; rollout jobs stop, the evaluation job evaluates
+    ``param_version`` (the final version) and stops, the launcher reports."""
 
     trainer_step: int
     param_version: int

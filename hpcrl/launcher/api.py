@@ -117,7 +117,8 @@ class RunHandle:
 def launch(config: Optional[os.PathLike | str | RunConfig | RunPlan], run_dir: Optional[os.PathLike | str] = None,
            executor: str = "auto", overrides: Sequence[str] = (), resume: bool = False,
            emit: Optional[Callable[[str], None]] = None) -> RunHandle:
-    """Check the config, prepare the run directory, submit the trainer and rollout jobs.
+    """Check the config, prepare the run directory, submit the trainer, the rollout jobs and (``eval.every_versions``
+    > 0) the evaluation job.
 
     ``config`` may also be a :class:`RunPlan` from :func:`plan_run` (the CLI checks first,
     then launches what it checked); then ``run_dir``, ``executor`` and ``overrides`` are its own.

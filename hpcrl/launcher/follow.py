@@ -14,9 +14,10 @@ from typing import Callable, Optional
 
 from hpcrl.config import RunConfig
 from hpcrl.control.fatal import read_fatal
-from hpcrl.control.records import read_heartbeats, read_latest_checkpoint, read_trainer_done
+from hpcrl.control.records import HeartbeatState, read_heartbeats, read_latest_checkpoint, read_trainer_done
+from hpcrl.eval_log import EVALUATED, JOB, EvalRow
 from hpcrl.fsio import JsonlTail
-from hpcrl.run_dir import RunDir
+from hpcrl.run_dir import EVAL_JOB, RunDir
 from hpcrl import metric_names as M
 
 log = logging.getLogger(__name__)
@@ -46,10 +47,21 @@ def job_failure_report(rd: RunDir, handle) -> str:
     return "\n".join(parts)
 
 
+def eval_line(row: EvalRow) -> str:
+    """The follower's line for one row of ``logs/eval.jsonl``."""
+    if row.status != EVALUATED:
+        return f"eval v{row.version} {row.status}: {row.reason}"
+    score = f"{row.score:.3f}" if row.score is not None else "n/a"
+    return (f"eval v{row.version} (step {row.trainer_step}): {row.score_name} {score} "
+            f"({row.prompts} prompts x {row.n}, {row.eval_s:.1f}s)")
+
+
 class RunFollower:
-    """Follows a submitted run from the login node: prints one line per weight version,
-    resubmits jobs that end early (within ``resources.max_restarts``), warns on stale
-    heartbeats, and stops at ``trainer_done`` or its deadline."""
+    """Follows a submitted run from the login node: prints one line per weight version and per
+    evaluated version, resubmits jobs that end early (within ``resources.max_restarts``), warns on
+    stale heartbeats, and stops at ``trainer_done`` (after the evaluation job, if any, has evaluated
+    the final version) or its deadline. The evaluation job never stops the run: if it fails for good,
+    training goes on without it."""
 
     def __init__(self, rd: RunDir, cfg: RunConfig, jobs: dict, emit: Callable[[str], None] = print,
                  resubmit: Optional[Callable[[str], object]] = None, resume: bool = False):
@@ -61,6 +73,8 @@ class RunFollower:
         self.restarts: dict[str, int] = {}
         self._warned: dict[str, float] = {}
         self._metrics = JsonlTail(rd.metrics)  # read incrementally: the follower polls every second
+        self._evals = JsonlTail(rd.eval_log)
+        self._evals_seen = len(self._evals.poll()) if resume else 0
         self._rollout: dict[Path, JsonlTail] = {}
         self._metrics_seen = 0
         self._rows_by_version: dict[int, list[dict]] = defaultdict(list)
@@ -75,7 +89,7 @@ class RunFollower:
                       f"{cfg.total_updates} ({rd.latest_checkpoint if ckpt else 'none yet: from the start'}); "
                       f"{len(old)} updates logged so far")
         else:
-            self._intro = ("jobs starting (both jobs load the model; on a node where install.sh did not run, the "
+            self._intro = ("jobs starting (each job loads the model; on a node where install.sh did not run, the "
                            "trainer first builds DeepSpeed's op, a minute or two); `hpcrl status` shows each job's "
                            f"start-up step; the trainer logs to {rd.job_log(RunDir.trainer_job())}")
 
@@ -115,6 +129,49 @@ class RunFollower:
                           + self._progress(row["step"]))
         self._metrics_seen = len(rows)
 
+    def _print_new_evals(self) -> Optional[EvalRow]:
+        """One line per new row of the evaluation job in ``logs/eval.jsonl``; the newest evaluated one so far."""
+        rows = self._evals.poll()
+        for d in rows[self._evals_seen:]:
+            try:
+                row = EvalRow.from_json(d)
+            except ValueError:
+                continue
+            if row.source == JOB:
+                self.emit(eval_line(row))
+        self._evals_seen = len(rows)
+        return self.last_eval()
+
+    def last_eval(self) -> Optional[EvalRow]:
+        """The evaluation job's newest evaluated row, or None."""
+        for d in reversed(self._evals.rows):
+            if d.get("status") == EVALUATED and d.get("source") == JOB:
+                try:
+                    return EvalRow.from_json(d)
+                except ValueError:
+                    continue
+        return None
+
+    def _restart(self, name: str, handle, why: str) -> bool:
+        """Resubmit job ``name`` if its restart budget allows (True), saying why."""
+        used = self.restarts.get(name, 0)
+        if self.resubmit is None or used >= self.cfg.resources.max_restarts:
+            return False
+        self.restarts[name] = used + 1
+        self.emit(f"job {name} ({handle.job_id}) {why}; resubmitting (restart {used + 1}/"
+                  f"{self.cfg.resources.max_restarts}); last lines of its log:")
+        self.emit(tail(self.rd.job_log(name), 5))
+        self.jobs[name] = self.resubmit(name)
+        self.emit(f"job {name} resubmitted as {self.jobs[name].job_id}")
+        return True
+
+    def _give_up_eval(self, handle) -> None:
+        """The evaluation job failed for good: say so; training goes on without it."""
+        self.emit(f"the evaluation job ({handle.job_id}) failed and its restart budget (resources.max_restarts="
+                  f"{self.cfg.resources.max_restarts}) is spent: training goes on without evaluation")
+        self.emit(job_failure_report(self.rd, handle))
+        del self.jobs[EVAL_JOB]
+
     def _check_jobs(self) -> Optional[int]:
         """Resubmit jobs that ended before the trainer finished, within the restart budget.
         Return 1 when the budget of some job is spent (after cancelling the rest), else None."""
@@ -123,14 +180,10 @@ class RunFollower:
                 continue
             if read_trainer_done(self.rd) is not None:
                 return None
-            used = self.restarts.get(name, 0)
-            if self.resubmit is not None and used < self.cfg.resources.max_restarts:
-                self.restarts[name] = used + 1
-                self.emit(f"job {name} ({handle.job_id}) ended before the trainer finished; resubmitting "
-                          f"(restart {used + 1}/{self.cfg.resources.max_restarts}); last lines of its log:")
-                self.emit(tail(self.rd.job_log(name), 5))
-                self.jobs[name] = self.resubmit(name)
-                self.emit(f"job {name} resubmitted as {self.jobs[name].job_id}")
+            if self._restart(name, handle, "ended before the trainer finished"):
+                continue
+            if name == EVAL_JOB:
+                self._give_up_eval(handle)
                 continue
             self.emit(f"job {name} ({handle.job_id}) ended before the trainer finished and its restart budget "
                       f"(resources.max_restarts={self.cfg.resources.max_restarts}) is spent: cancelling the run")
@@ -156,12 +209,17 @@ class RunFollower:
             self._intro = ""
         while True:
             self._print_new_versions()
+            self._print_new_evals()
             done = read_trainer_done(self.rd)
             if done is not None:
                 self._finish_rollouts()
                 self._print_new_versions()
+                self._finish_eval(done.param_version, deadline, poll_s)
+                last = self._print_new_evals()
+                val = (f"; validation v{last.version} {last.score:.3f}" if last is not None and last.score is not None
+                       else "")
                 self.emit(f"run finished: {done.trainer_step} updates, version {done.param_version}, "
-                          f"{done.consumed_groups} groups in {_hms(time.monotonic() - self._started_s)}; "
+                          f"{done.consumed_groups} groups in {_hms(time.monotonic() - self._started_s)}{val}; "
                           f"logs in {self.rd.logs}; next: hpcrl report {self.rd.root} --out {self.rd.report}")
                 return 0
             fatal = read_fatal(self.rd)
@@ -181,12 +239,36 @@ class RunFollower:
                 return 1
             time.sleep(poll_s)
 
+    def _finish_eval(self, final: int, deadline: float, poll_s: float) -> None:
+        """The trainer is done: wait (until ``deadline``) for the evaluation job to evaluate the final version and
+        end; resubmit it if it dies meanwhile (restart budget); cancel it at the deadline."""
+        if EVAL_JOB not in self.jobs:
+            return
+        self.emit(f"trainer done; waiting for the evaluation job to evaluate the final version v{final}")
+        while True:
+            self._print_new_evals()
+            handle = self.jobs[EVAL_JOB]
+            if handle.done():
+                beat = read_heartbeats(self.rd).get(EVAL_JOB)
+                if beat is not None and beat.state == HeartbeatState.DONE.value:
+                    return
+                if not self._restart(EVAL_JOB, handle, "ended before it evaluated the final version"):
+                    return self._give_up_eval(handle)
+            elif time.monotonic() > deadline:
+                self.emit("gave up waiting for the evaluation job (the follow deadline passed); cancelling it")
+                handle.cancel()
+                return
+            self._warn_stale_heartbeats()
+            time.sleep(poll_s)
+
     def _finish_rollouts(self, grace_s: float = 60.0) -> None:
-        """Rollout jobs stop on their own once trainer_done exists; give them a moment."""
+        """Rollout jobs stop on their own once trainer_done exists; give them a moment. (The evaluation job
+        is waited for by :meth:`_finish_eval`.)"""
+        jobs = {n: j for n, j in self.jobs.items() if n != EVAL_JOB}
         end = time.monotonic() + grace_s
-        while time.monotonic() < end and not all(j.done() for j in self.jobs.values()):
+        while time.monotonic() < end and not all(j.done() for j in jobs.values()):
             time.sleep(0.5)
-        for name, job in self.jobs.items():
+        for name, job in jobs.items():
             if not job.done():
                 log.warning("job %s still running %ds after the trainer finished; cancelling it", name, grace_s)
                 job.cancel()

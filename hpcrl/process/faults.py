@@ -21,6 +21,7 @@ engine_load       rollout, as verified weights are handed to the engine
 broadcast_bucket  trainer or rollout, before each bucket of a weight broadcast is sent or received
 startup           trainer or rollout, as each start-up step begins (``control/startup.py``)
 op_build          trainer, as DeepSpeed's op build begins (in the build's own process)
+eval_prompt       evaluation, before each held-out prompt's generation is started
 ================  ===================================================================
 """
 from __future__ import annotations
@@ -32,7 +33,7 @@ import time
 
 ENV = "HPCRL_FAULT_POINT"
 POINTS = ("seal_manifest", "checkpoint", "publish", "weight_load", "engine_load", "broadcast_bucket", "startup",
-          "op_build")
+          "op_build", "eval_prompt")
 
 log = logging.getLogger(__name__)
 _spec = os.environ.get(ENV)

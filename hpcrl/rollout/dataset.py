@@ -37,6 +37,19 @@ def toy_rows(num_prompts: int, answer_len: int, seed: int) -> list[dict]:
     return rows
 
 
+TOY_HELDOUT_PHRASINGS = ("repeat repeat {c}", "repeat {c} {c}", "repeat {c} .")
+"""The toy task's held-out split: the same instruction in phrasings training never shows ("repeat c" is
+the only one it trains on), each with every training letter."""
+
+
+def toy_heldout_rows(answer_len: int) -> list[dict]:
+    """The held-out split of the toy task (:data:`TOY_HELDOUT_PHRASINGS` x the letters; 24 prompts), with
+    the same answer as its "repeat c". A random policy scores ~1/64 per position, a greedy random one 0;
+    the tiny default run's policy copies the letter in these phrasings too (README, "Validation")."""
+    return [{"prompt": p.format(c=c), "answer": " ".join([c] * answer_len)}
+            for p in TOY_HELDOUT_PHRASINGS for c in TOY_LETTERS]
+
+
 def toy_calc_rows(num_prompts: int, seed: int) -> list[dict]:
     """The multi-turn toy task: "3 * 4" -> call the calculator, then answer "1 2".
 
@@ -54,7 +67,11 @@ def toy_calc_rows(num_prompts: int, seed: int) -> list[dict]:
 def load_rows(cfg: DataConfig, answer_len: int) -> list[dict]:
     """The prompt rows ``{prompt, answer, data_source, extra_info}`` of ``data.source``: the toy
     task (``builtin:toy``), the multi-turn toy task (``builtin:toy_calc``, tool agent rows), or a
-    verl-format file (hpcrl/rollout/data.py); ValueError naming the file and row."""
+    verl-format file (hpcrl/rollout/data.py); ValueError naming the file and row. ``builtin:toy_heldout`` is
+    the toy task's held-out split (``data.val_files``)."""
+    if cfg.source == "builtin:toy_heldout":
+        return [dict(r, data_source="builtin:toy_heldout", extra_info=None, agent_name=None)
+                for r in toy_heldout_rows(answer_len)]
     if cfg.source == "builtin:toy":
         return [dict(r, data_source="builtin:toy", extra_info=None, agent_name=None)
                 for r in toy_rows(cfg.toy_num_prompts, answer_len, cfg.seed)]

@@ -53,6 +53,7 @@ class EngineOptions:
     model_dir: Path
     max_new_tokens: int
     temperature: float
+    """0 = greedy decoding (the most likely token; the evaluation's default)."""
     top_p: float
     device: str
     """``cpu`` or ``cuda`` (``rollout.device: auto`` already resolved)."""
@@ -66,6 +67,8 @@ class EngineOptions:
     data_parallel_size: int = 1
     enforce_eager: bool = True
     max_num_seqs: int = 256
+    top_k: int = -1
+    """Sample among the k most likely tokens; -1 or 0 = all."""
 
 
 class Engine(abc.ABC):

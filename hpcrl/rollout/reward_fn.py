@@ -91,6 +91,14 @@ def split_result(result: Any) -> tuple[float, dict[str, float]]:
     return float(result), extra
 
 
+def result_fields(result: Any) -> dict[str, Any]:
+    """The fields of a dict result whose values are JSON scalars (str, finite number, bool, null); {} for a number."""
+    if not isinstance(result, dict):
+        return {}
+    return {str(k): v for k, v in result.items()
+            if v is None or isinstance(v, (str, bool, int)) or isinstance(v, float) and math.isfinite(v)}
+
+
 def check_reward(cfg: RewardConfig, row: dict) -> str:
     """Import the reward and call it once on ``row`` (with its ground truth as the response);
     ValueError in one line if that fails. Returns a line describing the reward."""
@@ -118,20 +126,28 @@ class RewardScorer:
     def score(self, sample_id: str, row: dict, response: str, agent_info: Optional[dict] = None) -> float:
         """The reward of one response; 0.0 (counted and logged) if the function raises or returns junk.
         A tool agent's counters (``num_turns``, ``tool_calls``, ``tool_errors``) join ``extra_info``."""
+        return self.score_full(sample_id, row, response, agent_info)[0]
+
+    def score_full(self, sample_id: str, row: dict, response: str,
+                   agent_info: Optional[dict] = None) -> tuple[float, dict[str, Any]]:
+        """:meth:`score` and the fields of a dict result (``score`` included, as verl records them): every JSON
+        scalar (numbers, and strings such as verl's ``pred``, which the evaluation's majority vote reads);
+        ``(0.0, {})`` on failure."""
         extra_info = row["extra_info"] if not agent_info else {**(row["extra_info"] or {}), **agent_info}
         try:
-            reward, extra = split_result(self.fn(row["data_source"], response, row["answer"], extra_info))
+            result = self.fn(row["data_source"], response, row["answer"], extra_info)
+            reward, extra = split_result(result)
         except Exception as e:  # noqa: BLE001 - a user's function must not stop the job
             with self._lock:
                 self._errors += 1
             log.warning("reward function failed on sample %s (reward 0): %s: %s", sample_id, type(e).__name__, e)
-            return 0.0
+            return 0.0, {}
         if extra:
             with self._lock:
                 for k, v in extra.items():
                     self._sums[k] += v
                     self._counts[k] += 1
-        return reward
+        return reward, result_fields(result)
 
     def pop_metrics(self) -> dict[str, float]:
         """``reward/errors`` and ``reward_extra/<key>`` means since the last call (one version's row)."""

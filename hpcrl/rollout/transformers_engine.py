@@ -20,6 +20,14 @@ from hpcrl.weights.base import WeightVersion
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def apply_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Mask (to -inf) every token outside the ``top_k`` most likely ones (-1 or 0: none)."""
+    if top_k <= 0 or top_k >= logits.shape[-1]:
+        return logits
+    kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
 def apply_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """Mask (to -inf) the tokens outside the smallest set with probability >= top_p."""
     if top_p >= 1.0:
@@ -43,6 +51,7 @@ class TransformersEngine(Engine):
         self.max_new_tokens = opts.max_new_tokens
         self.temperature = opts.temperature
         self.top_p = opts.top_p
+        self.top_k = opts.top_k
         self.eos_id = self.model.config.eos_token_id
         if isinstance(self.eos_id, list):
             self.eos_id = self.eos_id[0]
@@ -76,8 +85,7 @@ class TransformersEngine(Engine):
         finished = torch.zeros(n, dtype=torch.bool)
         tokens, logps, aborted = [], [], False
         for _ in range(max_new_tokens or self.max_new_tokens):
-            logp = torch.log_softmax(apply_top_p(logits.float() / self.temperature, self.top_p), dim=-1).cpu()
-            tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(1)
+            logp, tok = self._sample(logits, gen)
             tokens.append(torch.where(finished, self.pad_id, tok))
             logps.append(logp.gather(1, tok[:, None]).squeeze(1))
             if self.eos_id is not None:
@@ -90,6 +98,16 @@ class TransformersEngine(Engine):
             out = self.model(input_ids=tok[:, None].to(self.device), past_key_values=past, use_cache=True)
             past, logits = out.past_key_values, out.logits[:, -1, :]
         return self._samples(torch.stack(tokens, 1).numpy(), torch.stack(logps, 1).numpy(), aborted)
+
+    def _sample(self, logits: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probs of the distribution sampled from, the sampled tokens) of one decoding step; temperature 0
+        is greedy (the log-probs then are the untempered ones)."""
+        if self.temperature == 0:
+            logp = torch.log_softmax(logits.float(), dim=-1).cpu()
+            return logp, logp.argmax(dim=-1)
+        scaled = apply_top_p(apply_top_k(logits.float() / self.temperature, self.top_k), self.top_p)
+        logp = torch.log_softmax(scaled, dim=-1).cpu()
+        return logp, torch.multinomial(logp.exp(), 1, generator=gen).squeeze(1)
 
     def _samples(self, tok_mat: np.ndarray, lp_mat: np.ndarray, aborted: bool) -> list[Sample]:
         """Cut each row after its EOS; say why it ended."""

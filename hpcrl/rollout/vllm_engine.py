@@ -93,10 +93,11 @@ class VLLMEngine(Engine):
         # chunked prefill is cut ("CPU Generator does not use offset", seen with 256 requests in
         # flight), which kills the engine; on CPU the engine's own seed drives sampling
         seed = seed if self.opts.device == "cuda" else None
+        extra = {"top_k": self.opts.top_k} if self.opts.top_k > 0 else {}  # off: vLLM's own default (-1 or 0)
         return self._SamplingParams(
             n=1, temperature=self.opts.temperature if temperature is None else temperature, top_p=self.opts.top_p,
             max_tokens=max_tokens or self.opts.max_new_tokens, logprobs=0, seed=seed, detokenize=False,
-            stop_token_ids=[self.eos_id] if self.eos_id is not None else None)
+            stop_token_ids=[self.eos_id] if self.eos_id is not None else None, **extra)
 
     async def _one(self, prompt_ids: list[int], params) -> Sample:
         """One request to its end (or abort): the last cumulative output is the whole response."""

@@ -1,0 +1,58 @@
+"""The one writer of ``logs/eval.jsonl`` and ``logs/eval_samples.jsonl`` (the records: ``hpcrl/eval_log.py``).
+
+At open it recovers what a killed predecessor left: a torn last row is cut, and samples appended after the
+last row (a version whose row never came) are cut back to that row's ``samples_bytes``; so the version is
+evaluated again, whole, and nothing is counted twice. :meth:`EvalLogWriter.commit` appends a version's
+samples, then its row (the commit point), both inside ``termination.deferred``: SIGTERM cannot split them.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from hpcrl.eval_log import EvalRow, EvalSample, committed_samples_bytes, read_eval_rows
+from hpcrl.fsio import JsonlAppender, truncate_torn_tail
+from hpcrl.logs import log_size, truncate_to
+from hpcrl.process import termination
+
+log = logging.getLogger(__name__)
+
+
+class EvalLogWriter:
+    """Appends evaluated versions to an eval log and its samples log (module docstring)."""
+
+    def __init__(self, rows_path: Path, samples_path: Path):
+        self.rows_path, self.samples_path = rows_path, samples_path
+        cut = truncate_torn_tail(rows_path)
+        if cut:
+            log.warning("%s: cut %d bytes of a row torn by a killed writer", rows_path, cut)
+        self.rows: list[EvalRow] = read_eval_rows(rows_path)
+        """Every valid row so far (both sources), in order."""
+        keep, size = committed_samples_bytes(self.rows), log_size(samples_path)
+        if size > keep:
+            log.warning("%s: removing %d bytes of samples of an evaluation that was not finished (no row in %s)",
+                        samples_path, size - keep, rows_path.name)
+            truncate_to(samples_path, keep)
+        elif size < keep:
+            log.warning("%s holds %d bytes, the rows of %s commit %d: samples of earlier versions are missing",
+                        samples_path, size, rows_path.name, keep)
+        self._rows = JsonlAppender(rows_path)
+        self._samples = JsonlAppender(samples_path)
+
+    def commit(self, row: EvalRow, samples: list[EvalSample] = ()) -> EvalRow:
+        """Append ``samples`` then ``row`` (with its sample count, the samples file's size and the time), durably;
+        SIGTERM meanwhile takes effect after both."""
+        with termination.deferred():
+            self._samples.append_many([s.to_json() for s in samples])
+            row.samples = len(samples)
+            row.samples_bytes = log_size(self.samples_path)
+            row.finished_s = time.time()
+            self._rows.append(row.to_json())
+        self.rows.append(row)
+        return row
+
+    def close(self) -> None:
+        """Close both files."""
+        self._rows.close()
+        self._samples.close()
