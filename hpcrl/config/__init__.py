@@ -9,7 +9,9 @@ module             what it holds
 ``names``          the names a field may choose from (estimators, rewards, ...)
 ``checks``         ConfigError and the check helpers (key, what is allowed, fix)
 ``sections``       model, data, reward, actor, rollout, agent, async_training, trainer,
-                   weights, timeouts, logging
+                   weights
+``runtime``        timeouts, logging (what may change on a live run)
+``verl``           verl's config keys read as hpcrl's (the table is ``names.VERL_KEYS``)
 ``algorithm``      algorithm (advantages, KL, rollout correction) and critic
 ``combinations``   the algorithm rules that span sections (what an estimator or loss needs)
 ``resources``      job sizes and Slurm options per role
@@ -23,8 +25,9 @@ from hpcrl.config.algorithm import (AlgorithmConfig, CriticConfig, KLControlConf
 from hpcrl.config.checks import ConfigError
 from hpcrl.config.resources import JobResources, ResourcesConfig
 from hpcrl.config.run import RunConfig, config_from_dict, dump_config, load_config, parse_override
-from hpcrl.config.sections import (ActorConfig, AgentConfig, AsyncConfig, DataConfig, LoggingConfig, ModelConfig,
-                                   RewardConfig, RolloutConfig, TimeoutsConfig, TrainerConfig, WeightsConfig)
+from hpcrl.config.runtime import LoggingConfig, TimeoutsConfig
+from hpcrl.config.sections import (ActorConfig, AgentConfig, AsyncConfig, DataConfig, ModelConfig, RewardConfig,
+                                   RolloutConfig, TrainerConfig, WeightsConfig)
 
 __all__ = [
     "ActorConfig", "AgentConfig", "AlgorithmConfig", "AsyncConfig", "ConfigError", "CriticConfig", "DataConfig", "JobResources",

@@ -13,7 +13,7 @@ keep verl's names (``fully_async_policy``) so users can move their settings acro
 from __future__ import annotations
 
 import dataclasses
-import difflib
+import logging
 import math
 import os
 import re
@@ -27,10 +27,13 @@ import yaml
 from hpcrl.config.algorithm import AlgorithmConfig, CriticConfig
 from hpcrl.config.checks import ConfigError, bad
 from hpcrl.config.combinations import check_algorithm_combinations
-from hpcrl.config.names import RENAMED_KEYS
 from hpcrl.config.resources import ResourcesConfig
-from hpcrl.config.sections import (ActorConfig, AgentConfig, AsyncConfig, DataConfig, LoggingConfig, ModelConfig,
-                                   RewardConfig, RolloutConfig, TimeoutsConfig, TrainerConfig, WeightsConfig)
+from hpcrl.config.runtime import LoggingConfig, TimeoutsConfig
+from hpcrl.config.sections import (ActorConfig, AgentConfig, AsyncConfig, DataConfig, ModelConfig, RewardConfig,
+                                   RolloutConfig, TrainerConfig, WeightsConfig)
+from hpcrl.config.verl import Schema, translate, unknown_key_message
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -136,14 +139,10 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
-    if unknown:
-        key = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
-        if key in RENAMED_KEYS:
-            new, how = RENAMED_KEYS[key]
-            raise bad(key, data[unknown[0]], f"{new} (renamed)", f"write {new} ({how})")
-        near = difflib.get_close_matches(str(unknown[0]), sorted(names), n=1, cutoff=0.6)
-        fix = f"did you mean {prefix + '.' if prefix else ''}{near[0]}?" if near else "remove or rename the key"
-        raise bad(key, data[unknown[0]], "known keys: " + ", ".join(sorted(names)), fix)
+    if unknown:  # a frozen config written by another hpcrl (load_config translated everything else already)
+        schema = Schema.of(RunConfig)
+        raise ConfigError("\n".join(unknown_key_message(f"{prefix}.{k}" if prefix else k, data[k], schema)
+                                    for k in unknown))
     kwargs = {}
     for name, value in data.items():
         key = f"{prefix}.{name}" if prefix else name
@@ -184,29 +183,26 @@ def _coerce(key: str, hint: Any, value: Any) -> Any:
     return value
 
 
-def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
-    parts = dotted.split(".")
-    node = tree
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"override {dotted}: {part!r} is not a section")
-    node[parts[-1]] = value
-
-
 def parse_override(text: str) -> tuple[str, Any]:
-    """``key=value`` -> (dotted key, YAML-parsed value)."""
+    """``key=value`` -> (dotted key, YAML-parsed value). Hydra's ``+key=value`` and ``++key=value`` (add a
+    key verl's defaults lack / force it) are read as ``key=value``: hpcrl has no defaults file to add to."""
+    if text.strip().startswith("~"):
+        raise ConfigError(f"override {text!r}: Hydra's ~key (delete a key) has nothing to delete here; "
+                          "leave the key out, or set it to null")
     if "=" not in text:
         raise ConfigError(f"override {text!r}: expected key=value, e.g. async_training.staleness_threshold=0.5")
     key, raw = text.split("=", 1)
-    key = key.strip()
+    key = key.strip().lstrip("+")
     if not key:
         raise ConfigError(f"override {text!r}: empty key")
     return key, yaml.safe_load(raw) if raw.strip() else ""
 
 
-def load_config(path: Optional[os.PathLike | str] = None, overrides: Optional[list[str]] = None) -> RunConfig:
-    """Read YAML (or start from defaults), apply ``key=value`` overrides, validate."""
+def load_config(path: Optional[os.PathLike | str] = None, overrides: Optional[list[str]] = None,
+                notes: Optional[list[str]] = None) -> RunConfig:
+    """Read YAML (or start from defaults), apply ``key=value`` overrides, validate. verl's keys are read
+    through :data:`hpcrl.config.names.VERL_KEYS` (:mod:`hpcrl.config.verl`); the lines saying how go to
+    ``notes`` (else to the log), once per key."""
     tree: dict = {}
     if path is not None:
         p = Path(path)
@@ -218,9 +214,12 @@ def load_config(path: Optional[os.PathLike | str] = None, overrides: Optional[li
             raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"config file {p}: top level must be a mapping of sections")
-    for text in overrides or []:
-        key, value = parse_override(text)
-        _set_dotted(tree, key, value)
+    tree, lines = translate(tree, [parse_override(text) for text in overrides or []], RunConfig)
+    if notes is None:
+        for line in lines:
+            log.info("%s", line)
+    else:
+        notes.extend(lines)
     return _build(RunConfig, tree, "").validate()
 
 
