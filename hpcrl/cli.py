@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -26,9 +28,13 @@ def _cmd_run(a) -> int:
     try:
         plan = plan_run(a.config, a.run_dir, a.executor, a.overrides, a.resume)
     except (ConfigError, ValueError, FileNotFoundError) as e:
-        print(f"hpcrl: error: {e}", file=sys.stderr)
+        for line in str(e).splitlines():
+            print(f"hpcrl: error: {line}", file=sys.stderr)
         return 2
     cfg, kind = plan.cfg, plan.kind
+    if plan.finished is not None:
+        print(plan.finished)
+        return 0
     if a.dry_run:
         print(f"# executor: {kind}; run directory: {plan.rd.root}")
         print(f"# R={cfg.groups_per_update} groups per update, K={cfg.async_training.trigger_parameter_sync_step}, "
@@ -36,6 +42,8 @@ def _cmd_run(a) -> int:
               f"max lag bound {cfg.max_lag_bound}")
         for note in plan.notes:
             print(f"# {note}")
+        for change in plan.changes:
+            print(f"# --resume changes {change}")
         for job in plan.jobs:
             print("would submit " + job.describe())
         print("# resolved config:")
@@ -43,8 +51,24 @@ def _cmd_run(a) -> int:
         return 0
     for note in plan.notes:
         print(note)
+    for change in plan.changes:
+        print(f"--resume changes {change} (recorded at the top of {plan.rd.config_path})")
+    old_term = signal.signal(signal.SIGTERM, _interrupt) if threading.current_thread() is threading.main_thread() else None
     try:
-        run = launch(plan, resume=a.resume, emit=lambda line: print(line, flush=True))
+        return _follow(a, plan, cfg, kind, launch)
+    finally:
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
+
+
+def _interrupt(signum, frame) -> None:
+    """SIGTERM to ``hpcrl run`` (a closed session, ``kill``) stops the run as Ctrl-C does."""
+    raise KeyboardInterrupt
+
+
+def _follow(a, plan, cfg, kind, launch) -> int:
+    try:
+        run = launch(plan, resume=a.resume, emit=lambda line: print(line, flush=True), bar=sys.stdout.isatty())
     except (ConfigError, ValueError, OSError) as e:  # submission refused: nothing is left behind
         print(f"hpcrl: error: {e}", file=sys.stderr)
         return 2
@@ -54,12 +78,18 @@ def _cmd_run(a) -> int:
     try:
         return 0 if run.wait(timeout_s) else 1
     except KeyboardInterrupt:
-        print("interrupted: cancelling the run's jobs ...", file=sys.stderr, flush=True)
+        print(f"interrupted: asking the jobs to stop (the trainer checkpoints its last update; at most "
+              f"{cfg.timeouts.stop_s:.0f}s, Ctrl-C again to cancel at once) ...", file=sys.stderr, flush=True)
         try:
-            ended = run.cancel(wait_s=60)
-        except KeyboardInterrupt:  # a second Ctrl-C: stop waiting (the jobs have their SIGTERM)
-            ended = False
-        print(f"{'jobs stopped' if ended else 'jobs told to stop'}; resume later with "
+            clean = run.stop(cfg.timeouts.stop_s)
+        except KeyboardInterrupt:  # a second Ctrl-C: cancel now (the jobs get SIGTERM)
+            run.cancel(wait_s=0)
+            clean = False
+        from hpcrl.control.records import read_latest_checkpoint
+
+        ckpt = read_latest_checkpoint(run.rd)
+        print(f"{'jobs stopped' if clean else 'jobs told to stop'}; trainer checkpoint at step "
+              f"{ckpt.step if ckpt else 0}/{cfg.total_updates}; resume later with "
               f"`hpcrl run --resume --run-dir {run.rd.root}`", file=sys.stderr)
         return 130
 

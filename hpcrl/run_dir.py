@@ -52,6 +52,8 @@ WEIGHT_BAD_MARKER = "bad.json"
 """Written into a version folder by a rollout job that found the version damaged."""
 SHARD_MANIFEST = "manifest.jsonl"
 """Each writer's commit log: one line per sealed shard."""
+_HISTORY_TITLE = "# changed since launch (hpcrl run --resume KEY=VALUE), oldest first:"
+_HISTORY_MARK = "# - "
 
 
 class RunDir:
@@ -244,6 +246,11 @@ class RunDir:
     def trainer_done(self) -> Path:
         return self.control / "trainer_done.json"
 
+    @property
+    def stop_request(self) -> Path:
+        """``control/stop.json``: the launcher asks every job to stop (Ctrl-C): the trainer checkpoints first."""
+        return self.control / "stop.json"
+
     # ---- checkpoints
     @property
     def checkpoints(self) -> Path:
@@ -316,11 +323,23 @@ class RunDir:
             d.mkdir(parents=True, exist_ok=True)
         return self
 
-    def freeze_config(self, cfg: RunConfig) -> None:
-        """Write the resolved config as ``config.yaml`` (tmp -> fsync -> replace)."""
+    def freeze_config(self, cfg: RunConfig, changes: tuple[str, ...] = ()) -> None:
+        """Write the resolved config as ``config.yaml`` (tmp -> fsync -> replace), under the history of its
+        changes: the comment block of the file it replaces, plus ``changes`` (one line each, oldest first)."""
         from hpcrl.fsio import write_bytes_atomic
 
-        write_bytes_atomic(self.config_path, dump_config(cfg).encode())
+        history = self.config_history() + list(changes)
+        head = "".join(f"{_HISTORY_MARK}{line}\n" for line in history)
+        if head:
+            head = f"{_HISTORY_TITLE}\n{head}"
+        write_bytes_atomic(self.config_path, (head + dump_config(cfg)).encode())
+
+    def config_history(self) -> list[str]:
+        """The changes made to the frozen config since launch (``hpcrl run --resume KEY=VALUE``), oldest first."""
+        if not self.config_path.is_file():
+            return []
+        return [line[len(_HISTORY_MARK):] for line in self.config_path.read_text().splitlines()
+                if line.startswith(_HISTORY_MARK)]
 
     def load_config(self) -> RunConfig:
         """The frozen config, validated; FileNotFoundError if this is not a run directory."""

@@ -91,7 +91,8 @@ def test_user_reward_errors_score_zero_and_are_counted(tmp_path):
     row = {"data_source": "toy/copy", "answer": "c c", "extra_info": {"split": "train"}}
     assert scorer.score("w000/0/0", row, "c c") == 1.0
     assert scorer.score("w000/0/1", row, "! c") == 0.0  # raised: counted, not fatal
-    assert scorer.pop_metrics() == {"reward/errors": 1, "reward_extra/exact": 1.0}
+    assert scorer.pop_metrics() == {"reward/errors": 1, "reward_extra/exact": 1.0,
+                                    "reward/first_error": "w000/0/1: RuntimeError: a bug in the user's reward"}
 
 
 @pytest.mark.parametrize("name, response, truth, want", [

@@ -24,7 +24,7 @@ from hpcrl.config.algorithm import (AlgorithmConfig, CriticConfig, KLControlConf
                                     RolloutCorrectionConfig)
 from hpcrl.config.checks import ConfigError
 from hpcrl.config.resources import JobResources, ResourcesConfig
-from hpcrl.config.run import RunConfig, config_from_dict, dump_config, load_config, parse_override
+from hpcrl.config.run import RunConfig, config_from_dict, dump_config, given_keys, load_config, parse_override
 from hpcrl.config.runtime import LoggingConfig, TimeoutsConfig
 from hpcrl.config.sections import (ActorConfig, AgentConfig, AsyncConfig, DataConfig, ModelConfig, RewardConfig,
                                    RolloutConfig, TrainerConfig, WeightsConfig)
@@ -33,5 +33,5 @@ __all__ = [
     "ActorConfig", "AgentConfig", "AlgorithmConfig", "AsyncConfig", "ConfigError", "CriticConfig", "DataConfig", "JobResources",
     "KLControlConfig", "LoggingConfig", "ModelConfig", "PolicyLossConfig", "ResourcesConfig", "RewardConfig", "RolloutConfig",
     "RolloutCorrectionConfig", "RunConfig", "TimeoutsConfig", "TrainerConfig", "WeightsConfig", "config_from_dict",
-    "dump_config", "load_config", "parse_override",
+    "dump_config", "given_keys", "load_config", "parse_override",
 ]

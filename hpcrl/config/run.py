@@ -203,24 +203,41 @@ def load_config(path: Optional[os.PathLike | str] = None, overrides: Optional[li
     """Read YAML (or start from defaults), apply ``key=value`` overrides, validate. verl's keys are read
     through :data:`hpcrl.config.names.VERL_KEYS` (:mod:`hpcrl.config.verl`); the lines saying how go to
     ``notes`` (else to the log), once per key."""
-    tree: dict = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist; pass one of configs/*.yaml")
-        try:
-            tree = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
-        if not isinstance(tree, dict):
-            raise ConfigError(f"config file {p}: top level must be a mapping of sections")
-    tree, lines = translate(tree, [parse_override(text) for text in overrides or []], RunConfig)
+    tree, lines = translate(_read_yaml(path), [parse_override(text) for text in overrides or []], RunConfig)
     if notes is None:
         for line in lines:
             log.info("%s", line)
     else:
         notes.extend(lines)
     return _build(RunConfig, tree, "").validate()
+
+
+def _read_yaml(path: Optional[os.PathLike | str]) -> dict:
+    if path is None:
+        return {}
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {p} does not exist; pass one of configs/*.yaml")
+    try:
+        tree = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"config file {p}: top level must be a mapping of sections")
+    return tree
+
+
+def given_keys(path: Optional[os.PathLike | str], overrides: Optional[list[str]] = None) -> set[str]:
+    """The hpcrl keys (dotted) that a config file and overrides set explicitly, verl's keys read as hpcrl's."""
+    tree, _ = translate(_read_yaml(path), [parse_override(text) for text in overrides or []], RunConfig)
+    out: set[str] = set()
+
+    def walk(node: dict, prefix: str) -> None:
+        for k, v in node.items():
+            key = f"{prefix}.{k}" if prefix else k
+            walk(v, key) if isinstance(v, dict) and not key.endswith(("sbatch_extra", "kwargs")) else out.add(key)
+    walk(tree, "")
+    return out
 
 
 def config_from_dict(tree: dict) -> RunConfig:

@@ -80,7 +80,7 @@ def _deepspeed(cfg: RunConfig, run_dir: RunDir, rank: int, world: int):
     from hpcrl.trainer.safe_checkpoint import SafeCheckpointEngine
 
     path = run_dir.model_dir(cfg.model.path)
-    with fatal_inputs(run_dir, RunDir.trainer_job(rank), f"loading the model {path}"):
+    with fatal_inputs(run_dir, RunDir.trainer_job(rank), f"loading the model {path}", "model"):
         policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model = PolicyWithValueHead(policy, value_head=cfg.algorithm.adv_estimator == "gae")
     groups = [{"params": list(policy.parameters()), "lr": cfg.actor.lr}]
