@@ -6,6 +6,8 @@
     hpcrl report RUN_DIR [RUN_DIR ...] [--out DIR] # offline report (default: RUN_DIR/report)
     hpcrl status RUN_DIR [--interval-s 5] [--once] # live view from the login node
     hpcrl summary RUN_DIR                          # per-version table of the staleness log
+    hpcrl samples RUN_DIR [--version V] [--worst|--best] [-n K]   # prompts, responses, rewards, token versions
+    hpcrl export RUN_DIR [--version last|N] --out DIR             # a weight version as a Hugging Face folder
 """
 from __future__ import annotations
 
@@ -130,6 +132,21 @@ def add_analysis_commands(sub) -> None:
     st.add_argument("--once", action="store_true", help="print one view and exit")
     sm = sub.add_parser("summary", help="per-version table of a run's staleness log in the terminal")
     sm.add_argument("run_dir", metavar="RUN_DIR")
+    sa = sub.add_parser("samples", help="what the model writes: prompts, responses, rewards and per-token versions "
+                                        "decoded from the shards",
+                        description="Decode committed samples of one weight version (default: the newest) with the "
+                                    "run's tokenizer.")
+    sa.add_argument("run_dir", metavar="RUN_DIR")
+    sa.add_argument("--version", type=int, default=None, help="weight version that sampled them (default: newest)")
+    order = sa.add_mutually_exclusive_group()
+    order.add_argument("--worst", action="store_true", help="lowest reward first")
+    order.add_argument("--best", action="store_true", help="highest reward first")
+    sa.add_argument("-n", type=int, default=4, help="how many (default 4)")
+    ex = sub.add_parser("export", help="write a published weight version as a Hugging Face folder (model, tokenizer, "
+                                       "generation config) that transformers and vLLM load as is")
+    ex.add_argument("run_dir", metavar="RUN_DIR")
+    ex.add_argument("--version", default="last", help="weight version number, or last (default)")
+    ex.add_argument("--out", required=True, metavar="DIR", help="a new folder")
 
 
 def _cmd_summary(run_dir: str) -> int:
@@ -150,6 +167,14 @@ def run_analysis_command(a: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if a.cmd == "summary":
         return _cmd_summary(a.run_dir)
+    if a.cmd == "samples":
+        from hpcrl.analysis.samples import samples_main
+
+        return samples_main(a.run_dir, a.version, "worst" if a.worst else "best" if a.best else "newest", a.n)
+    if a.cmd == "export":
+        from hpcrl.analysis.export import export_main
+
+        return export_main(a.run_dir, a.out, a.version)
     if a.cmd == "status":
         from hpcrl.analysis.status import status_main
 
@@ -229,7 +254,7 @@ def main(argv=None) -> int:
         if a.cmd not in ("run", "sbatch-lines") or any("=" not in x or x.startswith("-") for x in extra):
             p.error("unrecognized arguments: " + " ".join(extra))
         a.overrides = list(a.overrides) + extra
-    if a.cmd in ("report", "status", "summary"):
+    if a.cmd in ("report", "status", "summary", "samples", "export"):
         return run_analysis_command(a)
     if a.cmd == "run":
         if a.config is not None and "=" in a.config:  # `hpcrl run key=value --resume`

@@ -8,7 +8,7 @@ Layout (ARCHITECTURE.md, "The run directory")::
       base_model/                  builtin:tiny model + tokenizer               (launcher writes)
       sbatch/<role>.setup.sh       per-role setup lines for sbatch/*.sbatch     (launcher writes)
       samples/<writer>/shard-000042.h5, manifest.jsonl                          (one rollout job each)
-      weights/v000007/             config.json, model.safetensors, manifest.json (trainer)
+      weights/v000007/             config.json, model.safetensors, tokenizer files, manifest.json (trainer)
       weights/v000007/bad.json     the version is damaged: never loaded again     (rollout job)
       control/heartbeat/<job>.json, control/loading/<writer>.json, control/admission.json,
       control/skipped_shards.jsonl, ...
@@ -48,6 +48,11 @@ WEIGHT_TENSORS = "model.safetensors"
 """The tensors of a weight version (one safetensors file, HF layout)."""
 WEIGHT_MODEL_CONFIG = "config.json"
 """The HF model config of a weight version (so the folder loads as an HF model)."""
+WEIGHT_MODEL_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                      "added_tokens.json", "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt",
+                      "tokenizer.model")
+"""The model folder's other files a weight version carries when the model has them (tokenizer, chat template,
+generation config), so that every version is a complete Hugging Face folder; listed and hashed in its manifest."""
 WEIGHT_BAD_MARKER = "bad.json"
 """Written into a version folder by a rollout job that found the version damaged."""
 SHARD_MANIFEST = "manifest.jsonl"
@@ -175,9 +180,11 @@ class RunDir:
         return self.weight_version_dir(version) / WEIGHT_MANIFEST
 
     def weight_file(self, version: int, name: str) -> Path:
-        """A file of version ``version`` (``name``: :data:`WEIGHT_TENSORS` or :data:`WEIGHT_MODEL_CONFIG`)."""
-        if name not in (WEIGHT_TENSORS, WEIGHT_MODEL_CONFIG):
-            raise ValueError(f"{name!r} is not a weight file (expected {WEIGHT_TENSORS} or {WEIGHT_MODEL_CONFIG})")
+        """A file of version ``version`` (``name``: :data:`WEIGHT_TENSORS`, :data:`WEIGHT_MODEL_CONFIG` or one of
+        :data:`WEIGHT_MODEL_FILES`); ValueError for any other name."""
+        if name not in (WEIGHT_TENSORS, WEIGHT_MODEL_CONFIG, *WEIGHT_MODEL_FILES):
+            raise ValueError(f"{name!r} is not a weight file (expected {WEIGHT_TENSORS}, {WEIGHT_MODEL_CONFIG} or one "
+                             f"of {', '.join(WEIGHT_MODEL_FILES)})")
         return self.weight_version_dir(version) / name
 
     def weight_bad_marker(self, version: int) -> Path:

@@ -8,7 +8,9 @@ Every few seconds (``--interval-s``) it reads the run directory and prints:
   counters; a job whose heartbeat is older than ``timeouts.heartbeat_stale_s``
   is flagged STALE, and one on this host whose process is gone is flagged GONE;
 - groups committed (shard manifests), consumed (trainer), the queue between
-  them and the groups in flight (admission counter), and the lag of the last update.
+  them and the groups in flight (admission counter), and the lag of the last update;
+- problems, when there are any: reward errors, tool errors (each with the first message and sample
+  id) and prompts filtered by length, per rollout job (:mod:`hpcrl.analysis.problems`).
 
 It exits 0 when ``control/trainer_done.json`` appears, 1 when no job is alive
 and the trainer has not finished (crashed or cancelled: resume with
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Optional, TextIO
 
 from hpcrl.analysis.load import Knobs, read_config_leniently, read_json_tolerant
+from hpcrl.analysis.problems import tally
 from hpcrl.control.records import TrainerDone, has_ended, read_heartbeats, read_trainer_done
 from hpcrl.fsio import JsonlTail
 from hpcrl.run_dir import RunDir
@@ -123,7 +126,7 @@ class StatusView:
         lines += self.notes
         lines += [_progress(m, self.knobs, done, stopped), ""]
         committed = self.committed()
-        lines += self._job_lines(jobs, m, committed) + [""] + self._group_lines(m, committed)
+        lines += self._job_lines(jobs, m, committed) + [""] + self._group_lines(m, committed) + self._problem_lines()
         if done is not None:
             lines.append(f"run finished: {done.trainer_step} updates, version {done.param_version}, "
                          f"{done.consumed_groups} groups consumed")
@@ -185,6 +188,13 @@ class StatusView:
                          f"(mean of last {min(len(m), 10)}: {_mean(m[-10:], 'reward/mean'):.3f}); "
                          f"trainer {_num(last.get('throughput/tokens_per_s')):.0f} tokens/s")
         return lines
+
+
+    def _problem_lines(self) -> list[str]:
+        """Reward errors, tool errors and filtered prompts per writer (only when there are any)."""
+        found = [tally(w, rows) for w, rows in self.rollout_rows().items()]
+        found = [p for p in found if p.any]
+        return ["problems: " + found[0].line()] + [f"          {p.line()}" for p in found[1:]] if found else []
 
 
 def _num(value, default: float = math.nan) -> float:

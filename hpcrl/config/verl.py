@@ -126,6 +126,7 @@ class Translation:
         return self.values[key].value if key in self.values else self.schema.defaults.get(key)
 
     def assign(self, key: str, value: Any, by: str, override: bool) -> None:
+        """Set hpcrl key ``key`` (written as ``by``): two file keys that disagree conflict, an override wins."""
         old = self.values.get(key)
         if old is not None and not override and not old.override and old.value != value:
             self.errors.append(f"config {by}: got {value!r}, but {old.by} already set {key} to {old.value!r}; "

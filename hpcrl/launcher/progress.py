@@ -112,11 +112,11 @@ class Console:
         self._rollout: dict[Path, JsonlTail] = {}
         self._rollout_new: list[dict] = []
         """Rollout rows not yet reported on a version line."""
-        self._last_rows: list[dict] = []
-        """The rollout rows reported on the last version line (its sample comes from them)."""
         self._latest: dict[str, dict] = {}
         """Each writer's newest rollout row (its idle ratio)."""
         self._seen: dict[Path, int] = {}
+        self._samples: list[dict] = []
+        """Rollout rows with a sampled response, by version (the last 50)."""
         self._errors_seen = {M.REWARD_ERRORS: False, M.TOOL_ERRORS: False}
         self._filtered_said = False
         self._lines = 0
@@ -165,18 +165,22 @@ class Console:
         self._lines += 1
         every = self.cfg.logging.show_samples
         if every and self._lines % every == 1 % every:
-            self._sample_line()
+            self._sample_line(row[M.PARAM_VERSION])
         self.bar.show(step, postfix=f"reward {reward:.3f} {eta}")
 
     # ---- the rollout jobs' rows: idle ratio, problems, samples
     def _poll_rollout(self) -> None:
+        fresh: list[dict] = []
         for p in self.rd.rollout_metrics_logs().values():
             rows = self._rollout.setdefault(p, JsonlTail(p)).poll()
             known = self._seen.get(p, 0)
-            self._rollout_new += rows[known:] if len(rows) >= known else rows
+            fresh += rows[known:] if len(rows) >= known else rows  # a log cut back is read again
             self._seen[p] = len(rows)
-        for r in self._rollout_new:
+        self._rollout_new += fresh
+        for r in fresh:
             self._latest[str(r.get(M.WRITER))] = r
+        self._samples = sorted(self._samples + [r for r in fresh if r.get(M.SAMPLE_ID)],
+                               key=lambda r: r.get(M.PARAM_VERSION, -1))[-50:]
 
     def _rollout_idle(self) -> str:
         vals = [r.get(M.ROLLOUT_IDLE_RATIO) for r in self._latest.values()]
@@ -200,11 +204,11 @@ class Console:
         if filtered and not self._filtered_said:
             self._filtered_said = True
             out.append(f"{filtered} prompts filtered (over data.max_prompt_length)")
-        self._last_rows = rows or self._last_rows
         return "; ".join(out)
 
-    def _sample_line(self) -> None:
-        rows = [r for r in self._last_rows if r.get(M.SAMPLE_ID)]
+    def _sample_line(self, version: int) -> None:
+        """A response generated with ``version`` (the one the update trained on), else the newest before it."""
+        rows = [r for r in self._samples if r.get(M.PARAM_VERSION, -1) <= version] or self._samples[:1]
         if not rows:
             return
         r = rows[-1]
@@ -215,7 +219,8 @@ class Console:
     # ---- start-up
     def _startup_lines(self) -> None:
         now, beats = time.time(), read_heartbeats(self.rd)
-        steps = {job: (f"{b.step} ({hms(now - b.step_started_s)})" if b.step else b.state)
+        steps = {job: (f"{b.step} ({hms(now - b.step_started_s)})" if b.step else
+                       "waiting" if b.state == "starting" else "started")
                  for job, b in sorted(beats.items()) if not b.ended}
         names = {job: s.rsplit(" (", 1)[0] for job, s in steps.items()}
         waited = hms(time.monotonic() - self._started_s)

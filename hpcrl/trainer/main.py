@@ -256,7 +256,7 @@ class TrainerJob:
         if self.parts.engine.global_rank == 0:
             weights = self.lead.weights
             published = weights.publish(version, state_dict, self.parts.model_config_json, self.state.step,
-                                        self.state.consumed_groups)
+                                        self.state.consumed_groups, self.parts.model_files)
             self._sync_stats = {M.PARAM_SYNC_GATHER_S: gather_s, **published.metrics()}
             deleted = weights.retain(self.cfg.timeouts.heartbeat_stale_s)
             if deleted:
