@@ -25,7 +25,7 @@ from hpcrl.control.records import HeartbeatState, read_heartbeats, read_trainer_
 from hpcrl.launcher.follow import RunFollower
 from hpcrl.launcher.inputs import check_inputs, derive_total_steps
 from hpcrl.launcher.prepare import prepare_run_dir
-from hpcrl.launcher.resume import check_changes, finished_message, history_lines
+from hpcrl.launcher.resume import change_lines, check_changes, finished_message
 from hpcrl.launcher.submit import PlannedJob, plan_jobs, resolve_executor, submit_jobs, submit_one
 from hpcrl.run_dir import RunDir
 
@@ -45,7 +45,7 @@ class RunPlan:
     notes: list[str] = field(default_factory=list)
     """How verl's keys were read, what the input checks found (prompt counts, the reward), for the user to read."""
     changes: list[str] = field(default_factory=list)
-    """``--resume``: the keys it changes, as lines of the frozen config's history."""
+    """``--resume``: the keys it changes (``reward.path: 'a.py' -> 'b.py'``), for the frozen config's history."""
     finished: Optional[str] = None
     """``--resume`` of a finished run: the line saying so (nothing is submitted)."""
 
@@ -90,7 +90,7 @@ def plan_run(config: Optional[os.PathLike | str | RunConfig], run_dir: os.PathLi
     changes: list[str] = []
     if resume:
         fatal = read_fatal_record(rd)
-        changes = history_lines(check_changes(rd.load_config(), cfg, fatal), fatal)
+        changes = change_lines(check_changes(rd.load_config(), cfg, fatal), fatal)
         finished = finished_message(read_trainer_done(rd), cfg, str(rd.root))
         if finished is not None:
             return RunPlan(cfg, rd, kind, [], notes + found.lines, finished=finished)

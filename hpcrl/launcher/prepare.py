@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import time
 from pathlib import Path
 
 from hpcrl.config import ConfigError, RunConfig
@@ -35,7 +36,8 @@ def prepare_run_dir(cfg: RunConfig, run_dir: Path, resume: bool, inputs_checked:
             raise ConfigError(f"run directory {rd.root} already holds a run; pass --resume to continue it "
                               "or choose another --run-dir")
         if changes:
-            rd.freeze_config(cfg, changes)
+            when = time.strftime("%Y-%m-%d %H:%M:%S")
+            rd.freeze_config(cfg, tuple(f"{when} --resume {c}" for c in changes))
         clear_fatal(rd)
         clear_stop(rd)
         done = read_trainer_done(rd)

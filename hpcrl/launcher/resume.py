@@ -17,7 +17,6 @@ length of the run (then the trainer continues from its last checkpoint).
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -105,11 +104,11 @@ def check_changes(frozen: RunConfig, new: RunConfig, fatal: Optional[FatalRecord
     return found
 
 
-def history_lines(found: list[Change], fatal: Optional[FatalRecord]) -> list[str]:
-    """The lines a resume adds to the frozen config's history."""
-    when = time.strftime("%Y-%m-%d %H:%M:%S")
+def change_lines(found: list[Change], fatal: Optional[FatalRecord]) -> list[str]:
+    """The lines a resume says and adds to the frozen config's history (with the time, by
+    :meth:`hpcrl.run_dir.RunDir.freeze_config`'s caller)."""
     why = f" (after: {fatal.input or 'input'} failed)" if fatal else ""
-    return [f"{when} --resume {c.line()}{why}" for c in found]
+    return [f"{c.line()}{why}" for c in found]
 
 
 def finished_message(done: Optional[TrainerDone], cfg: RunConfig, run_dir: str) -> Optional[str]:
