@@ -106,19 +106,43 @@ def test_builtin_math_rewards(name, response, truth, want):
     assert REWARDS[name](response, truth) == want
 
 
+VERL_YAML = """
+# a verl fully_async user's file: verl's keys (hpcrl/config/names.py: VERL_KEYS), hpcrl's tiny-run sizes
+hydra: {searchpath: [pkg://verl.trainer.config]}
+defaults: [ppo_trainer, _self_]
+data: {train_files: [TRAIN], max_prompt_length: 16, max_response_length: 8, train_batch_size: 0, gen_batch_size: 1,
+       filter_overlong_prompts: true}
+actor_rollout_ref:
+  hybrid_engine: false
+  model: {path: MODEL, use_remove_padding: true}
+  actor: {strategy: fsdp2, ppo_mini_batch_size: 4, ppo_micro_batch_size_per_gpu: 32, optim: {lr: 0.001},
+          fsdp_config: {param_offload: false}}
+  rollout: {name: hf, n: 8, calculate_log_probs: true, temperature: 1.0}
+custom_reward_function: {path: REWARD, name: compute_score}
+rollout: {nnodes: 1, n_gpus_per_node: 0, total_rollout_steps: 720}
+trainer: {nnodes: 1, n_gpus_per_node: 0, save_freq: 20, logger: [console, tensorboard, wandb], project_name: hpcrl}
+async_training: {staleness_threshold: 0.0, trigger_parameter_sync_step: 1, require_batches: 1, partial_rollout: false}
+resources:
+  trainer: {cpus_per_task: 1, mem_gb: 4, timeout_min: 30}
+  rollout: {cpus_per_task: 1, mem_gb: 4, timeout_min: 30}
+"""
+
+
 @pytest.mark.slow
 def test_verl_format_run_learns_through_the_launcher(tmp_path):
-    """verl parquet + chat template + the user's reward file, launched like a user would."""
+    """verl parquet + chat template + the user's reward file + a config in verl's keys, launched like a user would."""
     folder = chat_model(tmp_path)
     src = verl_parquet(tmp_path / "train.parquet")
     (tmp_path / "reward.py").write_text(USER_REWARD)
+    (tmp_path / "verl.yaml").write_text(VERL_YAML.replace("TRAIN", str(src)).replace("MODEL", str(folder))
+                                        .replace("REWARD", str(tmp_path / "reward.py")))
     run = tmp_path / "run"
-    out = hpcrl("run", TINY, f"model.path={folder}", f"data.source={src}", f"reward.path={tmp_path / 'reward.py'}",
-                "data.max_prompt_length=16", "rollout.total_rollout_steps=720", "logging.backends=[jsonl,tensorboard,wandb]",
-                "--run-dir", run,
-                "--executor", "local", "--timeout-min", "5", timeout=400)
+    out = hpcrl("run", tmp_path / "verl.yaml", "--run-dir", run, "--executor", "local", "--timeout-min", "5",
+                timeout=400)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "chat template on" in out.stdout and "compute_score from" in out.stdout
+    assert "chat template on" in out.stdout and "compute_score(data_source, solution_str" in out.stdout
+    assert "verl actor_rollout_ref.rollout.n -> rollout.n" in out.stdout
+    assert "actor.ppo_micro_batch_size=4 groups of rollout.n=8 per rank" in out.stdout
     assert f"next: hpcrl report {run}" in out.stdout and "eta " in out.stdout
     from hpcrl.logs import read_metrics
     from hpcrl.metric_names import COUNTERS

@@ -212,9 +212,9 @@ class Console:
         if not rows:
             return
         r = rows[-1]
-        text = (f"  sample {r[M.SAMPLE_ID]} (v{r.get(M.PARAM_VERSION)}, reward {float(r.get(M.SAMPLE_REWARD, 0)):.3f}): "
+        text = (f"sample {r[M.SAMPLE_ID]} (v{r.get(M.PARAM_VERSION)}, reward {float(r.get(M.SAMPLE_REWARD, 0)):.3f}): "
                 f"{one_line(r.get(M.SAMPLE_PROMPT, ''), 60)!r} -> {r.get(M.SAMPLE_RESPONSE, '')!r}")
-        self.bar.write(one_line(text), self.emit)
+        self.bar.write("  " + one_line(text), self.emit)
 
     # ---- start-up
     def _startup_lines(self) -> None:
