@@ -72,3 +72,15 @@ def test_the_first_start_says_what_each_job_waits_for(tmp_path):
     console.poll()
     console.poll()
     assert lines == ["  trainer: building DeepSpeed's ops (12s)"], lines
+
+
+def test_on_a_terminal_a_bar_sits_under_the_lines(tmp_path, capsys):
+    rd = make_run(tmp_path, "logging.show_samples=0")
+    lines = []
+    console = Console(rd, rd.load_config(), lines.append, resume=False, bar=True)
+    append(rd.metrics, [metrics_row(1, 1000.0), metrics_row(2, 1001.0)])
+    console.poll()
+    console.close()
+    err = capsys.readouterr()
+    assert lines == [], "lines go above the bar (tqdm.write), not through emit"
+    assert "v2    step     2/300" in err.out and "2/300 updates" in err.err and "eta 4m58s" in err.err, err

@@ -42,8 +42,9 @@ def entry_of(key: str) -> tuple[Optional[str], Optional[VerlKey]]:
     return (best, _as_entry(VERL_KEYS[best])) if best else (None, None)
 
 
-def _as_entry(value: str | VerlKey) -> VerlKey:
-    return VerlKey(value) if isinstance(value, str) else value
+def _as_entry(value: str | tuple) -> VerlKey:
+    """A table value as a VerlKey: a plain string is the target; a tuple ``(target, note[, refuse])`` reads as one."""
+    return VerlKey(value) if isinstance(value, str) else VerlKey(*value)
 
 
 def _target(table_key: str, entry: VerlKey, key: str) -> Optional[str]:
