@@ -88,7 +88,7 @@ def test_a_run_stopped_by_its_reward_is_fixed_with_resume_and_finishes(tmp_path)
                   run, "--executor", "local", timeout=300)
     assert first.returncode == 1, first.stdout[-3000:]
     assert "run stopped: rollout-w000: loading the reward failed:" in first.stdout and "ModuleNotFoundError" in first.stdout
-    assert "--resume --run-dir" in first.stdout and "reward.path=" in first.stdout
+    assert f"hpcrl run --resume --run-dir {run} reward.path=FILE" in first.stdout
     again = hpcrl("run", "--resume", "--run-dir", run, f"reward.path={tmp_path / 'fixed.py'}", "--executor", "local",
                   timeout=300)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]

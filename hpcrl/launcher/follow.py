@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from hpcrl.config import RunConfig
-from hpcrl.control.fatal import read_fatal
+from hpcrl.control.fatal import read_fatal, read_fatal_record
 from hpcrl.control.records import read_heartbeats, read_latest_checkpoint, read_trainer_done
 from hpcrl.launcher.progress import Console, hms
 from hpcrl.run_dir import RunDir
@@ -61,6 +61,20 @@ class RunFollower:
         else:
             self._intro = (f"jobs starting: each start-up step is shown below as it begins (`hpcrl status {rd.root}` "
                            f"shows them too); the trainer logs to {rd.job_log(RunDir.trainer_job())}")
+
+    def _fix_hint(self) -> str:
+        """How to go on after a fatal input error, by the input that failed."""
+        record = read_fatal_record(self.rd)
+        which = record.input if record is not None else ""
+        resume = f"hpcrl run --resume --run-dir {self.rd.root}"
+        if which == "reward":
+            return f"fix the reward file, or point at another: `{resume} reward.path=FILE`"
+        if which == "data":
+            return f"fix the data file, or point at another: `{resume} data.source=FILE`"
+        if which in ("model", "agent"):
+            return (f"fix the {which} in place, then `{resume}` (a changed model.path cannot resume this run: "
+                    "start a new --run-dir)")
+        return f"fix it, then `{resume}` (with KEY=VALUE for what changed)"
 
     def _print_new_versions(self) -> None:
         self.console.poll()
@@ -118,9 +132,7 @@ class RunFollower:
             fatal = read_fatal(self.rd)
             if fatal is not None:
                 self.console.close()
-                self.emit(f"run stopped: {fatal} (a restart would fail the same way; fix it, then "
-                          f"`hpcrl run --resume --run-dir {self.rd.root} KEY=VALUE`, e.g. reward.path=... or "
-                          f"data.source=...)")
+                self.emit(f"run stopped: {fatal} (a restart would fail the same way; {self._fix_hint()})")
                 self.cancel_all()
                 return 1
             failed = self._check_jobs()

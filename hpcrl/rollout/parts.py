@@ -110,7 +110,7 @@ def build_parts(cfg: RunConfig, run_dir: RunDir, writer: str, writer_rank: int, 
                 scorer = RewardScorer(load_reward(cfg.reward))
             with fatal_inputs(run_dir, job, "building the agent loops", "agent"):
                 loops = make_loops(cfg.agent, tokenizer, rows)
-        with fatal_inputs(run_dir, job, f"starting the {cfg.rollout.engine} engine on {mdir}", "model"):
+        with fatal_inputs(run_dir, job, f"loading the model {mdir} into the {cfg.rollout.engine} engine", "model"):
             runner = EngineRunner()
             closers.callback(runner.close)
             with steps.step(f"starting the {cfg.rollout.engine} engine", t.engine_start_s + 10):  # its own limit first
