@@ -12,6 +12,7 @@ module             what it holds
                    weights
 ``runtime``        timeouts, logging (what may change on a live run)
 ``verl``           verl's config keys read as hpcrl's (the table is ``names.VERL_KEYS``)
+``verl_units``     verl's values whose units differ, converted (micro-batches, GPUs, epochs)
 ``algorithm``      algorithm (advantages, KL, rollout correction) and critic
 ``combinations``   the algorithm rules that span sections (what an estimator or loss needs)
 ``resources``      job sizes and Slurm options per role
