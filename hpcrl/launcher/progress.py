@@ -47,10 +47,11 @@ def hms(seconds: float) -> str:
 
 def steady_seconds_per_update(rows: list[dict]) -> Optional[float]:
     """Median seconds between consecutive updates over the last :data:`RECENT` pairs (None with fewer than 2)."""
+    rows = rows[-(RECENT + 1):]
     gaps = [b[M.TIME_S] - a[M.TIME_S] for a, b in zip(rows, rows[1:])
             if b.get(M.STEP) == a.get(M.STEP, -2) + 1 and isinstance(a.get(M.TIME_S), (int, float))
             and isinstance(b.get(M.TIME_S), (int, float))]
-    return statistics.median(gaps[-RECENT:]) if gaps else None
+    return statistics.median(gaps) if gaps else None
 
 
 def one_line(text: str, limit: int = LINE_CHARS) -> str:
