@@ -11,7 +11,7 @@
 - :mod:`hpcrl.analysis.export`     ``hpcrl export RUN_DIR --out DIR``: a weight version as a Hugging Face folder
 
 The commands are ``hpcrl report``, ``status``, ``summary``, ``samples`` and ``export`` (hpcrl/cli.py);
-this package is library code (no printing). Nothing
+this package is library code (only the ``*_main`` functions print what their command shows). Nothing
 here imports DeepSpeed; only ``samples`` and ``export`` load transformers (the tokenizer): the rest runs on a
 login node with pandas and matplotlib. The notebook and scripts a user runs on top are in the repository's
 ``analysis/`` folder.
