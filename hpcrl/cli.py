@@ -8,13 +8,17 @@
     hpcrl report RUN_DIR [RUN_DIR ...] [--out DIR] # offline report (default: RUN_DIR/report)
     hpcrl status RUN_DIR [--interval-s 5] [--once] # live view from the login node
     hpcrl summary RUN_DIR                          # per-version table of the staleness log
+    hpcrl samples RUN_DIR [--version V] [--worst|--best] [-n K]   # prompts, responses, rewards, token versions
+    hpcrl export RUN_DIR [--version last|N] --out DIR             # a weight version as a Hugging Face folder
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -28,9 +32,13 @@ def _cmd_run(a) -> int:
     try:
         plan = plan_run(a.config, a.run_dir, a.executor, a.overrides, a.resume)
     except (ConfigError, ValueError, FileNotFoundError) as e:
-        print(f"hpcrl: error: {e}", file=sys.stderr)
+        for line in str(e).splitlines():
+            print(f"hpcrl: error: {line}", file=sys.stderr)
         return 2
     cfg, kind = plan.cfg, plan.kind
+    if plan.finished is not None:
+        print(plan.finished)
+        return 0
     if a.dry_run:
         print(f"# executor: {kind}; run directory: {plan.rd.root}")
         print(f"# R={cfg.groups_per_update} groups per update, K={cfg.async_training.trigger_parameter_sync_step}, "
@@ -38,6 +46,8 @@ def _cmd_run(a) -> int:
               f"max lag bound {cfg.max_lag_bound}")
         for note in plan.notes:
             print(f"# {note}")
+        for change in plan.changes:
+            print(f"# --resume changes {change}")
         for job in plan.jobs:
             print("would submit " + job.describe())
         print("# resolved config:")
@@ -45,8 +55,24 @@ def _cmd_run(a) -> int:
         return 0
     for note in plan.notes:
         print(note)
+    for change in plan.changes:
+        print(f"--resume changes {change} (recorded at the top of {plan.rd.config_path})")
+    old_term = signal.signal(signal.SIGTERM, _interrupt) if threading.current_thread() is threading.main_thread() else None
     try:
-        run = launch(plan, resume=a.resume, emit=lambda line: print(line, flush=True))
+        return _follow(a, plan, cfg, kind, launch)
+    finally:
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
+
+
+def _interrupt(signum, frame) -> None:
+    """SIGTERM to ``hpcrl run`` (a closed session, ``kill``) stops the run as Ctrl-C does."""
+    raise KeyboardInterrupt
+
+
+def _follow(a, plan, cfg, kind, launch) -> int:
+    try:
+        run = launch(plan, resume=a.resume, emit=lambda line: print(line, flush=True), bar=sys.stdout.isatty())
     except (ConfigError, ValueError, OSError) as e:  # submission refused: nothing is left behind
         print(f"hpcrl: error: {e}", file=sys.stderr)
         return 2
@@ -56,12 +82,18 @@ def _cmd_run(a) -> int:
     try:
         return 0 if run.wait(timeout_s) else 1
     except KeyboardInterrupt:
-        print("interrupted: cancelling the run's jobs ...", file=sys.stderr, flush=True)
+        print(f"interrupted: asking the jobs to stop (the trainer checkpoints its last update; at most "
+              f"{cfg.timeouts.stop_s:.0f}s, Ctrl-C again to cancel at once) ...", file=sys.stderr, flush=True)
         try:
-            ended = run.cancel(wait_s=60)
-        except KeyboardInterrupt:  # a second Ctrl-C: stop waiting (the jobs have their SIGTERM)
-            ended = False
-        print(f"{'jobs stopped' if ended else 'jobs told to stop'}; resume later with "
+            clean = run.stop(cfg.timeouts.stop_s)
+        except KeyboardInterrupt:  # a second Ctrl-C: cancel now (the jobs get SIGTERM)
+            run.cancel(wait_s=0)
+            clean = False
+        from hpcrl.control.records import read_latest_checkpoint
+
+        ckpt = read_latest_checkpoint(run.rd)
+        print(f"{'jobs stopped' if clean else 'jobs told to stop'}; trainer checkpoint at step "
+              f"{ckpt.step if ckpt else 0}/{cfg.total_updates}; resume later with "
               f"`hpcrl run --resume --run-dir {run.rd.root}`", file=sys.stderr)
         return 130
 
@@ -102,6 +134,21 @@ def add_analysis_commands(sub) -> None:
     st.add_argument("--once", action="store_true", help="print one view and exit")
     sm = sub.add_parser("summary", help="per-version table of a run's staleness log in the terminal")
     sm.add_argument("run_dir", metavar="RUN_DIR")
+    sa = sub.add_parser("samples", help="what the model writes: prompts, responses, rewards and per-token versions "
+                                        "decoded from the shards",
+                        description="Decode committed samples of one weight version (default: the newest) with the "
+                                    "run's tokenizer.")
+    sa.add_argument("run_dir", metavar="RUN_DIR")
+    sa.add_argument("--version", type=int, default=None, help="weight version that sampled them (default: newest)")
+    order = sa.add_mutually_exclusive_group()
+    order.add_argument("--worst", action="store_true", help="lowest reward first")
+    order.add_argument("--best", action="store_true", help="highest reward first")
+    sa.add_argument("-n", type=int, default=4, help="how many (default 4)")
+    ex = sub.add_parser("export", help="write a published weight version as a Hugging Face folder (model, tokenizer, "
+                                       "generation config) that transformers and vLLM load as is")
+    ex.add_argument("run_dir", metavar="RUN_DIR")
+    ex.add_argument("--version", default="last", help="weight version number, or last (default)")
+    ex.add_argument("--out", required=True, metavar="DIR", help="a new folder")
 
 
 def _cmd_summary(run_dir: str) -> int:
@@ -122,6 +169,14 @@ def run_analysis_command(a: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if a.cmd == "summary":
         return _cmd_summary(a.run_dir)
+    if a.cmd == "samples":
+        from hpcrl.analysis.samples import samples_main
+
+        return samples_main(a.run_dir, a.version, "worst" if a.worst else "best" if a.best else "newest", a.n)
+    if a.cmd == "export":
+        from hpcrl.analysis.export import export_main
+
+        return export_main(a.run_dir, a.out, a.version)
     if a.cmd == "status":
         from hpcrl.analysis.status import status_main
 
@@ -209,7 +264,7 @@ def main(argv=None) -> int:
         if a.cmd not in ("run", "sbatch-lines", "eval") or any("=" not in x or x.startswith("-") for x in extra):
             p.error("unrecognized arguments: " + " ".join(extra))
         a.overrides = list(a.overrides) + extra
-    if a.cmd in ("report", "status", "summary"):
+    if a.cmd in ("report", "status", "summary", "samples", "export"):
         return run_analysis_command(a)
     if a.cmd == "run":
         if a.config is not None and "=" in a.config:  # `hpcrl run key=value --resume`

@@ -8,7 +8,7 @@ Layout (ARCHITECTURE.md, "The run directory")::
       base_model/                  builtin:tiny model + tokenizer               (launcher writes)
       sbatch/<role>.setup.sh       per-role setup lines for sbatch/*.sbatch     (launcher writes)
       samples/<writer>/shard-000042.h5, manifest.jsonl                          (one rollout job each)
-      weights/v000007/             config.json, model.safetensors, manifest.json (trainer)
+      weights/v000007/             config.json, model.safetensors, tokenizer files, manifest.json (trainer)
       weights/v000007/bad.json     the version is damaged: never loaded again     (rollout job)
       control/heartbeat/<job>.json, control/loading/<writer>.json, control/admission.json,
       control/skipped_shards.jsonl, ...
@@ -56,10 +56,17 @@ WEIGHT_TENSORS = "model.safetensors"
 """The tensors of a weight version (one safetensors file, HF layout)."""
 WEIGHT_MODEL_CONFIG = "config.json"
 """The HF model config of a weight version (so the folder loads as an HF model)."""
+WEIGHT_MODEL_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                      "added_tokens.json", "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt",
+                      "tokenizer.model")
+"""The model folder's other files a weight version carries when the model has them (tokenizer, chat template,
+generation config), so that every version is a complete Hugging Face folder; listed and hashed in its manifest."""
 WEIGHT_BAD_MARKER = "bad.json"
 """Written into a version folder by a rollout job that found the version damaged."""
 SHARD_MANIFEST = "manifest.jsonl"
 """Each writer's commit log: one line per sealed shard."""
+_HISTORY_TITLE = "# changed since launch (hpcrl run --resume KEY=VALUE), oldest first:"
+_HISTORY_MARK = "# - "
 
 
 class RunDir:
@@ -181,9 +188,11 @@ class RunDir:
         return self.weight_version_dir(version) / WEIGHT_MANIFEST
 
     def weight_file(self, version: int, name: str) -> Path:
-        """A file of version ``version`` (``name``: :data:`WEIGHT_TENSORS` or :data:`WEIGHT_MODEL_CONFIG`)."""
-        if name not in (WEIGHT_TENSORS, WEIGHT_MODEL_CONFIG):
-            raise ValueError(f"{name!r} is not a weight file (expected {WEIGHT_TENSORS} or {WEIGHT_MODEL_CONFIG})")
+        """A file of version ``version`` (``name``: :data:`WEIGHT_TENSORS`, :data:`WEIGHT_MODEL_CONFIG` or one of
+        :data:`WEIGHT_MODEL_FILES`); ValueError for any other name."""
+        if name not in (WEIGHT_TENSORS, WEIGHT_MODEL_CONFIG, *WEIGHT_MODEL_FILES):
+            raise ValueError(f"{name!r} is not a weight file (expected {WEIGHT_TENSORS}, {WEIGHT_MODEL_CONFIG} or one "
+                             f"of {', '.join(WEIGHT_MODEL_FILES)})")
         return self.weight_version_dir(version) / name
 
     def weight_bad_marker(self, version: int) -> Path:
@@ -251,6 +260,11 @@ class RunDir:
     @property
     def trainer_done(self) -> Path:
         return self.control / "trainer_done.json"
+
+    @property
+    def stop_request(self) -> Path:
+        """``control/stop.json``: the launcher asks every job to stop (Ctrl-C): the trainer checkpoints first."""
+        return self.control / "stop.json"
 
     # ---- checkpoints
     @property
@@ -344,11 +358,23 @@ class RunDir:
             d.mkdir(parents=True, exist_ok=True)
         return self
 
-    def freeze_config(self, cfg: RunConfig) -> None:
-        """Write the resolved config as ``config.yaml`` (tmp -> fsync -> replace)."""
+    def freeze_config(self, cfg: RunConfig, changes: tuple[str, ...] = ()) -> None:
+        """Write the resolved config as ``config.yaml`` (tmp -> fsync -> replace), under the history of its
+        changes: the comment block of the file it replaces, plus ``changes`` (one line each, oldest first)."""
         from hpcrl.fsio import write_bytes_atomic
 
-        write_bytes_atomic(self.config_path, dump_config(cfg).encode())
+        history = self.config_history() + list(changes)
+        head = "".join(f"{_HISTORY_MARK}{line}\n" for line in history)
+        if head:
+            head = f"{_HISTORY_TITLE}\n{head}"
+        write_bytes_atomic(self.config_path, (head + dump_config(cfg)).encode())
+
+    def config_history(self) -> list[str]:
+        """The changes made to the frozen config since launch (``hpcrl run --resume KEY=VALUE``), oldest first."""
+        if not self.config_path.is_file():
+            return []
+        return [line[len(_HISTORY_MARK):] for line in self.config_path.read_text().splitlines()
+                if line.startswith(_HISTORY_MARK)]
 
     def load_config(self) -> RunConfig:
         """The frozen config, validated; FileNotFoundError if this is not a run directory."""

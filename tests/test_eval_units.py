@@ -6,11 +6,11 @@ import json
 import time
 
 import pytest
+import yaml
 import torch
 
 from conftest import REPO, TINY
 from hpcrl.config import ConfigError, load_config
-from hpcrl.config.run import config_from_dict
 from hpcrl.eval.schedule import DuePolicy, all_handled, plan_next
 from hpcrl.eval.writer import EvalLogWriter
 from hpcrl.eval_log import EVALUATED, SKIPPED, EvalRow, EvalSample, read_eval_rows, read_eval_samples
@@ -21,7 +21,7 @@ from hpcrl.run_dir import EVAL_JOB, RunDir
 # ---- config ------------------------------------------------------------------------------------
 
 
-def test_verls_validation_keys_are_accepted_and_mapped():
+def test_verls_validation_keys_are_accepted_and_mapped(tmp_path):
     """verl's ``data.val_files``, ``trainer.test_freq``, ``trainer.val_before_train`` and ``val_kwargs.*``, as
     overrides and in a YAML tree, resolve to the same config as hpcrl's names."""
     v = "actor_rollout_ref.rollout.val_kwargs."
@@ -34,13 +34,16 @@ def test_verls_validation_keys_are_accepted_and_mapped():
     assert verl.data.val_files == ["/d/test.parquet"], "verl's single file (a string) becomes a list"
     tree = {"data": {"val_files": ["a.jsonl", "b.parquet"]}, "trainer": {"test_freq": 5, "checkpoint_every_updates": 7},
             "actor_rollout_ref": {"rollout": {"val_kwargs": {"n": 1, "do_sample": False}}}}
-    cfg = config_from_dict(tree)
+    path = tmp_path / "verl.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    cfg = load_config(path)
     assert (cfg.eval.every_versions, cfg.eval.n, cfg.trainer.checkpoint_every_updates) == (5, 1, 7)
-    assert "actor_rollout_ref" in tree, "the caller's tree is left as it was"
     assert load_config(TINY, ["trainer.test_freq=-1"]).eval.enabled is False, "verl's -1: no evaluation"
     assert load_config(TINY, ["trainer.test_freq=10"]).eval.every_versions == 10, "an override wins over the file"
-    with pytest.raises(ConfigError, match="trainer.test_freq: got 10.*the same value as eval.every_versions \\(20\\)"):
-        config_from_dict({**tree, "trainer": {"test_freq": 10}, "eval": {"every_versions": 20}})
+    path.write_text(yaml.safe_dump({**tree, "trainer": {"test_freq": 10}, "eval": {"every_versions": 20}}))
+    with pytest.raises(ConfigError, match="got (10|20), but (eval.every_versions|trainer.test_freq) already set "
+                                          "eval.every_versions to (20|10); fix: keep one of them"):
+        load_config(path)
 
 
 @pytest.mark.parametrize("overrides, match", [

@@ -44,9 +44,10 @@ def test_run_dir_is_not_reused_by_accident(tmp_path):
     prepare_run_dir(cfg, tmp_path / "run", resume=False)
     with pytest.raises(ConfigError, match="--resume"):
         prepare_run_dir(cfg, tmp_path / "run", resume=False)
-    other = load_config(TINY, ["rollout.n=4"])
-    with pytest.raises(ConfigError, match="differs"):
-        prepare_run_dir(other, tmp_path / "run", resume=True)
+    from hpcrl.launcher.api import plan_run
+
+    with pytest.raises(ConfigError, match="rollout.n: got 4 on --resume, frozen 8"):  # the same check as --dry-run
+        plan_run(TINY, tmp_path / "run", "local", ["rollout.n=4"], resume=True)
     assert prepare_run_dir(cfg, tmp_path / "run", resume=True).root == (tmp_path / "run").resolve()
     assert oct((tmp_path / "run" / "secret").stat().st_mode & 0o777) == "0o600"
 

@@ -326,7 +326,7 @@ def test_rewards_and_engines_match_the_implementation():
     from hpcrl.rollout.engines import ENGINES
     from hpcrl.rollout.rewards import REWARDS
 
-    assert set(REWARDS) == set(names.REWARD_NAMES)
+    assert set(REWARDS) | {names.BY_DATA_SOURCE} == set(names.REWARD_NAMES)
     assert set(ENGINES) == set(names.ENGINES)
 
 

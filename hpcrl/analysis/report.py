@@ -4,7 +4,8 @@ Writes ``DIR/report.md`` and ``DIR/report.html`` (same content) with tables and
 PNG plots (``DIR/<run>/*.png`` per run, ``DIR/compare_*.png`` for several runs),
 reading nothing but the run directories (see :mod:`hpcrl.analysis.load`).
 
-Sections per run: recommendation, notes, summary, lag (groups and tokens, over
+Sections per run: recommendation, notes, summary, problems (reward errors, tool errors, prompts
+filtered, with the first message and sample id), lag (groups and tokens, over
 time), partial spans, idle ratios per version, timeline of generation / training
 / weight sync, group life times, throughput and queue, reward, held-out validation
 (``logs/eval.jsonl``), samples dropped.
@@ -19,7 +20,8 @@ from pathlib import Path
 
 from hpcrl.analysis import compare, plots, tables, training_plots, validation
 from hpcrl.analysis.doc import Doc
-from hpcrl.analysis.load import RunData, load_run
+from hpcrl.analysis.load import LOG_PATHS, RunData, load_run
+from hpcrl.analysis.problems import problems_of, problems_table
 from hpcrl.analysis.recommend import recommend_run
 from hpcrl import metric_names as M
 
@@ -184,7 +186,21 @@ def _drops(x: _Section) -> None:
     x.img("drops.png", "samples dropped and why")
 
 
-SECTIONS = [("Lag", _lag), ("Partial rollout spans", _partial), ("Idle ratios per version", _idle),
+def _problems(x: _Section) -> None:
+    found = [p for p in problems_of(x.d.rollout) if p.any]
+    if not found:
+        x.doc.para("None: no reward function raised, no tool call failed, no prompt was filtered or cut for length.")
+        return
+    x.doc.table(problems_table(x.d.rollout))
+    x.doc.para(f"Counted by the rollout jobs ({LOG_PATHS['rollout']}): a response whose reward function raised "
+               "scored 0; a failed tool call ended its episode; prompts over data.max_prompt_length were filtered "
+               "or cut (data.truncation). Each first error names its weight version and sample id "
+               "(`hpcrl samples RUN` shows the sample).")
+    for p in found:
+        x.doc.para(f"`{p.line()}`")
+
+
+SECTIONS = [("Problems: reward errors, tool errors, prompts filtered", _problems), ("Lag", _lag), ("Partial rollout spans", _partial), ("Idle ratios per version", _idle),
             ("Timeline: generation, training, weight sync", _timeline), ("Throughput and queue", _throughput),
             ("Reward", _reward), ("Training curves", _training), ("Held-out validation", _validation),
             ("Samples dropped", _drops)]

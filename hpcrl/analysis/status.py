@@ -10,7 +10,9 @@ Every few seconds (``--interval-s``) it reads the run directory and prints:
 - groups committed (shard manifests), consumed (trainer), the queue between
   them and the groups in flight (admission counter), and the lag of the last update;
 - with an evaluation job, the last validated version and its score, the best so far
-  and how many due versions were skipped (``logs/eval.jsonl``).
+  and how many due versions were skipped (``logs/eval.jsonl``);
+- problems, when there are any: reward errors, tool errors (each with the first message and sample
+  id) and prompts filtered by length, per rollout job (:mod:`hpcrl.analysis.problems`).
 
 It exits 0 when ``control/trainer_done.json`` appears, 1 when no job is alive
 and the trainer has not finished (crashed or cancelled: resume with
@@ -32,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Optional, TextIO
 
 from hpcrl.analysis.load import Knobs, read_config_leniently, read_json_tolerant
+from hpcrl.analysis.problems import tally
 from hpcrl.control.records import TrainerDone, has_ended, read_heartbeats, read_trainer_done
 from hpcrl.eval_log import EVALUATED, JOB, SKIPPED, EvalRow
 from hpcrl.fsio import JsonlTail
@@ -131,7 +134,8 @@ class StatusView:
         lines += self.notes
         lines += [_progress(m, self.knobs, done, stopped), ""]
         committed = self.committed()
-        lines += self._job_lines(jobs, m, committed) + [""] + self._group_lines(m, committed) + self._eval_lines()
+        lines += (self._job_lines(jobs, m, committed) + [""] + self._group_lines(m, committed) + self._eval_lines()
+                  + self._problem_lines())
         if done is not None:
             lines.append(f"run finished: {done.trainer_step} updates, version {done.param_version}, "
                          f"{done.consumed_groups} groups consumed")
@@ -214,6 +218,12 @@ class StatusView:
         return [f"validation: v{last.version} (step {last.trainer_step}) {last.score:.3f} {last.score_name}; best "
                 f"{best.score:.3f} at v{best.version}; {len(done)} versions evaluated"
                 + (f", {skipped} skipped (the evaluation fell behind)" if skipped else "")]
+
+    def _problem_lines(self) -> list[str]:
+        """Reward errors, tool errors and filtered prompts per writer (only when there are any)."""
+        found = [tally(w, rows) for w, rows in self.rollout_rows().items()]
+        found = [p for p in found if p.any]
+        return ["problems: " + found[0].line()] + [f"          {p.line()}" for p in found[1:]] if found else []
 
 
 def _eval_detail(j: JobView) -> str:

@@ -9,7 +9,10 @@ module             what it holds
 ``names``          the names a field may choose from (estimators, rewards, ...), renamed and verl keys
 ``checks``         ConfigError and the check helpers (key, what is allowed, fix)
 ``sections``       model, data, reward, actor, rollout, agent, async_training, trainer,
-                   weights, timeouts, logging
+                   weights
+``runtime``        timeouts, logging (what may change on a live run)
+``verl``           verl's config keys read as hpcrl's (the table is ``names.VERL_KEYS``)
+``verl_units``     verl's values whose units differ, converted (micro-batches, GPUs, epochs)
 ``algorithm``      algorithm (advantages, KL, rollout correction) and critic
 ``combinations``   the algorithm rules that span sections (what an estimator or loss needs)
 ``evaluation``     eval: the evaluation job (which versions, sampling, engine, reward)
@@ -24,14 +27,15 @@ from hpcrl.config.algorithm import (AlgorithmConfig, CriticConfig, KLControlConf
 from hpcrl.config.checks import ConfigError
 from hpcrl.config.evaluation import EvalConfig, EvalRewardConfig
 from hpcrl.config.resources import JobResources, ResourcesConfig
-from hpcrl.config.run import RunConfig, config_from_dict, dump_config, load_config, parse_override
-from hpcrl.config.sections import (ActorConfig, AgentConfig, AsyncConfig, DataConfig, LoggingConfig, ModelConfig,
-                                   RewardConfig, RolloutConfig, TimeoutsConfig, TrainerConfig, WeightsConfig)
+from hpcrl.config.run import RunConfig, config_from_dict, dump_config, given_keys, load_config, parse_override
+from hpcrl.config.runtime import LoggingConfig, TimeoutsConfig
+from hpcrl.config.sections import (ActorConfig, AgentConfig, AsyncConfig, DataConfig, ModelConfig, RewardConfig,
+                                   RolloutConfig, TrainerConfig, WeightsConfig)
 
 __all__ = [
     "ActorConfig", "AgentConfig", "AlgorithmConfig", "AsyncConfig", "ConfigError", "CriticConfig", "DataConfig", "EvalConfig",
     "EvalRewardConfig", "JobResources",
     "KLControlConfig", "LoggingConfig", "ModelConfig", "PolicyLossConfig", "ResourcesConfig", "RewardConfig", "RolloutConfig",
     "RolloutCorrectionConfig", "RunConfig", "TimeoutsConfig", "TrainerConfig", "WeightsConfig", "config_from_dict",
-    "dump_config", "load_config", "parse_override",
+    "dump_config", "given_keys", "load_config", "parse_override",
 ]

@@ -12,9 +12,7 @@ keep verl's names (``fully_async_policy``) so users can move their settings acro
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
-import difflib
 import logging
 import math
 import os
@@ -30,10 +28,13 @@ from hpcrl.config.algorithm import AlgorithmConfig, CriticConfig
 from hpcrl.config.checks import ConfigError, bad
 from hpcrl.config.combinations import check_algorithm_combinations
 from hpcrl.config.evaluation import EvalConfig
-from hpcrl.config.names import RENAMED_KEYS, VERL_KEYS
 from hpcrl.config.resources import ResourcesConfig
-from hpcrl.config.sections import (ActorConfig, AgentConfig, AsyncConfig, DataConfig, LoggingConfig, ModelConfig,
-                                   RewardConfig, RolloutConfig, TimeoutsConfig, TrainerConfig, WeightsConfig)
+from hpcrl.config.runtime import LoggingConfig, TimeoutsConfig
+from hpcrl.config.sections import (ActorConfig, AgentConfig, AsyncConfig, DataConfig, ModelConfig, RewardConfig,
+                                   RolloutConfig, TrainerConfig, WeightsConfig)
+from hpcrl.config.verl import Schema, translate, unknown_key_message
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -147,58 +148,16 @@ class RunConfig:
 # ---------------------------------------------------------------------------
 # Building a RunConfig from YAML + overrides, strictly.
 
-log = logging.getLogger(__name__)
-
-
-def _pop_dotted(tree: dict, dotted: str) -> tuple[bool, Any]:
-    """Remove ``dotted`` from the nested ``tree`` (and the sections it empties): (found, value)."""
-    parts = dotted.split(".")
-    path = [tree]
-    for part in parts[:-1]:
-        node = path[-1].get(part)
-        if not isinstance(node, dict):
-            return False, None
-        path.append(node)
-    if parts[-1] not in path[-1]:
-        return False, None
-    value = path[-1].pop(parts[-1])
-    for depth in range(len(parts) - 1, 0, -1):  # drop sections left empty (actor_rollout_ref.rollout.val_kwargs)
-        if path[depth]:
-            break
-        del path[depth - 1][parts[depth - 1]]
-    return True, value
-
-
-def rename_verl_keys(tree: dict) -> dict:
-    """``tree`` with verl's keys (:data:`hpcrl.config.names.VERL_KEYS`) renamed to hpcrl's, each logged once;
-    ConfigError if a key is given under both names with different values. The caller's tree is not changed."""
-    tree = copy.deepcopy(tree)
-    for verl_key, key in VERL_KEYS.items():
-        found, value = _pop_dotted(tree, verl_key)
-        if not found:
-            continue
-        has, ours = _pop_dotted(tree, key)
-        if has and ours != value:
-            raise bad(verl_key, value, f"the same value as {key} ({ours!r}): it is verl's name for it",
-                      f"set only one of {verl_key} and {key}")
-        _set_dotted(tree, key, value)
-        log.info("config: verl's %s -> %s", verl_key, key)
-    return tree
-
 def _build(cls: type, data: Any, prefix: str) -> Any:
     if not isinstance(data, dict):
         raise bad(prefix or "<root>", data, "a mapping of keys to values")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
-    if unknown:
-        key = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
-        if key in RENAMED_KEYS:
-            new, how = RENAMED_KEYS[key]
-            raise bad(key, data[unknown[0]], f"{new} (renamed)", f"write {new} ({how})")
-        near = difflib.get_close_matches(str(unknown[0]), sorted(names), n=1, cutoff=0.6)
-        fix = f"did you mean {prefix + '.' if prefix else ''}{near[0]}?" if near else "remove or rename the key"
-        raise bad(key, data[unknown[0]], "known keys: " + ", ".join(sorted(names)), fix)
+    if unknown:  # a frozen config written by another hpcrl (load_config translated everything else already)
+        schema = Schema.of(RunConfig)
+        raise ConfigError("\n".join(unknown_key_message(f"{prefix}.{k}" if prefix else k, data[k], schema)
+                                    for k in unknown))
     kwargs = {}
     for name, value in data.items():
         key = f"{prefix}.{name}" if prefix else name
@@ -239,53 +198,66 @@ def _coerce(key: str, hint: Any, value: Any) -> Any:
     return value
 
 
-def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
-    parts = dotted.split(".")
-    node = tree
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"override {dotted}: {part!r} is not a section")
-    node[parts[-1]] = value
-
-
 def parse_override(text: str) -> tuple[str, Any]:
-    """``key=value`` -> (dotted key, YAML-parsed value)."""
+    """``key=value`` -> (dotted key, YAML-parsed value). Hydra's ``+key=value`` and ``++key=value`` (add a
+    key verl's defaults lack / force it) are read as ``key=value``: hpcrl has no defaults file to add to."""
+    if text.strip().startswith("~"):
+        raise ConfigError(f"override {text!r}: Hydra's ~key (delete a key) has nothing to delete here; "
+                          "leave the key out, or set it to null")
     if "=" not in text:
         raise ConfigError(f"override {text!r}: expected key=value, e.g. async_training.staleness_threshold=0.5")
     key, raw = text.split("=", 1)
-    key = key.strip()
+    key = key.strip().lstrip("+")
     if not key:
         raise ConfigError(f"override {text!r}: empty key")
     return key, yaml.safe_load(raw) if raw.strip() else ""
 
 
-def load_config(path: Optional[os.PathLike | str] = None, overrides: Optional[list[str]] = None) -> RunConfig:
-    """Read YAML (or start from defaults), apply ``key=value`` overrides, validate."""
-    tree: dict = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist; pass one of configs/*.yaml")
-        try:
-            tree = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
-        if not isinstance(tree, dict):
-            raise ConfigError(f"config file {p}: top level must be a mapping of sections")
-    tree = rename_verl_keys(tree)  # within the file, a key given under both names must agree
-    for text in overrides or []:
-        key, value = parse_override(text)
-        if key in VERL_KEYS:  # an override wins over the file, whichever name either uses
-            log.info("config: verl's %s -> %s", key, VERL_KEYS[key])
-            key = VERL_KEYS[key]
-        _set_dotted(tree, key, value)
+def load_config(path: Optional[os.PathLike | str] = None, overrides: Optional[list[str]] = None,
+                notes: Optional[list[str]] = None) -> RunConfig:
+    """Read YAML (or start from defaults), apply ``key=value`` overrides, validate. verl's keys are read
+    through :data:`hpcrl.config.names.VERL_KEYS` (:mod:`hpcrl.config.verl`); the lines saying how go to
+    ``notes`` (else to the log), once per key."""
+    tree, lines = translate(_read_yaml(path), [parse_override(text) for text in overrides or []], RunConfig)
+    if notes is None:
+        for line in lines:
+            log.info("%s", line)
+    else:
+        notes.extend(lines)
     return _build(RunConfig, tree, "").validate()
 
 
+def _read_yaml(path: Optional[os.PathLike | str]) -> dict:
+    if path is None:
+        return {}
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {p} does not exist; pass one of configs/*.yaml")
+    try:
+        tree = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"config file {p}: top level must be a mapping of sections")
+    return tree
+
+
+def given_keys(path: Optional[os.PathLike | str], overrides: Optional[list[str]] = None) -> set[str]:
+    """The hpcrl keys (dotted) that a config file and overrides set explicitly, verl's keys read as hpcrl's."""
+    tree, _ = translate(_read_yaml(path), [parse_override(text) for text in overrides or []], RunConfig)
+    out: set[str] = set()
+
+    def walk(node: dict, prefix: str) -> None:
+        for k, v in node.items():
+            key = f"{prefix}.{k}" if prefix else k
+            walk(v, key) if isinstance(v, dict) and not key.endswith(("sbatch_extra", "kwargs")) else out.add(key)
+    walk(tree, "")
+    return out
+
+
 def config_from_dict(tree: dict) -> RunConfig:
-    """Build and validate a RunConfig from a parsed YAML tree (unknown keys fail; verl's keys renamed)."""
-    return _build(RunConfig, rename_verl_keys(tree), "").validate()
+    """Build and validate a RunConfig from a parsed YAML tree (unknown keys fail)."""
+    return _build(RunConfig, tree, "").validate()
 
 
 def dump_config(cfg: RunConfig) -> str:

@@ -1,8 +1,8 @@
-"""Config sections of the jobs: model, data, reward, actor, rollout, async knobs,
-trainer, weights, timeouts, logging. One dataclass each, a docstring under every
-field, one default per field; ``validate()`` names the key, what is allowed and the fix.
-Built and cross-checked by :mod:`hpcrl.config.run`; the algorithm sections are in
-:mod:`hpcrl.config.algorithm`, the job sizes in :mod:`hpcrl.config.resources`.
+"""Config sections of the jobs: model, data, reward, actor, rollout, agent, async knobs,
+trainer, weights. One dataclass each, a docstring under every field, one default per field;
+``validate()`` names the key, what is allowed and the fix. Built and cross-checked by
+:mod:`hpcrl.config.run`; the algorithm sections are in :mod:`hpcrl.config.algorithm`, the job
+sizes in :mod:`hpcrl.config.resources`, timeouts and logging in :mod:`hpcrl.config.runtime`.
 """
 from __future__ import annotations
 
@@ -62,6 +62,10 @@ class DataConfig:
     cut on the ``left`` or ``right`` (counted), or is an ``error`` at launch."""
     seed: int = 0
     """Seed of the prompt order; each epoch is a new permutation of it."""
+    epochs: Optional[int] = None
+    """Passes over the prompts (verl: ``trainer.total_epochs``). When set, the launcher makes
+    ``rollout.total_rollout_steps`` = epochs x prompts kept (after max_prompt_length's filter), at most
+    the value given there (verl takes the same minimum), and prints it. null: total_rollout_steps alone."""
     toy_num_prompts: int = 512
     """Number of distinct prompts the toy generator makes (builtin:toy only)."""
     val_files: Union[list, str] = field(default_factory=list)
@@ -83,18 +87,23 @@ class DataConfig:
             check_int("data.max_prompt_length", self.max_prompt_length, 1)
         check_choice("data.truncation", self.truncation, names.TRUNCATIONS)
         check_int("data.seed", self.seed, 0)
+        if self.epochs is not None:
+            check_int("data.epochs", self.epochs, 1)
         check_int("data.toy_num_prompts", self.toy_num_prompts, 1)
 
 
 @dataclass
 class RewardConfig:
-    """``reward``: how a response is scored: a built-in rule, or your own function with
-    verl's signature ``compute_score(data_source, solution_str, ground_truth, extra_info=None)``."""
+    """``reward``: how a response is scored: a built-in rule, or your own function called as verl
+    calls it, ``compute_score(data_source=, solution_str=, ground_truth=, extra_info=, **kwargs)``
+    (only the names it accepts are passed; hpcrl/rollout/reward_fn.py)."""
 
-    name: str = "toy_copy"
+    name: str = "by_data_source"
     """Built-in reward (:data:`hpcrl.config.names.REWARD_NAMES`), used when reward.path is null:
-    ``math_verify`` checks the final answer with the math-verify package, ``gsm8k`` the
-    ``#### answer`` convention."""
+    ``by_data_source`` picks the rule from each row's ``data_source`` as verl's default_compute_score
+    does (``openai/gsm8k`` -> ``gsm8k``, the MATH sources -> ``math_verify``, ``builtin:toy`` ->
+    ``toy_copy``); ``math_verify`` checks the final answer with the math-verify package, ``gsm8k``
+    the ``#### answer`` convention."""
     path: Optional[str] = None
     """A Python file defining the reward function (verl: custom_reward_function.path).
     It is imported and called once on the first prompt at launch; at run time an exception
@@ -102,6 +111,9 @@ class RewardConfig:
     function: str = "compute_score"
     """Name of the function in reward.path (verl: custom_reward_function.name). It returns a
     float, or a dict whose ``score`` is the reward and whose other numbers become metrics."""
+    kwargs: dict = field(default_factory=dict)
+    """More keyword arguments for every call (verl: custom_reward_function.reward_kwargs), e.g.
+    ``{method: flexible}`` for verl's gsm8k scorer; each must be a parameter of the function."""
 
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
@@ -110,6 +122,9 @@ class RewardConfig:
             raise bad("reward.path", self.path, "null or a .py file", "point reward.path at your reward file")
         if not isinstance(self.function, str) or not self.function.isidentifier():
             raise bad("reward.function", self.function, "a Python function name")
+        for k in self.kwargs:
+            if not isinstance(k, str) or not k.isidentifier():
+                raise bad("reward.kwargs", k, "keyword names (Python identifiers)")
 
 
 @dataclass
@@ -392,77 +407,3 @@ class WeightsConfig:
         check_int("weights.keep_versions", self.keep_versions, 2)
         check_float("weights.bucket_mib", self.bucket_mib, 0.0, 4096.0, lo_open=True)
         check_choice("weights.broadcast_backend", self.broadcast_backend, names.BROADCAST_BACKENDS)
-
-
-@dataclass
-class TimeoutsConfig:
-    """``timeouts``: every wait's limit, heartbeats and polling."""
-
-    wait_samples_s: float = 600.0
-    """Trainer gives up (exit 1, naming the writers and their last heartbeats)
-    after waiting this long for the next group."""
-    wait_weights_s: float = 600.0
-    """Rollout gives up after waiting this long for a new weight version."""
-    heartbeat_interval_s: float = 2.0
-    """How often each job rewrites its heartbeat record."""
-    heartbeat_stale_s: float = 60.0
-    """A heartbeat older than this marks its job as dead (its loading
-    announcements no longer protect weight versions)."""
-    poll_interval_s: float = 0.05
-    """Sleep between polls of the run directory."""
-    wait_log_interval_s: float = 10.0
-    """A job that waits for the other one logs what it waits for this often."""
-    job_start_s: float = 900.0
-    """Every start-up step of a job (building DeepSpeed's ops, loading the model, a checkpoint, the first
-    version) must end in this long, or the job stops with one line naming the step (a restart may fix a stuck
-    node or filesystem); the step shows in the heartbeat and ``hpcrl status`` meanwhile."""
-    engine_start_s: float = 900.0
-    """Rollout gives up if its engine has not started in this long (vLLM compiles and
-    profiles memory at start; a first start on a fresh node was once seen to sit for minutes)."""
-    generate_s: float = 1800.0
-    """Rollout gives up if one group's generation (or a weight load into the engine) takes longer."""
-    broadcast_connect_s: float = 5.0
-    """Weight broadcast: each step of joining (rendezvous, secret handshake) waits this long; a
-    rollout job also waits this long for the broadcast header of a version before reading the files."""
-    broadcast_s: float = 120.0
-    """Weight broadcast: forming the group, sending one version's buckets and the acknowledgements must
-    end in this long; a peer that misses it is dropped (trainer) or reads the version from files (rollout)."""
-    retry_failed_load_s: float = 30.0
-    """After its engine failed to load a (verified) version, a rollout job stays on its version and
-    tries that one again after this long (a newer version is tried at once)."""
-
-    def validate(self) -> None:
-        """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
-        for name in ("wait_samples_s", "wait_weights_s", "heartbeat_interval_s", "heartbeat_stale_s",
-                     "poll_interval_s", "wait_log_interval_s", "job_start_s", "engine_start_s", "generate_s",
-                     "retry_failed_load_s", "broadcast_connect_s", "broadcast_s"):
-            check_float(f"timeouts.{name}", getattr(self, name), 0.0, lo_open=True)
-        if self.heartbeat_stale_s <= 2 * self.heartbeat_interval_s:
-            raise bad("timeouts.heartbeat_stale_s", self.heartbeat_stale_s,
-                       f"more than 2 * timeouts.heartbeat_interval_s = {2 * self.heartbeat_interval_s}")
-
-
-@dataclass
-class LoggingConfig:
-    """``logging``: the jobs' log level and where the trainer's metrics go."""
-
-    level: str = "INFO"
-    """Python logging level of both jobs."""
-    backends: list = field(default_factory=lambda: ["jsonl"])
-    """Metric sinks of the trainer and the evaluation job (verl: trainer.logger): ``jsonl`` (always
-    written, logs/metrics.jsonl, logs/eval.jsonl), ``tensorboard`` (logs/tensorboard/), ``wandb``
-    (logs/wandb/). The same metric names go to each."""
-    project: str = "hpcrl"
-    """Project name of the TensorBoard/W&B run (verl: trainer.project_name)."""
-    experiment_name: Optional[str] = None
-    """Run name in W&B (verl: trainer.experiment_name); null = the run directory's name."""
-    wandb_mode: str = "offline"
-    """``offline`` writes the W&B run under logs/wandb/ with no network (upload later with
-    ``wandb sync``); ``online`` streams it (needs network and a login on the trainer node)."""
-
-    def validate(self) -> None:
-        """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
-        check_choice("logging.level", self.level, ("DEBUG", "INFO", "WARNING", "ERROR"))
-        for b in self.backends:
-            check_choice("logging.backends", b, names.LOGGING_BACKENDS)
-        check_choice("logging.wandb_mode", self.wandb_mode, names.WANDB_MODES)

@@ -8,7 +8,8 @@ exits non-zero instead of spending ``resources.max_restarts``. Crashes of any ot
 (a node failure, an out-of-memory kill, a bug) are still resubmitted.
 
 Writer: any job (the first one wins; later ones keep it). Readers: the launcher's
-follower and ``hpcrl status``.
+follower and ``hpcrl status``, and ``hpcrl run --resume`` (which input failed decides which keys may
+change on resume: the reward file after a reward failure, the data file after a data failure).
 """
 from __future__ import annotations
 
@@ -35,13 +36,21 @@ class FatalRecord(JsonRecord):
     message: str
     """One line: what failed and why."""
     time_s: float
+    input: str = ""
+    """Which input failed: one of :data:`INPUTS` (``""``: not said, a record of an older hpcrl)."""
 
 
-def write_fatal(run_dir: RunDir, job: str, message: str) -> None:
-    """Record ``message`` (one line) as the reason the run cannot go on; keeps an earlier record."""
+INPUTS = ("model", "data", "reward", "agent")
+"""The inputs a job loads at start, each under its own :func:`fatal_inputs` block."""
+
+
+def write_fatal(run_dir: RunDir, job: str, message: str, failed_input: str = "") -> None:
+    """Record ``message`` (one line) as the reason the run cannot go on (``failed_input``: which of
+    :data:`INPUTS`); keeps an earlier record."""
     if read_json(run_dir.fatal) is None:
         run_dir.control.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(run_dir.fatal, FatalRecord(job, " ".join(message.split()), time.time()).to_json())
+        write_json_atomic(run_dir.fatal, FatalRecord(job, " ".join(message.split()), time.time(),
+                                                     failed_input).to_json())
 
 
 def read_fatal(run_dir: RunDir) -> Optional[str]:
@@ -56,19 +65,28 @@ def read_fatal(run_dir: RunDir) -> Optional[str]:
     return f"{rec.job}: {rec.message}"
 
 
+def read_fatal_record(run_dir: RunDir) -> Optional[FatalRecord]:
+    """The fatal record itself (None if there is none or it is not one)."""
+    try:
+        d = read_json(run_dir.fatal)
+        return FatalRecord.from_json(d) if d is not None else None
+    except ValueError:
+        return None
+
+
 def clear_fatal(run_dir: RunDir) -> None:
     """Forget a recorded error (``--resume`` after the user fixed the input)."""
     run_dir.fatal.unlink(missing_ok=True)
 
 
 @contextmanager
-def fatal_inputs(run_dir: RunDir, job: str, what: str) -> Iterator[None]:
-    """Around a job's loading of its inputs: an exception is recorded as fatal (one line naming
-    ``what``) and re-raised as :class:`FatalInputError`."""
+def fatal_inputs(run_dir: RunDir, job: str, what: str, failed_input: str = "") -> Iterator[None]:
+    """Around a job's loading of one input (``failed_input``, one of :data:`INPUTS`): an exception is
+    recorded as fatal (one line naming ``what``) and re-raised as :class:`FatalInputError`."""
     try:
         yield
     except Exception as e:
         first = (str(e).strip().splitlines() or [""])[0][:300]
         message = f"{what} failed: {type(e).__name__}: {first}"
-        write_fatal(run_dir, job, message)
+        write_fatal(run_dir, job, message, failed_input)
         raise FatalInputError(f"{job}: {message}") from e

@@ -9,6 +9,7 @@ checkpoints/latest.json (LatestCkpt.)  trainer      trainer (resume), launcher (
 trainer_done.json     (TrainerDone)    trainer      rollout jobs (stop), evaluation job (final version), launcher
 admission.json        (AdmissionRecord) rollout job  rollout jobs (see admission.py)
 skipped_shards.jsonl  (SkippedShard)   trainer      rollout jobs, trainer (samples/skips.py)
+stop.json             (StopRequest)    launcher     every job (checkpoint / seal, then stop)
 =====================================  ===========  ======================================
 """
 from __future__ import annotations
@@ -133,6 +134,43 @@ class LatestCheckpoint(JsonRecord):
     """Local updates done at that checkpoint."""
 
 
+@dataclass
+class StopRequest(JsonRecord):
+    """``control/stop.json``: the launcher asks every job to stop (Ctrl-C or SIGTERM to ``hpcrl run``). The trainer
+    finishes the update it is in, checkpoints it (as on USR2, without a requeue) and ends ``stopped``; a rollout
+    job seals its complete groups, saves those in flight and ends ``stopped``. Written by the launcher,
+    removed by ``hpcrl run --resume``; read by every job at its safe points."""
+
+    requested_s: float
+    """Unix time of the request."""
+    by: str
+    """Who asked and why, for the logs (``hpcrl run: Ctrl-C``)."""
+
+
+def request_stop(run_dir: RunDir, by: str) -> None:
+    """Ask every job of the run to stop at its next safe point (trainer: after a checkpoint)."""
+    run_dir.control.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(run_dir.stop_request, StopRequest(time.time(), by).to_json())
+
+
+def stop_requested(run_dir: RunDir) -> bool:
+    """A stop was asked for (one stat of the shared filesystem)."""
+    return run_dir.stop_request.exists()
+
+
+def clear_stop(run_dir: RunDir) -> None:
+    """Forget a stop request (``--resume``)."""
+    run_dir.stop_request.unlink(missing_ok=True)
+
+
+def ended_state(state: str) -> str:
+    """The state a job ends in: one that "failed" because SIGTERM stopped it (scancel, the launcher's cancel) is
+    ``stopped``: it was cancelled, nothing went wrong; a job that stopped itself for a reason did fail."""
+    if state == HeartbeatState.FAILED and termination.received() is not None and termination.failure_reason() is None:
+        return HeartbeatState.STOPPED.value
+    return str(state)
+
+
 def read_latest_checkpoint(run_dir: RunDir) -> Optional[LatestCheckpoint]:
     """The newest checkpoint's record; None if there is none yet. ValueError (naming the file) if it is
     not one: the trainer must not start over silently when its checkpoint record is damaged."""
@@ -239,9 +277,7 @@ class HeartbeatThread:
     def stop(self, final_state: str) -> None:
         """Stop beating and write the final state (done, failed, preempted; a job that "failed"
         because SIGTERM stopped it is ``stopped``: it was cancelled, nothing went wrong)."""
-        if final_state == HeartbeatState.FAILED and termination.received() is not None \
-                and termination.failure_reason() is None:
-            final_state = HeartbeatState.STOPPED
+        final_state = ended_state(final_state)
         self._stop.set()
         self._thread.join(timeout=5)
         self.update(state=final_state)

@@ -5,7 +5,8 @@
                        overrides=["async_training.staleness_threshold=0.5"])
     run.status()            # {"finished": False, "jobs": {"trainer": {...}, "rollout-w000": {...}}, ...}
     run.wait(timeout_s=3600)  # True when the trainer finished; resubmits dead jobs meanwhile
-    run.cancel()
+    run.stop(wait_s=300)      # the trainer checkpoints, the rollout jobs seal; resume with --resume
+    run.cancel()              # SIGTERM / scancel now (the trainer resumes from its last checkpoint)
 
 Everything is checked before anything is submitted (ConfigError otherwise).
 """
@@ -18,11 +19,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from hpcrl.config import ConfigError, RunConfig, load_config
-from hpcrl.control.records import read_heartbeats, read_trainer_done
+from hpcrl.config import ConfigError, RunConfig, given_keys, load_config
+from hpcrl.control.fatal import read_fatal_record
+from hpcrl.control.records import HeartbeatState, read_heartbeats, read_trainer_done, request_stop
 from hpcrl.launcher.follow import RunFollower
-from hpcrl.launcher.inputs import check_inputs
+from hpcrl.launcher.inputs import check_inputs, derive_total_steps
 from hpcrl.launcher.prepare import prepare_run_dir
+from hpcrl.launcher.resume import change_lines, check_changes, finished_message
 from hpcrl.launcher.submit import PlannedJob, plan_jobs, resolve_executor, submit_jobs, submit_one
 from hpcrl.run_dir import RunDir
 
@@ -40,44 +43,70 @@ class RunPlan:
     """Executor: ``local`` or ``slurm``."""
     jobs: list[PlannedJob]
     notes: list[str] = field(default_factory=list)
-    """What the input checks found (prompt counts, the reward), for the user to read."""
+    """How verl's keys were read, what the input checks found (prompt counts, the reward), for the user to read."""
+    changes: list[str] = field(default_factory=list)
+    """``--resume``: the keys it changes (``reward.path: 'a.py' -> 'b.py'``), for the frozen config's history."""
+    finished: Optional[str] = None
+    """``--resume`` of a finished run: the line saying so (nothing is submitted)."""
+
+
+def _load(config, rd: RunDir, overrides: Sequence[str], resume: bool, notes: list[str]) -> tuple[RunConfig, set[str]]:
+    """The config to run and the keys given explicitly (with ``resume`` and no CONFIG: the frozen config plus
+    the overrides, which alone count as given)."""
+    if isinstance(config, RunConfig):
+        return config.validate(), set()
+    if config is None and resume:
+        return load_config(rd.config_path, list(overrides), notes), given_keys(None, list(overrides))
+    if config is None and not overrides:
+        raise ConfigError("no CONFIG given: pass a config file (e.g. configs/tiny.yaml) before --run-dir, "
+                          "or --resume to continue the run in --run-dir")
+    return load_config(config, list(overrides), notes), given_keys(config, list(overrides))
 
 
 def plan_run(config: Optional[os.PathLike | str | RunConfig], run_dir: os.PathLike | str, executor: str = "auto",
              overrides: Sequence[str] = (), resume: bool = False) -> RunPlan:
-    """Check the config (a file + overrides, a RunConfig, or with ``resume`` and no config the
-    frozen one) and plan the jobs; check the model, data and reward (:mod:`hpcrl.launcher.inputs`)
-    and that the run directory is free (or, with ``resume``, holds a run). Raises ConfigError /
-    ValueError; creates nothing."""
+    """Check the config (a file + overrides, a RunConfig, or with ``resume`` and no config the frozen one
+    plus the overrides) and plan the jobs; check the model, data, reward and GPUs (:mod:`hpcrl.launcher.inputs`,
+    every problem at once), that the run directory is free (or, with ``resume``, holds a run) and, with
+    ``resume``, that only what may change on a live run changes (:mod:`hpcrl.launcher.resume`). Raises
+    ConfigError / ValueError; creates nothing. ``--dry-run`` and the real run both come through here."""
     rd = RunDir(run_dir)
     if rd.config_path.exists() and not resume:
         raise ConfigError(f"run directory {rd.root} already holds a run; pass --resume to continue it "
                           "or choose another --run-dir")
     if resume and not rd.config_path.exists():
         raise ConfigError(f"--resume: {rd.root} holds no run (no config.yaml)")
-    if isinstance(config, RunConfig):
-        cfg = config.validate()
-    elif config is None and resume:
-        cfg = rd.load_config()  # validated when it is parsed
-    elif config is None and not overrides:
-        raise ConfigError("no CONFIG given: pass a config file (e.g. configs/tiny.yaml) before --run-dir, "
-                          "or --resume to continue the run in --run-dir")
-    else:
-        cfg = load_config(config, list(overrides))
+    notes: list[str] = []
+    cfg, given = _load(config, rd, overrides, resume, notes)
     kind = resolve_executor(executor)
-    notes = check_inputs(cfg)
-    return RunPlan(cfg, rd, kind, plan_jobs(cfg, rd), notes)
+    if resume:
+        finished = finished_message(read_trainer_done(rd), cfg, str(rd.root))
+        if finished is not None and not overrides and config is None:
+            return RunPlan(cfg, rd, kind, [], notes, finished=finished)
+    found = check_inputs(cfg, kind)
+    if not resume or "data.epochs" in given:
+        derived = derive_total_steps(cfg, found.prompts, "rollout.total_rollout_steps" in given)
+        found.lines += [derived] if derived else []
+    changes: list[str] = []
+    if resume:
+        fatal = read_fatal_record(rd)
+        changes = change_lines(check_changes(rd.load_config(), cfg, fatal), fatal)
+        finished = finished_message(read_trainer_done(rd), cfg, str(rd.root))
+        if finished is not None:
+            return RunPlan(cfg, rd, kind, [], notes + found.lines, finished=finished)
+    return RunPlan(cfg, rd, kind, plan_jobs(cfg, rd), notes + found.lines, changes)
 
 
 class RunHandle:
     """A submitted run: its jobs, their state, and a follower that resubmits dead jobs."""
 
-    def __init__(self, plan: RunPlan, emit: Callable[[str], None], resume: bool = False):
+    def __init__(self, plan: RunPlan, emit: Callable[[str], None], resume: bool = False, bar: bool = False):
         self.cfg, self.rd, self.kind = plan.cfg, plan.rd, plan.kind
         planned = {p.name: p for p in plan.jobs}
         jobs = submit_jobs(plan.rd, plan.kind, plan.jobs)
         self.follower = RunFollower(plan.rd, plan.cfg, jobs, emit=emit,
-                                    resubmit=lambda name: submit_one(plan.rd, plan.kind, planned[name]), resume=resume)
+                                    resubmit=lambda name: submit_one(plan.rd, plan.kind, planned[name]), resume=resume,
+                                    bar=bar)
 
     @property
     def jobs(self) -> dict:
@@ -102,6 +131,28 @@ class RunHandle:
         the jobs are then cancelled)."""
         return self.follower.follow(timeout_s, poll_s) == 0
 
+    def stop(self, wait_s: float, by: str = "hpcrl run: Ctrl-C") -> bool:
+        """Ask every job to stop at its next safe point (``control/stop.json``): the trainer finishes its update and
+        checkpoints it, a rollout job seals its complete groups, so a resume redoes nothing. A job still queued
+        or starting has nothing to save and is cancelled at once; after ``wait_s`` whatever is left is cancelled.
+        True when every job stopped by itself."""
+        request_stop(self.rd, by)
+        end = time.monotonic() + wait_s
+        cancelled: set[str] = set()
+        while not all(j.done() for j in self.jobs.values()):
+            beats = read_heartbeats(self.rd)
+            for name, job in self.jobs.items():
+                beat = beats.get(name)
+                if name not in cancelled and not job.done() and (beat is None or beat.state == HeartbeatState.STARTING):
+                    job.cancel()
+                    cancelled.add(name)
+            if time.monotonic() > end:
+                self.follower.cancel_all()
+                return False
+            time.sleep(0.5)
+        self.follower.console.close()
+        return not cancelled
+
     def cancel(self, wait_s: float = 0.0) -> bool:
         """Cancel every job of the run that is still queued or running; wait up to ``wait_s``
         for them to end. True when every job has ended."""
@@ -116,7 +167,7 @@ class RunHandle:
 
 def launch(config: Optional[os.PathLike | str | RunConfig | RunPlan], run_dir: Optional[os.PathLike | str] = None,
            executor: str = "auto", overrides: Sequence[str] = (), resume: bool = False,
-           emit: Optional[Callable[[str], None]] = None) -> RunHandle:
+           emit: Optional[Callable[[str], None]] = None, bar: bool = False) -> RunHandle:
     """Check the config, prepare the run directory, submit the trainer, the rollout jobs and (``eval.every_versions``
     > 0) the evaluation job.
 
@@ -124,10 +175,12 @@ def launch(config: Optional[os.PathLike | str | RunConfig | RunPlan], run_dir: O
     then launches what it checked); then ``run_dir``, ``executor`` and ``overrides`` are its own.
     """
     plan = config if isinstance(config, RunPlan) else plan_run(config, run_dir, executor, overrides, resume)
+    if plan.finished is not None:
+        raise ConfigError(plan.finished)
     fresh = not plan.rd.root.exists()
-    prepare_run_dir(plan.cfg, plan.rd.root, resume, inputs_checked=True)
+    prepare_run_dir(plan.cfg, plan.rd.root, resume, inputs_checked=True, changes=tuple(plan.changes))
     try:
-        return RunHandle(plan, emit or (lambda line: log.info("%s", line)), resume)
+        return RunHandle(plan, emit or (lambda line: log.info("%s", line)), resume, bar)
     except BaseException:
         if fresh:  # nothing was submitted: leave nothing behind, so the same command can be retried
             shutil.rmtree(plan.rd.root, ignore_errors=True)

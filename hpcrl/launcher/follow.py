@@ -1,4 +1,5 @@
-"""Follow a submitted run from the login node: one line per weight version.
+"""Follow a submitted run from the login node: resubmit dead jobs, stop on a fatal input error, print
+one line per weight version (:mod:`hpcrl.launcher.progress`).
 
 Liveness comes from the job handles (process / squeue state) and from the run
 directory's heartbeats, never from ``job.wait()`` (without accounting, submitit
@@ -8,29 +9,18 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
 from pathlib import Path
 from typing import Callable, Optional
 
 from hpcrl.config import RunConfig
-from hpcrl.control.fatal import read_fatal
+from hpcrl.control.fatal import read_fatal, read_fatal_record
 from hpcrl.control.records import HeartbeatState, read_heartbeats, read_latest_checkpoint, read_trainer_done
 from hpcrl.eval_log import EVALUATED, JOB, EvalRow
 from hpcrl.fsio import JsonlTail
+from hpcrl.launcher.progress import Console, hms
 from hpcrl.run_dir import EVAL_JOB, RunDir
-from hpcrl import metric_names as M
 
 log = logging.getLogger(__name__)
-
-
-def _hms(seconds: float) -> str:
-    """``42s``, ``3m05s``, ``2h07m``."""
-    s = int(max(seconds, 0))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def tail(path: Path, lines: int = 25) -> str:
@@ -64,7 +54,7 @@ class RunFollower:
     training goes on without it."""
 
     def __init__(self, rd: RunDir, cfg: RunConfig, jobs: dict, emit: Callable[[str], None] = print,
-                 resubmit: Optional[Callable[[str], object]] = None, resume: bool = False):
+                 resubmit: Optional[Callable[[str], object]] = None, resume: bool = False, bar: bool = False):
         self.rd = rd
         self.cfg = cfg
         self.jobs = jobs
@@ -72,62 +62,37 @@ class RunFollower:
         self.resubmit = resubmit
         self.restarts: dict[str, int] = {}
         self._warned: dict[str, float] = {}
-        self._metrics = JsonlTail(rd.metrics)  # read incrementally: the follower polls every second
         self._evals = JsonlTail(rd.eval_log)
         self._evals_seen = len(self._evals.poll()) if resume else 0
-        self._rollout: dict[Path, JsonlTail] = {}
-        self._metrics_seen = 0
-        self._rows_by_version: dict[int, list[dict]] = defaultdict(list)
         self._started_s = time.monotonic()
-        self._start_step = 0
-        if resume:  # the rows of earlier sessions were printed then: start after them
-            old = self._metrics.poll()
-            self._metrics_seen = len(old)
-            self._start_step = old[-1][M.STEP] if old else 0
+        self.console = Console(rd, cfg, emit, resume, bar)
+        """The version lines, problems, samples, start-up steps and the bar (:mod:`hpcrl.launcher.progress`)."""
+        self.emit = lambda line: self.console.bar.write(line, emit)  # above the bar, when there is one
+        if resume:
             ckpt = read_latest_checkpoint(rd)
             self._intro = (f"resuming {rd.root}: trainer checkpoint at step {ckpt.step if ckpt else 0}/"
-                      f"{cfg.total_updates} ({rd.latest_checkpoint if ckpt else 'none yet: from the start'}); "
-                      f"{len(old)} updates logged so far")
+                           f"{cfg.total_updates} ({rd.latest_checkpoint if ckpt else 'none yet: from the start'}); "
+                           f"only new updates are printed")
         else:
-            self._intro = ("jobs starting (each job loads the model; on a node where install.sh did not run, the "
-                           "trainer first builds DeepSpeed's op, a minute or two); `hpcrl status` shows each job's "
-                           f"start-up step; the trainer logs to {rd.job_log(RunDir.trainer_job())}")
+            self._intro = (f"jobs starting: each start-up step is shown below as it begins (`hpcrl status {rd.root}` "
+                           f"shows them too); the trainer logs to {rd.job_log(RunDir.trainer_job())}")
 
-    def _progress(self, step: int) -> str:
-        """``elapsed 1m05s eta 3m12s`` from the updates done since this follower started."""
-        elapsed = time.monotonic() - self._started_s
-        done, left = step - self._start_step, self.cfg.total_updates - step
-        eta = _hms(elapsed / done * left) if done > 0 else "?"
-        return f"elapsed {_hms(elapsed)} eta {eta}"
-
-    def _rollout_idle(self) -> str:
-        vals = []
-        for p in self.rd.rollout_metrics_logs().values():
-            rows = self._rollout.setdefault(p, JsonlTail(p)).poll()
-            if rows:
-                vals.append(rows[-1].get(M.ROLLOUT_IDLE_RATIO, float("nan")))
-        return "/".join(f"{v:.2f}" for v in vals) if vals else "n/a"
+    def _fix_hint(self) -> str:
+        """How to go on after a fatal input error, by the input that failed."""
+        record = read_fatal_record(self.rd)
+        which = record.input if record is not None else ""
+        resume = f"hpcrl run --resume --run-dir {self.rd.root}"
+        if which == "reward":
+            return f"fix the reward file, or point at another: `{resume} reward.path=FILE`"
+        if which == "data":
+            return f"fix the data file, or point at another: `{resume} data.source=FILE`"
+        if which in ("model", "agent"):
+            return (f"fix the {which} in place, then `{resume}` (a changed model.path cannot resume this run: "
+                    "start a new --run-dir)")
+        return f"fix it, then `{resume}` (with KEY=VALUE for what changed)"
 
     def _print_new_versions(self) -> None:
-        rows = self._metrics.poll()
-        if len(rows) < self._metrics_seen:  # rolled back by a restarted trainer: what is left was printed
-            self._metrics_seen = len(rows)
-            self._rows_by_version.clear()
-        K = self.cfg.async_training.trigger_parameter_sync_step
-        for row in rows[self._metrics_seen:]:
-            self._rows_by_version[row["param_version"]].append(row)
-            if row["step"] % K == 0 or row["step"] == self.cfg.total_updates:
-                rs = self._rows_by_version.pop(row["param_version"])
-                reward = sum(r[M.REWARD_MEAN] for r in rs) / len(rs)
-                lag_mean = sum(r[M.LAG_MEAN] for r in rs) / len(rs)
-                lag_max = max(r[M.LAG_MAX] for r in rs)
-                idle = sum(r[M.TRAINER_IDLE_RATIO] for r in rs) / len(rs)
-                tps = sum(r[M.TOKENS_PER_S] for r in rs) / len(rs)
-                self.emit(f"v{row['param_version'] + 1:<4d} step {row['step']:>5d}/{self.cfg.total_updates} "
-                          f"reward {reward:.3f}  lag mean {lag_mean:.2f} max {lag_max}  "
-                          f"idle trainer {idle:.2f} rollout {self._rollout_idle()}  tokens/s {tps:.0f}  "
-                          + self._progress(row["step"]))
-        self._metrics_seen = len(rows)
+        self.console.poll()
 
     def _print_new_evals(self) -> Optional[EvalRow]:
         """One line per new row of the evaluation job in ``logs/eval.jsonl``; the newest evaluated one so far."""
@@ -216,16 +181,18 @@ class RunFollower:
                 self._print_new_versions()
                 self._finish_eval(done.param_version, deadline, poll_s)
                 last = self._print_new_evals()
+                self.console.close()
                 val = (f"; validation v{last.version} {last.score:.3f}" if last is not None and last.score is not None
                        else "")
                 self.emit(f"run finished: {done.trainer_step} updates, version {done.param_version}, "
-                          f"{done.consumed_groups} groups in {_hms(time.monotonic() - self._started_s)}{val}; "
-                          f"logs in {self.rd.logs}; next: hpcrl report {self.rd.root} --out {self.rd.report}")
+                          f"{done.consumed_groups} groups in {hms(time.monotonic() - self._started_s)}{val}; "
+                          f"logs in {self.rd.logs}; next: hpcrl report {self.rd.root} --out {self.rd.report}, "
+                          f"hpcrl samples {self.rd.root}, hpcrl export {self.rd.root} --out DIR")
                 return 0
             fatal = read_fatal(self.rd)
             if fatal is not None:
-                self.emit(f"run stopped: {fatal} (a restart would fail the same way; fix it, then "
-                          f"`hpcrl run --resume --run-dir {self.rd.root}`)")
+                self.console.close()
+                self.emit(f"run stopped: {fatal} (a restart would fail the same way; {self._fix_hint()})")
                 self.cancel_all()
                 return 1
             failed = self._check_jobs()

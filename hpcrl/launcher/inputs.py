@@ -7,18 +7,24 @@ line, instead of after ``resources.max_restarts`` resubmissions:
   (``*.safetensors`` or ``pytorch_model*.bin``) and a tokenizer that loads;
 - **data**: ``data.source`` reads, every row parses (verl's format), prompts tokenize with
   that tokenizer, through its chat template, within ``data.max_prompt_length``'s policy;
-- **reward**: ``reward.path`` imports and its function returns a score on the first prompt;
+- **reward**: ``reward.path`` imports, its function can be called as verl calls it, and it returns a
+  score on a real row of each data source (shown to the user);
 - **agent**: if any prompt uses the tool agent, its tools build from ``agent.tools``, its
   parser accepts them, and the tokenizer's chat template can append tool responses;
 - **evaluation** (``eval.every_versions`` > 0): ``data.val_files`` read and tokenize like the data,
-  the evaluation's reward scores the first held-out prompt, its engine can run.
+  the evaluation's reward scores a held-out row of each data source, its engine can run;
+- **GPUs**: with ``--executor local`` the jobs run here, so the GPUs asked for must be here.
+
+Every problem is reported at once (one line each), so one round trip shows them all.
 
 This is also where a shipped config with a placeholder model path is refused: paths are
 checked at launch (and by ``--dry-run``), not when a config file is parsed.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from hpcrl.config import ConfigError, RunConfig
 from hpcrl.config.checks import bad
@@ -79,10 +85,11 @@ def check_engine_for(cfg: RunConfig, engine: str, key: str) -> None:
                   "vLLM's CPU attention needs head dim >= 64: set model.path=builtin:tiny-h64")
 
 
-def check_eval(cfg: RunConfig, tokenizer) -> list[str]:
+def check_eval(cfg: RunConfig, tokenizer, training_reward_failed: bool = False) -> list[str]:
     """The evaluation job's inputs (``eval.every_versions`` > 0): the held-out files read and tokenize, the
-    evaluation's reward imports and scores the first held-out prompt, its engine can run here. ConfigError in
-    one line on the first problem; lines saying what was found."""
+    evaluation's reward imports and scores a held-out row of each data source (not again when it is the training
+    reward and that already failed: each problem is said once), its engine can run here. ConfigError in one line
+    on the first problem; lines saying what was found."""
     from hpcrl.eval.data import engine_name, eval_reward, load_heldout
     from hpcrl.rollout.reward_fn import check_reward
 
@@ -94,8 +101,10 @@ def check_eval(cfg: RunConfig, tokenizer) -> list[str]:
     except (ValueError, OSError) as e:
         raise ConfigError(f"config data.val_files: {e}") from None
     reward = eval_reward(cfg)
+    if reward is cfg.reward and training_reward_failed:
+        return lines
     try:
-        line = check_reward(reward, rows[0])
+        line = check_reward(reward, rows)
     except ValueError as e:
         raise ConfigError(f"config {'reward' if reward is cfg.reward else 'eval.reward'} (evaluation): {e}") from None
     e = cfg.eval
@@ -104,25 +113,102 @@ def check_eval(cfg: RunConfig, tokenizer) -> list[str]:
                     f"{engine_name(cfg)}; {line}"]
 
 
-def check_inputs(cfg: RunConfig) -> list[str]:
-    """Check model, data and reward (module docstring); return lines saying what was found.
-    Raises ConfigError (one line) on the first problem; creates nothing."""
-    from hpcrl.rollout.data import encode_rows
-    from hpcrl.rollout.dataset import load_rows
-    from hpcrl.rollout.reward_fn import check_reward
+@dataclass
+class InputsFound:
+    """What the input checks found: lines for the user, and the prompt count (``data.epochs`` needs it)."""
 
-    check_engine(cfg)
-    tokenizer = load_model_tokenizer(cfg)
+    lines: list[str]
+    prompts: int
+    """Prompts kept after ``data.max_prompt_length``'s policy."""
+
+
+def check_gpus(cfg: RunConfig, kind: Optional[str]) -> None:
+    """With ``--executor local`` the jobs run on this machine: GPUs asked for must be here."""
+    if kind != "local":
+        return
+    want = max(cfg.resources.trainer.gpus_per_node, cfg.resources.rollout.gpus_per_node)
+    if not want:
+        return
+    import torch
+
+    have = torch.cuda.device_count()
+    if have < want:
+        key = "trainer" if cfg.resources.trainer.gpus_per_node >= want else "rollout"
+        raise bad(f"resources.{key}.gpus_per_node", want, f"at most the {have} GPU(s) of this machine with "
+                  "--executor local (the jobs run here)", "set resources.trainer.gpus_per_node=0 and "
+                  "resources.rollout.gpus_per_node=0 (and rollout.dtype=float32, actor.bf16=false) to run on CPU, "
+                  "or --executor slurm")
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text if text.startswith(("config ", "override ")) else f"config {text}"
+
+
+def _rows(cfg: RunConfig) -> list[dict]:
+    from hpcrl.rollout.dataset import load_rows
+
     try:
-        rows = load_rows(cfg.data, cfg.rollout.response_length)
-        rows, counts, template = encode_rows(tokenizer, cfg.data, rows)
+        return load_rows(cfg.data, cfg.rollout.response_length)
     except (ValueError, OSError) as e:
         raise ConfigError(f"config data.source: {e}") from None
-    try:
-        reward_line = check_reward(cfg.reward, rows[0])
-    except ValueError as e:
-        raise ConfigError(f"config {e}") from None
-    return [counts.line(cfg.data, template), reward_line] + check_agent(cfg, tokenizer, rows) + check_eval(cfg, tokenizer)
+
+
+def derive_total_steps(cfg: RunConfig, prompts: int, capped: bool) -> Optional[str]:
+    """``data.epochs`` (verl: trainer.total_epochs) x prompts kept -> ``rollout.total_rollout_steps``, at most
+    the value given there when ``capped`` (it was set too: verl takes the same minimum); the line saying so, or
+    None without data.epochs. Changes ``cfg`` in place."""
+    epochs = cfg.data.epochs
+    if epochs is None:
+        return None
+    total, cap = epochs * prompts, cfg.rollout.total_rollout_steps
+    if capped and cap < total:
+        how = f"capped by rollout.total_rollout_steps={cap} (as verl caps it)"
+    else:
+        cfg.rollout.total_rollout_steps, how = total, "rollout.total_rollout_steps"
+    cfg.validate()
+    return (f"data.epochs={epochs} x {prompts} prompts = {total} groups, {how}: {cfg.rollout.total_rollout_steps} "
+            f"groups = {cfg.total_updates} updates of R={cfg.groups_per_update}")
+
+
+def check_inputs(cfg: RunConfig, kind: Optional[str] = None) -> InputsFound:
+    """Check the engine, GPUs (``kind`` local), model, data, reward and agent (module docstring); return what was
+    found. Every problem is reported in one ConfigError, one line each, so one round trip shows them all;
+    creates nothing."""
+    from hpcrl.rollout.data import encode_rows
+    from hpcrl.rollout.reward_fn import check_reward, load_reward
+
+    problems: list[str] = []
+
+    def attempt(fn, *args):
+        try:
+            return fn(*args)
+        except (ConfigError, ValueError, OSError) as e:
+            problems.extend(_one_line(e).splitlines())
+            return None
+
+    attempt(check_engine, cfg)
+    attempt(check_gpus, cfg, kind)
+    tokenizer = attempt(load_model_tokenizer, cfg)
+    rows = attempt(_rows, cfg)
+    encoded = None
+    if rows is not None and tokenizer is not None:
+        try:
+            encoded = encode_rows(tokenizer, cfg.data, rows)
+        except (ValueError, OSError) as e:
+            problems.append(f"config data.source: {e}")
+    lines = [encoded[1].line(cfg.data, encoded[2])] if encoded else []
+    reward_line = attempt(check_reward, cfg.reward, encoded[0] if encoded else rows) if rows \
+        else attempt(load_reward, cfg.reward)
+    if isinstance(reward_line, str):
+        lines.append(reward_line)
+    if encoded:
+        lines += attempt(check_agent, cfg, tokenizer, encoded[0]) or []
+    if tokenizer is not None:
+        lines += attempt(check_eval, cfg, tokenizer, not isinstance(reward_line, str)) or []
+    if problems:
+        raise ConfigError("\n".join(dict.fromkeys(problems)))
+    return InputsFound(lines, len(encoded[0]))
 
 
 def check_agent(cfg: RunConfig, tokenizer, rows: list[dict]) -> list[str]:

@@ -9,29 +9,40 @@ from __future__ import annotations
 
 import os
 import secrets
+import time
 from pathlib import Path
 
-from hpcrl.config import ConfigError, RunConfig, dump_config
+from hpcrl.config import ConfigError, RunConfig
 from hpcrl.config.names import BUILTIN_MODELS
 from hpcrl.control.fatal import clear_fatal
+from hpcrl.control.records import clear_stop, read_trainer_done
 from hpcrl.launcher.inputs import check_inputs
 from hpcrl.run_dir import RunDir
 
 
-def prepare_run_dir(cfg: RunConfig, run_dir: Path, resume: bool, inputs_checked: bool = False) -> RunDir:
+def prepare_run_dir(cfg: RunConfig, run_dir: Path, resume: bool, inputs_checked: bool = False,
+                    changes: tuple[str, ...] = ()) -> RunDir:
     """Create (or, with ``resume``, re-open) the run directory of ``cfg``; ConfigError before
     anything is created if the directory holds another run or an input is wrong
-    (:func:`hpcrl.launcher.inputs.check_inputs`, skipped when the caller already ran it)."""
+    (:func:`hpcrl.launcher.inputs.check_inputs`, skipped when the caller already ran it).
+
+    On resume the caller has checked what changed (:mod:`hpcrl.launcher.resume`): the config is frozen again
+    with ``changes`` added to its history; the recorded fatal error and stop request are forgotten (the user
+    fixed what stopped the run, or will see it again at once); a finished run that the new config makes
+    longer loses its ``trainer_done.json``, so the trainer goes on from its last checkpoint."""
     rd = RunDir(run_dir)
     if rd.config_path.exists():
         if not resume:
             raise ConfigError(f"run directory {rd.root} already holds a run; pass --resume to continue it "
                               "or choose another --run-dir")
-        frozen = rd.load_config()
-        if dump_config(frozen) != dump_config(cfg):
-            raise ConfigError(f"--resume: the config differs from the one frozen in {rd.config_path}; "
-                              "resume without CONFIG/overrides to use the frozen one, or start a new run directory")
-        clear_fatal(rd)  # the user fixed what stopped the run, or will see it again at once
+        if changes:
+            when = time.strftime("%Y-%m-%d %H:%M:%S")
+            rd.freeze_config(cfg, tuple(f"{when} --resume {c}" for c in changes))
+        clear_fatal(rd)
+        clear_stop(rd)
+        done = read_trainer_done(rd)
+        if done is not None and cfg.total_updates > done.trainer_step:
+            rd.trainer_done.unlink()
         return rd
     if resume:
         raise ConfigError(f"--resume: {rd.root} holds no run (no config.yaml)")

@@ -2,7 +2,8 @@
 
 The loop (:meth:`RolloutJob._loop`) repeats these named steps:
 
-1. **stop?** USR2 (seal and requeue) or ``control/trainer_done.json`` (seal, exit 0);
+1. **stop?** USR2 (seal and requeue), ``control/trainer_done.json`` (seal, exit 0) or the launcher's
+   ``control/stop.json`` (Ctrl-C: seal, save the groups in flight, exit 0 as ``stopped``);
 2. **new weights?** a newer complete version exists (or an *older* newest one: the
    trainer rolled back to a checkpoint): stop admitting, let the groups in flight
    finish, seal them, load the version; with ``partial_rollout``, abort them instead
@@ -30,10 +31,11 @@ import logging
 import os
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
-from hpcrl.control.records import HeartbeatState, HeartbeatThread, describe_heartbeats
+from hpcrl import metric_names as M
+from hpcrl.control.records import HeartbeatState, HeartbeatThread, describe_heartbeats, ended_state, stop_requested
 from hpcrl.control.startup import StartupSteps
 from hpcrl.fsio import wait_for
 from hpcrl.logs import setup_logging
@@ -66,13 +68,25 @@ class GroupInfo:
     tool_latency_s: float = 0.0
     resumed: bool = False
     """Continued from the state a previous job of this writer saved."""
+    tool_error: str = ""
+    """``<sample id>: <message>`` of the group's first tool error."""
+    sample: dict = field(default_factory=dict)
+    """One response of the group (its first), as the rollout log's ``sample/*`` columns."""
 
     @classmethod
-    def of(cls, trajs: list[TrajectoryState], resumed: bool) -> "GroupInfo":
+    def of(cls, trajs: list[TrajectoryState], resumed: bool, group_id: str, sample: dict) -> "GroupInfo":
         """The counters of a finished group's trajectories."""
+        errors = [f"{group_id}/{j}: {t.tool_error}" for j, t in enumerate(trajs) if t.tool_error]
         return cls(sum(t.finish_reason == FINISH_LENGTH for t in trajs), [t.num_turns for t in trajs],
                    sum(t.tool_calls for t in trajs), sum(t.tool_errors for t in trajs),
-                   sum(t.tool_latency_s for t in trajs), resumed)
+                   sum(t.tool_latency_s for t in trajs), resumed, errors[0][:300] if errors else "", sample)
+
+
+def _sample(sample_id: str, prompt, response: str, reward: float) -> dict:
+    """The rollout log's ``sample/*`` columns for one response (the prompt's last message, both cut)."""
+    text = prompt if isinstance(prompt, str) else str(prompt[-1].get("content", ""))
+    return {M.SAMPLE_ID: sample_id, M.SAMPLE_PROMPT: text[:200], M.SAMPLE_RESPONSE: response[:500],
+            M.SAMPLE_REWARD: reward}
 
 
 class EngineLoadFailed(Exception):
@@ -135,19 +149,21 @@ class RolloutJob:
                            ro.response_length)
         run_group(loop, ctx, trajs, p.runner, self.cfg.timeouts.generate_s,
                   f"generating the group of prompt {prompt_index}")
-        out = []
+        out, sample = [], {}
         for j, t in enumerate(trajs):
             text = p.tokenizer.decode(t.tokens, skip_special_tokens=True)
             reward = p.scorer.score(f"{self.writer}/{prompt_index}/{j}", row, text, loop.reward_info(t))
             out.append(Trajectory(prompt_ids=prompt_ids, response_ids=t.tokens, response_mask=t.mask,
                                   logprobs=t.logprobs, token_versions=t.versions, reward=reward))
+            sample = sample or _sample(f"{self.writer}/{prompt_index}/{j}", row["prompt"], text, reward)
         group = Group(writer=self.writer, prompt_index=prompt_index, trajectories=out, created_s=created,
                       finished_s=time.time())
-        return group, GroupInfo.of(trajs, resumed)
+        return group, GroupInfo.of(trajs, resumed, f"{self.writer}/{prompt_index}", sample)
 
     # ---- steps of the loop
     def _stop_requested(self) -> Optional[HeartbeatState]:
-        """Step 1: PREEMPTED on USR2, DONE once the trainer finished, else None."""
+        """Step 1: PREEMPTED on USR2, DONE once the trainer finished, STOPPED when the launcher asked the run
+        to stop (Ctrl-C), else None."""
         if self.preemption is not None and self.preemption.requested:
             log.warning("USR2: sealing complete groups and requeueing this rollout job")
             return HeartbeatState.PREEMPTED
@@ -157,6 +173,9 @@ class RolloutJob:
             if self.run_dir.trainer_done.exists():
                 log.info("trainer is done; stopping")
                 return HeartbeatState.DONE
+            if stop_requested(self.run_dir):
+                log.info("the launcher asked the run to stop: sealing complete groups, saving those in flight")
+                return HeartbeatState.STOPPED
         return None
 
     def _apply_to_engine(self, wv: WeightVersion) -> tuple[str, float]:
@@ -215,7 +234,9 @@ class RolloutJob:
         if self.stats is not None:
             self._write_version_stats()
         self.version, self.consumed_at_version = wv.version, wv.manifest.consumed_groups
-        self.stats = VersionStats(self.version, load_s=load_s, sync=wv.metrics(apply_s))
+        self.stats = VersionStats(self.version, load_s=load_s, sync=wv.metrics(apply_s),
+                                  prompts={M.PROMPTS_FILTERED: self.parts.prompt_counts.filtered,
+                                           M.PROMPTS_TRUNCATED: self.parts.prompt_counts.truncated})
         self.gate.open(self.version)
         self.heartbeat.update(param_version=self.version, state=HeartbeatState.GENERATING)
         log.info("loaded weight version %d in %.2fs by %s into the engine's %s (trainer step %d, consumed %d groups)",
@@ -283,6 +304,7 @@ class RolloutJob:
             self.parts.shards.add(group)
             self.stats.count(group, info.truncated)
             self.stats.count_agent(info.turns, info.tool_calls, info.tool_errors, info.tool_latency_s)
+            self.stats.note_group(info.tool_error, info.sample)
             self.stats.resumed_groups += info.resumed
         return bool(done)
 
@@ -352,6 +374,7 @@ class RolloutJob:
             with self.startup.step("loading the first weight version", t.wait_weights_s + t.generate_s):
                 self._load_newest()
             self.heartbeat.update(step="", step_started_s=0.0)
+            self.heartbeat.write()  # out of start-up now: the launcher's Ctrl-C waits for it to seal from here on
             final_state = self._loop()
         except BaseException as e:
             if not isinstance(e, SystemExit):
@@ -363,7 +386,7 @@ class RolloutJob:
             requeue_self()  # under Slurm; elsewhere whoever started the job restarts it
 
     def _loop(self) -> HeartbeatState:
-        """Steps 1-6 of the module docstring until stopped; returns DONE or PREEMPTED."""
+        """Steps 1-6 of the module docstring until stopped; returns DONE, STOPPED or PREEMPTED."""
         poll_s = self.cfg.timeouts.poll_interval_s
         while True:
             termination.check()
@@ -417,7 +440,7 @@ class RolloutJob:
             if p is not None:
                 p.close()
             self.heartbeat.stop(final_state)
-            log.info("rollout %s %s: %d groups committed in total", self.writer, final_state,
+            log.info("rollout %s %s: %d groups committed in total", self.writer, ended_state(final_state),
                      p.shards.committed_groups if p is not None else 0)
 
 

@@ -25,7 +25,7 @@ from hpcrl.control.startup import StartupSteps
 from hpcrl.logs import MetricsLog
 from hpcrl.process.reaper import start_reaper, stop_reaper
 from hpcrl.rollout.agent_loop import AgentLoop
-from hpcrl.rollout.data import encode_rows
+from hpcrl.rollout.data import PromptCounts, encode_rows
 from hpcrl.rollout.dataset import PromptStream, WriterPositions, load_rows
 from hpcrl.rollout.engine import Engine, EngineOptions, EngineRunner
 from hpcrl.rollout.engines import make_engine
@@ -62,6 +62,8 @@ class RolloutParts:
     tokenizer: Any
     stream: PromptStream
     """Prompt index -> row (chat template and max_prompt_length applied)."""
+    prompt_counts: PromptCounts
+    """What max_prompt_length did to the prompt file (rows filtered or truncated)."""
     scorer: RewardScorer
     loops: dict[str, AgentLoop]
     """The agent loops the rows name."""
@@ -97,13 +99,18 @@ def build_parts(cfg: RunConfig, run_dir: RunDir, writer: str, writer_rank: int, 
     mdir = run_dir.model_dir(cfg.model.path)
     t = cfg.timeouts
     with contextlib.ExitStack() as closers:
-        with fatal_inputs(run_dir, RunDir.rollout_job(writer), "loading the model, data or reward"):
-            with steps.step("loading the tokenizer, prompts and reward"):
+        job = RunDir.rollout_job(writer)
+        with steps.step("loading the tokenizer, prompts and reward"):
+            with fatal_inputs(run_dir, job, f"loading the tokenizer of {mdir}", "model"):
                 tokenizer = load_tokenizer(mdir)
+            with fatal_inputs(run_dir, job, f"loading the prompts of {cfg.data.source}", "data"):
                 rows = load_rows(cfg.data, cfg.rollout.response_length)
                 rows, counts, template = encode_rows(tokenizer, cfg.data, rows)
+            with fatal_inputs(run_dir, job, "loading the reward", "reward"):
                 scorer = RewardScorer(load_reward(cfg.reward))
+            with fatal_inputs(run_dir, job, "building the agent loops", "agent"):
                 loops = make_loops(cfg.agent, tokenizer, rows)
+        with fatal_inputs(run_dir, job, f"loading the model {mdir} into the {cfg.rollout.engine} engine", "model"):
             runner = EngineRunner()
             closers.callback(runner.close)
             with steps.step(f"starting the {cfg.rollout.engine} engine", t.engine_start_s + 10):  # its own limit first
@@ -119,7 +126,7 @@ def build_parts(cfg: RunConfig, run_dir: RunDir, writer: str, writer_rank: int, 
             admission = Admission(run_dir, writer, cfg.admission_budget)
             admission.reset_writer(shards.committed_groups)
         parts = RolloutParts(
-            tokenizer=tokenizer, stream=PromptStream(rows, cfg.data.seed), scorer=scorer, loops=loops, runner=runner,
+            tokenizer=tokenizer, stream=PromptStream(rows, cfg.data.seed), prompt_counts=counts, scorer=scorer, loops=loops, runner=runner,
             engine=engine, weights=weights, shards=shards, admission=admission,
             positions=WriterPositions(writer_rank, cfg.resources.rollout_jobs, shards.committed_prompt_indices),
             states=InFlightStates(run_dir.in_flight_states(writer), cfg.async_training.partial_rollout),

@@ -1,22 +1,36 @@
-"""The reward function of a run: a built-in rule or your own, with verl's signature.
+"""The reward function of a run: a built-in rule or your own, called the way verl calls it.
 
-    def compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict
+verl calls a reward function by keyword (``verl/workers/reward_manager/naive.py``)::
+
+    compute_score(data_source=..., solution_str=..., ground_truth=..., extra_info=..., **reward_kwargs)
+
+and so does hpcrl, with one kindness: only the parameters the function accepts are passed. So
+verl's custom reward functions (``def compute_score(data_source, solution_str, ground_truth,
+extra_info=None)``, in any order) and its per-source scorers (``verl/utils/reward_score/gsm8k.py``:
+``compute_score(solution_str, ground_truth, method="strict", ...)``) both work unchanged.
+``reward.kwargs`` (verl: ``custom_reward_function.reward_kwargs``) are passed as keywords too.
+A function that cannot take ``solution_str`` and ``ground_truth`` by name is refused at launch
+with its signature and the expected one.
 
 ``reward.path`` names the Python file and ``reward.function`` the function (verl:
-``custom_reward_function.path`` / ``.name``); otherwise ``reward.name`` picks a built-in
-from :data:`hpcrl.rollout.rewards.REWARDS`. A dict result's ``score`` is the reward and its
-other numbers become metrics of the rollout job's per-version log (``reward_extra/<key>``,
-the mean over the version's responses).
+``custom_reward_function.path`` / ``.name``); otherwise ``reward.name`` picks a built-in from
+:data:`hpcrl.rollout.rewards.REWARDS`, or ``by_data_source``: the built-in that a row's
+``data_source`` names (:data:`hpcrl.rollout.rewards.DATA_SOURCES`), verl's
+``default_compute_score`` habit over hpcrl's own scorers. A result is a number (a bool counts as
+0/1, a tuple's first element is taken, as verl does) or a dict whose ``score`` is the reward and
+whose other numbers become metrics of the rollout job's per-version log (``reward_extra/<key>``).
 
-Checked twice before it matters: the launcher imports the file and calls the function on
-the first prompt (:func:`check_reward`), so a broken file fails before anything is
-submitted; the rollout job imports it again and records an import failure as fatal (no
-restart would fix it). At run time an exception in the function gives that response
-reward 0, is counted (``reward/errors``) and logged with the sample id; it never stops the job.
+Checked before it matters: the launcher imports the file, checks the signature and calls the
+function on a real row of each data source (:func:`check_reward`), so a broken file fails before
+anything is submitted; the rollout job imports it again and records an import failure as fatal (no
+restart would fix it). At run time an exception in the function gives that response reward 0, is
+counted (``reward/errors``, with the first message and sample id in ``reward/first_error``) and
+logged; it never stops the job.
 """
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import logging
 import math
 import sys
@@ -26,35 +40,45 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from hpcrl.config import RewardConfig
-from hpcrl.rollout.rewards import REWARDS
+from hpcrl.config.names import BY_DATA_SOURCE
+from hpcrl.rollout.rewards import REWARDS, scorer_for
 from hpcrl import metric_names as M
 
 log = logging.getLogger(__name__)
 
 ComputeScore = Callable[..., Any]
-"""``compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict``."""
+"""Called as ``fn(data_source=..., solution_str=..., ground_truth=..., extra_info=..., **kwargs)``
+with only the names it accepts; returns a number or a dict with ``score``."""
+
+VERL_ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info")
+"""The keyword arguments verl passes to a reward function (besides ``reward_kwargs``)."""
+EXPECTED = "compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs)"
+"""The signature a reward function is expected to have (any subset of the names, in any order, as
+long as ``solution_str`` and ``ground_truth`` are among them)."""
 
 
 class RewardLoadError(ValueError):
-    """The reward file cannot be imported, or has no such function (one line)."""
+    """The reward file cannot be imported, has no such function, or the function cannot be called as
+    verl calls it (one line)."""
 
 
 def _builtin(name: str) -> ComputeScore:
-    fn = REWARDS[name]
-
-    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-        if getattr(fn, "wants_extra_info", False):
-            return fn(solution_str, ground_truth, extra_info)
-        return fn(solution_str, ground_truth)
-
+    if name == BY_DATA_SOURCE:
+        def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+            return _call_rule(scorer_for(data_source), solution_str, ground_truth, extra_info)
+    else:
+        def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+            return _call_rule(name, solution_str, ground_truth, extra_info)
     compute_score.__name__ = name
     return compute_score
 
 
-def load_reward(cfg: RewardConfig) -> ComputeScore:
-    """The run's ``compute_score``: the user's function from reward.path, or the built-in reward.name."""
-    if cfg.path is None:
-        return _builtin(cfg.name)
+def _call_rule(name: str, response: str, answer: str, extra_info: Optional[dict]) -> float:
+    fn = REWARDS[name]
+    return fn(response, answer, extra_info) if getattr(fn, "wants_extra_info", False) else fn(response, answer)
+
+
+def _import(cfg: RewardConfig) -> Callable:
     path = Path(cfg.path).expanduser().resolve()
     if not path.is_file():
         raise RewardLoadError(f"reward.path {path} does not exist")
@@ -75,9 +99,57 @@ def load_reward(cfg: RewardConfig) -> ComputeScore:
     return fn
 
 
+class BoundReward:
+    """A reward function and how it is called: the keyword arguments it accepts, plus ``reward.kwargs``."""
+
+    def __init__(self, fn: Callable, kwargs: dict, where: str):
+        self.fn = fn
+        self.where = where
+        """``reward.path FILE compute_score`` or ``reward.name NAME``: for messages."""
+        try:
+            sig = inspect.signature(fn)
+        except (TypeError, ValueError):  # a builtin or C function: pass everything, as verl does
+            sig = None
+        self.signature = f"{getattr(fn, '__name__', 'compute_score')}{sig}" if sig else repr(fn)
+        params = sig.parameters.values() if sig else []
+        takes_any = sig is None or any(p.kind is p.VAR_KEYWORD for p in params)
+        by_name = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        missing = [n for n in ("solution_str", "ground_truth") if n not in by_name and not takes_any]
+        if missing:
+            raise RewardLoadError(f"{where}: {self.signature} cannot take {' and '.join(missing)} by name; expected "
+                                  f"{EXPECTED} (verl's; parameters it lacks are simply not passed)")
+        offered = set(VERL_ARGUMENTS) | set(kwargs)
+        unfilled = [p.name for p in params if p.default is p.empty and p.kind is not p.VAR_KEYWORD
+                    and p.kind is not p.VAR_POSITIONAL and p.name not in offered]
+        if unfilled:
+            raise RewardLoadError(f"{where}: {self.signature} needs {', '.join(unfilled)}, which is not one of "
+                                  f"{', '.join(VERL_ARGUMENTS)}; give it a default or set reward.kwargs "
+                                  f"(verl: custom_reward_function.reward_kwargs)")
+        unused = sorted(k for k in kwargs if k not in by_name and not takes_any)
+        if unused:
+            raise RewardLoadError(f"{where}: reward.kwargs {', '.join(unused)} are not parameters of "
+                                  f"{self.signature}; remove them or add the parameters")
+        self.passed = tuple(n for n in (*VERL_ARGUMENTS, *kwargs) if takes_any or n in by_name)
+        """The names passed on each call."""
+        self.kwargs = dict(kwargs)
+
+    def __call__(self, data_source: str, solution_str: str, ground_truth: str, extra_info: Optional[dict]) -> Any:
+        offered = {"data_source": data_source, "solution_str": solution_str, "ground_truth": ground_truth,
+                   "extra_info": extra_info, **self.kwargs}
+        return self.fn(**{k: offered[k] for k in self.passed})
+
+
+def load_reward(cfg: RewardConfig) -> BoundReward:
+    """The run's reward, ready to call: the user's function from reward.path, or the built-in reward.name;
+    RewardLoadError (one line) if it cannot be imported or called as verl calls it."""
+    if cfg.path is None:
+        return BoundReward(_builtin(cfg.name), cfg.kwargs, f"reward.name {cfg.name}")
+    return BoundReward(_import(cfg), cfg.kwargs, f"reward.path {cfg.path} {cfg.function}")
+
+
 def split_result(result: Any) -> tuple[float, dict[str, float]]:
     """(reward, extra metrics) of what compute_score returned; ValueError if it is neither a
-    number nor a dict with a numeric ``score``."""
+    number (a bool counts, a tuple's first element is taken: verl's rules) nor a dict with a numeric ``score``."""
     if isinstance(result, dict):
         if "score" not in result:
             raise ValueError(f"returned a dict without 'score' (keys: {sorted(result)})")
@@ -86,7 +158,11 @@ def split_result(result: Any) -> tuple[float, dict[str, float]]:
         result = result["score"]
     else:
         extra = {}
-    if isinstance(result, bool) or not isinstance(result, (int, float)) or math.isnan(float(result)):
+    if isinstance(result, (tuple, list)) and result:
+        result = result[0]
+    if hasattr(result, "item") and callable(result.item):  # numpy / torch scalars
+        result = result.item()
+    if not isinstance(result, (int, float)) or math.isnan(float(result)):
         raise ValueError(f"returned {result!r}, not a number (or a dict with a numeric 'score')")
     return float(result), extra
 
@@ -99,27 +175,38 @@ def result_fields(result: Any) -> dict[str, Any]:
             if v is None or isinstance(v, (str, bool, int)) or isinstance(v, float) and math.isfinite(v)}
 
 
-def check_reward(cfg: RewardConfig, row: dict) -> str:
-    """Import the reward and call it once on ``row`` (with its ground truth as the response);
-    ValueError in one line if that fails. Returns a line describing the reward."""
+def check_reward(cfg: RewardConfig, rows: list[dict]) -> str:
+    """Import the reward, check its signature and call it on the first row of each data source (with
+    the row's ground truth as the response); RewardLoadError in one line if that fails. Returns a
+    line saying what was called and the scores."""
     fn = load_reward(cfg)
-    try:
-        score, extra = split_result(fn(row["data_source"], row["answer"], row["answer"], row["extra_info"]))
-    except Exception as e:  # noqa: BLE001 - reported in one line, before submission
-        where = f"reward.path {cfg.path} {cfg.function}" if cfg.path else f"reward.name {cfg.name}"
-        raise RewardLoadError(f"{where} failed on the first prompt: {type(e).__name__}: {e}") from None
-    what = f"{cfg.function} from {cfg.path}" if cfg.path else f"built-in {cfg.name}"
-    return f"reward: {what} (first prompt, its ground truth as the response: {score:g}" + \
-        (f", metrics {sorted(extra)})" if extra else ")")
+    first: dict[str, dict] = {}
+    for row in rows:
+        first.setdefault(row["data_source"], row)
+    scores = []
+    for source, row in first.items():
+        try:
+            score, extra = split_result(fn(row["data_source"], row["answer"], row["answer"], row["extra_info"]))
+        except Exception as e:  # noqa: BLE001 - reported in one line, before submission
+            raise RewardLoadError(f"{fn.where} failed on the first row of data_source {source!r} (its ground "
+                                  f"truth {row['answer'][:40]!r} as the response): {type(e).__name__}: {e}") from None
+        scores.append(f"{source or '(no data_source)'} {row['answer'][:30]!r} -> {score:g}"
+                      + (f" + metrics {sorted(extra)}" if extra else ""))
+    what = f"{fn.signature} from {cfg.path}" if cfg.path else f"built-in {cfg.name}"
+    line = (f"reward: {what}, called with {', '.join(fn.passed)}; a real row of each data source, its ground truth "
+            f"as the response: {'; '.join(scores[:4])}" + (f" (+{len(scores) - 4} more sources)" if len(scores) > 4 else ""))
+    return line
 
 
 class RewardScorer:
-    """Calls compute_score for the rollout job's group threads; counts failures and the extra metrics."""
+    """Calls the reward for the rollout job's group threads; counts failures (with the first one's message
+    and sample id) and the extra metrics."""
 
     def __init__(self, fn: ComputeScore):
         self.fn = fn
         self._lock = threading.Lock()
         self._errors = 0
+        self._first_error = ""
         self._sums: dict[str, float] = defaultdict(float)
         self._counts: dict[str, int] = defaultdict(int)
 
@@ -138,8 +225,10 @@ class RewardScorer:
             result = self.fn(row["data_source"], response, row["answer"], extra_info)
             reward, extra = split_result(result)
         except Exception as e:  # noqa: BLE001 - a user's function must not stop the job
+            message = f"{sample_id}: {type(e).__name__}: {e}"
             with self._lock:
                 self._errors += 1
+                self._first_error = self._first_error or " ".join(message.split())[:300]
             log.warning("reward function failed on sample %s (reward 0): %s: %s", sample_id, type(e).__name__, e)
             return 0.0, {}
         if extra:
@@ -149,13 +238,16 @@ class RewardScorer:
                     self._counts[k] += 1
         return reward, result_fields(result)
 
-    def pop_metrics(self) -> dict[str, float]:
-        """``reward/errors`` and ``reward_extra/<key>`` means since the last call (one version's row)."""
+    def pop_metrics(self) -> dict[str, Any]:
+        """``reward/errors`` (and the first one, ``reward/first_error``) and ``reward_extra/<key>`` means since
+        the last call (one version's row)."""
         with self._lock:
-            out: dict[str, float] = {M.REWARD_ERRORS: self._errors}
+            out: dict[str, Any] = {M.REWARD_ERRORS: self._errors}
+            if self._first_error:
+                out[M.REWARD_FIRST_ERROR] = self._first_error
             out.update({M.REWARD_EXTRA_PREFIX + k: self._sums[k] / self._counts[k] for k in self._sums})
             self._errors = 0
+            self._first_error = ""
             self._sums.clear()
             self._counts.clear()
         return out
-

@@ -3,6 +3,11 @@
 Add one by writing a function and registering it here; ``reward.name`` in the
 config picks it and is checked against this table before anything starts. Your own
 function with verl's signature goes in ``reward.path`` instead (hpcrl/rollout/reward_fn.py).
+
+``reward.name=by_data_source`` (the default) picks the rule from each row's ``data_source``
+(:data:`DATA_SOURCES`), as verl's ``default_compute_score`` picks its scorer; the same task is
+checked by hpcrl's own rule (GSM8K's ``####`` answer and MATH's final answer through math-verify,
+which also accepts equal answers written differently).
 """
 from __future__ import annotations
 
@@ -101,3 +106,32 @@ REWARDS: dict[str, RewardFn] = {
     "gsm8k": gsm8k,
     "toy_calc": toy_calc,
 }
+
+
+DATA_SOURCES: dict[str, str] = {
+    "openai/gsm8k": "gsm8k",
+    "lighteval/MATH": "math_verify",
+    "DigitalLearningGmbH/MATH-lighteval": "math_verify",
+    "HuggingFaceH4/MATH-500": "math_verify",
+    "math": "math_verify",
+    "math_dapo": "math_verify",
+    "math_dapo_reasoning": "math_verify",
+    "aime*": "math_verify",
+    "numina_*": "math_verify",
+    "builtin:toy": "toy_copy",
+    "builtin:toy_calc": "toy_calc",
+}
+"""``data_source`` -> the rule of ``reward.name=by_data_source`` (verl's ``default_compute_score``
+sources for GSM8K and the MATH family; a trailing ``*`` matches a prefix)."""
+
+
+def scorer_for(data_source: str) -> str:
+    """The rule :data:`DATA_SOURCES` gives ``data_source``; ValueError naming the known sources otherwise."""
+    if data_source in DATA_SOURCES:
+        return DATA_SOURCES[data_source]
+    for pattern, name in DATA_SOURCES.items():
+        if pattern.endswith("*") and data_source.startswith(pattern[:-1]):
+            return name
+    raise ValueError(f"reward.name=by_data_source has no scorer for data_source {data_source!r} (known: "
+                     f"{', '.join(DATA_SOURCES)}); set reward.name to one of the built-in rules, or reward.path "
+                     "to your own function")

@@ -125,6 +125,7 @@ class ToolAgentLoop(AgentLoop):
         calls, error = self.parser.parse(self.tokenizer.decode(traj.tokens[traj.turn_start:], skip_special_tokens=False))
         if error is not None:
             traj.tool_errors += 1
+            traj.tool_error = traj.tool_error or f"the call did not parse: {error}"
             traj.terminate(FINISH_TOOL_ERROR)
         elif not calls:
             traj.terminate(FINISH_STOP)
@@ -162,6 +163,7 @@ class ToolAgentLoop(AgentLoop):
         failed = sum(not r.ok for r in results)
         if failed:
             traj.tool_errors += failed
+            traj.tool_error = traj.tool_error or next(r.error for r in results if not r.ok)
             traj.terminate(FINISH_TOOL_ERROR)
             return True
         ids = self.tool_response_ids([self._truncate(r.text) for r in results])

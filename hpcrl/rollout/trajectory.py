@@ -42,6 +42,8 @@ class TrajectoryState(JsonRecord):
     tool_calls: int = 0
     tool_errors: int = 0
     tool_latency_s: float = 0.0
+    tool_error: str = ""
+    """The first tool error's message (a call that did not parse, an unknown tool, a tool that failed)."""
     pending_calls: list[dict] = field(default_factory=list)
     """Calls parsed from the last turn, not yet answered (``{name, arguments}``)."""
     segments: int = 0

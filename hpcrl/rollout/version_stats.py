@@ -31,6 +31,12 @@ class VersionStats:
     tool_latency_s: float = 0.0
     sync: dict = field(default_factory=dict)
     """How the version arrived (the transport's ``last_load``: path, transfer/apply seconds, bytes)."""
+    first_tool_error: str = ""
+    """``<sample id>: <message>`` of the version's first tool error."""
+    sample: dict = field(default_factory=dict)
+    """One response of the version (:data:`hpcrl.metric_names.SAMPLE_ID` ...), for the console."""
+    prompts: dict = field(default_factory=dict)
+    """What max_prompt_length did to the prompt file (filtered, truncated): the same in every row of a job."""
 
     def count(self, group: Group, truncated: int) -> None:
         """Add one finished group (``truncated`` of its responses were cut by length)."""
@@ -48,6 +54,11 @@ class VersionStats:
         self.tool_errors += tool_errors
         self.tool_latency_s += tool_latency_s
 
+    def note_group(self, tool_error: str, sample: dict) -> None:
+        """Keep the version's first tool error and its first sampled response."""
+        self.first_tool_error = self.first_tool_error or tool_error
+        self.sample = self.sample or sample
+
     def row(self, writer: str) -> dict:
         """The log row of this version, its wall time ending now."""
         wall = max(time.time() - self.started_s, 1e-9)
@@ -60,4 +71,6 @@ class VersionStats:
                 M.NUM_TURNS_MEAN: self.turns_sum / trajs, M.NUM_TURNS_MAX: self.turns_max,
                 M.TOOL_CALLS_MEAN: self.tool_calls / trajs, M.TOOL_ERRORS: self.tool_errors,
                 M.TOOL_LATENCY_S: self.tool_latency_s / max(self.tool_calls, 1),
-                M.ROLLOUT_REWARD_MEAN: self.reward_sum / trajs, M.TIME_S: time.time(), **self.sync}
+                M.ROLLOUT_REWARD_MEAN: self.reward_sum / trajs, M.TIME_S: time.time(), **self.sync,
+                **self.prompts, **self.sample, **({M.TOOL_FIRST_ERROR: self.first_tool_error} if self.first_tool_error
+                                                 else {})}

@@ -8,7 +8,9 @@ toy task learnt in ~300 GRPO updates.
 from __future__ import annotations
 
 import string
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -50,6 +52,20 @@ def build_tokenizer():
     return out
 
 
+@contextmanager
+def quiet_progress_bars() -> Iterator[None]:
+    """transformers' progress bars off for the block (on again after, if they were on)."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
 def build_tiny_model(out_dir: Path | str, seed: int = 0, head_dim: int = 32) -> Path:
     """Write tokenizer + random-init model to ``out_dir`` (an HF folder) and return it.
 
@@ -68,7 +84,8 @@ def build_tiny_model(out_dir: Path | str, seed: int = 0, head_dim: int = 32) -> 
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
-    model.save_pretrained(tmp)
+    with quiet_progress_bars():  # transformers' "Writing model shards" bar would land in hpcrl run's output
+        model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     tmp.rename(out_dir)
     return out_dir

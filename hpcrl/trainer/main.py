@@ -17,6 +17,8 @@ One local update (:meth:`TrainerJob.run`):
 
 If a rollout job finds the newest weight version damaged (it marks it bad and falls back
 to an older one), this job publishes its current weights as a new version at once.
+On USR2 (preemption) or the launcher's stop request (Ctrl-C, ``control/stop.json``) it finishes the
+update it is in, checkpoints it and ends (USR2: requeued); a resume redoes nothing.
 If a rollout job dies, this job waits for committed groups, logging which writers
 it waits for and their heartbeat ages, and fails after ``timeouts.wait_samples_s``.
 If *this* job dies, a restart resumes from the newest checkpoint: it rolls its
@@ -35,7 +37,7 @@ from typing import Optional
 import torch
 
 from hpcrl import metric_names as M
-from hpcrl.control.records import HeartbeatState, HeartbeatThread, TrainerDone, describe_heartbeats
+from hpcrl.control.records import HeartbeatState, HeartbeatThread, TrainerDone, describe_heartbeats, stop_requested
 from hpcrl.control.startup import StartupSteps
 from hpcrl.fsio import write_json_atomic
 from hpcrl.logs import log_size, setup_logging
@@ -53,6 +55,9 @@ from hpcrl.trainer.parts import LeadParts, TrainerParts, build_parts
 from hpcrl.trainer.share import ABORT, BATCH, PREEMPT, REPUBLISH, share_groups, share_json
 
 log = logging.getLogger("hpcrl.trainer")
+
+STOP_POLL_S = 0.5
+"""How often rank 0 looks for the launcher's stop request (a stat of the shared filesystem per look)."""
 
 
 class _NoHeartbeat:
@@ -96,6 +101,8 @@ class TrainerJob:
         self._sync_stats: dict = {}  # metrics of the last publish (gather, files, broadcast)
         self._taken: tuple[list[Group], list[Group]] = ([], [])  # kept/dropped while a republish interrupts
         self._bad_checked_s = 0.0
+        self._stop_checked_s = 0.0
+        self._stop_seen = False  # the launcher's stop request (Ctrl-C) was seen
         self._gathers_logged = False
 
     @property
@@ -127,7 +134,8 @@ class TrainerJob:
             self._last_checkpoint_step = self.state.step
             if resumed is None:
                 self._checkpoint()
-        self.heartbeat.update(step="", step_started_s=0.0)
+        self.heartbeat.update(state=HeartbeatState.WAITING_SAMPLES, step="", step_started_s=0.0)
+        self.heartbeat.write()  # out of start-up now: the launcher's Ctrl-C waits for a checkpoint from here on
 
     # ---- steps
     def _take_groups(self) -> tuple[int, list[Group], list[Group], float]:
@@ -142,7 +150,7 @@ class TrainerJob:
         last_log = t0
         while len(kept) < need:
             termination.check()
-            if self.preemption.requested:
+            if self._stop_asked():
                 return PREEMPT, [], dropped, time.monotonic() - t0
             if self._newest_weights_bad():
                 self._taken = (kept, dropped)
@@ -168,6 +176,20 @@ class TrainerJob:
         self.heartbeat.update(state=HeartbeatState.TRAINING)
         return BATCH, kept, dropped, time.monotonic() - t0
 
+    def _stop_asked(self) -> bool:
+        """Rank 0: USR2 (preemption), or the launcher's stop request (Ctrl-C; looked for at most every
+        :data:`STOP_POLL_S`): checkpoint the last completed update, then stop."""
+        if self.preemption.requested:
+            return True
+        now = time.monotonic()
+        if not self._stop_seen and now - self._stop_checked_s >= STOP_POLL_S:
+            self._stop_checked_s = now
+            self._stop_seen = stop_requested(self.run_dir)
+            if self._stop_seen:
+                log.warning("the launcher asked the run to stop (%s): checkpointing the last completed update",
+                            self.run_dir.stop_request)
+        return self._stop_seen
+
     def _newest_weights_bad(self) -> bool:
         """Rank 0, at most once a second: has a rollout job marked our newest version damaged?
         Then its readers fell back to an older version whose admission budget is spent, and
@@ -190,7 +212,7 @@ class TrainerJob:
             if status == ABORT:
                 raise RuntimeError("trainer rank 0 failed; this rank stops too (see rank 0's log)")
             return status, kept, [], 0.0
-        if self.preemption.requested:
+        if self._stop_asked():
             share_groups(PREEMPT, None)
             return PREEMPT, [], [], 0.0
         try:
@@ -234,7 +256,7 @@ class TrainerJob:
         if self.parts.engine.global_rank == 0:
             weights = self.lead.weights
             published = weights.publish(version, state_dict, self.parts.model_config_json, self.state.step,
-                                        self.state.consumed_groups)
+                                        self.state.consumed_groups, self.parts.model_files)
             self._sync_stats = {M.PARAM_SYNC_GATHER_S: gather_s, **published.metrics()}
             deleted = weights.retain(self.cfg.timeouts.heartbeat_stale_s)
             if deleted:
@@ -324,7 +346,8 @@ class TrainerJob:
         is dead it logs the writers and their heartbeat ages, and fails after
         ``timeouts.wait_samples_s``) -> update -> log -> publish every K updates -> mark
         the update boundary -> checkpoint when due. Returns DONE, or PREEMPTED after USR2
-        (checkpointed at the last completed update, then requeued).
+        (checkpointed at the last completed update, then requeued), or STOPPED when the launcher asked the
+        run to stop (Ctrl-C: checkpointed the same way, so a resume redoes nothing).
         """
         while self.state.step < self.cfg.total_updates:
             termination.check()
@@ -332,7 +355,7 @@ class TrainerJob:
             status, kept, dropped, wait_s = self._next_batch()
             if status == PREEMPT:
                 self._preempt()
-                return HeartbeatState.PREEMPTED
+                return HeartbeatState.STOPPED if self._stop_seen else HeartbeatState.PREEMPTED
             if status == REPUBLISH:  # every rank: the gather of ZeRO-3 weights is collective
                 self._publish(self.state.param_version + 1)
                 continue
@@ -378,9 +401,10 @@ class TrainerJob:
             self._last_checkpoint_step = self.state.step
 
     def _preempt(self) -> None:
-        """USR2: checkpoint the last completed update, then ask Slurm to requeue this job."""
+        """USR2 or the launcher's stop request: checkpoint the last completed update (every rank); on USR2 ask
+        Slurm to requeue this job."""
         self._checkpoint()
-        if self.rank == 0:
+        if self.rank == 0 and not self._stop_seen:
             requeue_self()
 
     def _finish(self) -> None:

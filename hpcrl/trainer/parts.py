@@ -20,7 +20,7 @@ from hpcrl.config import RunConfig
 from hpcrl.control.fatal import fatal_inputs
 from hpcrl.control.startup import StartupSteps
 from hpcrl.logs import MetricsLog, StalenessLog, truncate_to
-from hpcrl.run_dir import RunDir
+from hpcrl.run_dir import WEIGHT_MODEL_FILES, RunDir
 from hpcrl.samples.reader import SampleReader
 from hpcrl.samples.skips import SkipLog
 from hpcrl.trackers import open_trackers
@@ -59,6 +59,9 @@ class TrainerParts:
     """The frozen initial policy, when a KL term needs it."""
     model_config_json: str
     """The policy's ``config.json``, written with every published version."""
+    model_files: dict[str, bytes]
+    """The model folder's tokenizer, chat template and generation config (:data:`WEIGHT_MODEL_FILES` it has),
+    written with every published version so that each is a complete Hugging Face folder."""
     pad_id: int
     micro_per_mini: int
     """Micro-batches (backward passes) per optimizer step on this rank."""
@@ -80,7 +83,7 @@ def _deepspeed(cfg: RunConfig, run_dir: RunDir, rank: int, world: int):
     from hpcrl.trainer.safe_checkpoint import SafeCheckpointEngine
 
     path = run_dir.model_dir(cfg.model.path)
-    with fatal_inputs(run_dir, RunDir.trainer_job(rank), f"loading the model {path}"):
+    with fatal_inputs(run_dir, RunDir.trainer_job(rank), f"loading the model {path}", "model"):
         policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model = PolicyWithValueHead(policy, value_head=cfg.algorithm.adv_estimator == "gae")
     groups = [{"params": list(policy.parameters()), "lr": cfg.actor.lr}]
@@ -139,4 +142,10 @@ def build_parts(cfg: RunConfig, run_dir: RunDir, rank: int, world: int, steps: S
         lead = _lead(cfg, run_dir, resumed) if rank == 0 else None
     kl_coef = resumed.kl_coef if resumed is not None else None
     updater = PolicyUpdate(cfg, engine, micro_per_mini, reference, kl_coef, rank=rank, world=world)
-    return TrainerParts(engine, reference, config_json, pad_id, micro_per_mini, updater, lead), resumed
+    return TrainerParts(engine, reference, config_json, model_files(run_dir.model_dir(cfg.model.path)), pad_id,
+                        micro_per_mini, updater, lead), resumed
+
+
+def model_files(folder) -> dict[str, bytes]:
+    """The files of :data:`WEIGHT_MODEL_FILES` that the model folder has, by name (read once, at start)."""
+    return {name: (folder / name).read_bytes() for name in WEIGHT_MODEL_FILES if (folder / name).is_file()}

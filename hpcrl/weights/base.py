@@ -142,9 +142,10 @@ class WeightPublisher(abc.ABC):
 
     @abc.abstractmethod
     def publish(self, version: int, state_dict: dict[str, torch.Tensor], model_config_json: str,
-                trainer_step: int, consumed_groups: int) -> Published:
-        """Make ``version`` (HF-named ``state_dict`` plus the model's ``config.json``) available;
-        readers see it whole or not at all. FileExistsError if it is already published."""
+                trainer_step: int, consumed_groups: int, model_files: Optional[dict[str, bytes]] = None) -> Published:
+        """Make ``version`` (HF-named ``state_dict`` plus the model's ``config.json`` and its other files:
+        ``model_files``, tokenizer and generation config by name, so the version is a complete HF folder)
+        available; readers see it whole or not at all. FileExistsError if it is already published."""
 
     @abc.abstractmethod
     def withdraw_after(self, version: int) -> list[int]:

@@ -105,11 +105,12 @@ class BroadcastPublisher(FilesystemPublisher):
                 self.run_dir, self.bucket_bytes, self.connect_s, self.broadcast_s, self.backend))
 
     def publish(self, version: int, state_dict: dict[str, torch.Tensor], model_config_json: str,
-                trainer_step: int, consumed_groups: int) -> Published:
+                trainer_step: int, consumed_groups: int, model_files: Optional[dict[str, bytes]] = None) -> Published:
         self.start()  # before the first version's files, if the trainer did not: a joiner finds it with v0
         t0 = time.monotonic()
         tensors, aliases = dedupe_tied(state_dict)
-        manifest = self.write_version(version, tensors, aliases, model_config_json, trainer_step, consumed_groups)
+        manifest = self.write_version(version, tensors, aliases, model_config_json, trainer_step, consumed_groups,
+                                      model_files)
         files_s = time.monotonic() - t0
         if self._sender is None:
             return Published(manifest, files_s)

@@ -2,7 +2,8 @@
 
 Publish (trainer rank 0)::
 
-    weights/v000007.tmp/ <- model.safetensors (hashed while written), config.json, each fsync'd
+    weights/v000007.tmp/ <- model.safetensors (hashed while written), config.json, the model's tokenizer
+                            and generation files (WEIGHT_MODEL_FILES: a complete HF folder), each fsync'd
     rename -> weights/v000007/, fsync weights/
     weights/v000007/manifest.json (tmp -> fsync -> replace): the version now exists
 
@@ -161,16 +162,18 @@ class FilesystemPublisher(WeightPublisher):
         return cls(run_dir, cfg.keep_versions)
 
     def publish(self, version: int, state_dict: dict[str, torch.Tensor], model_config_json: str,
-                trainer_step: int, consumed_groups: int) -> Published:
+                trainer_step: int, consumed_groups: int, model_files: Optional[dict[str, bytes]] = None) -> Published:
         t0 = time.monotonic()
         manifest = self.write_version(version, *dedupe_tied(state_dict), model_config_json, trainer_step,
-                                      consumed_groups)
+                                      consumed_groups, model_files)
         return Published(manifest, files_s=time.monotonic() - t0)
 
     def write_version(self, version: int, tensors: dict[str, torch.Tensor], aliases: dict[str, str],
-                      model_config_json: str, trainer_step: int, consumed_groups: int) -> WeightManifest:
-        """The files of ``version`` (``tensors`` stored once, ``aliases`` in the manifest), committed by the
-        manifest written last."""
+                      model_config_json: str, trainer_step: int, consumed_groups: int,
+                      model_files: Optional[dict[str, bytes]] = None) -> WeightManifest:
+        """The files of ``version`` (``tensors`` stored once, ``aliases`` in the manifest; ``model_files``: the
+        tokenizer and generation files, by name), committed by the manifest written last. Every file is listed
+        and hashed in the manifest."""
         rd = self.run_dir
         final = rd.weight_version_dir(version)
         if rd.weight_manifest(version).exists():
@@ -183,9 +186,11 @@ class FilesystemPublisher(WeightPublisher):
         metadata = {"format": "pt", "param_version": str(version)}
         size, digest = save_hashed(tensors, tmp / WEIGHT_TENSORS, metadata)
         files = {WEIGHT_TENSORS: FileEntry(size, HASH_ALGORITHM, digest)}
-        h = HASHES[HASH_ALGORITHM]()
-        size = write_hashed(tmp / WEIGHT_MODEL_CONFIG, model_config_json.encode(), h)
-        files[WEIGHT_MODEL_CONFIG] = FileEntry(size, HASH_ALGORITHM, h.hexdigest())
+        for name, data in {WEIGHT_MODEL_CONFIG: model_config_json.encode(), **(model_files or {})}.items():
+            rd.weight_file(version, name)  # a known file name (ValueError otherwise)
+            h = HASHES[HASH_ALGORITHM]()
+            size = write_hashed(tmp / name, data, h)
+            files[name] = FileEntry(size, HASH_ALGORITHM, h.hexdigest())
         if not self.checksum:
             files = {k: FileEntry(f.size_bytes, "", "") for k, f in files.items()}
         fsync_path(tmp)
@@ -285,12 +290,17 @@ class FilesystemSubscriber(WeightSubscriber):
     def _read(self, version: int, manifest: WeightManifest) -> dict[str, torch.Tensor]:
         """The verified tensors of ``version`` with tied aliases restored; DamagedFile if anything differs."""
         rd = self.run_dir
-        if set(manifest.files) != {WEIGHT_TENSORS, WEIGHT_MODEL_CONFIG}:
-            raise DamagedFile(f"manifest lists {sorted(manifest.files)}, expected "
-                              f"{sorted([WEIGHT_TENSORS, WEIGHT_MODEL_CONFIG])}")
-        cfg = manifest.files[WEIGHT_MODEL_CONFIG]
-        check_file(rd.weight_file(version, WEIGHT_MODEL_CONFIG), cfg.size_bytes,
-                   cfg.hash_algorithm if self.verify else "", cfg.hash_hex)
+        if not {WEIGHT_TENSORS, WEIGHT_MODEL_CONFIG} <= set(manifest.files):
+            raise DamagedFile(f"manifest lists {sorted(manifest.files)}, expected {WEIGHT_TENSORS} and "
+                              f"{WEIGHT_MODEL_CONFIG} among them")
+        for name, entry in manifest.files.items():  # config.json and the tokenizer files: each verified
+            if name == WEIGHT_TENSORS:
+                continue
+            try:
+                path = rd.weight_file(version, name)
+            except ValueError as e:
+                raise DamagedFile(f"manifest lists an unknown file: {e}") from None
+            check_file(path, entry.size_bytes, entry.hash_algorithm if self.verify else "", entry.hash_hex)
         entry = manifest.files[WEIGHT_TENSORS]
         state = load_verified(rd.weight_file(version, WEIGHT_TENSORS), entry.size_bytes, entry.hash_algorithm,
                               entry.hash_hex, verify=self.verify)

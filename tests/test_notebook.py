@@ -1,0 +1,55 @@
+"""analysis/: the notebook that draws a run's staleness, lag, idle and validation views with the code in the
+open, and the script that compares runs; both executed on a tiny run so they never rot."""
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, TINY
+from test_users import hpcrl
+
+pytestmark = pytest.mark.slow
+NOTEBOOK = REPO / "analysis" / "runs.ipynb"
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("nb") / "tiny"
+    out = hpcrl("run", TINY, "rollout.total_rollout_steps=80", "async_training.staleness_threshold=0.5",
+                "--run-dir", run, "--executor", "local", timeout=400)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return run
+
+
+def test_the_notebook_runs_end_to_end_and_writes_its_figures(tiny_run, tmp_path, monkeypatch):
+    import nbformat
+    from nbclient import NotebookClient
+
+    other = tmp_path / "with_eval"  # a second run, with validation rows (what an evaluating run writes)
+    shutil.copytree(tiny_run, other)
+    (other / "logs" / "eval.jsonl").write_text("".join(json.dumps({"step": s, "param_version": s, "reward/mean": r})
+                                                       + "\n" for s, r in ((0, 0.1), (10, 0.3), (20, 0.5))))
+    figures = tmp_path / "figures"
+    monkeypatch.setenv("HPCRL_RUNS", f"{tiny_run}:{other}")
+    monkeypatch.setenv("HPCRL_FIGURES", str(figures))
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}).execute()
+    for name in ("staleness.png", "lag.png", "idle.png", "validation.png"):
+        data = (figures / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, name
+    assert (figures / "summary.csv").read_text().count("\n") == 3, "one row per run"
+    printed = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    assert "tiny: finished" in printed and "no logs/eval.jsonl" in printed
+
+
+def test_the_compare_script_prints_the_side_by_side_table_and_draws_the_curves(tiny_run, tmp_path):
+    other = tmp_path / "tiny2"
+    shutil.copytree(tiny_run, other)
+    out = subprocess.run([sys.executable, str(REPO / "analysis" / "compare_runs.py"), str(tiny_run), str(other),
+                          "--out", str(tmp_path / "cmp")], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "tiny" in out.stdout and "tiny2" in out.stdout
+    assert {p.name for p in (tmp_path / "cmp").iterdir()} == {"compare_reward.png", "compare_lag.png",
+                                                             "compare_idle.png", "compare_progress.png"}
