@@ -110,7 +110,7 @@ def test_reward_errors_show_on_the_console_in_status_and_in_the_report(tmp_path)
     (tmp_path / "r.py").write_text(RAISES_ON_A_THIRD)
     run = tmp_path / "run"
     out = hpcrl("run", TINY, f"data.source={src}", f"reward.path={tmp_path / 'r.py'}", "rollout.total_rollout_steps=48",
-                "--run-dir", run, "--executor", "local", timeout=300)
+                "eval.every_versions=0", "--run-dir", run, "--executor", "local", timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     console = [line for line in version_lines(out.stdout) if "reward errors" in line]
     assert console and "(first: w000/" in console[0] and "ValueError: row" in console[0], out.stdout[-3000:]

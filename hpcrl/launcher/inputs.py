@@ -106,7 +106,10 @@ def check_eval(cfg: RunConfig, tokenizer, training_reward_failed: bool = False) 
     try:
         line = check_reward(reward, rows)
     except ValueError as e:
-        raise ConfigError(f"config {'reward' if reward is cfg.reward else 'eval.reward'} (evaluation): {e}") from None
+        key = "reward" if reward is cfg.reward else "eval.reward"
+        raise ConfigError(f"config {key} (evaluation of data.val_files={','.join(cfg.data.val_files)}): {e}; fix: "
+                          f"point data.val_files at held-out rows {key} can score, set eval.reward to a function "
+                          "that scores these, or eval.every_versions=0 for no evaluation") from None
     e = cfg.eval
     return lines + [f"evaluation job: every {e.every_versions} versions{', version 0' if e.before_training else ''} "
                     f"and the last, {len(rows)} prompts x {e.n} ({'sampled' if e.do_sample else 'greedy'}), engine "

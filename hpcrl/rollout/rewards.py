@@ -120,6 +120,7 @@ DATA_SOURCES: dict[str, str] = {
     "numina_*": "math_verify",
     "builtin:toy": "toy_copy",
     "builtin:toy_calc": "toy_calc",
+    "builtin:toy_heldout": "toy_copy",
 }
 """``data_source`` -> the rule of ``reward.name=by_data_source`` (verl's ``default_compute_score``
 sources for GSM8K and the MATH family; a trailing ``*`` matches a prefix)."""
