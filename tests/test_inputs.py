@@ -85,7 +85,7 @@ def test_python_api_launch_status_wait(tmp_path):
     run = hpcrl.launch(TINY, run_dir=tmp_path / "run", executor="local", emit=lines.append,
                        overrides=["rollout.total_rollout_steps=120"])
     st = run.status()
-    assert set(st["jobs"]) == {"trainer", "rollout-w000"} and st["finished"] is False
+    assert set(st["jobs"]) == {"trainer", "rollout-w000", "eval"} and st["finished"] is False  # tiny.yaml validates
     assert run.wait(timeout_s=300) is True
     st = run.status()
     assert st["finished"] is True and st["jobs"]["trainer"]["job_state"] == "done"

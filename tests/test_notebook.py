@@ -1,6 +1,5 @@
 """analysis/: the notebook that draws a run's staleness, lag, idle and validation views with the code in the
 open, and the script that compares runs; both executed on a tiny run so they never rot."""
-import json
 import shutil
 import subprocess
 import sys
@@ -8,6 +7,7 @@ import sys
 import pytest
 
 from conftest import REPO, TINY
+from hpcrl.eval_log import EVALUATED, read_eval_rows
 from test_users import hpcrl
 
 pytestmark = pytest.mark.slow
@@ -27,10 +27,9 @@ def test_the_notebook_runs_end_to_end_and_writes_its_figures(tiny_run, tmp_path,
     import nbformat
     from nbclient import NotebookClient
 
-    other = tmp_path / "with_eval"  # a second run, with validation rows (what an evaluating run writes)
+    other = tmp_path / "no_eval"  # a second run without validation rows (eval.every_versions=0 writes none)
     shutil.copytree(tiny_run, other)
-    (other / "logs" / "eval.jsonl").write_text("".join(json.dumps({"step": s, "param_version": s, "reward/mean": r})
-                                                       + "\n" for s, r in ((0, 0.1), (10, 0.3), (20, 0.5))))
+    (other / "logs" / "eval.jsonl").unlink()
     figures = tmp_path / "figures"
     monkeypatch.setenv("HPCRL_RUNS", f"{tiny_run}:{other}")
     monkeypatch.setenv("HPCRL_FIGURES", str(figures))
@@ -41,7 +40,13 @@ def test_the_notebook_runs_end_to_end_and_writes_its_figures(tiny_run, tmp_path,
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, name
     assert (figures / "summary.csv").read_text().count("\n") == 3, "one row per run"
     printed = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
-    assert "tiny: finished" in printed and "no logs/eval.jsonl" in printed
+    assert "tiny: finished" in printed and "no_eval: no logs/eval.jsonl" in printed, printed
+    rows = read_eval_rows(tiny_run / "logs" / "eval.jsonl")
+    assert sorted(r.version for r in rows) == [0, 20]  # tiny.yaml: v0, every 20th; 80 rollout steps = 20 updates
+    evaluated = [r for r in rows if r.status == EVALUATED]  # one that fell behind skips (a row, not drawn)
+    assert evaluated[-1].version == 20, rows
+    assert (f"tiny: {len(evaluated)} evaluated versions, last {evaluated[-1].score_name} = "
+            f"{evaluated[-1].score:.3f}") in printed, printed
 
 
 def test_the_compare_script_prints_the_side_by_side_table_and_draws_the_curves(tiny_run, tmp_path):

@@ -47,14 +47,15 @@ def test_ctrl_c_at_a_random_moment_loses_no_update(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130, out[-3000:]
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
-    beats = {job: json.loads(rd.heartbeat(job).read_text())["state"] for job in ("trainer", "rollout-w000")}
-    assert beats == {"trainer": "stopped", "rollout-w000": "stopped"}, beats
+    beats = {job: json.loads(rd.heartbeat(job).read_text())["state"] for job in ("trainer", "rollout-w000", "eval")}
+    assert beats == {"trainer": "stopped", "rollout-w000": "stopped", "eval": "stopped"}, beats  # tiny.yaml validates
     stopped_at = int(read_metrics(rd)["step"].max())
     ckpt = read_latest_checkpoint(rd)
     assert ckpt is not None and ckpt.step == stopped_at, f"checkpoint at {ckpt}, last update {stopped_at}"
     assert f"jobs stopped; trainer checkpoint at step {stopped_at}/60" in out, out[-2000:]
     assert "rollout w000 stopped" in rd.job_log("rollout-w000").read_text()
     assert "rollout w000 failed" not in rd.job_log("rollout-w000").read_text()
+    assert "stop requested" in rd.job_log("eval").read_text(), "the evaluation job honours the stop request too"
 
     again = hpcrl("run", "--resume", "--run-dir", run, "--executor", "local", timeout=400)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]

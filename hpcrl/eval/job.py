@@ -3,7 +3,8 @@ ones on the held-out prompts, on its own allocation; training never waits for it
 
 The loop (:meth:`EvalJob._loop`) repeats these named steps:
 
-1. **stop?** USR2 (abandon the version, requeue) or SIGTERM (abandon it, exit); the work is over once the
+1. **stop?** USR2 (abandon the version, requeue), SIGTERM or the launcher's stop request (``control/stop.json``,
+   Ctrl-C to ``hpcrl run``: abandon it, end ``stopped``; ``--resume`` evaluates it again); the work is over once the
    trainer is done (``control/trainer_done.json`` names the final version) and every due version is handled;
 2. **plan** (``schedule.py``): the newest due version that is published, intact and not handled yet; older
    due versions not handled are recorded as ``skipped`` first (the job fell behind, or retention deleted
@@ -28,7 +29,8 @@ import logging
 import time
 from typing import Optional
 
-from hpcrl.control.records import HeartbeatState, HeartbeatThread, describe_heartbeats, read_trainer_done
+from hpcrl.control.records import (HeartbeatState, HeartbeatThread, describe_heartbeats, read_trainer_done,
+                                   stop_requested)
 from hpcrl.control.startup import StartupSteps
 from hpcrl.eval import schedule
 from hpcrl.eval.data import sampling
@@ -47,6 +49,10 @@ log = logging.getLogger("hpcrl.eval")
 
 DONE_POLL_S = 0.5
 """How often the loop reads ``trainer_done.json``."""
+
+
+class StopAsked(Exception):
+    """The launcher asked every job to stop (``control/stop.json``): abandon the version, end ``stopped``."""
 
 
 class Preempted(Exception):
@@ -79,6 +85,7 @@ class EvalJob:
         """The trainer's final version, once it is done."""
         self._manifest_seen: dict[int, int] = {}  # version -> manifest mtime_ns when last compared
         self._done_checked_s = 0.0
+        self._stop_checked_s = 0.0
         self._newest = (-1, time.monotonic())  # (newest published version, when it changed)
         self._waiting_logged_s = time.monotonic()
 
@@ -103,10 +110,16 @@ class EvalJob:
 
     # ---- steps
     def _check_stop(self) -> None:
-        """Between prompts and polls: SIGTERM raises SystemExit, USR2 :class:`Preempted`."""
+        """Between prompts and polls: SIGTERM raises SystemExit, USR2 :class:`Preempted`, the launcher's stop
+        request :class:`StopAsked` (its file is looked at every DONE_POLL_S at most)."""
         termination.check()
         if self.preemption is not None and self.preemption.requested:
             raise Preempted()
+        now = time.monotonic()
+        if now - self._stop_checked_s >= DONE_POLL_S:
+            self._stop_checked_s = now
+            if stop_requested(self.run_dir):
+                raise StopAsked()
 
     def _policy(self) -> schedule.DuePolicy:
         now = time.monotonic()
@@ -249,6 +262,10 @@ class EvalJob:
         try:
             self._build()
             final_state = self._loop()
+        except StopAsked:
+            log.info("stop requested (%s): abandoning the version in progress (a --resume evaluates it again)",
+                     self.run_dir.stop_request)
+            final_state = HeartbeatState.STOPPED
         except Preempted:
             log.warning("USR2: abandoning the version being evaluated and requeueing the evaluation job")
             final_state = HeartbeatState.PREEMPTED
