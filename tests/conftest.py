@@ -87,6 +87,50 @@ def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.1, jobs
 _JOBS: list = []
 
 
+class RunsAhead:
+    """The learning runs of one parametrized test, started two at a time: the test of run K starts K's jobs and
+    those of the next selected run, then waits for K's; the next test finds its run well on. On 2 cores two
+    runs take ~0.6 of their time one after the other (on-policy jobs wait on each other half the time). Each
+    run's assertions stay in its own test; its jobs outlive the test that started them and are killed when the
+    module ends (``close``)."""
+
+    def __init__(self, folder: Path, runs: dict[str, list[str]], selected: list[str]):
+        self.folder, self.runs = folder, runs
+        self.order = [k for k in runs if k in selected]
+        """The runs this session's tests ask for, in the order they run."""
+        self.started: dict[str, tuple] = {}
+
+    def _start(self, key: str) -> None:
+        rd = make_run(self.folder, *self.runs[key], name=key)
+        jobs = (start_trainer(rd), start_rollout(rd))
+        for job in jobs:  # not the autouse fixture's: they outlive the test that starts them
+            _JOBS.remove(job)
+        self.started[key] = (rd, *jobs)
+
+    def finish(self, key: str, trainer_s: float = 300, rollout_s: float = 120):
+        """Start ``key`` (if not yet) and the run after it, wait for both of ``key``'s jobs to end with 0; its
+        run directory."""
+        at = self.order.index(key) if key in self.order else len(self.order)
+        for k in [key, *self.order[at + 1:at + 2]]:
+            if k not in self.started:
+                self._start(k)
+        rd, trainer, rollout = self.started[key]
+        assert trainer.wait(trainer_s) == 0, trainer.tail()
+        assert rollout.wait(rollout_s) == 0, rollout.tail()
+        return rd
+
+    def close(self) -> None:
+        for _, *jobs in self.started.values():
+            for job in jobs:
+                job.kill()
+
+
+def selected_params(request, test_name: str, argname: str) -> list:
+    """The values of ``argname`` that this session's collected items of ``test_name`` take, in order."""
+    return [item.callspec.params[argname] for item in request.session.items
+            if getattr(item, "originalname", None) == test_name and argname in getattr(item, "callspec", {}).params]
+
+
 @pytest.fixture(autouse=True)
 def _kill_leftover_jobs():
     """A failed test must not leave job processes running into the next one."""

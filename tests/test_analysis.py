@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import REPO, make_run, start_rollout, start_trainer, wait_until
+from conftest import REPO, RunsAhead, make_run, start_rollout, start_trainer, wait_until
 from hpcrl.analysis.recommend import HIGH, recommend
 from hpcrl.analysis.status import status_main
 from hpcrl.fsio import JsonlTail
@@ -145,19 +145,17 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 
 # ---------------------------------------------------------------- fixtures
 
-def finished_run(tmp: Path, name: str, *overrides: str):
-    rd = make_run(tmp, "rollout.total_rollout_steps=200", *overrides, name=name)
-    trainer, rollout = start_trainer(rd), start_rollout(rd)
-    assert trainer.wait(300) == 0, trainer.tail()
-    assert rollout.wait(120) == 0, rollout.tail()
-    return rd.root
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("analysis_runs")
-    return {"s0": finished_run(tmp, "s0"),
-            "s05": finished_run(tmp, "s05", "async_training.staleness_threshold=0.5")}
+    """Two finished 50-update runs, s=0 and s=0.5, run side by side."""
+    pool = RunsAhead(tmp_path_factory.mktemp("analysis_runs"),
+                     {"s0": ["rollout.total_rollout_steps=200"],
+                      "s05": ["rollout.total_rollout_steps=200", "async_training.staleness_threshold=0.5"]},
+                     ["s0", "s05"])
+    try:
+        return {name: pool.finish(name).root for name in ("s0", "s05")}
+    finally:
+        pool.close()
 
 
 @pytest.fixture(scope="module")

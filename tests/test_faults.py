@@ -66,7 +66,7 @@ def test_an_engine_that_fails_to_load_a_version_stays_on_its_own_and_retries(tin
 ], ids=["zero2", "zero3-gae-adaptive-kl"])
 @pytest.mark.slow
 def test_trainer_sigkill_after_checkpoint_then_resume(tiny_run, zero_stage, extra):
-    rd = tiny_run("rollout.total_rollout_steps=320", "trainer.checkpoint_every_updates=10",
+    rd = tiny_run("rollout.total_rollout_steps=220", "trainer.checkpoint_every_updates=10",
                   f"actor.zero_stage={zero_stage}", *extra)
     cfg = rd.load_config()
     trainer, rollout = start_trainer(rd), start_rollout(rd)
