@@ -70,16 +70,37 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def _hold_sigint():
+    """Block SIGINT while the jobs are submitted: a Ctrl-C then stays pending (local jobs are started with SIGINT
+    ignored, and one pressed in that window was lost: the run went on) and is raised once the jobs are known, so
+    it stops them. The old signal mask, or None where this thread cannot (not the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+
+def _release_sigint(held) -> None:
+    """Unblock SIGINT (a pending Ctrl-C raises KeyboardInterrupt here)."""
+    if held is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
 def _follow(a, plan, cfg, kind, launch) -> int:
+    held = _hold_sigint()
     try:
         run = launch(plan, resume=a.resume, emit=lambda line: print(line, flush=True), bar=sys.stdout.isatty())
     except (ConfigError, ValueError, OSError) as e:  # submission refused: nothing is left behind
+        _release_sigint(held)
         print(f"hpcrl: error: {e}", file=sys.stderr)
         return 2
+    except BaseException:
+        _release_sigint(held)
+        raise
     print(f"submitted ({kind}): " + ", ".join(f"{n}={j.job_id}" for n, j in run.jobs.items()) + f"; run dir {run.rd.root}",
           flush=True)
     timeout_s = a.timeout_min * 60 if a.timeout_min else cfg.resources.trainer.timeout_min * 60
     try:
+        _release_sigint(held)  # a Ctrl-C pressed while submitting stops the run from here
         return 0 if run.wait(timeout_s) else 1
     except KeyboardInterrupt:
         print(f"interrupted: asking the jobs to stop (the trainer checkpoints its last update; at most "

@@ -125,3 +125,32 @@ def test_reward_errors_show_on_the_console_in_status_and_in_the_report(tmp_path)
     assert rep.returncode == 0, rep.stderr
     md = (run / "report" / "report.md").read_text()
     assert "Problems: reward errors, tool errors, prompts filtered" in md and f"reward errors {errors}" in md
+
+
+HELD = '''
+import os, signal, subprocess, sys, time
+from hpcrl.cli import _hold_sigint, _release_sigint
+held = _hold_sigint()
+old = signal.signal(signal.SIGINT, signal.SIG_IGN)  # what submitting a local job does (hpcrl.launcher.submit)
+os.kill(os.getpid(), signal.SIGINT)                 # Ctrl-C pressed meanwhile
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+signal.signal(signal.SIGINT, old)
+print("submitted", flush=True)
+try:
+    _release_sigint(held)
+    time.sleep(5)
+    print("the Ctrl-C was lost")
+except KeyboardInterrupt:
+    os.kill(child.pid, signal.SIGINT)
+    time.sleep(0.5)
+    print("stopping; the job is", "alive" if child.poll() is None else "dead")
+    child.kill()
+'''
+
+
+def test_a_ctrl_c_while_the_jobs_are_submitted_stops_the_run_once_they_are_known():
+    """A Ctrl-C in the window where local jobs are started with SIGINT ignored was lost (the run went on to the
+    end, seen under load): hpcrl run holds it until the jobs are submitted, then stops them; the jobs still
+    leave Ctrl-C to the launcher."""
+    out = subprocess.run([sys.executable, "-c", HELD], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert out.stdout.split("\n")[:2] == ["submitted", "stopping; the job is alive"], out.stdout + out.stderr
