@@ -423,7 +423,7 @@ def trainer_main(run_dir: str) -> None:
     os.environ.update(rank_environment())
     rank = int(os.environ["RANK"])
     job = RunDir.trainer_job(rank)
-    setup_logging(job, cfg.logging.level, rd.job_log(job))
+    setup_logging(f"{job} [simulated]" if cfg.is_simulated else job, cfg.logging.level, rd.job_log(job))
     termination.install()  # scancel: stop now; a restart resumes from the last checkpoint
     preemption = PreemptionFlag()
     TrainerJob(rd, preemption, rank, int(os.environ["WORLD_SIZE"])).run()
