@@ -134,3 +134,15 @@ def test_step_time_is_linear_in_running_sequences():
     sim = SimulatedConfig(decode_base_s=0.02, decode_per_seq_s=0.001)
     assert step_s(sim, 0) == pytest.approx(0.02)
     assert step_s(sim, 100) == pytest.approx(0.12)
+
+
+def test_sequences_of_different_lengths_finish_one_by_one(tmp_path):
+    """Lengths differ within a batch: the batch shrinks as each ends (the step time with it)."""
+    eng = _engine(tmp_path, cap=4096, decode_base_s=0.001, decode_per_seq_s=0.001, prefill_per_token_s=0.0,
+                  time_scale=1000, lengths="lognormal", length_mean=50.0)
+    out = asyncio.run(eng.generate([5], n=16, seed=4))
+    lengths = sorted(len(s.response_ids) for s in out)
+    assert len(set(lengths)) > 4
+    # each step costs 0.001 + 0.001 * (sequences still running)
+    expected = sum((lengths[i] - (lengths[i - 1] if i else 0)) * (0.001 + 0.001 * (16 - i)) for i in range(16))
+    assert eng.busy_model_s == pytest.approx(expected)

@@ -71,7 +71,7 @@ def _key(ids: list[int]) -> str:
     return hashlib.blake2b(np.asarray(ids, dtype=np.int64).tobytes(), digest_size=16).hexdigest()
 
 
-@dataclass
+@dataclass(eq=False)  # identity: two sequences are never "equal"
 class _Seq:
     """One sequence of the modelled batch."""
 
@@ -235,8 +235,9 @@ class SimulatedEngine(Engine):
     def _advance(self, steps: int) -> None:
         for s in self._running:
             s.produced += steps
-        for s in [s for s in self._running if s.remaining == 0]:
-            self._running.remove(s)
+        ended = [s for s in self._running if s.remaining == 0]
+        self._running = [s for s in self._running if s.remaining > 0]
+        for s in ended:
             self._finish(s, aborted=False)
 
     def _abort_now(self) -> None:
