@@ -10,7 +10,7 @@ import pytest
 
 from hpcrl.config.simulated import SimulatedConfig
 from hpcrl.rollout.engine import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, EngineOptions
-from hpcrl.rollout.simulated_engine import SimulatedEngine, draw_lengths, step_s
+from hpcrl.rollout.simulated_engine import SimulatedEngine
 
 EOS = 1
 
@@ -123,7 +123,7 @@ def test_abort_before_admission_returns_nothing_and_continues(tmp_path):
 @pytest.mark.parametrize("dist", ["geometric", "lognormal"])
 def test_length_distributions_have_the_configured_mean(dist):
     sim = SimulatedConfig(lengths=dist, length_mean=200.0, length_sigma=1.0)
-    x = draw_lengths(sim, np.random.default_rng(0), 200_000)
+    x = sim.draw_lengths(np.random.default_rng(0), 200_000)
     assert x.min() >= 1
     assert x.mean() == pytest.approx(200.0, rel=0.03)
     if dist == "lognormal":  # the long tail: the mean is well above the median
@@ -132,8 +132,8 @@ def test_length_distributions_have_the_configured_mean(dist):
 
 def test_step_time_is_linear_in_running_sequences():
     sim = SimulatedConfig(decode_base_s=0.02, decode_per_seq_s=0.001)
-    assert step_s(sim, 0) == pytest.approx(0.02)
-    assert step_s(sim, 100) == pytest.approx(0.12)
+    assert sim.decode_step_s(0) == pytest.approx(0.02)
+    assert sim.decode_step_s(100) == pytest.approx(0.12)
 
 
 def test_sequences_of_different_lengths_finish_one_by_one(tmp_path):

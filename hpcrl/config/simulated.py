@@ -9,7 +9,13 @@ numbers. Refused with a real model: a simulated run trains on nothing real.
 """
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
 
 from hpcrl.config import names
 from hpcrl.config.checks import bad, check_float, check_int
@@ -51,6 +57,24 @@ class SimulatedConfig:
     trainer_gpus: int = 1
     """Trainer: GPUs the modelled trainer has (the per-token time is divided by it)."""
 
+    # ---- the phase model (the simulated engine and trainer sleep it, hpcrl plan predicts with it)
+    def decode_step_s(self, running: int) -> float:
+        """Modelled seconds of one decoding step with ``running`` sequences in the batch."""
+        return self.decode_base_s + self.decode_per_seq_s * running
+
+    def update_model_s(self, n_tokens: int) -> float:
+        """Modelled seconds of one local update over ``n_tokens`` trained tokens."""
+        return self.update_base_s + self.update_per_token_s * n_tokens / self.trainer_gpus
+
+    def draw_lengths(self, rng: np.random.Generator, count: int, empirical: Optional[np.ndarray] = None) -> np.ndarray:
+        """``count`` response lengths (>= 1 token, before any cap); ``empirical``: :func:`empirical_lengths`."""
+        if empirical is not None:
+            return rng.choice(empirical, size=count).astype(np.int64)
+        if self.lengths == "geometric":
+            return rng.geometric(1.0 / self.length_mean, size=count).astype(np.int64)
+        mu = math.log(self.length_mean) - self.length_sigma ** 2 / 2  # so that the mean is length_mean
+        return np.maximum(1, np.rint(rng.lognormal(mu, self.length_sigma, size=count))).astype(np.int64)
+
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
         check_float("simulated.time_scale", self.time_scale, 0.0, lo_open=True)
@@ -66,6 +90,21 @@ class SimulatedConfig:
         check_float("simulated.length_mean", self.length_mean, 1.0)
         check_float("simulated.length_sigma", self.length_sigma, 0.0)
         check_int("simulated.trainer_gpus", self.trainer_gpus, 1)
+
+
+def empirical_lengths(spec: str) -> Optional[np.ndarray]:
+    """The response lengths of ``simulated.lengths=empirical:RUN`` (every ``n_tokens`` of ``RUN/logs/staleness.jsonl``);
+    None for a named distribution."""
+    if not spec.startswith(EMPIRICAL_PREFIX):
+        return None
+    path = Path(spec[len(EMPIRICAL_PREFIX):]).expanduser() / "logs" / "staleness.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"simulated.lengths={spec}: {path} does not exist; point it at a finished run "
+                                "directory, or use geometric / lognormal")
+    lengths = [int(json.loads(line)["n_tokens"]) for line in path.read_text().splitlines() if line.strip()]
+    if not lengths:
+        raise ValueError(f"simulated.lengths={spec}: {path} has no rows")
+    return np.maximum(1, np.asarray(lengths, dtype=np.int64))
 
 
 def check_simulated_combination(cfg) -> None:

@@ -21,7 +21,6 @@ import asyncio
 import hashlib
 import json
 import logging
-import math
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +28,7 @@ from typing import Optional
 
 import numpy as np
 
-from hpcrl.config.simulated import EMPIRICAL_PREFIX, SimulatedConfig
+from hpcrl.config.simulated import SimulatedConfig, empirical_lengths
 from hpcrl.rollout.engine import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Engine, EngineOptions, Sample
 from hpcrl.weights.base import WeightVersion
 
@@ -39,32 +38,10 @@ FIRST_TOKEN_ID = 3
 """Made-up tokens are drawn from [3, vocab): the tiny vocabulary's pad, eos and unk come first."""
 
 
-def draw_lengths(sim: SimulatedConfig, rng: np.random.Generator, count: int,
-                 empirical: Optional[np.ndarray] = None) -> np.ndarray:
-    """``count`` response lengths (>= 1 token, before any cap) from ``sim.lengths``."""
-    if empirical is not None:
-        return rng.choice(empirical, size=count).astype(np.int64)
-    if sim.lengths == "geometric":
-        return rng.geometric(1.0 / sim.length_mean, size=count).astype(np.int64)
-    mu = math.log(sim.length_mean) - sim.length_sigma ** 2 / 2  # so that the mean is length_mean
-    return np.maximum(1, np.rint(rng.lognormal(mu, sim.length_sigma, size=count))).astype(np.int64)
-
-
-def empirical_lengths(spec: str) -> np.ndarray:
-    """The response lengths of ``empirical:RUN``: every ``n_tokens`` of ``RUN/logs/staleness.jsonl``."""
-    path = Path(spec[len(EMPIRICAL_PREFIX):]).expanduser() / "logs" / "staleness.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"simulated.lengths={spec}: {path} does not exist; point it at a finished run "
-                                "directory, or use geometric / lognormal")
-    lengths = [int(json.loads(line)["n_tokens"]) for line in path.read_text().splitlines() if line.strip()]
-    if not lengths:
-        raise ValueError(f"simulated.lengths={spec}: {path} has no rows")
-    return np.maximum(1, np.asarray(lengths, dtype=np.int64))
-
-
-def step_s(sim: SimulatedConfig, running: int) -> float:
-    """Modelled seconds of one decoding step with ``running`` sequences in the batch."""
-    return sim.decode_base_s + sim.decode_per_seq_s * running
+def response_length(sim: SimulatedConfig, seed: int, index: int, empirical: Optional[np.ndarray] = None) -> int:
+    """The drawn length (before the cap) of response ``index`` of a call seeded ``seed``: ``hpcrl plan`` draws the
+    same lengths for the same prompts."""
+    return int(sim.draw_lengths(np.random.default_rng([seed % 2**63, index]), 1, empirical)[0])
 
 
 def _key(ids: list[int]) -> str:
@@ -101,7 +78,7 @@ class SimulatedEngine(Engine):
         self.vocab = int(model["vocab_size"])
         eos = model.get("eos_token_id")
         self.eos_id = int(eos[0] if isinstance(eos, list) else eos if eos is not None else 1)
-        self.empirical = empirical_lengths(self.sim.lengths) if self.sim.lengths.startswith(EMPIRICAL_PREFIX) else None
+        self.empirical = empirical_lengths(self.sim.lengths)
         self._waiting: deque[_Seq] = deque()
         self._running: list[_Seq] = []
         self._prefill_due_s = 0.0  # modelled prefill not yet slept
@@ -154,10 +131,10 @@ class SimulatedEngine(Engine):
             if len(tokens) > cap:
                 tokens, logprobs, stops = tokens[:cap], logprobs[:cap], False
             return _Seq(list(prompt_ids), tokens, logprobs, stops)
-        rng = np.random.default_rng([seed % 2**63, index])
-        length = int(draw_lengths(self.sim, rng, 1, self.empirical)[0])
+        length = response_length(self.sim, seed, index, self.empirical)
         stops = length <= cap
         length = min(length, cap)
+        rng = np.random.default_rng([seed % 2**63, index, 1])
         tokens = rng.integers(FIRST_TOKEN_ID, self.vocab, size=length)
         tokens[tokens == self.eos_id] = FIRST_TOKEN_ID
         if stops:
@@ -214,7 +191,7 @@ class SimulatedEngine(Engine):
                 carry_s = 0.0
                 continue
             self._admit()
-            step = step_s(self.sim, len(self._running))
+            step = self.sim.decode_step_s(len(self._running))
             k = min(s.remaining for s in self._running)
             planned = max(0.0, self._prefill_due_s + k * step - carry_s)
             self._wake.clear()

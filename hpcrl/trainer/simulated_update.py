@@ -19,11 +19,6 @@ from hpcrl.trainer.batch import Batch
 log = logging.getLogger("hpcrl.trainer.simulated")
 
 
-def update_model_s(sim: SimulatedConfig, n_tokens: int) -> float:
-    """Modelled seconds of one local update over ``n_tokens`` trained tokens."""
-    return sim.update_base_s + sim.update_per_token_s * n_tokens / sim.trainer_gpus
-
-
 class SimulatedUpdate:
     """A local update that sleeps as long as the modelled GPU update would take (module docstring)."""
 
@@ -38,7 +33,7 @@ class SimulatedUpdate:
     def run(self, batch: Batch) -> dict:
         """Sleep the modelled update time of ``batch``; the batch's own statistics, as a real update logs them."""
         n_tokens = int(batch.n_tokens)
-        model_s = update_model_s(self.sim, n_tokens)
+        model_s = self.sim.update_model_s(n_tokens)
         time.sleep(model_s / self.sim.time_scale)
         rewards = batch.rewards.float()
         return {M.REWARD_MEAN: float(rewards.mean()), "reward/std": float(rewards.std()) if len(batch) > 1 else 0.0,
