@@ -31,6 +31,7 @@ Run::
 from __future__ import annotations
 
 import subprocess
+import contextlib
 import sys
 import tempfile
 import time
@@ -89,14 +90,17 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=256, help="transformers/vllm engines: response cap")
     p.add_argument("--engine", default="simulated", choices=["simulated", "transformers", "vllm"])
     p.add_argument("--only", default="", help="comma-separated mode letters to run, e.g. a,c")
+    p.add_argument("--keep", action="store_true", help="keep the run directories (their path is printed)")
     a = p.parse_args(argv)
     if a.quick:
         a.updates = 16
     config, common = common_overrides(a)
     modes = {k: v for k, v in MODES.items() if not a.only or k[1] in a.only.split(",")}
     rows, first_steady = [], None
-    with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
+    with (contextlib.nullcontext(tempfile.mkdtemp(dir=a.dir)) if a.keep else tempfile.TemporaryDirectory(dir=a.dir)) as tmp:
         for i, (name, overrides) in enumerate(modes.items()):
+            if a.keep:
+                print(f"run directory: {Path(tmp)}", flush=True)
             rd = Path(tmp) / f"mode{i}"
             wall = run(config, rd, [*common, *overrides])
             m, ro, st = logs(rd)

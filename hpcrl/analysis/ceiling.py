@@ -9,7 +9,8 @@ overlapped, the run cannot be shorter than the slower pool's work::
 
 where generation is the rollout jobs' busy time (``wall_s * (1 - idle)``, summed, divided by the number of
 jobs: the pool's time if its work were spread evenly), the switch their ``timing_s/load_weights`` (the same
-way), update and publish the trainer's ``timing_s/update`` and ``timing_s/param_sync``. Everything is taken over
+way; a version's row is written after the next version's load, so that load is taken out of its busy time),
+update and publish the trainer's ``timing_s/update`` and ``timing_s/param_sync``. Everything is taken over
 the steady window, from the end of the first update to the end of the last (start-up left out), which is
 also what the measured time is; a rollout row is counted in the share of its wall time inside the window.
 The ratio bound / measured is 1 for a run that overlaps perfectly; an on-policy run with generation twice
@@ -80,11 +81,12 @@ def ceiling(metrics: pd.DataFrame, rollout: pd.DataFrame, rollout_jobs: Optional
     t0, t1 = float(m[M.TIME_S].iloc[0]), float(m[M.TIME_S].iloc[-1])
     win = m.iloc[1:]
     jobs = rollout_jobs or max(1, rollout[M.WRITER].nunique())
-    share = _in_window(rollout, t0, t1)
-    busy = rollout[M.WALL_S] * (1 - rollout[M.ROLLOUT_IDLE_RATIO])
-    # a version's load precedes its row's wall time: counted when the row starts inside the window
-    loaded = (rollout[M.TIME_S] - rollout[M.WALL_S]).between(t0, t1)
+    ro = rollout.sort_values([M.WRITER, M.TIME_S])
+    share = _in_window(ro, t0, t1)
+    # a version's row is written once the next version is loaded: its wall time holds that load (not idle)
+    next_load = ro.groupby(M.WRITER)[M.LOAD_WEIGHTS_S].shift(-1).fillna(0.0)
+    busy = (ro[M.WALL_S] * (1 - ro[M.ROLLOUT_IDLE_RATIO]) - next_load).clip(lower=0)
     return Ceiling(updates=len(win), measured_s=t1 - t0, generation_s=float((busy * share).sum()) / jobs,
-                   switch_s=float(rollout[M.LOAD_WEIGHTS_S][loaded].sum()) / jobs,
+                   switch_s=float((next_load * share).sum()) / jobs,
                    update_s=float(win[M.UPDATE_S].sum()), publish_s=float(win[M.PARAM_SYNC_S].sum()),
                    tokens=int(win[M.N_TOKENS].sum()))
