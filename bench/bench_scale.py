@@ -32,6 +32,7 @@ from _common import bench_parser, table  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from hpcrl.analysis.exactly_once import audit  # noqa: E402
+from hpcrl.config import load_config  # noqa: E402
 from hpcrl.run_dir import RunDir  # noqa: E402
 
 OPS = ("open_write", "open_read", "listdir", "stat", "rename", "remove", "mkdir", "fsync")
@@ -70,7 +71,15 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=32)
     p.add_argument("--versions", type=int, default=52)
     p.add_argument("--time-scale", type=float, default=5.0)
+    p.add_argument("--from", dest="from_dir", default=None, metavar="DIR",
+                   help="report again on a finished run of this benchmark (its scale-* folder; no memory figures)")
     a = p.parse_args(argv)
+    if a.from_dir is not None:
+        d = Path(a.from_dir)
+        run = next(x for x in d.iterdir() if x.name.startswith("scale"))
+        a.jobs = load_config(run / "config.yaml").resources.rollout_jobs
+        report(a, run, d / "fsops", {}, float("nan"))
+        return 0
     if a.quick:
         a.jobs, a.versions = 8, 20
     tmp = Path(tempfile.mkdtemp(dir=a.dir, prefix="scale-"))
@@ -124,28 +133,33 @@ def report(a, rd: Path, ops_dir: Path, peaks: dict, wall: float) -> None:
     per_version = ops.groupby("role")[[*OPS, "write_bytes"]].sum() / versions
     per_version.loc["rollout (per job)"] = per_version.loc["rollout"] / a.jobs
     print(f"\nrun-directory operations per weight version ({versions} versions; {steady / versions:.2f}s wall each):")
-    print(table(["role", *OPS, "MB written"], [[r, *(f"{per_version.loc[r, o]:.0f}" for o in OPS),
+    print(table(["role", *OPS, "MB written (process)"], [[r, *(f"{per_version.loc[r, o]:.0f}" for o in OPS),
                                                  f"{per_version.loc[r, 'write_bytes'] / 1e6:.2f}"] for r in per_version.index]))
-    extrapolate(per_version, a.jobs, steady / versions * a.time_scale)
+    extrapolate(per_version, a.jobs, steady / versions, a.time_scale)
 
 
-def extrapolate(per_version, jobs: int, step_model_s: float) -> None:
-    """Operations per second of the metadata server at 128 and 1,024 GPUs (one engine per GPU, a quarter of the
-    GPUs training), at this run's modelled step time; the rollout side grows with jobs, the trainer's polling
-    of manifests with writers too (measured here per writer)."""
-    per_job = per_version.loc["rollout (per job)"]
-    trainer_per_writer = per_version.loc["trainer"] / jobs
-    print(f"\nextrapolated (one rollout job per GPU, 3/4 of the GPUs generating, modelled step {step_model_s:.1f}s):")
+def extrapolate(per_version, jobs: int, step_wall_s: float, time_scale: float) -> None:
+    """Metadata operations per second at 128 and 1,024 GPUs (one engine per GPU, 3/4 of the GPUs generating).
+    The rollout side grows with jobs, the trainer's reading of manifests with writers (measured here per writer).
+    Two readings bracket the truth: an operation driven by versions (seals, loads) happens per modelled step
+    (``step_wall_s * time_scale`` on GPUs), one driven by polling (stats, listdirs, heartbeats) per wall second
+    as here; the second is the load at GPU speed if every operation were a poll."""
+    per_job = per_version.loc["rollout (per job)"] + per_version.loc["trainer"] / jobs
+    meta_cols = ["open_write", "open_read", "listdir", "stat", "rename", "remove", "mkdir"]
+    step_model_s = step_wall_s * time_scale
+    print(f"\nextrapolated (one rollout job per GPU, 3/4 of the GPUs generating; a version every {step_model_s:.1f} "
+          f"modelled s at GPU speed, every {step_wall_s:.2f} s here):")
     rows = []
     for gpus in (128, 1024):
         j = gpus * 3 // 4
-        total = (per_job + trainer_per_writer) * j
-        meta = total[["open_write", "open_read", "listdir", "stat", "rename", "remove", "mkdir"]].sum()
-        rows.append([str(gpus), str(j), f"{total.open_write:.0f}", f"{total.fsync:.0f}", f"{total.listdir:.0f}",
-                     f"{total.rename:.0f}", f"{meta:.0f}", f"{meta / step_model_s:.0f}",
-                     f"{(per_job.write_bytes + trainer_per_writer.write_bytes) * j / 1e6:.0f}"])
-    print(table(["GPUs", "rollout jobs", "files written/version", "fsyncs/version", "listdirs/version",
-                 "renames/version", "metadata ops/version", "metadata ops/s", "MB/version"], rows))
+        total = per_job * j
+        meta = float(total[meta_cols].sum())
+        rows.append([str(gpus), str(j), f"{total['open_write']:.0f}", f"{total['fsync']:.0f}",
+                     f"{total['listdir']:.0f}", f"{total['rename']:.0f}", f"{meta:.0f}",
+                     f"{meta / step_model_s:.0f}", f"{meta / step_wall_s:.0f}", f"{total['write_bytes'] / 1e6:.0f}"])
+    print(table(["GPUs", "rollout jobs", "opens for writing/version", "fsyncs/version", "listdirs/version",
+                 "renames/version", "metadata ops/version", "ops/s per version", "ops/s as polls",
+                 "MB/version"], rows))
 
 
 if __name__ == "__main__":
