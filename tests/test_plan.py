@@ -26,7 +26,7 @@ def _sim(tmp_path, **kw) -> SimulatedConfig:
 
 
 def _empirical(sim):
-    from hpcrl.config.simulated import empirical_lengths
+    from hpcrl.plan.sweep import empirical_lengths
     return empirical_lengths(sim.lengths)
 
 
@@ -93,3 +93,23 @@ def test_plan_refuses_a_budget_without_a_split():
 
 def test_config_file_parses():
     assert load_config("configs/simulated.yaml").is_simulated
+
+
+def test_probe_fits_the_update_model_switch_and_lengths_from_a_runs_logs(tmp_path):
+    from hpcrl.config import dump_config
+    from hpcrl.plan.sweep import probe_model
+    from hpcrl.run_dir import RunDir
+
+    rd = RunDir(tmp_path / "probe")
+    cfg = load_config("configs/simulated.yaml", ["simulated.time_scale=10", "simulated.trainer_gpus=2"])
+    rd.logs.mkdir(parents=True)
+    rd.config_path.write_text(dump_config(cfg))
+    # wall seconds of a probe at time_scale 10 whose update is 3 s + 0.002 s/token on 2 GPUs
+    rd.metrics.write_text("".join(json.dumps({"n_tokens": n, "timing_s/update": (3.0 + 0.001 * n) / 10}) + "\n"
+                                  for n in (1000, 2000, 4000, 8000)))
+    rd.rollout_metrics("w000").write_text("".join(json.dumps({"timing_s/load_weights": 0.05}) + "\n" for _ in range(3)))
+    rd.staleness.write_text("".join(json.dumps({"n_tokens": n}) + "\n" for n in (10, 20, 30)))
+    sim, notes = probe_model(SimulatedConfig(), rd.root)
+    assert sim.update_base_s == pytest.approx(3.0) and sim.update_per_token_s == pytest.approx(0.002)
+    assert sim.weight_load_s == pytest.approx(0.5) and sim.time_scale == 1.0
+    assert sim.lengths == f"empirical:{rd.root}" and "3 responses" in notes[0]

@@ -67,7 +67,7 @@ class SimulatedConfig:
         return self.update_base_s + self.update_per_token_s * n_tokens / self.trainer_gpus
 
     def draw_lengths(self, rng: np.random.Generator, count: int, empirical: Optional[np.ndarray] = None) -> np.ndarray:
-        """``count`` response lengths (>= 1 token, before any cap); ``empirical``: :func:`empirical_lengths`."""
+        """``count`` response lengths (>= 1 token, before any cap); ``empirical``: :func:`read_lengths`."""
         if empirical is not None:
             return rng.choice(empirical, size=count).astype(np.int64)
         if self.lengths == "geometric":
@@ -92,18 +92,20 @@ class SimulatedConfig:
         check_int("simulated.trainer_gpus", self.trainer_gpus, 1)
 
 
-def empirical_lengths(spec: str) -> Optional[np.ndarray]:
-    """The response lengths of ``simulated.lengths=empirical:RUN`` (every ``n_tokens`` of ``RUN/logs/staleness.jsonl``);
-    None for a named distribution."""
-    if not spec.startswith(EMPIRICAL_PREFIX):
-        return None
-    path = Path(spec[len(EMPIRICAL_PREFIX):]).expanduser() / "logs" / "staleness.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"simulated.lengths={spec}: {path} does not exist; point it at a finished run "
-                                "directory, or use geometric / lognormal")
-    lengths = [int(json.loads(line)["n_tokens"]) for line in path.read_text().splitlines() if line.strip()]
+def empirical_run(spec: str) -> Optional[Path]:
+    """The run directory of ``simulated.lengths=empirical:RUN``; None for a named distribution."""
+    return Path(spec[len(EMPIRICAL_PREFIX):]).expanduser() if spec.startswith(EMPIRICAL_PREFIX) else None
+
+
+def read_lengths(staleness_log: Path, spec: str) -> np.ndarray:
+    """Every ``n_tokens`` of a run's staleness log (``RunDir.staleness`` of :func:`empirical_run`): the response
+    lengths ``empirical:RUN`` draws from."""
+    if not staleness_log.is_file():
+        raise FileNotFoundError(f"simulated.lengths={spec}: {staleness_log} does not exist; point it at a finished "
+                                "run directory, or use geometric / lognormal")
+    lengths = [int(json.loads(line)["n_tokens"]) for line in staleness_log.read_text().splitlines() if line.strip()]
     if not lengths:
-        raise ValueError(f"simulated.lengths={spec}: {path} has no rows")
+        raise ValueError(f"simulated.lengths={spec}: {staleness_log} has no rows")
     return np.maximum(1, np.asarray(lengths, dtype=np.int64))
 
 

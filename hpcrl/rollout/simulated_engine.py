@@ -28,7 +28,8 @@ from typing import Optional
 
 import numpy as np
 
-from hpcrl.config.simulated import SimulatedConfig, empirical_lengths
+from hpcrl.config.simulated import SimulatedConfig, empirical_run, read_lengths
+from hpcrl.run_dir import RunDir
 from hpcrl.rollout.engine import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Engine, EngineOptions, Sample
 from hpcrl.weights.base import WeightVersion
 
@@ -36,6 +37,12 @@ log = logging.getLogger("hpcrl.rollout.simulated")
 
 FIRST_TOKEN_ID = 3
 """Made-up tokens are drawn from [3, vocab): the tiny vocabulary's pad, eos and unk come first."""
+
+
+def empirical_lengths(spec: str) -> Optional[np.ndarray]:
+    """The lengths ``simulated.lengths=empirical:RUN`` draws from (None for a named distribution)."""
+    run = empirical_run(spec)
+    return read_lengths(RunDir(run).staleness, spec) if run is not None else None
 
 
 def response_length(sim: SimulatedConfig, seed: int, index: int, empirical: Optional[np.ndarray] = None) -> int:
