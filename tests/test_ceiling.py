@@ -43,3 +43,13 @@ def test_a_row_half_inside_the_window_counts_half():
 
 def test_no_bound_with_one_update():
     assert ceiling(_metrics().iloc[:1], _rollout()) is None
+
+
+def test_speedup_over_an_on_policy_baseline_and_its_ceiling():
+    from hpcrl.analysis.ceiling import speedup_line
+
+    base = ceiling(_metrics(), _rollout())                      # 2 updates in 20 s
+    fast = ceiling(_metrics().assign(**{M.TIME_S: [10.0, 15.0, 20.0]}), _rollout(idle=0.5))
+    line = speedup_line("b", fast, "a", base)
+    assert "2.00x the step rate of a" in line  # 10 s per update -> 5 s
+    assert f"at most {10.0 / (fast.bound_s / 2):.2f}x" in line

@@ -146,3 +146,32 @@ def test_sequences_of_different_lengths_finish_one_by_one(tmp_path):
     # each step costs 0.001 + 0.001 * (sequences still running)
     expected = sum((lengths[i] - (lengths[i - 1] if i else 0)) * (0.001 + 0.001 * (16 - i)) for i in range(16))
     assert eng.busy_model_s == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("overrides, key, fix", [
+    (["rollout.engine=simulated", "eval.every_versions=0", "model.path=/models/qwen"], "model.path",
+     "set model.path=builtin:tiny"),
+    (["trainer.simulated=true", "eval.every_versions=0"], "trainer.simulated", "set rollout.engine=simulated"),
+    (["rollout.engine=simulated"], "eval.every_versions", "set eval.every_versions=0"),
+    (["eval.engine=simulated"], "eval.engine", "set eval.engine=null"),
+])
+def test_a_simulated_part_never_meets_a_real_one(overrides, key, fix):
+    from hpcrl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/tiny.yaml", overrides)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"config {key}:") and "allowed:" in msg and fix in msg
+
+
+def test_the_simulated_engine_module_imports_no_torch_itself():
+    """The engine's own file needs numpy only (the rollout job's other parts bring torch)."""
+    import ast
+    from pathlib import Path
+
+    import hpcrl.rollout.simulated_engine as mod
+
+    tree = ast.parse(Path(mod.__file__).read_text())
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert not any(x == "torch" or x.startswith("torch.") for x in names)

@@ -14,7 +14,8 @@ update and publish the trainer's ``timing_s/update`` and ``timing_s/param_sync``
 the steady window, from the end of the first update to the end of the last (start-up left out), which is
 also what the measured time is; a rollout row is counted in the share of its wall time inside the window.
 The ratio bound / measured is 1 for a run that overlaps perfectly; an on-policy run with generation twice
-the update reaches about 2/3 (it does the two in sequence).
+the update reaches about 2/3 (it does the two in sequence). Next to an on-policy run of the same task, a run's
+speedup per update and its ceiling (the baseline's step over the run's bound per update) are given too.
 """
 from __future__ import annotations
 
@@ -90,3 +91,10 @@ def ceiling(metrics: pd.DataFrame, rollout: pd.DataFrame, rollout_jobs: Optional
                    switch_s=float((next_load * share).sum()) / jobs,
                    update_s=float(win[M.UPDATE_S].sum()), publish_s=float(win[M.PARAM_SYNC_S].sum()),
                    tokens=int(win[M.N_TOKENS].sum()))
+
+
+def speedup_line(name: str, run: Ceiling, baseline_name: str, baseline: Ceiling) -> str:
+    """A run's speedup over an on-policy baseline (per update) and the ceiling its own bound puts on it."""
+    base_step = baseline.measured_s / baseline.updates
+    return (f"{name}: {base_step / (run.measured_s / run.updates):.2f}x the step rate of {baseline_name} "
+            f"(on-policy); its bound allows at most {base_step / (run.bound_s / run.updates):.2f}x")
