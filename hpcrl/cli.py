@@ -79,6 +79,10 @@ def _follow(a, plan, cfg, kind, launch) -> int:
         return 2
     print(f"submitted ({kind}): " + ", ".join(f"{n}={j.job_id}" for n, j in run.jobs.items()) + f"; run dir {run.rd.root}",
           flush=True)
+    if cfg.is_simulated:
+        print(f"SIMULATED run ({'engine and trainer' if cfg.trainer.simulated else 'engine'}): GPU time is modelled "
+              f"and slept (simulated.time_scale {cfg.simulated.time_scale:g}); nothing real is generated or trained",
+              flush=True)
     timeout_s = a.timeout_min * 60 if a.timeout_min else cfg.resources.trainer.timeout_min * 60
     try:
         return 0 if run.wait(timeout_s) else 1
