@@ -42,6 +42,13 @@ def test_on_policy_step_is_load_plus_generation_plus_update(tmp_path):
     assert p.lag_max == 0 and p.tokens == 9 * 32 * L
 
 
+def test_the_publish_time_adds_to_an_on_policy_step(tmp_path):
+    sim = _sim(tmp_path, publish_s=3.0)
+    k = Knobs(rollout_jobs=1, trainer_gpus=1, staleness_threshold=0.0, partial_rollout=False, response_length=1000)
+    p = predict(sim, k, updates=6, empirical=_empirical(sim))
+    assert p.step_s == pytest.approx(3.0 + 1.0 + L * (0.02 + 0.001 * 32) + 2.0 + 0.001 * 32 * L)
+
+
 def test_trainer_gpus_divide_the_per_token_time(tmp_path):
     sim = _sim(tmp_path)
     k = Knobs(rollout_jobs=1, trainer_gpus=4, staleness_threshold=0.0, partial_rollout=False, response_length=1000)

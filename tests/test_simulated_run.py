@@ -14,7 +14,7 @@ SIMULATED = ["rollout.engine=simulated", "trainer.simulated=true", "eval.every_v
              "simulated.update_base_s=2.0", "simulated.weight_load_s=1.0", "rollout.response_length=96",
              "rollout.total_rollout_steps=24", "rollout.max_concurrent_groups=4",
              "async_training.staleness_threshold=1.0", "async_training.partial_rollout=true",
-             "trainer.checkpoint_every_updates=3"]
+             "trainer.checkpoint_every_updates=3", "simulated.publish_s=5.0"]
 
 
 @pytest.mark.slow
@@ -30,6 +30,8 @@ def test_simulated_run_is_exactly_once_and_says_simulated(tiny_run, tmp_path):
     for r in rows:
         assert r[M.SIMULATED_UPDATE_MODEL_S] == pytest.approx(2.0 + 0.0005 * r[M.N_TOKENS])
         assert r[M.UPDATE_S] >= r[M.SIMULATED_UPDATE_MODEL_S] / 50 * 0.9
+    # every update published: the modelled publish (5 s / 50) is inside the trainer's param_sync
+    assert all(r[M.PARAM_SYNC_S] >= 0.1 * 0.9 for r in rows)
     for job in ("trainer", "rollout-w000"):
         lines = [x for x in rd.job_log(job).read_text().splitlines() if x[:2] == "20"]
         assert lines and all(f"{job} [simulated]" in x for x in lines)

@@ -56,6 +56,9 @@ class SimulatedConfig:
     """Trainer: time per trained token on ONE trainer GPU; divided by ``trainer_gpus``."""
     trainer_gpus: int = 1
     """Trainer: GPUs the modelled trainer has (the per-token time is divided by it)."""
+    publish_s: float = 0.0
+    """Trainer: modelled seconds to gather and write one weight version of the real model (the tiny model's
+    version is written for real as well; this is slept on top, inside ``timing_s/param_sync``)."""
 
     # ---- the phase model (the simulated engine and trainer sleep it, hpcrl plan predicts with it)
     def decode_step_s(self, running: int) -> float:
@@ -79,7 +82,7 @@ class SimulatedConfig:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
         check_float("simulated.time_scale", self.time_scale, 0.0, lo_open=True)
         for key in ("decode_base_s", "decode_per_seq_s", "prefill_per_token_s", "weight_load_s",
-                    "update_base_s", "update_per_token_s"):
+                    "update_base_s", "update_per_token_s", "publish_s"):
             check_float(f"simulated.{key}", getattr(self, key), 0.0)
         if self.decode_base_s + self.decode_per_seq_s <= 0:
             raise bad("simulated.decode_base_s", self.decode_base_s, "decode_base_s + decode_per_seq_s > 0",

@@ -8,7 +8,8 @@ model of the ``simulated`` section:
 - a job starts a group (n sequences) while it has fewer than ``max_concurrent_groups`` in flight and the
   shared admission budget allows (``started < consumed_groups(v) + B``, v the version it holds);
 - a finished group is committed at once; the trainer takes R committed groups in commit order, updates for
-  ``update_model_s(tokens)``, publishes every K updates (the version's ``consumed_groups`` = what it consumed);
+  ``update_model_s(tokens)``, publishes every K updates for ``publish_s`` (the version's ``consumed_groups`` =
+  what it consumed);
 - a job that sees a newer version drains its groups (or, with partial rollout, aborts them and keeps their
   tokens), loads for ``weight_load_s`` with nothing running, then continues.
 
@@ -246,6 +247,7 @@ class Pipeline:
         self.published: list[tuple[float, int, int]] = [(0.0, 0, 0)]  # (available at, version, consumed)
         self.step, self.consumed, self.version = 0, 0, 0
         self.busy_until: Optional[float] = None
+        self._publishing_until: Optional[float] = None
         self.update_ends: list[tuple[float, int, float]] = []  # (end, tokens, update seconds)
         self.lags: list[int] = []
 
@@ -263,8 +265,13 @@ class Pipeline:
             self.step += 1
             self.consumed += k.groups_per_update
             if self.step % k.trigger_parameter_sync_step == 0 or self.step == total:
+                self._publishing_until = now + self.sim.publish_s
                 self.version += 1
-                self.published.append((now + self.overhead_s, self.version, self.consumed))
+                self.published.append((now + self.sim.publish_s + self.overhead_s, self.version, self.consumed))
+        if self._publishing_until is not None:  # the trainer publishes before it takes the next batch
+            if now + 1e-12 < self._publishing_until:
+                return
+            self._publishing_until = None
         if self.busy_until is None and self.step < total and len(self.queue) >= k.groups_per_update:
             taken = [self.queue.popleft() for _ in range(k.groups_per_update)]
             tokens = sum(t for _, t in taken)
@@ -283,6 +290,7 @@ class Pipeline:
             if events > limit_events:
                 raise RuntimeError(f"plan: the simulation of {self.k} did not finish in {limit_events} events")
             cands = [j.next_event_s() for j in self.jobs] + [self.busy_until if self.busy_until is not None else INF]
+            cands.append(self._publishing_until if self._publishing_until is not None else INF)
             cands += [at for at, _, _ in self.published if at > now]
             t = min(cands)
             if t == INF:

@@ -258,6 +258,8 @@ class TrainerJob:
             published = weights.publish(version, state_dict, self.parts.model_config_json, self.state.step,
                                         self.state.consumed_groups, self.parts.model_files)
             self._sync_stats = {M.PARAM_SYNC_GATHER_S: gather_s, **published.metrics()}
+            if self.cfg.trainer.simulated:
+                self.parts.updater.after_publish()
             deleted = weights.retain(self.cfg.timeouts.heartbeat_stale_s)
             if deleted:
                 log.debug("retention deleted versions %s", deleted)

@@ -39,3 +39,8 @@ class SimulatedUpdate:
         return {M.REWARD_MEAN: float(rewards.mean()), "reward/std": float(rewards.std()) if len(batch) > 1 else 0.0,
                 "response_length/mean": float(batch.mask.sum(1).float().mean()), M.N_TOKENS: n_tokens,
                 M.SIMULATED_UPDATE_MODEL_S: model_s}
+
+    def after_publish(self) -> None:
+        """Sleep the modelled publish time of the real model (``simulated.publish_s``) after the tiny model's
+        version was written, so it counts in the trainer's ``timing_s/param_sync``."""
+        time.sleep(self.sim.publish_s / self.sim.time_scale)
