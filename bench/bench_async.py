@@ -8,7 +8,8 @@ Four runs of the same task and the same number of trainer steps, launched as a u
   for the slowest group in flight;
 - (c) s=0.5 with partial rollout: a version change aborts generation and continues it under the new
   weights;
-- (d) s=1 with partial rollout.
+- (d) s=1 with partial rollout;
+- (e) s=1 without partial rollout (what partial rollout buys where the budget leaves room).
 
 **Default: the simulated engine and trainer** (``configs/simulated.yaml``): GPU-cluster proportions on
 this CPU machine, the real control plane (shards, admission, weight files, checkpoints) with the GPU
@@ -25,7 +26,7 @@ start-up left out), the ideal-overlap bound of the run's own phase times over th
 
 Run::
 
-    .venv/bin/python bench/bench_async.py --quick     # 16 updates per run, ~6 minutes
+    .venv/bin/python bench/bench_async.py --quick     # 16 updates per run, ~8 minutes
     .venv/bin/python bench/bench_async.py             # 32 updates per run
 """
 from __future__ import annotations
@@ -51,6 +52,7 @@ MODES = {
     "(b) s=0.5": ["async_training.staleness_threshold=0.5"],
     "(c) s=0.5 + partial": ["async_training.staleness_threshold=0.5", "async_training.partial_rollout=true"],
     "(d) s=1 + partial": ["async_training.staleness_threshold=1.0", "async_training.partial_rollout=true"],
+    "(e) s=1, no partial": ["async_training.staleness_threshold=1.0"],
 }
 
 

@@ -136,6 +136,21 @@ def _cmd_sbatch_lines(a) -> int:
 # ---- report and status: their output is this command's output; pandas and matplotlib load
 # only when `report` runs
 
+def add_plan_command(sub) -> None:
+    """``hpcrl plan`` (hpcrl/plan/sweep.py)."""
+    pl = sub.add_parser("plan", help="predict step time, throughput, busy shares and lag for every trainer:rollout "
+                                      "split and async setting of a GPU budget (an event simulation, seconds)")
+    pl.add_argument("config", help="YAML config whose simulated: section holds the phase model (modelled seconds)")
+    pl.add_argument("overrides", nargs="*")
+    pl.add_argument("--gpus", type=int, required=True, help="GPU budget: trainer GPUs + rollout engines' GPUs")
+    pl.add_argument("--gpus-per-engine", type=int, default=1, help="GPUs of one rollout job's engine (default 1)")
+    pl.add_argument("--updates", type=int, default=32, help="local updates simulated per candidate (default 32)")
+    pl.add_argument("--probe", default=None, metavar="RUN", help="measure the update model, weight switch and "
+                    "response lengths from this run directory's logs")
+    pl.add_argument("--top", type=int, default=10, help="rows shown, best first (default 10)")
+    pl.add_argument("--all", action="store_true", help="show every candidate, in sweep order")
+
+
 def add_analysis_commands(sub) -> None:
     rp = sub.add_parser("report", help="offline staleness report of one or more runs (Markdown + HTML + PNG)",
                         description="Read run directories (only) and write DIR/report.md, DIR/report.html and PNG "
@@ -274,17 +289,7 @@ def main(argv=None) -> int:
                                           "a trainer's first start does not")
     bo.add_argument("--timeout-s", type=float, default=1800.0)
 
-    pl = sub.add_parser("plan", help="predict step time, throughput, busy shares and lag for every trainer:rollout "
-                                      "split and async setting of a GPU budget (an event simulation, seconds)")
-    pl.add_argument("config", help="YAML config whose simulated: section holds the phase model (modelled seconds)")
-    pl.add_argument("overrides", nargs="*")
-    pl.add_argument("--gpus", type=int, required=True, help="GPU budget: trainer GPUs + rollout engines' GPUs")
-    pl.add_argument("--gpus-per-engine", type=int, default=1, help="GPUs of one rollout job's engine (default 1)")
-    pl.add_argument("--updates", type=int, default=32, help="local updates simulated per candidate (default 32)")
-    pl.add_argument("--probe", default=None, metavar="RUN", help="measure the update model, weight switch and "
-                    "response lengths from this run directory's logs")
-    pl.add_argument("--top", type=int, default=10, help="rows shown, best first (default 10)")
-    pl.add_argument("--all", action="store_true", help="show every candidate, in sweep order")
+    add_plan_command(sub)
     add_analysis_commands(sub)
     # overrides may also follow the options (`hpcrl run CONFIG --run-dir D k=v`)
     a, extra = p.parse_known_args(argv)

@@ -89,7 +89,8 @@ def test_plan_prints_a_table_and_the_best_configurations():
                          updates=8, probe=None, top=5, show_all=False)
     text = "\n".join(lines)
     assert "trainer:engines" in text and "best (highest throughput first):" in text
-    assert "resources.rollout_jobs=" in text and "simulated.trainer_gpus=" in text
+    assert "resources.rollout_jobs=" in text and "resources.trainer.gpus_per_node=" in text
+    assert "simulated.trainer_gpus=" in text
 
 
 def test_plan_refuses_a_budget_without_a_split():

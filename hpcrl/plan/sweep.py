@@ -39,11 +39,14 @@ class Candidate:
     knobs: Knobs
     prediction: Prediction
 
-    def overrides(self) -> str:
+    def overrides(self, gpus_per_engine: int) -> str:
+        """What to launch: the async knobs and the resources (a trainer over more than one node needs
+        resources.trainer.nodes too; a simulated run takes the trainer's GPUs as simulated.trainer_gpus)."""
         k = self.knobs
-        return (f"resources.rollout_jobs={k.rollout_jobs} simulated.trainer_gpus={k.trainer_gpus} "
-                f"async_training.staleness_threshold={k.staleness_threshold:g} "
-                f"async_training.partial_rollout={str(k.partial_rollout).lower()}")
+        return (f"async_training.staleness_threshold={k.staleness_threshold:g} "
+                f"async_training.partial_rollout={str(k.partial_rollout).lower()} "
+                f"resources.trainer.gpus_per_node={k.trainer_gpus} resources.rollout_jobs={k.rollout_jobs} "
+                f"resources.rollout.gpus_per_node={gpus_per_engine} (simulated: simulated.trainer_gpus={k.trainer_gpus})")
 
 
 def knobs_of(cfg: RunConfig, rollout_jobs: int, trainer_gpus: int, staleness: float, partial: bool,
@@ -142,7 +145,6 @@ def plan_command(config: str, overrides: list[str], gpus: int, gpus_per_engine: 
     lines.append(table(HEADER, table_rows(cands if show_all else best[:top])))
     lines += ["", "best (highest throughput first):"]
     for c in best[:min(top, 3)]:
-        lines.append(f"  {c.prediction.tokens_per_s:.0f} tokens/s: {c.overrides()}  "
-                     f"(trainer job: {c.knobs.trainer_gpus} GPUs; {c.knobs.rollout_jobs} rollout jobs x "
-                     f"{gpus_per_engine} GPUs: resources.rollout.gpus_per_node={gpus_per_engine})")
+        lines.append(f"  {c.prediction.tokens_per_s:.0f} tokens/s, step {c.prediction.step_s:.1f}s: "
+                     f"{c.overrides(gpus_per_engine)}")
     return lines
