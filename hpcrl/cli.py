@@ -10,6 +10,7 @@
     hpcrl summary RUN_DIR                          # per-version table of the staleness log
     hpcrl samples RUN_DIR [--version V] [--worst|--best] [-n K]   # prompts, responses, rewards, token versions
     hpcrl export RUN_DIR [--version last|N] --out DIR             # a weight version as a Hugging Face folder
+    hpcrl plan CONFIG [key=value ...] --gpus N [--probe RUN]      # best trainer:rollout split and async knobs
 """
 from __future__ import annotations
 
@@ -98,6 +99,10 @@ def _follow(a, plan, cfg, kind, launch) -> int:
         raise
     print(f"submitted ({kind}): " + ", ".join(f"{n}={j.job_id}" for n, j in run.jobs.items()) + f"; run dir {run.rd.root}",
           flush=True)
+    if cfg.is_simulated:
+        print(f"SIMULATED run ({'engine and trainer' if cfg.trainer.simulated else 'engine'}): GPU time is modelled "
+              f"and slept (simulated.time_scale {cfg.simulated.time_scale:g}); nothing real is generated or trained",
+              flush=True)
     timeout_s = a.timeout_min * 60 if a.timeout_min else cfg.resources.trainer.timeout_min * 60
     try:
         _release_sigint(held)  # a Ctrl-C pressed while submitting stops the run from here
@@ -117,6 +122,18 @@ def _follow(a, plan, cfg, kind, launch) -> int:
               f"{ckpt.step if ckpt else 0}/{cfg.total_updates}; resume later with "
               f"`hpcrl run --resume --run-dir {run.rd.root}`", file=sys.stderr)
         return 130
+
+
+def _cmd_plan(a) -> int:
+    from hpcrl.plan.sweep import plan_command
+
+    try:
+        lines = plan_command(a.config, a.overrides, a.gpus, a.gpus_per_engine, a.updates, a.probe, a.top, a.all)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"hpcrl plan: error: {e}", file=sys.stderr)
+        return 2
+    print("\n".join(lines))
+    return 0
 
 
 def _cmd_sbatch_lines(a) -> int:
@@ -139,6 +156,21 @@ def _cmd_sbatch_lines(a) -> int:
 
 # ---- report and status: their output is this command's output; pandas and matplotlib load
 # only when `report` runs
+
+def add_plan_command(sub) -> None:
+    """``hpcrl plan`` (hpcrl/plan/sweep.py)."""
+    pl = sub.add_parser("plan", help="predict step time, throughput, busy shares and lag for every trainer:rollout "
+                                      "split and async setting of a GPU budget (an event simulation, seconds)")
+    pl.add_argument("config", help="YAML config whose simulated: section holds the phase model (modelled seconds)")
+    pl.add_argument("overrides", nargs="*")
+    pl.add_argument("--gpus", type=int, required=True, help="GPU budget: trainer GPUs + rollout engines' GPUs")
+    pl.add_argument("--gpus-per-engine", type=int, default=1, help="GPUs of one rollout job's engine (default 1)")
+    pl.add_argument("--updates", type=int, default=32, help="local updates simulated per candidate (default 32)")
+    pl.add_argument("--probe", default=None, metavar="RUN", help="measure the update model, weight switch and "
+                    "response lengths from this run directory's logs")
+    pl.add_argument("--top", type=int, default=10, help="rows shown, best first (default 10)")
+    pl.add_argument("--all", action="store_true", help="show every candidate, in sweep order")
+
 
 def add_analysis_commands(sub) -> None:
     rp = sub.add_parser("report", help="offline staleness report of one or more runs (Markdown + HTML + PNG)",
@@ -278,11 +310,12 @@ def main(argv=None) -> int:
                                           "a trainer's first start does not")
     bo.add_argument("--timeout-s", type=float, default=1800.0)
 
+    add_plan_command(sub)
     add_analysis_commands(sub)
     # overrides may also follow the options (`hpcrl run CONFIG --run-dir D k=v`)
     a, extra = p.parse_known_args(argv)
     if extra:
-        if a.cmd not in ("run", "sbatch-lines", "eval") or any("=" not in x or x.startswith("-") for x in extra):
+        if a.cmd not in ("run", "sbatch-lines", "eval", "plan") or any("=" not in x or x.startswith("-") for x in extra):
             p.error("unrecognized arguments: " + " ".join(extra))
         a.overrides = list(a.overrides) + extra
     if a.cmd in ("report", "status", "summary", "samples", "export"):
@@ -294,6 +327,8 @@ def main(argv=None) -> int:
         return _cmd_run(a)
     if a.cmd == "sbatch-lines":
         return _cmd_sbatch_lines(a)
+    if a.cmd == "plan":
+        return _cmd_plan(a)
     if a.cmd == "build-ops":
         return _cmd_build_ops(a.timeout_s)
     if a.cmd == "eval":

@@ -77,13 +77,19 @@ class Knobs:
     max_concurrent_groups: int
     max_staleness: Optional[int]
     partial_rollout: bool
+    simulated: str = ""
+    """What of the run was simulated (``rollout.engine=simulated``, ``trainer.simulated``); empty for a real run."""
+    time_scale: float = 1.0
+    """A simulated run's modelled seconds per wall second (``simulated.time_scale``)."""
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> "Knobs":
         a = cfg.async_training
+        parts = [p for p, on in (("engine", cfg.rollout.engine == "simulated"), ("trainer", cfg.trainer.simulated)) if on]
         return cls(a.staleness_threshold, a.trigger_parameter_sync_step, cfg.groups_per_update, cfg.admission_budget,
                    cfg.max_lag_bound, cfg.total_updates, cfg.rollout.total_rollout_steps, cfg.rollout.n,
-                   cfg.resources.rollout_jobs, cfg.rollout.max_concurrent_groups, a.max_staleness, a.partial_rollout)
+                   cfg.resources.rollout_jobs, cfg.rollout.max_concurrent_groups, a.max_staleness, a.partial_rollout,
+                   simulated=" and ".join(parts), time_scale=cfg.simulated.time_scale if parts else 1.0)
 
     def describe(self) -> str:
         return (f"s={self.staleness_threshold:g}, K={self.trigger_parameter_sync_step}, R={self.groups_per_update}, "

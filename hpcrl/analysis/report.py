@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpcrl.analysis import compare, plots, tables, training_plots, validation
+from hpcrl.analysis.ceiling import ceiling, speedup_line
 from hpcrl.analysis.doc import Doc
 from hpcrl.analysis.load import LOG_PATHS, RunData, load_run
 from hpcrl.analysis.problems import problems_of, problems_table
@@ -206,6 +207,39 @@ SECTIONS = [("Problems: reward errors, tool errors, prompts filtered", _problems
             ("Samples dropped", _drops)]
 
 
+def _ceiling_of(d: RunData):
+    try:
+        return ceiling(d.metrics, d.rollout, d.knobs.rollout_jobs if d.knobs else None)
+    except KeyError:  # logs of an older hpcrl
+        return None
+
+
+def _speedups(runs: list[RunData]) -> list[str]:
+    """Each run's speedup over the first on-policy run (s=0, K=1, no partial) and its ceiling."""
+    base = next((d for d in runs if d.knobs and d.knobs.staleness_threshold == 0
+                 and d.knobs.trigger_parameter_sync_step == 1 and not d.knobs.partial_rollout), None)
+    base_c = _ceiling_of(base) if base is not None else None
+    if base_c is None:
+        return []
+    out = []
+    for d in runs:
+        c = _ceiling_of(d) if d is not base else None
+        if c is not None:
+            out.append(speedup_line(d.name, c, base.name, base_c))
+    return out
+
+
+def _ceiling_line(d: RunData) -> str:
+    """Measured throughput next to the bound of the run's own phase times (hpcrl/analysis/ceiling.py)."""
+    try:
+        c = ceiling(d.metrics, d.rollout, d.knobs.rollout_jobs if d.knobs else None)
+    except KeyError as e:  # logs of an older hpcrl
+        return f"{d.name}: no bound (the logs lack {e})"
+    if c is None:
+        return f"{d.name}: no bound (fewer than two updates, or no rollout rows)"
+    return f"{d.name}: " + c.line(d.knobs.time_scale if d.knobs else 1.0)
+
+
 def _run_section(doc: Doc, rep: Report, d: RunData, out_dir: Path, level: int) -> None:
     doc.para(f"Run directory `{d.root}`; {'finished' if d.finished else 'NOT finished'}; "
              + (d.knobs.describe() if d.knobs else "knobs unknown") + ".")
@@ -236,9 +270,15 @@ def build_report(run_dirs: list, out_dir, names: list[str] | None = None) -> Rep
     doc.para(f"Written {time.strftime('%Y-%m-%d %H:%M:%S')} by `hpcrl report` from the run directories only. "
              "Times in seconds; versions are weight versions; plots' time axes start at each run's first event.")
 
+    simulated = [f"{d.name}: SIMULATED {d.knobs.simulated} (GPU time modelled and slept, time_scale "
+                 f"{d.knobs.time_scale:g}; nothing real was trained)" for d in runs if d.knobs and d.knobs.simulated]
+    if simulated:
+        doc.para("**Simulated run(s)** - " + "; ".join(simulated) + ".")
     doc.heading(2, "Summary" if len(runs) == 1 else "Side by side")
     doc.table(tables.ablation_table(runs))
     doc.bullets([f"{k}: {v}" for k, v in tables.COLUMN_DEFINITIONS.items()])
+    doc.heading(2, "Throughput against the ideal-overlap bound")
+    doc.bullets([_ceiling_line(d) for d in runs] + _speedups(runs))
     if len(runs) > 1:
         doc.heading(2, "Recommendations")
         doc.bullets([f"{d.name}: {recommend_run(d).line}" for d in runs])

@@ -17,6 +17,7 @@ module             what it holds
 ``combinations``   the algorithm rules that span sections (what an estimator or loss needs)
 ``evaluation``     eval: the evaluation job (which versions, sampling, engine, reward)
 ``resources``      job sizes and Slurm options per role
+``simulated``      simulated: the phase model of a simulated engine and trainer
 ``run``            RunConfig (all sections, derived R/K/B), load_config, dump_config
 =================  ==============================================================
 

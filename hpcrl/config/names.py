@@ -67,7 +67,10 @@ LOGGING_BACKENDS = ("jsonl", "tensorboard", "wandb")
 WANDB_MODES = ("offline", "online")
 """``logging.wandb_mode``."""
 
-ENGINES = ("transformers", "vllm")
+SIMULATED_ENGINE = "simulated"
+"""The engine that sleeps instead of generating (hpcrl/rollout/simulated_engine.py; section ``simulated``)."""
+
+ENGINES = ("transformers", "vllm", SIMULATED_ENGINE)
 """``rollout.engine`` (hpcrl/rollout/engine.py: one file per backend)."""
 
 ROLLOUT_DEVICES = ("auto", "cpu", "cuda")

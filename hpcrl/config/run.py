@@ -30,6 +30,7 @@ from hpcrl.config.combinations import check_algorithm_combinations
 from hpcrl.config.evaluation import EvalConfig
 from hpcrl.config.resources import ResourcesConfig
 from hpcrl.config.runtime import LoggingConfig, TimeoutsConfig
+from hpcrl.config.simulated import SimulatedConfig, check_simulated_combination
 from hpcrl.config.sections import (ActorConfig, AgentConfig, AsyncConfig, DataConfig, ModelConfig, RewardConfig,
                                    RolloutConfig, TrainerConfig, WeightsConfig)
 from hpcrl.config.verl import Schema, translate, unknown_key_message
@@ -56,6 +57,7 @@ class RunConfig:
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    simulated: SimulatedConfig = field(default_factory=SimulatedConfig)
 
     # ---- derived quantities (the flow-control arithmetic: ARCHITECTURE.md, "Admission budget") ----
     @property
@@ -102,6 +104,7 @@ class RunConfig:
                        f"at least R = actor.ppo_mini_batch_size * async_training.require_batches = "
                        f"{self.groups_per_update}")
         check_algorithm_combinations(self)
+        check_simulated_combination(self)
         world = self.resources.trainer.world_size
         if self.actor.ppo_mini_batch_size % (world * self.actor.ppo_micro_batch_size):
             raise bad("actor.ppo_mini_batch_size", self.actor.ppo_mini_batch_size,
@@ -139,6 +142,11 @@ class RunConfig:
         if self.rollout.device == "cuda" and self.resources.eval.gpus_per_node == 0:
             raise bad("resources.eval.gpus_per_node", 0, "at least 1 with rollout.device=cuda (the evaluation "
                       "engine uses rollout's device)", "set resources.eval.gpus_per_node, or rollout.device=auto")
+
+    @property
+    def is_simulated(self) -> bool:
+        """The engine (and maybe the trainer) only sleeps: every log line and the report say so."""
+        return self.rollout.engine == "simulated" or self.trainer.simulated
 
     def to_dict(self) -> dict:
         """Plain dict of every field (what ``config.yaml`` holds)."""

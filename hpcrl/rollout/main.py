@@ -448,7 +448,7 @@ def rollout_main(run_dir: str, writer_rank: int) -> None:
     rd = RunDir(run_dir)
     cfg = rd.load_config()
     job = RunDir.rollout_job(RunDir.writer_name(writer_rank))
-    setup_logging(job, cfg.logging.level, rd.job_log(job))
+    setup_logging(f"{job} [simulated]" if cfg.is_simulated else job, cfg.logging.level, rd.job_log(job))
     termination.install()  # scancel: seal complete groups, then exit
     RolloutJob(rd, writer_rank, PreemptionFlag()).run()
 

@@ -52,7 +52,8 @@ def engine_options(cfg: RunConfig, model_dir) -> EngineOptions:
                          top_p=ro.top_p, device=device, dtype=ro.dtype, seed=cfg.model.seed,
                          gpu_memory_utilization=ro.gpu_memory_utilization, max_model_len=ro.max_model_len,
                          tensor_parallel_size=ro.tensor_parallel_size, data_parallel_size=ro.data_parallel_size,
-                         enforce_eager=ro.enforce_eager, max_num_seqs=ro.max_num_seqs)
+                         enforce_eager=ro.enforce_eager, max_num_seqs=ro.max_num_seqs,
+                         simulated=cfg.simulated if ro.engine == "simulated" else None)
 
 
 @dataclass

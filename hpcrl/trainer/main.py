@@ -258,6 +258,8 @@ class TrainerJob:
             published = weights.publish(version, state_dict, self.parts.model_config_json, self.state.step,
                                         self.state.consumed_groups, self.parts.model_files)
             self._sync_stats = {M.PARAM_SYNC_GATHER_S: gather_s, **published.metrics()}
+            if self.cfg.trainer.simulated:
+                self.parts.updater.after_publish()
             deleted = weights.retain(self.cfg.timeouts.heartbeat_stale_s)
             if deleted:
                 log.debug("retention deleted versions %s", deleted)
@@ -423,7 +425,7 @@ def trainer_main(run_dir: str) -> None:
     os.environ.update(rank_environment())
     rank = int(os.environ["RANK"])
     job = RunDir.trainer_job(rank)
-    setup_logging(job, cfg.logging.level, rd.job_log(job))
+    setup_logging(f"{job} [simulated]" if cfg.is_simulated else job, cfg.logging.level, rd.job_log(job))
     termination.install()  # scancel: stop now; a restart resumes from the last checkpoint
     preemption = PreemptionFlag()
     TrainerJob(rd, preemption, rank, int(os.environ["WORLD_SIZE"])).run()

@@ -6,7 +6,7 @@ Built in one place (:func:`build_parts`), in this order: the policy (and value h
 the frozen reference if a KL term needs it, the newest checkpoint if there is one (every rank), then
 on rank 0 the resume of the run directory (versions published after the checkpoint withdrawn, logs
 cut back to it) and its readers and writers from the checkpoint's cursor, and last the update whose
-KL controller continues from the checkpoint. Nothing is attached to the job later.
+KL controller continues from the checkpoint (``trainer.simulated``: the simulated update, which only sleeps). Nothing is attached to the job later.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from hpcrl.samples.skips import SkipLog
 from hpcrl.trackers import open_trackers
 from hpcrl.trainer import checkpoint
 from hpcrl.trainer.models import PolicyWithValueHead, load_reference
+from hpcrl.trainer.simulated_update import SimulatedUpdate
 from hpcrl.trainer.update import PolicyUpdate
 from hpcrl.weights import WeightPublisher, make_publisher
 
@@ -65,7 +66,8 @@ class TrainerParts:
     pad_id: int
     micro_per_mini: int
     """Micro-batches (backward passes) per optimizer step on this rank."""
-    updater: PolicyUpdate
+    updater: PolicyUpdate | SimulatedUpdate
+    """The update's arithmetic (``trainer.simulated``: a sleep of the modelled time, nothing computed)."""
     lead: Optional[LeadParts]
     """Rank 0 only; None on the other ranks."""
 
@@ -141,7 +143,8 @@ def build_parts(cfg: RunConfig, run_dir: RunDir, rank: int, world: int, steps: S
     with steps.step("bringing the run directory to the checkpoint"):
         lead = _lead(cfg, run_dir, resumed) if rank == 0 else None
     kl_coef = resumed.kl_coef if resumed is not None else None
-    updater = PolicyUpdate(cfg, engine, micro_per_mini, reference, kl_coef, rank=rank, world=world)
+    updater = (SimulatedUpdate(cfg.simulated) if cfg.trainer.simulated
+               else PolicyUpdate(cfg, engine, micro_per_mini, reference, kl_coef, rank=rank, world=world))
     return TrainerParts(engine, reference, config_json, model_files(run_dir.model_dir(cfg.model.path)), pad_id,
                         micro_per_mini, updater, lead), resumed
 

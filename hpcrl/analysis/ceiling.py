@@ -1,0 +1,100 @@
+"""The ideal-overlap ceiling of a run, from its own phase times (``hpcrl report``, ``bench/bench_async.py``).
+
+With the trainer and the rollout jobs on separate pools, each pool must still do its own work in sequence:
+the rollout pool generates the samples (its busy time, spread over its jobs) and loads every weight version
+(the switch: a rollout job cannot generate while it loads), and the trainer updates and publishes. Perfectly
+overlapped, the run cannot be shorter than the slower pool's work::
+
+    bound = max(generation + weight switch, update + publish)
+
+where generation is the rollout jobs' busy time (``wall_s * (1 - idle)``, summed, divided by the number of
+jobs: the pool's time if its work were spread evenly), the switch their ``timing_s/load_weights`` (the same
+way; a version's row is written after the next version's load, so that load is taken out of its busy time),
+update and publish the trainer's ``timing_s/update`` and ``timing_s/param_sync``. Everything is taken over
+the steady window, from the end of the first update to the end of the last (start-up left out), which is
+also what the measured time is; a rollout row is counted in the share of its wall time inside the window.
+The ratio bound / measured is 1 for a run that overlaps perfectly; an on-policy run with generation twice
+the update reaches about 2/3 (it does the two in sequence). Next to an on-policy run of the same task, a run's
+speedup per update and its ceiling (the baseline's step over the run's bound per update) are given too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import pandas as pd
+
+from hpcrl import metric_names as M
+
+
+@dataclass
+class Ceiling:
+    """A run's measured steady time, its phase times over the same window, and the bound they imply."""
+
+    updates: int
+    """Updates in the window (all but the first)."""
+    measured_s: float
+    generation_s: float
+    switch_s: float
+    update_s: float
+    publish_s: float
+    tokens: int
+    """Trained tokens in the window."""
+
+    @property
+    def bound_s(self) -> float:
+        """max(generation + switch, update + publish): the best overlap could do (module docstring)."""
+        return max(self.generation_s + self.switch_s, self.update_s + self.publish_s)
+
+    @property
+    def ratio(self) -> float:
+        """bound / measured: 1.0 = the run overlaps as well as its phase times allow."""
+        return self.bound_s / self.measured_s if self.measured_s > 0 else float("nan")
+
+    @property
+    def limited_by(self) -> str:
+        return "rollout" if self.generation_s + self.switch_s >= self.update_s + self.publish_s else "trainer"
+
+    def line(self, time_scale: float = 1.0) -> str:
+        """One sentence for the report (``time_scale``: a simulated run's modelled seconds per wall second)."""
+        tput = self.tokens / self.measured_s if self.measured_s > 0 else float("nan")
+        ceil = self.tokens / self.bound_s if self.bound_s > 0 else float("nan")
+        scale = f" (wall seconds; x{time_scale:g} for the modelled GPU seconds)" if time_scale != 1.0 else ""
+        return (f"over updates 2..{self.updates + 1}: measured {self.measured_s:.1f}s, {tput:.0f} trained tokens/s; "
+                f"ideal overlap bound {self.bound_s:.1f}s ({ceil:.0f} tokens/s), limited by the {self.limited_by} "
+                f"pool (generation {self.generation_s:.1f}s + weight switch {self.switch_s:.1f}s vs update "
+                f"{self.update_s:.1f}s + publish {self.publish_s:.1f}s); measured / bound throughput "
+                f"{self.ratio:.2f}{scale}")
+
+
+def _in_window(ro: pd.DataFrame, t0: float, t1: float) -> pd.Series:
+    """Share of each rollout row's wall time [time_s - wall_s, time_s] inside [t0, t1]."""
+    start = ro[M.TIME_S] - ro[M.WALL_S]
+    inside = (ro[M.TIME_S].clip(upper=t1) - start.clip(lower=t0)).clip(lower=0)
+    return inside / ro[M.WALL_S].where(ro[M.WALL_S] > 0, 1.0)
+
+
+def ceiling(metrics: pd.DataFrame, rollout: pd.DataFrame, rollout_jobs: Optional[int] = None) -> Optional[Ceiling]:
+    """The ceiling of a run from its metrics and rollout logs; None with fewer than two updates."""
+    if len(metrics) < 2 or rollout.empty:
+        return None
+    m = metrics.sort_values(M.STEP)
+    t0, t1 = float(m[M.TIME_S].iloc[0]), float(m[M.TIME_S].iloc[-1])
+    win = m.iloc[1:]
+    jobs = rollout_jobs or max(1, rollout[M.WRITER].nunique())
+    ro = rollout.sort_values([M.WRITER, M.TIME_S])
+    share = _in_window(ro, t0, t1)
+    # a version's row is written once the next version is loaded: its wall time holds that load (not idle)
+    next_load = ro.groupby(M.WRITER)[M.LOAD_WEIGHTS_S].shift(-1).fillna(0.0)
+    busy = (ro[M.WALL_S] * (1 - ro[M.ROLLOUT_IDLE_RATIO]) - next_load).clip(lower=0)
+    return Ceiling(updates=len(win), measured_s=t1 - t0, generation_s=float((busy * share).sum()) / jobs,
+                   switch_s=float((next_load * share).sum()) / jobs,
+                   update_s=float(win[M.UPDATE_S].sum()), publish_s=float(win[M.PARAM_SYNC_S].sum()),
+                   tokens=int(win[M.N_TOKENS].sum()))
+
+
+def speedup_line(name: str, run: Ceiling, baseline_name: str, baseline: Ceiling) -> str:
+    """A run's speedup over an on-policy baseline (per update) and the ceiling its own bound puts on it."""
+    base_step = baseline.measured_s / baseline.updates
+    return (f"{name}: {base_step / (run.measured_s / run.updates):.2f}x the step rate of {baseline_name} "
+            f"(on-policy); its bound allows at most {base_step / (run.bound_s / run.updates):.2f}x")

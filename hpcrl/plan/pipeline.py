@@ -1,0 +1,322 @@
+"""An event simulation of the whole pipeline in modelled seconds: what ``hpcrl plan`` predicts with.
+
+It replays, without sleeping, what the jobs do (hpcrl/rollout/main.py, hpcrl/trainer/main.py) on the phase
+model of the ``simulated`` section:
+
+- each rollout job has one engine batch with the simulated engine's arithmetic (a decoding step is
+  ``decode_base_s + decode_per_seq_s * running``, prefill per prompt token, at most ``max_num_seqs``);
+- a job starts a group (n sequences) while it has fewer than ``max_concurrent_groups`` in flight and the
+  shared admission budget allows (``started < consumed_groups(v) + B``, v the version it holds);
+- a finished group is committed at once; the trainer takes R committed groups in commit order, updates for
+  ``update_model_s(tokens)``, publishes every K updates for ``publish_s`` (the version's ``consumed_groups`` =
+  what it consumed);
+- a job that sees a newer version drains its groups (or, with partial rollout, aborts them and keeps their
+  tokens), loads for ``weight_load_s`` with nothing running, then continues.
+
+Response lengths are drawn as the simulated engine draws them (the same seed per prompt index), so a
+simulated run and its prediction see the same lengths. Control-plane latencies (polling, file writes) are
+``overhead_s`` per version at most; everything else is the model.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from hpcrl.config.simulated import SimulatedConfig
+
+INF = float("inf")
+
+
+@dataclass
+class Knobs:
+    """The shape of one candidate run."""
+
+    rollout_jobs: int
+    trainer_gpus: int
+    staleness_threshold: float
+    partial_rollout: bool
+    require_batches: int = 1
+    trigger_parameter_sync_step: int = 1
+    ppo_mini_batch_size: int = 4
+    n: int = 8
+    max_concurrent_groups: int = 8
+    max_num_seqs: int = 256
+    response_length: int = 1024
+    prompt_tokens: int = 16
+
+    @property
+    def groups_per_update(self) -> int:
+        return self.ppo_mini_batch_size * self.require_batches
+
+    @property
+    def budget(self) -> int:
+        """B = floor((1 + s) * K * R), as RunConfig.admission_budget."""
+        return math.floor((1.0 + self.staleness_threshold) * self.trigger_parameter_sync_step
+                          * self.groups_per_update + 1e-9)
+
+
+@dataclass
+class Prediction:
+    """What the simulation says about the steady part of a run (updates 2..N)."""
+
+    updates: int
+    window_s: float
+    tokens: int
+    trainer_busy: float
+    """Share of the window the trainer spends updating."""
+    rollout_busy: float
+    """Share of the window a rollout job's engine has sequences running (mean over jobs)."""
+    lag_mean: float
+    lag_max: int
+
+    @property
+    def step_s(self) -> float:
+        return self.window_s / max(self.updates, 1)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.window_s if self.window_s > 0 else 0.0
+
+
+@dataclass(eq=False)
+class _Seq:
+    group: "_Group"
+    length: int
+    produced: int = 0
+    prompt: int = 0
+
+
+@dataclass(eq=False)
+class _Group:
+    index: int
+    version_start: int
+    seqs: list = field(default_factory=list)
+    open: int = 0
+
+
+class _Batch:
+    """One engine's continuous batch, advanced to a given time (the simulated engine's arithmetic)."""
+
+    def __init__(self, sim: SimulatedConfig, max_num_seqs: int):
+        self.sim, self.max_num_seqs = sim, max_num_seqs
+        self.running: list[_Seq] = []
+        self.waiting: deque[_Seq] = deque()
+        self.prefill_due_s = 0.0
+        self.mark_s = 0.0  # time the current stretch began
+        self.busy_s = 0.0
+
+    def add(self, seq: _Seq, now: float) -> None:
+        if not self.running:
+            self.mark_s = now
+        self.waiting.append(seq)
+        self._admit()
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            s = self.waiting.popleft()
+            self.running.append(s)
+            self.prefill_due_s += self.sim.prefill_per_token_s * (s.prompt + s.produced)
+
+    def next_finish_s(self) -> float:
+        if not self.running:
+            return INF
+        k = min(s.length - s.produced for s in self.running)
+        return self.mark_s + self.prefill_due_s + k * self.sim.decode_step_s(len(self.running))
+
+    def advance_to(self, t: float) -> list[_Seq]:
+        """Run until ``t``; the sequences that finished."""
+        done: list[_Seq] = []
+        while self.running and self.next_finish_s() <= t + 1e-12:
+            end = self.next_finish_s()
+            k = min(s.length - s.produced for s in self.running)
+            self._steps(k, end)
+            done += [s for s in self.running if s.produced >= s.length]
+            self.running = [s for s in self.running if s.produced < s.length]
+            self._admit()
+        if self.running and t > self.mark_s:
+            avail = t - self.mark_s
+            prefill = min(self.prefill_due_s, avail)
+            self.prefill_due_s -= prefill
+            steps = int((avail - prefill) / self.sim.decode_step_s(len(self.running)))
+            used = prefill + steps * self.sim.decode_step_s(len(self.running))
+            self._steps(steps, self.mark_s + used, prefill_done=False, busy_s=used - prefill)
+            self.busy_s += prefill
+        return done
+
+    def _steps(self, k: int, end: float, prefill_done: bool = True, busy_s: Optional[float] = None) -> None:
+        for s in self.running:
+            s.produced += k
+        self.busy_s += (end - self.mark_s) if busy_s is None else busy_s
+        if prefill_done:
+            self.prefill_due_s = 0.0
+        self.mark_s = end
+
+    def abort(self, now: float) -> list[_Seq]:
+        """Every sequence leaves with what it has (partial rollout)."""
+        self.advance_to(now)
+        out = self.running + list(self.waiting)
+        self.running, self.prefill_due_s = [], 0.0
+        self.waiting.clear()
+        return out
+
+
+def prompt_seed(data_seed: int, prompt_index: int) -> int:
+    """The rollout job's group seed (hpcrl/rollout/agent_loop.py: group_seed; a test keeps them equal)."""
+    return (data_seed * 1_000_003 + prompt_index) % 2**63
+
+
+class _Job:
+    """One rollout job: admission, drain or abort at a version switch, the load."""
+
+    def __init__(self, rank: int, k: Knobs, sim: SimulatedConfig, lengths, empirical):
+        self.rank, self.k, self.sim, self._lengths, self._empirical = rank, k, sim, lengths, empirical
+        self.batch = _Batch(sim, k.max_num_seqs)
+        self.version, self.consumed_at = -1, 0
+        self.in_flight: list[_Group] = []
+        self.parked: list[_Seq] = []
+        self.loading_until: Optional[float] = None
+        self.target = 0
+        self.next_index = rank
+        self.load_s = 0.0
+
+    def start_load(self, now: float, version: int, consumed: int) -> None:
+        self.loading_until, self.target, self._target_consumed = now + self.sim.weight_load_s, version, consumed
+        self.load_s += self.sim.weight_load_s
+
+    def service(self, now: float, pipe: "Pipeline") -> None:
+        """Finish a load, switch to a newer version, or admit groups."""
+        if self.loading_until is not None:
+            if now + 1e-12 < self.loading_until:
+                return
+            self.loading_until, self.version, self.consumed_at = None, self.target, self._target_consumed
+            for s in self.parked:
+                self.batch.add(s, now)
+            self.parked = []
+        newest, consumed = pipe.newest(now)
+        if newest > self.version:
+            if self.k.partial_rollout:
+                self.parked = self.batch.abort(now)
+                self.start_load(now, newest, consumed)
+            elif not self.in_flight:
+                self.start_load(now, newest, consumed)
+            return  # draining: no admission until the load
+        while len(self.in_flight) < self.k.max_concurrent_groups and pipe.started < self.consumed_at + self.k.budget:
+            pipe.started += 1
+            g = _Group(self.next_index, self.version)
+            self.next_index += pipe.k.rollout_jobs
+            for i in range(self.k.n):
+                length = min(self._lengths(g.index, i), self.k.response_length)
+                g.seqs.append(_Seq(g, length, prompt=self.k.prompt_tokens))
+                self.batch.add(g.seqs[-1], now)
+            g.open = self.k.n
+            self.in_flight.append(g)
+
+    def next_event_s(self) -> float:
+        return self.loading_until if self.loading_until is not None else self.batch.next_finish_s()
+
+    def advance_to(self, t: float) -> list[_Group]:
+        """Run the batch to ``t``; the groups that finished (committed at once)."""
+        done = []
+        for s in self.batch.advance_to(t):
+            s.group.open -= 1
+            if s.group.open == 0:
+                self.in_flight.remove(s.group)
+                done.append(s.group)
+        return done
+
+
+class Pipeline:
+    """The trainer and the rollout jobs of one candidate run, stepped event to event (module docstring)."""
+
+    def __init__(self, sim: SimulatedConfig, k: Knobs, data_seed: int = 0, empirical=None, overhead_s: float = 0.0):
+        self.sim, self.k, self.overhead_s = sim, k, overhead_s
+        self.trainer_sim = SimulatedConfig(**{**vars(sim), "trainer_gpus": k.trainer_gpus})
+
+        def lengths(index: int, i: int) -> int:
+            rng = np.random.default_rng([prompt_seed(data_seed, index), i])
+            return int(sim.draw_lengths(rng, 1, empirical)[0])
+
+        self.jobs = [_Job(r, k, sim, lengths, empirical) for r in range(k.rollout_jobs)]
+        self.started = 0
+        self.queue: deque[tuple[_Group, int]] = deque()  # committed groups, tokens
+        self.published: list[tuple[float, int, int]] = [(0.0, 0, 0)]  # (available at, version, consumed)
+        self.step, self.consumed, self.version = 0, 0, 0
+        self.busy_until: Optional[float] = None
+        self._publishing_until: Optional[float] = None
+        self.update_ends: list[tuple[float, int, float]] = []  # (end, tokens, update seconds)
+        self.lags: list[int] = []
+
+    def newest(self, now: float) -> tuple[int, int]:
+        """The newest version available at ``now`` and its consumed_groups."""
+        for at, v, consumed in reversed(self.published):
+            if at <= now + 1e-12:
+                return v, consumed
+        return -1, 0
+
+    def _trainer(self, now: float, total: int) -> None:
+        k = self.k
+        if self.busy_until is not None and now + 1e-12 >= self.busy_until:
+            self.busy_until = None
+            self.step += 1
+            self.consumed += k.groups_per_update
+            if self.step % k.trigger_parameter_sync_step == 0 or self.step == total:
+                self._publishing_until = now + self.sim.publish_s
+                self.version += 1
+                self.published.append((now + self.sim.publish_s + self.overhead_s, self.version, self.consumed))
+        if self._publishing_until is not None:  # the trainer publishes before it takes the next batch
+            if now + 1e-12 < self._publishing_until:
+                return
+            self._publishing_until = None
+        if self.busy_until is None and self.step < total and len(self.queue) >= k.groups_per_update:
+            taken = [self.queue.popleft() for _ in range(k.groups_per_update)]
+            tokens = sum(t for _, t in taken)
+            self.lags += [self.version - g.version_start for g, _ in taken]
+            upd = self.trainer_sim.update_model_s(tokens)
+            self.busy_until = now + upd
+            self.update_ends.append((now + upd, tokens, upd))
+
+    def run(self, updates: int, limit_events: int = 5_000_000) -> Prediction:
+        """Simulate ``updates`` local updates; the steady window's prediction."""
+        now, events = 0.0, 0
+        for job in self.jobs:
+            job.start_load(0.0, 0, 0)
+        while self.step < updates:
+            events += 1
+            if events > limit_events:
+                raise RuntimeError(f"plan: the simulation of {self.k} did not finish in {limit_events} events")
+            cands = [j.next_event_s() for j in self.jobs] + [self.busy_until if self.busy_until is not None else INF]
+            cands.append(self._publishing_until if self._publishing_until is not None else INF)
+            cands += [at for at, _, _ in self.published if at > now]
+            t = min(cands)
+            if t == INF:
+                raise RuntimeError(f"plan: {self.k} deadlocks (no event left at t={now:.1f}s)")
+            now = t
+            for job in self.jobs:
+                for g in job.advance_to(now):
+                    self.queue.append((g, sum(s.length for s in g.seqs)))
+            self._trainer(now, updates)
+            for job in self.jobs:
+                job.service(now, self)
+            self._trainer(now, updates)
+        return self._prediction(updates)
+
+    def _prediction(self, updates: int) -> Prediction:
+        t0, t1 = self.update_ends[0][0], self.update_ends[updates - 1][0]
+        window = t1 - t0
+        busy_trainer = sum(u for _, _, u in self.update_ends[1:updates])
+        busy_rollout = float(np.mean([j.batch.busy_s for j in self.jobs])) * (updates - 1) / updates
+        return Prediction(updates=updates - 1, window_s=window, tokens=sum(tok for _, tok, _ in self.update_ends[1:updates]),
+                          trainer_busy=busy_trainer / window if window else 0.0,
+                          rollout_busy=min(1.0, busy_rollout / window) if window else 0.0,
+                          lag_mean=float(np.mean(self.lags)) if self.lags else 0.0, lag_max=max(self.lags, default=0))
+
+
+def predict(sim: SimulatedConfig, k: Knobs, updates: int, data_seed: int = 0, empirical=None,
+            overhead_s: float = 0.0) -> Prediction:
+    """The steady step time, throughput, busy shares and lag of ``updates`` local updates of run ``k``."""
+    return Pipeline(sim, k, data_seed, empirical, overhead_s).run(updates)
