@@ -61,12 +61,24 @@ def call_with_deadline(fn: Callable[[], Any], timeout_s: float, step: str) -> An
 def choose_backend(configured: str, sender_device: str, member_devices: Iterable[str]) -> str:
     """The backend of a group: ``configured`` unless it is ``auto``, which is nccl when the sender's
     tensors and every member's receive buffer are on a GPU, else gloo."""
+    return backend_choice(configured, sender_device, {str(i): d for i, d in enumerate(member_devices)})[0]
+
+
+def backend_choice(configured: str, sender_device: str, members: dict[str, str]) -> tuple[str, str]:
+    """(backend, why) for a group whose sender's tensors lie on ``sender_device`` and whose members
+    (``{peer: device it receives into}``) are ``members``; ``why`` is one clause for the log of each version."""
     if configured not in BROADCAST_BACKENDS:
         raise ValueError(f"weights.broadcast_backend={configured!r}; allowed: {', '.join(BROADCAST_BACKENDS)}")
     if configured != "auto":
-        return configured
-    devices = list(member_devices)
-    return "nccl" if sender_device == "cuda" and devices and all(d == "cuda" for d in devices) else "gloo"
+        return configured, f"weights.broadcast_backend={configured}"
+    if sender_device != "cuda":
+        return "gloo", f"auto: the trainer's tensors are in {sender_device} memory"
+    if not members:
+        return "gloo", "auto: no member yet"
+    on_host = [peer for peer, d in members.items() if d != "cuda"]
+    if on_host:
+        return "gloo", f"auto: {', '.join(on_host)} receive(s) into host memory, not CUDA"
+    return "nccl", f"auto: the trainer's tensors and every member ({', '.join(members)}) are on CUDA"
 
 
 def group_device(backend: str) -> str:

@@ -179,6 +179,8 @@ class Receiver:
                        epoch_dead=False)
             return False
         self.failures = 0
+        log.info("received weight version %d by broadcast over %s in %.2fs (%s)", header.version, header.backend,
+                 transfer_s, header.backend_why or "the trainer gave no reason")
         staged = Staged(header, views(flat, header.tensors, header.aliases), flat, path, transfer_s)
         with self.cond:
             self.staged, self.receiving = staged, None
