@@ -10,6 +10,7 @@
     hpcrl summary RUN_DIR                          # per-version table of the staleness log
     hpcrl samples RUN_DIR [--version V] [--worst|--best] [-n K]   # prompts, responses, rewards, token versions
     hpcrl export RUN_DIR [--version last|N] --out DIR             # a weight version as a Hugging Face folder
+    hpcrl doctor [--dir D] [--require cuda,vllm] [--json F]         # what this node offers a run
 """
 from __future__ import annotations
 
@@ -257,6 +258,10 @@ def main(argv=None) -> int:
                                           "a trainer's first start does not")
     bo.add_argument("--timeout-s", type=float, default=1800.0)
 
+    from hpcrl.doctor.command import add_arguments as add_doctor_arguments
+
+    add_doctor_arguments(sub.add_parser("doctor", help="check what this node offers a run (CUDA, vLLM, gloo, /dev/shm, "
+                                                       "the shared filesystem); exit 1 if a required check fails"))
     add_analysis_commands(sub)
     # overrides may also follow the options (`hpcrl run CONFIG --run-dir D k=v`)
     a, extra = p.parse_known_args(argv)
@@ -273,6 +278,10 @@ def main(argv=None) -> int:
         return _cmd_run(a)
     if a.cmd == "sbatch-lines":
         return _cmd_sbatch_lines(a)
+    if a.cmd == "doctor":
+        from hpcrl.doctor.command import doctor_command
+
+        return doctor_command(a)
     if a.cmd == "build-ops":
         return _cmd_build_ops(a.timeout_s)
     if a.cmd == "eval":
