@@ -128,18 +128,19 @@ def test_the_sweep_ends_other_attempts_only(tmp_path, monkeypatch, caplog):
     base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     procs = {name: subprocess.Popen(sleep, env=dict(base, **env)) for name, env in {
         "earlier attempt": {MARK_ENV: mark, "SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "0"},
-        "this attempt": {MARK_ENV: mark, "SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "1"},
+        "this attempt": {MARK_ENV: mark, "SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "1", "SLURM_STEP_ID": "0"},
+        "this attempt's srun": {MARK_ENV: mark, "SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "1"},  # batch step
         "another writer": {MARK_ENV: job_mark(run, "rollout-w001"), "SLURM_JOB_ID": "6"}}.items()}
     try:
         monkeypatch.setenv("SLURM_JOB_ID", "7")
         monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
-        monkeypatch.delenv("SLURM_STEP_ID", raising=False)
+        monkeypatch.setenv("SLURM_STEP_ID", "0")
         monkeypatch.delenv("SUBMITIT_LOCAL_JOB_ID", raising=False)
         caplog.set_level("INFO")
         ended = sweep_leftovers(run, "rollout-w000", ("rollout", "--writer-rank", "0"))
         assert ended == [procs["earlier attempt"].pid]
         assert procs["earlier attempt"].wait(5) == -signal.SIGKILL
-        assert procs["this attempt"].poll() is None and procs["another writer"].poll() is None
+        assert all(procs[p].poll() is None for p in ("this attempt", "this attempt's srun", "another writer"))
         assert "ended 1 leftover process(es) of an earlier attempt of rollout-w000" in caplog.text
         assert sweep_leftovers(run, "rollout-w000", ("rollout", "--writer-rank", "0")) == []
         assert "no leftover processes of rollout-w000" in caplog.text

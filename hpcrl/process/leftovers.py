@@ -10,8 +10,7 @@ command line (``hpcrl trainer RUN``).
 
 :func:`sweep_leftovers` finds the processes of this node that carry the same job's mark (or its command
 line) but belong to another attempt, SIGKILLs them and waits for them to go (bounded). An attempt is told
-by the job ids in its environment (``SLURM_JOB_ID``, ``SLURM_STEP_ID``, ``SLURM_RESTART_COUNT``,
-``SUBMITIT_LOCAL_JOB_ID``): the ranks of this attempt share them and are never touched. A process without
+by the job ids in its environment (``SLURM_JOB_ID``, ``SLURM_RESTART_COUNT``, ``SUBMITIT_LOCAL_JOB_ID``): the ranks of this attempt share them and are never touched. A process without
 any job id beside one that has none (runs by hand) is logged, not ended: nothing tells it from a rank of
 this attempt. Linux only (``/proc``).
 """
@@ -27,8 +26,9 @@ from typing import Optional
 log = logging.getLogger(__name__)
 
 MARK_ENV = "HPCRL_JOB_MARK"
-ATTEMPT_VARS = ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_RESTART_COUNT", "SUBMITIT_LOCAL_JOB_ID")
-"""Environment variables whose values tell one attempt of a job from another."""
+ATTEMPT_VARS = ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "SUBMITIT_LOCAL_JOB_ID")
+"""Environment variables whose values tell one attempt of a job from another. Not the step id: the batch
+script's ``srun ... hpcrl trainer RUN`` (no step id) belongs to the same attempt as the ranks it started."""
 GONE_S = 10.0
 """How long the sweep waits for the processes it killed to disappear."""
 
