@@ -9,8 +9,8 @@
 # Network: a bridge hpcrlbr0 (10.232.0.1/24) here; node i is namespace hpcrl-n<i>, its eth0 at 10.232.0.<10+i>
 # on a veth into the bridge, default route via the bridge. Each slurmd runs in `unshare --uts --mount` inside
 # its namespace: `hostname` says hpcrl-n<i>, and DIR/hosts (every node's name and address, and no loopback
-# line for the node's own name) is bind-mounted on /etc/hosts, so a job's processes live in their node's
-# namespace and resolve the other nodes as on a real cluster. The filesystem (the run directory, /dev/shm)
+# line for the node's own name) is bind-mounted on /etc/hosts (with a resolv.conf naming no reachable server),
+# so a job's processes live in their node's namespace and resolve the other nodes as on a real cluster. The filesystem (the run directory, /dev/shm)
 # is shared, as a cluster's shared filesystem is. slurmctld listens on 10.232.0.1; ports 7827/7828 (not the
 # single-node cluster's), override with HPCRL_MN_SLURMCTLD_PORT / HPCRL_MN_SLURMD_PORT.
 set -euo pipefail
@@ -53,6 +53,9 @@ write_files() {
   mkdir -p "$dir/state" "$dir/spool" "$dir/log"
   { echo "127.0.0.1 localhost"; echo "$NET.1 $(hostname -s)"
     for i in $(seq 1 "$n"); do echo "$(node_ip "$i") hpcrl-n$i"; done; } > "$dir/hosts"
+  # no DNS server is reachable from the namespaces: without this a reverse lookup (torch's TCPStore does one
+  # per client) waits for the resolver's timeout (seen: 10 s per connection); 127.0.0.1:53 is refused at once
+  echo "nameserver 127.0.0.1" > "$dir/resolv.conf"
   local mem=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 / n ))
   cat > "$conf" <<CONF
 # written by hpcrl sbatch/private-multinode.sh: $n namespaced nodes on one machine
@@ -110,7 +113,8 @@ start_nodes() {
     # own host name (uts) and own /etc/hosts (mount) inside the node's network namespace; nsenter, not
     # `ip netns exec`, which remounts /sys and so hides /sys/fs/cgroup from slurmd
     nsenter --net="/run/netns/hpcrl-n$i" unshare --uts --mount --propagation private sh -c \
-      "hostname hpcrl-n$i && mount --bind '$dir/hosts' /etc/hosts && exec slurmd -f '$conf' -N hpcrl-n$i"
+      "hostname hpcrl-n$i && mount --bind '$dir/hosts' /etc/hosts && mount --bind '$dir/resolv.conf' /etc/resolv.conf \
+       && exec slurmd -f '$conf' -N hpcrl-n$i"
     wait_pid "$dir/slurmd-hpcrl-n$i.pid" "slurmd of hpcrl-n$i"
   done
 }
