@@ -10,8 +10,8 @@
 # on a veth into the bridge, default route via the bridge. Each slurmd runs in `unshare --uts --mount` inside
 # its namespace: `hostname` says hpcrl-n<i>, and DIR/hosts (every node's name and address, and no loopback
 # line for the node's own name) is bind-mounted on /etc/hosts (with a resolv.conf naming no reachable server),
-# so a job's processes live in their node's namespace and resolve the other nodes as on a real cluster. The filesystem (the run directory, /dev/shm)
-# is shared, as a cluster's shared filesystem is. slurmctld listens on 10.232.0.1; ports 7827/7828 (not the
+# so a job's processes live in their node's namespace and resolve the other nodes as on a real cluster. The
+# filesystem (the run directory, /dev/shm) is shared, as a cluster's shared filesystem is. slurmctld listens on 10.232.0.1; ports 7827/7828 (not the
 # single-node cluster's), override with HPCRL_MN_SLURMCTLD_PORT / HPCRL_MN_SLURMD_PORT.
 set -euo pipefail
 
