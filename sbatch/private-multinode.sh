@@ -8,8 +8,9 @@
 #
 # Network: a bridge hpcrlbr0 (10.232.0.1/24) here; node i is namespace hpcrl-n<i>, its eth0 at 10.232.0.<10+i>
 # on a veth into the bridge, default route via the bridge. Each slurmd runs in `unshare --uts --mount` inside
-# its namespace: `hostname` says hpcrl-n<i>, and DIR/hosts (every node's name and address, and no loopback
-# line for the node's own name) is bind-mounted on /etc/hosts (with a resolv.conf naming no reachable server),
+# its namespace: `hostname` says hpcrl-n<i>, and DIR/hosts-hpcrl-n<i> (the other nodes' names and addresses, and
+# a Debian-style 127.0.1.1 line for the node's own name) is bind-mounted on /etc/hosts (with a resolv.conf naming
+# no reachable server),
 # so a job's processes live in their node's namespace and resolve the other nodes as on a real cluster. The
 # filesystem (the run directory, /dev/shm) is shared, as a cluster's shared filesystem is. slurmctld listens on 10.232.0.1; ports 7827/7828 (not the
 # single-node cluster's), override with HPCRL_MN_SLURMCTLD_PORT / HPCRL_MN_SLURMD_PORT.
@@ -51,8 +52,12 @@ network_down() {
 
 write_files() {
   mkdir -p "$dir/state" "$dir/spool" "$dir/log"
-  { echo "127.0.0.1 localhost"; echo "$NET.1 $(hostname -s)"
-    for i in $(seq 1 "$n"); do echo "$(node_ip "$i") hpcrl-n$i"; done; } > "$dir/hosts"
+  # each node's /etc/hosts as Debian writes it: its own name on 127.0.1.1 first (the classic multi-node trap:
+  # a process that advertises its host name's address offers the loopback), then the other nodes' addresses
+  for i in $(seq 1 "$n"); do
+    { echo "127.0.0.1 localhost"; echo "127.0.1.1 hpcrl-n$i"; echo "$NET.1 $(hostname -s)"
+      for j in $(seq 1 "$n"); do [ "$j" = "$i" ] || echo "$(node_ip "$j") hpcrl-n$j"; done; } > "$dir/hosts-hpcrl-n$i"
+  done
   # no DNS server is reachable from the namespaces: without this a reverse lookup (torch's TCPStore does one
   # per client) waits for the resolver's timeout (seen: 10 s per connection); 127.0.0.1:53 is refused at once
   echo "nameserver 127.0.0.1" > "$dir/resolv.conf"
@@ -113,7 +118,7 @@ start_nodes() {
     # own host name (uts) and own /etc/hosts (mount) inside the node's network namespace; nsenter, not
     # `ip netns exec`, which remounts /sys and so hides /sys/fs/cgroup from slurmd
     nsenter --net="/run/netns/hpcrl-n$i" unshare --uts --mount --propagation private sh -c \
-      "hostname hpcrl-n$i && mount --bind '$dir/hosts' /etc/hosts && mount --bind '$dir/resolv.conf' /etc/resolv.conf \
+      "hostname hpcrl-n$i && mount --bind '$dir/hosts-hpcrl-n$i' /etc/hosts && mount --bind '$dir/resolv.conf' /etc/resolv.conf \
        && exec slurmd -f '$conf' -N hpcrl-n$i"
     wait_pid "$dir/slurmd-hpcrl-n$i.pid" "slurmd of hpcrl-n$i"
   done

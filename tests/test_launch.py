@@ -22,6 +22,7 @@ from hpcrl.process.network import free_port, interface_to
 from hpcrl.run_dir import RunDir
 from hpcrl.trainer.arrival import LaunchError, check_in
 from hpcrl.trainer.distributed import choose_interfaces, master_address
+from hpcrl.weights.group import gloo_interface
 
 HERE = socket.gethostname()
 
@@ -162,6 +163,10 @@ def test_the_interface_is_the_route_to_the_master(veth, monkeypatch, caplog):
     assert choose_interfaces(["master-node", "this-node"], "this-node", veth) == {"NCCL_SOCKET_IFNAME": "hpcrlt0"}
     assert "GLOO_SOCKET_IFNAME=eth9 (set by you" in caplog.text
     assert choose_interfaces(["one-node"], "one-node", "127.0.0.1") == {}
+    assert gloo_interface([veth])[0] is None, "the broadcast group keeps the user's GLOO_SOCKET_IFNAME"
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    assert gloo_interface([veth]) == ("hpcrlt0", f"hpcrlt0, the route to {veth}")
+    assert gloo_interface([veth, "127.0.0.1"])[0] is None  # peers behind two interfaces: gloo's own choice
     with pytest.raises(LaunchError, match="is the loopback"):
         choose_interfaces(["master-node", "this-node"], "this-node", "127.0.0.1")
 

@@ -61,12 +61,15 @@ def cluster(tmp_path_factory):
 
 
 def test_the_nodes_are_three_hosts(cluster):
+    """Each node has its own name, address and /etc/hosts; a job's processes run in their node's namespace."""
     out = subprocess.run(["srun", "-N3", "-n3", "-l", "bash", "-c",
                           "echo $(hostname) $(ip -o -4 addr show eth0 | awk '{print $4}') $(getent hosts hpcrl-n1)"],
                          capture_output=True, text=True, env=cluster, timeout=120)
     assert out.returncode == 0, out.stderr
     lines = sorted(l.split(": ", 1)[1].split() for l in out.stdout.strip().splitlines())
-    assert lines == [[f"hpcrl-n{i}", f"10.232.0.{10 + i}/24", "10.232.0.11", "hpcrl-n1"] for i in (1, 2, 3)]
+    # Debian's /etc/hosts: a node's own name on 127.0.1.1 (hpcrl-n1 on hpcrl-n1), the others' real addresses
+    assert lines == [[f"hpcrl-n{i}", f"10.232.0.{10 + i}/24", "127.0.1.1" if i == 1 else "10.232.0.11", "hpcrl-n1"]
+                     for i in (1, 2, 3)]
 
 
 @pytest.mark.slow
@@ -118,6 +121,28 @@ def test_trainer_on_two_nodes_and_rollout_on_a_third(cluster, tmp_path):
     assert "all 2 trainer ranks arrived at 10.232.0.11:" in rank0
     rollout_log = (rd.job_logs / "rollout-w000.log").read_text()
     assert "hpcrl-n1" in rollout_log and "by broadcast" in rollout_log
+    paths = [r["weights/path"] for r in read_jsonl(rd.rollout_metrics("w000"))]
+    assert paths.count("broadcast") >= len(paths) - 2, paths
+    check_exactly_once(rd, rd.load_config().rollout.max_concurrent_groups)
+
+
+@pytest.mark.slow
+def test_a_one_node_trainer_broadcasts_to_a_rollout_job_on_another_node(cluster, tmp_path):
+    """The common layout: the trainer on one node (no GLOO_SOCKET_IFNAME set: one node needs none), the rollout
+    job on another, each node's own name on 127.0.1.1. The broadcast group's gloo device is the route to the
+    peer on both ends, so neither offers the loopback: every version after the join arrives by broadcast."""
+    run = tmp_path / "run"
+    out = subprocess.run(["bash", str(REPO / "sbatch" / "submit.sh"), str(TINY), str(run),
+                          "weights.transport=broadcast", "eval.every_versions=0", "rollout.total_rollout_steps=48",
+                          "resources.trainer.sbatch_extra={nodelist: hpcrl-n1}",
+                          "resources.rollout.sbatch_extra={nodelist: hpcrl-n3}"],
+                         capture_output=True, text=True, env=cluster, cwd=REPO, timeout=120)
+    assert out.returncode == 0, out.stderr
+    rd = RunDir(run)
+    wait_until(lambda: read_json(rd.trainer_done), 600, "trainer_done.json")
+    trainer_log = (rd.job_logs / "trainer.log").read_text()
+    assert re.search(r"gloo on eth0, the route to hpcrl-n3", trainer_log), trainer_log[-2000:]
+    assert "gloo on eth0, the route to hpcrl-n1" in (rd.job_logs / "rollout-w000.log").read_text()
     paths = [r["weights/path"] for r in read_jsonl(rd.rollout_metrics("w000"))]
     assert paths.count("broadcast") >= len(paths) - 2, paths
     check_exactly_once(rd, rd.load_config().rollout.max_concurrent_groups)

@@ -106,10 +106,25 @@ def choose_interfaces(hosts: list[str], here: str, master_addr: str) -> dict[str
     return out
 
 
+def _own_reachable_address(hosts: list[str], here: str, addr: str) -> str:
+    """On the master's node of a world across nodes whose name resolves to the loopback here (Debian's
+    ``127.0.1.1``): the local address of the route to the next node, the one the others reach; else ``addr``."""
+    others = [h for h in hosts if _short(h) != _short(hosts[0])]
+    if not is_loopback(addr) or not others:
+        return addr
+    try:
+        local = interface_to(resolve(others[0]))[1]
+    except NetworkError as e:
+        raise LaunchError(f"no interface of {here} reaches trainer node {others[0]}: {e}") from None
+    log.info("the master's name %s resolves to %s (loopback) on its own node; using %s, the address of the route "
+             "to %s", hosts[0], addr, local, others[0])
+    return local
+
+
 def _slurm_environment(env) -> dict[str, str]:
     here = socket.gethostname()
     hosts = slurm_hostnames(env.get("SLURM_JOB_NODELIST") or here)
-    addr = master_address(hosts, here)
+    addr = _own_reachable_address(hosts, here, master_address(hosts, here))
     out = {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": env["SLURM_NTASKS"], "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
            "MASTER_ADDR": addr, "MASTER_PORT": str(_port_for(env.get("SLURM_JOB_ID", "0")))}
     out.update(choose_interfaces(hosts, here, addr))
