@@ -35,7 +35,9 @@ class TimeoutsConfig:
     node or filesystem); the step shows in the heartbeat and ``hpcrl status`` meanwhile."""
     rendezvous_s: float = 300.0
     """Trainer ranks wait this long for each other at start (after the op build): past it, rank 0 ends the job
-    with one line naming the ranks that did not arrive, and the others name the master they waited for."""
+    with one line naming the ranks that did not arrive, and the others name the master they waited for. Keep it
+    below ``job_start_s``, the limit of every start-up step (this one too), or that limit ends the job first
+    with a line naming only the step."""
     engine_start_s: float = 900.0
     """Rollout gives up if its engine has not started in this long (vLLM compiles and
     profiles memory at start; a first start on a fresh node was once seen to sit for minutes)."""

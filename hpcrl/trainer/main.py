@@ -119,7 +119,7 @@ class TrainerJob:
         t = self.cfg.timeouts
         with self.startup.step("building DeepSpeed's ops"):
             prepare_ops(t.job_start_s)
-        with self.startup.step(f"joining the other trainer ranks ({self.world} in all)", t.rendezvous_s + 60):
+        with self.startup.step(f"joining the other trainer ranks ({self.world} in all)"):
             init_distributed(t.wait_samples_s + 600, t.rendezvous_s, t.wait_log_interval_s)
         self.parts, resumed = build_parts(self.cfg, self.run_dir, self.rank, self.world, self.startup)
         return resumed
