@@ -100,11 +100,13 @@ def test_the_trainer_names_a_missing_rank_and_sweeps_an_earlier_attempt(tiny_run
     RUN`` under another job id) and leaves the rollout job's alone."""
     rd = tiny_run("timeouts.rendezvous_s=5")
     fake = tmp_path / "hpcrl"
-    fake.write_text("#!/bin/sh\nsleep 600\n")
+    # a loop of short sleeps: once the shell is killed nothing of it outlives the test (a long sleep would, holding
+    # the test's output open)
+    fake.write_text("#!/bin/sh\nwhile :; do sleep 0.2; done\n")
     fake.chmod(0o755)
-    old = subprocess.Popen([str(fake), "trainer", str(rd.root)], env=dict(os.environ, SLURM_JOB_ID="1"))
-    other = subprocess.Popen([str(fake), "rollout", str(rd.root), "--writer-rank", "0"],
-                             env=dict(os.environ, SLURM_JOB_ID="1"))
+    quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ, SLURM_JOB_ID="1"))
+    old = subprocess.Popen([str(fake), "trainer", str(rd.root)], **quiet)
+    other = subprocess.Popen([str(fake), "rollout", str(rd.root), "--writer-rank", "0"], **quiet)
     try:
         env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
                "SLURM_JOB_ID": "2"}
