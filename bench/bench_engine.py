@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
 import sys
 import tempfile
@@ -129,6 +130,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--skip-transformers", action="store_true", help="(slow on big models)")
     p.add_argument("--quick", action="store_true", help="8 prompts x 4, 32 tokens, 1 repeat")
+    p.add_argument("--json", default=None, help="also write the medians and ratios to this file (bench/gpu_check.sh)")
     a = p.parse_args(argv)
     if a.quick:
         a.prompts, a.n, a.tokens, a.repeats = 8, 4, 32, 1
@@ -153,6 +155,10 @@ def main(argv=None) -> int:
     print(f"ours / bare vLLM: {med['vllm (ours)'] / med['vllm (bare)']:.3f}")
     if "transformers" in med:
         print(f"vllm (ours) / transformers: {med['vllm (ours)'] / med['transformers']:.2f}")
+    if a.json:
+        figures = {"device": a.device, "dtype": a.dtype, "prompts": a.prompts, "n": a.n, "max_tokens": a.tokens,
+                   "tokens_per_s": med, "ours_over_bare_vllm": med["vllm (ours)"] / med["vllm (bare)"]}
+        Path(a.json).write_text(json.dumps(figures, indent=1) + "\n")
     return 0
 
 

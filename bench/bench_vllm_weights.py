@@ -22,6 +22,7 @@ Run::
 """
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 import tempfile
@@ -81,6 +82,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json", default=None, help="also write the median ms per path to this file (bench/gpu_check.sh)")
     a = p.parse_args(argv)
     if a.quick:
         a.layers, a.hidden, a.repeats = 4, 512, 3
@@ -131,6 +133,9 @@ def main(argv=None) -> int:
                 [[k, f"{s * 1e3:.0f}", f"{gb / s:.2f}", f"{med['raw copy'] / s:.2f}"] for k, s in med.items()]))
     print(f"mapped / folder time: {med['mapped'] / med['folder']:.2f}; mapped / files time: "
           f"{med['mapped'] / med['files']:.2f}")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"device": a.device, "dtype": a.dtype, "mb": round(gb * 1e3, 1),
+                                            "median_ms": {k: round(v * 1e3, 2) for k, v in med.items()}}, indent=1) + "\n")
     engine.close()
     runner.close()
     return 0

@@ -11,6 +11,7 @@
     hpcrl samples RUN_DIR [--version V] [--worst|--best] [-n K]   # prompts, responses, rewards, token versions
     hpcrl export RUN_DIR [--version last|N] --out DIR             # a weight version as a Hugging Face folder
     hpcrl plan CONFIG [key=value ...] --gpus N [--probe RUN]      # best trainer:rollout split and async knobs
+    hpcrl doctor [--dir D] [--require cuda,vllm] [--json F]         # what this node offers a run
 """
 from __future__ import annotations
 
@@ -311,6 +312,10 @@ def main(argv=None) -> int:
     bo.add_argument("--timeout-s", type=float, default=1800.0)
 
     add_plan_command(sub)
+    from hpcrl.doctor.command import add_arguments as add_doctor_arguments
+
+    add_doctor_arguments(sub.add_parser("doctor", help="check what this node offers a run (CUDA, vLLM, gloo, /dev/shm, "
+                                                       "the shared filesystem); exit 1 if a required check fails"))
     add_analysis_commands(sub)
     # overrides may also follow the options (`hpcrl run CONFIG --run-dir D k=v`)
     a, extra = p.parse_known_args(argv)
@@ -329,6 +334,10 @@ def main(argv=None) -> int:
         return _cmd_sbatch_lines(a)
     if a.cmd == "plan":
         return _cmd_plan(a)
+    if a.cmd == "doctor":
+        from hpcrl.doctor.command import doctor_command
+
+        return doctor_command(a)
     if a.cmd == "build-ops":
         return _cmd_build_ops(a.timeout_s)
     if a.cmd == "eval":

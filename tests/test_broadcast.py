@@ -5,6 +5,7 @@ a whole run with weights.transport=broadcast takes its versions by broadcast, ex
 import json
 import logging
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from hpcrl.control.records import HeartbeatThread
 from hpcrl.fsio import write_json_atomic
 from hpcrl.run_dir import RunDir
 from hpcrl.weights import make_publisher, make_subscriber
-from hpcrl.weights.group import BroadcastFailed, choose_backend
+from hpcrl.weights.group import BroadcastFailed, backend_choice, choose_backend
 from hpcrl.weights.rendezvous import BroadcastRendezvous
 
 PEER = REPO / "tests" / "broadcast_peer.py"
@@ -120,6 +121,35 @@ def test_buckets_roundtrip_odd_sizes_dtypes_and_tied_tensors(tmp_path):
     ("nccl", "cpu", ["cuda"], "nccl")])
 def test_the_broadcast_backend_is_nccl_only_where_both_ends_hold_cuda_tensors(configured, sender, members, backend):
     assert choose_backend(configured, sender, members) == backend
+
+
+@pytest.mark.parametrize("configured, sender, members, backend, why", [
+    ("auto", "cpu", {"w000@a:1": "cpu"}, "gloo", "auto: the trainer's tensors are in cpu memory"),
+    ("auto", "cuda", {"w000@a:1": "cuda", "w001@b:2": "cpu"}, "gloo", "auto: w001@b:2 receive(s) into host memory, not CUDA"),
+    ("auto", "cuda", {}, "gloo", "auto: no member yet"),
+    ("auto", "cuda", {"w000@a:1": "cuda", "w001@b:2": "cuda"}, "nccl",
+     "auto: the trainer's tensors and every member (w000@a:1, w001@b:2) are on CUDA"),
+    ("gloo", "cuda", {"w000@a:1": "cuda"}, "gloo", "weights.broadcast_backend=gloo")])
+def test_the_backend_choice_says_why(configured, sender, members, backend, why):
+    assert backend_choice(configured, sender, members) == (backend, why)
+
+
+def test_each_broadcast_version_logs_its_backend_and_why_on_both_ends(tmp_path, caplog):
+    rd = RunDir(tmp_path).create()
+    rd.secret.write_text("s")
+    tt, r1 = trainer_side(rd, bucket_mib=0.001), rollout_side(rd, "w000")
+    caplog.set_level("INFO")
+    sd = lambda v: {"w": torch.full((3000,), float(v))}  # noqa: E731
+    tt.publish(0, sd(0), "{}", 0, 0)
+    r1.load(0)
+    for v in (1, 2):
+        tt.publish(v, sd(v), "{}", v, 4 * v)
+        assert r1.load(v).path == "broadcast"
+        assert re.search(rf"weight version {v}: broadcast over gloo to w000@\S+ \(auto: the trainer's tensors are in "
+                         r"cpu memory\)", caplog.text), caplog.text
+        assert re.search(rf"received weight version {v} by broadcast over gloo in [0-9.]+s \(auto: the trainer's "
+                         r"tensors are in cpu memory\)", caplog.text), caplog.text
+    tt.close(), r1.close()
 
 
 def test_a_reader_on_cpu_is_refused_by_an_nccl_trainer_in_one_line(tmp_path, caplog):

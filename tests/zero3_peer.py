@@ -29,7 +29,7 @@ def main() -> int:
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--repeats", type=int, default=1)
     a = p.parse_args()
-    init_distributed(120.0)
+    init_distributed(120.0, 120.0, 10.0)  # collective timeout, rendezvous deadline, wait log interval
     import deepspeed
     import torch.distributed as dist
     from transformers import Qwen2Config, Qwen2ForCausalLM

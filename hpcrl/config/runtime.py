@@ -33,6 +33,11 @@ class TimeoutsConfig:
     """Every start-up step of a job (building DeepSpeed's ops, loading the model, a checkpoint, the first
     version) must end in this long, or the job stops with one line naming the step (a restart may fix a stuck
     node or filesystem); the step shows in the heartbeat and ``hpcrl status`` meanwhile."""
+    rendezvous_s: float = 300.0
+    """Trainer ranks wait this long for each other at start (after the op build): past it, rank 0 ends the job
+    with one line naming the ranks that did not arrive, and the others name the master they waited for. Keep it
+    below ``job_start_s``, the limit of every start-up step (this one too), or that limit ends the job first
+    with a line naming only the step."""
     engine_start_s: float = 900.0
     """Rollout gives up if its engine has not started in this long (vLLM compiles and
     profiles memory at start; a first start on a fresh node was once seen to sit for minutes)."""
@@ -55,7 +60,7 @@ class TimeoutsConfig:
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
         for name in ("wait_samples_s", "wait_weights_s", "heartbeat_interval_s", "heartbeat_stale_s",
-                     "poll_interval_s", "wait_log_interval_s", "job_start_s", "engine_start_s", "generate_s",
+                     "poll_interval_s", "wait_log_interval_s", "job_start_s", "rendezvous_s", "engine_start_s", "generate_s",
                      "retry_failed_load_s", "broadcast_connect_s", "broadcast_s", "stop_s"):
             check_float(f"timeouts.{name}", getattr(self, name), 0.0, lo_open=True)
         if self.heartbeat_stale_s <= 2 * self.heartbeat_interval_s:

@@ -40,6 +40,7 @@ from hpcrl.eval.writer import EvalLogWriter
 from hpcrl.eval_log import DAMAGED, EVALUATED, JOB, SKIPPED, EvalRow
 from hpcrl.logs import setup_logging
 from hpcrl.process import termination
+from hpcrl.process.leftovers import mark_job, sweep_leftovers
 from hpcrl.process.preemption import PreemptionFlag, requeue_self
 from hpcrl.run_dir import EVAL_JOB, RunDir
 from hpcrl.trackers import Trackers, open_trackers
@@ -299,6 +300,8 @@ def eval_main(run_dir: str) -> None:
     rd = RunDir(run_dir)
     cfg = rd.load_config()
     setup_logging(EVAL_JOB, cfg.logging.level, rd.job_log(EVAL_JOB))
+    mark_job(rd.root, EVAL_JOB)
+    sweep_leftovers(rd.root, EVAL_JOB, ("eval-job",))
     termination.install()  # scancel: abandon the version being evaluated, exit
     EvalJob(rd, PreemptionFlag()).run()
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shlex
 import shutil
 import signal
 from contextlib import contextmanager
@@ -25,6 +26,7 @@ from typing import Iterator
 from hpcrl.config import JobResources, RunConfig
 from hpcrl.launcher.jobs import JobHandle
 from hpcrl.launcher.sbatch_lines import slurm_options
+from hpcrl.process.leftovers import MARK_ENV, job_mark
 from hpcrl.run_dir import EVAL_JOB, RunDir
 
 
@@ -84,13 +86,15 @@ def plan_jobs(cfg: RunConfig, rd: RunDir) -> list[PlannedJob]:
 
 def slurm_parameters(job: PlannedJob) -> dict:
     """submitit's ``slurm_*`` parameters for one job: the same options the sbatch scripts get
-    (:func:`hpcrl.launcher.sbatch_lines.slurm_options`), plus the job name and setup lines."""
+    (:func:`hpcrl.launcher.sbatch_lines.slurm_options`), plus the job name, the setup lines, the job's mark
+    (the next attempt on a node ends this one's leftovers by it: ``process/leftovers.py``) and
+    ``srun --kill-on-bad-exit=1``: a rank that dies ends the others at once instead of leaving them in a
+    collective until the time limit."""
     r = job.resources
     extra = {k: (True if v == "" else v) for k, v in slurm_options(r).items()}  # True: a bare flag
-    params: dict = {"slurm_job_name": job.name, "slurm_additional_parameters": extra}
-    if r.setup:
-        params["slurm_setup"] = list(r.setup)
-    return params
+    mark = shlex.quote(job_mark(Path(job.args[0]), job.name))
+    return {"slurm_job_name": job.name, "slurm_additional_parameters": extra,
+            "slurm_setup": [*r.setup, f"export {MARK_ENV}={mark}"], "slurm_srun_args": ["--kill-on-bad-exit=1"]}
 
 
 def _executor(kind: str, folder: Path, job: PlannedJob):

@@ -40,6 +40,7 @@ from hpcrl.control.startup import StartupSteps
 from hpcrl.fsio import wait_for
 from hpcrl.logs import setup_logging
 from hpcrl.process import faults, termination
+from hpcrl.process.leftovers import mark_job, sweep_leftovers
 from hpcrl.process.preemption import PreemptionFlag, requeue_self
 from hpcrl.rollout.agent_loop import GroupContext, group_seed, run_group
 from hpcrl.rollout.engine import FINISH_LENGTH
@@ -51,6 +52,7 @@ from hpcrl.rollout.version_stats import VersionStats
 from hpcrl.run_dir import RunDir
 from hpcrl.samples.schema import Group, Trajectory
 from hpcrl.weights import WeightVersion
+from hpcrl.weights.shared_memory import SHM_DIR, sweep_stale
 
 log = logging.getLogger("hpcrl.rollout")
 
@@ -449,6 +451,10 @@ def rollout_main(run_dir: str, writer_rank: int) -> None:
     cfg = rd.load_config()
     job = RunDir.rollout_job(RunDir.writer_name(writer_rank))
     setup_logging(f"{job} [simulated]" if cfg.is_simulated else job, cfg.logging.level, rd.job_log(job))
+    mark_job(rd.root, job)
+    sweep_leftovers(rd.root, job, ("rollout", "--writer-rank", str(writer_rank)))
+    if not sweep_stale():  # their /dev/shm weight buffers (any dead process's), now that they are gone
+        log.info("start-up sweep: no weight buffers of dead processes in %s", SHM_DIR)
     termination.install()  # scancel: seal complete groups, then exit
     RolloutJob(rd, writer_rank, PreemptionFlag()).run()
 

@@ -42,12 +42,14 @@ from hpcrl.control.startup import StartupSteps
 from hpcrl.fsio import write_json_atomic
 from hpcrl.logs import log_size, setup_logging
 from hpcrl.process import faults, termination
+from hpcrl.process.leftovers import mark_job, sweep_leftovers
 from hpcrl.process.preemption import PreemptionFlag, requeue_self
 from hpcrl.run_dir import RunDir
 from hpcrl.samples.schema import Group
 from hpcrl.trainer import checkpoint
 from hpcrl.trainer.batch import build_batch
-from hpcrl.trainer.distributed import init_distributed, rank_environment
+from hpcrl.trainer.arrival import LaunchError
+from hpcrl.trainer.distributed import init_distributed, rank_environment, rank_from_environment
 from hpcrl.trainer.gather import zero3_state_dict
 from hpcrl.trainer.models import POLICY_PREFIX, policy_state_dict
 from hpcrl.trainer.ops import prepare_ops
@@ -118,7 +120,7 @@ class TrainerJob:
         with self.startup.step("building DeepSpeed's ops"):
             prepare_ops(t.job_start_s)
         with self.startup.step(f"joining the other trainer ranks ({self.world} in all)"):
-            init_distributed(timeout_s=t.wait_samples_s + 600)
+            init_distributed(t.wait_samples_s + 600, t.rendezvous_s, t.wait_log_interval_s)
         self.parts, resumed = build_parts(self.cfg, self.run_dir, self.rank, self.world, self.startup)
         return resumed
 
@@ -332,6 +334,9 @@ class TrainerJob:
                      self.state.step, cfg.total_updates, self.world, cfg.groups_per_update,
                      cfg.async_training.trigger_parameter_sync_step, cfg.admission_budget)
             final_state = self._train()
+        except LaunchError as e:  # the world cannot form: one line naming the cause, no trace
+            log.error("trainer rank %d cannot start: %s", self.rank, e)
+            raise SystemExit(1) from None
         except BaseException as e:
             if not isinstance(e, SystemExit):
                 log.exception("trainer rank %d failed", self.rank)  # into RUN/logs/jobs/, where the launcher looks
@@ -422,10 +427,16 @@ class TrainerJob:
 def trainer_main(run_dir: str) -> None:
     rd = RunDir(run_dir)
     cfg = rd.load_config()
-    os.environ.update(rank_environment())
-    rank = int(os.environ["RANK"])
+    rank = rank_from_environment()
     job = RunDir.trainer_job(rank)
     setup_logging(f"{job} [simulated]" if cfg.is_simulated else job, cfg.logging.level, rd.job_log(job))
+    mark_job(rd.root, RunDir.trainer_job())
+    sweep_leftovers(rd.root, RunDir.trainer_job(), ("trainer",))  # an earlier attempt's ranks on this node
+    try:
+        os.environ.update(rank_environment())
+    except LaunchError as e:  # one line, naming what was missing (never a silent localhost)
+        log.error("trainer rank %d cannot start: %s", rank, e)
+        raise SystemExit(1) from None
     termination.install()  # scancel: stop now; a restart resumes from the last checkpoint
     preemption = PreemptionFlag()
     TrainerJob(rd, preemption, rank, int(os.environ["WORLD_SIZE"])).run()

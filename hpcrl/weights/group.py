@@ -16,12 +16,14 @@ Every step has a deadline: a group construction or a transfer runs on a worker t
 """
 from __future__ import annotations
 
+import os
 from datetime import timedelta
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Optional
 
 import torch.distributed as dist
 
 from hpcrl.config.names import BROADCAST_BACKENDS
+from hpcrl.process.network import NetworkError, interface_to, resolve
 from hpcrl.process.threads import spawn
 
 
@@ -61,12 +63,24 @@ def call_with_deadline(fn: Callable[[], Any], timeout_s: float, step: str) -> An
 def choose_backend(configured: str, sender_device: str, member_devices: Iterable[str]) -> str:
     """The backend of a group: ``configured`` unless it is ``auto``, which is nccl when the sender's
     tensors and every member's receive buffer are on a GPU, else gloo."""
+    return backend_choice(configured, sender_device, {str(i): d for i, d in enumerate(member_devices)})[0]
+
+
+def backend_choice(configured: str, sender_device: str, members: dict[str, str]) -> tuple[str, str]:
+    """(backend, why) for a group whose sender's tensors lie on ``sender_device`` and whose members
+    (``{peer: device it receives into}``) are ``members``; ``why`` is one clause for the log of each version."""
     if configured not in BROADCAST_BACKENDS:
         raise ValueError(f"weights.broadcast_backend={configured!r}; allowed: {', '.join(BROADCAST_BACKENDS)}")
     if configured != "auto":
-        return configured
-    devices = list(member_devices)
-    return "nccl" if sender_device == "cuda" and devices and all(d == "cuda" for d in devices) else "gloo"
+        return configured, f"weights.broadcast_backend={configured}"
+    if sender_device != "cuda":
+        return "gloo", f"auto: the trainer's tensors are in {sender_device} memory"
+    if not members:
+        return "gloo", "auto: no member yet"
+    on_host = [peer for peer, d in members.items() if d != "cuda"]
+    if on_host:
+        return "gloo", f"auto: {', '.join(on_host)} receive(s) into host memory, not CUDA"
+    return "nccl", f"auto: the trainer's tensors and every member ({', '.join(members)}) are on CUDA"
 
 
 def group_device(backend: str) -> str:
@@ -74,12 +88,37 @@ def group_device(backend: str) -> str:
     return "cuda" if backend == "nccl" else "cpu"
 
 
-def make_group(store: dist.Store, prefix: str, rank: int, world: int, timeout_s: float, backend: str):
+def gloo_interface(peer_hosts: Iterable[str]) -> tuple[Optional[str], str]:
+    """(interface, why) for this end's gloo device in a group with ``peer_hosts``: the one the kernel routes to
+    them through, so a host name that resolves to the loopback here (Debian's ``127.0.1.1`` line) is never
+    advertised to a peer on another node. None (gloo's own choice: ``GLOO_SOCKET_IFNAME``, else the host name)
+    when the variable is set, a peer does not resolve, or the peers lie behind different interfaces."""
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return None, f"GLOO_SOCKET_IFNAME={os.environ['GLOO_SOCKET_IFNAME']} (set by you)"
+    names = {}
+    for host in dict.fromkeys(peer_hosts):
+        try:
+            names[host] = interface_to(resolve(host))[0]
+        except NetworkError as e:
+            return None, f"gloo's default ({e})"
+    if len(set(names.values())) != 1:
+        return None, f"gloo's default (the peers are behind {', '.join(f'{h}: {n}' for h, n in names.items())})"
+    name = next(iter(names.values()))
+    return name, f"{name}, the route to {', '.join(names)}"
+
+
+def make_group(store: dist.Store, prefix: str, rank: int, world: int, timeout_s: float, backend: str,
+               interface: Optional[str] = None):
     """The broadcast group of one membership (``prefix`` = epoch and generation), built directly on a
-    ``PrefixStore``. Blocks until all ``world`` members connected or ``timeout_s``; call it through
-    :func:`call_with_deadline`."""
+    ``PrefixStore``; gloo's device on ``interface`` if given. Blocks until all ``world`` members connected or
+    ``timeout_s``; call it through :func:`call_with_deadline`."""
     pstore = dist.PrefixStore(prefix, store)
     timeout = timedelta(seconds=timeout_s)
+    if backend == "gloo" and interface:
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(interface=interface)]
+        return dist.ProcessGroupGloo(pstore, rank, world, opts)
     if backend == "gloo":
         return dist.ProcessGroupGloo(pstore, rank, world, timeout)
     if backend == "nccl":  # needs a GPU per rank: not exercised here (module docstring)

@@ -21,7 +21,8 @@ import torch
 from hpcrl.process.threads import Tracked, spawn
 from hpcrl.run_dir import RunDir
 from hpcrl.weights.base import MappedBuffer
-from hpcrl.weights.group import BroadcastFailed, call_with_deadline, first_line, group_device, make_group
+from hpcrl.weights.group import BroadcastFailed, call_with_deadline, first_line, gloo_interface, group_device, \
+    make_group
 from hpcrl.weights.rendezvous import connect_store, join, read_rendezvous, read_secret
 from hpcrl.weights.shared_memory import receive_buffer
 from hpcrl.weights.wire import BEAT_S, POLL_S, BroadcastHeader, Entry, StoreKeys, recv_buckets, views
@@ -68,6 +69,7 @@ class Receiver:
         self.joined = False
         self.store = self.rdv = self.group = None
         self.gen = -1
+        self.interface: Optional[str] = None  # gloo's device: the route to the trainer (group.gloo_interface)
         self.ticket = self.first_seq = 0
         self.failed_epoch: Optional[str] = None  # do not join this epoch again
         self.failures = 0  # failed receives in a row in this epoch
@@ -83,8 +85,9 @@ class Receiver:
         store = connect_store(rdv, self.connect_s, self.run_dir)
         self.ticket, self.first_seq = join(store, rdv, secret, self.reader, self.device, self.connect_s, self.run_dir)
         self.store, self.rdv, self.joined, self.group, self.gen = store, rdv, True, None, -1
-        log.info("joined the weight broadcast at %s as ticket %d (member from publish %d on)", rdv.address,
-                 self.ticket, self.first_seq)
+        self.interface, why = gloo_interface([rdv.host])
+        log.info("joined the weight broadcast at %s as ticket %d (member from publish %d on); gloo on %s", rdv.address,
+                 self.ticket, self.first_seq, why)
 
     def start(self) -> "Receiver":
         """Follow the trainer's publishes on a thread."""
@@ -160,7 +163,7 @@ class Receiver:
             def transfer():
                 if header.gen != self.gen:
                     self.group = make_group(self.store, StoreKeys.group(self.rdv.epoch, header.gen), rank, world,
-                                            self.broadcast_s, header.backend)
+                                            self.broadcast_s, header.backend, self.interface)
                     self.gen = header.gen
                 flat, path = self._buffer(header)
                 recv_buckets(self.group, header.tensors, header.total_bytes, header.bucket_bytes, flat)
@@ -179,6 +182,8 @@ class Receiver:
                        epoch_dead=False)
             return False
         self.failures = 0
+        log.info("received weight version %d by broadcast over %s in %.2fs (%s)", header.version, header.backend,
+                 transfer_s, header.backend_why or "the trainer gave no reason")
         staged = Staged(header, views(flat, header.tensors, header.aliases), flat, path, transfer_s)
         with self.cond:
             self.staged, self.receiving = staged, None

@@ -18,7 +18,8 @@ import torch
 
 from hpcrl.process.threads import spawn
 from hpcrl.run_dir import RunDir
-from hpcrl.weights.group import call_with_deadline, choose_backend, first_line, group_device, make_group
+from hpcrl.weights.group import backend_choice, call_with_deadline, first_line, gloo_interface, group_device, \
+    make_group
 from hpcrl.weights.manifest import WeightManifest
 from hpcrl.weights.rendezvous import Admitted, admit_one, connect_store, put_record, read_secret, start_store
 from hpcrl.weights.wire import BEAT_S, POLL_S, BroadcastHeader, StoreKeys, plan, send_buckets
@@ -115,22 +116,25 @@ class Sender:
             self.seq += 1
             seq, members = self.seq, list(self.members)
         sender_device = next(iter(device_tensors.values())).device.type if device_tensors else "cpu"
-        backend = choose_backend(self.backend, sender_device, [m.device for m in members])
+        backend, why = backend_choice(self.backend, sender_device, {m.peer: m.device for m in members})
         key = (tuple(m.ticket for m in members), backend)
         if key != self.group_key:
             self.group, self.group_key, self.gen = None, key, self.gen + 1
         tensors = device_tensors if backend == "nccl" else host_tensors
         entries, total = plan(tensors)
         header = BroadcastHeader(seq, version, manifest.published_s, self.gen, list(key[0]), backend,
-                                 self.bucket_bytes, total, entries, aliases)
+                                 self.bucket_bytes, total, entries, aliases, why)
         peers = ", ".join(m.peer for m in members)
+        if members:
+            log.info("weight version %d: broadcast over %s to %s (%s)", version, backend, peers, why)
         t0 = time.monotonic()
         put_record(self.store, StoreKeys.header(seq), header)  # also without members: a new joiner learns the version
         self.store.set(StoreKeys.LATEST, str(seq))
         if not members:
             return {"path": "filesystem", "members": 0, "transfer_s": 0.0, "backend": backend}
         try:
-            call_with_deadline(lambda: self._transfer(tensors, header, len(members) + 1), self.broadcast_s,
+            call_with_deadline(lambda: self._transfer(tensors, header, len(members) + 1, [m.host for m in members]),
+                               self.broadcast_s,
                                f"broadcasting weight version {version} to {peers} over {backend} "
                                f"(run {self.run_dir.root})")
             transfer_s = time.monotonic() - t0
@@ -151,10 +155,13 @@ class Sender:
         return {"path": "broadcast" if acked else "filesystem", "members": len(acked), "transfer_s": transfer_s,
                 "broadcast_bytes": total if acked else 0, "backend": backend}
 
-    def _transfer(self, tensors, header: BroadcastHeader, world: int) -> None:
+    def _transfer(self, tensors, header: BroadcastHeader, world: int, hosts: list[str]) -> None:
         if self.group is None:
+            interface, why = gloo_interface(hosts)
+            log.info("forming the weight broadcast group of generation %d (%d members) over %s; gloo on %s",
+                     header.gen, world - 1, header.backend, why)
             self.group = make_group(self.store, StoreKeys.group(self.rdv.epoch, header.gen), 0, world,
-                                    self.broadcast_s, header.backend)
+                                    self.broadcast_s, header.backend, interface)
         self.buffers = send_buckets(self.group, tensors, header.tensors, header.total_bytes, header.bucket_bytes,
                                     self.buffers, group_device(header.backend))
 

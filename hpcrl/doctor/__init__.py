@@ -1,0 +1,1 @@
+"""hpcrl doctor: what a node offers a run (checks.py), as a table (command.py)."""
