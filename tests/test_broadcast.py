@@ -269,6 +269,10 @@ if sys.argv[1] == "spawn":
     spawn(follow, "follower", bound_s=2.0, stop=stop)
 else:
     threading.Thread(target=follow, daemon=True).start()
+class SlowTeardown:  # the interpreter's shutdown takes 0.6 s (sleeping, without the GIL) once it is finalizing,
+    def __del__(self, sleep=time.sleep):  # so the follower comes back from the store then, whatever the
+        sleep(0.6)                         # machine's speed (the module `time` is gone by then)
+slow_teardown = SlowTeardown()
 inside.wait(10)
 time.sleep(0.1)
 """
@@ -289,9 +293,10 @@ def test_a_process_exits_cleanly_while_a_broadcast_thread_waits_in_the_store():
 @pytest.mark.skipif(sys.version_info >= (3, 14), reason="Python 3.14 no longer unwinds daemon threads at exit: "
                     "the hazard the test above guards against cannot be shown there")
 def test_a_plain_daemon_thread_in_the_store_aborts_the_process_at_exit():
-    """The hazard itself, so that the test above can fail: without the exit wait the process aborts. It is a
-    race (the thread must come back from the store while the interpreter shuts down): seen in 5 of 5 tries on a
-    quiet machine, less often on a loaded one, so up to 5 tries, one abort needed."""
+    """The hazard itself, so that the test above can fail: without the exit wait the process aborts. The thread
+    must come back from the store while the interpreter shuts down: the script's slow teardown makes sure it
+    does (without it a quiet machine finished shutting down first and the test read exit 0 five times); up to 5
+    tries, one abort needed."""
     tries = []
     for _ in range(5):
         p = exit_while_in_the_store("plain")

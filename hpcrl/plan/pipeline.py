@@ -19,7 +19,6 @@ simulated run and its prediction see the same lengths. Control-plane latencies (
 """
 from __future__ import annotations
 
-import heapq
 import math
 from collections import deque
 from dataclasses import dataclass, field

@@ -21,7 +21,6 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Optional
 
 log = logging.getLogger(__name__)
 
