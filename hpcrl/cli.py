@@ -273,7 +273,8 @@ def _cmd_build_ops(timeout_s: float) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """Every command and its arguments."""
     p = argparse.ArgumentParser(prog="hpcrl", description="asynchronous RL post-training on Slurm")
     p.add_argument("--version", action="version", version=f"hpcrl {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -317,6 +318,11 @@ def main(argv=None) -> int:
     add_doctor_arguments(sub.add_parser("doctor", help="check what this node offers a run (CUDA, vLLM, gloo, /dev/shm, "
                                                        "the shared filesystem); exit 1 if a required check fails"))
     add_analysis_commands(sub)
+    return p
+
+
+def main(argv=None) -> int:
+    p = _parser()
     # overrides may also follow the options (`hpcrl run CONFIG --run-dir D k=v`)
     a, extra = p.parse_known_args(argv)
     if extra:
