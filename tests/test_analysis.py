@@ -262,7 +262,8 @@ def test_recommendation_states_the_idle_ratios_it_used(runs, report):
     _, md, res = report
     (table,) = parse_report(md)[("Side by side", "")]
     for row in table:
-        line = next(x for x in md.splitlines() if x.startswith(f"- {row['run']}: "))
+        line = next(x for x in md.splitlines()  # the recommendation's bullet (the ceiling's start alike)
+                    if x.startswith(f"- {row['run']}: ") and "trainer idle" in x)
         raw = Raw(runs[row["run"]])
         assert close(re.search(r"trainer idle (\d\.\d\d)", line).group(1), Raw.trainer_idle(raw.m), 2), line
         assert close(re.search(r"rollout idle (\d\.\d\d)", line).group(1), Raw.rollout_idle(raw.ro), 2), line
