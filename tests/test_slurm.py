@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -141,9 +142,16 @@ def test_sbatch_trainer_preempted_with_usr2_requeues_and_resumes(slurm, tmp_path
     subprocess.run(["scancel", "--signal=USR2", trainer_id], check=True, env=slurm)
     wait_until(lambda: "Restarts=1" in subprocess.run(["scontrol", "show", "job", trainer_id], capture_output=True,
                                                       text=True, env=slurm).stdout, 60, "the trainer to be requeued")
-    # Slurm holds a requeued job ~120 s (Reason=BeginTime): a cluster's policy, not ours; let it start now
-    wait_until(lambda: "Reason=BeginTime" in subprocess.run(["scontrol", "show", "job", trainer_id], capture_output=True,
-                                                            text=True, env=slurm).stdout, 60, "the requeued trainer's hold")
+    # Slurm holds a requeued job ~120 s (Reason=BeginTime): a cluster's policy, not ours; let it start now. Not
+    # too soon: an update issued while the node still tears the old instance down has no effect, and one issued
+    # right after the hold is set can start it before slurmd revoked the old credential, which kills it for good
+    # ("Killing non-startable batch job: Job credential revoked", seen twice)
+    wait_until(lambda: "JobState=PENDING Reason=BeginTime" in subprocess.run(
+        ["scontrol", "show", "job", trainer_id], capture_output=True, text=True, env=slurm).stdout, 60,
+        "the requeued trainer's hold")
+    wait_until(lambda: (read_json(rd.heartbeat("trainer")) or {}).get("state") == "preempted", 60,
+               "the first trainer's exit")
+    time.sleep(3)
     subprocess.run(["scontrol", "update", f"JobId={trainer_id}", "StartTime=now"], check=True, env=slurm)
     wait_until(lambda: read_json(rd.trainer_done), 420, "the requeued trainer to finish")
     log_text = (rd.job_logs / "trainer.log").read_text()
