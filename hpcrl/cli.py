@@ -73,18 +73,23 @@ def _interrupt(signum, frame) -> None:
 
 
 def _hold_sigint():
-    """Block SIGINT while the jobs are submitted: a Ctrl-C then stays pending (local jobs are started with SIGINT
-    ignored, and one pressed in that window was lost: the run went on) and is raised once the jobs are known, so
-    it stops them. The old signal mask, or None where this thread cannot (not the main thread)."""
+    """Record a Ctrl-C while the jobs are submitted instead of raising it there (half-submitted jobs would be
+    left to themselves); :func:`_release_sigint` raises it once they are known, so that it stops them. The
+    recorded presses, or None where this thread cannot (not the main thread)."""
     if threading.current_thread() is not threading.main_thread():
         return None
-    return signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    pressed: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
+    return pressed
 
 
 def _release_sigint(held) -> None:
-    """Unblock SIGINT (a pending Ctrl-C raises KeyboardInterrupt here)."""
-    if held is not None:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+    """Ctrl-C raises KeyboardInterrupt again; one pressed while held is raised here."""
+    if held is None:
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if held:
+        raise KeyboardInterrupt
 
 
 def _follow(a, plan, cfg, kind, launch) -> int:

@@ -128,13 +128,15 @@ def test_reward_errors_show_on_the_console_in_status_and_in_the_report(tmp_path)
 
 
 HELD = '''
-import os, signal, subprocess, sys, time
+import os, signal, subprocess, sys, threading, time
 from hpcrl.cli import _hold_sigint, _release_sigint
+from hpcrl.launcher.submit import _sigint_ignored
+threading.Thread(target=time.sleep, args=(30,), daemon=True).start()  # a launcher has other threads
 held = _hold_sigint()
-old = signal.signal(signal.SIGINT, signal.SIG_IGN)  # what submitting a local job does (hpcrl.launcher.submit)
-os.kill(os.getpid(), signal.SIGINT)                 # Ctrl-C pressed meanwhile
-child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
-signal.signal(signal.SIGINT, old)
+with _sigint_ignored("local"):                       # what submitting a local job does
+    os.kill(os.getpid(), signal.SIGINT)              # Ctrl-C pressed meanwhile
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    time.sleep(0.2)
 print("submitted", flush=True)
 try:
     _release_sigint(held)

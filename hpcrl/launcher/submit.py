@@ -18,6 +18,7 @@ import os
 import shlex
 import shutil
 import signal
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,20 +124,23 @@ def _function(name: str):
 @contextmanager
 def _sigint_ignored(kind: str) -> Iterator[None]:
     """Local jobs are children of the launcher, in its terminal's process group: Ctrl-C would
-    reach them and submitit's controllers would print KeyboardInterrupt tracebacks. Started with
-    SIGINT ignored (inherited across exec), they leave Ctrl-C to the launcher, which cancels them
-    with SIGTERM (they stop cleanly, state ``stopped``)."""
-    old = None
-    if kind == "local":
-        try:
-            old = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        except ValueError:  # not the main thread: leave the signal alone
-            old = None
+    reach them and submitit's controllers would print KeyboardInterrupt tracebacks. They are started
+    with SIGINT blocked (the mask is inherited across fork and exec), so they leave Ctrl-C to the
+    launcher, which stops them. A Ctrl-C meanwhile is recorded, not lost, and handed to the launcher's
+    own handler once the job is started."""
+    if kind != "local" or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pressed: list[int] = []
+    old = signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
     finally:
-        if old is not None:
-            signal.signal(signal.SIGINT, old)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # one pending here is recorded now
+        signal.signal(signal.SIGINT, old)
+        if pressed:
+            signal.raise_signal(signal.SIGINT)
 
 
 def submit_one(rd: RunDir, kind: str, planned: PlannedJob) -> JobHandle:
