@@ -108,6 +108,7 @@ class EvalJob:
             log.info("resuming: %d versions handled already (newest %d)", len(self.handled), max(self.handled))
         self.trackers = open_trackers(cfg, rd, role="eval")
         self.heartbeat.update(state=HeartbeatState.WAITING_WEIGHTS, step="", step_started_s=0.0)
+        self.heartbeat.write()  # out of start-up now: the launcher's Ctrl-C asks it to stop instead of cancelling it
 
     # ---- steps
     def _check_stop(self) -> None:
@@ -202,6 +203,7 @@ class EvalJob:
                                                  self.closers, JOB, self.startup)
             load_s = wv.transfer_s + self.evaluator.load(wv)
             self.heartbeat.update(state=HeartbeatState.EVALUATING, step="", step_started_s=0.0)
+            self.heartbeat.write()  # the engine's start-up step is over (its 'starting' is on disk until now)
             result = self.evaluator.evaluate(version, self._check_stop, lambda done, total: self.heartbeat.update(
                 stats=self._stats(evaluating=version, done=done)))
             row = self.writer.commit(EvalRow(

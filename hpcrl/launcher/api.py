@@ -144,6 +144,8 @@ class RunHandle:
             for name, job in self.jobs.items():
                 beat = beats.get(name)
                 if name not in cancelled and not job.done() and (beat is None or beat.state == HeartbeatState.STARTING):
+                    self.follower.emit(f"{name}: {'no heartbeat yet' if beat is None else 'starting: ' + beat.step}"
+                                       "; nothing to save, cancelled")
                     job.cancel()
                     cancelled.add(name)
             if time.monotonic() > end:
