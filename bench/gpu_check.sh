@@ -3,6 +3,7 @@
 #
 #   bench/gpu_check.sh OUT.json            # on a GPU node: cuda + bf16; on CPU: vLLM's CPU build, fp32
 #   HPCRL_PYTHON=/path/python bench/gpu_check.sh OUT.json
+#   GPU_CHECK_E2E_UPDATES=12 bench/gpu_check.sh OUT.json   # a shorter end-to-end run (default 40 updates)
 #
 # Steps (each one's exit status, seconds and figures land in OUT.json under its name; the script exits 1 if
 # any step failed, after running them all):
@@ -15,6 +16,8 @@
 set -euo pipefail
 
 OUT="${1:?usage: $0 OUT.json}"
+E2E_UPDATES="${GPU_CHECK_E2E_UPDATES:-40}"
+case "$E2E_UPDATES" in ''|*[!0-9]*|0) echo "gpu_check: GPU_CHECK_E2E_UPDATES must be a positive whole number of updates, not '$E2E_UPDATES'" >&2; exit 2;; esac
 HERE="$(cd "$(dirname "$0")" && pwd)"
 REPO="$(cd "$HERE/.." && pwd)"
 if [ -n "${HPCRL_PYTHON:-}" ]; then PY="$HPCRL_PYTHON"
@@ -55,7 +58,8 @@ run() {
 run doctor 600 "$PY" -m hpcrl doctor --dir "$WORK" --require "$REQUIRE" --json "$WORK/doctor.json"
 run engine 1200 "$PY" "$HERE/bench_engine.py" --quick --skip-transformers "${ENGINE_ARGS[@]}" --json "$WORK/engine.json"
 run weights 1200 "$PY" "$HERE/bench_vllm_weights.py" --quick --device "$DEVICE" --dir "$WORK" --json "$WORK/weights.json"
-run e2e 1800 "$PY" "$HERE/gpu_check_e2e.py" "$WORK/e2e-run" "$WORK/e2e.json" "${E2E_ARGS[@]}"
+run e2e 1800 "$PY" "$HERE/gpu_check_e2e.py" "$WORK/e2e-run" "$WORK/e2e.json" "${E2E_ARGS[@]}" \
+  "rollout.total_rollout_steps=$((4 * E2E_UPDATES))"
 
 "$PY" - "$WORK" "$OUT" "$DEVICE" <<'PY'
 import json, socket, sys, time

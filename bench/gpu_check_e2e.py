@@ -24,7 +24,8 @@ from hpcrl.run_dir import RunDir  # noqa: E402
 
 OVERRIDES = ["model.path=builtin:tiny-h64", "rollout.engine=vllm", "weights.transport=broadcast",
              "rollout.total_rollout_steps=160", "eval.every_versions=0"]
-"""160 groups: 40 updates of the tiny task (a few minutes on 2 CPU cores, seconds on a GPU)."""
+"""160 groups: 40 updates of the tiny task (a few minutes on 2 CPU cores, seconds on a GPU); a later
+``rollout.total_rollout_steps=N`` among the arguments sets another length (gpu_check.sh's GPU_CHECK_E2E_UPDATES)."""
 
 
 def main(argv: list[str]) -> int:
