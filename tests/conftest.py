@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -34,15 +35,18 @@ class Job:
     """``python -m hpcrl ARGS`` as a real process; ``env`` adds variables (e.g. a fault to inject),
     ``wrapped`` runs it through ``tests/fault_wrapper.py``."""
 
-    def __init__(self, args: list[str], log_path: Path, env: dict | None = None, wrapped: bool = False):
+    def __init__(self, args: list[str], log_path: Path, env: dict | None = None, wrapped: bool = False,
+                 base_env: dict | None = None, prefix: tuple[str, ...] = (), killed_after_the_test: bool = True):
         self.args = list(args)
         """The job's own arguments (``trainer RUN``, ...), whichever way it is started."""
         self.log_path = log_path
         self._log = open(log_path, "ab")
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+        env = dict(os.environ if base_env is None else base_env, PYTHONUNBUFFERED="1", **(env or {}))
         cmd = [sys.executable, str(WRAPPER)] if wrapped else [sys.executable, "-m", "hpcrl"]
-        self.proc = subprocess.Popen([*cmd, *args], stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-        _JOBS.append(self)
+        self.proc = subprocess.Popen([*prefix, *cmd, *args], stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     cwd=REPO)
+        if killed_after_the_test:
+            _JOBS.append(self)
 
     def wait(self, timeout_s: float) -> int:
         try:
@@ -123,6 +127,109 @@ class RunsAhead:
         for _, *jobs in self.started.values():
             for job in jobs:
                 job.kill()
+
+
+LOWEST_PRIORITY = ("ionice", "-c", "3", "nice", "-n", "19")
+"""Both exec the next program: the job's pid is the Python process's."""
+PATIENT = ["timeouts.wait_samples_s=1800", "timeouts.wait_weights_s=1800", "timeouts.heartbeat_stale_s=1800",
+           "timeouts.job_start_s=1800"]
+"""A background run's jobs may get no CPU for minutes while the suite runs: none of their waits may end them."""
+
+
+class BackgroundRuns:
+    """Learning runs whose tests only read the finished run, started when the session starts, ``width`` at a time,
+    at the lowest CPU and I/O priority (nice 19, idle I/O class): they take the cores the rest of the suite leaves
+    idle (tests waiting on Slurm, on a deadline, on the other job of an on-policy pair) and barely slow it (the
+    kernel gives a nice-19 process ~1.5% of a core another process wants). Their tests run last
+    (``pytest_collection_modifyitems``), so most runs have finished by then. A test module takes part by defining
+    ``BACKGROUND_RUNS`` (run key -> overrides) and ``background_key(item)`` (its test item's run key, or None).
+
+    Every run directory is prepared before the first test (``prepare_run_dir`` seeds torch's global generator, so
+    never beside a running test), and jobs get the environment of that moment (a test's ``monkeypatch.setenv`` must
+    not reach them)."""
+
+    def __init__(self, folder: Path, runs: dict[str, list[str]], width: int = 2):
+        self.width = width
+        self._env = dict(os.environ)
+        self._ready = {key: make_run(folder, *overrides, *PATIENT, name=key.replace(":", "-"))
+                       for key, overrides in runs.items()}
+        self._pending = list(runs)
+        self.started: dict[str, tuple] = {}
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._keep_width_going, name="background-runs", daemon=True)
+        self._thread.start()
+
+    def _start(self, key: str) -> None:
+        rd = self._ready[key]
+        background = dict(base_env=self._env, prefix=LOWEST_PRIORITY, killed_after_the_test=False)  # they outlive it
+        jobs = (Job(["trainer", str(rd.root)], rd.root / "trainer.out", **background),
+                Job(["rollout", str(rd.root), "--writer-rank", "0"], rd.root / "rollout0.out", **background))
+        self._pending.remove(key)
+        self.started[key] = (rd, *jobs)
+
+    def _keep_width_going(self) -> None:
+        """Start the next pending run whenever fewer than ``width`` are running; ends when all have started."""
+        while not self._closed.wait(0.5):
+            with self._lock:
+                if self._closed.is_set() or not self._pending:
+                    return
+                running = sum(1 for _, t, r in self.started.values() if t.proc.poll() is None or r.proc.poll() is None)
+                for key in self._pending[:max(self.width - running, 0)]:
+                    self._start(key)
+
+    def finish(self, key: str, trainer_s: float = 300, rollout_s: float = 120):
+        """Wait for both of ``key``'s jobs to end with 0 (starting them now if they have not started); its run
+        directory. The deadlines count from now, when the run has the cores to itself."""
+        with self._lock:
+            if key not in self.started:
+                self._start(key)
+        rd, trainer, rollout = self.started[key]
+        assert trainer.wait(trainer_s) == 0, trainer.tail()
+        assert rollout.wait(rollout_s) == 0, rollout.tail()
+        return rd
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed.set()
+        for _, *jobs in self.started.values():
+            for job in jobs:
+                job.kill()
+
+
+def _background_keys(items) -> dict:
+    """Run key -> (the module that defines it, its test items), in the order the items run."""
+    keys: dict = {}
+    for item in items:
+        module = getattr(item, "module", None)
+        key = module.background_key(item) if hasattr(module, "background_key") else None
+        if key is not None:
+            keys.setdefault(key, (module, []))[1].append(item)
+    return keys
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The tests that read background runs go last (a stable sort: the rest keep their order)."""
+    items.sort(key=lambda item: hasattr(getattr(item, "module", None), "background_key")
+               and item.module.background_key(item) is not None)
+
+
+@pytest.fixture(scope="session")
+def background_runs(request, tmp_path_factory):
+    """The session's :class:`BackgroundRuns` (started by ``_start_background_runs`` before the first test)."""
+    return request.getfixturevalue("_start_background_runs")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _start_background_runs(request, tmp_path_factory):
+    keys = _background_keys(request.session.items)
+    if not keys:
+        yield None
+        return
+    runs = BackgroundRuns(tmp_path_factory.mktemp("background"),
+                          {key: module.BACKGROUND_RUNS[key] for key, (module, _) in keys.items()})
+    yield runs
+    runs.close()
 
 
 def selected_params(request, test_name: str, argname: str) -> list:

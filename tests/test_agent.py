@@ -265,15 +265,22 @@ def read_rollout_metrics(rd):
     return read_jsonl_frame(rd.rollout_metrics("w000"))
 
 
+LEARNING_UPDATES = 100
+BACKGROUND_RUNS = {"agent:learns": [*AGENT, f"rollout.total_rollout_steps={4 * LEARNING_UPDATES}"]}
+"""The README's agent run, started in the background when the session starts (conftest.BackgroundRuns)."""
+
+
+def background_key(item) -> str | None:
+    """The background run a test item reads (None: it runs its own jobs)."""
+    learns = item.originalname == "test_the_multi_turn_toy_task_learns_working_calls_and_masks_only_tool_tokens"
+    return "agent:learns" if learns else None
+
+
 @pytest.mark.slow
-def test_the_multi_turn_toy_task_learns_working_calls_and_masks_only_tool_tokens(tiny_run):
+def test_the_multi_turn_toy_task_learns_working_calls_and_masks_only_tool_tokens(background_runs):
     """The README's run (configs/tiny-agent.yaml, 100 updates): past failing calls (0.3) to calls
     that work (0.6), which took 20-40 updates in every seed measured."""
-    updates = 100
-    rd = tiny_run(*AGENT, f"rollout.total_rollout_steps={4 * updates}")
-    trainer, rollout = start_trainer(rd), start_rollout(rd)
-    assert trainer.wait(400) == 0, trainer.tail()
-    assert rollout.wait(120) == 0, rollout.tail()
+    rd = background_runs.finish("agent:learns", trainer_s=400)
     reward = read_metrics(rd)["reward/mean"].to_numpy()
     last = read_rollout_metrics(rd).iloc[-20:]
     calls, errors = float((last["tool_calls/mean"] * last["trajectories"]).sum()), float(last["tool_calls/errors"].sum())
@@ -302,7 +309,7 @@ def test_the_multi_turn_toy_task_learns_working_calls_and_masks_only_tool_tokens
 @pytest.mark.slow
 def test_a_restarted_rollout_job_continues_its_saved_groups(tiny_run):
     rd = tiny_run(*AGENT, "async_training.staleness_threshold=1.0", "async_training.partial_rollout=true",
-                  "rollout.max_concurrent_groups=4", "rollout.total_rollout_steps=160", "rollout.response_length=48",
+                  "rollout.max_concurrent_groups=4", "rollout.total_rollout_steps=112", "rollout.response_length=48",
                   "agent.max_assistant_turns=3", "agent.max_user_turns=2")
     trainer, rollout = start_trainer(rd), start_rollout(rd)
     saved = rd.in_flight_states("w000")

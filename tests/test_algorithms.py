@@ -6,13 +6,14 @@ KL loss and seq-mean-token-mean (rloo), entropy bonus (reinforce_plus_plus),
 seq-mean-token-sum (reinforce_plus_plus_baseline), the critic with an adaptive
 reward KL against the frozen reference (gae), importance weights on the optimal token
 baseline's score norms (optimal_token_baseline), a straight-through KL loss (gdpo).
-400 groups = 100 updates (~16 s each on 2 cores; two runs go at a time, conftest.RunsAhead). Each policy-loss mode of verl 0.9.1
-learns it too, and bypass mode with both loss types (below). The learning runs are
+400 groups = 100 updates (~16 s each on 2 cores). Each policy-loss mode of verl 0.9.1 learns it too, and
+bypass mode with both loss types (below). These learning runs are started when the session starts, in the
+background at the lowest priority, and their tests run last (conftest.BackgroundRuns). They are
 ``@pytest.mark.slow`` (``pytest -m "not slow"`` skips them).
 """
 import pytest
 
-from conftest import RunsAhead, check_exactly_once, selected_params, start_rollout, start_trainer
+from conftest import BackgroundRuns, check_exactly_once, start_rollout, start_trainer
 from hpcrl.logs import read_metrics
 from test_learning import fifths
 
@@ -28,27 +29,18 @@ RUNS = {
 }
 
 
-def run_to_the_end(runs: RunsAhead, key: str, updates: int):
-    """Both jobs of run ``key`` to completion (two runs at a time: conftest.RunsAhead); the trainer's metrics
-    (one row per update)."""
+def run_to_the_end(runs: BackgroundRuns, key: str, updates: int):
+    """Both jobs of run ``key`` to completion (conftest.BackgroundRuns); the trainer's metrics (one row per
+    update)."""
     m = read_metrics(runs.finish(key))
     assert len(m) == updates
     return m
 
 
-@pytest.fixture(scope="module")
-def estimator_runs(request, tmp_path_factory):
-    runs = RunsAhead(tmp_path_factory.mktemp("estimators"),
-                     {e: [f"algorithm.adv_estimator={e}", "rollout.total_rollout_steps=400", *RUNS[e]] for e in RUNS},
-                     selected_params(request, "test_estimator_learns_the_toy_task", "estimator"))
-    yield runs
-    runs.close()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("estimator", list(RUNS))
-def test_estimator_learns_the_toy_task(estimator_runs, estimator):
-    m = run_to_the_end(estimator_runs, estimator, updates=100)
+def test_estimator_learns_the_toy_task(background_runs, estimator):
+    m = run_to_the_end(background_runs, f"estimator:{estimator}", updates=100)
     first, last = fifths(m["reward/mean"].to_numpy())
     print(f"{estimator}: reward first fifth {first:.3f}, last fifth {last:.3f}")
     assert last > first + 0.15, f"{estimator}: reward did not rise: first fifth {first:.3f}, last fifth {last:.3f}"
@@ -149,26 +141,34 @@ LOSS_RUNS.update({  # verl 0.9.1's bypass mode: weights and rejection from pi_th
 LOSS_UPDATES = 100
 
 
-@pytest.fixture(scope="module")
-def loss_runs(request, tmp_path_factory):
-    runs = RunsAhead(tmp_path_factory.mktemp("loss_modes"),
-                     {mode: [f"actor.policy_loss.loss_mode={'vanilla' if mode.startswith('bypass-') else mode}",
-                             f"rollout.total_rollout_steps={4 * LOSS_UPDATES}", "actor.lr=0.003", *LOSS_RUNS[mode]]
-                      for mode in LOSS_RUNS},
-                     selected_params(request, "test_policy_loss_mode_learns_the_toy_task", "mode"))
-    yield runs
-    runs.close()
+BACKGROUND_RUNS = {
+    **{f"estimator:{e}": [f"algorithm.adv_estimator={e}", "rollout.total_rollout_steps=400", *RUNS[e]] for e in RUNS},
+    **{f"loss:{mode}": [f"actor.policy_loss.loss_mode={'vanilla' if mode.startswith('bypass-') else mode}",
+                        f"rollout.total_rollout_steps={4 * LOSS_UPDATES}", "actor.lr=0.003", *LOSS_RUNS[mode]]
+       for mode in LOSS_RUNS},
+}
+"""The learning runs of this module's two parametrized tests (conftest.BackgroundRuns)."""
+
+
+def background_key(item) -> str | None:
+    """The background run a test item reads (None: it runs its own jobs)."""
+    params = getattr(item, "callspec", None)
+    if item.originalname == "test_estimator_learns_the_toy_task":
+        return f"estimator:{params.params['estimator']}"
+    if item.originalname == "test_policy_loss_mode_learns_the_toy_task":
+        return f"loss:{params.params['mode']}"
+    return None
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", list(LOSS_RUNS))
-def test_policy_loss_mode_learns_the_toy_task(loss_runs, mode):
+def test_policy_loss_mode_learns_the_toy_task(background_runs, mode):
     # 100 updates, the first tenth against the mean of the last half: at 50 updates, first fifth
     # against last fifth, CI's 2 cores once read a rise of 0.034 (gspo) and 0.055 (geo_mean) where
     # other machines read 0.11-0.14; the curves rise within 30 updates, then swing by +-0.08 between
     # 10-update windows, so a short window at the end measured the swing, not the learning.
     updates = LOSS_UPDATES
-    m = run_to_the_end(loss_runs, mode, updates=updates)
+    m = run_to_the_end(background_runs, f"loss:{mode}", updates=updates)
     reward = m["reward/mean"].to_numpy()
     first, later = float(reward[:updates // 10].mean()), float(reward[updates // 2:].mean())
     print(f"{mode} ({' '.join(LOSS_RUNS[mode]) or 'grpo'}): reward first tenth {first:.3f}, last half {later:.3f}")
