@@ -212,7 +212,7 @@ def test_a_sigkilled_vllm_rollout_leaves_no_engine_behind_and_its_successor_goes
     from hpcrl.process.reaper import descendants
     from hpcrl.fsio import read_jsonl
 
-    rd = tiny_run("model.path=builtin:tiny-h64", "rollout.engine=vllm", "rollout.total_rollout_steps=160",
+    rd = tiny_run("model.path=builtin:tiny-h64", "rollout.engine=vllm", "rollout.total_rollout_steps=96",
                   "async_training.staleness_threshold=0.5", "rollout.max_concurrent_groups=3")
     cfg = rd.load_config()
     trainer, rollout = start_trainer(rd), start_rollout(rd)
