@@ -12,7 +12,9 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -91,49 +93,20 @@ def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.1, jobs
 _JOBS: list = []
 
 
-class RunsAhead:
-    """The learning runs of one parametrized test, started two at a time: the test of run K starts K's jobs and
-    those of the next selected run, then waits for K's; the next test finds its run well on. On 2 cores two
-    runs take ~0.6 of their time one after the other (on-policy jobs wait on each other half the time). Each
-    run's assertions stay in its own test; its jobs outlive the test that started them and are killed when the
-    module ends (``close``)."""
-
-    def __init__(self, folder: Path, runs: dict[str, list[str]], selected: list[str]):
-        self.folder, self.runs = folder, runs
-        self.order = [k for k in runs if k in selected]
-        """The runs this session's tests ask for, in the order they run."""
-        self.started: dict[str, tuple] = {}
-
-    def _start(self, key: str) -> None:
-        rd = make_run(self.folder, *self.runs[key], name=key)
-        jobs = (start_trainer(rd), start_rollout(rd))
-        for job in jobs:  # not the autouse fixture's: they outlive the test that starts them
-            _JOBS.remove(job)
-        self.started[key] = (rd, *jobs)
-
-    def finish(self, key: str, trainer_s: float = 300, rollout_s: float = 120):
-        """Start ``key`` (if not yet) and the run after it, wait for both of ``key``'s jobs to end with 0; its
-        run directory."""
-        at = self.order.index(key) if key in self.order else len(self.order)
-        for k in [key, *self.order[at + 1:at + 2]]:
-            if k not in self.started:
-                self._start(k)
-        rd, trainer, rollout = self.started[key]
-        assert trainer.wait(trainer_s) == 0, trainer.tail()
-        assert rollout.wait(rollout_s) == 0, rollout.tail()
-        return rd
-
-    def close(self) -> None:
-        for _, *jobs in self.started.values():
-            for job in jobs:
-                job.kill()
-
-
 LOWEST_PRIORITY = ("ionice", "-c", "3", "nice", "-n", "19")
 """Both exec the next program: the job's pid is the Python process's."""
 PATIENT = ["timeouts.wait_samples_s=1800", "timeouts.wait_weights_s=1800", "timeouts.heartbeat_stale_s=1800",
            "timeouts.job_start_s=1800"]
 """A background run's jobs may get no CPU for minutes while the suite runs: none of their waits may end them."""
+
+
+@dataclass
+class LauncherRun:
+    """A background run launched like a user would (``python -m hpcrl ARGS``: the launcher and its jobs):
+    ``prepare(folder)`` writes its inputs into an empty folder before the first test and returns ARGS. The
+    launcher's own limits must allow for a starved run (``--timeout-min``)."""
+
+    prepare: Callable[[Path], list[str]]
 
 
 class BackgroundRuns:
@@ -142,17 +115,17 @@ class BackgroundRuns:
     idle (tests waiting on Slurm, on a deadline, on the other job of an on-policy pair) and barely slow it (the
     kernel gives a nice-19 process ~1.5% of a core another process wants). Their tests run last
     (``pytest_collection_modifyitems``), so most runs have finished by then. A test module takes part by defining
-    ``BACKGROUND_RUNS`` (run key -> overrides) and ``background_key(item)`` (its test item's run key, or None).
+    ``BACKGROUND_RUNS`` (run key -> overrides of a trainer + rollout pair, or a :class:`LauncherRun`) and
+    ``background_keys(item)`` (the keys of the runs a test item reads; none: it is not one of them).
 
     Every run directory is prepared before the first test (``prepare_run_dir`` seeds torch's global generator, so
     never beside a running test), and jobs get the environment of that moment (a test's ``monkeypatch.setenv`` must
     not reach them)."""
 
-    def __init__(self, folder: Path, runs: dict[str, list[str]], width: int = 2):
+    def __init__(self, folder: Path, runs: dict[str, list[str] | LauncherRun], width: int = 2):
         self.width = width
         self._env = dict(os.environ)
-        self._ready = {key: make_run(folder, *overrides, *PATIENT, name=key.replace(":", "-"))
-                       for key, overrides in runs.items()}
+        self._ready = {key: self._prepare(folder.joinpath(*key.split(":")), run) for key, run in runs.items()}
         self._pending = list(runs)
         self.started: dict[str, tuple] = {}
         self._lock = threading.Lock()
@@ -160,13 +133,25 @@ class BackgroundRuns:
         self._thread = threading.Thread(target=self._keep_width_going, name="background-runs", daemon=True)
         self._thread.start()
 
+    @staticmethod
+    def _prepare(folder: Path, run: list[str] | LauncherRun):
+        """A prepared run directory (a job pair), or the launcher's arguments and its log's path."""
+        if isinstance(run, LauncherRun):
+            folder.mkdir(parents=True)
+            return [*run.prepare(folder), *PATIENT], folder / "launcher.out"
+        return make_run(folder.parent, *run, *PATIENT, name=folder.name)
+
     def _start(self, key: str) -> None:
-        rd = self._ready[key]
+        ready = self._ready[key]
         background = dict(base_env=self._env, prefix=LOWEST_PRIORITY, killed_after_the_test=False)  # they outlive it
-        jobs = (Job(["trainer", str(rd.root)], rd.root / "trainer.out", **background),
-                Job(["rollout", str(rd.root), "--writer-rank", "0"], rd.root / "rollout0.out", **background))
+        if isinstance(ready, tuple):
+            args, log = ready
+            jobs = (Job(args, log, **background),)
+        else:
+            jobs = (Job(["trainer", str(ready.root)], ready.root / "trainer.out", **background),
+                    Job(["rollout", str(ready.root), "--writer-rank", "0"], ready.root / "rollout0.out", **background))
         self._pending.remove(key)
-        self.started[key] = (rd, *jobs)
+        self.started[key] = (ready, *jobs)
 
     def _keep_width_going(self) -> None:
         """Start the next pending run whenever fewer than ``width`` are running; ends when all have started."""
@@ -174,44 +159,54 @@ class BackgroundRuns:
             with self._lock:
                 if self._closed.is_set() or not self._pending:
                     return
-                running = sum(1 for _, t, r in self.started.values() if t.proc.poll() is None or r.proc.poll() is None)
+                running = sum(1 for _, *jobs in self.started.values() if any(j.proc.poll() is None for j in jobs))
                 for key in self._pending[:max(self.width - running, 0)]:
                     self._start(key)
 
     def finish(self, key: str, trainer_s: float = 300, rollout_s: float = 120):
         """Wait for both of ``key``'s jobs to end with 0 (starting them now if they have not started); its run
         directory. The deadlines count from now, when the run has the cores to itself."""
-        with self._lock:
-            if key not in self.started:
-                self._start(key)
-        rd, trainer, rollout = self.started[key]
+        rd, trainer, rollout = self._started(key)
         assert trainer.wait(trainer_s) == 0, trainer.tail()
         assert rollout.wait(rollout_s) == 0, rollout.tail()
         return rd
 
+    def launched(self, key: str, timeout_s: float = 600) -> subprocess.CompletedProcess:
+        """Wait for the :class:`LauncherRun` ``key`` to end: its exit status and output (stdout and stderr
+        together, in ``stdout``)."""
+        _, launcher = self._started(key)
+        code = launcher.wait(timeout_s)
+        return subprocess.CompletedProcess(launcher.proc.args, code, launcher.log_path.read_text(errors="replace"), "")
+
+    def _started(self, key: str) -> tuple:
+        with self._lock:
+            if key not in self.started:
+                self._start(key)
+            return self.started[key]
+
     def close(self) -> None:
+        """SIGTERM to whatever still runs (a launcher stops its own jobs then), SIGKILL after 30 s."""
         with self._lock:
             self._closed.set()
-        for _, *jobs in self.started.values():
-            for job in jobs:
+        jobs = [job for _, *pair in self.started.values() for job in pair if job.proc.poll() is None]
+        for job in jobs:
+            job.proc.send_signal(signal.SIGTERM)
+        end = time.monotonic() + 30
+        for job in jobs:
+            try:
+                job.proc.wait(timeout=max(end - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
                 job.kill()
 
 
-def _background_keys(items) -> dict:
-    """Run key -> (the module that defines it, its test items), in the order the items run."""
-    keys: dict = {}
-    for item in items:
-        module = getattr(item, "module", None)
-        key = module.background_key(item) if hasattr(module, "background_key") else None
-        if key is not None:
-            keys.setdefault(key, (module, []))[1].append(item)
-    return keys
+def _reads_background_runs(item) -> tuple[str, ...]:
+    module = getattr(item, "module", None)
+    return tuple(module.background_keys(item)) if hasattr(module, "background_keys") else ()
 
 
 def pytest_collection_modifyitems(session, config, items):
     """The tests that read background runs go last (a stable sort: the rest keep their order)."""
-    items.sort(key=lambda item: hasattr(getattr(item, "module", None), "background_key")
-               and item.module.background_key(item) is not None)
+    items.sort(key=lambda item: bool(_reads_background_runs(item)))
 
 
 @pytest.fixture(scope="session")
@@ -222,20 +217,14 @@ def background_runs(request, tmp_path_factory):
 
 @pytest.fixture(scope="session", autouse=True)
 def _start_background_runs(request, tmp_path_factory):
-    keys = _background_keys(request.session.items)
-    if not keys:
+    runs = {key: item.module.BACKGROUND_RUNS[key] for item in request.session.items
+            for key in _reads_background_runs(item)}  # in the order their tests run
+    if not runs:
         yield None
         return
-    runs = BackgroundRuns(tmp_path_factory.mktemp("background"),
-                          {key: module.BACKGROUND_RUNS[key] for key, (module, _) in keys.items()})
+    runs = BackgroundRuns(tmp_path_factory.mktemp("background"), runs)
     yield runs
     runs.close()
-
-
-def selected_params(request, test_name: str, argname: str) -> list:
-    """The values of ``argname`` that this session's collected items of ``test_name`` take, in order."""
-    return [item.callspec.params[argname] for item in request.session.items
-            if getattr(item, "originalname", None) == test_name and argname in getattr(item, "callspec", {}).params]
 
 
 @pytest.fixture(autouse=True)

@@ -270,10 +270,10 @@ BACKGROUND_RUNS = {"agent:learns": [*AGENT, f"rollout.total_rollout_steps={4 * L
 """The README's agent run, started in the background when the session starts (conftest.BackgroundRuns)."""
 
 
-def background_key(item) -> str | None:
-    """The background run a test item reads (None: it runs its own jobs)."""
+def background_keys(item) -> tuple[str, ...]:
+    """The background runs a test item reads (none: it runs its own jobs)."""
     learns = item.originalname == "test_the_multi_turn_toy_task_learns_working_calls_and_masks_only_tool_tokens"
-    return "agent:learns" if learns else None
+    return ("agent:learns",) if learns else ()
 
 
 @pytest.mark.slow

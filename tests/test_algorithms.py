@@ -150,14 +150,13 @@ BACKGROUND_RUNS = {
 """The learning runs of this module's two parametrized tests (conftest.BackgroundRuns)."""
 
 
-def background_key(item) -> str | None:
-    """The background run a test item reads (None: it runs its own jobs)."""
-    params = getattr(item, "callspec", None)
+def background_keys(item) -> tuple[str, ...]:
+    """The background runs a test item reads (none: it runs its own jobs)."""
     if item.originalname == "test_estimator_learns_the_toy_task":
-        return f"estimator:{params.params['estimator']}"
+        return (f"estimator:{item.callspec.params['estimator']}",)
     if item.originalname == "test_policy_loss_mode_learns_the_toy_task":
-        return f"loss:{params.params['mode']}"
-    return None
+        return (f"loss:{item.callspec.params['mode']}",)
+    return ()
 
 
 @pytest.mark.slow

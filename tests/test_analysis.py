@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import REPO, RunsAhead, make_run, start_rollout, start_trainer, wait_until
+from conftest import REPO, make_run, start_rollout, start_trainer, wait_until
 from hpcrl.analysis.recommend import HIGH, recommend
 from hpcrl.analysis.status import status_main
 from hpcrl.fsio import JsonlTail
@@ -145,17 +145,21 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 
 # ---------------------------------------------------------------- fixtures
 
+BACKGROUND_RUNS = {"analysis:s0": ["rollout.total_rollout_steps=200"],
+                   "analysis:s05": ["rollout.total_rollout_steps=200", "async_training.staleness_threshold=0.5"]}
+"""Two 50-update runs, s=0 and s=0.5, started in the background when the session starts (conftest.BackgroundRuns):
+the tests compare what the analysis reads with the raw logs, whatever the timing was."""
+
+
+def background_keys(item) -> tuple[str, ...]:
+    """The background runs a test item reads (none: it runs its own jobs)."""
+    return tuple(BACKGROUND_RUNS) if "runs" in item.fixturenames else ()
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Two finished 50-update runs, s=0 and s=0.5, run side by side."""
-    pool = RunsAhead(tmp_path_factory.mktemp("analysis_runs"),
-                     {"s0": ["rollout.total_rollout_steps=200"],
-                      "s05": ["rollout.total_rollout_steps=200", "async_training.staleness_threshold=0.5"]},
-                     ["s0", "s05"])
-    try:
-        return {name: pool.finish(name).root for name in ("s0", "s05")}
-    finally:
-        pool.close()
+def runs(background_runs):
+    """The two finished runs, by name."""
+    return {name: background_runs.finish(f"analysis:{name}").root for name in ("s0", "s05")}
 
 
 @pytest.fixture(scope="module")

@@ -3,12 +3,13 @@ before anything is submitted (in one line), and the metrics reach TensorBoard an
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 
-from conftest import REPO, TINY
+from conftest import REPO, TINY, LauncherRun
 from hpcrl.cli import main as cli_main
 from hpcrl.config import DataConfig, load_config
 from hpcrl.rollout.data import PromptEncoder
@@ -128,18 +129,34 @@ resources:
 """
 
 
+def verl_user_run(folder):
+    """A verl user's files in ``folder`` and ``hpcrl run`` on them (its arguments)."""
+    model = chat_model(folder)
+    src = verl_parquet(folder / "train.parquet")
+    (folder / "reward.py").write_text(USER_REWARD)
+    (folder / "verl.yaml").write_text(VERL_YAML.replace("TRAIN", str(src)).replace("MODEL", str(model))
+                                      .replace("REWARD", str(folder / "reward.py")))
+    # --timeout-min: the jobs' own limit; a background run may wait minutes for a core
+    return ["run", str(folder / "verl.yaml"), "--run-dir", str(folder / "run"), "--executor", "local",
+            "--timeout-min", "30"]
+
+
+BACKGROUND_RUNS = {"users:verl": LauncherRun(verl_user_run)}
+"""The verl user's run, launched in the background when the session starts (conftest.BackgroundRuns): what it
+asserts does not depend on how fast it went."""
+
+
+def background_keys(item) -> tuple[str, ...]:
+    """The background runs a test item reads (none: it runs its own jobs)."""
+    return ("users:verl",) if item.originalname == "test_verl_format_run_learns_through_the_launcher" else ()
+
+
 @pytest.mark.slow
-def test_verl_format_run_learns_through_the_launcher(tmp_path):
+def test_verl_format_run_learns_through_the_launcher(background_runs):
     """verl parquet + chat template + the user's reward file + a config in verl's keys, launched like a user would."""
-    folder = chat_model(tmp_path)
-    src = verl_parquet(tmp_path / "train.parquet")
-    (tmp_path / "reward.py").write_text(USER_REWARD)
-    (tmp_path / "verl.yaml").write_text(VERL_YAML.replace("TRAIN", str(src)).replace("MODEL", str(folder))
-                                        .replace("REWARD", str(tmp_path / "reward.py")))
-    run = tmp_path / "run"
-    out = hpcrl("run", tmp_path / "verl.yaml", "--run-dir", run, "--executor", "local", "--timeout-min", "5",
-                timeout=400)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    out = background_runs.launched("users:verl", timeout_s=400)
+    run = Path(out.args[out.args.index("--run-dir") + 1])
+    assert out.returncode == 0, out.stdout[-6000:]
     assert "chat template on" in out.stdout and "compute_score(data_source, solution_str" in out.stdout
     assert "verl actor_rollout_ref.rollout.n -> rollout.n" in out.stdout
     assert "actor.ppo_micro_batch_size=4 groups of rollout.n=8 per rank" in out.stdout
