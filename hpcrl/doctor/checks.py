@@ -7,17 +7,19 @@ driver is a failed check, not a hung doctor), the gloo pair has the collective's
 """
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+
+from hpcrl.process.threads import spawn
 
 OK, WARN, FAIL, SKIP = "ok", "WARN", "FAIL", "skip"
 
@@ -159,10 +161,11 @@ def check_gloo(peer: str | None, rank: int, port: int, timeout_s: float) -> Chec
         iface = f" via {os.environ['GLOO_SOCKET_IFNAME']} ({local})"
     ranks = [0, 1] if peer is None else [rank]
     store_host = "127.0.0.1" if peer is None or rank == 0 else peer
-    threads = [threading.Thread(target=_gloo_rank, args=(store_host, port, r, timeout_s, box), daemon=True)
-               for r in ranks]
-    for t in threads:
-        t.start()
+    # tracked threads (process/threads.py): one still inside torch when the doctor exits is waited for, not left
+    # to abort the process ("terminate called without an active exception": seen under load, TCPStore's connect
+    # outlasting the join below)
+    threads = [spawn(functools.partial(_gloo_rank, store_host, port, r, timeout_s, box), f"doctor-gloo-rank{r}",
+                     bound_s=3 * timeout_s + 10).thread for r in ranks]
     for t in threads:
         t.join(timeout_s + 5)
     errors = [v for k, v in box.items() if str(k).startswith("error")]
