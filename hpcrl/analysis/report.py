@@ -207,9 +207,16 @@ SECTIONS = [("Problems: reward errors, tool errors, prompts filtered", _problems
             ("Samples dropped", _drops)]
 
 
+def _run_ceiling(d: RunData):
+    """The run's ceiling; with its knobs known, the budget-aware bound too (KeyError: logs of an older hpcrl)."""
+    k = d.knobs
+    budget = (k.trigger_parameter_sync_step, k.groups_per_update, k.admission_budget) if k else None
+    return ceiling(d.metrics, d.rollout, k.rollout_jobs if k else None, d.staleness, budget)
+
+
 def _ceiling_of(d: RunData):
     try:
-        return ceiling(d.metrics, d.rollout, d.knobs.rollout_jobs if d.knobs else None)
+        return _run_ceiling(d)
     except KeyError:  # logs of an older hpcrl
         return None
 
@@ -230,9 +237,10 @@ def _speedups(runs: list[RunData]) -> list[str]:
 
 
 def _ceiling_line(d: RunData) -> str:
-    """Measured throughput next to the bound of the run's own phase times (hpcrl/analysis/ceiling.py)."""
+    """Measured throughput next to the bound of the run's own phase times (hpcrl/analysis/ceiling.py), and next to
+    the budget-aware bound (hpcrl/analysis/budget_bound.py)."""
     try:
-        c = ceiling(d.metrics, d.rollout, d.knobs.rollout_jobs if d.knobs else None)
+        c = _run_ceiling(d)
     except KeyError as e:  # logs of an older hpcrl
         return f"{d.name}: no bound (the logs lack {e})"
     if c is None:
@@ -277,7 +285,7 @@ def build_report(run_dirs: list, out_dir, names: list[str] | None = None) -> Rep
     doc.heading(2, "Summary" if len(runs) == 1 else "Side by side")
     doc.table(tables.ablation_table(runs))
     doc.bullets([f"{k}: {v}" for k, v in tables.COLUMN_DEFINITIONS.items()])
-    doc.heading(2, "Throughput against the ideal-overlap bound")
+    doc.heading(2, "Throughput against the ideal-overlap and budget-aware bounds")
     doc.bullets([_ceiling_line(d) for d in runs] + _speedups(runs))
     if len(runs) > 1:
         doc.heading(2, "Recommendations")
