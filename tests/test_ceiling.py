@@ -81,3 +81,18 @@ def test_no_budget_bound_without_knobs_or_groups():
     assert ceiling(_metrics(), _rollout()).budget_bound_s is None
     assert ceiling(_metrics(), _rollout(), staleness=_staleness(steps=(1,)), budget=(1, 4, 4)).budget is None
     assert "budget" not in ceiling(_metrics(), _rollout()).line()
+
+
+def test_the_recommendation_names_the_budget_where_it_sets_the_pace():
+    """Budget-aware 18 s > 1.05 x ideal 16 s: the knob is staleness_threshold, the smallest (step 0.25) where the
+    chain (here with equal latencies: 9 s up to s=0.75, 4.5 s from s=1) fits in the ideal 8 s per update."""
+    from hpcrl.analysis.recommend import budget_binds
+
+    class K:
+        staleness_threshold = 0.0
+
+    rec = budget_binds(0.5, 0.4, K, ceiling(_metrics(), _rollout(), staleness=_staleness(), budget=(1, 4, 4)))
+    assert rec.bottleneck == "budget" and "trainer idle 0.50" in rec.line and "cannot beat 9.00s" in rec.line
+    assert "staleness_threshold to 1 (B=8, lag bound 1 version(s)), where the chain allows 4.50s" in rec.line
+    assert budget_binds(0.5, 0.4, K, ceiling(_metrics(), _rollout(), staleness=_staleness(), budget=(1, 4, 8))) is None
+    assert budget_binds(0.5, 0.4, K, ceiling(_metrics(), _rollout())) is None

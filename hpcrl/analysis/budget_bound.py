@@ -30,6 +30,7 @@ commits) are not in it.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -92,6 +93,10 @@ class BudgetChain:
         """The step time ``link`` forces."""
         g = order_statistic_mean(self.group_latencies_s, link.needed_groups, self.K * self.R)
         return (self.publish_s + self.switch_s + g + link.chain_updates * self.update_s) / link.span_updates
+
+    def with_staleness(self, s: float) -> "BudgetChain":
+        """The same run's chain under another staleness_threshold (B recomputed as RunConfig.admission_budget)."""
+        return dataclasses.replace(self, B=math.floor((1.0 + s) * self.K * self.R + 1e-9))
 
     @property
     def binding(self) -> Link:

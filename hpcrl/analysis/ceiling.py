@@ -139,6 +139,14 @@ def ceiling(metrics: pd.DataFrame, rollout: pd.DataFrame, rollout_jobs: Optional
                    tokens=int(win[M.N_TOKENS].sum()), budget=_budget_chain(win, switch_s, staleness, budget))
 
 
+def run_ceiling(data) -> Optional[Ceiling]:
+    """The ceiling of a loaded run (``analysis.load.RunData``); with its knobs known, the budget-aware bound too.
+    KeyError for logs of an older hpcrl."""
+    k = data.knobs
+    budget = (k.trigger_parameter_sync_step, k.groups_per_update, k.admission_budget) if k else None
+    return ceiling(data.metrics, data.rollout, k.rollout_jobs if k else None, data.staleness, budget)
+
+
 def speedup_line(name: str, run: Ceiling, baseline_name: str, baseline: Ceiling) -> str:
     """A run's speedup over an on-policy baseline (per update) and the ceiling its own bound puts on it."""
     base_step = baseline.measured_s / baseline.updates

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpcrl.analysis import compare, plots, tables, training_plots, validation
-from hpcrl.analysis.ceiling import ceiling, speedup_line
+from hpcrl.analysis.ceiling import run_ceiling, speedup_line
 from hpcrl.analysis.doc import Doc
 from hpcrl.analysis.load import LOG_PATHS, RunData, load_run
 from hpcrl.analysis.problems import problems_of, problems_table
@@ -207,16 +207,9 @@ SECTIONS = [("Problems: reward errors, tool errors, prompts filtered", _problems
             ("Samples dropped", _drops)]
 
 
-def _run_ceiling(d: RunData):
-    """The run's ceiling; with its knobs known, the budget-aware bound too (KeyError: logs of an older hpcrl)."""
-    k = d.knobs
-    budget = (k.trigger_parameter_sync_step, k.groups_per_update, k.admission_budget) if k else None
-    return ceiling(d.metrics, d.rollout, k.rollout_jobs if k else None, d.staleness, budget)
-
-
 def _ceiling_of(d: RunData):
     try:
-        return _run_ceiling(d)
+        return run_ceiling(d)
     except KeyError:  # logs of an older hpcrl
         return None
 
@@ -240,7 +233,7 @@ def _ceiling_line(d: RunData) -> str:
     """Measured throughput next to the bound of the run's own phase times (hpcrl/analysis/ceiling.py), and next to
     the budget-aware bound (hpcrl/analysis/budget_bound.py)."""
     try:
-        c = _run_ceiling(d)
+        c = run_ceiling(d)
     except KeyError as e:  # logs of an older hpcrl
         return f"{d.name}: no bound (the logs lack {e})"
     if c is None:
