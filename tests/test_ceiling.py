@@ -96,3 +96,11 @@ def test_the_recommendation_names_the_budget_where_it_sets_the_pace():
     assert "staleness_threshold to 1 (B=8, lag bound 1 version(s)), where the chain allows 4.50s" in rec.line
     assert budget_binds(0.5, 0.4, K, ceiling(_metrics(), _rollout(), staleness=_staleness(), budget=(1, 4, 8))) is None
     assert budget_binds(0.5, 0.4, K, ceiling(_metrics(), _rollout())) is None
+
+
+def test_speedup_names_the_budget_aware_ceiling_too():
+    from hpcrl.analysis.ceiling import speedup_line
+
+    base = ceiling(_metrics(), _rollout())                                       # 10 s per update
+    run = ceiling(_metrics(), _rollout(), staleness=_staleness(), budget=(1, 4, 4))  # budget-aware 18 s / 2
+    assert speedup_line("b", run, "a", base).endswith(f"its budget-aware bound {10.0 / 9.0:.2f}x")

@@ -150,5 +150,7 @@ def run_ceiling(data) -> Optional[Ceiling]:
 def speedup_line(name: str, run: Ceiling, baseline_name: str, baseline: Ceiling) -> str:
     """A run's speedup over an on-policy baseline (per update) and the ceiling its own bound puts on it."""
     base_step = baseline.measured_s / baseline.updates
+    budget = ("" if run.budget_bound_s is None else
+              f", its budget-aware bound {base_step / (run.budget_bound_s / run.updates):.2f}x")
     return (f"{name}: {base_step / (run.measured_s / run.updates):.2f}x the step rate of {baseline_name} "
-            f"(on-policy); its bound allows at most {base_step / (run.bound_s / run.updates):.2f}x")
+            f"(on-policy); its bound allows at most {base_step / (run.bound_s / run.updates):.2f}x{budget}")
