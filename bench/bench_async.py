@@ -22,7 +22,9 @@ there both jobs share two cores, so it measures contention more than the pipelin
 Reported per run: wall time (launch to end), steady time (end of the first update to end of the last:
 start-up left out), the ideal-overlap bound of the run's own phase times over the same window
 (hpcrl/analysis/ceiling.py: max(generation + weight switch, update + publish)) and bound / steady
-(1.0 = as good as the phase times allow), and the steady time against (a).
+(1.0 = as good as the phase times allow), the budget-aware bound (hpcrl/analysis/budget_bound.py: the
+admission budget lets the rollout run only s batches ahead, which chains publish -> weight switch -> the
+groups that need the new version -> update) and bound / steady for it, and the steady time against (a).
 
 Run::
 
@@ -46,6 +48,7 @@ from _common import bench_parser, table  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from hpcrl.analysis.ceiling import ceiling  # noqa: E402
+from hpcrl.config import load_config  # noqa: E402
 
 MODES = {
     "(a) on-policy s=0": ["async_training.staleness_threshold=0"],
@@ -106,16 +109,20 @@ def main(argv=None) -> int:
             rd = Path(tmp) / f"mode{i}"
             wall = run(config, rd, [*common, *overrides])
             m, ro, st = logs(rd)
-            c = ceiling(m, ro)
+            cfg = load_config(rd / "config.yaml")
+            c = ceiling(m, ro, staleness=st, budget=(cfg.async_training.trigger_parameter_sync_step,
+                                                     cfg.groups_per_update, cfg.admission_budget))
             first_steady = first_steady or c.measured_s
             rows.append([name, f"{wall:.1f}", f"{c.measured_s:.1f}", f"{c.bound_s:.1f}", f"{c.ratio:.2f}",
+                         f"{c.budget_bound_s:.1f}", f"{c.budget_ratio:.2f}",
                          f"{c.measured_s / first_steady:.2f}", f"{c.generation_s:.1f}", f"{c.switch_s:.1f}",
                          f"{c.update_s + c.publish_s:.1f}", f"{m['trainer/idle_ratio'].iloc[1:].mean():.2f}",
                          f"{st.n_tokens.mean():.0f}", f"{st.lag.max()}", f"{(st.version_end > st.version_start).mean():.0%}"])
-            print(f"{name}: steady {c.measured_s:.1f}s, bound {c.bound_s:.1f}s, ratio {c.ratio:.2f}", flush=True)
+            print(f"{name}: steady {c.measured_s:.1f}s, bound {c.bound_s:.1f}s, ratio {c.ratio:.2f}; budget-aware bound "
+                  f"{c.budget_bound_s:.1f}s, ratio {c.budget_ratio:.2f} ({c.budget.describe()})", flush=True)
     print(f"\n{a.updates} updates of 4 groups x 8 per run, {a.engine} engine ({config.name}); seconds are wall "
           f"seconds over updates 2..N")
-    print(table(["mode", "wall s", "steady s", "bound s", "bound/steady", "vs (a)", "gen s", "switch s",
+    print(table(["mode", "wall s", "steady s", "bound s", "bound/steady", "budget bound s", "budget/steady", "vs (a)", "gen s", "switch s",
                  "train s", "trainer idle", "mean tokens", "max lag", "partial"], rows))
     return 0
 

@@ -53,3 +53,54 @@ def test_speedup_over_an_on_policy_baseline_and_its_ceiling():
     line = speedup_line("b", fast, "a", base)
     assert "2.00x the step rate of a" in line  # 10 s per update -> 5 s
     assert f"at most {10.0 / (fast.bound_s / 2):.2f}x" in line
+
+
+def _staleness(latency_s=6.0, steps=(1, 2, 3), groups_per_step=4):
+    rows = [{"group_id": f"w000/{s * 10 + g}", "trainer_step": s, "created_s": 100.0 * s, "finished_s": 100.0 * s + latency_s}
+            for s in steps for g in range(groups_per_step)]
+    return pd.DataFrame(rows)
+
+
+def test_budget_aware_bound_next_to_the_ideal_one():
+    """On-policy (K=1, R=4, B=4): per update publish 0.5 + switch 0.5 (the window's 1.0 over its 2 versions) +
+    the slowest of 4 groups (6 s each) + update 2 = 9 s; 2 updates -> 18 s, above the ideal 16 s."""
+    c = ceiling(_metrics(), _rollout(), staleness=_staleness(), budget=(1, 4, 4))
+    assert c.bound_s == pytest.approx(16.0) and c.ratio == pytest.approx(0.8)  # the ideal bound is unchanged
+    assert c.budget.per_update_s == pytest.approx(9.0)
+    assert c.budget_bound_s == pytest.approx(18.0) and c.budget_ratio == pytest.approx(0.9)
+    assert "budget-aware bound 18.0s" in c.line() and "slowest" not in c.line() and "4th fastest of 4" in c.line()
+
+
+def test_budget_aware_bound_is_the_ideal_one_where_the_budget_has_room():
+    """s=1 (B=8): the chain spans two updates, (0.5 + 0.5 + 6 + 2) / 2 = 4.5 s per update, under the ideal 8."""
+    c = ceiling(_metrics(), _rollout(), staleness=_staleness(), budget=(1, 4, 8))
+    assert c.budget.per_update_s == pytest.approx(4.5) and c.budget_bound_s == pytest.approx(c.bound_s)
+
+
+def test_no_budget_bound_without_knobs_or_groups():
+    assert ceiling(_metrics(), _rollout()).budget_bound_s is None
+    assert ceiling(_metrics(), _rollout(), staleness=_staleness(steps=(1,)), budget=(1, 4, 4)).budget is None
+    assert "budget" not in ceiling(_metrics(), _rollout()).line()
+
+
+def test_the_recommendation_names_the_budget_where_it_sets_the_pace():
+    """Budget-aware 18 s > 1.05 x ideal 16 s: the knob is staleness_threshold, the smallest (step 0.25) where the
+    chain (here with equal latencies: 9 s up to s=0.75, 4.5 s from s=1) fits in the ideal 8 s per update."""
+    from hpcrl.analysis.recommend import budget_binds
+
+    class K:
+        staleness_threshold = 0.0
+
+    rec = budget_binds(0.5, 0.4, K, ceiling(_metrics(), _rollout(), staleness=_staleness(), budget=(1, 4, 4)))
+    assert rec.bottleneck == "budget" and "trainer idle 0.50" in rec.line and "cannot beat 9.00s" in rec.line
+    assert "staleness_threshold to 1 (B=8, lag bound 1 version(s)), where the chain allows 4.50s" in rec.line
+    assert budget_binds(0.5, 0.4, K, ceiling(_metrics(), _rollout(), staleness=_staleness(), budget=(1, 4, 8))) is None
+    assert budget_binds(0.5, 0.4, K, ceiling(_metrics(), _rollout())) is None
+
+
+def test_speedup_names_the_budget_aware_ceiling_too():
+    from hpcrl.analysis.ceiling import speedup_line
+
+    base = ceiling(_metrics(), _rollout())                                       # 10 s per update
+    run = ceiling(_metrics(), _rollout(), staleness=_staleness(), budget=(1, 4, 4))  # budget-aware 18 s / 2
+    assert speedup_line("b", run, "a", base).endswith(f"its budget-aware bound {10.0 / 9.0:.2f}x")

@@ -40,3 +40,4 @@ def test_simulated_run_is_exactly_once_and_says_simulated(tiny_run, tmp_path):
     text = build_report([rd.root], tmp_path / "report").markdown.read_text()
     assert "SIMULATED engine and trainer" in text and "time_scale 50" in text
     assert "ideal overlap bound" in text and "measured / bound throughput" in text
+    assert "budget-aware bound" in text  # the admission budget (B=8 at s=1) next to it

@@ -13,6 +13,12 @@ Idle ratios are time-weighted over the whole run (``tables.trainer_idle`` and
   the busier side is the bottleneck; move GPUs toward it. The idle side could
   absorb up to ``1 / (1 - idle)`` times the current rate;
 - both at or below :data:`HIGH`: balanced; more throughput needs more of both.
+
+Before these, the admission budget: where the run's budget-aware bound (``budget_bound.py``) is more than
+:data:`BUDGET_BINDS` times its ideal-overlap bound, the chain publish -> switch -> the groups the budget held
+back -> update sets the step, whatever the idle ratios say (the trainer waits, yet another rollout job would
+shorten only the groups' latency in that chain): the knob is ``staleness_threshold``, and the line names the
+smallest one (in steps of 0.25) at which the chain no longer binds.
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from hpcrl.analysis import tables
+from hpcrl.analysis.ceiling import Ceiling, run_ceiling
 from hpcrl.analysis.load import Knobs, RunData
 from hpcrl import metric_names as M
 
@@ -28,6 +35,8 @@ HIGH = 0.3
 """An idle ratio above this is a side waiting for the other a significant share of its time."""
 MARGIN = 0.15
 """Idle ratios closer than this are treated as equal (no clear bottleneck side)."""
+BUDGET_BINDS = 1.05
+"""A budget-aware bound this many times the ideal-overlap bound: the admission budget sets the pace."""
 
 
 @dataclass
@@ -35,7 +44,8 @@ class Recommendation:
     """The bottleneck side and the knob to turn, with the numbers it rests on."""
 
     bottleneck: str
-    """``rollout``, ``trainer``, ``neither`` (they wait on each other), ``balanced`` or ``unknown``."""
+    """``rollout``, ``trainer``, ``neither`` (they wait on each other), ``budget`` (the admission budget's chain
+    sets the step), ``balanced`` or ``unknown``."""
     line: str
     """One sentence with the action and the numbers it was derived from."""
 
@@ -52,8 +62,7 @@ def recommend(t: float, r: float, k: Optional[Knobs], why_unknown: str = "") -> 
         have = "trainer" if not math.isnan(t) else "rollout" if not math.isnan(r) else "neither side"
         return Recommendation("unknown", f"No recommendation: the idle ratio is known for {have} only "
                                          f"({why_unknown or 'the run has not logged both sides yet'}).")
-    nums = f"trainer idle {t:.2f} (share of its time waiting for samples), rollout idle {r:.2f} " \
-           f"(share of its time with nothing in flight, waiting for weights or budget)"
+    nums = _nums(t, r)
     if t > HIGH and r > HIGH:
         if k is None:
             return Recommendation("neither", f"Neither side is saturated: {nums}; they wait on each other. "
@@ -91,9 +100,42 @@ def recommend(t: float, r: float, k: Optional[Knobs], why_unknown: str = "") -> 
         "more throughput needs more GPUs on both sides."))
 
 
+def _nums(t: float, r: float) -> str:
+    return (f"trainer idle {t:.2f} (share of its time waiting for samples), rollout idle {r:.2f} "
+            f"(share of its time with nothing in flight, waiting for weights or budget)")
+
+
+def budget_binds(t: float, r: float, k: Knobs, c: Optional[Ceiling]) -> Optional[Recommendation]:
+    """The recommendation where the admission budget, not a pool, sets the step (module docstring); else None."""
+    if c is None or c.budget is None or c.budget_bound_s <= BUDGET_BINDS * c.bound_s:
+        return None
+    ch, ideal = c.budget, c.bound_s / c.updates
+    line = (f"The admission budget sets the pace: {_nums(t, r)}. With B={ch.B} groups per version (s="
+            f"{k.staleness_threshold:g}) a step cannot beat {ch.per_update_s:.2f}s ({ch.describe()}), above the "
+            f"{ideal:.2f}s per update both pools' work allows; the run reaches {c.budget_ratio:.2f} of that. Moving "
+            "GPUs would shorten only the groups' latency in that chain")
+    kr = ch.K * ch.R
+    for s_new in (k.staleness_threshold + 0.25 * i for i in range(1, 13)):
+        chain = ch.with_staleness(s_new)
+        if chain.per_update_s <= ideal:
+            lag = (chain.B - 1) // kr
+            return Recommendation("budget", line + (
+                f"; raise async_training.staleness_threshold to {s_new:g} (B={chain.B}, lag bound {lag} "
+                f"version(s)), where the chain allows {chain.per_update_s:.2f}s and the pools' work binds."))
+    return Recommendation("budget", line + "; raise async_training.staleness_threshold.")
+
+
 def recommend_run(data: RunData) -> Recommendation:
     m, ro = data.metrics, data.rollout
     t, r = tables.trainer_idle(m) if not m.empty else math.nan, tables.rollout_idle(ro) if not ro.empty else math.nan
     why = [data.unavailable("trainer idle ratio", metrics=tables.STEP_PARTS),
            data.unavailable("rollout idle ratio", rollout=["wall_s", M.ROLLOUT_IDLE_RATIO])]
+    if data.knobs is not None and not (math.isnan(t) or math.isnan(r)):
+        try:
+            c = run_ceiling(data)
+        except KeyError:  # logs of an older hpcrl
+            c = None
+        budget = budget_binds(t, r, data.knobs, c)
+        if budget is not None:
+            return budget
     return recommend(t, r, data.knobs, " ".join(w.rstrip(".") for w in why if w))

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpcrl.analysis import compare, plots, tables, training_plots, validation
-from hpcrl.analysis.ceiling import ceiling, speedup_line
+from hpcrl.analysis.ceiling import run_ceiling, speedup_line
 from hpcrl.analysis.doc import Doc
 from hpcrl.analysis.load import LOG_PATHS, RunData, load_run
 from hpcrl.analysis.problems import problems_of, problems_table
@@ -209,7 +209,7 @@ SECTIONS = [("Problems: reward errors, tool errors, prompts filtered", _problems
 
 def _ceiling_of(d: RunData):
     try:
-        return ceiling(d.metrics, d.rollout, d.knobs.rollout_jobs if d.knobs else None)
+        return run_ceiling(d)
     except KeyError:  # logs of an older hpcrl
         return None
 
@@ -230,9 +230,10 @@ def _speedups(runs: list[RunData]) -> list[str]:
 
 
 def _ceiling_line(d: RunData) -> str:
-    """Measured throughput next to the bound of the run's own phase times (hpcrl/analysis/ceiling.py)."""
+    """Measured throughput next to the bound of the run's own phase times (hpcrl/analysis/ceiling.py), and next to
+    the budget-aware bound (hpcrl/analysis/budget_bound.py)."""
     try:
-        c = ceiling(d.metrics, d.rollout, d.knobs.rollout_jobs if d.knobs else None)
+        c = run_ceiling(d)
     except KeyError as e:  # logs of an older hpcrl
         return f"{d.name}: no bound (the logs lack {e})"
     if c is None:
@@ -277,7 +278,7 @@ def build_report(run_dirs: list, out_dir, names: list[str] | None = None) -> Rep
     doc.heading(2, "Summary" if len(runs) == 1 else "Side by side")
     doc.table(tables.ablation_table(runs))
     doc.bullets([f"{k}: {v}" for k, v in tables.COLUMN_DEFINITIONS.items()])
-    doc.heading(2, "Throughput against the ideal-overlap bound")
+    doc.heading(2, "Throughput against the ideal-overlap and budget-aware bounds")
     doc.bullets([_ceiling_line(d) for d in runs] + _speedups(runs))
     if len(runs) > 1:
         doc.heading(2, "Recommendations")

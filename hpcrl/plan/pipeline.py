@@ -72,6 +72,8 @@ class Prediction:
     """Share of the window a rollout job's engine has sequences running (mean over jobs)."""
     lag_mean: float
     lag_max: int
+    group_latencies_s: list = field(default_factory=list)
+    """Each trained group's first start to its finish (what the budget-aware bound draws from)."""
 
     @property
     def step_s(self) -> float:
@@ -94,6 +96,8 @@ class _Seq:
 class _Group:
     index: int
     version_start: int
+    created_s: float = 0.0
+    finished_s: float = 0.0
     seqs: list = field(default_factory=list)
     open: int = 0
 
@@ -206,7 +210,7 @@ class _Job:
             return  # draining: no admission until the load
         while len(self.in_flight) < self.k.max_concurrent_groups and pipe.started < self.consumed_at + self.k.budget:
             pipe.started += 1
-            g = _Group(self.next_index, self.version)
+            g = _Group(self.next_index, self.version, created_s=now)
             self.next_index += pipe.k.rollout_jobs
             for i in range(self.k.n):
                 length = min(self._lengths(g.index, i), self.k.response_length)
@@ -249,6 +253,7 @@ class Pipeline:
         self._publishing_until: Optional[float] = None
         self.update_ends: list[tuple[float, int, float]] = []  # (end, tokens, update seconds)
         self.lags: list[int] = []
+        self.latencies: list[float] = []  # of the groups of updates 2..N
 
     def newest(self, now: float) -> tuple[int, int]:
         """The newest version available at ``now`` and its consumed_groups."""
@@ -275,6 +280,8 @@ class Pipeline:
             taken = [self.queue.popleft() for _ in range(k.groups_per_update)]
             tokens = sum(t for _, t in taken)
             self.lags += [self.version - g.version_start for g, _ in taken]
+            if self.step >= 1:
+                self.latencies += [g.finished_s - g.created_s for g, _ in taken]
             upd = self.trainer_sim.update_model_s(tokens)
             self.busy_until = now + upd
             self.update_ends.append((now + upd, tokens, upd))
@@ -297,6 +304,7 @@ class Pipeline:
             now = t
             for job in self.jobs:
                 for g in job.advance_to(now):
+                    g.finished_s = now
                     self.queue.append((g, sum(s.length for s in g.seqs)))
             self._trainer(now, updates)
             for job in self.jobs:
@@ -312,7 +320,8 @@ class Pipeline:
         return Prediction(updates=updates - 1, window_s=window, tokens=sum(tok for _, tok, _ in self.update_ends[1:updates]),
                           trainer_busy=busy_trainer / window if window else 0.0,
                           rollout_busy=min(1.0, busy_rollout / window) if window else 0.0,
-                          lag_mean=float(np.mean(self.lags)) if self.lags else 0.0, lag_max=max(self.lags, default=0))
+                          lag_mean=float(np.mean(self.lags)) if self.lags else 0.0, lag_max=max(self.lags, default=0),
+                          group_latencies_s=self.latencies[:(updates - 1) * self.k.groups_per_update])
 
 
 def predict(sim: SimulatedConfig, k: Knobs, updates: int, data_seed: int = 0, empirical=None,
