@@ -141,6 +141,34 @@ def test_an_agent_turn_cut_by_new_weights_continues_without_a_gap(models):
     np.testing.assert_allclose(traj.logprobs[cut:], token_logprobs(b, prompt, traj.tokens)[cut:], atol=1e-4)
 
 
+def test_the_greedy_trajectory_of_a_group_is_the_argmax_continuation_whatever_the_seed(models):
+    """remax's baseline: a group's extra TrajectoryState(greedy=True) is decoded at temperature 0 by either
+    loop while its siblings are sampled at the rollout temperature (1.0 here)."""
+    from hpcrl.rollout.single_turn import SingleTurnLoop
+
+    a, _ = models
+    budget, prompt = 12, [30, 5, 7]
+    sampling, argmax = engine_for(a, budget), engine_for(a, budget)
+    argmax.temperature = 0.0
+    want = argmax.generate_sync(prompt, 1, seed=0)[0].response_ids.tolist()
+    runner, gate = EngineRunner(), EngineGate()
+    gate.open(0)
+    tool_agent = ToolAgentLoop(agent_cfg("agent.tools=[{name: calculator}]", "agent.tool_parser=tiny"), load_tokenizer(a))
+    try:
+        for loop in (SingleTurnLoop(), tool_agent):
+            greedy = []
+            for seed in (1, 2):
+                trajs = [TrajectoryState() for _ in range(4)] + [TrajectoryState(greedy=True)]
+                generate_group(loop, sampling, runner, gate, prompt, trajs, seed, budget, 120, "test group")
+                greedy.append(trajs[-1].tokens)
+                assert len({tuple(t.tokens) for t in trajs[:-1]}) > 1, "the others are sampled"
+            assert greedy[0] == greedy[1], f"{loop.name}: the greedy trajectory depends on the seed"
+            if loop is not tool_agent:  # one turn: exactly the engine's argmax continuation
+                assert greedy[0] == want
+    finally:
+        runner.close()
+
+
 def test_a_trajectory_stopped_mid_tool_call_resumes_from_its_saved_state(models, tmp_path):
     a, b = models
     tok = load_tokenizer(a)

@@ -12,8 +12,9 @@ import pytest
 
 from hpcrl.rollout.dataset import WriterPositions
 from hpcrl.run_dir import RunDir
-from hpcrl.samples.reader import SampleReader
-from hpcrl.samples.schema import Group, Trajectory
+from hpcrl.fsio import read_jsonl
+from hpcrl.samples.reader import SampleReader, read_shard
+from hpcrl.samples.schema import Group, ShardManifestLine, Trajectory
 from hpcrl.samples.writer import ShardWriter
 
 
@@ -308,3 +309,35 @@ def test_deferred_sigterm_raises_when_the_block_ends():
     finally:
         signal.signal(signal.SIGTERM, previous)
         termination._received = None
+
+
+def test_a_groups_reward_baseline_travels_with_it_and_readers_without_it_ignore_it(tmp_path, monkeypatch):
+    """remax's greedy reward is an optional dataset (group/reward_baseline): read back with its group from the
+    manifest's layout and from the HDF5 file; a reader that knows only the required datasets (an older
+    hpcrl) reads the same groups without it; a shard without it gives None."""
+    import hpcrl.samples.reader as reader_mod
+    import hpcrl.samples.schema as schema_mod
+
+    rd = RunDir(tmp_path).create()
+    w = ShardWriter(rd, "w000", seal_groups=3, seal_interval_s=60)
+    for i in range(3):
+        g = make_group(i)
+        g.reward_baseline = 0.25 * i
+        w.add(g)
+    w.seal()
+    w.close()
+    line = ShardManifestLine.from_json(next(read_jsonl(rd.shard_manifest("w000"))))
+    path = rd.writer_dir("w000") / line.shard
+    assert "group/reward_baseline" in line.layout
+    for layout in (line.layout, {}):  # from the layout, and from the file (a line of an older writer has none)
+        got = read_shard(path, ShardManifestLine.from_json({**line.to_json(), "layout": layout}), "w000")
+        assert [g.reward_baseline for g in got] == [0.0, 0.25, 0.5]
+    monkeypatch.setattr(schema_mod, "OPTIONAL_DTYPES", {})
+    monkeypatch.setattr(reader_mod, "OPTIONAL_DTYPES", {})
+    for layout in (line.layout, {}):
+        old = read_shard(path, ShardManifestLine.from_json({**line.to_json(), "layout": layout}), "w000")
+        assert [g.reward_baseline for g in old] == [None] * 3
+        assert [t.reward for g in old for t in g.trajectories] == [t.reward for g in got for t in g.trajectories]
+    monkeypatch.undo()
+    write_groups(rd, range(3, 5), writer="w001")
+    assert [g.reward_baseline for g in drain(SampleReader(rd)) if g.writer == "w001"] == [None, None]
