@@ -78,6 +78,7 @@ def test_tiny_parser_calls_the_one_tool_with_the_text_in_parentheses():
     ("(", {"tool_calls": 0, "tool_errors": 1}, 0.0),        # an empty call does not parse: no call either
     ("( ( a", {"tool_calls": 1, "tool_errors": 1}, 0.3),    # the calculator rejected "a"
     ("( 8 = 8. 8", {"tool_calls": 1, "tool_errors": 0}, 0.6),  # a call that worked, a wrong answer
+    ("( 8 = 8.", {"tool_calls": 1, "tool_errors": 0}, 0.5),    # a call that worked, no answer
     ("( 3 * 4 = 1 2. 1 2", {"tool_calls": 1, "tool_errors": 0}, 1.0),
     ("( 3 * 4 = 1 2. 1 2 ( (", {"tool_calls": 1, "tool_errors": 1}, 0.3),  # then a failed second call
     ("( 3 * 4 = 1 2. 1 2 ( 5", {"tool_calls": 1, "tool_errors": 0}, 0.6),  # an answer and more is no answer
