@@ -193,7 +193,8 @@ def remax(token_rewards: torch.Tensor, steps: torch.Tensor, baselines: Optional[
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """(A, G): reward-to-go minus each trajectory's greedy baseline, on ``steps``."""
     if baselines is None:
-        raise ValueError("remax needs reward_baselines: the reward of a greedy response per prompt")
+        raise ValueError("remax needs reward_baselines, the reward of a greedy response per prompt: a group of this "
+                         "batch has no group/reward_baseline (its shard was written by a rollout job without remax)")
     returns = (token_rewards * steps).flip(-1).cumsum(-1).flip(-1) * steps
     return (returns - baselines[:, None].float()) * steps, returns
 
