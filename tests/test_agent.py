@@ -168,6 +168,11 @@ def test_the_greedy_trajectory_of_a_group_is_the_argmax_continuation_whatever_th
                 assert greedy[0] == want
     finally:
         runner.close()
+    # a saved state keeps the flag; one saved by an older hpcrl (no such field) is a sampled trajectory
+    assert TrajectoryState.from_json(TrajectoryState(greedy=True).to_json()).greedy
+    old = TrajectoryState().to_json()
+    del old["greedy"]
+    assert not TrajectoryState.from_json(old).greedy
 
 
 def test_a_trajectory_stopped_mid_tool_call_resumes_from_its_saved_state(models, tmp_path):
