@@ -3,8 +3,10 @@ import pytest
 import torch
 
 from hpcrl.config.names import ADV_ESTIMATORS, GROUP_ESTIMATORS
+from hpcrl.samples.schema import Group, Trajectory
 from hpcrl.trainer.advantages import (compute_advantages, discounted_returns, gae, gdpo, grpo, masked_whiten,
                                       place_scores, rloo)
+from hpcrl.trainer.batch import build_batch
 from hpcrl.trainer.pf_ppo import pf_ppo_indices, pf_ppo_weights
 from hpcrl.trainer.token_baseline import score_norm_sq
 
@@ -267,6 +269,27 @@ def test_remax_subtracts_the_greedy_baseline_from_the_return():
     torch.testing.assert_close(ret, torch.tensor([[1.0, 1.0], [0.0, 0.0]]))
     with pytest.raises(ValueError, match="greedy"):
         compute_advantages("remax", tr, mask, torch.tensor([0, 1]))
+
+
+def test_remax_takes_each_groups_greedy_reward_from_the_shard_groups_as_the_baseline():
+    """build_batch spreads a group's reward_baseline over its trajectories, and remax subtracts it from the
+    reward-to-go on model tokens (a tool token inside the response, mask 0, gets 0 and adds nothing)."""
+    def traj(reward, mask):
+        n = len(mask)
+        return Trajectory(prompt_ids=[3, 4], response_ids=list(range(5, 5 + n)), response_mask=mask,
+                          logprobs=[-1.0] * n, token_versions=[0] * n, reward=reward)
+
+    groups = [Group("w000", 0, [traj(1.0, [1, 0, 1]), traj(0.0, [1, 1])], 0.0, 1.0, reward_baseline=0.6),
+              Group("w000", 1, [traj(0.5, [1, 1, 1])], 0.0, 1.0, reward_baseline=0.5)]
+    batch = build_batch(groups, pad_id=0, trainer_version=0)
+    assert batch.reward_baselines.tolist() == pytest.approx([0.6, 0.6, 0.5])
+    adv, ret = compute_advantages("remax", place_scores(batch.rewards, batch.mask), batch.mask, batch.group_index,
+                                  reward_baselines=batch.reward_baselines)
+    # by hand: 1.0 - 0.6 = 0.4 on the two model tokens; 0.0 - 0.6; 0.5 - 0.5 = 0 (the greedy answer was as good)
+    torch.testing.assert_close(adv, torch.tensor([[0.4, 0.0, 0.4], [-0.6, -0.6, 0.0], [0.0, 0.0, 0.0]]))
+    torch.testing.assert_close(ret, torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 0.0], [0.5, 0.5, 0.5]]))
+    groups[1].reward_baseline = None  # a group without one (a shard of a run without remax): no baselines at all
+    assert build_batch(groups, pad_id=0, trainer_version=0).reward_baselines is None
 
 
 def test_gdpo_with_one_reward_is_grpo_whitened_over_the_batch():

@@ -12,8 +12,9 @@ import pytest
 
 from hpcrl.rollout.dataset import WriterPositions
 from hpcrl.run_dir import RunDir
-from hpcrl.samples.reader import SampleReader
-from hpcrl.samples.schema import Group, Trajectory
+from hpcrl.fsio import read_jsonl
+from hpcrl.samples.reader import SampleReader, read_shard
+from hpcrl.samples.schema import Group, ShardManifestLine, Trajectory
 from hpcrl.samples.writer import ShardWriter
 
 
@@ -308,3 +309,74 @@ def test_deferred_sigterm_raises_when_the_block_ends():
     finally:
         signal.signal(signal.SIGTERM, previous)
         termination._received = None
+
+
+def test_a_groups_reward_baseline_travels_with_it_and_readers_without_it_ignore_it(tmp_path, monkeypatch):
+    """remax's greedy reward is an optional dataset (group/reward_baseline): read back with its group from the
+    manifest's layout and from the HDF5 file; a reader that knows only the required datasets (an older
+    hpcrl) reads the same groups without it; a shard without it gives None."""
+    import hpcrl.samples.reader as reader_mod
+    import hpcrl.samples.schema as schema_mod
+
+    rd = RunDir(tmp_path).create()
+    w = ShardWriter(rd, "w000", seal_groups=3, seal_interval_s=60)
+    for i in range(3):
+        g = make_group(i)
+        g.reward_baseline = 0.25 * i
+        w.add(g)
+    w.seal()
+    w.close()
+    line = ShardManifestLine.from_json(next(read_jsonl(rd.shard_manifest("w000"))))
+    path = rd.writer_dir("w000") / line.shard
+    assert "group/reward_baseline" in line.layout
+    for layout in (line.layout, {}):  # from the layout, and from the file (a line of an older writer has none)
+        got = read_shard(path, ShardManifestLine.from_json({**line.to_json(), "layout": layout}), "w000")
+        assert [g.reward_baseline for g in got] == [0.0, 0.25, 0.5]
+    monkeypatch.setattr(schema_mod, "OPTIONAL_DTYPES", {})
+    monkeypatch.setattr(reader_mod, "OPTIONAL_DTYPES", {})
+    for layout in (line.layout, {}):
+        old = read_shard(path, ShardManifestLine.from_json({**line.to_json(), "layout": layout}), "w000")
+        assert [g.reward_baseline for g in old] == [None] * 3
+        assert [t.reward for g in old for t in g.trajectories] == [t.reward for g in got for t in g.trajectories]
+    monkeypatch.undo()
+    write_groups(rd, range(3, 5), writer="w001")
+    assert [g.reward_baseline for g in drain(SampleReader(rd)) if g.writer == "w001"] == [None, None]
+
+
+def _share_rank(rank: int, port: int, out_dir: str) -> None:
+    """One trainer rank of test_trainer_ranks_receive_the_groups_with_their_reward_baselines: two batches,
+    the first with baselines (remax), the second without."""
+    import json
+    import torch.distributed as dist
+    from hpcrl.trainer.share import BATCH, share_groups
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    summary = []
+    for with_baselines in (True, False):
+        groups = None
+        if rank == 0:
+            groups = [make_group(i) for i in range(3)]
+            for i, g in enumerate(groups):
+                g.reward_baseline = 0.5 * i if with_baselines else None
+        status, got = share_groups(BATCH, groups)
+        summary.append({"status": status, "baselines": [g.reward_baseline for g in got],
+                        "rewards": [t.reward for g in got for t in g.trajectories]})
+    with open(f"{out_dir}/rank{rank}.json", "w") as f:
+        json.dump(summary, f)
+    dist.destroy_process_group()
+
+
+def test_trainer_ranks_receive_the_groups_with_their_reward_baselines(tmp_path):
+    """trainer/share.py sends the optional dataset to the other ranks when rank 0's groups have it (remax),
+    and nothing for it when they do not (every other run)."""
+    import json
+    import socket
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_share_rank, args=(port, str(tmp_path)), nprocs=2, start_method="spawn")
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r1 == r0 and all(b["rewards"] == [0.0, 1.0, 2.0] * 3 for b in r1)
+    assert [b["baselines"] for b in r1] == [[0.0, 0.5, 1.0], [None] * 3]

@@ -85,7 +85,11 @@ def test_vllm_log_probs_are_the_trainers_at_the_sampling_temperature(vllm_engine
 def test_after_a_weight_load_vllm_generates_what_the_trainer_model_does(vllm_engine, models, tmp_path):
     runner, engine = vllm_engine
     greedy = lambda p: runner.call(lambda: engine.greedy(p, 8), 120, "greedy")  # noqa: E731
-    assert [greedy(p) for p in PROMPTS] == [greedy_hf(models[0], p, 8) for p in PROMPTS]
+    want = [greedy_hf(models[0], p, 8) for p in PROMPTS]
+    assert [greedy(p) for p in PROMPTS] == want
+    # remax's baseline request: generate(greedy=True) is argmax whatever the engine's temperature (0.7) and seed
+    assert [runner.call(lambda: engine.generate(p, 1, seed=5, greedy=True), 120, "greedy generate")[0]
+            .response_ids.tolist() for p in PROMPTS] == want
     # publish model 1 as a version in a run directory, load it the way the rollout job does
     rd = RunDir(tmp_path).create()
     wt, sub = make_publisher(WeightsConfig(), rd), make_subscriber(WeightsConfig(), rd, "w000")

@@ -278,7 +278,7 @@ class AlgorithmConfig:
     """Advantage estimator (verl's names): ``gae`` (critic = value head), ``grpo``,
     ``rloo``, ``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``, ``opo``,
     ``grpo_passk``, ``gpg``, ``optimal_token_baseline``, ``tir_optimal_token_baseline``, ``gdpo``,
-    ``remax`` (refused until the rollout job writes greedy baselines, see the README).
+    ``remax`` (the rollout job adds one greedy response per prompt: its reward is the baseline).
     Equations in ``hpcrl/trainer/advantages.py`` and the README."""
     norm_adv_by_std_in_grpo: bool = True
     """grpo, grpo_passk: divide by the group's reward std (+1e-6); false = Dr. GRPO (mean only)."""

@@ -6,9 +6,6 @@ from __future__ import annotations
 from hpcrl.config.checks import bad
 from hpcrl.config.names import GROUP_ESTIMATORS
 
-REMAX_HOOK = ("remax needs a greedy baseline rollout per prompt, which the rollout job does not write yet "
-              "(README, 'remax')")
-
 
 def check_algorithm_combinations(cfg) -> None:
     """Raise ConfigError for the first algorithm option that the rest of ``cfg`` (a RunConfig) contradicts."""
@@ -17,9 +14,6 @@ def check_algorithm_combinations(cfg) -> None:
     if cfg.rollout.n < 2 and est in GROUP_ESTIMATORS:
         raise bad("rollout.n", cfg.rollout.n, f"at least 2 with adv_estimator={est} (a group of one has no baseline)",
                   "raise rollout.n, or use adv_estimator=gae or reinforce_plus_plus")
-    if est == "remax":
-        raise bad("algorithm.adv_estimator", est, "an estimator other than remax: " + REMAX_HOOK,
-                  "use rloo or grpo (group baselines) meanwhile")
     if alg.use_pf_ppo and est != "gae":
         raise bad("algorithm.use_pf_ppo", True, f"false with adv_estimator={est} (verl resamples only with gae)",
                   "set algorithm.adv_estimator=gae, or use_pf_ppo=false")

@@ -80,11 +80,12 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     async def generate(self, prompt_ids: list[int], n: int, seed: int,
-                       max_new_tokens: Optional[int] = None) -> list[Sample]:
+                       max_new_tokens: Optional[int] = None, greedy: bool = False) -> list[Sample]:
         """``n`` independent responses to one prompt, each at most ``max_new_tokens`` long (None:
         ``rollout.response_length``; a resumed partial response gets what is left of its budget);
         ``seed`` makes them reproducible where the backend allows. Aborted requests return
-        their partial tokens (:data:`FINISH_ABORT`)."""
+        their partial tokens (:data:`FINISH_ABORT`). ``greedy``: decode at temperature 0 whatever
+        ``rollout.temperature`` says (remax's baseline response, one per group; log-probs untempered)."""
 
     @abc.abstractmethod
     async def abort_all(self) -> None:

@@ -139,28 +139,36 @@ class RolloutJob:
     # ---- the group task (runs in a pool thread)
     def _generate_group(self, prompt_index: int) -> tuple[Group, GroupInfo]:
         """The group of ``prompt_index`` with its rewards, by the row's agent loop (``agent_name``, else
-        ``agent.default``), continued from a saved state if the previous job left one.
+        ``agent.default``), continued from a saved state if the previous job left one. With
+        ``adv_estimator=remax`` one more trajectory of the group is decoded greedily (as verl's remax branch
+        adds one greedy request per prompt); its reward is the group's ``reward_baseline``, it is not trained.
         GroupAborted if the job stops meanwhile (its state stays live for :meth:`_shutdown` to save)."""
         p, ro = self.parts, self.cfg.rollout
         row = p.stream[prompt_index]
         created = time.time()
         prompt_ids = list(row["prompt_ids"])  # chat template and max_prompt_length applied in the build
         loop = p.loops[loop_name(row, self.cfg.agent)]
-        trajs, resumed = p.states.start(prompt_index, loop.name, [TrajectoryState() for _ in range(ro.n)])
+        baseline = [TrajectoryState(greedy=True)] if self.cfg.algorithm.adv_estimator == "remax" else []
+        trajs, resumed = p.states.start(prompt_index, loop.name, [TrajectoryState() for _ in range(ro.n)] + baseline)
         ctx = GroupContext(p.engine, self.gate, prompt_ids, group_seed(self.cfg.data.seed, prompt_index),
                            ro.response_length)
         run_group(loop, ctx, trajs, p.runner, self.cfg.timeouts.generate_s,
                   f"generating the group of prompt {prompt_index}")
-        out, sample = [], {}
+        out, sample, reward_baseline = [], {}, None
         for j, t in enumerate(trajs):
+            sample_id = f"{self.writer}/{prompt_index}/{'greedy' if t.greedy else j}"
             text = p.tokenizer.decode(t.tokens, skip_special_tokens=True)
-            reward = p.scorer.score(f"{self.writer}/{prompt_index}/{j}", row, text, loop.reward_info(t))
+            reward = p.scorer.score(sample_id, row, text, loop.reward_info(t))
+            if t.greedy:
+                reward_baseline = reward
+                continue
             out.append(Trajectory(prompt_ids=prompt_ids, response_ids=t.tokens, response_mask=t.mask,
                                   logprobs=t.logprobs, token_versions=t.versions, reward=reward))
-            sample = sample or _sample(f"{self.writer}/{prompt_index}/{j}", row["prompt"], text, reward)
+            sample = sample or _sample(sample_id, row["prompt"], text, reward)
         group = Group(writer=self.writer, prompt_index=prompt_index, trajectories=out, created_s=created,
-                      finished_s=time.time())
-        return group, GroupInfo.of(trajs, resumed, f"{self.writer}/{prompt_index}", sample)
+                      finished_s=time.time(), reward_baseline=reward_baseline)
+        sampled = [t for t in trajs if not t.greedy]
+        return group, GroupInfo.of(sampled, resumed, f"{self.writer}/{prompt_index}", sample)
 
     # ---- steps of the loop
     def _stop_requested(self) -> Optional[HeartbeatState]:

@@ -75,12 +75,15 @@ def gsm8k(response: str, answer: str) -> float:
 
 def toy_calc(response: str, answer: str, extra_info: dict | None) -> float:
     """The multi-turn toy task's reward (``builtin:toy_calc`` with the ``tiny`` tool parser), from
-    the agent's counters in ``extra_info``: 0.3 for a call the calculator ran but rejected, 0.6 if
-    it answered the call, 1.0 if the turn after its answer (``= 1 2 .``) is the right number. A
-    call that does not parse (``( <eos>``, empty) is no call and earns nothing, nor does a ``(`` in
-    a turn that never ends: paying 0.3 for the two-token empty call made it the policy every
-    trajectory converged to. An answer followed by more (another call) is no answer: paying 1.0
-    for it reinforced the junk after the number, until the first turn stopped ending."""
+    the agent's counters in ``extra_info``: 0.3 for a call the calculator ran but rejected, 0.5 if
+    it answered the call and the model then said nothing, 0.6 if it said something, 1.0 if that is
+    the right number (the turn after the calculator's ``= 1 2 .``). A call that does not parse
+    (``( <eos>``, empty) is no call and earns nothing, nor does a ``(`` in a turn that never ends:
+    paying 0.3 for the two-token empty call made it the policy every trajectory converged to. An
+    answer followed by more (another call) is no answer: paying 1.0 for it reinforced the junk
+    after the number, until the first turn stopped ending. An empty answer paid like a wrong one
+    (0.6) left the answer turn at the ``<eos>`` it copies from the call's turn (``( 6 <eos>``): every
+    working call pushed it up, and no answer was ever tried."""
     info = extra_info or {}
     calls, errors = info.get("tool_calls", 0), info.get("tool_errors", 0)
     if not calls:
@@ -90,8 +93,10 @@ def toy_calc(response: str, answer: str, extra_info: dict | None) -> float:
     # a call that worked has no "=" in it: the first "=" after it starts the calculator's answer
     shown = response.find("=", response.find("("))
     end = response.find(".", shown) if shown >= 0 else -1
-    want = list(answer.strip())
-    return 1.0 if end >= 0 and response[end + 1:].split() == want else 0.6
+    said = response[end + 1:].split() if end >= 0 else []
+    if not said:
+        return 0.5
+    return 1.0 if said == list(answer.strip()) else 0.6
 
 
 toy_calc.wants_extra_info = True  # the agent's counters (tool_calls, tool_errors) come in extra_info

@@ -104,7 +104,8 @@ class SimulatedEngine(Engine):
 
     # ---- the interface
     async def generate(self, prompt_ids: list[int], n: int, seed: int,
-                       max_new_tokens: Optional[int] = None) -> list[Sample]:
+                       max_new_tokens: Optional[int] = None, greedy: bool = False) -> list[Sample]:
+        # greedy (remax's baseline) is drawn like any other response: the made-up tokens carry no meaning
         cap = max_new_tokens or self.max_new_tokens
         seqs = [self._new_seq(prompt_ids, seed, i, cap) for i in range(n)]
         for s in seqs:

@@ -38,12 +38,16 @@ class SingleTurnLoop(AgentLoop):
 
     async def step(self, ctx: GroupContext, trajs: list[TrajectoryState], version: int) -> None:
         todo = [j for j, t in enumerate(trajs) if not t.done]
-        if all(t.segments == 0 for t in trajs):  # a fresh group: its n responses in one call
-            samples = await ctx.engine.generate(ctx.prompt_ids, len(trajs), ctx.seed)
+        sampled = [j for j in todo if not trajs[j].greedy]
+        if all(t.segments == 0 for t in trajs):  # a fresh group: its n sampled responses in one call
+            todo = sampled + [j for j in todo if trajs[j].greedy]
+            calls = await asyncio.gather(ctx.engine.generate(ctx.prompt_ids, len(sampled), ctx.seed), *(
+                ctx.engine.generate(ctx.prompt_ids, 1, ctx.seed, greedy=True) for j in todo[len(sampled):]))
         else:
             calls = await asyncio.gather(*(
                 ctx.engine.generate(ctx.prompt_ids + trajs[j].tokens, 1, call_seed(ctx.seed, j, trajs[j].segments),
-                                    max_new_tokens=ctx.budget - len(trajs[j].tokens)) for j in todo))
-            samples = [s for call in calls for s in call]
+                                    max_new_tokens=ctx.budget - len(trajs[j].tokens), greedy=trajs[j].greedy)
+                for j in todo))
+        samples = [s for call in calls for s in call]
         for j, s in zip(todo, samples):
             extend(trajs[j], s, version, ctx.budget)

@@ -107,8 +107,8 @@ class ToolAgentLoop(AgentLoop):
         """One engine call of the current turn; False if it was aborted (continue after the switch)."""
         budget = ctx.budget
         left = budget - len(traj.tokens)
-        (sample,) = await ctx.engine.generate(ctx.prompt_ids + traj.tokens, 1,
-                                              call_seed(ctx.seed, position, traj.segments), max_new_tokens=left)
+        (sample,) = await ctx.engine.generate(ctx.prompt_ids + traj.tokens, 1, call_seed(ctx.seed, position, traj.segments),
+                                              max_new_tokens=left, greedy=traj.greedy)
         traj.segments += 1
         traj.add(sample.response_ids.tolist(), sample.logprobs.tolist(), version, model=True)
         if sample.finish_reason == FINISH_ABORT and len(traj.tokens) < budget:

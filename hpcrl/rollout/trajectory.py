@@ -50,6 +50,9 @@ class TrajectoryState(JsonRecord):
     """Engine calls so far (a turn cut by an abort is two)."""
     finish_reason: Optional[str] = None
     """Why it ended (the engine's stop or length, or an agent loop's own reason); None until then."""
+    greedy: bool = False
+    """Decoded at temperature 0: remax's baseline of its group (scored, never trained; a state saved by an
+    older hpcrl has no such field and is a sampled trajectory)."""
 
     def check(self) -> None:
         """A known state, and one entry per token in every per-token list."""

@@ -70,12 +70,12 @@ class TransformersEngine(Engine):
         self._abort_epoch += 1
 
     async def generate(self, prompt_ids: list[int], n: int, seed: int,
-                       max_new_tokens: Optional[int] = None) -> list[Sample]:
-        return await asyncio.to_thread(self.generate_sync, prompt_ids, n, seed, max_new_tokens)
+                       max_new_tokens: Optional[int] = None, greedy: bool = False) -> list[Sample]:
+        return await asyncio.to_thread(self.generate_sync, prompt_ids, n, seed, max_new_tokens, greedy)
 
     @torch.no_grad()
     def generate_sync(self, prompt_ids: list[int], n: int, seed: int,
-                      max_new_tokens: Optional[int] = None) -> list[Sample]:
+                      max_new_tokens: Optional[int] = None, greedy: bool = False) -> list[Sample]:
         """:meth:`generate` in the calling thread (tests and benchmarks call it directly)."""
         epoch = self._abort_epoch
         gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -85,7 +85,7 @@ class TransformersEngine(Engine):
         finished = torch.zeros(n, dtype=torch.bool)
         tokens, logps, aborted = [], [], False
         for _ in range(max_new_tokens or self.max_new_tokens):
-            logp, tok = self._sample(logits, gen)
+            logp, tok = self._sample(logits, gen, greedy)
             tokens.append(torch.where(finished, self.pad_id, tok))
             logps.append(logp.gather(1, tok[:, None]).squeeze(1))
             if self.eos_id is not None:
@@ -99,10 +99,11 @@ class TransformersEngine(Engine):
             past, logits = out.past_key_values, out.logits[:, -1, :]
         return self._samples(torch.stack(tokens, 1).numpy(), torch.stack(logps, 1).numpy(), aborted)
 
-    def _sample(self, logits: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(self, logits: torch.Tensor, gen: torch.Generator, greedy: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probs of the distribution sampled from, the sampled tokens) of one decoding step; temperature 0
-        is greedy (the log-probs then are the untempered ones)."""
-        if self.temperature == 0:
+        (or ``greedy``) is greedy (the log-probs then are the untempered ones)."""
+        if greedy or self.temperature == 0:
             logp = torch.log_softmax(logits.float(), dim=-1).cpu()
             return logp, logp.argmax(dim=-1)
         scaled = apply_top_p(apply_top_k(logits.float() / self.temperature, self.top_k), self.top_p)

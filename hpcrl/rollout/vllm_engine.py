@@ -116,9 +116,10 @@ class VLLMEngine(Engine):
         return Sample(np.asarray(tokens, np.int32), np.asarray(logprobs, np.float32), reason)
 
     async def generate(self, prompt_ids: list[int], n: int, seed: int,
-                       max_new_tokens: Optional[int] = None) -> list[Sample]:
+                       max_new_tokens: Optional[int] = None, greedy: bool = False) -> list[Sample]:
         seed = seed % (2**31 - n)  # vLLM's seeds are 32-bit
-        return list(await asyncio.gather(*(self._one(prompt_ids, self._params(seed + j, max_new_tokens))
+        temperature = 0.0 if greedy else None
+        return list(await asyncio.gather(*(self._one(prompt_ids, self._params(seed + j, max_new_tokens, temperature))
                                            for j in range(n))))
 
     async def greedy(self, prompt_ids: list[int], max_tokens: int) -> list[int]:

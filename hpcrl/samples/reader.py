@@ -35,8 +35,8 @@ from typing import Optional
 import h5py
 
 from hpcrl.run_dir import RunDir
-from hpcrl.samples.schema import (DATASET_DTYPES, SCHEMA_VERSION, Group, ShardFormatError, ShardManifestLine,
-                                 arrays_from_layout, arrays_to_groups)
+from hpcrl.samples.schema import (DATASET_DTYPES, OPTIONAL_DTYPES, SCHEMA_VERSION, Group, ShardFormatError,
+                                 ShardManifestLine, arrays_from_layout, arrays_to_groups)
 from hpcrl.samples.skips import SkipLog, SkippedShard
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ def read_shard(path: Path, line: ShardManifestLine, writer: str) -> list[Group]:
             if version != SCHEMA_VERSION:
                 raise ShardCorrupt(f"schema_version {version}, this hpcrl reads {SCHEMA_VERSION}")
             arrays = {}
-            for name in DATASET_DTYPES:  # by name: walking the file (visititems) cost more than the parse
+            for name in DATASET_DTYPES | OPTIONAL_DTYPES:  # by name: walking the file (visititems) cost more
                 dset = f.get(name)
                 if isinstance(dset, h5py.Dataset):
                     arrays[name] = dset[()]

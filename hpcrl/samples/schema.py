@@ -22,7 +22,14 @@ group/traj_offsets    int64    G + 1   group g owns trajectories [off[g], off[g+
 group/prompt_index    int64    G       position in the writer's prompt stream
 group/created_s       float64  G       unix time generation of the group started
 group/finished_s      float64  G       unix time the group was complete (reward too)
+group/reward_baseline float32  G       *optional*: the reward of one greedy response to
+                                       the prompt (``adv_estimator=remax`` only)
 ====================  =======  ======  ==========================================
+
+Optional datasets (:data:`OPTIONAL_DTYPES`) are written only by runs that need them, and
+``schema_version`` stays 1: a reader that does not know one ignores it (it reads datasets by
+name, from the manifest's layout or the file), and this reader gives ``None`` for one that a
+shard lacks (a shard of an older writer, or of a run without remax).
 
 File attributes: ``schema_version``, ``writer``, ``shard_index``.
 
@@ -83,6 +90,8 @@ class Group:
     committed_s: float = float("nan")
     shard: Optional[str] = None
     row: int = -1
+    reward_baseline: Optional[float] = None
+    """remax's baseline: the reward of a greedy response to the prompt (None: the run writes none)."""
 
     @property
     def sample_id(self) -> str:
@@ -142,6 +151,11 @@ DATASET_DTYPES: dict[str, type] = {
 }
 """Every dataset of a shard and its dtype (the table in the module docstring)."""
 
+OPTIONAL_DTYPES: dict[str, type] = {
+    "group/reward_baseline": np.float32,
+}
+"""Datasets a shard may lack (module docstring): each is one value per group."""
+
 
 def groups_to_arrays(groups: list[Group]) -> dict[str, np.ndarray]:
     """The flat datasets of a shard (the table in the module docstring) for ``groups``, in row order."""
@@ -152,6 +166,10 @@ def groups_to_arrays(groups: list[Group]) -> dict[str, np.ndarray]:
 
     cat = lambda name, dt: (np.concatenate([getattr(t, name) for t in trajs]).astype(dt)  # noqa: E731
                             if trajs else np.zeros(0, dt))
+    with_baseline = [g.reward_baseline is not None for g in groups]
+    assert all(with_baseline) or not any(with_baseline), "a shard's groups all have a reward baseline or none"
+    optional = ({"group/reward_baseline": np.array([g.reward_baseline for g in groups], dtype=np.float32)}
+                if groups and all(with_baseline) else {})
     return {
         "traj/prompt_tokens": cat("prompt_ids", np.int32),
         "traj/prompt_offsets": offsets([len(t.prompt_ids) for t in trajs]),
@@ -165,7 +183,7 @@ def groups_to_arrays(groups: list[Group]) -> dict[str, np.ndarray]:
         "group/prompt_index": np.array([g.prompt_index for g in groups], dtype=np.int64),
         "group/created_s": np.array([g.created_s for g in groups], dtype=np.float64),
         "group/finished_s": np.array([g.finished_s for g in groups], dtype=np.float64),
-    }
+    } | optional
 
 
 class ShardFormatError(ValueError):
@@ -176,8 +194,10 @@ def arrays_from_layout(data: bytes, layout: dict) -> dict[str, np.ndarray]:
     """The datasets of a verified shard image, read at the offsets its manifest line gives
     (copies: the groups outlive ``data``; ``arrays_to_groups`` checks every offset and length)."""
     out = {}
-    for name, dt in DATASET_DTYPES.items():
+    for name, dt in (DATASET_DTYPES | OPTIONAL_DTYPES).items():
         if name not in layout:
+            if name in OPTIONAL_DTYPES:
+                continue
             raise ShardFormatError(f"dataset {name} missing from the manifest layout")
         offset, n = layout[name]
         dt = np.dtype(dt).newbyteorder("<")
@@ -197,6 +217,11 @@ def arrays_to_groups(a: dict[str, np.ndarray], writer: str) -> list[Group]:
             raise ShardFormatError(f"dataset {name} missing")
         if a[name].dtype != np.dtype(dt) or a[name].ndim != 1:
             raise ShardFormatError(f"dataset {name} has dtype {a[name].dtype} shape {a[name].shape}, expected 1-D {np.dtype(dt)}")
+    for name, dt in OPTIONAL_DTYPES.items():
+        if name in a and (a[name].dtype != np.dtype(dt) or a[name].shape != a["group/prompt_index"].shape):
+            raise ShardFormatError(f"dataset {name} has dtype {a[name].dtype} shape {a[name].shape}, expected "
+                                   f"{np.dtype(dt)} with one value per group")
+    baselines = a.get("group/reward_baseline")
     g_off = a["group/traj_offsets"]
     n_groups = len(a["group/prompt_index"])
     n_traj = len(a["traj/reward"])
@@ -226,5 +251,6 @@ def arrays_to_groups(a: dict[str, np.ndarray], writer: str) -> list[Group]:
                 response_mask=a["traj/response_mask"][rs:re_], logprobs=a["traj/logprobs"][rs:re_],
                 token_versions=a["traj/token_versions"][rs:re_], reward=float(a["traj/reward"][t])))
         groups.append(Group(writer=writer, prompt_index=int(a["group/prompt_index"][g]), trajectories=trajs,
-                            created_s=float(a["group/created_s"][g]), finished_s=float(a["group/finished_s"][g]), row=g))
+                            created_s=float(a["group/created_s"][g]), finished_s=float(a["group/finished_s"][g]), row=g,
+                            reward_baseline=None if baselines is None else float(baselines[g])))
     return groups

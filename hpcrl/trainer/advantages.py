@@ -33,8 +33,9 @@ the group (prompt) trajectory ``i`` belongs to. Every estimator returns
   tokens (Group reward-Decoupled normalisation, arXiv 2601.05242). The shards hold one reward per
   trajectory, so here K = 1: whiten(grpo) (verl's gdpo with one component).
 - ``remax``: G_t = sum_{k >= t} m_k r_k; A_t = (G_t - b_i) m_t, b_i the reward of a greedy response
-  to i's prompt (ReMax, Li et al. 2023); returns G. Needs ``reward_baselines``, which the rollout
-  job does not write yet (the config refuses remax; README).
+  to i's prompt (ReMax, Li et al. 2023); returns G. ``reward_baselines`` come from the shards: with
+  remax the rollout job decodes one more response per prompt greedily and stores its reward with the
+  group (``group/reward_baseline``).
 - ``optimal_token_baseline``, ``tir_optimal_token_baseline``: a baseline per token from the
   group's returns at that step (:mod:`hpcrl.trainer.token_baseline`); need ``w_token``.
 
@@ -192,7 +193,8 @@ def remax(token_rewards: torch.Tensor, steps: torch.Tensor, baselines: Optional[
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """(A, G): reward-to-go minus each trajectory's greedy baseline, on ``steps``."""
     if baselines is None:
-        raise ValueError("remax needs reward_baselines: the reward of a greedy response per prompt")
+        raise ValueError("remax needs reward_baselines, the reward of a greedy response per prompt: a group of this "
+                         "batch has no group/reward_baseline (its shard was written by a rollout job without remax)")
     returns = (token_rewards * steps).flip(-1).cumsum(-1).flip(-1) * steps
     return (returns - baselines[:, None].float()) * steps, returns
 

@@ -47,8 +47,8 @@ class Batch:
                                                 # with rollout_correction.mask_before_advantages, else mask
     w_token: Optional[torch.Tensor] = None      # [B, L] 1 - 2 pi(y_t) + sum_v pi_v^2 at the start of the
                                                 # update (the optimal token baselines)
-    reward_baselines: Optional[torch.Tensor] = None  # [B] remax: reward of a greedy response to the prompt;
-                                                # no shard field holds it yet, so build_batch leaves it None
+    reward_baselines: Optional[torch.Tensor] = None  # [B] remax: reward of a greedy response to the prompt
+                                                # (the group's reward_baseline); None if a group has none
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -89,8 +89,11 @@ def build_batch(groups: list[Group], pad_id: int, trainer_version: int) -> Batch
         mask[b, :L] = torch.from_numpy(t.response_mask.astype("float32"))
         behav[b, :L] = torch.from_numpy(t.logprobs)
         versions[b, :L] = torch.from_numpy(t.token_versions.astype("int64"))
+    baselines = None
+    if all(g.reward_baseline is not None for g in groups):
+        baselines = torch.tensor([g.reward_baseline for g in groups for _ in g.trajectories], dtype=torch.float32)
     return Batch(input_ids, attention, gather_pos, targets, mask, behav, versions, trainer_version - versions,
-                 rewards, group_index)
+                 rewards, group_index, reward_baselines=baselines)
 
 
 def _tempered_logp(model, batch: Batch, temperature: float) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

@@ -18,10 +18,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hpcrl.samples.schema import DATASET_DTYPES, Group, arrays_to_groups, groups_to_arrays
+from hpcrl.samples.schema import DATASET_DTYPES, OPTIONAL_DTYPES, Group, arrays_to_groups, groups_to_arrays
 
 BATCH, PREEMPT, ABORT, REPUBLISH = 0, 1, 2, 3
-_NAMES = list(DATASET_DTYPES)
+_DTYPES = DATASET_DTYPES | OPTIONAL_DTYPES
+_NAMES = list(_DTYPES)
+ABSENT = -1
+"""Header length of an optional dataset the batch does not have."""
 
 
 def share_groups(status: int, groups: Optional[list[Group]]) -> tuple[int, list[Group]]:
@@ -34,14 +37,16 @@ def share_groups(status: int, groups: Optional[list[Group]]) -> tuple[int, list[
     if rank0:
         header[0] = status
         for i, name in enumerate(_NAMES):
-            header[1 + i] = len(arrays.get(name, ()))
+            header[1 + i] = len(arrays[name]) if name in arrays else ABSENT
     dist.broadcast(header, src=0)
     status = int(header[0])
     if status != BATCH:
         return status, []
     out = {}
     for i, name in enumerate(_NAMES):
-        dtype = np.dtype(DATASET_DTYPES[name])
+        if int(header[1 + i]) == ABSENT:
+            continue
+        dtype = np.dtype(_DTYPES[name])
         # int8/float32/... travel as their own dtype; gloo handles them all
         t = torch.from_numpy(arrays[name]) if rank0 else torch.empty(int(header[1 + i]),
                                                                       dtype=torch.from_numpy(np.zeros(0, dtype)).dtype)
