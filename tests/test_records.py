@@ -124,7 +124,7 @@ def test_a_damaged_admission_record_is_set_aside_and_rebuilt_from_the_manifests(
     rd.admission.parent.mkdir(parents=True, exist_ok=True)
     rd.admission.write_text(text)
     adm = Admission(rd, "w001", budget=8)
-    adm.reset_writer(4)
+    adm.join(4, set())
     assert json.loads(rd.admission.read_text())["started"] == {"w000": 5, "w001": 4}
     assert "was damaged" in caplog.text and list(rd.admission.parent.glob(rd.admission.name + ".damaged-*"))
-    assert adm.try_start(consumed_groups_at_version=0) is False, "9 started >= 0 + 8: the rebuilt count holds"
+    assert adm.try_start(consumed_groups_at_version=0) is None, "9 started >= 0 + 8: the rebuilt count holds"

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from hpcrl.rollout.dataset import WriterPositions
+from hpcrl.rollout.dataset import ClaimedPrompts
 from hpcrl.run_dir import RunDir
 from hpcrl.fsio import read_jsonl
 from hpcrl.samples.reader import SampleReader, read_shard
@@ -166,12 +166,17 @@ def test_sigkill_mid_write_never_leaves_a_torn_listed_shard(tmp_path):
     assert len(indices) > 5
 
 
-def test_writer_positions_fill_gaps_of_a_dead_predecessor():
-    # writer 1 of 2 had committed 1, 3, 7 (5 was in flight when it died)
-    pos = WriterPositions(1, 2, {1, 3, 7, 0, 2})
-    assert [pos.next() for _ in range(3)] == [5, 9, 11]
-    fresh = WriterPositions(0, 1, set())
-    assert [fresh.next() for _ in range(3)] == [0, 1, 2]
+def test_claimed_prompts_are_generated_first_in_order():
+    held = ClaimedPrompts([7, 5])
+    assert held.peek() == 5
+    held.taken(5)
+    held.requeue([2])
+    assert held.peek() == 2
+    held.taken(2)
+    held.taken(9)  # a new claim: the held ones stay
+    assert held.peek() == 7
+    held.taken(7)
+    assert held.peek() is None
 
 
 def test_a_recorded_skip_is_final_and_hands_the_prompts_back(tmp_path):
@@ -196,11 +201,12 @@ def test_a_recorded_skip_is_final_and_hands_the_prompts_back(tmp_path):
     admission = Admission(rd, "w000", budget=2)
     w = ShardWriter(rd, "w000", seal_groups=1, seal_interval_s=60, skips=SkipLog(rd))
     assert w.committed_prompt_indices == {0, 1, 4, 5} and w.committed_groups == 6
-    admission.reset_writer(w.committed_groups)
+    held = admission.join(w.committed_groups, w.committed_prompt_indices, w.skipped_at_start)
+    assert held == [2, 3], "the skipped shard's prompts are this writer's to generate again"
     # consumed 4 (0, 1, 4, 5), budget 2: 6 started - 2 skipped < 4 + 2 leaves room for two
-    assert admission.try_start(4) and admission.try_start(4) and not admission.try_start(4)
-    positions = WriterPositions(0, 1, w.committed_prompt_indices)
-    assert [positions.next() for _ in range(3)] == [2, 3, 6]
+    assert admission.try_start(4, own=2) == 2 and admission.try_start(4, own=3) == 3
+    assert admission.try_start(4) is None
+    w.commit_guard = admission.committing
     w.add(make_group(2))
     w.seal()
     with pytest.raises(RuntimeError, match="already committed"):
@@ -252,9 +258,9 @@ def test_a_running_writer_regenerates_prompts_skipped_while_it_runs(tmp_path):
     os.truncate(rd.shard_path("w000", 0), 10)
     assert [g.prompt_index for g in drain(SampleReader(rd, verify_retries=0, skip_log=SkipLog(rd)))] == [2, 3]
     assert w.take_skipped_prompts() == [0, 1] and w.take_skipped_prompts() == []
-    positions = WriterPositions(0, 1, {2, 3})
-    positions.requeue([0, 1])
-    assert [positions.next() for _ in range(3)] == [0, 1, 4]
+    held = ClaimedPrompts([])
+    held.requeue([0, 1])
+    assert held.peek() == 0
     w.add(make_group(0))
     w.close()
 

@@ -7,14 +7,18 @@ campaign (``bench/soak.py``). What "exactly once" means (issue #14):
   is consumed (a staleness-log group) twice;
 - every group committed before the trainer's final cursor was consumed, none after,
   and none from a shard recorded in ``control/skipped_shards.jsonl``;
-- no prompt index was lost: each one below the writer's highest committed index
-  (less the last few that may have been in flight when the run ended) is committed
-  in a shard that was not skipped; a skipped shard's prompts were generated again.
+- no prompt index is committed by two writers;
+- no prompt index was lost: each one below the claim book's ``next_prompt`` (``control/claims.py``) is
+  committed in a shard that was not skipped, still open in some writer's claims (in flight when the run
+  ended), or free (released by a writer that left, not claimed again); a skipped shard's prompts were
+  generated again. (A run of an hpcrl before claims is checked per writer stride, less the last few prompts
+  that may have been in flight at the end.)
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hpcrl.control.admission import read_claims
 from hpcrl.control.records import read_trainer_done
 from hpcrl.fsio import read_jsonl
 from hpcrl.logs import read_staleness
@@ -58,11 +62,11 @@ def audit(rd: RunDir, max_in_flight: int) -> Audit:
     skipped: dict[tuple[str, str], set[int]] = {}  # rows of a shard before the skip were trained on: not listed
     for d in read_jsonl(rd.skipped_shards):
         skipped.setdefault((d["writer"], d["shard"]), set()).update(d["prompt_indices"])
-    W = rd.load_config().resources.rollout_jobs
     before, after, from_skipped = set(), set(), set()
+    live_by_writer: dict[str, list[int]] = {}
     for writer in rd.writers():
         pos = cursor.get(writer, {"line": 0, "row": 0})
-        live: list[int] = []
+        live = live_by_writer.setdefault(writer, [])
         for li, line in enumerate(read_jsonl(rd.shard_manifest(writer))):
             for row, p in enumerate(line["prompt_indices"]):
                 gid = f"{writer}/{p}"
@@ -72,14 +76,41 @@ def audit(rd: RunDir, max_in_flight: int) -> Audit:
                     continue
                 live.append(p)
                 (before if (li, row) < (pos["line"], pos["row"]) else after).add(gid)
-        seen = set()
-        a.committed_twice += [f"{writer}/{p}" for p in live if p in seen or seen.add(p)]
-        if live:
-            top = max(live) - max_in_flight * W  # the last few in flight at the end may be abandoned
-            a.lost += [f"{writer}/{p}" for p in range(RunDir.writer_rank(writer), top, W) if p not in seen]
+    owners: dict[int, str] = {}
+    for writer, live in live_by_writer.items():  # a prompt committed twice, by one writer or by two
+        for p in live:
+            if p in owners:
+                a.committed_twice.append(f"{writer}/{p} (also {owners[p]}/{p})")
+            owners[p] = writer
+    book = read_claims(rd)
+    if book is not None:
+        a.lost = _lost_by_claims(book, set(owners))
+    else:
+        a.lost = _lost_by_stride(rd, live_by_writer, max_in_flight)
     shards_consumed = set(zip(st.group_id, st.shard))
     a.consumed_from_skipped_shards = sorted(f"{g} ({s})" for g, s in from_skipped if (g, s) in shards_consumed)
     a.consumed_not_before_cursor = sorted(consumed - before)[:20]
     a.before_cursor_not_consumed = sorted(before - consumed)[:20]
     a.unconsumed_after_cursor = len(after)
     return a
+
+
+def _lost_by_claims(book, committed: set[int]) -> list[str]:
+    """Every prompt below the claim book's ``next_prompt`` is committed, open in a writer's claims (in flight when
+    the run ended, or held by a job that left without releasing) or free (released, not claimed again)."""
+    accounted = committed | book.open_prompts() | set(book.free)
+    return [f"prompt {p}" for p in range(book.next_prompt) if p not in accounted][:50]
+
+
+def _lost_by_stride(rd: RunDir, live_by_writer: dict[str, list[int]], max_in_flight: int) -> list[str]:
+    """A run of an hpcrl before prompt claims (writer ``w`` of ``W`` took ``w, w + W, ...``): each prompt of a
+    writer's stride below its highest committed one (less the last few that may have been in flight when the run
+    ended) is committed."""
+    W = rd.load_config().resources.rollout_jobs
+    lost = []
+    for writer, live in live_by_writer.items():
+        if live:
+            top = max(live) - max_in_flight * W
+            seen = set(live)
+            lost += [f"{writer}/{p}" for p in range(RunDir.writer_rank(writer), top, W) if p not in seen]
+    return lost

@@ -22,6 +22,11 @@ a torn file). A writer that restarts resets its own counter to the number of
 groups it has committed: the groups its dead predecessor had in flight are
 released, and their prompts are regenerated.
 
+The same record holds the prompt claims (``control/claims.py``): the index a group generates is claimed in
+the step that reserves its start, and a shard's manifest line is appended under the lock
+(:meth:`Admission.committing`), so a writer whose claims were released can commit nothing. A writer that
+leaves for good (:meth:`Admission.release`) hands back its budget and its open claims.
+
 Shared filesystems: flock works on local disks, NFSv4 and Lustre mounted with
 ``-o flock``; on a Lustre mount without it ``flock`` fails with ENOSYS and the
 job stops with an error saying so.
@@ -32,10 +37,15 @@ import errno
 import fcntl
 import logging
 import os
+import socket
 import time
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Optional
 
+from hpcrl.control import claims
+from hpcrl.control.claims import ClaimBook
 from hpcrl.fsio import read_json, read_jsonl, write_json_atomic
 from hpcrl.json_record import JsonRecord
 from hpcrl.run_dir import RunDir
@@ -56,6 +66,10 @@ class AdmissionRecord(JsonRecord):
     started: dict[str, int] = field(default_factory=dict)
     """Per writer: groups started. A writer resets its own entry at start to the groups in its
     committed manifest lines (skipped shards included), then adds one per group it starts."""
+
+    prompts: Optional[ClaimBook] = None
+    """Which writer generates which prompt (``control/claims.py``); None in a record of an hpcrl before claims
+    (the stream was split by stride): rebuilt from the manifests when read."""
 
     @property
     def started_total(self) -> int:
@@ -81,53 +95,139 @@ def _locked(run_dir: RunDir):
         os.close(fd)  # releases the lock
 
 
+def _manifest_lines(run_dir: RunDir, writer: str) -> list[dict]:
+    return [line for line in read_jsonl(run_dir.shard_manifest(writer)) if isinstance(line, dict)]
+
+
+def _committed_groups(run_dir: RunDir, writer: str) -> int:
+    """Groups in ``writer``'s committed lines, skipped shards included (what its admission count resets to)."""
+    return sum(int(line.get("n_groups", 0)) for line in _manifest_lines(run_dir, writer))
+
+
+def _live_committed(run_dir: RunDir, writer: str, skips: SkipLog) -> set[int]:
+    """Prompts ``writer`` committed in rows the trainer did not skip (as ``ShardWriter`` counts them)."""
+    live = Counter(p for line in _manifest_lines(run_dir, writer) for p in line.get("prompt_indices", ()))
+    for rec in skips.poll():
+        if rec.writer == writer:
+            live.subtract(rec.prompt_indices)
+    return {p for p, n in live.items() if n > 0}
+
+
+def _book_from_manifests(run_dir: RunDir, skips: SkipLog) -> ClaimBook:
+    """The claims of a record written before them, or of a damaged one: :func:`claims.from_stride` on the
+    writers' manifests. Every writer's lease is empty, so a live job of any writer commits nothing more before
+    it joins again (safe whatever the claims were)."""
+    writers = run_dir.writers()
+    return claims.from_stride({w: _live_committed(run_dir, w, skips) for w in writers},
+                              {w: RunDir.writer_rank(w) for w in writers})
+
+
+def release_writer(run_dir: RunDir, writer: str, why: str) -> int:
+    """``writer`` left for good (drained, or its job ended and is not resubmitted): its admission count drops to
+    what it committed and its open claims go to the free list, under the lock; returns how many were handed back.
+    Called by the writer itself when drained and by the launcher; a second call does nothing."""
+    skips = SkipLog(run_dir)
+    with _locked(run_dir):
+        state = Admission._read_at(run_dir, skips)
+        if writer not in state.prompts.claims:
+            return 0
+        state.started[writer] = _committed_groups(run_dir, writer)
+        n = claims.release(state.prompts, writer, _live_committed(run_dir, writer, skips), why, time.time())
+        write_json_atomic(run_dir.admission, state.to_json())
+    log.info("writer %s left (%s): %d open prompt claims handed back to the fleet", writer, why, n)
+    return n
+
+
+def read_claims(run_dir: RunDir) -> Optional[ClaimBook]:
+    """The claim book as last written, without the lock (for status and the audit); None before any writer
+    joined or for a record of an hpcrl before claims."""
+    try:
+        rec = AdmissionRecord.from_json(read_json(run_dir.admission), str(run_dir.admission))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    return rec.prompts
+
+
 class Admission:
-    """One writer's view of the shared budget (see the module docstring)."""
+    """One writer's view of the shared budget and of its prompt claims (see the module docstring)."""
 
     def __init__(self, run_dir: RunDir, writer: str, budget: int):
         self.run_dir = run_dir
         self.writer = writer
         self.budget = budget
         self.skips = SkipLog(run_dir)
+        self.lease = f"{socket.gethostname()}:{os.getpid()}:{time.time():.3f}"
+        """This job's lease on the writer's claims (``control/claims.py``)."""
 
     def _read(self) -> AdmissionRecord:
-        """The record (the lock held); a damaged one is set aside and rebuilt (:meth:`_rebuild`)."""
-        path = self.run_dir.admission
-        if not path.exists():
-            return AdmissionRecord()
-        try:
-            return AdmissionRecord.from_json(read_json(path), str(path))  # JSON null is not a record either
-        except (ValueError, UnicodeDecodeError) as e:  # not JSON, or JSON that is not the record
-            return self._rebuild(f"{type(e).__name__}: {e}")
+        return self._read_at(self.run_dir, self.skips)
 
-    def _rebuild(self, why: str) -> AdmissionRecord:
+    @staticmethod
+    def _read_at(run_dir: RunDir, skips: SkipLog) -> AdmissionRecord:
+        """The record (the lock held); a damaged one is set aside and rebuilt (:meth:`_rebuild`), one without
+        claims gets them from the manifests."""
+        path = run_dir.admission
+        state = AdmissionRecord()
+        if path.exists():
+            try:
+                state = AdmissionRecord.from_json(read_json(path), str(path))  # JSON null is not a record either
+            except (ValueError, UnicodeDecodeError) as e:  # not JSON, or JSON that is not the record
+                state = Admission._rebuild(run_dir, f"{type(e).__name__}: {e}")
+        if state.prompts is None:
+            state.prompts = _book_from_manifests(run_dir, skips)
+        return state
+
+    @staticmethod
+    def _rebuild(run_dir: RunDir, why: str) -> AdmissionRecord:
         """Set the damaged record aside and count each writer's committed groups from its manifest instead (what
         a restarted writer resets its own count to). Groups other writers have in flight are not counted until
         they restart: the budget may be exceeded by that many once, which beats every writer failing at each
-        start; logged."""
-        path = self.run_dir.admission
+        start; logged. The claims are rebuilt by the caller (every lease empty: each live writer commits nothing
+        more and restarts)."""
+        path = run_dir.admission
         aside = path.with_name(f"{path.name}.damaged-{int(time.time())}")
         os.replace(path, aside)
-        started = {w: sum(int(line.get("n_groups", 0)) for line in read_jsonl(self.run_dir.shard_manifest(w))
-                          if isinstance(line, dict)) for w in self.run_dir.writers()}
+        started = {w: _committed_groups(run_dir, w) for w in run_dir.writers()}
         log.error("%s was damaged (%s); moved to %s and rebuilt from the writers' manifests: %s (groups in flight "
                   "elsewhere are counted again when their writers restart)", path, why, aside.name, started)
         return AdmissionRecord(started=started)
 
-    def reset_writer(self, committed_groups: int) -> None:
-        """At writer start: groups in flight in a previous life of this writer are released."""
+    def join(self, committed_groups: int, committed: set[int], regenerate: Iterable[int] = ()) -> list[int]:
+        """At writer start: groups in flight in a previous life of this writer are released from the budget, and
+        this job takes over the writer's claims (new lease); returns the claimed prompts it must generate first
+        (its open claims less ``committed``, plus ``regenerate``)."""
         with _locked(self.run_dir):
             state = self._read()
             state.started[self.writer] = committed_groups
+            gaps = claims.join(state.prompts, self.writer, self.lease, committed, regenerate)
             write_json_atomic(self.run_dir.admission, state.to_json())
+        log.info("writer %s joined the fleet (lease %s): %d claimed prompts to generate first, next new prompt %d",
+                 self.writer, self.lease, len(gaps), state.prompts.next_prompt)
+        return gaps
 
-    def try_start(self, consumed_groups_at_version: int) -> bool:
-        """Reserve one group start if the budget allows; True if reserved."""
+    def try_start(self, consumed_groups_at_version: int, own: Optional[int] = None) -> Optional[int]:
+        """Reserve one group start if the budget allows, and claim its prompt (``own``: one this writer holds
+        already); the prompt index, or None when the budget is spent. ClaimLost if the claims were released."""
         self.skips.poll()  # only grows: a record read late gives less budget, never more
         with _locked(self.run_dir):
             state = self._read()
             if state.started_total - self.skips.skipped_groups() >= consumed_groups_at_version + self.budget:
-                return False
+                return None
+            index = claims.claim(state.prompts, self.writer, self.lease, own)
             state.started[self.writer] = state.started.get(self.writer, 0) + 1
             write_json_atomic(self.run_dir.admission, state.to_json())
-            return True
+            return index
+
+    @contextmanager
+    def committing(self, prompts: list[int]) -> Iterator[None]:
+        """Around the append of a manifest line: the lock held, the prompts checked to be this job's open
+        claims (ClaimLost otherwise: nothing is appended), and closed once the body returned."""
+        with _locked(self.run_dir):
+            state = self._read()
+            claims.commit(state.prompts, self.writer, self.lease, prompts)
+            yield
+            write_json_atomic(self.run_dir.admission, state.to_json())
+
+    def release(self, why: str) -> int:
+        """This writer leaves for good (drained): :func:`release_writer`."""
+        return release_writer(self.run_dir, self.writer, why)

@@ -6,14 +6,15 @@ just a set of integers (the prompt indices it has committed, read back from its
 manifest): nothing else needs saving, and a restarted job regenerates exactly
 the prompts whose groups were never committed.
 
-Several rollout jobs split the stream: writer ``w`` of ``W`` takes indices
-``w, w + W, w + 2W, ...``.
+Rollout jobs, however many, take disjoint indices of the one stream through a shared claim
+(``control/claims.py``); :class:`ClaimedPrompts` is what one writer holds and has not generated yet.
 """
 from __future__ import annotations
 
 import json
 import random
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -117,30 +118,23 @@ class PromptStream:
         return self.rows[int(perm[pos])]
 
 
-class WriterPositions:
-    """Which prompt indices writer ``w`` of ``W`` still has to generate, in order.
+class ClaimedPrompts:
+    """The prompts this writer holds claims on and must generate before it claims new ones (in order): those its
+    predecessor claimed and never committed (groups in flight when it died) and those of shards the trainer
+    skipped. New prompts come from the fleet's shared claim (``control/claims.py``)."""
 
-    Starts after the highest committed index and first fills the gaps below it
-    (groups that were in flight when a previous run of this writer died, or whose
-    shard the trainer skipped).
-    """
-
-    def __init__(self, writer_rank: int, num_writers: int, committed: set[int]):
-        self.w, self.W = writer_rank, num_writers
-        mine = sorted(i for i in committed if i % num_writers == writer_rank)
-        top = mine[-1] if mine else writer_rank - num_writers
-        have = set(mine)
-        self._gaps = [i for i in range(writer_rank, top, num_writers) if i not in have]
-        self._next = top + num_writers
+    def __init__(self, held: list[int]):
+        self._held = sorted(set(held))
 
     def requeue(self, indices: list[int]) -> None:
         """Generate these again first (their shard was skipped by the trainer)."""
-        self._gaps = sorted(set(self._gaps) | {i for i in indices if i % self.W == self.w})
+        self._held = sorted(set(self._held) | set(indices))
 
-    def next(self) -> int:
-        """The next prompt index to generate."""
-        if self._gaps:
-            return self._gaps.pop(0)
-        i = self._next
-        self._next += self.W
-        return i
+    def peek(self) -> Optional[int]:
+        """The next held prompt, or None: claim a new one."""
+        return self._held[0] if self._held else None
+
+    def taken(self, index: int) -> None:
+        """``index`` was admitted (held or newly claimed): not generated again from here."""
+        if self._held and self._held[0] == index:
+            self._held.pop(0)

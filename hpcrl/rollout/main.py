@@ -9,8 +9,8 @@ The loop (:meth:`RolloutJob._loop`) repeats these named steps:
    finish, seal them, load the version; with ``partial_rollout``, abort them instead
    and let them continue under the new version (``rollout/gate.py``);
 3. **admit**: while fewer than ``rollout.max_concurrent_groups`` groups are in
-   flight, take the next prompt index and reserve a start in the shared admission
-   budget (``control/admission.py``);
+   flight, reserve a start in the shared admission budget and claim its prompt index
+   (``control/admission.py``, ``control/claims.py``): one this writer holds already, else a new one;
 4. **collect** finished groups (n responses + rewards) into the shard buffer;
 5. **seal** the buffer when it is full, old, or nothing is in flight (the commit);
 6. **wait** when nothing was admitted, collected or is in flight: the version's
@@ -101,7 +101,8 @@ look; finishing half a second late costs nothing)."""
 
 
 class RolloutJob:
-    """One rollout job: writer ``w<rank>`` of the run, generating and committing groups.
+    """One rollout job: writer ``w<rank>`` of the run (any number of them, joining at any time), generating and
+    committing groups.
 
     See the module docstring for the loop; :meth:`run` is the whole life of the job.
     """
@@ -110,11 +111,10 @@ class RolloutJob:
         self.run_dir = run_dir
         self.preemption = preemption
         self.cfg = run_dir.load_config()
+        if writer_rank < 0:
+            raise ValueError(f"writer rank {writer_rank} must be >= 0 (it names the writer: w000, w001, ...)")
         self.writer = RunDir.writer_name(writer_rank)
-        self.writer_rank = writer_rank
-        num_writers = self.cfg.resources.rollout_jobs
-        if not 0 <= writer_rank < num_writers:
-            raise ValueError(f"writer rank {writer_rank} outside [0, resources.rollout_jobs={num_writers})")
+        """The job's writer: its identity across its own requeues (its shards, claims, groups in flight)."""
         self.heartbeat = HeartbeatThread(run_dir, RunDir.rollout_job(self.writer), "rollout",
                                          self.cfg.timeouts.heartbeat_interval_s)
         self.startup = StartupSteps(self.heartbeat, RunDir.rollout_job(self.writer), self.cfg.timeouts.job_start_s)
@@ -294,9 +294,10 @@ class RolloutJob:
         p.positions.requeue(p.shards.take_skipped_prompts())
         admitted = False
         while len(self.in_flight) < self.cfg.rollout.max_concurrent_groups:
-            if not p.admission.try_start(self.consumed_at_version):
+            index = p.admission.try_start(self.consumed_at_version, own=p.positions.peek())
+            if index is None:
                 break
-            index = p.positions.next()
+            p.positions.taken(index)
             self.in_flight[p.pool.submit(self._generate_group, index)] = index
             admitted = True
         return admitted
@@ -375,7 +376,7 @@ class RolloutJob:
         self.heartbeat.start()
         final_state = HeartbeatState.FAILED  # until the loop ends normally
         try:
-            self.parts = build_parts(self.cfg, self.run_dir, self.writer, self.writer_rank, self.startup)
+            self.parts = build_parts(self.cfg, self.run_dir, self.writer, self.startup)
             weights = self.parts.weights
             with self.startup.step("waiting for weight version 0", t.wait_weights_s + 60):
                 wait_for(f"weight version 0 in {self.run_dir.weights}", lambda: weights.newest_usable() is not None,

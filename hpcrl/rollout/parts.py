@@ -2,8 +2,8 @@
 
 Built in one place (:func:`build_parts`) from the frozen config, in this order: tokenizer, prompts,
 reward, agent loops, engine (the slow step; its child processes get a reaper), weight subscriber,
-shard writer (recovered from its own folder), admission budget (this writer's count reset to what it
-committed), prompt positions, saved groups in flight, the version log, the group pool. Nothing is
+shard writer (recovered from its own folder), admission budget and prompt claims (this writer's count reset
+to what it committed, its uncommitted claims kept: ``control/claims.py``), the prompts it holds, saved groups in flight, the version log, the group pool. Nothing is
 attached to the job later. An error in the run's inputs (model, tokenizer, data, reward) is recorded
 as fatal (a restart would repeat it); whatever was built before any error is closed again.
 """
@@ -26,7 +26,7 @@ from hpcrl.logs import MetricsLog
 from hpcrl.process.reaper import start_reaper, stop_reaper
 from hpcrl.rollout.agent_loop import AgentLoop
 from hpcrl.rollout.data import PromptCounts, encode_rows
-from hpcrl.rollout.dataset import PromptStream, WriterPositions, load_rows
+from hpcrl.rollout.dataset import ClaimedPrompts, PromptStream, load_rows
 from hpcrl.rollout.engine import Engine, EngineOptions, EngineRunner
 from hpcrl.rollout.engines import make_engine
 from hpcrl.rollout.loops import make_loops
@@ -74,8 +74,8 @@ class RolloutParts:
     weights: WeightSubscriber
     shards: ShardWriter
     admission: Admission
-    positions: WriterPositions
-    """Which prompt indices this writer generates next."""
+    positions: ClaimedPrompts
+    """The prompts this writer holds claims on and generates before claiming new ones."""
     states: InFlightStates
     """Groups in flight, saved for this writer's next job (partial rollout)."""
     metrics: MetricsLog
@@ -93,9 +93,8 @@ class RolloutParts:
             log.warning("closing the engine failed: %s", e)
 
 
-def build_parts(cfg: RunConfig, run_dir: RunDir, writer: str, writer_rank: int, steps: StartupSteps) -> RolloutParts:
-    """Build every part of writer ``writer`` (rank ``writer_rank`` of ``resources.rollout_jobs``), each slow part a
-    start-up step of ``steps``."""
+def build_parts(cfg: RunConfig, run_dir: RunDir, writer: str, steps: StartupSteps) -> RolloutParts:
+    """Build every part of writer ``writer``, each slow part a start-up step of ``steps``."""
     torch.set_num_threads(cfg.rollout.torch_threads)
     mdir = run_dir.model_dir(cfg.model.path)
     t = cfg.timeouts
@@ -121,15 +120,15 @@ def build_parts(cfg: RunConfig, run_dir: RunDir, writer: str, writer_rank: int, 
         log.info("%s", counts.line(cfg.data, template))
         weights = make_subscriber(cfg.weights, run_dir, writer, t, engine.receive_device)
         closers.callback(weights.close)
-        with steps.step(f"recovering writer {writer}'s shards and admission count"):
-            shards = ShardWriter(run_dir, writer, cfg.rollout.seal_groups, cfg.rollout.seal_interval_s,
-                                 skips=SkipLog(run_dir))
+        with steps.step(f"recovering writer {writer}'s shards, admission count and prompt claims"):
             admission = Admission(run_dir, writer, cfg.admission_budget)
-            admission.reset_writer(shards.committed_groups)
+            shards = ShardWriter(run_dir, writer, cfg.rollout.seal_groups, cfg.rollout.seal_interval_s,
+                                 skips=SkipLog(run_dir), commit_guard=admission.committing)
+            held = admission.join(shards.committed_groups, shards.committed_prompt_indices, shards.skipped_at_start)
         parts = RolloutParts(
             tokenizer=tokenizer, stream=PromptStream(rows, cfg.data.seed), prompt_counts=counts, scorer=scorer, loops=loops, runner=runner,
             engine=engine, weights=weights, shards=shards, admission=admission,
-            positions=WriterPositions(writer_rank, cfg.resources.rollout_jobs, shards.committed_prompt_indices),
+            positions=ClaimedPrompts(held),
             states=InFlightStates(run_dir.in_flight_states(writer), cfg.async_training.partial_rollout),
             metrics=MetricsLog(run_dir.rollout_metrics(writer)),
             pool=ThreadPoolExecutor(cfg.rollout.max_concurrent_groups, thread_name_prefix="group"),

@@ -33,7 +33,8 @@ import logging
 import os
 import time
 from collections import Counter
-from typing import Optional
+from contextlib import nullcontext
+from typing import Callable, ContextManager, Optional
 
 import h5py
 
@@ -69,10 +70,14 @@ class ShardWriter:
 
     ``skips`` (the run's :class:`SkipLog`) makes prompts of shards the trainer skipped
     count as not committed; :meth:`take_skipped_prompts` hands newly skipped ones back.
+    ``commit_guard(prompt_indices)``, if given, is a context manager around each manifest append (the
+    rollout job's prompt claims: ``control/admission.py`` ``Admission.committing``): if it raises, nothing
+    is committed.
     """
 
     def __init__(self, run_dir: RunDir, writer: str, seal_groups: int, seal_interval_s: float,
-                 skips: Optional[SkipLog] = None):
+                 skips: Optional[SkipLog] = None,
+                 commit_guard: Optional[Callable[[list[int]], ContextManager]] = None):
         self.run_dir = run_dir
         self.writer = writer
         self.seal_groups = seal_groups
@@ -80,6 +85,7 @@ class ShardWriter:
         self.folder = run_dir.writer_dir(writer)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.skips = skips
+        self.commit_guard = commit_guard
         self._buffer: list[Group] = []
         self._first_buffered_s = 0.0
         self._lines: dict[str, list[int]] = {}  # committed shard -> its prompt indices
@@ -89,7 +95,8 @@ class ShardWriter:
         self._broken: Optional[str] = None
         self.next_shard_index = self._recover()
         self._manifest = JsonlAppender(run_dir.shard_manifest(writer))
-        self.take_skipped_prompts()  # skips recorded while this writer was down: their prompts are gaps now
+        self.skipped_at_start = self.take_skipped_prompts()
+        """Prompts of shards skipped while this writer was down: generated again."""
 
     @property
     def committed_prompt_indices(self) -> set[int]:
@@ -191,11 +198,12 @@ class ShardWriter:
         with termination.deferred():  # durable and recorded in memory, or neither
             faults.point("seal_manifest")
             line.committed_s = time.time()
-            try:
-                self._manifest.append(line.to_json())  # the commit point
-            except BaseException as e:
-                self._broken = f"appending the manifest line of {final.name} failed ({e!r}); it may be durable"
-                raise
+            with self.commit_guard(line.prompt_indices) if self.commit_guard else nullcontext():
+                try:
+                    self._manifest.append(line.to_json())  # the commit point
+                except BaseException as e:
+                    self._broken = f"appending the manifest line of {final.name} failed ({e!r}); it may be durable"
+                    raise
             self._buffer = []
             self._lines[line.shard] = list(line.prompt_indices)
             self._live.update(line.prompt_indices)
