@@ -292,6 +292,13 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--resume", action="store_true", help="continue the run already in --run-dir")
     r.add_argument("--timeout-min", type=float, default=None,
                    help="give up following after this long (default: resources.trainer.timeout_min)")
+    sc = sub.add_parser("scale", help="grow or shrink the rollout fleet of a live run (new jobs join; the newest "
+                        "drain: finish their groups, seal, hand back their prompts, exit)")
+    sc.add_argument("run_dir")
+    sc.add_argument("--rollout-jobs", type=int, required=True, help="the number of rollout jobs from now on")
+    sc.add_argument("--wait-s", type=float, default=30.0,
+                    help="how long to wait for the launcher following the run before acting here")
+    sc.add_argument("--scripts", default=None, help="folder holding rollout.sbatch (runs launched with sbatch)")
     sl = sub.add_parser("sbatch-lines", help="prepare RUN_DIR and print the sbatch commands (used by sbatch/submit.sh)")
     sl.add_argument("config")
     sl.add_argument("overrides", nargs="*")
@@ -343,6 +350,7 @@ def main(argv=None) -> int:
         return _cmd_run(a)
     if a.cmd == "sbatch-lines":
         return _cmd_sbatch_lines(a)
+
     if a.cmd == "plan":
         return _cmd_plan(a)
     if a.cmd == "doctor":
@@ -365,6 +373,10 @@ def main(argv=None) -> int:
               "start a run with `hpcrl run CONFIG --run-dir DIR` (or prepare one with `hpcrl sbatch-lines`)",
               file=sys.stderr)
         return 2
+    if a.cmd == "scale":
+        from hpcrl.launcher.scale_cmd import scale_command
+
+        return scale_command(a.run_dir, a.rollout_jobs, a.wait_s, a.scripts)
     if a.cmd == "trainer":
         from hpcrl.trainer.main import trainer_main
 

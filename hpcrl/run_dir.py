@@ -14,6 +14,8 @@ Layout (ARCHITECTURE.md, "The run directory")::
       control/skipped_shards.jsonl, ...
       control/fatal.json           an error no restart can fix                  (any job)
       control/in_flight/<writer>.json  partial groups for the job's successor    (rollout job)
+      control/drain/<writer>.json  that writer's job is asked to leave the fleet  (launcher, hpcrl scale)
+      control/scale.json           the fleet size asked for by hpcrl scale      (hpcrl scale)
       control/broadcast.json       host/port/epoch of the weight broadcast      (trainer)
       checkpoints/<tag>/, checkpoints/latest.json                               (trainer)
       logs/metrics.jsonl, logs/staleness.jsonl, logs/rollout-<writer>.jsonl, logs/jobs/<job>.log,
@@ -22,7 +24,8 @@ Layout (ARCHITECTURE.md, "The run directory")::
       logs/eval.jsonl, logs/eval_samples.jsonl  one row per evaluated version,
                                    one per evaluated response                   (evaluation job)
 
-Names: rollout job ``w`` of a run writes samples as writer ``w000`` (:meth:`RunDir.writer_name`)
+Names: rollout job ``w`` of a run (``w`` a number the launcher gives it: ``0..rollout_jobs-1`` at launch,
+the next unused ones when the fleet grows) writes samples as writer ``w000`` (:meth:`RunDir.writer_name`)
 and runs as job ``rollout-w000`` (:meth:`RunDir.rollout_job`); the trainer's rank 0 is job
 ``trainer``, its other ranks ``trainer-rank1``, ...; the evaluation job is ``eval`` (also its name as
 a reader of weights), an offline ``hpcrl eval`` of the run's versions ``eval-offline``. No other module
@@ -236,6 +239,20 @@ class RunDir:
         """``control/broadcast.json``: host, port and epoch of the trainer's weight-broadcast store
         (trainer rank 0 writes it, tmp -> rename; rollout jobs read it to join)."""
         return self.control / "broadcast.json"
+
+    @property
+    def drain_requests(self) -> Path:
+        """``control/drain/``: one record per rollout job asked to leave the fleet (``control/fleet.py``)."""
+        return self.control / "drain"
+
+    def drain_request(self, writer: str) -> Path:
+        """``control/drain/<writer>.json``: the launcher or ``hpcrl scale`` asks that writer's job to drain."""
+        return self.drain_requests / f"{writer}.json"
+
+    @property
+    def scale_request(self) -> Path:
+        """``control/scale.json``: ``hpcrl scale`` asks the launcher following the run for another fleet size."""
+        return self.control / "scale.json"
 
     @property
     def admission(self) -> Path:

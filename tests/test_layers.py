@@ -192,7 +192,7 @@ def test_fsio_records_and_the_process_primitives_import_nothing_of_hpcrl():
 # Names that only RunDir may spell: file names of the run directory and job/writer names.
 RUN_DIR_LITERALS = re.compile(
     r"manifest\.jsonl?|config\.yaml|trainer_done\.json|admission\.(json|lock)|latest\.json|metrics\.jsonl|"
-    r"staleness\.jsonl|rollout-|trainer-rank|shard-|base_model|heartbeat/|loading/|\.setup\.sh|^secret$|"
+    r"staleness\.jsonl|(?<!-)rollout-|trainer-rank|shard-|base_model|heartbeat/|loading/|\.setup\.sh|^secret$|"
     r"(^|[^a-z])w\{|w%03d|:03d\}")
 
 

@@ -6,7 +6,9 @@ Every few seconds (``--interval-s``) it reads the run directory and prints:
   per update over the last :data:`RECENT` updates times the updates left);
 - one line per job: state, weight version, heartbeat age, idle ratio and
   counters; a job whose heartbeat is older than ``timeouts.heartbeat_stale_s``
-  is flagged STALE, and one on this host whose process is gone is flagged GONE;
+  is flagged STALE, and one on this host whose process is gone is flagged GONE (a preempted or drained
+  rollout job says so in its state); when the rollout fleet changed, a line naming the writers in it, those
+  draining and those that left (``hpcrl scale``);
 - groups committed (shard manifests), consumed (trainer), the queue between
   them and the groups in flight (admission counter), and the lag of the last update;
 - with an evaluation job, the last validated version and its score, the best so far
@@ -35,6 +37,8 @@ from typing import Optional, TextIO
 
 from hpcrl.analysis.load import Knobs, read_config_leniently, read_json_tolerant
 from hpcrl.analysis.problems import tally
+from hpcrl.control.admission import read_claims
+from hpcrl.control.fleet import drained_writers
 from hpcrl.control.records import TrainerDone, has_ended, read_heartbeats, read_trainer_done
 from hpcrl.eval_log import EVALUATED, JOB, SKIPPED, EvalRow
 from hpcrl.fsio import JsonlTail
@@ -134,7 +138,8 @@ class StatusView:
         lines += self.notes
         lines += [_progress(m, self.knobs, done, stopped), ""]
         committed = self.committed()
-        lines += (self._job_lines(jobs, m, committed) + [""] + self._group_lines(m, committed) + self._eval_lines()
+        lines += (self._job_lines(jobs, m, committed) + self._fleet_lines() + [""] + self._group_lines(m, committed)
+                  + self._eval_lines()
                   + self._problem_lines())
         if done is not None:
             lines.append(f"run finished: {done.trainer_step} updates, version {done.param_version}, "
@@ -145,6 +150,19 @@ class StatusView:
                          f"resume with `hpcrl run --resume --run-dir {self.rd.root}`")
             return "\n".join(lines), 1
         return "\n".join(lines), -1
+
+    def _fleet_lines(self) -> list[str]:
+        """The rollout fleet when it changed during the run: writers in it, draining, and those that left."""
+        book = read_claims(self.rd)
+        draining = drained_writers(self.rd)
+        if book is None or (not book.left and not draining):
+            return []
+        members = sorted(book.claims)
+        line = f"fleet: {len(members)} writer(s) joined ({' '.join(members)})"
+        if draining - set(book.left):
+            line += f"; draining: {' '.join(sorted(draining - set(book.left)))}"
+        left = [f"{w} ({x.why}, {x.released} prompts handed back)" for w, x in sorted(book.left.items())]
+        return [line + (f"; left: {', '.join(left)}" if left else "")]
 
     def _job_lines(self, jobs: list[JobView], m: list[dict], committed: dict[str, int]) -> list[str]:
         """One line per job (plus a line explaining a STALE or GONE flag)."""

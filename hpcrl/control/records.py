@@ -10,6 +10,8 @@ trainer_done.json     (TrainerDone)    trainer      rollout jobs (stop), evaluat
 admission.json        (AdmissionRecord) rollout job  rollout jobs (see admission.py)
 skipped_shards.jsonl  (SkippedShard)   trainer      rollout jobs, trainer (samples/skips.py)
 stop.json             (StopRequest)    launcher     every job (checkpoint / seal, then stop)
+drain/<writer>.json   (DrainRequest)   launcher     that rollout job, launcher (see fleet.py)
+scale.json            (ScaleRequest)   hpcrl scale  launcher (see fleet.py)
 =====================================  ===========  ======================================
 """
 from __future__ import annotations
@@ -42,13 +44,14 @@ class HeartbeatState(str, enum.Enum):
     FAILED = "failed"                    # ended by an exception
     STOPPED = "stopped"                  # ended by SIGTERM (scancel, the launcher's cancel, Ctrl-C)
     PREEMPTED = "preempted"              # ended on USR2 to be requeued (a new life beats again)
+    DRAINED = "drained"                  # rollout: left the fleet for good (control/drain/<writer>.json)
 
     def __str__(self) -> str:
         return self.value
 
 
 ENDED_STATES = frozenset({HeartbeatState.DONE.value, HeartbeatState.FAILED.value, HeartbeatState.PREEMPTED.value,
-                          HeartbeatState.STOPPED.value})
+                          HeartbeatState.STOPPED.value, HeartbeatState.DRAINED.value})
 """States in which a job's process has ended: its heartbeat is not expected to move, and
 it pins nothing (weight retention), whatever the heartbeat's age."""
 

@@ -4,6 +4,7 @@
     run = hpcrl.launch("configs/tiny.yaml", run_dir="/scratch/me/run1", executor="slurm",
                        overrides=["async_training.staleness_threshold=0.5"])
     run.status()            # {"finished": False, "jobs": {"trainer": {...}, "rollout-w000": {...}}, ...}
+    run.scale(4)            # four rollout jobs from now on (new ones join; the newest drain when shrinking)
     run.wait(timeout_s=3600)  # True when the trainer finished; resubmits dead jobs meanwhile
     run.stop(wait_s=300)      # the trainer checkpoints, the rollout jobs seal; resume with --resume
     run.cancel()              # SIGTERM / scancel now (the trainer resumes from its last checkpoint)
@@ -26,7 +27,9 @@ from hpcrl.launcher.follow import RunFollower
 from hpcrl.launcher.inputs import check_inputs, derive_total_steps
 from hpcrl.launcher.prepare import prepare_run_dir
 from hpcrl.launcher.resume import change_lines, check_changes, finished_message
-from hpcrl.launcher.submit import PlannedJob, plan_jobs, resolve_executor, submit_jobs, submit_one
+from hpcrl.launcher.fleet import (active_rollout_jobs, drain_newest, record_fleet_size, retire_writers,
+                                  used_writer_ids)
+from hpcrl.launcher.submit import PlannedJob, plan_jobs, plan_rollout, resolve_executor, submit_jobs, submit_one
 from hpcrl.run_dir import RunDir
 
 log = logging.getLogger(__name__)
@@ -102,11 +105,40 @@ class RunHandle:
 
     def __init__(self, plan: RunPlan, emit: Callable[[str], None], resume: bool = False, bar: bool = False):
         self.cfg, self.rd, self.kind = plan.cfg, plan.rd, plan.kind
-        planned = {p.name: p for p in plan.jobs}
+        self.planned = {p.name: p for p in plan.jobs}
+        """Every job planned, by name (rollout jobs added as the fleet grows): what a resubmission submits."""
+        if resume:
+            keep = [p.args[1] for p in plan.jobs if RunDir.writer_of_job(p.name) is not None]
+            for w in retire_writers(plan.rd, keep, "hpcrl run --resume with a smaller fleet"):
+                emit(f"{w} is not in the resumed fleet of {len(keep)}: drained, its prompt claims handed back")
         jobs = submit_jobs(plan.rd, plan.kind, plan.jobs)
         self.follower = RunFollower(plan.rd, plan.cfg, jobs, emit=emit,
-                                    resubmit=lambda name: submit_one(plan.rd, plan.kind, planned[name]), resume=resume,
-                                    bar=bar)
+                                    resubmit=lambda name: submit_one(plan.rd, plan.kind, self.planned[name]),
+                                    resume=resume, bar=bar, scale=self.scale)
+
+    def scale(self, rollout_jobs: int, by: str = "Run.scale") -> list[str]:
+        """Grow the fleet to ``rollout_jobs`` rollout jobs (new writers, which take the newest weights and claim
+        prompts like the others) or shrink it (the newest drain: ``launcher/fleet.py``); the frozen config follows.
+        Returns the names of the jobs submitted or asked to drain."""
+        if rollout_jobs < 1:
+            raise ValueError(f"rollout_jobs must be >= 1, got {rollout_jobs}: a run needs one rollout job; stop the "
+                             "run with Run.stop() instead")
+        jobs, emit = self.follower.jobs, self.follower.emit
+        active = active_rollout_jobs(self.rd, jobs)
+        changed: list[str] = []
+        if rollout_jobs > len(active):
+            used = used_writer_ids(self.rd) | {RunDir.writer_rank(RunDir.writer_of_job(n)) for n in active}
+            for i in range(max(used, default=-1) + 1, max(used, default=-1) + 1 + rollout_jobs - len(active)):
+                planned = plan_rollout(self.cfg, self.rd, i)
+                self.planned[planned.name] = planned
+                jobs[planned.name] = submit_one(self.rd, self.kind, planned)
+                emit(f"scale: {planned.name} submitted as {jobs[planned.name].job_id} ({by})")
+                changed.append(planned.name)
+        elif rollout_jobs < len(active):
+            changed = drain_newest(self.rd, {n: jobs[n] for n in active}, len(active) - rollout_jobs, by, emit)
+        record_fleet_size(self.cfg, self.rd, rollout_jobs, by)
+        emit(f"scale: the rollout fleet goes from {len(active)} to {rollout_jobs} job(s) ({by})")
+        return changed
 
     @property
     def jobs(self) -> dict:

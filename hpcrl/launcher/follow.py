@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from hpcrl.config import RunConfig
+from hpcrl.control.admission import release_writer
 from hpcrl.control.fatal import read_fatal, read_fatal_record
+from hpcrl.control.fleet import acknowledge_scale, drain_requested, read_scale_request
 from hpcrl.control.records import HeartbeatState, read_heartbeats, read_latest_checkpoint, read_trainer_done
 from hpcrl.eval_log import EVALUATED, JOB, EvalRow
 from hpcrl.fsio import JsonlTail
@@ -48,14 +50,20 @@ def eval_line(row: EvalRow) -> str:
 
 class RunFollower:
     """Follows a submitted run from the login node: prints one line per weight version and per
-    evaluated version, resubmits jobs that end early (within ``resources.max_restarts``), warns on
+    evaluated version, grows or shrinks the rollout fleet when ``hpcrl scale`` asks (a drained rollout job is never
+    resubmitted), resubmits jobs that end early (within ``resources.max_restarts``), warns on
     stale heartbeats, and stops at ``trainer_done`` (after the evaluation job, if any, has evaluated
     the final version) or its deadline. The evaluation job never stops the run: if it fails for good,
     training goes on without it."""
 
     def __init__(self, rd: RunDir, cfg: RunConfig, jobs: dict, emit: Callable[[str], None] = print,
-                 resubmit: Optional[Callable[[str], object]] = None, resume: bool = False, bar: bool = False):
+                 resubmit: Optional[Callable[[str], object]] = None, resume: bool = False, bar: bool = False,
+                 scale: Optional[Callable[[int, str], list]] = None):
         self.rd = rd
+        self.scale = scale
+        """Grows or shrinks the rollout fleet (``RunHandle.scale``); asked for through ``control/scale.json``."""
+        pending = read_scale_request(rd)
+        self._scale_seen = pending.requested_s if pending is not None and pending.applied_s else 0.0
         self.cfg = cfg
         self.jobs = jobs
         self.emit = emit
@@ -145,6 +153,10 @@ class RunFollower:
                 continue
             if read_trainer_done(self.rd) is not None:
                 return None
+            writer = RunDir.writer_of_job(name)
+            if writer is not None and drain_requested(self.rd, writer):
+                self._drained(name, handle, writer)
+                continue
             if self._restart(name, handle, "ended before the trainer finished"):
                 continue
             if name == EVAL_JOB:
@@ -156,6 +168,27 @@ class RunFollower:
             self.cancel_all()
             return 1
         return None
+
+    def _drained(self, name: str, handle, writer: str) -> None:
+        """A drained rollout job ended: it is not resubmitted; its claims are released if it could not (killed
+        while draining, or cancelled before it started)."""
+        beat = read_heartbeats(self.rd).get(name)
+        released = release_writer(self.rd, writer, "drained: its job ended")
+        self.emit(f"job {name} ({handle.job_id}) left the fleet ({beat.state if beat else 'never started'}"
+                  f"{f'; {released} prompt claims handed back by the launcher' if released else ''})")
+        del self.jobs[name]
+
+    def _apply_scale_request(self) -> None:
+        """Act on a new ``control/scale.json`` (``hpcrl scale``) and acknowledge it."""
+        req = read_scale_request(self.rd)
+        if req is None or req.requested_s <= self._scale_seen or self.scale is None:
+            return
+        self._scale_seen = req.requested_s
+        try:
+            self.scale(req.rollout_jobs, req.by)
+        except (ValueError, OSError) as e:
+            self.emit(f"scale request {self.rd.scale_request} not applied: {e}")
+        acknowledge_scale(self.rd, req)
 
     def _warn_stale_heartbeats(self) -> None:
         now = time.time()
@@ -195,6 +228,7 @@ class RunFollower:
                 self.emit(f"run stopped: {fatal} (a restart would fail the same way; {self._fix_hint()})")
                 self.cancel_all()
                 return 1
+            self._apply_scale_request()
             failed = self._check_jobs()
             if failed is not None:
                 return failed

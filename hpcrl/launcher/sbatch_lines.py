@@ -44,13 +44,20 @@ def sbatch_lines(cfg: RunConfig, rd: RunDir, scripts: Path, python: str) -> list
     """The sbatch command lines of a run (trainer; rollout job array; the evaluation job if on)."""
     trainer = ["sbatch", "--parsable", *_options("trainer", cfg.resources.trainer, rd, python),
                str(scripts / "trainer.sbatch"), str(rd.root)]
-    rollout = ["sbatch", "--parsable", f"--array=0-{cfg.resources.rollout_jobs - 1}",
-               *_options("rollout", cfg.resources.rollout, rd, python), str(scripts / "rollout.sbatch"), str(rd.root)]
-    lines = [shlex.join(trainer), shlex.join(rollout)]
+    lines = [shlex.join(trainer), rollout_line(cfg, rd, scripts, python, list(range(cfg.resources.rollout_jobs)))]
     if cfg.eval.enabled:
         lines.append(shlex.join(["sbatch", "--parsable", *_options("eval", cfg.resources.eval, rd, python),
                                  str(scripts / "eval.sbatch"), str(rd.root)]))
     return lines
+
+
+def rollout_line(cfg: RunConfig, rd: RunDir, scripts: Path, python: str, writer_ids: list[int]) -> str:
+    """The sbatch command of the rollout job array for these writer numbers (the array task id is the writer
+    number: ``0-3`` at launch, ``4,5`` when ``hpcrl scale`` grows the fleet)."""
+    contiguous = writer_ids == list(range(writer_ids[0], writer_ids[0] + len(writer_ids)))
+    array = f"{writer_ids[0]}-{writer_ids[-1]}" if contiguous else ",".join(map(str, writer_ids))
+    return shlex.join(["sbatch", "--parsable", f"--array={array}", *_options("rollout", cfg.resources.rollout, rd, python),
+                       str(scripts / "rollout.sbatch"), str(rd.root)])
 
 
 def write_setup_files(cfg: RunConfig, rd: RunDir) -> None:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Iterator
 
 from hpcrl.config import JobResources, RunConfig
+from hpcrl.launcher.fleet import fleet_ids
 from hpcrl.launcher.jobs import JobHandle
 from hpcrl.launcher.sbatch_lines import slurm_options
 from hpcrl.process.leftovers import MARK_ENV, job_mark
@@ -73,13 +74,18 @@ class PlannedJob:
                 f"timeout_min={r.timeout_min}")
 
 
+def plan_rollout(cfg: RunConfig, rd: RunDir, writer_id: int) -> PlannedJob:
+    """The rollout job of writer number ``writer_id``."""
+    return PlannedJob(RunDir.rollout_job(RunDir.writer_name(writer_id)), "hpcrl.rollout.main.rollout_main",
+                      (str(rd.root), writer_id), cfg.resources.rollout)
+
+
 def plan_jobs(cfg: RunConfig, rd: RunDir) -> list[PlannedJob]:
-    """The trainer, one rollout job per writer and the evaluation job (if on), with their resources."""
+    """The trainer, one rollout job per writer of the fleet (``launcher/fleet.py``: ``0..rollout_jobs-1`` for a new
+    run) and the evaluation job (if on), with their resources."""
     jobs = [PlannedJob(RunDir.trainer_job(), "hpcrl.trainer.main.trainer_main", (str(rd.root),),
                        cfg.resources.trainer)]
-    for w in range(cfg.resources.rollout_jobs):
-        jobs.append(PlannedJob(RunDir.rollout_job(RunDir.writer_name(w)), "hpcrl.rollout.main.rollout_main",
-                               (str(rd.root), w), cfg.resources.rollout))
+    jobs += [plan_rollout(cfg, rd, w) for w in fleet_ids(rd, cfg.resources.rollout_jobs)]
     if cfg.eval.enabled:
         jobs.append(PlannedJob(EVAL_JOB, "hpcrl.eval.job.eval_main", (str(rd.root),), cfg.resources.eval))
     return jobs

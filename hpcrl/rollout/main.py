@@ -2,8 +2,10 @@
 
 The loop (:meth:`RolloutJob._loop`) repeats these named steps:
 
-1. **stop?** USR2 (seal and requeue), ``control/trainer_done.json`` (seal, exit 0) or the launcher's
-   ``control/stop.json`` (Ctrl-C: seal, save the groups in flight, exit 0 as ``stopped``);
+1. **stop?** USR2 (seal and requeue), ``control/trainer_done.json`` (seal, exit 0), the launcher's
+   ``control/stop.json`` (Ctrl-C: seal, save the groups in flight, exit 0 as ``stopped``) or a drain record
+   for this writer (``control/fleet.py``: finish the groups in flight, seal, release the budget and the prompt
+   claims, exit 0 as ``drained``);
 2. **new weights?** a newer complete version exists (or an *older* newest one: the
    trainer rolled back to a checkpoint): stop admitting, let the groups in flight
    finish, seal them, load the version; with ``partial_rollout``, abort them instead
@@ -35,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from hpcrl import metric_names as M
+from hpcrl.control.fleet import drain_requested
 from hpcrl.control.records import HeartbeatState, HeartbeatThread, describe_heartbeats, ended_state, stop_requested
 from hpcrl.control.startup import StartupSteps
 from hpcrl.fsio import wait_for
@@ -186,6 +189,10 @@ class RolloutJob:
             if stop_requested(self.run_dir):
                 log.info("the launcher asked the run to stop: sealing complete groups, saving those in flight")
                 return HeartbeatState.STOPPED
+            if drain_requested(self.run_dir, self.writer):
+                log.info("asked to leave the fleet (%s): finishing %d groups in flight, sealing, releasing the "
+                         "budget and prompt claims", self.run_dir.drain_request(self.writer), len(self.in_flight))
+                return HeartbeatState.DRAINED
         return None
 
     def _apply_to_engine(self, wv: WeightVersion) -> tuple[str, float]:
@@ -397,11 +404,14 @@ class RolloutJob:
             requeue_self()  # under Slurm; elsewhere whoever started the job restarts it
 
     def _loop(self) -> HeartbeatState:
-        """Steps 1-6 of the module docstring until stopped; returns DONE, STOPPED or PREEMPTED."""
+        """Steps 1-6 of the module docstring until stopped; returns DONE, STOPPED, PREEMPTED or DRAINED."""
         poll_s = self.cfg.timeouts.poll_interval_s
         while True:
             termination.check()
             stop = self._stop_requested()
+            if stop == HeartbeatState.DRAINED:
+                self._drain()  # every group admitted is committed: nothing is left for a successor
+                self._seal()
             if stop is not None:
                 return stop
             self._switch_weights_if_newer()
@@ -444,6 +454,8 @@ class RolloutJob:
             if p is not None:
                 self._keep_what_finished()
                 p.shards.close()
+                if final_state == HeartbeatState.DRAINED:
+                    p.admission.release("drained")
                 if self.stats is not None:
                     self._write_version_stats()
                 p.metrics.close()

@@ -1,0 +1,70 @@
+"""A rollout fleet that changes during a run (``hpcrl scale``, ``launcher/fleet.py``, ``control/claims.py``):
+launched with one rollout job, grown to three by a scale request the launcher follows, shrunk to two (the newest
+drains: it finishes its groups, seals, hands back its prompts and exits 0, never resubmitted), one SIGKILLed and
+resubmitted by the launcher; the run completes, exactly once, within the lag bound, every join and leave logged."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+
+from conftest import TINY, check_exactly_once, wait_until
+from hpcrl.control.admission import read_claims
+from hpcrl.control.records import read_heartbeats
+from hpcrl.fsio import read_jsonl
+from hpcrl.logs import read_staleness
+from hpcrl.run_dir import RunDir
+
+SIMULATED = ["rollout.engine=simulated", "trainer.simulated=true", "eval.every_versions=0",
+             "simulated.time_scale=20", "simulated.lengths=geometric", "simulated.length_mean=30",
+             "simulated.update_base_s=4.0", "simulated.weight_load_s=1.0", "rollout.response_length=96",
+             "rollout.total_rollout_steps=160", "rollout.max_concurrent_groups=2", "rollout.n=2",
+             "async_training.staleness_threshold=1.0", "async_training.partial_rollout=true",
+             "trainer.checkpoint_every_updates=1000", "timeouts.wait_samples_s=120", "timeouts.wait_weights_s=120"]
+
+
+def _committed(rd: RunDir, writer: str) -> int:
+    return sum(line["n_groups"] for line in read_jsonl(rd.shard_manifest(writer)))
+
+
+@pytest.mark.slow
+def test_a_fleet_grown_shrunk_and_killed_mid_run_trains_on_every_prompt_once(tmp_path):
+    import hpcrl
+    from hpcrl.launcher.scale_cmd import scale_command
+
+    lines: list[str] = []
+    run = hpcrl.launch(TINY, run_dir=tmp_path / "run", executor="local", emit=lines.append, overrides=SIMULATED)
+    rd, cfg = run.rd, run.cfg
+    result: dict = {}
+    follower = threading.Thread(target=lambda: result.setdefault("ok", run.wait(timeout_s=400, poll_s=0.5)))
+    follower.start()
+    wait_until(lambda: _committed(rd, "w000") >= 4, 120, "w000's first groups")
+    assert scale_command(str(rd.root), 3, wait_s=30, scripts=None) == 0  # the follower applies it
+    wait_until(lambda: min(_committed(rd, w) for w in ("w000", "w001", "w002")) >= 2 if
+               {"w001", "w002"} <= set(rd.writers()) else False, 120, "the two new writers' first groups")
+    assert scale_command(str(rd.root), 2, wait_s=30, scripts=None) == 0  # w002, the newest, drains
+    wait_until(lambda: getattr(read_heartbeats(rd).get("rollout-w002"), "state", "") == "drained", 60, "w002 drained")
+    beat = read_heartbeats(rd)["rollout-w001"]
+    os.kill(beat.pid, signal.SIGKILL)  # groups in flight and claims open: the launcher resubmits it
+    follower.join(420)
+    assert result.get("ok") is True, "\n".join(lines[-30:])
+
+    check_exactly_once(rd, cfg.rollout.max_concurrent_groups)
+    st = read_staleness(rd)
+    assert set(st.group_id.str.split("/").str[0]) == {"w000", "w001", "w002"}, "every writer's groups were trained on"
+    lag_end = st.trainer_version - st.groupby("group_id").version_end.transform("max")  # the group's newest token
+    print(f"elastic run: lag of the newest token max {lag_end.max()} (bound {cfg.max_lag_bound}); groups per writer "
+          f"{st.drop_duplicates('group_id').writer.value_counts().to_dict()}")
+    assert lag_end.max() <= cfg.max_lag_bound
+    book = read_claims(rd)
+    assert set(book.left) == {"w002"} and book.left["w002"].why == "drained"
+    assert rd.load_config().resources.rollout_jobs == 2, "the frozen config follows the fleet (a resume starts 2)"
+    text = "\n".join(lines)
+    for expected in ("scale: rollout-w001 submitted", "scale: rollout-w002 submitted", "asked to drain",
+                     "job rollout-w002", "left the fleet", "job rollout-w001", "resubmitting"):
+        assert expected in text, f"{expected!r} not in the launcher's lines:\n{text[-3000:]}"
+    assert not any("resubmitting" in x and "rollout-w002" in x for x in lines), "a drained job is never resubmitted"
+    w1 = rd.job_log(RunDir.rollout_job("w001")).read_text()
+    assert w1.count("joined the fleet") == 2 and "recovered" in w1

@@ -1,0 +1,65 @@
+"""The fleet's writer numbers, drain records and ``hpcrl scale`` without a launcher (``launcher/fleet.py``,
+``control/fleet.py``, ``launcher/scale_cmd.py``): fast, no job started."""
+import json
+import time
+
+from conftest import make_run
+from hpcrl.control.admission import Admission, read_claims
+from hpcrl.control.fleet import drain_requested, read_scale_request, request_drain, request_scale
+from hpcrl.control.records import Heartbeat
+from hpcrl.fsio import write_json_atomic
+from hpcrl.launcher.fleet import fleet_ids, retire_writers
+from hpcrl.launcher.sbatch_lines import rollout_line, sbatch_lines
+from hpcrl.launcher.scale_cmd import scale_command
+from hpcrl.launcher.submit import plan_jobs
+from hpcrl.run_dir import RunDir
+
+
+def _beat(rd: RunDir, writer: str, state: str = "generating") -> None:
+    job = RunDir.rollout_job(writer)
+    write_json_atomic(rd.heartbeat(job), Heartbeat(job, "rollout", "h", 1, time.time(), state=state).to_json())
+
+
+def test_a_fresh_run_has_the_writers_it_always_had_and_a_grown_one_never_reuses_a_number(tmp_path):
+    rd = make_run(tmp_path, "resources.rollout_jobs=3")
+    assert [p.name for p in plan_jobs(rd.load_config(), rd)][1:4] == ["rollout-w000", "rollout-w001", "rollout-w002"]
+    assert "--array=0-2" in sbatch_lines(rd.load_config(), rd, tmp_path, "python")[1]
+    for w in ("w000", "w001", "w002"):
+        rd.writer_dir(w).mkdir(parents=True)
+    request_drain(rd, "w001", "test")
+    assert fleet_ids(rd, 2) == [0, 2] and fleet_ids(rd, 4) == [0, 2, 3, 4], "w001 drained: never run again"
+    assert "--array=3,5" in rollout_line(rd.load_config(), rd, tmp_path, "python", [3, 5])
+
+
+def test_a_resume_with_a_smaller_fleet_retires_the_newest_writers_and_hands_back_their_prompts(tmp_path):
+    rd = make_run(tmp_path, "resources.rollout_jobs=2")
+    for w in ("w000", "w001"):
+        adm = Admission(rd, w, 100)
+        adm.join(0, set())
+        adm.try_start(0)
+    assert retire_writers(rd, [0], "test") == ["w001"]
+    book = read_claims(rd)
+    assert drain_requested(rd, "w001") and book.free == [1] and set(book.claims) == {"w000"}
+
+
+def test_scale_without_a_launcher_drains_the_newest_by_records(tmp_path, capsys):
+    rd = make_run(tmp_path, "resources.rollout_jobs=3")
+    for w in ("w000", "w001", "w002"):
+        _beat(rd, w)
+    _beat(rd, "w003", state="failed")  # an ended job is not in the fleet
+    assert scale_command(str(rd.root), 1, wait_s=0.2, scripts=None) == 0
+    assert [drain_requested(rd, w) for w in ("w000", "w001", "w002")] == [False, True, True]
+    assert rd.load_config().resources.rollout_jobs == 1
+    assert "resources.rollout_jobs: 3 -> 1 (hpcrl scale --rollout-jobs 1)" in rd.config_history()
+    req = read_scale_request(rd)
+    assert req.rollout_jobs == 1 and req.applied_s == 0.0, "no launcher acknowledged it"
+    assert scale_command(str(rd.root), 0, wait_s=0, scripts=None) == 2
+    assert "must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_a_scale_request_is_a_record(tmp_path):
+    rd = make_run(tmp_path)
+    request_scale(rd, 4, "me")
+    assert json.loads(rd.scale_request.read_text())["rollout_jobs"] == 4
+    rd.scale_request.write_text("{torn")
+    assert read_scale_request(rd) is None
