@@ -63,13 +63,24 @@ SelectTypeParameters=CR_Core
 ReturnToService=2
 MpiDefault=none
 SchedulerType=sched/backfill
+# the schedulers run every 5 s, not every 60 and 30 s: a preemption (by the backfill scheduler) takes seconds
+SchedulerParameters=sched_interval=5,bf_interval=5
 # keep finished jobs visible to scontrol for 10 minutes (there is no accounting: no sacct)
 MinJobAge=600
 # requeued jobs may start again as soon as possible
 JobRequeue=1
 NodeName=$host CPUs=$(nproc) RealMemory=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 - 1024 )) State=UNKNOWN
+# preemption is real: a job of a higher PriorityTier partition that cannot start otherwise requeues the jobs
+# of the preemptible one. Seen with Slurm 22.05: the backfill scheduler selects them, waits the partition's
+# GraceTime, then sends SIGTERM and SIGKILL KillWait (30 s) later; they keep their ids (and array task ids)
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
 # OverSubscribe lets trainer + rollout jobs share the few cores of a test machine
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4 PriorityTier=10 PreemptMode=OFF
+# scavenger capacity (resources.rollout_preemptible.partition=scavenger): any job may use it until the owner
+# needs the node; an owner job takes the whole node (what a higher-priority user does to preemptible capacity)
+PartitionName=scavenger Nodes=ALL MaxTime=INFINITE State=UP OverSubscribe=FORCE:4 PriorityTier=1 PreemptMode=REQUEUE GraceTime=5
+PartitionName=owner Nodes=ALL MaxTime=INFINITE State=UP OverSubscribe=EXCLUSIVE PriorityTier=20 PreemptMode=OFF
 CONF
 }
 

@@ -9,7 +9,7 @@ from hpcrl.control.fleet import drain_requested, read_scale_request, request_dra
 from hpcrl.control.records import Heartbeat
 from hpcrl.fsio import write_json_atomic
 from hpcrl.launcher.fleet import fleet_ids, retire_writers
-from hpcrl.launcher.sbatch_lines import rollout_line, sbatch_lines
+from hpcrl.launcher.sbatch_lines import rollout_lines, sbatch_lines
 from hpcrl.launcher.scale_cmd import scale_command
 from hpcrl.launcher.submit import plan_jobs
 from hpcrl.run_dir import RunDir
@@ -28,7 +28,7 @@ def test_a_fresh_run_has_the_writers_it_always_had_and_a_grown_one_never_reuses_
         rd.writer_dir(w).mkdir(parents=True)
     request_drain(rd, "w001", "test")
     assert fleet_ids(rd, 2) == [0, 2] and fleet_ids(rd, 4) == [0, 2, 3, 4], "w001 drained: never run again"
-    assert "--array=3,5" in rollout_line(rd.load_config(), rd, tmp_path, "python", [3, 5])
+    assert "--array=3,5" in rollout_lines(rd.load_config(), rd, tmp_path, "python", [3, 5])[0]
 
 
 def test_a_resume_with_a_smaller_fleet_retires_the_newest_writers_and_hands_back_their_prompts(tmp_path):
@@ -63,3 +63,35 @@ def test_a_scale_request_is_a_record(tmp_path):
     assert json.loads(rd.scale_request.read_text())["rollout_jobs"] == 4
     rd.scale_request.write_text("{torn")
     assert read_scale_request(rd) is None
+
+
+def test_rollout_jobs_beyond_the_floor_go_to_the_preemptible_partition(tmp_path):
+    rd = make_run(tmp_path, "resources.rollout_jobs=3", "resources.rollout_preemptible.partition=scavenger",
+                  "resources.rollout_preemptible.floor=1", "resources.rollout.partition=debug")
+    cfg = rd.load_config()
+    lines = sbatch_lines(cfg, rd, tmp_path, "python")
+    assert "--array=0-0" in lines[1] and "--partition=debug" in lines[1] and "--requeue" in lines[1]
+    assert "--array=1-2" in lines[2] and "--partition=scavenger" in lines[2] and "--requeue" in lines[2]
+    jobs = {p.name: p.resources.partition for p in plan_jobs(cfg, rd)}
+    assert [jobs[f"rollout-w00{i}"] for i in range(3)] == ["debug", "scavenger", "scavenger"]
+    cfg.resources.rollout_preemptible.requeue = False
+    assert "--no-requeue" in rollout_lines(cfg, rd, tmp_path, "python", [5])[0]
+    assert "--requeue " not in rollout_lines(cfg, rd, tmp_path, "python", [5])[0]
+
+
+def test_status_lists_the_writers_that_joined_are_draining_and_left(tmp_path):
+    import io
+
+    from hpcrl.analysis.status import status_main
+
+    rd = make_run(tmp_path, "resources.rollout_jobs=3")
+    for w in ("w000", "w001", "w002"):
+        Admission(rd, w, 100).join(0, set())
+    request_drain(rd, "w001", "test")
+    request_drain(rd, "w002", "test")
+    Admission(rd, "w002", 100).release("drained")
+    _beat(rd, "w000")
+    out = io.StringIO()
+    status_main(rd.root, once=True, out=out)
+    line = next(x for x in out.getvalue().splitlines() if x.startswith("fleet:"))
+    assert line == "fleet: 2 writer(s) joined (w000 w001); draining: w001; left: w002 (drained, 0 prompts handed back)"

@@ -1,6 +1,7 @@
 """Config of the jobs' sizes and Slurm options (``resources``), per role."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -58,6 +59,44 @@ class JobResources:
 
 
 @dataclass
+class PreemptibleRollout:
+    """``resources.rollout_preemptible``: rollout jobs beyond a floor run on preemptible capacity (a scavenger
+    partition or QOS that any job may use until its owner needs it back). On preemption Slurm sends SIGTERM
+    (after the partition's GraceTime) and SIGKILL KillWait later: the job seals its complete groups and saves
+    those in flight within seconds, and its requeued successor (same job and array task id: the same writer)
+    regenerates its uncommitted prompt claims and continues the saved groups, so nothing is lost."""
+
+    partition: Optional[str] = None
+    """Slurm partition of the preemptible capacity (null, with ``qos`` null: off; every rollout job is
+    submitted as ``resources.rollout`` says)."""
+    qos: Optional[str] = None
+    """Slurm QOS of the preemptible capacity (null: ``resources.rollout.qos``)."""
+    floor: int = 1
+    """Rollout jobs that are never preempted: writers ``0..floor-1`` are submitted as ``resources.rollout`` says,
+    writers from ``floor`` on (at launch and when ``hpcrl scale`` grows the fleet) with the partition and QOS above;
+    they keep the run moving when the preemptible capacity is taken back."""
+    requeue: bool = True
+    """``--requeue``: Slurm puts a preempted job back in its queue under the same id (the same writer comes back
+    when capacity returns). false: ``--no-requeue``; the launcher following the run resubmits it instead
+    (``resources.max_restarts``)."""
+
+    @property
+    def enabled(self) -> bool:
+        """Preemptible capacity is configured."""
+        return self.partition is not None or self.qos is not None
+
+    def validate(self) -> None:
+        """Raise ConfigError naming ``resources.rollout_preemptible.<field>`` for a value out of range."""
+        for name in ("partition", "qos"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v or any(c.isspace() for c in v)):
+                raise bad(f"resources.rollout_preemptible.{name}", v, "null or a single word", "no spaces")
+        check_int("resources.rollout_preemptible.floor", self.floor, 1)
+        if not isinstance(self.requeue, bool):
+            raise bad("resources.rollout_preemptible.requeue", self.requeue, "true or false")
+
+
+@dataclass
 class ResourcesConfig:
     """``resources``: the jobs' sizes, how many rollout jobs, and the restart budget."""
 
@@ -68,7 +107,10 @@ class ResourcesConfig:
     eval: JobResources = field(default_factory=JobResources)
     """Resources of the evaluation job (only submitted when ``eval.every_versions`` > 0)."""
     rollout_jobs: int = 1
-    """Number of rollout jobs (each one sample writer; a Slurm job array in sbatch/)."""
+    """Number of rollout jobs (each one sample writer; a Slurm job array in sbatch/). ``hpcrl scale`` changes it on
+    a live run."""
+    rollout_preemptible: PreemptibleRollout = field(default_factory=PreemptibleRollout)
+    """Rollout jobs beyond a floor on preemptible capacity (off unless a partition or QOS is given)."""
     max_restarts: int = 3
     """The launcher resubmits a job that ended before the trainer finished (crash,
     scancel, node failure; the evaluation job: before it evaluated the final version) at most
@@ -80,6 +122,7 @@ class ResourcesConfig:
         self.rollout.validate("resources.rollout")
         self.eval.validate("resources.eval")
         check_int("resources.rollout_jobs", self.rollout_jobs, 1)
+        self.rollout_preemptible.validate()
         check_int("resources.max_restarts", self.max_restarts, 0)
         if self.rollout.world_size != 1:
             raise bad("resources.rollout.tasks_per_node", self.rollout.tasks_per_node,
@@ -89,3 +132,14 @@ class ResourcesConfig:
                       "job", "give it more GPUs per node (vLLM's tensor_parallel_size) instead")
 
 
+
+    def rollout_for(self, writer_id: int) -> JobResources:
+        """The resources of writer ``writer_id``'s rollout job: ``rollout``, with the preemptible partition, QOS and
+        requeue from ``rollout_preemptible.floor`` on."""
+        pre = self.rollout_preemptible
+        if not pre.enabled or writer_id < pre.floor:
+            return self.rollout
+        extra = {k: v for k, v in self.rollout.sbatch_extra.items() if k not in ("requeue", "no-requeue")}
+        extra["requeue" if pre.requeue else "no-requeue"] = ""
+        return dataclasses.replace(self.rollout, partition=pre.partition or self.rollout.partition,
+                                   qos=pre.qos or self.rollout.qos, sbatch_extra=extra)

@@ -1,7 +1,8 @@
 """Render the sbatch commands of a run for the scripts in ``sbatch/``.
 
 One line for the trainer (``sbatch/trainer.sbatch``), one for the rollout
-job array (``sbatch/rollout.sbatch``) and, with ``eval.every_versions`` > 0, one
+job array (``sbatch/rollout.sbatch``; two with ``resources.rollout_preemptible``: the floor and the
+preemptible jobs) and, with ``eval.every_versions`` > 0, one
 for the evaluation job (``sbatch/eval.sbatch``), with the sizes and Slurm options
 of the config; ``sbatch/submit.sh`` runs them. Per-job ``setup`` lines go to
 ``RUN/sbatch/<role>.setup.sh``, which the scripts source.
@@ -28,7 +29,8 @@ def slurm_options(r: JobResources) -> dict[str, object]:
         if getattr(r, name):
             opts[name] = getattr(r, name)
     opts.update(r.sbatch_extra)
-    opts.setdefault("requeue", "")  # preempted or USR2'd jobs requeue themselves (scontrol requeue)
+    if "no-requeue" not in opts:
+        opts.setdefault("requeue", "")  # preempted or USR2'd jobs requeue themselves (scontrol requeue)
     return opts
 
 
@@ -44,20 +46,28 @@ def sbatch_lines(cfg: RunConfig, rd: RunDir, scripts: Path, python: str) -> list
     """The sbatch command lines of a run (trainer; rollout job array; the evaluation job if on)."""
     trainer = ["sbatch", "--parsable", *_options("trainer", cfg.resources.trainer, rd, python),
                str(scripts / "trainer.sbatch"), str(rd.root)]
-    lines = [shlex.join(trainer), rollout_line(cfg, rd, scripts, python, list(range(cfg.resources.rollout_jobs)))]
+    lines = [shlex.join(trainer), *rollout_lines(cfg, rd, scripts, python, list(range(cfg.resources.rollout_jobs)))]
     if cfg.eval.enabled:
         lines.append(shlex.join(["sbatch", "--parsable", *_options("eval", cfg.resources.eval, rd, python),
                                  str(scripts / "eval.sbatch"), str(rd.root)]))
     return lines
 
 
-def rollout_line(cfg: RunConfig, rd: RunDir, scripts: Path, python: str, writer_ids: list[int]) -> str:
-    """The sbatch command of the rollout job array for these writer numbers (the array task id is the writer
-    number: ``0-3`` at launch, ``4,5`` when ``hpcrl scale`` grows the fleet)."""
-    contiguous = writer_ids == list(range(writer_ids[0], writer_ids[0] + len(writer_ids)))
-    array = f"{writer_ids[0]}-{writer_ids[-1]}" if contiguous else ",".join(map(str, writer_ids))
-    return shlex.join(["sbatch", "--parsable", f"--array={array}", *_options("rollout", cfg.resources.rollout, rd, python),
-                       str(scripts / "rollout.sbatch"), str(rd.root)])
+def rollout_lines(cfg: RunConfig, rd: RunDir, scripts: Path, python: str, writer_ids: list[int]) -> list[str]:
+    """The sbatch commands of the rollout job arrays for these writer numbers (the array task id is the writer
+    number: ``0-3`` at launch, ``4,5`` when ``hpcrl scale`` grows the fleet): one array per kind of capacity
+    (``resources.rollout``, and ``resources.rollout_preemptible`` from its floor on)."""
+    kinds: dict[str, list[int]] = {}
+    for i in writer_ids:
+        kinds.setdefault(repr(cfg.resources.rollout_for(i)), []).append(i)
+    lines = []
+    for ids in kinds.values():
+        contiguous = ids == list(range(ids[0], ids[0] + len(ids)))
+        array = f"{ids[0]}-{ids[-1]}" if contiguous else ",".join(map(str, ids))
+        lines.append(shlex.join(["sbatch", "--parsable", f"--array={array}",
+                                 *_options("rollout", cfg.resources.rollout_for(ids[0]), rd, python),
+                                 str(scripts / "rollout.sbatch"), str(rd.root)]))
+    return lines
 
 
 def write_setup_files(cfg: RunConfig, rd: RunDir) -> None:

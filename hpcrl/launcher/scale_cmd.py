@@ -9,6 +9,7 @@ sbatch (``sbatch/rollout.sbatch``), or prints that line when sbatch is not on PA
 """
 from __future__ import annotations
 
+import shlex
 import shutil
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from pathlib import Path
 from hpcrl.control.fleet import drained_writers, read_scale_request, request_drain, request_scale
 from hpcrl.control.records import read_heartbeats, read_trainer_done
 from hpcrl.launcher.fleet import record_fleet_size, used_writer_ids
-from hpcrl.launcher.sbatch_lines import rollout_line
+from hpcrl.launcher.sbatch_lines import rollout_lines
 from hpcrl.run_dir import RunDir
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "sbatch"
@@ -41,15 +42,18 @@ def _act_without_launcher(rd: RunDir, n: int, scripts: Path, by: str) -> int:
             print(f"{RunDir.rollout_job(w)} asked to drain ({rd.drain_request(w)})")
     elif n > len(active):
         start = max(used_writer_ids(rd), default=-1) + 1
-        line = rollout_line(cfg, rd, scripts, sys.executable, list(range(start, start + n - len(active))))
+        ids = list(range(start, start + n - len(active)))
+        lines = rollout_lines(cfg, rd, scripts, sys.executable, ids)
         if shutil.which("sbatch") is None:
-            print(f"sbatch is not on PATH: submit the new rollout jobs with\n{line}")
+            print("sbatch is not on PATH: submit the new rollout jobs with\n" + "\n".join(lines))
             return 1
-        out = subprocess.run(line, shell=True, capture_output=True, text=True, timeout=60)
-        if out.returncode != 0:
-            print(f"hpcrl scale: error: `{line}` failed: {out.stderr.strip()}", file=sys.stderr)
-            return 1
-        print(f"submitted rollout job array {out.stdout.strip()} (writers {start}..{start + n - len(active) - 1})")
+        for line in lines:
+            out = subprocess.run(shlex.split(line), capture_output=True, text=True, timeout=60)
+            if out.returncode != 0:
+                print(f"hpcrl scale: error: `{line}` failed: {out.stderr.strip()}", file=sys.stderr)
+                return 1
+            print(f"submitted rollout job array {out.stdout.strip()}: {line}")
+        print(f"writers {ids[0]}..{ids[-1]} join the fleet")
     record_fleet_size(cfg, rd, n, by)
     return 0
 

@@ -77,7 +77,7 @@ class PlannedJob:
 def plan_rollout(cfg: RunConfig, rd: RunDir, writer_id: int) -> PlannedJob:
     """The rollout job of writer number ``writer_id``."""
     return PlannedJob(RunDir.rollout_job(RunDir.writer_name(writer_id)), "hpcrl.rollout.main.rollout_main",
-                      (str(rd.root), writer_id), cfg.resources.rollout)
+                      (str(rd.root), writer_id), cfg.resources.rollout_for(writer_id))
 
 
 def plan_jobs(cfg: RunConfig, rd: RunDir) -> list[PlannedJob]:

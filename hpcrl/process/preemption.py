@@ -48,3 +48,22 @@ def requeue_self() -> bool:
         log.error("scontrol requeue %s failed (%s); the launcher must resubmit this job", job, out.stderr.strip())
         return False
     return True
+
+
+def preempted_by_slurm() -> bool:
+    """This Slurm job was selected for preemption (``scontrol show job`` gives it a ``PreemptTime``). Slurm sends
+    SIGTERM at the start of the partition's GraceTime and requeues the job at its end only if it is still running:
+    a job that saves and exits within the grace is merely complete, so it must requeue itself
+    (:func:`requeue_self`). False outside Slurm, or when scontrol cannot say (logged)."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job:
+        return False
+    try:
+        out = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        log.warning("could not ask Slurm whether job %s is preempted (%s): treating SIGTERM as a cancel", job, e)
+        return False
+    for token in out.stdout.split():
+        if token.startswith("PreemptTime="):
+            return token.split("=", 1)[1] not in ("None", "Unknown", "")
+    return False

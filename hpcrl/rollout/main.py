@@ -44,7 +44,7 @@ from hpcrl.fsio import wait_for
 from hpcrl.logs import setup_logging
 from hpcrl.process import faults, termination
 from hpcrl.process.leftovers import mark_job, sweep_leftovers
-from hpcrl.process.preemption import PreemptionFlag, requeue_self
+from hpcrl.process.preemption import PreemptionFlag, preempted_by_slurm, requeue_self
 from hpcrl.rollout.agent_loop import GroupContext, group_seed, run_group
 from hpcrl.rollout.engine import FINISH_LENGTH
 from hpcrl.rollout.gate import EngineGate
@@ -395,13 +395,16 @@ class RolloutJob:
             self.heartbeat.write()  # out of start-up now: the launcher's Ctrl-C waits for it to seal from here on
             final_state = self._loop()
         except BaseException as e:
-            if not isinstance(e, SystemExit):
+            if isinstance(e, SystemExit) and termination.received() is not None and preempted_by_slurm():
+                log.warning("SIGTERM of a Slurm preemption: sealing, saving the groups in flight, then requeueing")
+                final_state = HeartbeatState.PREEMPTED
+            elif not isinstance(e, SystemExit):
                 log.exception("rollout %s failed", self.writer)  # into RUN/logs/jobs/, where the launcher looks
             raise
         finally:
             self._shutdown(final_state)
-        if final_state == HeartbeatState.PREEMPTED:
-            requeue_self()  # under Slurm; elsewhere whoever started the job restarts it
+            if final_state == HeartbeatState.PREEMPTED:
+                requeue_self()  # under Slurm; elsewhere whoever started the job restarts it
 
     def _loop(self) -> HeartbeatState:
         """Steps 1-6 of the module docstring until stopped; returns DONE, STOPPED, PREEMPTED or DRAINED."""
