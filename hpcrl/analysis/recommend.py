@@ -85,15 +85,18 @@ def recommend(t: float, r: float, k: Optional[Knobs], why_unknown: str = "") -> 
             "or lower timeouts.poll_interval_s / rollout.seal_interval_s; moving GPUs would not help."))
     if t > HIGH and t - r >= MARGIN:
         extra = "" if k is None else (
-            f"resources.rollout_jobs {k.rollout_jobs} -> {k.rollout_jobs + 1}, or more GPUs per rollout job")
+            f"resources.rollout_jobs {k.rollout_jobs} -> {k.rollout_jobs + 1}, on a live run `hpcrl scale RUN "
+            f"--rollout-jobs {k.rollout_jobs + 1}`, or more GPUs per rollout job")
         return Recommendation("rollout", (
             f"The rollout side is the bottleneck: {nums}. Move GPUs from the trainer to rollout"
             f"{' (' + extra + ')' if extra else ''}; the trainer could absorb up to {1 / max(1 - t, 1e-9):.1f}x "
             "the current sample rate."))
     if r > HIGH and r - t >= MARGIN:
+        fewer = ("" if k is None or k.rollout_jobs < 2 else
+                 f": on a live run `hpcrl scale RUN --rollout-jobs {k.rollout_jobs - 1}`")
         return Recommendation("trainer", (
             f"The trainer is the bottleneck: {nums}. Move GPUs from rollout to the trainer (more trainer GPUs "
-            f"or fewer rollout jobs); the rollout fleet could generate up to {1 / max(1 - r, 1e-9):.1f}x what "
+            f"or fewer rollout jobs{fewer}); the rollout fleet could generate up to {1 / max(1 - r, 1e-9):.1f}x what "
             "the trainer consumes. Raising staleness_threshold would only add lag."))
     return Recommendation("balanced", (
         f"Balanced: {nums}; both sides are busy most of the time (idle at most {HIGH:.2f}), so keep the split; "
