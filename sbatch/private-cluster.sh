@@ -5,6 +5,9 @@
 #   sbatch/private-cluster.sh stop DIR    # stop the daemons started from DIR
 #   sbatch/private-cluster.sh env DIR     # print `export SLURM_CONF=...` for your shell
 #
+# HPCRL_PRIVATE_PREEMPT=1 adds preemptible capacity: a `scavenger` partition whose jobs an `owner` job
+# preempts (PreemptMode=REQUEUE), for tests of preempted rollout jobs (see write_conf).
+#
 # Everything lives under DIR (config, state, spool, logs, pid files) and the
 # daemons use non-default ports (7817/7818, override with HPCRL_SLURMCTLD_PORT /
 # HPCRL_SLURMD_PORT), so a system cluster on the same machine is never touched.
@@ -19,6 +22,7 @@ mkdir -p "$dir"
 dir="$(cd "$dir" && pwd)"
 conf="$dir/slurm.conf"
 ctld_port="${HPCRL_SLURMCTLD_PORT:-7817}"
+preempt="${HPCRL_PRIVATE_PREEMPT:-0}"
 slurmd_port="${HPCRL_SLURMD_PORT:-7818}"
 
 need_root() {
@@ -39,6 +43,8 @@ install_packages() {
 
 write_conf() {
   local host; host="$(hostname -s)"
+  local debug_tier=""
+  if [ "$preempt" = 1 ]; then debug_tier=" PriorityTier=10 PreemptMode=OFF"; fi
   mkdir -p "$dir/state" "$dir/spool" "$dir/log"
   cat > "$conf" <<CONF
 # written by hpcrl sbatch/private-cluster.sh: a one-node test cluster
@@ -63,25 +69,32 @@ SelectTypeParameters=CR_Core
 ReturnToService=2
 MpiDefault=none
 SchedulerType=sched/backfill
-# the schedulers run every 5 s, not every 60 and 30 s: a preemption (by the backfill scheduler) takes seconds
-SchedulerParameters=sched_interval=5,bf_interval=5
 # keep finished jobs visible to scontrol for 10 minutes (there is no accounting: no sacct)
 MinJobAge=600
 # requeued jobs may start again as soon as possible
 JobRequeue=1
 NodeName=$host CPUs=$(nproc) RealMemory=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 - 1024 )) State=UNKNOWN
-# preemption is real: a job of a higher PriorityTier partition that cannot start otherwise requeues the jobs
-# of the preemptible one. Seen with Slurm 22.05: the backfill scheduler selects them, waits the partition's
-# GraceTime, then sends SIGTERM and SIGKILL KillWait (30 s) later; they keep their ids (and array task ids)
+# OverSubscribe lets trainer + rollout jobs share the few cores of a test machine
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4$debug_tier
+CONF
+  if [ "$preempt" = 1 ]; then
+    cat >> "$conf" <<CONF
+# HPCRL_PRIVATE_PREEMPT=1: preemption is real. A job of a higher PriorityTier partition that cannot start
+# otherwise requeues the jobs of the preemptible one. Seen with Slurm 22.05: the backfill scheduler selects
+# them, their steps get SIGTERM at once, and they are requeued (killed) after the partition's GraceTime unless
+# they ended by then (then they are merely complete); a requeued job keeps its id and array task id. With
+# preemption on, cores are no longer shared (OverSubscribe=FORCE:4 is not honoured: 2 jobs on 2 cores), so it
+# is off unless asked for.
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
-# OverSubscribe lets trainer + rollout jobs share the few cores of a test machine
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4 PriorityTier=10 PreemptMode=OFF
+# the schedulers run every 5 s, not every 60 and 30 s: a preemption (by the backfill scheduler) takes seconds
+SchedulerParameters=sched_interval=5,bf_interval=5
 # scavenger capacity (resources.rollout_preemptible.partition=scavenger): any job may use it until the owner
 # needs the node; an owner job takes the whole node (what a higher-priority user does to preemptible capacity)
 PartitionName=scavenger Nodes=ALL MaxTime=INFINITE State=UP OverSubscribe=FORCE:4 PriorityTier=1 PreemptMode=REQUEUE GraceTime=5
 PartitionName=owner Nodes=ALL MaxTime=INFINITE State=UP OverSubscribe=EXCLUSIVE PriorityTier=20 PreemptMode=OFF
 CONF
+  fi
 }
 
 start_munge() {

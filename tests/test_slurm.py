@@ -1,7 +1,7 @@
 """Against a real private single-node Slurm cluster (sbatch/private-cluster.sh), started
 once for this module: submitit and sbatch launches, a 2-rank trainer with 2 rollout
-array tasks, preemption with requeue (USR2, and a real preemption of a rollout job on the
-scavenger partition), a rollout job scancel'd and resubmitted.
+array tasks, preemption with requeue, a rollout job scancel'd and resubmitted
+(a real preemption: tests/test_slurm_preempt.py).
 
 The cluster needs root (it starts slurmd and munged) and Debian's Slurm packages,
 which the script installs when missing; CI runs as root.
@@ -26,12 +26,14 @@ pytestmark = pytest.mark.slow
 CLUSTER = REPO / "sbatch" / "private-cluster.sh"
 
 
-@pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
+def private_cluster(tmp_path_factory, preempt: bool = False):
+    """Start the private cluster (``preempt``: with the scavenger and owner partitions), yield its environment,
+    stop it (a module fixture; one cluster at a time: they share the ports)."""
     if os.geteuid() != 0:
         pytest.fail("the Slurm tests start a private cluster and must run as root (CI does)")
     folder = tmp_path_factory.mktemp("slurm")
-    subprocess.run(["bash", str(CLUSTER), "start", str(folder)], check=True, timeout=600)
+    subprocess.run(["bash", str(CLUSTER), "start", str(folder)], check=True, timeout=600,
+                   env=dict(os.environ, HPCRL_PRIVATE_PREEMPT=str(int(preempt))))
     env = dict(os.environ, SLURM_CONF=str(folder / "slurm.conf"), HPCRL_PYTHON=sys.executable)
     old = os.environ.copy()
     os.environ.update(env)  # submitit and our squeue/scontrol calls in this process
@@ -42,6 +44,11 @@ def slurm(tmp_path_factory):
         subprocess.run(["bash", str(CLUSTER), "stop", str(folder)], timeout=60)
         os.environ.clear()
         os.environ.update(old)
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    yield from private_cluster(tmp_path_factory)
 
 
 def n_updates(rd) -> int:
@@ -178,43 +185,3 @@ def test_weight_broadcast_between_two_slurm_jobs(slurm, tmp_path):
     assert "by broadcast" in (rd.job_logs / "rollout-w000.log").read_text()
     check_exactly_once(rd, rd.load_config().rollout.max_concurrent_groups)
 
-
-def test_a_rollout_job_preempted_on_scavenger_capacity_comes_back_and_loses_nothing(slurm, tiny_run):
-    """resources.rollout_preemptible.partition=scavenger (sbatch/private-cluster.sh: PreemptMode=REQUEUE below the
-    owner partition). The trainer and the floor (w000) run outside Slurm; `hpcrl scale` with no launcher following
-    submits w001 to the scavenger partition with sbatch; a job of the owner partition takes the node back, Slurm
-    preempts w001 (SIGTERM: it seals and saves its groups in flight) and requeues it; when it runs again the same
-    writer regenerates its uncommitted claims and continues its saved groups; exactly once."""
-    from conftest import start_rollout, start_trainer
-    from hpcrl.control.admission import read_claims
-    from hpcrl.launcher.scale_cmd import scale_command
-    from test_elastic import SIMULATED
-
-    # rollout-bound (a group decodes ~2 s, an update 0.2 s): w001 always has groups in flight to save
-    rd = tiny_run(*SIMULATED, "rollout.total_rollout_steps=64", "simulated.decode_base_s=1.0",
-                  "resources.rollout_preemptible.partition=scavenger", "resources.rollout.partition=debug")
-    trainer, floor = start_trainer(rd), start_rollout(rd, 0)
-    wait_until(lambda: n_updates(rd) >= 2, 120, "2 updates", jobs=(trainer, floor))
-    assert scale_command(str(rd.root), 2, wait_s=0, scripts=str(REPO / "sbatch")) == 0
-    w1 = RunDir.rollout_job("w001")
-    committed = lambda: sum(x["n_groups"] for x in read_jsonl(rd.shard_manifest("w001")))  # noqa: E731
-    wait_until(lambda: committed() >= 2 and read_claims(rd).claims["w001"].prompts, 120,
-               "w001's first groups on the scavenger partition, and more in flight")
-    job_id = subprocess.run(["squeue", "-h", "-p", "scavenger", "-o", "%i"], capture_output=True, text=True,
-                            env=slurm).stdout.split()[0]
-    subprocess.run(["sbatch", "-p", "owner", "--output=/dev/null", "--wrap", "sleep 2"], check=True, env=slurm, capture_output=True)
-    show = lambda: subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True,  # noqa: E731
-                                  env=slurm).stdout
-    wait_until(lambda: "Restarts=1" in show() and "JobState=PENDING" in show(), 90, "w001 preempted and requeued")
-    assert (read_json(rd.heartbeat(w1)) or {}).get("state") == "preempted", "SIGTERM: sealed and saved, requeued"
-    wait_until(lambda: not squeue_ids(slurm) - {job_id}, 30, "the owner job to end")
-    time.sleep(3)  # see test_sbatch_trainer_preempted_with_usr2_requeues_and_resumes: not before the old credential went
-    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True, env=slurm)
-    assert trainer.wait(300) == 0, trainer.tail()
-    assert floor.wait(60) == 0, floor.tail()
-    wait_until(lambda: not squeue_ids(slurm), 60, "w001 to end")
-    log_text = rd.job_log(w1).read_text()
-    assert log_text.count("joined the fleet") == 2, "the requeued job is the same writer"
-    assert "SIGTERM of a Slurm preemption" in log_text and "requeueing Slurm job" in log_text
-    assert "continuing" in log_text and "saved by this writer's previous job" in log_text
-    check_exactly_once(rd, rd.load_config().rollout.max_concurrent_groups)
