@@ -95,3 +95,34 @@ def test_status_lists_the_writers_that_joined_are_draining_and_left(tmp_path):
     status_main(rd.root, once=True, out=out)
     line = next(x for x in out.getvalue().splitlines() if x.startswith("fleet:"))
     assert line == "fleet: 2 writer(s) joined (w000 w001); draining: w001; left: w002 (drained, 0 prompts handed back)"
+
+
+def test_autoscale_adds_a_job_while_the_trainer_waits_and_drains_one_while_the_fleet_waits():
+    from hpcrl.config.resources import RolloutAutoscale
+    from hpcrl.launcher.autoscale import decide
+
+    cfg = RolloutAutoscale(min_jobs=1, max_jobs=3, idle_ratio=0.3, versions=3)
+    waiting = [{"param_version": v, "trainer/idle_ratio": 0.6} for v in range(6)]
+    d = decide(cfg, 2, waiting, {}, last_decision_version=-100)
+    assert d.rollout_jobs == 3 and d.version == 5 and "trainer idle 0.60-0.60 > 0.3" in d.why
+    assert decide(cfg, 2, waiting, {}, last_decision_version=4) is None, "waits `versions` after a decision"
+    assert decide(cfg, 3, waiting, {}, last_decision_version=-100) is None, "max_jobs"
+    assert decide(cfg, 2, waiting[:2], {}, last_decision_version=-100) is None, "too few versions yet"
+    busy = [{"param_version": v, "trainer/idle_ratio": 0.05} for v in range(6)]
+    idle = {w: [{"param_version": v, "rollouter/idle_ratio": 0.5} for v in range(6)] for w in ("w000", "w001")}
+    d = decide(cfg, 2, busy, idle, last_decision_version=-100)
+    assert d.rollout_jobs == 1 and "w000 0.50, w001 0.50" in d.why
+    assert decide(cfg, 1, busy, {"w000": idle["w000"]}, last_decision_version=-100) is None, "min_jobs"
+    one_busy = dict(idle, w001=[{"param_version": v, "rollouter/idle_ratio": 0.1} for v in range(6)])
+    assert decide(cfg, 2, busy, one_busy, last_decision_version=-100) is None
+
+
+def test_autoscale_bounds_are_checked_before_submission(tmp_path):
+    import pytest
+
+    from hpcrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match="max_jobs.*>= resources.rollout_autoscale.min_jobs = 2"):
+        make_run(tmp_path, "resources.rollout_autoscale.min_jobs=2", "resources.rollout_autoscale.max_jobs=1")
+    with pytest.raises(ConfigError, match="idle_ratio"):
+        make_run(tmp_path, "resources.rollout_autoscale.max_jobs=2", "resources.rollout_autoscale.idle_ratio=1.5")

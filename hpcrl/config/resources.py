@@ -97,6 +97,39 @@ class PreemptibleRollout:
 
 
 @dataclass
+class RolloutAutoscale:
+    """``resources.rollout_autoscale``: the launcher following the run grows or shrinks the rollout fleet by one job
+    at a time from the measured idle ratios (opt-in: off while ``max_jobs`` is 0). Every decision is one line in
+    the launcher's output with its numbers."""
+
+    min_jobs: int = 1
+    """The fleet never shrinks below this."""
+    max_jobs: int = 0
+    """The fleet never grows beyond this (0: autoscale off)."""
+    idle_ratio: float = 0.3
+    """Trainer idle above it in each of the last ``versions`` updates: add a rollout job; every rollout job idle
+    above it over those versions: drain the newest."""
+    versions: int = 5
+    """How many versions the rule looks at, and waits after a decision before the next one."""
+
+    @property
+    def enabled(self) -> bool:
+        """Autoscale is on."""
+        return self.max_jobs > 0
+
+    def validate(self) -> None:
+        """Raise ConfigError naming ``resources.rollout_autoscale.<field>`` for a value out of range."""
+        check_int("resources.rollout_autoscale.min_jobs", self.min_jobs, 1)
+        check_int("resources.rollout_autoscale.max_jobs", self.max_jobs, 0)
+        check_int("resources.rollout_autoscale.versions", self.versions, 1)
+        if self.enabled and self.max_jobs < self.min_jobs:
+            raise bad("resources.rollout_autoscale.max_jobs", self.max_jobs,
+                      f">= resources.rollout_autoscale.min_jobs = {self.min_jobs}, or 0 (off)")
+        if not isinstance(self.idle_ratio, (int, float)) or not 0 < self.idle_ratio < 1:
+            raise bad("resources.rollout_autoscale.idle_ratio", self.idle_ratio, "a ratio in (0, 1), e.g. 0.3")
+
+
+@dataclass
 class ResourcesConfig:
     """``resources``: the jobs' sizes, how many rollout jobs, and the restart budget."""
 
@@ -111,6 +144,8 @@ class ResourcesConfig:
     a live run."""
     rollout_preemptible: PreemptibleRollout = field(default_factory=PreemptibleRollout)
     """Rollout jobs beyond a floor on preemptible capacity (off unless a partition or QOS is given)."""
+    rollout_autoscale: RolloutAutoscale = field(default_factory=RolloutAutoscale)
+    """The launcher changes the fleet size from the idle ratios (off unless ``max_jobs`` is set)."""
     max_restarts: int = 3
     """The launcher resubmits a job that ended before the trainer finished (crash,
     scancel, node failure; the evaluation job: before it evaluated the final version) at most
@@ -123,6 +158,7 @@ class ResourcesConfig:
         self.eval.validate("resources.eval")
         check_int("resources.rollout_jobs", self.rollout_jobs, 1)
         self.rollout_preemptible.validate()
+        self.rollout_autoscale.validate()
         check_int("resources.max_restarts", self.max_restarts, 0)
         if self.rollout.world_size != 1:
             raise bad("resources.rollout.tasks_per_node", self.rollout.tasks_per_node,

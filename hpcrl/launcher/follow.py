@@ -19,6 +19,8 @@ from hpcrl.control.fleet import acknowledge_scale, drain_requested, read_scale_r
 from hpcrl.control.records import HeartbeatState, read_heartbeats, read_latest_checkpoint, read_trainer_done
 from hpcrl.eval_log import EVALUATED, JOB, EvalRow
 from hpcrl.fsio import JsonlTail
+from hpcrl.launcher.autoscale import Autoscaler
+from hpcrl.launcher.fleet import active_rollout_jobs
 from hpcrl.launcher.progress import Console, hms
 from hpcrl.run_dir import EVAL_JOB, RunDir
 
@@ -62,6 +64,9 @@ class RunFollower:
         self.rd = rd
         self.scale = scale
         """Grows or shrinks the rollout fleet (``RunHandle.scale``); asked for through ``control/scale.json``."""
+        self.autoscaler = (Autoscaler(rd, cfg.resources.rollout_autoscale)
+                           if cfg.resources.rollout_autoscale.enabled and scale is not None else None)
+        """``resources.rollout_autoscale``: decides fleet sizes from the idle ratios (``launcher/autoscale.py``)."""
         pending = read_scale_request(rd)
         self._scale_seen = pending.requested_s if pending is not None and pending.applied_s else 0.0
         self.cfg = cfg
@@ -190,6 +195,17 @@ class RunFollower:
             self.emit(f"scale request {self.rd.scale_request} not applied: {e}")
         acknowledge_scale(self.rd, req)
 
+    def _autoscale(self) -> None:
+        """One step of ``resources.rollout_autoscale``: a decision is applied and said with its numbers."""
+        if self.autoscaler is None:
+            return
+        writers = [RunDir.writer_of_job(n) for n in active_rollout_jobs(self.rd, self.jobs)]
+        decision = self.autoscaler.poll(writers)
+        if decision is not None:
+            self.emit(f"autoscale: {len(writers)} -> {decision.rollout_jobs} rollout job(s) at version "
+                      f"{decision.version}: {decision.why}")
+            self.scale(decision.rollout_jobs, "autoscale")
+
     def _warn_stale_heartbeats(self) -> None:
         now = time.time()
         for job, beat in read_heartbeats(self.rd).items():
@@ -229,6 +245,7 @@ class RunFollower:
                 self.cancel_all()
                 return 1
             self._apply_scale_request()
+            self._autoscale()
             failed = self._check_jobs()
             if failed is not None:
                 return failed
