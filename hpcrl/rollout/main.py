@@ -402,9 +402,12 @@ class RolloutJob:
                 log.exception("rollout %s failed", self.writer)  # into RUN/logs/jobs/, where the launcher looks
             raise
         finally:
-            self._shutdown(final_state)
-            if final_state == HeartbeatState.PREEMPTED:
-                requeue_self()  # under Slurm; elsewhere whoever started the job restarts it
+            try:
+                self._shutdown(final_state)
+            finally:
+                if final_state == HeartbeatState.PREEMPTED:
+                    with termination.deferred():  # a second SIGTERM (srun forwards one) must not skip it
+                        requeue_self()  # under Slurm; elsewhere whoever started the job restarts it
 
     def _loop(self) -> HeartbeatState:
         """Steps 1-6 of the module docstring until stopped; returns DONE, STOPPED, PREEMPTED or DRAINED."""
