@@ -48,8 +48,8 @@ def test_starts_per_version_follow_verls_reset_of_the_stale_count(tmp_path):
     reset to (in flight + queued, unconsumed). hpcrl's single inequality gives the same starts. B=6, R=4."""
     rd = RunDir(tmp_path).create()
     adm = Admission(rd, "w000", budget=6)
-    adm.reset_writer(0)
-    starts = lambda consumed: sum(iter(lambda: adm.try_start(consumed), False))  # noqa: E731
+    adm.join(0, set())
+    starts = lambda consumed: sum(1 for _ in iter(lambda: adm.try_start(consumed), None))  # noqa: E731
     assert starts(0) == 6          # version 0: verl starts 6 (stale count 0 -> 6)
     # the trainer consumed 4 and published version 1; 2 carried over (verl: reset to 2) -> 4 more starts
     assert starts(4) == 4
