@@ -164,8 +164,8 @@ def test_sbatch_trainer_preempted_with_usr2_requeues_and_resumes(slurm, tmp_path
     wait_until(lambda: read_json(rd.trainer_done), 420, "the requeued trainer to finish")
     log_text = (rd.job_logs / "trainer.log").read_text()
     assert "received SIGUSR2" in log_text and f"requeueing Slurm job {trainer_id}" in log_text
-    m = re.search(r"checkpoint (step-\d+) .*\n.*requeueing Slurm job", log_text)
-    assert m and f"resumed from {m.group(1)}" in log_text, "resumed from the checkpoint written on USR2"
+    written = re.findall(r"checkpoint (step-\d+) ", log_text[:log_text.index("requeueing Slurm job")])
+    assert written and f"resumed from {written[-1]}" in log_text, "resumed from the checkpoint written on USR2"
     steps = [r["step"] for r in read_jsonl(rd.metrics)]
     assert steps == list(range(1, rd.load_config().total_updates + 1))
     check_exactly_once(rd, rd.load_config().rollout.max_concurrent_groups)

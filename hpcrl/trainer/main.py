@@ -345,6 +345,10 @@ class TrainerJob:
             if self.parts is not None:
                 self.parts.close()
             self.heartbeat.stop(final_state)
+        if final_state == HeartbeatState.PREEMPTED and self.rank == 0:
+            # after the last heartbeat, as the rollout and evaluation jobs do: a requeue that works kills this
+            # process at once, and a trainer killed before it said "preempted" read as a stale "waiting_samples"
+            requeue_self()
 
     def _train(self) -> HeartbeatState:
         """The update loop, one local update per iteration, as named steps:
@@ -408,11 +412,9 @@ class TrainerJob:
             self._last_checkpoint_step = self.state.step
 
     def _preempt(self) -> None:
-        """USR2 or the launcher's stop request: checkpoint the last completed update (every rank); on USR2 ask
-        Slurm to requeue this job."""
+        """USR2 or the launcher's stop request: checkpoint the last completed update (every rank); on USR2
+        :meth:`run` asks Slurm to requeue this job once the final heartbeat says ``preempted``."""
         self._checkpoint()
-        if self.rank == 0 and not self._stop_seen:
-            requeue_self()
 
     def _finish(self) -> None:
         """Rank 0: write ``trainer_done.json`` (rollout jobs stop, the launcher reports)."""
