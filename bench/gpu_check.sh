@@ -4,6 +4,8 @@
 #   bench/gpu_check.sh OUT.json            # on a GPU node: cuda + bf16; on CPU: vLLM's CPU build, fp32
 #   HPCRL_PYTHON=/path/python bench/gpu_check.sh OUT.json
 #   GPU_CHECK_E2E_UPDATES=12 bench/gpu_check.sh OUT.json   # a shorter end-to-end run (default 40 updates)
+#   GPU_CHECK_E2E_OVERRIDES="timeouts.broadcast_s=600 ..."  # more config overrides for the end-to-end run
+#   GPU_CHECK_DOCTOR_TIMEOUT_S=600                          # hpcrl doctor's --timeout-s (default 60)
 #
 # Steps (each one's exit status, seconds and figures land in OUT.json under its name; the script exits 1 if
 # any step failed, after running them all):
@@ -55,11 +57,12 @@ run() {
   fi
 }
 
-run doctor 600 "$PY" -m hpcrl doctor --dir "$WORK" --require "$REQUIRE" --json "$WORK/doctor.json"
+run doctor 1200 "$PY" -m hpcrl doctor --dir "$WORK" --require "$REQUIRE" --json "$WORK/doctor.json" \
+  --timeout-s "${GPU_CHECK_DOCTOR_TIMEOUT_S:-60}"
 run engine 1200 "$PY" "$HERE/bench_engine.py" --quick --skip-transformers "${ENGINE_ARGS[@]}" --json "$WORK/engine.json"
 run weights 1200 "$PY" "$HERE/bench_vllm_weights.py" --quick --device "$DEVICE" --dir "$WORK" --json "$WORK/weights.json"
 run e2e 1800 "$PY" "$HERE/gpu_check_e2e.py" "$WORK/e2e-run" "$WORK/e2e.json" "${E2E_ARGS[@]}" \
-  "rollout.total_rollout_steps=$((4 * E2E_UPDATES))"
+  "rollout.total_rollout_steps=$((4 * E2E_UPDATES))" ${GPU_CHECK_E2E_OVERRIDES:-}
 
 "$PY" - "$WORK" "$OUT" "$DEVICE" <<'PY'
 import json, socket, sys, time

