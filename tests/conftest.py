@@ -104,20 +104,16 @@ PATIENT = ["timeouts.wait_samples_s=1800", "timeouts.wait_weights_s=1800", "time
 
 
 @dataclass
-class LauncherRun:
-    """A background run launched like a user would (``python -m hpcrl ARGS``: the launcher and its jobs):
-    ``prepare(folder)`` writes its inputs into an empty folder before the first test and returns ARGS. The
-    launcher's own limits must allow for a starved run (``--timeout-min``)."""
-
-    prepare: Callable[[Path], list[str]]
-
-
-@dataclass
 class BackgroundCommand:
-    """A background command that is not hpcrl's CLI (``bench/gpu_check.sh``): ``prepare(folder)`` returns its whole
-    command line; its own deadlines must allow for a starved run."""
+    """A background run that is one command: ``prepare(folder)`` writes its inputs into an empty folder before the
+    first test and returns its command line; its own limits must allow for a starved run. ``hpcrl_args`` (a
+    launch like a user's, ``python -m hpcrl ARGS``) builds the usual one, with the patient timeouts."""
 
     prepare: Callable[[Path], list[str]]
+
+    @staticmethod
+    def hpcrl_args(prepare: Callable[[Path], list[str]]) -> "BackgroundCommand":
+        return BackgroundCommand(lambda folder: [sys.executable, "-m", "hpcrl", *prepare(folder), *PATIENT])
 
 
 class BackgroundRuns:
@@ -126,15 +122,15 @@ class BackgroundRuns:
     idle (tests waiting on Slurm, on a deadline, on the other job of an on-policy pair) and barely slow it (the
     kernel gives a nice-19 process ~1.5% of a core another process wants). Their tests run last
     (``pytest_collection_modifyitems``), so most runs have finished by then. A test module takes part by defining
-    ``BACKGROUND_RUNS`` (run key -> overrides of a trainer + rollout pair, a :class:`LauncherRun` or a
-    :class:`BackgroundCommand`; the commands start first, they are the longest) and
+    ``BACKGROUND_RUNS`` (run key -> overrides of a trainer + rollout pair, or a :class:`BackgroundCommand`; the
+    commands start first, they are the longest) and
     ``background_keys(item)`` (the keys of the runs a test item reads; none: it is not one of them).
 
     Every run directory is prepared before the first test (``prepare_run_dir`` seeds torch's global generator, so
     never beside a running test), and jobs get the environment of that moment (a test's ``monkeypatch.setenv`` must
     not reach them)."""
 
-    def __init__(self, folder: Path, runs: dict[str, list[str] | LauncherRun | BackgroundCommand], width: int = 2):
+    def __init__(self, folder: Path, runs: dict[str, list[str] | BackgroundCommand], width: int = 2):
         self.width = width
         self._env = dict(os.environ)
         self._ready = {key: self._prepare(folder.joinpath(*key.split(":")), run) for key, run in runs.items()}
@@ -146,22 +142,19 @@ class BackgroundRuns:
         self._thread.start()
 
     @staticmethod
-    def _prepare(folder: Path, run: list[str] | LauncherRun | BackgroundCommand):
-        """A prepared run directory (a job pair), or (the command's arguments, its log's path, its program)."""
-        if isinstance(run, LauncherRun):
-            folder.mkdir(parents=True)
-            return [*run.prepare(folder), *PATIENT], folder / "launcher.out", None
+    def _prepare(folder: Path, run: list[str] | BackgroundCommand):
+        """A prepared run directory (a job pair), or (the command line, its log's path)."""
         if isinstance(run, BackgroundCommand):
             folder.mkdir(parents=True)
-            return run.prepare(folder), folder / "command.out", ()
+            return run.prepare(folder), folder / "command.out"
         return make_run(folder.parent, *run, *PATIENT, name=folder.name)
 
     def _start(self, key: str) -> None:
         ready = self._ready[key]
         background = dict(base_env=self._env, prefix=LOWEST_PRIORITY, killed_after_the_test=False)  # they outlive it
         if isinstance(ready, tuple):
-            args, log, program = ready
-            jobs = (Job(args, log, program=program, **background),)
+            args, log = ready
+            jobs = (Job(args, log, program=(), **background),)
         else:
             jobs = (Job(["trainer", str(ready.root)], ready.root / "trainer.out", **background),
                     Job(["rollout", str(ready.root), "--writer-rank", "0"], ready.root / "rollout0.out", **background))
@@ -187,7 +180,7 @@ class BackgroundRuns:
         return rd
 
     def launched(self, key: str, timeout_s: float = 600) -> subprocess.CompletedProcess:
-        """Wait for the :class:`LauncherRun` or :class:`BackgroundCommand` ``key`` to end: its exit status and output
+        """Wait for the :class:`BackgroundCommand` ``key`` to end: its exit status and output
         (stdout and stderr together, in ``stdout``)."""
         _, launcher = self._started(key)
         code = launcher.wait(timeout_s)
@@ -224,14 +217,9 @@ def pytest_collection_modifyitems(session, config, items):
     items.sort(key=lambda item: bool(_reads_background_runs(item)))
 
 
-@pytest.fixture(scope="session")
-def background_runs(request, tmp_path_factory):
-    """The session's :class:`BackgroundRuns` (started by ``_start_background_runs`` before the first test)."""
-    return request.getfixturevalue("_start_background_runs")
-
-
 @pytest.fixture(scope="session", autouse=True)
-def _start_background_runs(request, tmp_path_factory):
+def background_runs(request, tmp_path_factory):
+    """The session's :class:`BackgroundRuns`, started before the first test (None when no test reads one)."""
     runs = {key: item.module.BACKGROUND_RUNS[key] for item in request.session.items
             for key in _reads_background_runs(item)}  # in the order their tests run
     if not runs:

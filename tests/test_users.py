@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from conftest import REPO, TINY, LauncherRun
+from conftest import REPO, TINY, BackgroundCommand
 from hpcrl.cli import main as cli_main
 from hpcrl.config import DataConfig, load_config
 from hpcrl.rollout.data import PromptEncoder
@@ -141,7 +141,7 @@ def verl_user_run(folder):
             "--timeout-min", "30"]
 
 
-BACKGROUND_RUNS = {"users:verl": LauncherRun(verl_user_run)}
+BACKGROUND_RUNS = {"users:verl": BackgroundCommand.hpcrl_args(verl_user_run)}
 """The verl user's run, launched in the background when the session starts (conftest.BackgroundRuns): what it
 asserts does not depend on how fast it went."""
 
