@@ -22,6 +22,7 @@ broadcast_bucket  trainer or rollout, before each bucket of a weight broadcast i
 startup           trainer or rollout, as each start-up step begins (``control/startup.py``)
 op_build          trainer, as DeepSpeed's op build begins (in the build's own process)
 eval_prompt       evaluation, before each held-out prompt's generation is started
+tool_call         rollout, as an agent's tool call begins (in its worker thread: ``sleep`` holds the call)
 ================  ===================================================================
 """
 from __future__ import annotations
@@ -33,7 +34,7 @@ import time
 
 ENV = "HPCRL_FAULT_POINT"
 POINTS = ("seal_manifest", "checkpoint", "publish", "weight_load", "engine_load", "broadcast_bucket", "startup",
-          "op_build", "eval_prompt")
+          "op_build", "eval_prompt", "tool_call")
 
 log = logging.getLogger(__name__)
 _spec = os.environ.get(ENV)

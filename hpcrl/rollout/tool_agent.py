@@ -37,6 +37,7 @@ import time
 from typing import Optional
 
 from hpcrl.config import AgentConfig, names
+from hpcrl.process import faults
 from hpcrl.rollout.agent_loop import AgentLoop, GroupContext, call_seed
 from hpcrl.rollout.engine import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
 from hpcrl.rollout.gate import EngineGate
@@ -138,6 +139,7 @@ class ToolAgentLoop(AgentLoop):
     def call_tool(self, call: ToolCall) -> ToolResult:
         """One call (in a worker thread); never raises."""
         t0 = time.monotonic()
+        faults.point("tool_call")
         tool = self.tools.get(call.name)
         if tool is None:
             return ToolResult("", ok=False, error=f"unknown tool {call.name!r}; tools: {', '.join(self.tools)}")
