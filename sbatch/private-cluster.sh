@@ -43,8 +43,17 @@ install_packages() {
 
 write_conf() {
   local host; host="$(hostname -s)"
-  local debug_tier=""
-  if [ "$preempt" = 1 ]; then debug_tier=" PriorityTier=10 PreemptMode=OFF"; fi
+  local debug_share="OverSubscribe=FORCE:4" cpus overrides=""
+  cpus="$(nproc)"
+  if [ "$preempt" = 1 ]; then
+    # Preemption needs cores that are not shared: Slurm 22.05 never places a job of an OverSubscribe=NO partition
+    # (the owner) on a node running jobs of a FORCE one, so nothing is preempted for it; every partition is NO.
+    # The node then declares at least 8 cores (slurmd takes the declared count with config_overrides): a trainer
+    # and a fleet of rollout jobs fit on a 2-core test machine, as they do on the default cluster by sharing cores.
+    debug_share="OverSubscribe=NO PriorityTier=10 PreemptMode=OFF"
+    if [ "$cpus" -lt 8 ]; then cpus=8; fi
+    overrides="SlurmdParameters=config_overrides"
+  fi
   mkdir -p "$dir/state" "$dir/spool" "$dir/log"
   cat > "$conf" <<CONF
 # written by hpcrl sbatch/private-cluster.sh: a one-node test cluster
@@ -73,26 +82,28 @@ SchedulerType=sched/backfill
 MinJobAge=600
 # requeued jobs may start again as soon as possible
 JobRequeue=1
-NodeName=$host CPUs=$(nproc) RealMemory=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 - 1024 )) State=UNKNOWN
+$overrides
+NodeName=$host CPUs=$cpus RealMemory=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 - 1024 )) State=UNKNOWN
 # OverSubscribe lets trainer + rollout jobs share the few cores of a test machine
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4$debug_tier
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP $debug_share
 CONF
   if [ "$preempt" = 1 ]; then
     cat >> "$conf" <<CONF
 # HPCRL_PRIVATE_PREEMPT=1: preemption is real. A job of a higher PriorityTier partition that cannot start
 # otherwise requeues the jobs of the preemptible one. Seen with Slurm 22.05: the backfill scheduler selects
 # them, their steps get SIGTERM at once, and they are requeued (killed) after the partition's GraceTime unless
-# they ended by then (then they are merely complete); a requeued job keeps its id and array task id. With
-# preemption on, cores are no longer shared (OverSubscribe=FORCE:4 is not honoured: 2 jobs on 2 cores), so it
-# is off unless asked for.
+# they ended by then (then they are merely complete); a requeued job keeps its id and array task id. Cores are
+# not shared (one job per declared core), so it is off unless asked for. A job that asks for the whole node's
+# memory (sbatch's default) is never started by preemption here: an owner job gives --mem.
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
 # the schedulers run every 5 s, not every 60 and 30 s: a preemption (by the backfill scheduler) takes seconds
 SchedulerParameters=sched_interval=5,bf_interval=5
 # scavenger capacity (resources.rollout_preemptible.partition=scavenger): any job may use it until the owner
-# needs the node; an owner job takes the whole node (what a higher-priority user does to preemptible capacity)
-PartitionName=scavenger Nodes=ALL MaxTime=INFINITE State=UP OverSubscribe=FORCE:4 PriorityTier=1 PreemptMode=REQUEUE GraceTime=5
-PartitionName=owner Nodes=ALL MaxTime=INFINITE State=UP OverSubscribe=EXCLUSIVE PriorityTier=20 PreemptMode=OFF
+# needs its cores back: an owner job that does not fit beside the running jobs requeues as many scavenger jobs as
+# it needs (what a higher-priority user does to preemptible capacity); jobs of debug are never preempted
+PartitionName=scavenger Nodes=ALL MaxTime=INFINITE State=UP OverSubscribe=NO PriorityTier=1 PreemptMode=REQUEUE GraceTime=5
+PartitionName=owner Nodes=ALL MaxTime=INFINITE State=UP OverSubscribe=NO PriorityTier=20 PreemptMode=OFF
 CONF
   fi
 }
