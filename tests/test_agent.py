@@ -1,16 +1,16 @@
 """The tool agent (hpcrl/rollout/tool_agent.py): parsers, tool responses through the chat template,
 a trajectory stopped mid-generation and mid-tool-call that resumes from its JSON state with
-masks 0 exactly on tool tokens, a rollout job restarted mid-run that continues its saved
-groups, and the multi-turn toy task learning on the tiny model."""
+masks 0 exactly on tool tokens, and the multi-turn toy task learning on the tiny model. A rollout job
+preempted by Slurm in the middle of a tool call, whose requeued job continues its saved groups, is in
+tests/test_slurm_preempt.py."""
 import json
-import signal
 import threading
 import time
 
 import numpy as np
 import pytest
 
-from conftest import check_exactly_once, start_rollout, start_trainer, wait_until
+from conftest import wait_until
 from hpcrl.config import load_config
 from hpcrl.fsio import read_jsonl
 from hpcrl.logs import read_jsonl_frame, read_metrics
@@ -338,26 +338,3 @@ def test_the_multi_turn_toy_task_learns_working_calls_and_masks_only_tool_tokens
     assert with_tools > 0
     rows = read_rollout_metrics(rd)
     assert rows["tool_calls/mean"].max() > 0 and rows["num_turns/max"].max() >= 3
-
-
-@pytest.mark.slow
-def test_a_restarted_rollout_job_continues_its_saved_groups(tiny_run):
-    rd = tiny_run(*AGENT, "async_training.staleness_threshold=1.0", "async_training.partial_rollout=true",
-                  "rollout.max_concurrent_groups=4", "rollout.total_rollout_steps=112", "rollout.response_length=48",
-                  "agent.max_assistant_turns=3", "agent.max_user_turns=2")
-    trainer, rollout = start_trainer(rd), start_rollout(rd)
-    saved = rd.in_flight_states("w000")
-    wait_until(lambda: saved.exists(), 120, "a weight switch that saves the groups in flight", jobs=(trainer, rollout))
-    time.sleep(2)  # a few more switches, so groups are well under way
-    rollout.kill(signal.SIGTERM)
-    groups = json.loads(saved.read_text())["groups"]
-    print(f"groups in flight saved at SIGTERM: {len(groups)}, "
-          f"{sum(len(t['tokens']) for g in groups for t in g['trajectories'])} tokens")
-    assert groups and any(t["tokens"] for g in groups for t in g["trajectories"])
-    rollout2 = start_rollout(rd)
-    assert trainer.wait(300) == 0, trainer.tail()
-    assert rollout2.wait(120) == 0, rollout2.tail()
-    rows = read_rollout_metrics(rd)
-    print(f"groups continued from a saved state: {int(rows['fully_async/partial/resumed_num'].sum())}")
-    assert rows["fully_async/partial/resumed_num"].sum() > 0
-    check_exactly_once(rd, max_in_flight=4)

@@ -1,19 +1,37 @@
-"""A real preemption on the private Slurm cluster started with its preemptible capacity
-(``HPCRL_PRIVATE_PREEMPT=1 sbatch/private-cluster.sh``: a ``scavenger`` partition whose jobs an ``owner`` job
-requeues). Its own cluster: with preemption on, Slurm 22.05 no longer shares cores between jobs, which the
-other Slurm tests need."""
+"""The rollout fleet on a real Slurm cluster with preemptible capacity (``HPCRL_PRIVATE_PREEMPT=1
+sbatch/private-cluster.sh``: a ``scavenger`` partition whose jobs a job of the ``owner`` partition requeues when
+it needs their cores; every partition gives whole cores, the node declares 8). Its own cluster: the other Slurm
+tests need shared cores.
+
+One run goes through every change of the fleet issue 23 names: launched with one rollout job, grown to three by
+`hpcrl scale` (the Python session's launcher applies it through submitit), shrunk by `Run.scale` (the newest
+drains), one preempted by a real owner job and requeued by Slurm, one SIGKILLed and resubmitted by the launcher;
+and a tool agent preempted in the middle of a tool call continues its trajectories in its requeued job."""
+import os
+import re
+import shlex
+import signal
 import subprocess
+import sys
+import threading
 import time
 
 import pytest
 
-from conftest import REPO, check_exactly_once, start_rollout, start_trainer, wait_until
+from conftest import REPO, TINY, check_exactly_once, start_trainer, wait_until
 from hpcrl.control.admission import read_claims
+from hpcrl.control.records import read_heartbeats
 from hpcrl.fsio import read_json, read_jsonl
-from hpcrl.launcher.scale_cmd import scale_command
+from hpcrl.launcher.sbatch_lines import rollout_lines
+from hpcrl.logs import read_staleness
+from hpcrl.process import faults
+from hpcrl.rollout.trajectory import PROCESSING_TOOLS
 from hpcrl.run_dir import RunDir
+from hpcrl.samples.reader import read_shard
+from hpcrl.samples.schema import ShardManifestLine
+from test_agent import AGENT
 from test_elastic import SIMULATED
-from test_slurm import n_updates, private_cluster, squeue_ids
+from test_slurm import private_cluster, squeue_ids
 
 pytestmark = pytest.mark.slow
 
@@ -23,38 +41,136 @@ def slurm(tmp_path_factory):
     yield from private_cluster(tmp_path_factory, preempt=True)
 
 
-def test_a_rollout_job_preempted_on_scavenger_capacity_comes_back_and_loses_nothing(slurm, tiny_run):
-    """resources.rollout_preemptible.partition=scavenger (sbatch/private-cluster.sh: PreemptMode=REQUEUE below the
-    owner partition). The trainer and the floor (w000) run outside Slurm; `hpcrl scale` with no launcher following
-    submits w001 to the scavenger partition with sbatch; a job of the owner partition takes the node back, Slurm
-    preempts w001 (SIGTERM: it seals and saves its groups in flight) and requeues it; when it runs again the same
-    writer regenerates its uncommitted claims and continues its saved groups; exactly once."""
-    # rollout-bound (a group decodes ~2 s, an update 0.2 s): w001 always has groups in flight to save
-    rd = tiny_run(*SIMULATED, "rollout.total_rollout_steps=64", "simulated.decode_base_s=1.0",
-                  "resources.rollout_preemptible.partition=scavenger", "resources.rollout.partition=debug")
-    trainer, floor = start_trainer(rd), start_rollout(rd, 0)
-    wait_until(lambda: n_updates(rd) >= 2, 120, "2 updates", jobs=(trainer, floor))
-    assert scale_command(str(rd.root), 2, wait_s=0, scripts=str(REPO / "sbatch")) == 0
-    w1 = RunDir.rollout_job("w001")
-    committed = lambda: sum(x["n_groups"] for x in read_jsonl(rd.shard_manifest("w001")))  # noqa: E731
-    wait_until(lambda: committed() >= 2 and read_claims(rd).claims["w001"].prompts, 120,
-               "w001's first groups on the scavenger partition, and more in flight")
-    job_id = subprocess.run(["squeue", "-h", "-p", "scavenger", "-o", "%i"], capture_output=True, text=True,
-                            env=slurm).stdout.split()[0]
-    subprocess.run(["sbatch", "-p", "owner", "--output=/dev/null", "--wrap", "sleep 2"], check=True, env=slurm,
-                   capture_output=True)  # the owner takes the whole node back
-    show = lambda: subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True,  # noqa: E731
-                                  env=slurm).stdout
-    wait_until(lambda: "Restarts=1" in show() and "JobState=PENDING" in show(), 90, "w001 preempted and requeued")
-    assert (read_json(rd.heartbeat(w1)) or {}).get("state") == "preempted", "SIGTERM: sealed and saved, requeued"
-    wait_until(lambda: not squeue_ids(slurm) - {job_id}, 30, "the owner job to end")
+def _committed(rd: RunDir, writer: str) -> int:
+    return sum(line["n_groups"] for line in read_jsonl(rd.shard_manifest(writer)))
+
+
+def _state(rd: RunDir, writer: str) -> str:
+    return getattr(read_heartbeats(rd).get(RunDir.rollout_job(writer)), "state", "")
+
+
+def _slurm_job(slurm: dict, partition: str) -> str:
+    out = subprocess.run(["squeue", "-h", "-p", partition, "-o", "%i"], capture_output=True, text=True, env=slurm)
+    ids = out.stdout.split()
+    assert len(ids) == 1, f"one job expected in {partition}: {ids}"
+    return ids[0]
+
+
+def _show(slurm: dict, job_id: str) -> str:
+    return subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, env=slurm).stdout
+
+
+def _owner_takes_one_core_more_than_is_free(slurm: dict) -> None:
+    """Submit a job of the owner partition that fits only if one more core is freed: Slurm preempts (requeues) a
+    scavenger job for it. --mem: a job asking for the whole node's memory (the default) is never started so."""
+    node = subprocess.run(["scontrol", "show", "node"], capture_output=True, text=True, env=slurm).stdout
+    total, used = (int(re.search(rf"{k}=(\d+)", node).group(1)) for k in ("CPUTot", "CPUAlloc"))
+    subprocess.run(["sbatch", "-p", "owner", f"--cpus-per-task={total - used + 1}", "--mem=100M",
+                    "--output=/dev/null", "--wrap", "sleep 3"], check=True, env=slurm, capture_output=True)
+
+
+def _requeued_job_starts_now(slurm: dict, job_id: str, others: set) -> None:
+    """After the owner job: a requeued job waits for its BeginTime; let it start at once."""
+    wait_until(lambda: not squeue_ids(slurm) - others - {job_id} or
+               not any("owner" in _show(slurm, j) for j in squeue_ids(slurm) - others - {job_id}), 60,
+               "the owner job to end")
     time.sleep(3)  # not before the old credential went (test_sbatch_trainer_preempted_with_usr2_requeues_and_resumes)
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True, env=slurm)
+
+
+def test_a_fleet_grown_drained_preempted_and_killed_on_slurm_trains_on_every_prompt_once(slurm, tmp_path):
+    import hpcrl
+
+    lines: list[str] = []
+    run = hpcrl.launch(TINY, run_dir=tmp_path / "run", executor="slurm", emit=lines.append,
+                       overrides=[*SIMULATED, "rollout.total_rollout_steps=128", "simulated.decode_base_s=1.0",
+                                  "resources.rollout_preemptible.partition=scavenger", "resources.max_restarts=2"])
+    rd, cfg = run.rd, run.cfg
+    result: dict = {}
+    follower = threading.Thread(target=lambda: result.setdefault("ok", run.wait(timeout_s=500, poll_s=0.5)),
+                                daemon=True)
+    follower.start()
+    try:
+        wait_until(lambda: _committed(rd, "w000") >= 2, 180, "w000's first groups (trainer and w000 on debug)")
+        scale = subprocess.run([sys.executable, "-m", "hpcrl", "scale", str(rd.root), "--rollout-jobs", "3"],
+                               capture_output=True, text=True, cwd=REPO, env=slurm, timeout=120)
+        assert scale.returncode == 0 and "the launcher following the run applied it" in scale.stdout, scale.stdout
+        wait_until(lambda: {"w001", "w002"} <= set(rd.writers()) and min(_committed(rd, w) for w in
+                   ("w001", "w002")) >= 1, 180, "the two new writers' first groups, on the scavenger partition")
+        assert run.scale(2) == [RunDir.rollout_job("w002")]  # the newest drains
+        wait_until(lambda: _state(rd, "w002") == "drained", 120, "w002 drained")
+        wait_until(lambda: "rollout-w002" not in subprocess.run(["squeue", "-h", "-o", "%j"], capture_output=True,
+                   text=True, env=slurm).stdout, 60, "w002's job to end")
+        w001 = _slurm_job(slurm, "scavenger")
+        others = squeue_ids(slurm) - {w001}
+        _owner_takes_one_core_more_than_is_free(slurm)
+        wait_until(lambda: "Restarts=1" in _show(slurm, w001), 90, "w001 preempted and requeued by Slurm")
+        assert _state(rd, "w001") == "preempted", "SIGTERM of the preemption: sealed and saved, then requeued"
+        os.kill(read_heartbeats(rd)[RunDir.rollout_job("w000")].pid, signal.SIGKILL)  # the launcher resubmits it
+        _requeued_job_starts_now(slurm, w001, others)
+        follower.join(520)
+    finally:
+        if follower.is_alive():  # a step above failed: stop the run rather than leave it to the next test
+            run.stop(wait_s=30)
+    assert result.get("ok") is True, "\n".join(lines[-40:])
+
+    check_exactly_once(rd, cfg.rollout.max_concurrent_groups)
+    st = read_staleness(rd)
+    assert set(st.writer) == {"w000", "w001", "w002"}, "every writer's groups were trained on"
+    lag_end = st.trainer_version - st.groupby("group_id").version_end.transform("max")  # the group's newest token
+    print(f"slurm fleet: lag of the newest token max {lag_end.max()} (bound {cfg.max_lag_bound}); groups per "
+          f"writer {st.drop_duplicates('group_id').writer.value_counts().to_dict()}")
+    assert lag_end.max() <= cfg.max_lag_bound
+    book = read_claims(rd)
+    assert set(book.left) == {"w002"} and book.left["w002"].why == "drained"
+    assert rd.load_config().resources.rollout_jobs == 2, "the frozen config follows the fleet (a resume starts 2)"
+    text = "\n".join(lines)
+    for expected in ("scale: rollout-w001 submitted", "scale: rollout-w002 submitted", "asked to drain",
+                     "job rollout-w002", "left the fleet", "job rollout-w000", "resubmitting"):
+        assert expected in text, f"{expected!r} not in the launcher's lines:\n{text[-3000:]}"
+    w1 = rd.job_log(RunDir.rollout_job("w001")).read_text()
+    assert w1.count("joined the fleet") == 2, "the requeued job is the same writer"
+    assert "SIGTERM of a Slurm preemption" in w1 and "requeueing Slurm job" in w1
+    w0 = rd.job_log(RunDir.rollout_job("w000")).read_text()
+    assert w0.count("joined the fleet") == 2 and "recovered" in w0
+    assert "partition=scavenger" in _show(slurm, w001).replace("Partition=", "partition=")
+
+
+def test_a_tool_agent_preempted_in_the_middle_of_a_tool_call_continues_its_trajectories_when_requeued(
+        slurm, tiny_run, monkeypatch):
+    """The only rollout job is writer 1 of a tool-agent run, on the scavenger partition (writers from
+    ``rollout_preemptible.floor`` = 1 on). Its 2nd tool call stalls (HPCRL_FAULT_POINT=tool_call:2:sleep=20: a slow
+    tool); an owner job preempts it meanwhile: on SIGTERM it saves the trajectory with its call pending, Slurm
+    requeues it, and the requeued job calls the tool again and continues the trajectory where it stopped."""
+    rd = tiny_run(*AGENT, "resources.rollout_preemptible.partition=scavenger", "rollout.total_rollout_steps=48",
+                  "async_training.staleness_threshold=1.0", "async_training.partial_rollout=true")
+    trainer = start_trainer(rd)
+    monkeypatch.setenv(faults.ENV, "tool_call:2:sleep=20")  # the rollout job's environment, not the trainer's
+    (line,) = rollout_lines(rd.load_config(), rd, REPO / "sbatch", sys.executable, [1])
+    subprocess.run(shlex.split(line), check=True, env=os.environ, capture_output=True)
+    log = rd.job_log(RunDir.rollout_job("w001"))
+    wait_until(lambda: log.exists() and "sleep=20 at tool_call #2" in log.read_text(), 180,
+               "the rollout job's 2nd tool call (stalled by the fault point)", jobs=(trainer,))
+    job_id = _slurm_job(slurm, "scavenger")  # 1_1 once running (1_[1] while pending)
+    _owner_takes_one_core_more_than_is_free(slurm)
+    wait_until(lambda: _state(rd, "w001") == "preempted" and "JobState=PENDING" in _show(slurm, job_id), 90,
+               "the rollout job preempted and requeued by Slurm")
+    saved = [(g["prompt_index"], t) for g in read_json(rd.in_flight_states("w001"))["groups"]
+             for t in g["trajectories"] if t["pending_calls"]]
+    assert saved, "the trajectory whose call was running is saved with the call pending"
+    assert all(t["state"] == PROCESSING_TOOLS for _, t in saved)
+    _requeued_job_starts_now(slurm, job_id, set())
     assert trainer.wait(300) == 0, trainer.tail()
-    assert floor.wait(60) == 0, floor.tail()
-    wait_until(lambda: not squeue_ids(slurm), 60, "w001 to end")
-    log_text = rd.job_log(w1).read_text()
-    assert log_text.count("joined the fleet") == 2, "the requeued job is the same writer"
-    assert "SIGTERM of a Slurm preemption" in log_text and "requeueing Slurm job" in log_text
-    assert "continuing" in log_text and "saved by this writer's previous job" in log_text
+    wait_until(lambda: not squeue_ids(slurm), 60, "the rollout job to end")
+
+    text = log.read_text()
+    assert text.count("joined the fleet") == 2 and "SIGTERM of a Slurm preemption" in text
+    lines = [ShardManifestLine.from_json(x) for x in read_jsonl(rd.shard_manifest("w001"))]
+    committed = {g.prompt_index: g for m in lines for g in read_shard(rd.writer_dir("w001") / m.shard, m, "w001")}
+    for prompt, traj in saved:
+        assert f"prompt {prompt} continues from its saved state" in text
+        n = len(traj["tokens"])
+        assert any(list(t.response_ids[:n]) == traj["tokens"] and list(t.token_versions[:n]) == traj["versions"]
+                   for t in committed[prompt].trajectories), f"prompt {prompt}: the saved trajectory was not continued"
+    print(f"preempted mid tool call: {len(saved)} trajectories with a call pending, continued by the requeued job")
     check_exactly_once(rd, rd.load_config().rollout.max_concurrent_groups)
