@@ -1,9 +1,11 @@
 """A rollout fleet that changes during a run (``hpcrl scale``, ``launcher/fleet.py``, ``control/claims.py``):
 launched with one rollout job, grown to three by a scale request the launcher follows, shrunk to two (the newest
 drains: it finishes its groups, seals, hands back its prompts and exits 0, never resubmitted), one SIGKILLed and
-resubmitted by the launcher; the run completes, exactly once, within the lag bound, every join and leave logged."""
+resubmitted by the launcher, stopped and resumed with the fleet it had; the run completes, exactly once, within
+the lag bound, every join and leave logged. The same on a Slurm cluster with preemption: test_slurm_preempt.py."""
 from __future__ import annotations
 
+import io
 import os
 import signal
 import threading
@@ -25,12 +27,23 @@ SIMULATED = ["rollout.engine=simulated", "trainer.simulated=true", "eval.every_v
              "trainer.checkpoint_every_updates=1000", "timeouts.wait_samples_s=120", "timeouts.wait_weights_s=120"]
 
 
+def _status(rd: RunDir) -> str:
+    from hpcrl.analysis.status import status_main
+
+    out = io.StringIO()
+    status_main(rd.root, once=True, out=out)
+    return out.getvalue()
+
+
 def _committed(rd: RunDir, writer: str) -> int:
     return sum(line["n_groups"] for line in read_jsonl(rd.shard_manifest(writer)))
 
 
 @pytest.mark.slow
-def test_a_fleet_grown_shrunk_and_killed_mid_run_trains_on_every_prompt_once(tmp_path):
+def test_a_fleet_grown_shrunk_killed_and_resumed_trains_on_every_prompt_once(tmp_path):
+    """Local executor: the fleet changes as in tests/test_slurm_preempt.py (grown by `hpcrl scale`, the newest
+    drained, one SIGKILLed and resubmitted), then the run is stopped (Run.stop: Ctrl-C in `hpcrl run`) and
+    resumed: the resumed run starts the fleet as it was (w000 and w001; w002 drained, never again) and completes."""
     import hpcrl
     from hpcrl.launcher.scale_cmd import scale_command
 
@@ -38,7 +51,8 @@ def test_a_fleet_grown_shrunk_and_killed_mid_run_trains_on_every_prompt_once(tmp
     run = hpcrl.launch(TINY, run_dir=tmp_path / "run", executor="local", emit=lines.append, overrides=SIMULATED)
     rd, cfg = run.rd, run.cfg
     result: dict = {}
-    follower = threading.Thread(target=lambda: result.setdefault("ok", run.wait(timeout_s=400, poll_s=0.5)))
+    follower = threading.Thread(target=lambda: result.setdefault("ok", run.wait(timeout_s=400, poll_s=0.5)),
+                                daemon=True)
     follower.start()
     wait_until(lambda: _committed(rd, "w000") >= 4, 120, "w000's first groups")
     assert scale_command(str(rd.root), 3, wait_s=30, scripts=None) == 0  # the follower applies it
@@ -46,10 +60,18 @@ def test_a_fleet_grown_shrunk_and_killed_mid_run_trains_on_every_prompt_once(tmp
                {"w001", "w002"} <= set(rd.writers()) else False, 120, "the two new writers' first groups")
     assert scale_command(str(rd.root), 2, wait_s=30, scripts=None) == 0  # w002, the newest, drains
     wait_until(lambda: getattr(read_heartbeats(rd).get("rollout-w002"), "state", "") == "drained", 60, "w002 drained")
-    beat = read_heartbeats(rd)["rollout-w001"]
-    os.kill(beat.pid, signal.SIGKILL)  # groups in flight and claims open: the launcher resubmits it
-    follower.join(420)
-    assert result.get("ok") is True, "\n".join(lines[-30:])
+    w1_log = rd.job_log(RunDir.rollout_job("w001"))
+    os.kill(read_heartbeats(rd)["rollout-w001"].pid, signal.SIGKILL)  # claims open: the launcher resubmits it
+    wait_until(lambda: w1_log.read_text().count("joined the fleet") == 2, 60, "w001 resubmitted and joined again")
+    assert run.stop(wait_s=120), "\n".join(lines[-20:])  # every job stops at its next safe point
+    follower.join(60)
+    assert result.get("ok") is False and not follower.is_alive(), "Run.wait ends when the run is stopped"
+    fleet = [x for x in _status(rd).splitlines() if x.startswith("fleet:")]
+    assert fleet and "w002 (drained" in fleet[0], fleet  # hpcrl status names the writer that left and why
+
+    resumed = hpcrl.launch(None, run_dir=rd.root, executor="local", emit=lines.append, resume=True)
+    assert sorted(resumed.jobs) == ["rollout-w000", "rollout-w001", "trainer"], "the fleet as it was, w002 not"
+    assert resumed.wait(timeout_s=400, poll_s=0.5), "\n".join(lines[-30:])
 
     check_exactly_once(rd, cfg.rollout.max_concurrent_groups)
     st = read_staleness(rd)
@@ -60,11 +82,11 @@ def test_a_fleet_grown_shrunk_and_killed_mid_run_trains_on_every_prompt_once(tmp
     assert lag_end.max() <= cfg.max_lag_bound
     book = read_claims(rd)
     assert set(book.left) == {"w002"} and book.left["w002"].why == "drained"
-    assert rd.load_config().resources.rollout_jobs == 2, "the frozen config follows the fleet (a resume starts 2)"
+    assert rd.load_config().resources.rollout_jobs == 2, "the frozen config follows the fleet"
     text = "\n".join(lines)
     for expected in ("scale: rollout-w001 submitted", "scale: rollout-w002 submitted", "asked to drain",
-                     "job rollout-w002", "left the fleet", "job rollout-w001", "resubmitting"):
+                     "job rollout-w002", "left the fleet", "job rollout-w001", "resubmitting", "run stopped on request"):
         assert expected in text, f"{expected!r} not in the launcher's lines:\n{text[-3000:]}"
     assert not any("resubmitting" in x and "rollout-w002" in x for x in lines), "a drained job is never resubmitted"
-    w1 = rd.job_log(RunDir.rollout_job("w001")).read_text()
-    assert w1.count("joined the fleet") == 2 and "recovered" in w1
+    w1 = w1_log.read_text()
+    assert w1.count("joined the fleet") == 3 and "recovered" in w1

@@ -16,7 +16,8 @@ from hpcrl.config import RunConfig
 from hpcrl.control.admission import release_writer
 from hpcrl.control.fatal import read_fatal, read_fatal_record
 from hpcrl.control.fleet import acknowledge_scale, drain_requested, read_scale_request
-from hpcrl.control.records import HeartbeatState, read_heartbeats, read_latest_checkpoint, read_trainer_done
+from hpcrl.control.records import (HeartbeatState, read_heartbeats, read_latest_checkpoint, read_trainer_done,
+                                   stop_requested)
 from hpcrl.eval_log import EVALUATED, JOB, EvalRow
 from hpcrl.fsio import JsonlTail
 from hpcrl.launcher.autoscale import Autoscaler
@@ -216,7 +217,7 @@ class RunFollower:
                           "it may be hung or its node unreachable")
 
     def follow(self, timeout_s: float, poll_s: float = 1.0) -> int:
-        """Return 0 when the trainer finished, 1 on a failed job or the deadline."""
+        """Return 0 when the trainer finished, 1 on a failed job, the deadline or a stop request (Run.stop)."""
         deadline = time.monotonic() + timeout_s
         if self._intro:
             self.emit(self._intro)
@@ -243,6 +244,9 @@ class RunFollower:
                 self.console.close()
                 self.emit(f"run stopped: {fatal} (a restart would fail the same way; {self._fix_hint()})")
                 self.cancel_all()
+                return 1
+            if stop_requested(self.rd):  # Run.stop() from another thread (Ctrl-C in `hpcrl run` ends follow first)
+                self.emit(f"run stopped on request ({self.rd.stop_request}); continue it with --resume")
                 return 1
             self._apply_scale_request()
             self._autoscale()
