@@ -88,11 +88,12 @@ class FleetHistory:
         return len(self.writers) > 1 or len(self.lives) > len(self.writers) or bool(self.decisions)
 
     def windows(self, n: int) -> list[Window]:
-        """``n`` equal windows from the first event to :attr:`end_s`."""
-        span = max(self.end_s - self.t0_s, 1e-9)
+        """``n`` equal windows from the first commit (start-up delivers nothing) to :attr:`end_s`."""
+        first = min((c[0][0] for c in self.commits.values() if c), default=self.t0_s)
+        span = max(self.end_s - first, 1e-9)
         out = []
         for i in range(n):
-            a, b = self.t0_s + span * i / n, self.t0_s + span * (i + 1) / n
+            a, b = first + span * i / n, first + span * (i + 1) / n
             here = {life.writer for life in self.lives if life.joined_s < b and (life.left_s or self.end_s) > a}
             rates = {}
             for w in self.writers:
@@ -198,16 +199,20 @@ def status_lines(h: FleetHistory, windows: int = 6, decisions: int = 5) -> list[
     ws = h.windows(windows)
     writers = h.writers
     head = f"  {'window':<13}{'writers':>8}{'total':>8}" + "".join(f"{w:>7}" for w in writers)
-    lines = [f"fleet over time (groups/s committed per writer, {windows} windows of {ws[0].end_s:.0f}s):", head]
+    width = ws[0].end_s - ws[0].start_s
+    lines = [f"fleet over time (groups/s committed per writer, {windows} windows of {width:.0f}s from the first "
+             "commit; times since the first job was submitted):", head]
     for x in ws:
         cells = "".join(f"{x.groups_per_s[w]:>7.2f}" if w in x.groups_per_s else f"{'-':>7}" for w in writers)
         lines.append(f"  {f'{x.start_s:.0f}-{x.end_s:.0f}s':<13}{x.writers:>8}{x.total_per_s:>8.2f}{cells}")
     for w in writers:
         lives = [life for life in h.lives if life.writer == w]
         lines.append(f"  {w}: " + "; ".join(life_text(life, h.t0_s) for life in lives))
-    shown = h.decisions[-decisions:]
+    applied = {(e.by, e.to_jobs) for e in h.decisions if e.event == SCALE_APPLIED}
+    said = [e for e in h.decisions if e.event != SCALE_REQUESTED or (e.by, e.to_jobs) not in applied]
+    shown = said[-decisions:]  # a request the launcher applied is said once, by its scale_applied
     if shown:
-        more = f" (last {len(shown)} of {len(h.decisions)})" if len(h.decisions) > len(shown) else ""
+        more = f" (last {len(shown)} of {len(said)})" if len(said) > len(shown) else ""
         lines.append(f"  decisions{more}: " + "; ".join(decision_line(e, h.t0_s) for e in shown))
     return lines
 
@@ -263,10 +268,11 @@ def fleet_plot(data, out):
     base = [0.0] * len(ws)
     for i, w in enumerate(writers):
         vals = [x.groups_per_s.get(w, 0.0) for x in ws]
-        bottom.bar(mids, vals, width=ws[0].end_s * 0.9, bottom=base, color=writer_color(i), label=w)
+        bottom.bar(mids, vals, width=(ws[0].end_s - ws[0].start_s) * 0.9, bottom=base, color=writer_color(i), label=w)
         base = [b + v for b, v in zip(base, vals)]
     bottom.set_xlabel("seconds since the fleet's first event")
     bottom.set_ylabel("groups/s committed")
     bottom.legend(fontsize=8)
-    top.set_xlim(bottom.get_xlim())
+    for a in (top, bottom):
+        a.set_xlim(0, (h.end_s - h.t0_s) * 1.12)  # room for the last life's label
     return save(fig, out)
