@@ -102,6 +102,11 @@ def test_status_lists_the_writers_that_joined_are_draining_and_left(tmp_path):
     status_main(rd.root, once=True, out=out)
     line = next(x for x in out.getvalue().splitlines() if x.startswith("fleet:"))
     assert line == "fleet: 2 writer(s) joined (w000 w001); draining: w001; left: w002 (drained, 0 prompts handed back)"
+    _beat(rd, "w000", state="preempted")  # Slurm requeues it: it beats again when it starts
+    out = io.StringIO()
+    status_main(rd.root, once=True, out=out)
+    line = next(x for x in out.getvalue().splitlines() if x.startswith("fleet:"))
+    assert "; preempted (waiting to be requeued): w000;" in line
 
 
 def test_autoscale_adds_a_job_while_the_trainer_waits_and_drains_one_while_the_fleet_waits():
