@@ -279,3 +279,21 @@ def test_an_autoscale_decision_is_logged_with_its_numbers_whether_or_not_the_que
     assert not held.applied and held.numbers["pending_jobs"] == 1 and held.numbers["trainer_idle_min"] == 0.7
     assert "still pending" in held.why and (held.from_jobs, held.to_jobs) == (0, 1)
     assert added.applied and added.numbers["start_in_s"] == 0.0 and added.numbers["version"] == 4
+
+
+def test_a_zombies_end_does_not_end_its_successor_and_a_run_without_fleet_logs_has_one_life_per_writer(tmp_path):
+    from hpcrl.analysis.fleet import fleet_history
+    from hpcrl.control.fleet_log import ENDED, JOINED
+    from test_samples import write_groups
+
+    rd = make_run(tmp_path)
+    w = FleetLog(rd, "w000")
+    w.record(JOINED, writer="w000", numbers={"lease": "a"})
+    w.record(JOINED, writer="w000", numbers={"lease": "b"})  # a requeued job took over; the old one still runs
+    w.record(ENDED, writer="w000", why="stopped", numbers={"lease": "a"})
+    _beat(rd, "w000")
+    assert [x.how for x in fleet_history(rd).lives] == ["killed and requeued", "running"]
+    write_groups(rd, range(4), writer="w001")  # an hpcrl before the fleet logs: manifests only
+    _beat(rd, "w001", state="done")
+    (old,) = [x for x in fleet_history(rd).lives if x.writer == "w001"]
+    assert (old.how, old.groups) == ("done", 4) and old.left_s is not None

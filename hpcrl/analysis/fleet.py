@@ -44,6 +44,8 @@ class Life:
     ``failed``, ``killed`` (no final state), ..."""
     groups: int = 0
     """Groups it committed."""
+    lease: str = ""
+    """Its lease on the writer's claims (matches its ``ended`` to it, even after a successor joined)."""
 
 
 @dataclass
@@ -130,9 +132,12 @@ def _lives_of(writer: str, events: list[FleetEvent], resubmits: list[float], com
             elif lives and lives[-1].how in ("preempted", "stopped", "failed"):
                 lives[-1].how += {"preempted": " and requeued", "stopped": ", then resumed",
                                   "failed": " and resubmitted"}[lives[-1].how]
-            lives.append(Life(writer, ev.time_s, ev.job_id))
-        elif ev.event == ENDED and lives and lives[-1].left_s is None:
-            _close(lives[-1], ev.time_s, ev.why or "ended")
+            lives.append(Life(writer, ev.time_s, ev.job_id, lease=str(ev.numbers.get("lease", ""))))
+        elif ev.event == ENDED:
+            lease = str(ev.numbers.get("lease", ""))
+            mine = [x for x in lives if x.left_s is None and (x.lease == lease or not lease)]
+            if mine:  # a zombie's ``ended`` after its successor joined closes its own life, not the successor's
+                _close(mine[-1], ev.time_s, ev.why or "ended")
     if lives and lives[-1].left_s is None and beat_state is not None and (has_ended(beat_state) or stale):
         last = max((t for t, _ in commits if t >= lives[-1].joined_s), default=lives[-1].joined_s)
         _close(lives[-1], last, "killed")  # no ``ended`` event, and its heartbeat ended or stopped: it died hard

@@ -81,7 +81,8 @@ def _more_writers(k: Knobs, fleet: Optional[FleetNow]) -> str:
         return (f"resources.rollout_jobs {n} -> {n + 1}, on a live run `hpcrl scale RUN --rollout-jobs {n + 1}`, or "
                 "more GPUs per rollout job")
     rate = ("" if math.isnan(fleet.per_writer_groups_s) else
-            f": each of the {n} writer(s) commits ~{fleet.per_writer_groups_s:.2f} groups/s, so one more adds ~"
+            f": {'the writer commits' if n == 1 else f'each of the {n} writers commits'} "
+            f"~{fleet.per_writer_groups_s:.2f} groups/s, so one more adds ~"
             f"{fleet.per_writer_groups_s:.2f} groups/s while the trainer waits")
     if fleet.live:
         return f"`hpcrl scale {fleet.run} --rollout-jobs {n + 1}`{rate}; or more GPUs per rollout job"
