@@ -1,7 +1,8 @@
 """A rollout fleet that changes during a run (``hpcrl scale``, ``launcher/fleet.py``, ``control/claims.py``):
 launched with one rollout job, grown to three by a scale request the launcher follows, shrunk to two (the newest
 drains: it finishes its groups, seals, hands back its prompts and exits 0, never resubmitted), one SIGKILLed and
-resubmitted by the launcher; the run completes, exactly once, within the lag bound, every join and leave logged."""
+resubmitted by the launcher; the run completes, exactly once, within the lag bound, every join and leave logged (in
+the launcher's lines, the jobs' logs and ``logs/fleet/``)."""
 from __future__ import annotations
 
 import os
@@ -11,7 +12,9 @@ import threading
 import pytest
 
 from conftest import TINY, check_exactly_once, wait_until
+from hpcrl.analysis.fleet import fleet_history
 from hpcrl.control.admission import read_claims
+from hpcrl.control.fleet_log import read_fleet_events
 from hpcrl.control.records import read_heartbeats
 from hpcrl.fsio import read_jsonl
 from hpcrl.logs import read_staleness
@@ -68,3 +71,11 @@ def test_a_fleet_grown_shrunk_and_killed_mid_run_trains_on_every_prompt_once(tmp
     assert not any("resubmitting" in x and "rollout-w002" in x for x in lines), "a drained job is never resubmitted"
     w1 = rd.job_log(RunDir.rollout_job("w001")).read_text()
     assert w1.count("joined the fleet") == 2 and "recovered" in w1
+    said = {(e.source, e.event, e.writer, e.from_jobs, e.to_jobs) for e in read_fleet_events(rd)}
+    for expected in [("scale", "scale_requested", "", 1, 3), ("launcher", "submitted", "w001", -1, -1),
+                     ("launcher", "scale_applied", "", 1, 3), ("launcher", "drain_requested", "w002", -1, -1),
+                     ("launcher", "scale_applied", "", 3, 2), ("launcher", "left", "w002", -1, -1),
+                     ("launcher", "resubmitted", "w001", -1, -1), ("w002", "ended", "w002", -1, -1)]:
+        assert expected in said, f"{expected} not in logs/fleet/: {sorted(said)}"
+    lives = {w: [x.how for x in fleet_history(rd).lives if x.writer == w] for w in ("w000", "w001", "w002")}
+    assert lives == {"w000": ["done"], "w001": ["killed and resubmitted", "done"], "w002": ["drained"]}, lives

@@ -189,6 +189,17 @@ def test_the_fleet_history_says_who_joined_and_left_when_and_why(tmp_path):
     assert "killed and resubmitted at +" in w001 and w001.endswith("2 groups")
     assert "  w000: joined +0s (job " in text and ", running, 2 groups" in text
     assert "decisions: +0s scale 1 -> 2 (hpcrl scale --rollout-jobs 2)" in text
+    from types import SimpleNamespace
+
+    from hpcrl.analysis.fleet import fleet_plot, lives_table, windows_table
+
+    lives = lives_table(h)  # the report's section: its tables and its plot
+    assert list(lives["how"]) == ["running", "preempted and requeued", "killed and resubmitted", "drained"]
+    assert list(lives["groups"]) == [2, 1, 1, 2] and lives["left (s)"].isna().tolist() == [True, False, False, False]
+    ws = windows_table(h, 4)
+    assert list(ws.columns) == ["from (s)", "to (s)", "writers", "groups/s", "w000 groups/s", "w001 groups/s"]
+    png = fleet_plot(SimpleNamespace(root=rd.root), tmp_path / "fleet.png")
+    assert png.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_a_run_of_one_writer_shows_no_fleet_view(tmp_path):

@@ -275,6 +275,7 @@ def fleet_plot(data, out):
         vals = [x.groups_per_s.get(w, 0.0) for x in ws]
         bottom.bar(mids, vals, width=(ws[0].end_s - ws[0].start_s) * 0.9, bottom=base, color=writer_color(i), label=w)
         base = [b + v for b, v in zip(base, vals)]
+    bottom.set_ylim(0, max(base, default=0.0) * 1.1 or 1.0)
     bottom.set_xlabel("seconds since the fleet's first event")
     bottom.set_ylabel("groups/s committed")
     bottom.legend(fontsize=8)
