@@ -214,8 +214,9 @@ def status_lines(h: FleetHistory, windows: int = 6, decisions: int = 5) -> list[
         lives = [life for life in h.lives if life.writer == w]
         lines.append(f"  {w}: " + "; ".join(life_text(life, h.t0_s) for life in lives))
     applied = {(e.by, e.to_jobs) for e in h.decisions if e.event == SCALE_APPLIED}
-    said = [e for e in h.decisions if e.event != SCALE_REQUESTED or (e.by, e.to_jobs) not in applied]
-    shown = said[-decisions:]  # a request the launcher applied is said once, by its scale_applied
+    said = [e for e in h.decisions if not (e.event == SCALE_REQUESTED and (e.by, e.to_jobs) in applied)
+            and not (e.event == SCALE_APPLIED and e.by == AUTOSCALE)]
+    shown = said[-decisions:]  # a request the launcher applied is said once, an autoscale decision by itself
     if shown:
         more = f" (last {len(shown)} of {len(said)})" if len(said) > len(shown) else ""
         lines.append(f"  decisions{more}: " + "; ".join(decision_line(e, h.t0_s) for e in shown))
