@@ -20,6 +20,8 @@ Layout (ARCHITECTURE.md, "The run directory")::
       checkpoints/<tag>/, checkpoints/latest.json                               (trainer)
       logs/metrics.jsonl, logs/staleness.jsonl, logs/rollout-<writer>.jsonl, logs/jobs/<job>.log,
       logs/tensorboard/, logs/wandb/  (logging.backends)                        (trainer)
+      logs/fleet/launcher.jsonl, logs/fleet/scale.jsonl, logs/fleet/<writer>.jsonl  the fleet's history
+                                   (control/fleet_log.py)       (launcher, hpcrl scale, each rollout job)
       logs/tensorboard/eval/, logs/eval/wandb/  the same for the evaluation job        (evaluation job)
       logs/eval.jsonl, logs/eval_samples.jsonl  one row per evaluated version,
                                    one per evaluated response                   (evaluation job)
@@ -68,6 +70,10 @@ WEIGHT_BAD_MARKER = "bad.json"
 """Written into a version folder by a rollout job that found the version damaged."""
 SHARD_MANIFEST = "manifest.jsonl"
 """Each writer's commit log: one line per sealed shard."""
+FLEET_LAUNCHER = "launcher"
+"""Source name of the launcher's fleet events (``logs/fleet/launcher.jsonl``)."""
+FLEET_SCALE = "scale"
+"""Source name of ``hpcrl scale``'s fleet events (``logs/fleet/scale.jsonl``)."""
 _HISTORY_TITLE = "# changed since launch (hpcrl run --resume KEY=VALUE), oldest first:"
 _HISTORY_MARK = "# - "
 
@@ -319,6 +325,22 @@ class RunDir:
             if _WRITER_RE.match(writer):
                 out[writer] = p
         return out
+
+    @property
+    def fleet_logs_dir(self) -> Path:
+        """``logs/fleet/``: the fleet's history, one file per source (``control/fleet_log.py``)."""
+        return self.logs / "fleet"
+
+    def fleet_log(self, source: str) -> Path:
+        """``logs/fleet/<source>.jsonl``: ``source`` is :data:`FLEET_LAUNCHER`, :data:`FLEET_SCALE` or a writer."""
+        if source not in (FLEET_LAUNCHER, FLEET_SCALE) and not _WRITER_RE.match(source):
+            raise ValueError(f"{source!r} is not a fleet log source (launcher, scale or a writer name)")
+        return self.fleet_logs_dir / f"{source}.jsonl"
+
+    def fleet_logs(self) -> list[Path]:
+        """Every fleet log that exists, sorted."""
+        d = self.fleet_logs_dir
+        return sorted(p for p in d.glob("*.jsonl") if p.is_file()) if d.is_dir() else []
 
     @property
     def tensorboard(self) -> Path:

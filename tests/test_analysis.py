@@ -292,6 +292,22 @@ def test_recommendation_rule():
     assert HIGH < 0.6
 
 
+def test_a_rollout_bound_line_names_the_exact_scale_command_of_a_live_run():
+    from hpcrl.analysis.recommend import FleetNow
+
+    class K:
+        staleness_threshold, trigger_parameter_sync_step, groups_per_update = 0.0, 1, 4
+        admission_budget, max_concurrent_groups, rollout_jobs = 4, 2, 1
+
+    live = recommend(0.6, 0.05, K, fleet=FleetNow("/scratch/me/run1", True, 2, 0.4)).line
+    assert "`hpcrl scale /scratch/me/run1 --rollout-jobs 3`" in live, live
+    assert "each of the 2 writers commits ~0.40 groups/s, so one more adds ~0.40 groups/s" in live
+    done = recommend(0.6, 0.05, K, fleet=FleetNow("/scratch/me/run1", False, 2)).line
+    assert "resources.rollout_jobs 2 -> 3 in the next run" in done and "/scratch/me/run1 --rollout" not in done
+    fewer = recommend(0.05, 0.6, K, fleet=FleetNow("/r", True, 3)).line
+    assert "`hpcrl scale /r --rollout-jobs 2`" in fewer
+
+
 @pytest.mark.slow
 def test_status_once_on_a_finished_run(runs):
     res = run_cli("status", str(runs["s05"]), "--once", timeout_s=60)

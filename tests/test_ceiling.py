@@ -93,6 +93,7 @@ def test_the_recommendation_names_the_budget_where_it_sets_the_pace():
 
     rec = budget_binds(0.5, 0.4, K, ceiling(_metrics(), _rollout(), staleness=_staleness(), budget=(1, 4, 4)))
     assert rec.bottleneck == "budget" and "trainer idle 0.50" in rec.line and "cannot beat 9.00s" in rec.line
+    assert "hpcrl scale" not in rec.line and "rollout_jobs" not in rec.line, "another writer would not help"
     assert "staleness_threshold to 1 (B=8, lag bound 1 version(s)), where the chain allows 4.50s" in rec.line
     assert budget_binds(0.5, 0.4, K, ceiling(_metrics(), _rollout(), staleness=_staleness(), budget=(1, 4, 8))) is None
     assert budget_binds(0.5, 0.4, K, ceiling(_metrics(), _rollout())) is None

@@ -2,7 +2,8 @@
 launched with one rollout job, grown to three by a scale request the launcher follows, shrunk to two (the newest
 drains: it finishes its groups, seals, hands back its prompts and exits 0, never resubmitted), one SIGKILLed and
 resubmitted by the launcher, stopped and resumed with the fleet it had; the run completes, exactly once, within
-the lag bound, every join and leave logged. The same on a Slurm cluster with preemption: test_slurm_preempt.py."""
+the lag bound, every join and leave logged (in the launcher's lines, the jobs' logs and ``logs/fleet/``). The same
+on a Slurm cluster with preemption: test_slurm_preempt.py."""
 from __future__ import annotations
 
 import io
@@ -13,7 +14,9 @@ import threading
 import pytest
 
 from conftest import TINY, check_exactly_once, wait_until
+from hpcrl.analysis.fleet import fleet_history
 from hpcrl.control.admission import read_claims
+from hpcrl.control.fleet_log import read_fleet_events
 from hpcrl.control.records import read_heartbeats
 from hpcrl.fsio import read_jsonl
 from hpcrl.logs import read_staleness
@@ -90,3 +93,12 @@ def test_a_fleet_grown_shrunk_killed_and_resumed_trains_on_every_prompt_once(tmp
     assert not any("resubmitting" in x and "rollout-w002" in x for x in lines), "a drained job is never resubmitted"
     w1 = w1_log.read_text()
     assert w1.count("joined the fleet") == 3 and "recovered" in w1
+    said = {(e.source, e.event, e.writer, e.from_jobs, e.to_jobs) for e in read_fleet_events(rd)}
+    for expected in [("scale", "scale_requested", "", 1, 3), ("launcher", "submitted", "w001", -1, -1),
+                     ("launcher", "scale_applied", "", 1, 3), ("launcher", "drain_requested", "w002", -1, -1),
+                     ("launcher", "scale_applied", "", 3, 2), ("launcher", "left", "w002", -1, -1),
+                     ("launcher", "resubmitted", "w001", -1, -1), ("w002", "ended", "w002", -1, -1)]:
+        assert expected in said, f"{expected} not in logs/fleet/: {sorted(said)}"
+    lives = {w: [x.how for x in fleet_history(rd).lives if x.writer == w] for w in ("w000", "w001", "w002")}
+    assert lives == {"w000": ["stopped, then resumed", "done"], "w002": ["drained"],
+                     "w001": ["killed and resubmitted", "stopped, then resumed", "done"]}, lives

@@ -6,13 +6,14 @@ import time
 from conftest import make_run
 from hpcrl.control.admission import Admission, read_claims
 from hpcrl.control.fleet import drain_requested, read_scale_request, request_drain, request_scale
+from hpcrl.control.fleet_log import FleetLog, read_fleet_events
 from hpcrl.control.records import Heartbeat
 from hpcrl.fsio import write_json_atomic
 from hpcrl.launcher.fleet import fleet_ids, retire_writers
 from hpcrl.launcher.sbatch_lines import rollout_lines, sbatch_lines
 from hpcrl.launcher.scale_cmd import scale_command
 from hpcrl.launcher.submit import plan_jobs
-from hpcrl.run_dir import RunDir
+from hpcrl.run_dir import FLEET_LAUNCHER, FLEET_SCALE, RunDir
 
 
 def _beat(rd: RunDir, writer: str, state: str = "generating") -> None:
@@ -37,9 +38,11 @@ def test_a_resume_with_a_smaller_fleet_retires_the_newest_writers_and_hands_back
         adm = Admission(rd, w, 100)
         adm.join(0, set())
         adm.try_start(0)
-    assert retire_writers(rd, [0], "test") == ["w001"]
+    assert retire_writers(rd, [0], "test", FleetLog(rd, FLEET_LAUNCHER)) == ["w001"]
     book = read_claims(rd)
     assert drain_requested(rd, "w001") and book.free == [1] and set(book.claims) == {"w000"}
+    (ev,) = [e for e in read_fleet_events(rd) if e.source == FLEET_LAUNCHER]
+    assert (ev.event, ev.writer, ev.by, ev.numbers) == ("drain_requested", "w001", "test", {"released_prompts": 1})
 
 
 def test_scale_without_a_launcher_drains_the_newest_by_records(tmp_path, capsys):
@@ -53,6 +56,10 @@ def test_scale_without_a_launcher_drains_the_newest_by_records(tmp_path, capsys)
     assert "resources.rollout_jobs: 3 -> 1 (hpcrl scale --rollout-jobs 1)" in rd.config_history()
     req = read_scale_request(rd)
     assert req.rollout_jobs == 1 and req.applied_s == 0.0, "no launcher acknowledged it"
+    said = [(e.event, e.writer, e.from_jobs, e.to_jobs) for e in read_fleet_events(rd)]
+    assert said == [("scale_requested", "", 3, 1), ("drain_requested", "w002", -1, -1),
+                    ("drain_requested", "w001", -1, -1), ("scale_applied", "", 3, 1)], "hpcrl scale logs what it did"
+    assert rd.fleet_log(FLEET_SCALE).is_file()
     assert scale_command(str(rd.root), 0, wait_s=0, scripts=None) == 2
     assert "must be >= 1, got 0" in capsys.readouterr().err
 
@@ -95,6 +102,11 @@ def test_status_lists_the_writers_that_joined_are_draining_and_left(tmp_path):
     status_main(rd.root, once=True, out=out)
     line = next(x for x in out.getvalue().splitlines() if x.startswith("fleet:"))
     assert line == "fleet: 2 writer(s) joined (w000 w001); draining: w001; left: w002 (drained, 0 prompts handed back)"
+    _beat(rd, "w000", state="preempted")  # Slurm requeues it: it beats again when it starts
+    out = io.StringIO()
+    status_main(rd.root, once=True, out=out)
+    line = next(x for x in out.getvalue().splitlines() if x.startswith("fleet:"))
+    assert "; preempted (waiting to be requeued): w000;" in line
 
 
 def test_autoscale_adds_a_job_while_the_trainer_waits_and_drains_one_while_the_fleet_waits():
@@ -126,3 +138,173 @@ def test_autoscale_bounds_are_checked_before_submission(tmp_path):
         make_run(tmp_path, "resources.rollout_autoscale.min_jobs=2", "resources.rollout_autoscale.max_jobs=1")
     with pytest.raises(ConfigError, match="idle_ratio"):
         make_run(tmp_path, "resources.rollout_autoscale.max_jobs=2", "resources.rollout_autoscale.idle_ratio=1.5")
+
+
+def test_the_fleet_history_says_who_joined_and_left_when_and_why(tmp_path):
+    """Real writers: admission joins and leaves, shard commits, the launcher's events; status shows them."""
+    import io
+
+    from hpcrl.analysis.fleet import fleet_history
+    from hpcrl.analysis.status import status_main
+    from hpcrl.control.fleet_log import RESUBMITTED, SCALE_APPLIED, SUBMITTED
+    from hpcrl.samples.writer import ShardWriter
+    from test_samples import make_group
+
+    rd = make_run(tmp_path, "resources.rollout_jobs=2")
+    launcher = FleetLog(rd, FLEET_LAUNCHER)
+    launcher.record(SUBMITTED, job="rollout-w000", writer="w000", job_id="11", by="hpcrl run")
+    prompts = iter(range(100))
+
+    def life(writer: str, groups: int) -> Admission:
+        """One job of ``writer``: join, commit ``groups`` groups (one shard each)."""
+        adm = Admission(rd, writer, 10**9)
+        w = ShardWriter(rd, writer, 1, 60, commit_guard=adm.committing)
+        adm.join(w.committed_groups, w.committed_prompt_indices)
+        for _ in range(groups):
+            w.add(make_group(adm.try_start(0, own=next(prompts)), writer=writer))
+            w.seal()
+        return adm
+
+    life("w000", 2)
+    launcher.record(SCALE_APPLIED, by="hpcrl scale --rollout-jobs 2", from_jobs=1, to_jobs=2)
+    life("w001", 1).leave("preempted")  # Slurm requeues it: the same writer joins again
+    life("w001", 1)  # SIGKILLed: no final state; the launcher resubmits it
+    launcher.record(RESUBMITTED, job="rollout-w001", writer="w001", job_id="13", why="ended early")
+    request_drain(rd, "w001", "hpcrl scale --rollout-jobs 1")
+    life("w001", 2).leave("drained")
+    _beat(rd, "w000")
+    h = fleet_history(rd)
+    assert [(x.writer, x.how, x.groups) for x in h.lives] == [
+        ("w000", "running", 2), ("w001", "preempted and requeued", 1), ("w001", "killed and resubmitted", 1),
+        ("w001", "drained", 2)]
+    assert h.changed and [e.event for e in h.decisions] == ["scale_applied"]
+    windows = h.windows(4)
+    assert abs(sum(x.total_per_s * (x.end_s - x.start_s) for x in windows) - 6) < 1e-6, "every group in a window"
+    out = io.StringIO()
+    status_main(rd.root, once=True, out=out)
+    text = out.getvalue()
+    assert "fleet over time (groups/s committed per writer, 6 windows of" in text
+    w001 = next(x for x in text.splitlines() if x.startswith("  w001: "))
+    assert w001.count("joined +") == 3 and "preempted and requeued at +" in w001 and "drained at +" in w001
+    assert "killed and resubmitted at +" in w001 and w001.endswith("2 groups")
+    assert "  w000: joined +0s (job " in text and ", running, 2 groups" in text
+    assert "decisions: +0s scale 1 -> 2 (hpcrl scale --rollout-jobs 2)" in text
+    from types import SimpleNamespace
+
+    from hpcrl.analysis.fleet import fleet_plot, lives_table, windows_table
+
+    lives = lives_table(h)  # the report's section: its tables and its plot
+    assert list(lives["how"]) == ["running", "preempted and requeued", "killed and resubmitted", "drained"]
+    assert list(lives["groups"]) == [2, 1, 1, 2] and lives["left (s)"].isna().tolist() == [True, False, False, False]
+    ws = windows_table(h, 4)
+    assert list(ws.columns) == ["from (s)", "to (s)", "writers", "groups/s", "w000 groups/s", "w001 groups/s"]
+    png = fleet_plot(SimpleNamespace(root=rd.root), tmp_path / "fleet.png")
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_run_of_one_writer_shows_no_fleet_view(tmp_path):
+    import io
+
+    from hpcrl.analysis.status import status_main
+
+    rd = make_run(tmp_path)
+    Admission(rd, "w000", 100).join(0, set())
+    _beat(rd, "w000")
+    out = io.StringIO()
+    status_main(rd.root, once=True, out=out)
+    assert "fleet" not in out.getvalue()
+
+
+def test_sbatch_test_only_is_parsed_as_slurm_prints_it():
+    from datetime import datetime
+
+    from hpcrl.launcher.autoscale import parse_test_only
+
+    # Slurm 22.05 (src/api/allocate.c, info() to stderr): with and without the partition (before 18.08)
+    got = parse_test_only("sbatch: Job 123 to start at 2026-11-24T14:00:00 using 1 processors on nodes n1 in "
+                          "partition debug\n")
+    assert got.start_s == datetime(2026, 11, 24, 14, 0, 0).timestamp()
+    assert (got.processors, got.nodes, got.partition) == (1, "n1", "debug")
+    old = parse_test_only("sbatch: Job 7 to start at 2026-11-24T14:00:05 using 4 processors on n[1-2]\n"
+                          "sbatch:   Preempts: 5,6\n")
+    assert (old.processors, old.nodes, old.partition) == (4, "n[1-2]", "")
+    assert parse_test_only("sbatch: error: Batch job submission failed: Requested node configuration is not "
+                           "available") is None
+    assert parse_test_only("sbatch: Job 1 to start at Tue 14:00 using 1 processors on n1") is None
+
+
+def test_the_queue_check_adds_a_job_only_if_the_queue_can_start_one_soon():
+    from hpcrl.launcher.autoscale import TestOnly, queue_verdict
+
+    now = 1000.0
+    ok, why, nums = queue_verdict([], None, now, 300)
+    assert ok and "local executor" in why
+    ok, why, nums = queue_verdict(["rollout-w003 (55_3)"], TestOnly(now, 1, "n1"), now, 300)
+    assert not ok and "rollout-w003 (55_3) still pending" in why and nums == {"pending_jobs": 1}
+    ok, why, nums = queue_verdict([], TestOnly(now + 60, 1, "n1", "debug"), now, 300)
+    assert ok and "start in 60s on n1 in partition debug" in why and nums["start_in_s"] == 60
+    ok, why, nums = queue_verdict([], TestOnly(now + 3600, 1, "n1"), now, 300)
+    assert not ok and "only in 3600s" in why and "start_within_s=300" in why
+    ok, why, _ = queue_verdict([], "exit 1: sbatch: error: invalid partition", now, 300)
+    assert not ok and "invalid partition" in why
+
+
+def test_sbatch_test_only_runs_with_a_deadline_and_says_why_it_has_no_answer(tmp_path):
+    from hpcrl.launcher.autoscale import sbatch_test_only
+
+    fake = tmp_path / "sbatch"
+    fake.write_text("#!/bin/sh\necho \"sbatch: Job 9 to start at $(date +%Y-%m-%dT%H:%M:%S) using 2 processors on "
+                    "nodes c1 in partition $SLURM_TIME_FORMAT\" >&2\n")
+    fake.chmod(0o755)
+    got = sbatch_test_only([str(fake), "--test-only"])
+    assert got.partition == "standard" and abs(got.start_s - time.time()) < 5, "SLURM_TIME_FORMAT=standard is set"
+    slow = tmp_path / "slow"
+    slow.write_text("#!/bin/sh\nexec sleep 30\n")
+    slow.chmod(0o755)
+    t0 = time.monotonic()
+    assert sbatch_test_only([str(slow)], timeout_s=0.5) == "no answer within 0.5s"
+    assert time.monotonic() - t0 < 5
+    assert sbatch_test_only(["false"]) == "exit 1: no output"
+
+
+def test_an_autoscale_decision_is_logged_with_its_numbers_whether_or_not_the_queue_lets_it_through(tmp_path):
+    from hpcrl.fsio import JsonlAppender
+    from hpcrl.launcher.follow import RunFollower
+
+    rd = make_run(tmp_path, "resources.rollout_autoscale.max_jobs=3", "resources.rollout_autoscale.versions=2")
+    rows = JsonlAppender(rd.metrics)
+    rows.append_many([{"param_version": v, "step": v, "trainer/idle_ratio": 0.7} for v in range(3)])
+    scaled, lines = [], []
+    answers = iter([(False, "rollout-w001 (12) still pending in the queue", {"pending_jobs": 1}),
+                    (True, "sbatch --test-only: it would start in 0s", {"start_in_s": 0.0})])
+    f = RunFollower(rd, rd.load_config(), {}, emit=lines.append, scale=lambda n, by: scaled.append((n, by)),
+                    queue_check=lambda: next(answers))
+    f._autoscale()
+    assert scaled == [] and "HELD" not in lines[-1] and "held until 2 more versions" in lines[-1]
+    f._autoscale()
+    assert scaled == [], "a held decision waits `versions` versions like any other"
+    rows.append_many([{"param_version": v, "step": v, "trainer/idle_ratio": 0.7} for v in range(3, 5)])
+    f._autoscale()
+    assert scaled == [(1, "autoscale")]
+    held, added = [e for e in read_fleet_events(rd) if e.event == "autoscale"]
+    assert not held.applied and held.numbers["pending_jobs"] == 1 and held.numbers["trainer_idle_min"] == 0.7
+    assert "still pending" in held.why and (held.from_jobs, held.to_jobs) == (0, 1)
+    assert added.applied and added.numbers["start_in_s"] == 0.0 and added.numbers["version"] == 4
+
+
+def test_a_zombies_end_does_not_end_its_successor_and_a_run_without_fleet_logs_has_one_life_per_writer(tmp_path):
+    from hpcrl.analysis.fleet import fleet_history
+    from hpcrl.control.fleet_log import ENDED, JOINED
+    from test_samples import write_groups
+
+    rd = make_run(tmp_path)
+    w = FleetLog(rd, "w000")
+    w.record(JOINED, writer="w000", numbers={"lease": "a"})
+    w.record(JOINED, writer="w000", numbers={"lease": "b"})  # a requeued job took over; the old one still runs
+    w.record(ENDED, writer="w000", why="stopped", numbers={"lease": "a"})
+    _beat(rd, "w000")
+    assert [x.how for x in fleet_history(rd).lives] == ["killed and requeued", "running"]
+    write_groups(rd, range(4), writer="w001")  # an hpcrl before the fleet logs: manifests only
+    _beat(rd, "w001", state="done")
+    (old,) = [x for x in fleet_history(rd).lives if x.writer == "w001"]
+    assert (old.how, old.groups) == ("done", 4) and old.left_s is not None

@@ -11,7 +11,9 @@ Idle ratios are time-weighted over the whole run (``tables.trainer_idle`` and
   hand-off latency or ``rollout.max_concurrent_groups`` limits the overlap;
 - one side above :data:`HIGH` and the other at least :data:`MARGIN` lower:
   the busier side is the bottleneck; move GPUs toward it. The idle side could
-  absorb up to ``1 / (1 - idle)`` times the current rate;
+  absorb up to ``1 / (1 - idle)`` times the current rate. On a live run the line names the exact
+  ``hpcrl scale RUN --rollout-jobs N`` (N from the fleet now, ``analysis/fleet.py``) and what one more writer
+  adds (the groups/s one writer committed in the last window);
 - both at or below :data:`HIGH`: balanced; more throughput needs more of both.
 
 Before these, the admission budget: where the run's budget-aware bound (``budget_bound.py``) is more than
@@ -28,7 +30,9 @@ from typing import Optional
 
 from hpcrl.analysis import tables
 from hpcrl.analysis.ceiling import Ceiling, run_ceiling
+from hpcrl.analysis.fleet import fleet_history
 from hpcrl.analysis.load import Knobs, RunData
+from hpcrl.run_dir import RunDir
 from hpcrl import metric_names as M
 
 HIGH = 0.3
@@ -56,8 +60,40 @@ def _min_s_for_full_update(k: Knobs) -> float:
     return k.groups_per_update / kr
 
 
-def recommend(t: float, r: float, k: Optional[Knobs], why_unknown: str = "") -> Recommendation:
-    """The recommendation for trainer idle ratio ``t`` and rollout idle ratio ``r``."""
+@dataclass
+class FleetNow:
+    """What the rollout-bound and trainer-bound lines need of the fleet (``analysis/fleet.py``)."""
+
+    run: str
+    """The run directory, as ``hpcrl scale`` takes it."""
+    live: bool
+    """The run has not finished: ``hpcrl scale`` can change its fleet now."""
+    writers: int
+    """Rollout jobs in the fleet now (at the end, for a finished run)."""
+    per_writer_groups_s: float = math.nan
+    """Groups/s one writer committed, on average over the last window with writers."""
+
+
+def _more_writers(k: Knobs, fleet: Optional[FleetNow]) -> str:
+    """How to add a rollout job: the exact ``hpcrl scale`` command on a live run, the config key otherwise."""
+    n = fleet.writers if fleet is not None and fleet.writers > 0 else k.rollout_jobs
+    if fleet is None:
+        return (f"resources.rollout_jobs {n} -> {n + 1}, on a live run `hpcrl scale RUN --rollout-jobs {n + 1}`, or "
+                "more GPUs per rollout job")
+    rate = ("" if math.isnan(fleet.per_writer_groups_s) else
+            f": {'the writer commits' if n == 1 else f'each of the {n} writers commits'} "
+            f"~{fleet.per_writer_groups_s:.2f} groups/s, so one more adds ~"
+            f"{fleet.per_writer_groups_s:.2f} groups/s while the trainer waits")
+    if fleet.live:
+        return f"`hpcrl scale {fleet.run} --rollout-jobs {n + 1}`{rate}; or more GPUs per rollout job"
+    return (f"resources.rollout_jobs {n} -> {n + 1} in the next run (this one has finished; on a live run `hpcrl "
+            f"scale RUN --rollout-jobs N`){rate}; or more GPUs per rollout job")
+
+
+def recommend(t: float, r: float, k: Optional[Knobs], why_unknown: str = "",
+              fleet: Optional[FleetNow] = None) -> Recommendation:
+    """The recommendation for trainer idle ratio ``t`` and rollout idle ratio ``r`` (``fleet``: the run's fleet, so
+    that a rollout-bound line names the exact ``hpcrl scale`` command)."""
     if math.isnan(t) or math.isnan(r):
         have = "trainer" if not math.isnan(t) else "rollout" if not math.isnan(r) else "neither side"
         return Recommendation("unknown", f"No recommendation: the idle ratio is known for {have} only "
@@ -84,16 +120,15 @@ def recommend(t: float, r: float, k: Optional[Knobs], why_unknown: str = "") -> 
             f"hand-off limits the overlap: raise rollout.max_concurrent_groups (now {k.max_concurrent_groups}) "
             "or lower timeouts.poll_interval_s / rollout.seal_interval_s; moving GPUs would not help."))
     if t > HIGH and t - r >= MARGIN:
-        extra = "" if k is None else (
-            f"resources.rollout_jobs {k.rollout_jobs} -> {k.rollout_jobs + 1}, on a live run `hpcrl scale RUN "
-            f"--rollout-jobs {k.rollout_jobs + 1}`, or more GPUs per rollout job")
+        extra = "" if k is None else _more_writers(k, fleet)
         return Recommendation("rollout", (
             f"The rollout side is the bottleneck: {nums}. Move GPUs from the trainer to rollout"
             f"{' (' + extra + ')' if extra else ''}; the trainer could absorb up to {1 / max(1 - t, 1e-9):.1f}x "
             "the current sample rate."))
     if r > HIGH and r - t >= MARGIN:
-        fewer = ("" if k is None or k.rollout_jobs < 2 else
-                 f": on a live run `hpcrl scale RUN --rollout-jobs {k.rollout_jobs - 1}`")
+        n = fleet.writers if fleet is not None and fleet.writers > 0 else k.rollout_jobs if k else 0
+        fewer = ("" if n < 2 else f": `hpcrl scale {fleet.run} --rollout-jobs {n - 1}`" if fleet is not None and fleet.live
+                 else f": on a live run `hpcrl scale RUN --rollout-jobs {n - 1}`")
         return Recommendation("trainer", (
             f"The trainer is the bottleneck: {nums}. Move GPUs from rollout to the trainer (more trainer GPUs "
             f"or fewer rollout jobs{fewer}); the rollout fleet could generate up to {1 / max(1 - r, 1e-9):.1f}x what "
@@ -140,5 +175,18 @@ def recommend_run(data: RunData) -> Recommendation:
             c = None
         budget = budget_binds(t, r, data.knobs, c)
         if budget is not None:
-            return budget
-    return recommend(t, r, data.knobs, " ".join(w.rstrip(".") for w in why if w))
+            return budget  # scaling the fleet would not help: the line says so and never names `hpcrl scale`
+    return recommend(t, r, data.knobs, " ".join(w.rstrip(".") for w in why if w), fleet_now(data))
+
+
+def fleet_now(data: RunData) -> Optional[FleetNow]:
+    """The fleet of ``data``'s run now (None when no writer joined or committed yet)."""
+    h = fleet_history(RunDir(data.root))
+    if not h.lives:
+        return None
+    live = not data.finished
+    writers = sum(life.left_s is None for life in h.lives) if live else data.knobs.rollout_jobs if data.knobs else 0
+    rates = [x for x in h.windows(10) if x.writers]
+    last = rates[-1] if rates else None
+    per = last.total_per_s / last.writers if last is not None and last.total_per_s > 0 else math.nan
+    return FleetNow(str(data.root), live, writers, per)

@@ -7,7 +7,8 @@ reading nothing but the run directories (see :mod:`hpcrl.analysis.load`).
 Sections per run: recommendation, notes, summary, problems (reward errors, tool errors, prompts
 filtered, with the first message and sample id), lag (groups and tokens, over
 time), partial spans, idle ratios per version, timeline of generation / training
-/ weight sync, group life times, throughput and queue, reward, held-out validation
+/ weight sync, group life times, the rollout fleet over time (each writer's lives, groups/s per writer, what
+changed the fleet), throughput and queue, reward, held-out validation
 (``logs/eval.jsonl``), samples dropped.
 Several runs add the side-by-side (ablation) table and overlaid curves.
 """
@@ -18,12 +19,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hpcrl.analysis import compare, plots, tables, training_plots, validation
+from hpcrl.analysis import compare, fleet, plots, tables, training_plots, validation
 from hpcrl.analysis.ceiling import run_ceiling, speedup_line
 from hpcrl.analysis.doc import Doc
 from hpcrl.analysis.load import LOG_PATHS, RunData, load_run
 from hpcrl.analysis.problems import problems_of, problems_table
 from hpcrl.analysis.recommend import recommend_run
+from hpcrl.run_dir import RunDir
 from hpcrl import metric_names as M
 
 log = logging.getLogger(__name__)
@@ -62,7 +64,8 @@ def _plot(doc: Doc, rep: Report, draw, out: Path, rel: str, alt: str, *args) -> 
         doc.para(f"(plot `{out.name}` could not be drawn: {e!r})")
 
 
-ALL_PLOTS = {**plots.PLOTS, **training_plots.PLOTS, "validation.png": validation.validation}
+ALL_PLOTS = {**plots.PLOTS, **training_plots.PLOTS, "validation.png": validation.validation,
+             "fleet.png": fleet.fleet_plot}
 """Every per-run plot, by file name."""
 
 
@@ -138,6 +141,26 @@ def _timeline(x: _Section) -> None:
     x.img("timeline.png", "timeline")
 
 
+def _fleet(x: _Section) -> None:
+    h = fleet.fleet_history(RunDir(x.d.root))
+    if not h.lives:
+        return x.doc.para("No rollout writer has joined or committed yet.")
+    if not h.changed:
+        life = h.lives[0]
+        return x.doc.para(f"One rollout writer ({life.writer}) for the whole run: {fleet.life_text(life, h.t0_s)}.")
+    x.doc.table(fleet.lives_table(h))
+    x.doc.para("One row per life of a writer (a job of it, from joining the fleet to leaving it), from "
+               "`logs/fleet/` (`control/fleet_log.py`) and the shard manifests; times in seconds since the fleet's "
+               "first event. how: drained (left for good), preempted and requeued, killed and resubmitted (no final "
+               "state; the launcher submitted it again), stopped, done (the run finished), running.")
+    x.doc.table(fleet.windows_table(h, 10))
+    x.doc.para("Groups committed per second in equal windows, in all and per writer (n/a: not in the fleet then).")
+    if h.decisions:
+        x.doc.para("What changed the fleet (requests, autoscale decisions with their numbers, drains):")
+        x.doc.bullets([fleet.decision_line(e, h.t0_s) for e in h.decisions])
+    x.img("fleet.png", "rollout fleet over time")
+
+
 def _throughput(x: _Section) -> None:
     doc = x.doc
     doc.table(tables.throughput_table(x.d))
@@ -202,7 +225,8 @@ def _problems(x: _Section) -> None:
 
 
 SECTIONS = [("Problems: reward errors, tool errors, prompts filtered", _problems), ("Lag", _lag), ("Partial rollout spans", _partial), ("Idle ratios per version", _idle),
-            ("Timeline: generation, training, weight sync", _timeline), ("Throughput and queue", _throughput),
+            ("Timeline: generation, training, weight sync", _timeline), ("Rollout fleet over time", _fleet),
+            ("Throughput and queue", _throughput),
             ("Reward", _reward), ("Training curves", _training), ("Held-out validation", _validation),
             ("Samples dropped", _drops)]
 

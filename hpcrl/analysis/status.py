@@ -8,7 +8,8 @@ Every few seconds (``--interval-s``) it reads the run directory and prints:
   counters; a job whose heartbeat is older than ``timeouts.heartbeat_stale_s``
   is flagged STALE, and one on this host whose process is gone is flagged GONE (a preempted or drained
   rollout job says so in its state); when the rollout fleet changed, a line naming the writers in it, those
-  draining and those that left (``hpcrl scale``);
+  draining, preempted and those that left (``hpcrl scale``), and the fleet over time: groups/s per writer in
+  time windows, each writer's lives (joined, left and why) and the last decisions (``logs/fleet/``);
 - groups committed (shard manifests), consumed (trainer), the queue between
   them and the groups in flight (admission counter), and the lag of the last update;
 - with an evaluation job, the last validated version and its score, the best so far
@@ -35,11 +36,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, TextIO
 
+from hpcrl.analysis.fleet import fleet_history, status_lines as fleet_status_lines
 from hpcrl.analysis.load import Knobs, read_config_leniently, read_json_tolerant
 from hpcrl.analysis.problems import tally
 from hpcrl.control.admission import read_claims
 from hpcrl.control.fleet import drained_writers
-from hpcrl.control.records import TrainerDone, has_ended, read_heartbeats, read_trainer_done
+from hpcrl.control.records import HeartbeatState, TrainerDone, has_ended, read_heartbeats, read_trainer_done
 from hpcrl.eval_log import EVALUATED, JOB, SKIPPED, EvalRow
 from hpcrl.fsio import JsonlTail
 from hpcrl.run_dir import EVAL_JOB, RunDir
@@ -152,17 +154,24 @@ class StatusView:
         return "\n".join(lines), -1
 
     def _fleet_lines(self) -> list[str]:
-        """The rollout fleet when it changed during the run: writers in it, draining, and those that left."""
+        """The rollout fleet when it changed during the run: writers in it, draining, preempted (waiting to be
+        requeued) and those that left; then the fleet over time (:mod:`hpcrl.analysis.fleet`) when it changed or
+        has several writers."""
         book = read_claims(self.rd)
         draining = drained_writers(self.rd)
-        if book is None or (not book.left and not draining):
-            return []
-        members = sorted(book.claims)
-        line = f"fleet: {len(members)} writer(s) joined ({' '.join(members)})"
-        if draining - set(book.left):
-            line += f"; draining: {' '.join(sorted(draining - set(book.left)))}"
-        left = [f"{w} ({x.why}, {x.released} prompts handed back)" for w, x in sorted(book.left.items())]
-        return [line + (f"; left: {', '.join(left)}" if left else "")]
+        preempted = sorted(w for job, beat in read_heartbeats(self.rd).items()
+                           if (w := RunDir.writer_of_job(job)) is not None and beat.state == HeartbeatState.PREEMPTED)
+        lines = []
+        if book is not None and (book.left or draining or preempted):
+            members = sorted(book.claims)
+            line = f"fleet: {len(members)} writer(s) joined ({' '.join(members)})"
+            if draining - set(book.left):
+                line += f"; draining: {' '.join(sorted(draining - set(book.left)))}"
+            if preempted:
+                line += f"; preempted (waiting to be requeued): {' '.join(preempted)}"
+            left = [f"{w} ({x.why}, {x.released} prompts handed back)" for w, x in sorted(book.left.items())]
+            lines.append(line + (f"; left: {', '.join(left)}" if left else ""))
+        return lines + fleet_status_lines(fleet_history(self.rd, stale_s=self.stale_s))
 
     def _job_lines(self, jobs: list[JobView], m: list[dict], committed: dict[str, int]) -> list[str]:
         """One line per job (plus a line explaining a STALE or GONE flag)."""

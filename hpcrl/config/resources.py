@@ -111,6 +111,10 @@ class RolloutAutoscale:
     above it over those versions: drain the newest."""
     versions: int = 5
     """How many versions the rule looks at, and waits after a decision before the next one."""
+    start_within_s: float = 300.0
+    """Under Slurm a job is added only if the queue can start it soon: no rollout job of the fleet is still
+    pending, and ``sbatch --test-only`` with the rollout job's options expects it to start within this many
+    seconds. Held otherwise (the decision is logged with what the queue said). The local executor always can."""
 
     @property
     def enabled(self) -> bool:
@@ -125,6 +129,10 @@ class RolloutAutoscale:
         if self.enabled and self.max_jobs < self.min_jobs:
             raise bad("resources.rollout_autoscale.max_jobs", self.max_jobs,
                       f">= resources.rollout_autoscale.min_jobs = {self.min_jobs}, or 0 (off)")
+        if not isinstance(self.start_within_s, (int, float)) or isinstance(self.start_within_s, bool) \
+                or not self.start_within_s > 0:
+            raise bad("resources.rollout_autoscale.start_within_s", self.start_within_s,
+                      "seconds > 0, e.g. 300 (how soon the queue must be able to start an added rollout job)")
         if not isinstance(self.idle_ratio, (int, float)) or not 0 < self.idle_ratio < 1:
             raise bad("resources.rollout_autoscale.idle_ratio", self.idle_ratio, "a ratio in (0, 1), e.g. 0.3")
 

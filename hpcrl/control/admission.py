@@ -46,6 +46,8 @@ from typing import Iterable, Iterator, Optional
 
 from hpcrl.control import claims
 from hpcrl.control.claims import ClaimBook
+from hpcrl.control.fleet_log import ENDED, JOINED, FleetLog, slurm_job_id
+from hpcrl.control.records import HeartbeatState
 from hpcrl.fsio import read_json, read_jsonl, write_json_atomic
 from hpcrl.json_record import JsonRecord
 from hpcrl.run_dir import RunDir
@@ -158,6 +160,8 @@ class Admission:
         self.skips = SkipLog(run_dir)
         self.lease = f"{socket.gethostname()}:{os.getpid()}:{time.time():.3f}"
         """This job's lease on the writer's claims (``control/claims.py``)."""
+        self.history = FleetLog(run_dir, writer)
+        """This writer's ``joined`` and ``ended`` events (``control/fleet_log.py``)."""
 
     def _read(self) -> AdmissionRecord:
         return self._read_at(self.run_dir, self.skips)
@@ -203,6 +207,10 @@ class Admission:
             write_json_atomic(self.run_dir.admission, state.to_json())
         log.info("writer %s joined the fleet (lease %s): %d claimed prompts to generate first, next new prompt %d",
                  self.writer, self.lease, len(gaps), state.prompts.next_prompt)
+        self.history.record(JOINED, writer=self.writer, job=RunDir.rollout_job(self.writer), job_id=slurm_job_id(),
+                            host=socket.gethostname(), pid=os.getpid(),
+                            numbers={"lease": self.lease, "claimed_first": len(gaps),
+                                     "committed_groups": committed_groups})
         return gaps
 
     def try_start(self, consumed_groups_at_version: int, own: Optional[int] = None) -> Optional[int]:
@@ -231,3 +239,11 @@ class Admission:
     def release(self, why: str) -> int:
         """This writer leaves for good (drained): :func:`release_writer`."""
         return release_writer(self.run_dir, self.writer, why)
+
+    def leave(self, final_state: str) -> None:
+        """The job ends in ``final_state``: a drained writer releases its budget and claims (:meth:`release`);
+        every ending is recorded in the writer's fleet log (``ended``, with the claims handed back)."""
+        released = self.release("drained") if final_state == HeartbeatState.DRAINED.value else 0
+        self.history.record(ENDED, writer=self.writer, job=RunDir.rollout_job(self.writer), job_id=slurm_job_id(),
+                            why=final_state, numbers={"lease": self.lease, "released_prompts": released})
+        self.history.close()

@@ -16,21 +16,25 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from hpcrl.config import ConfigError, RunConfig, given_keys, load_config
 from hpcrl.control.fatal import read_fatal_record
+from hpcrl.control.fleet_log import SCALE_APPLIED, SUBMITTED, FleetLog
 from hpcrl.control.records import HeartbeatState, read_heartbeats, read_trainer_done, request_stop
+from hpcrl.launcher.autoscale import can_start_soon
 from hpcrl.launcher.follow import RunFollower
 from hpcrl.launcher.inputs import check_inputs, derive_total_steps
 from hpcrl.launcher.prepare import prepare_run_dir
 from hpcrl.launcher.resume import change_lines, check_changes, finished_message
 from hpcrl.launcher.fleet import (active_rollout_jobs, drain_newest, record_fleet_size, retire_writers,
                                   used_writer_ids)
+from hpcrl.launcher.sbatch_lines import test_only_argv
 from hpcrl.launcher.submit import PlannedJob, plan_jobs, plan_rollout, resolve_executor, submit_jobs, submit_one
-from hpcrl.run_dir import RunDir
+from hpcrl.run_dir import FLEET_LAUNCHER, RunDir
 
 log = logging.getLogger(__name__)
 
@@ -107,14 +111,19 @@ class RunHandle:
         self.cfg, self.rd, self.kind = plan.cfg, plan.rd, plan.kind
         self.planned = {p.name: p for p in plan.jobs}
         """Every job planned, by name (rollout jobs added as the fleet grows): what a resubmission submits."""
+        fleet = FleetLog(plan.rd, FLEET_LAUNCHER)
         if resume:
             keep = [p.args[1] for p in plan.jobs if RunDir.writer_of_job(p.name) is not None]
-            for w in retire_writers(plan.rd, keep, "hpcrl run --resume with a smaller fleet"):
+            for w in retire_writers(plan.rd, keep, "hpcrl run --resume with a smaller fleet", fleet):
                 emit(f"{w} is not in the resumed fleet of {len(keep)}: drained, its prompt claims handed back")
         jobs = submit_jobs(plan.rd, plan.kind, plan.jobs)
+        for name, handle in jobs.items():
+            fleet.record(SUBMITTED, job=name, writer=RunDir.writer_of_job(name) or "", job_id=handle.job_id,
+                         by="hpcrl run --resume" if resume else "hpcrl run")
         self.follower = RunFollower(plan.rd, plan.cfg, jobs, emit=emit,
                                     resubmit=lambda name: submit_one(plan.rd, plan.kind, self.planned[name]),
-                                    resume=resume, bar=bar, scale=self.scale)
+                                    resume=resume, bar=bar, scale=self.scale, fleet=fleet,
+                                    queue_check=self._queue_check)
 
     def scale(self, rollout_jobs: int, by: str = "Run.scale") -> list[str]:
         """Grow the fleet to ``rollout_jobs`` rollout jobs (new writers, which take the newest weights and claim
@@ -123,22 +132,38 @@ class RunHandle:
         if rollout_jobs < 1:
             raise ValueError(f"rollout_jobs must be >= 1, got {rollout_jobs}: a run needs one rollout job; stop the "
                              "run with Run.stop() instead")
-        jobs, emit = self.follower.jobs, self.follower.emit
+        jobs, emit, fleet = self.follower.jobs, self.follower.emit, self.follower.fleet
         active = active_rollout_jobs(self.rd, jobs)
         changed: list[str] = []
         if rollout_jobs > len(active):
-            used = used_writer_ids(self.rd) | {RunDir.writer_rank(RunDir.writer_of_job(n)) for n in active}
-            for i in range(max(used, default=-1) + 1, max(used, default=-1) + 1 + rollout_jobs - len(active)):
+            first = self._next_writer_id()
+            for i in range(first, first + rollout_jobs - len(active)):
                 planned = plan_rollout(self.cfg, self.rd, i)
                 self.planned[planned.name] = planned
                 jobs[planned.name] = submit_one(self.rd, self.kind, planned)
                 emit(f"scale: {planned.name} submitted as {jobs[planned.name].job_id} ({by})")
+                fleet.record(SUBMITTED, job=planned.name, writer=RunDir.writer_name(i), job_id=jobs[planned.name].job_id,
+                             by=by)
                 changed.append(planned.name)
         elif rollout_jobs < len(active):
-            changed = drain_newest(self.rd, {n: jobs[n] for n in active}, len(active) - rollout_jobs, by, emit)
+            changed = drain_newest(self.rd, {n: jobs[n] for n in active}, len(active) - rollout_jobs, by, emit, fleet)
         record_fleet_size(self.cfg, self.rd, rollout_jobs, by)
         emit(f"scale: the rollout fleet goes from {len(active)} to {rollout_jobs} job(s) ({by})")
+        fleet.record(SCALE_APPLIED, by=by, from_jobs=len(active), to_jobs=rollout_jobs, numbers={"jobs": changed})
         return changed
+
+    def _next_writer_id(self) -> int:
+        """The number of the next writer to add: one never used (``launcher/fleet.py``)."""
+        used = used_writer_ids(self.rd) | {RunDir.writer_rank(RunDir.writer_of_job(n))
+                                           for n in active_rollout_jobs(self.rd, self.jobs)}
+        return max(used, default=-1) + 1
+
+    def _queue_check(self) -> tuple[bool, str, dict]:
+        """Can the queue start the next rollout job soon (``launcher/autoscale.py``)? Always, for local jobs."""
+        handles = [self.jobs[n] for n in active_rollout_jobs(self.rd, self.jobs)]
+        argv = None if self.kind == "local" else test_only_argv(self.cfg, self.rd, sys.executable,
+                                                                  self._next_writer_id())
+        return can_start_soon(handles, argv, self.cfg.resources.rollout_autoscale.start_within_s)
 
     @property
     def jobs(self) -> dict:

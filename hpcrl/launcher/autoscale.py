@@ -11,11 +11,21 @@ The rule, on the measured idle ratios of the last ``versions`` weight versions:
   one leaves, the ratios settle).
 
 :func:`decide` is the rule alone (rows in, a decision with its numbers out); :class:`Autoscaler` feeds it the
-run's logs. It does not look at the Slurm queue: a job added while the queue is full waits there like any other.
+run's logs. Before a job is *added* under Slurm the queue must be able to start one soon (:func:`queue_verdict`,
+also pure): no rollout job of the fleet is still pending (one that is would only be joined by another in the
+queue), and ``sbatch --test-only`` with the rollout job's options (:func:`sbatch_test_only`, a subprocess with a
+deadline; its answer parsed by :func:`parse_test_only`) expects a start within ``start_within_s``. Otherwise the
+decision is held: logged with the queue's answer, and the rule waits ``versions`` versions as after any decision.
+The local executor can always start one. Draining needs no check.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+import re
+import subprocess
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Optional
 
 from hpcrl import metric_names as M
@@ -32,6 +42,8 @@ class Decision:
     why: str
     version: int
     """The newest trainer version the rule saw."""
+    numbers: dict = field(default_factory=dict)
+    """The numbers the rule read (``trainer_idle_min``, ``rollout_idle`` per writer, ...), for the fleet log."""
 
 
 def decide(cfg: RolloutAutoscale, jobs: int, trainer_rows: list[dict], rollout_rows: dict[str, list[dict]],
@@ -46,9 +58,11 @@ def decide(cfg: RolloutAutoscale, jobs: int, trainer_rows: list[dict], rollout_r
         return None
     trainer_idle = [float(r.get(M.TRAINER_IDLE_RATIO, 0.0)) for r in recent]
     since = int(recent[0].get(M.PARAM_VERSION, 0))
+    numbers = {"trainer_idle_min": min(trainer_idle), "trainer_idle_max": max(trainer_idle),
+               "idle_ratio": cfg.idle_ratio, "since_version": since, "jobs": jobs}
     if min(trainer_idle) > cfg.idle_ratio and jobs < cfg.max_jobs:
         return Decision(jobs + 1, f"trainer idle {min(trainer_idle):.2f}-{max(trainer_idle):.2f} > "
-                                  f"{cfg.idle_ratio:g} in each of the last {cfg.versions} updates", version)
+                                  f"{cfg.idle_ratio:g} in each of the last {cfg.versions} updates", version, numbers)
     per_writer = {}
     for writer, rows in rollout_rows.items():
         ratios = [float(r.get(M.ROLLOUT_IDLE_RATIO, 0.0)) for r in rows if int(r.get(M.PARAM_VERSION, -1)) >= since]
@@ -58,8 +72,87 @@ def decide(cfg: RolloutAutoscale, jobs: int, trainer_rows: list[dict], rollout_r
             and max(trainer_idle) <= cfg.idle_ratio and jobs > cfg.min_jobs):
         shown = ", ".join(f"{w} {v:.2f}" for w, v in sorted(per_writer.items()))
         return Decision(jobs - 1, f"every rollout job idle > {cfg.idle_ratio:g} since version {since} ({shown}) "
-                                  f"while the trainer was busy (idle <= {max(trainer_idle):.2f})", version)
+                                  f"while the trainer was busy (idle <= {max(trainer_idle):.2f})", version,
+                        {**numbers, "rollout_idle": per_writer})
     return None
+
+
+@dataclass
+class TestOnly:
+    """What ``sbatch --test-only`` answered: Slurm's ``Job 123 to start at 2026-11-24T14:00:00 using 1
+    processors on nodes n1 in partition debug`` (stderr; ``in partition`` since Slurm 18.08)."""
+
+    start_s: float
+    """Unix time the job would start (the controller's estimate given the queue now)."""
+    processors: int
+    nodes: str
+    partition: str = ""
+
+
+_TEST_ONLY = re.compile(r"Job \d+ to start at (\S+) using (\d+) processors on (?:nodes )?(\S+)(?: in partition (\S+))?")
+
+
+def parse_test_only(text: str) -> Optional[TestOnly]:
+    """The estimate in ``sbatch --test-only``'s output (its time in ``SLURM_TIME_FORMAT=standard``, local time),
+    None if the output holds none (an error, another format)."""
+    m = _TEST_ONLY.search(text)
+    if m is None:
+        return None
+    try:
+        start = datetime.strptime(m.group(1), "%Y-%m-%dT%H:%M:%S").timestamp()
+    except ValueError:
+        return None
+    return TestOnly(start, int(m.group(2)), m.group(3), m.group(4) or "")
+
+
+def queue_verdict(pending: list[str], test: "TestOnly | str | None", now_s: float,
+                  start_within_s: float) -> tuple[bool, str, dict]:
+    """Can the queue start an added rollout job soon? ``pending``: the fleet's jobs still pending (``name (id)``);
+    ``test``: ``sbatch --test-only``'s estimate, or why there is none (a string), or None (not asked: the local
+    executor). Returns (yes or no, the reason in words, its numbers)."""
+    if pending:
+        return False, (f"{', '.join(pending)} still pending in the queue: another job would only wait beside it"), \
+            {"pending_jobs": len(pending)}
+    if test is None:
+        return True, "local executor: a job starts at once", {}
+    if isinstance(test, str):
+        return False, f"sbatch --test-only gave no start time ({test})", {}
+    start_in = test.start_s - now_s
+    nums = {"start_in_s": round(start_in, 1), "start_within_s": start_within_s}
+    where = f" on {test.nodes}" + (f" in partition {test.partition}" if test.partition else "")
+    if start_in <= start_within_s:
+        return True, f"sbatch --test-only: it would start in {max(start_in, 0):.0f}s{where}", nums
+    return False, (f"sbatch --test-only: it would start only in {start_in:.0f}s{where} "
+                   f"(> resources.rollout_autoscale.start_within_s={start_within_s:g})"), nums
+
+
+TEST_ONLY_TIMEOUT_S = 30.0
+"""Deadline of one ``sbatch --test-only`` (the controller answers in well under a second when it is up)."""
+
+
+def sbatch_test_only(argv: list[str], timeout_s: float = TEST_ONLY_TIMEOUT_S) -> "TestOnly | str":
+    """Run ``argv`` (an sbatch line with ``--test-only``) within ``timeout_s``: its estimate, or why none."""
+    env = {**os.environ, "SLURM_TIME_FORMAT": "standard"}  # ISO times whatever the user's setting
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, env=env)
+    except subprocess.TimeoutExpired:
+        return f"no answer within {timeout_s:g}s"
+    except OSError as e:
+        return str(e)
+    text = out.stderr + out.stdout
+    found = parse_test_only(text)
+    if found is None:
+        lines = [x for x in text.strip().splitlines() if x.strip()]
+        return f"exit {out.returncode}: {lines[-1] if lines else 'no output'}"
+    return found
+
+
+def can_start_soon(handles: list, test_argv: Optional[list[str]], start_within_s: float) -> tuple[bool, str, dict]:
+    """The queue check for adding a job: ``handles`` the fleet's rollout jobs (``JobHandle``: a pending one holds
+    it), ``test_argv`` the ``sbatch --test-only`` line of the job to add (None: local executor)."""
+    pending = [f"{h.name} ({h.job_id})" for h in handles if h.kind != "local" and h.state() == "PENDING"]
+    test = None if test_argv is None or pending else sbatch_test_only(test_argv)
+    return queue_verdict(pending, test, time.time(), start_within_s)
 
 
 class Autoscaler:

@@ -18,6 +18,7 @@ from typing import Callable
 from hpcrl.config import RunConfig
 from hpcrl.control.admission import read_claims, release_writer
 from hpcrl.control.fleet import drained_writers, request_drain
+from hpcrl.control.fleet_log import CANCELLED, DRAIN_REQUESTED, FleetLog
 from hpcrl.control.records import HeartbeatState, read_heartbeats
 from hpcrl.run_dir import RunDir
 
@@ -46,21 +47,26 @@ def fleet_ids(rd: RunDir, n: int) -> list[int]:
     return ids
 
 
-def retire_writers(rd: RunDir, keep: list[int], by: str) -> list[str]:
+def retire_writers(rd: RunDir, keep: list[int], by: str, fleet: FleetLog) -> list[str]:
     """Before a resume (no job of the run is running): writers used, not drained and not in ``keep`` are drained
-    and their claims released at once. Returns their names."""
+    and their claims released at once (each a ``drain_requested`` event in ``fleet``). Returns their names."""
     drained = drained_writers(rd)
     gone = [RunDir.writer_name(i) for i in sorted(used_writer_ids(rd) - set(keep))]
     gone = [w for w in gone if w not in drained]
     for w in gone:
         request_drain(rd, w, by)
-        release_writer(rd, w, f"not in the resumed fleet ({by})")
+        n = release_writer(rd, w, f"not in the resumed fleet ({by})")
+        fleet.record(DRAIN_REQUESTED, writer=w, job=RunDir.rollout_job(w), by=by,
+                     why="not in the resumed fleet: no job of it runs, its prompt claims handed back at once",
+                     numbers={"released_prompts": n})
     return gone
 
 
-def drain_newest(rd: RunDir, jobs: dict, count: int, by: str, emit: Callable[[str], None]) -> list[str]:
+def drain_newest(rd: RunDir, jobs: dict, count: int, by: str, emit: Callable[[str], None],
+                 fleet: FleetLog) -> list[str]:
     """Drain the ``count`` newest rollout jobs among ``jobs`` (name -> handle) that are not draining already;
-    cancel those still queued or starting (nothing to save) and release their claims. Returns the job names."""
+    cancel those still queued or starting (nothing to save) and release their claims; each step is an event in
+    ``fleet``. Returns the job names."""
     drained = drained_writers(rd)
     active = sorted((RunDir.writer_rank(w), name) for name in jobs
                     if (w := RunDir.writer_of_job(name)) is not None and w not in drained)
@@ -69,9 +75,12 @@ def drain_newest(rd: RunDir, jobs: dict, count: int, by: str, emit: Callable[[st
     for name in victims:
         writer = RunDir.writer_of_job(name)
         request_drain(rd, writer, by)
+        fleet.record(DRAIN_REQUESTED, writer=writer, job=name, job_id=jobs[name].job_id, by=by)
         beat = beats.get(name)
         if beat is None or beat.state == HeartbeatState.STARTING.value:
             jobs[name].cancel()
+            fleet.record(CANCELLED, writer=writer, job=name, job_id=jobs[name].job_id, by=by,
+                         why=f"drained while {'queued' if beat is None else 'starting'}: nothing to save")
             emit(f"scale: {name} ({jobs[name].job_id}) {'not started' if beat is None else 'starting'}: "
                  "nothing to save, cancelled")
         else:

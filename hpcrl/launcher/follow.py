@@ -16,6 +16,7 @@ from hpcrl.config import RunConfig
 from hpcrl.control.admission import release_writer
 from hpcrl.control.fatal import read_fatal, read_fatal_record
 from hpcrl.control.fleet import acknowledge_scale, drain_requested, read_scale_request
+from hpcrl.control.fleet_log import AUTOSCALE, LEFT, RESUBMITTED, SCALE_REFUSED, FleetLog
 from hpcrl.control.records import (HeartbeatState, read_heartbeats, read_latest_checkpoint, read_trainer_done,
                                    stop_requested)
 from hpcrl.eval_log import EVALUATED, JOB, EvalRow
@@ -23,7 +24,7 @@ from hpcrl.fsio import JsonlTail
 from hpcrl.launcher.autoscale import Autoscaler
 from hpcrl.launcher.fleet import active_rollout_jobs
 from hpcrl.launcher.progress import Console, hms
-from hpcrl.run_dir import EVAL_JOB, RunDir
+from hpcrl.run_dir import EVAL_JOB, FLEET_LAUNCHER, RunDir
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +62,15 @@ class RunFollower:
 
     def __init__(self, rd: RunDir, cfg: RunConfig, jobs: dict, emit: Callable[[str], None] = print,
                  resubmit: Optional[Callable[[str], object]] = None, resume: bool = False, bar: bool = False,
-                 scale: Optional[Callable[[int, str], list]] = None):
+                 scale: Optional[Callable[[int, str], list]] = None, fleet: Optional[FleetLog] = None,
+                 queue_check: Optional[Callable[[], tuple[bool, str, dict]]] = None):
         self.rd = rd
         self.scale = scale
         """Grows or shrinks the rollout fleet (``RunHandle.scale``); asked for through ``control/scale.json``."""
+        self.fleet = fleet or FleetLog(rd, FLEET_LAUNCHER)
+        """The launcher's fleet events (``logs/fleet/launcher.jsonl``, ``control/fleet_log.py``)."""
+        self.queue_check = queue_check
+        """Can the queue start another rollout job soon (``autoscale.can_start_soon``)? None: always."""
         self.autoscaler = (Autoscaler(rd, cfg.resources.rollout_autoscale)
                            if cfg.resources.rollout_autoscale.enabled and scale is not None else None)
         """``resources.rollout_autoscale``: decides fleet sizes from the idle ratios (``launcher/autoscale.py``)."""
@@ -142,6 +148,11 @@ class RunFollower:
         self.emit(tail(self.rd.job_log(name), 5))
         self.jobs[name] = self.resubmit(name)
         self.emit(f"job {name} resubmitted as {self.jobs[name].job_id}")
+        beat = read_heartbeats(self.rd).get(name)
+        self.fleet.record(RESUBMITTED, job=name, writer=RunDir.writer_of_job(name) or "", job_id=self.jobs[name].job_id,
+                          why=f"{why}; its last heartbeat said {beat.state if beat else 'nothing (never started)'}",
+                          numbers={"previous_job_id": handle.job_id, "restart": used + 1,
+                                   "max_restarts": self.cfg.resources.max_restarts})
         return True
 
     def _give_up_eval(self, handle) -> None:
@@ -182,6 +193,8 @@ class RunFollower:
         released = release_writer(self.rd, writer, "drained: its job ended")
         self.emit(f"job {name} ({handle.job_id}) left the fleet ({beat.state if beat else 'never started'}"
                   f"{f'; {released} prompt claims handed back by the launcher' if released else ''})")
+        self.fleet.record(LEFT, job=name, writer=writer, job_id=handle.job_id,
+                          why=beat.state if beat else "never started", numbers={"released_prompts": released})
         del self.jobs[name]
 
     def _apply_scale_request(self) -> None:
@@ -194,17 +207,29 @@ class RunFollower:
             self.scale(req.rollout_jobs, req.by)
         except (ValueError, OSError) as e:
             self.emit(f"scale request {self.rd.scale_request} not applied: {e}")
+            self.fleet.record(SCALE_REFUSED, by=req.by, to_jobs=req.rollout_jobs, why=str(e))
         acknowledge_scale(self.rd, req)
 
     def _autoscale(self) -> None:
-        """One step of ``resources.rollout_autoscale``: a decision is applied and said with its numbers."""
+        """One step of ``resources.rollout_autoscale``: a decision is logged with its numbers (and, to add a job,
+        the queue's answer) and applied unless the queue cannot start a job soon."""
         if self.autoscaler is None:
             return
         writers = [RunDir.writer_of_job(n) for n in active_rollout_jobs(self.rd, self.jobs)]
         decision = self.autoscaler.poll(writers)
-        if decision is not None:
-            self.emit(f"autoscale: {len(writers)} -> {decision.rollout_jobs} rollout job(s) at version "
-                      f"{decision.version}: {decision.why}")
+        if decision is None:
+            return
+        ok, queue, numbers = True, "", dict(decision.numbers)
+        if decision.rollout_jobs > len(writers) and self.queue_check is not None:
+            ok, queue, said = self.queue_check()
+            numbers.update(said)
+        why = decision.why + (f"; queue: {queue}" if queue else "")
+        self.emit(f"autoscale: {len(writers)} -> {decision.rollout_jobs} rollout job(s) at version "
+                  f"{decision.version}: {why}" + ("" if ok else f"; held until {self.autoscaler.cfg.versions} more "
+                                                 "versions have passed"))
+        self.fleet.record(AUTOSCALE, by="autoscale", from_jobs=len(writers), to_jobs=decision.rollout_jobs, why=why,
+                          applied=ok, numbers={"version": decision.version, **numbers})
+        if ok:
             self.scale(decision.rollout_jobs, "autoscale")
 
     def _warn_stale_heartbeats(self) -> None:

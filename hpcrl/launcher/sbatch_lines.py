@@ -16,6 +16,9 @@ from hpcrl.config import JobResources, RunConfig
 from hpcrl.fsio import write_bytes_atomic
 from hpcrl.run_dir import RunDir
 
+SCRIPTS = Path(__file__).resolve().parents[2] / "sbatch"
+"""The repository's sbatch scripts (``trainer.sbatch``, ``rollout.sbatch``, ``eval.sbatch``)."""
+
 
 def slurm_options(r: JobResources) -> dict[str, object]:
     """The Slurm options a job's config adds to its size, as {option: value} (``""`` = a bare
@@ -68,6 +71,14 @@ def rollout_lines(cfg: RunConfig, rd: RunDir, scripts: Path, python: str, writer
                                  *_options("rollout", cfg.resources.rollout_for(ids[0]), rd, python),
                                  str(scripts / "rollout.sbatch"), str(rd.root)]))
     return lines
+
+
+def test_only_argv(cfg: RunConfig, rd: RunDir, python: str, writer_id: int) -> list[str]:
+    """``sbatch --test-only`` with the options of rollout job ``writer_id``: Slurm's estimate of when it would
+    start, nothing submitted (the autoscaler's queue check, ``launcher/autoscale.py``)."""
+    argv = shlex.split(rollout_lines(cfg, rd, SCRIPTS, python, [writer_id])[0])
+    argv[argv.index("--parsable")] = "--test-only"
+    return argv
 
 
 def write_setup_files(cfg: RunConfig, rd: RunDir) -> None:

@@ -17,13 +17,11 @@ import time
 from pathlib import Path
 
 from hpcrl.control.fleet import drained_writers, read_scale_request, request_drain, request_scale
+from hpcrl.control.fleet_log import DRAIN_REQUESTED, SCALE_APPLIED, SCALE_REQUESTED, SUBMITTED, FleetLog
 from hpcrl.control.records import read_heartbeats, read_trainer_done
 from hpcrl.launcher.fleet import record_fleet_size, used_writer_ids
-from hpcrl.launcher.sbatch_lines import rollout_lines
-from hpcrl.run_dir import RunDir
-
-SCRIPTS = Path(__file__).resolve().parents[2] / "sbatch"
-"""The repository's sbatch scripts (``rollout.sbatch``)."""
+from hpcrl.launcher.sbatch_lines import SCRIPTS, rollout_lines
+from hpcrl.run_dir import FLEET_SCALE, RunDir
 
 
 def _active_writers(rd: RunDir) -> list[str]:
@@ -33,12 +31,13 @@ def _active_writers(rd: RunDir) -> list[str]:
                   if (w := RunDir.writer_of_job(job)) is not None and not beat.ended and w not in drained)
 
 
-def _act_without_launcher(rd: RunDir, n: int, scripts: Path, by: str) -> int:
+def _act_without_launcher(rd: RunDir, n: int, scripts: Path, by: str, fleet: FleetLog) -> int:
     cfg = rd.load_config()
     active = _active_writers(rd)
     if n < len(active):
         for w in active[::-1][:len(active) - n]:
             request_drain(rd, w, by)
+            fleet.record(DRAIN_REQUESTED, writer=w, job=RunDir.rollout_job(w), by=by, why="no launcher follows the run")
             print(f"{RunDir.rollout_job(w)} asked to drain ({rd.drain_request(w)})")
     elif n > len(active):
         start = max(used_writer_ids(rd), default=-1) + 1
@@ -53,8 +52,11 @@ def _act_without_launcher(rd: RunDir, n: int, scripts: Path, by: str) -> int:
                 print(f"hpcrl scale: error: `{line}` failed: {out.stderr.strip()}", file=sys.stderr)
                 return 1
             print(f"submitted rollout job array {out.stdout.strip()}: {line}")
+            fleet.record(SUBMITTED, job_id=out.stdout.strip(), by=by, why=f"rollout job array: {line}",
+                         numbers={"writer_ids": ids})
         print(f"writers {ids[0]}..{ids[-1]} join the fleet")
     record_fleet_size(cfg, rd, n, by)
+    fleet.record(SCALE_APPLIED, by=by, from_jobs=len(active), to_jobs=n, why="no launcher follows the run")
     return 0
 
 
@@ -70,6 +72,8 @@ def scale_command(run_dir: str, n: int, wait_s: float, scripts: str | None) -> i
         return 2
     by = f"hpcrl scale --rollout-jobs {n}"
     req = request_scale(rd, n, by)
+    fleet = FleetLog(rd, FLEET_SCALE)
+    fleet.record(SCALE_REQUESTED, by=by, from_jobs=len(_active_writers(rd)), to_jobs=n)
     deadline = time.monotonic() + wait_s
     print(f"asked for {n} rollout job(s) ({rd.scale_request}); waiting up to {wait_s:.0f}s for the launcher")
     while time.monotonic() < deadline:
@@ -80,4 +84,4 @@ def scale_command(run_dir: str, n: int, wait_s: float, scripts: str | None) -> i
         time.sleep(0.5)
     print(f"no launcher acknowledged in {wait_s:.0f}s (the run was launched with sbatch/submit.sh, or `hpcrl run` "
           "has exited): acting here")
-    return _act_without_launcher(rd, n, Path(scripts) if scripts else SCRIPTS, by)
+    return _act_without_launcher(rd, n, Path(scripts) if scripts else SCRIPTS, by, fleet)

@@ -460,8 +460,7 @@ class RolloutJob:
             if p is not None:
                 self._keep_what_finished()
                 p.shards.close()
-                if final_state == HeartbeatState.DRAINED:
-                    p.admission.release("drained")
+                p.admission.leave(ended_state(final_state))  # drained: hands back its budget and claims
                 if self.stats is not None:
                     self._write_version_stats()
                 p.metrics.close()
