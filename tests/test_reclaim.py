@@ -1,7 +1,7 @@
 """Claims of a rollout writer whose job is gone, reclaimed by the writers still running (``control/reclaim.py``):
 the rule (stale heartbeat and ended job; Slurm asked through a stand-in ``squeue`` on PATH, as submitit's tests
 stand in for sbatch), the release under the admission lock, a writer that comes back, and a real run with a
-SIGKILLed rollout job and no launcher."""
+SIGKILLed rollout job and no launcher (a background run, ``conftest.BackgroundRuns``: this file is its command)."""
 from __future__ import annotations
 
 import io
@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import check_exactly_once, make_run, start_rollout, start_trainer, wait_until
+from conftest import PATIENT, BackgroundCommand, check_exactly_once, make_run, start_rollout, start_trainer, wait_until
 from hpcrl.analysis.status import status_main
 from hpcrl.control import admission as admission_mod
 from hpcrl.control.admission import Admission, read_claims
@@ -176,50 +176,78 @@ SIMULATED = ["rollout.engine=simulated", "trainer.simulated=true", "eval.every_v
              "simulated.update_base_s=2.0", "simulated.weight_load_s=1.0", "rollout.response_length=96",
              "rollout.total_rollout_steps=24", "rollout.max_concurrent_groups=2", "rollout.n=2",
              "async_training.staleness_threshold=0.0", "async_training.partial_rollout=false",
-             "trainer.checkpoint_every_updates=1000", "resources.rollout_jobs=2",
+             "trainer.checkpoint_every_updates=1000", "resources.rollout_jobs=2", *PATIENT,
              "timeouts.heartbeat_interval_s=1.0", "timeouts.heartbeat_stale_s=3.0"]
 """Two writers, on-policy (B = K * R = 4): the groups a dead writer holds keep the survivor from starting a whole
-batch, so the run cannot finish before they are reclaimed."""
+batch, so the run cannot finish before they are reclaimed. Patient waits (a background run may get no CPU for
+minutes), but a short stale time: a starved survivor is never taken for gone (its process runs), and on-policy the
+trainer cannot publish past a version the survivor is loading (weight retention's pins read the stale time too)."""
+
+
+def _committed(rd: RunDir, writer: str) -> set[int]:
+    return {p for line in read_jsonl(rd.shard_manifest(writer)) for p in line["prompt_indices"]}
+
+
+def sigkill_scenario(rd: RunDir) -> None:
+    """The background command (``python tests/test_reclaim.py RUN``): a trainer and two rollout jobs outside Slurm,
+    w001 SIGKILLed while it holds claims it has not committed, no launcher; the claims it held go to
+    ``RUN/killed_w001.json``. Its jobs end with it (SIGTERM: the session's end)."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}  # outside Slurm: the pid is asked
+    jobs = [start_trainer(rd, base_env=env, killed_after_the_test=False)]
+    try:
+        jobs += [start_rollout(rd, rank, base_env=env, killed_after_the_test=False) for rank in (0, 1)]
+        trainer, w0, w1 = jobs
+
+        def kill_w1_holding_claims() -> set[int]:
+            """SIGSTOP w001 where it is; SIGKILL it if it holds claims it has not committed (else let it go on)."""
+            os.kill(w1.proc.pid, signal.SIGSTOP)
+            book = read_claims(rd)
+            mine = book.claims.get("w001") if book else None
+            open_ = set(mine.prompts if mine else ()) - _committed(rd, "w001")  # killed mid-commit: the line counts
+            if open_ and _committed(rd, "w001"):
+                w1.kill()  # SIGKILL: nothing released, nothing saved
+                return open_
+            os.kill(w1.proc.pid, signal.SIGCONT)
+            return set()
+        held = wait_until(kill_w1_holding_claims, 1800, "w001 holding open claims after its first commit",
+                          poll_s=0.05, jobs=jobs)
+        (rd.root / "killed_w001.json").write_text(json.dumps(sorted(held)))
+        assert trainer.wait(1800) == 0, trainer.tail()
+        assert w0.wait(600) == 0, w0.tail()
+    finally:
+        for job in jobs:
+            job.kill()
+
+
+BACKGROUND_RUNS = {"reclaim:sigkill": BackgroundCommand(
+    lambda folder: [sys.executable, __file__, str(make_run(folder, *SIMULATED).root)])}
+
+
+def background_keys(item) -> tuple[str, ...]:
+    """The background run the slow test reads."""
+    return ("reclaim:sigkill",) if item.originalname.startswith("test_a_sigkilled_writer") else ()
 
 
 @pytest.mark.slow
-def test_a_sigkilled_writer_without_a_launcher_is_reclaimed_and_the_run_is_exactly_once(tmp_path):
-    rd = make_run(tmp_path, *SIMULATED)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}  # outside Slurm: the pid is asked
-    trainer, w0, w1 = (start_trainer(rd, base_env=env), start_rollout(rd, 0, base_env=env),
-                       start_rollout(rd, 1, base_env=env))
-
-    def committed(writer: str) -> set[int]:
-        return {p for line in read_jsonl(rd.shard_manifest(writer)) for p in line["prompt_indices"]}
-
-    def kill_w1_holding_claims() -> set[int]:
-        """SIGSTOP w001 where it is; SIGKILL it if it holds claims it has not committed (else let it go on)."""
-        os.kill(w1.proc.pid, signal.SIGSTOP)
-        book = read_claims(rd)
-        mine = book.claims.get("w001") if book else None
-        open_ = set(mine.prompts if mine else ()) - committed("w001")  # a kill mid-commit: the line counts
-        if open_ and committed("w001"):
-            w1.proc.kill()  # SIGKILL: nothing released, nothing saved
-            w1.proc.wait()
-            return open_
-        os.kill(w1.proc.pid, signal.SIGCONT)
-        return set()
-    held = wait_until(kill_w1_holding_claims, 120, "w001 holding open claims after its first commit",
-                      poll_s=0.05, jobs=(trainer, w0, w1))
-    killed_at = time.monotonic()
-    assert trainer.wait(300) == 0, trainer.tail()
-    assert w0.wait(60) == 0, w0.tail()
+def test_a_sigkilled_writer_without_a_launcher_is_reclaimed_and_the_run_is_exactly_once(background_runs):
+    proc = background_runs.launched("reclaim:sigkill", timeout_s=1800)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    rd = RunDir(proc.args[-1])
+    held = set(json.loads((rd.root / "killed_w001.json").read_text()))
 
     check_exactly_once(rd, max_in_flight=2)
     left = read_claims(rd).left["w001"]
     assert left.why.startswith("reclaimed by w000: heartbeat stale") and "is gone" in left.why
     assert left.released == len(held)
-    assert held <= committed("w000"), "the survivor committed the reclaimed prompts"
+    assert held <= _committed(rd, "w000"), "the survivor committed the reclaimed prompts"
     assert "writer w001 left (reclaimed by w000" in rd.job_log(RunDir.rollout_job("w000")).read_text()
     assert not read_heartbeats(rd)["rollout-w001"].ended, "killed: it never wrote an ended state"
     out = io.StringIO()
     status_main(rd.root, once=True, out=out)
     fleet = next(x for x in out.getvalue().splitlines() if x.startswith("fleet:"))
     assert f"left: w001 ({left.why}, {len(held)} prompts handed back)" in fleet
-    print(f"reclaimed {len(held)} prompts of the SIGKILLed writer; run finished {time.monotonic() - killed_at:.1f} s "
-          "after the kill")
+
+
+if __name__ == "__main__":
+    sigkill_scenario(RunDir(sys.argv[1]))

@@ -11,9 +11,9 @@ over. A SIGKILL loses only what was generated since the last switch.
 Nothing here can break exactly-once: a group exists for the trainer only once its shard is
 committed, a saved state is used only for a prompt index the successor admits (an index that was
 committed is never admitted again; the successor drops, when it starts, the saved groups of prompts it no
-longer holds a claim on, as after its writer was reclaimed: ``control/reclaim.py``), and a file that is not the record (unreadable, torn, ``null``,
-``[]``, a field of the wrong type) is logged and ignored: the prompts are generated from scratch, as
-without it.
+longer holds a claim on, as after its writer was reclaimed: ``control/reclaim.py``), and a file that is not
+the record (unreadable, torn, ``null``, ``[]``, a field of the wrong type) is logged and ignored: the prompts
+are generated from scratch, as without it.
 """
 from __future__ import annotations
 
