@@ -150,8 +150,10 @@ def test_a_gone_writer_is_reclaimed_under_the_lock_and_one_that_comes_back_holds
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, SavedGroups(SCHEMA, [SavedGroup(2, "single_turn", [TrajectoryState()])]).to_json())
     _write_beat(rd, _beat(0, pid=os.getpid()))  # the new job beats before it joins
-    _, _, held = _join(rd, "w001")
+    c, wc, held = _join(rd, "w001")
     assert held == [] and "w001" not in read_claims(rd).left
+    wc.add(make_group(c.try_start(0), writer="w001"))  # it takes a new prompt and commits it: no ClaimLost again
+    assert wc.seal().prompt_indices == [4]
     assert InFlightStates(path, enabled=True, held=[2]).saved_count() == 1, "a prompt still held keeps its state"
     states = InFlightStates(path, enabled=True, held=held)
     assert states.saved_count() == 0 and "dropped 1 groups in flight" in caplog.text

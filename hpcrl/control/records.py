@@ -3,7 +3,7 @@
 =====================================  ===========  ======================================
 record                                 written by   read by
 =====================================  ===========  ======================================
-heartbeat/<job>.json  (Heartbeat)      every job    launcher, trainer (waiting), retention
+heartbeat/<job>.json  (Heartbeat)      every job    launcher, trainer (waiting), retention, rollout jobs (reclaim.py)
 loading/<reader>.json (LoadingAnn.)    every reader trainer weight retention (rollout jobs, eval)
 checkpoints/latest.json (LatestCkpt.)  trainer      trainer (resume), launcher (--resume)
 trainer_done.json     (TrainerDone)    trainer      rollout jobs (stop), evaluation job (final version), launcher
