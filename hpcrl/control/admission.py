@@ -169,6 +169,7 @@ class Admission:
         self.lease = f"{socket.gethostname()}:{os.getpid()}:{time.time():.3f}"
         """This job's lease on the writer's claims (``control/claims.py``)."""
         self.gone = None if reclaim_after_s is None else GoneWriters(run_dir, writer, reclaim_after_s)
+        """Which other writers are gone (``control/reclaim.py``); None: this job never reclaims."""
 
     def _read(self) -> AdmissionRecord:
         return self._read_at(self.run_dir, self.skips)

@@ -104,8 +104,9 @@ def judge(beat: Heartbeat, now_s: float, stale_s: float, host: str) -> Verdict:
         return Verdict(False, f"Slurm job {beat.slurm_job} is {state}: not reclaimed (it comes back and recovers "
                               "its claims)", age, True)
     if beat.host != host:
-        return Verdict(False, f"its job ran on host {beat.host} outside Slurm: never reclaimed by a heartbeat's age "
-                              "alone (a drain, or the launcher following the run, releases it)", age)
+        return Verdict(False, f"its heartbeat names no Slurm job and its host {beat.host} is not this one: never "
+                              "reclaimed by a heartbeat's age alone (a drain, or the launcher following the run, "
+                              "releases it)", age)
     if not Path("/proc/self/stat").exists():
         return Verdict(False, "this system has no /proc to tell whether its process ended: not reclaimed", age)
     if process_running(beat.pid):
