@@ -24,7 +24,9 @@ class TimeoutsConfig:
     """How often each job rewrites its heartbeat record."""
     heartbeat_stale_s: float = 60.0
     """A heartbeat older than this marks its job as dead (its loading
-    announcements no longer protect weight versions)."""
+    announcements no longer protect weight versions; a rollout writer's prompt
+    claims are reclaimed by the other writers once its job has ended too:
+    control/reclaim.py)."""
     poll_interval_s: float = 0.05
     """Sleep between polls of the run directory."""
     wait_log_interval_s: float = 10.0

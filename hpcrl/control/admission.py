@@ -25,7 +25,8 @@ released, and their prompts are regenerated.
 The same record holds the prompt claims (``control/claims.py``): the index a group generates is claimed in
 the step that reserves its start, and a shard's manifest line is appended under the lock
 (:meth:`Admission.committing`), so a writer whose claims were released can commit nothing. A writer that
-leaves for good (:meth:`Admission.release`) hands back its budget and its open claims.
+leaves for good (:meth:`Admission.release`) hands back its budget and its open claims; the other writers
+reclaim both from one whose job is gone (heartbeat stale and job ended: ``control/reclaim.py``).
 
 Shared filesystems: flock works on local disks, NFSv4 and Lustre mounted with
 ``-o flock``; on a Lustre mount without it ``flock`` fails with ENOSYS and the
@@ -42,11 +43,12 @@ import time
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 from hpcrl.control import claims
 from hpcrl.control.claims import ClaimBook
 from hpcrl.control.fleet_log import ENDED, JOINED, FleetLog, slurm_job_id
+from hpcrl.control.reclaim import GoneWriters, same_beat
 from hpcrl.control.records import HeartbeatState
 from hpcrl.fsio import read_json, read_jsonl, write_json_atomic
 from hpcrl.json_record import JsonRecord
@@ -124,20 +126,26 @@ def _book_from_manifests(run_dir: RunDir, skips: SkipLog) -> ClaimBook:
                               {w: RunDir.writer_rank(w) for w in writers})
 
 
-def release_writer(run_dir: RunDir, writer: str, why: str) -> int:
-    """``writer`` left for good (drained, or its job ended and is not resubmitted): its admission count drops to
-    what it committed and its open claims go to the free list, under the lock; returns how many were handed back.
-    Called by the writer itself when drained and by the launcher; a second call does nothing."""
+def _release(run_dir: RunDir, writer: str, why: str, still: Callable[[], bool] = lambda: True) -> Optional[int]:
+    """:func:`release_writer`, only if ``still()`` holds under the lock; None when nothing was released."""
     skips = SkipLog(run_dir)
     with _locked(run_dir):
         state = Admission._read_at(run_dir, skips)
-        if writer not in state.prompts.claims:
-            return 0
+        if writer not in state.prompts.claims or not still():
+            return None
         state.started[writer] = _committed_groups(run_dir, writer)
         n = claims.release(state.prompts, writer, _live_committed(run_dir, writer, skips), why, time.time())
         write_json_atomic(run_dir.admission, state.to_json())
     log.info("writer %s left (%s): %d open prompt claims handed back to the fleet", writer, why, n)
     return n
+
+
+def release_writer(run_dir: RunDir, writer: str, why: str) -> int:
+    """``writer`` left for good (drained, its job ended and is not resubmitted, or it is gone: ``control/reclaim.py``):
+    its admission count drops to what it committed and its open claims go to the free list, under the lock; returns
+    how many were handed back. Called by the writer itself when drained, by the launcher, and by the other writers
+    (:meth:`Admission.reclaim_gone_writers`); a second call does nothing."""
+    return _release(run_dir, writer, why) or 0
 
 
 def read_claims(run_dir: RunDir) -> Optional[ClaimBook]:
@@ -153,7 +161,9 @@ def read_claims(run_dir: RunDir) -> Optional[ClaimBook]:
 class Admission:
     """One writer's view of the shared budget and of its prompt claims (see the module docstring)."""
 
-    def __init__(self, run_dir: RunDir, writer: str, budget: int):
+    def __init__(self, run_dir: RunDir, writer: str, budget: int, reclaim_after_s: Optional[float] = None):
+        """``reclaim_after_s``: ``timeouts.heartbeat_stale_s``, after which the claims of a writer whose job has
+        ended are reclaimed (``control/reclaim.py``); None: this job never reclaims."""
         self.run_dir = run_dir
         self.writer = writer
         self.budget = budget
@@ -162,6 +172,8 @@ class Admission:
         """This job's lease on the writer's claims (``control/claims.py``)."""
         self.history = FleetLog(run_dir, writer)
         """This writer's ``joined`` and ``ended`` events (``control/fleet_log.py``)."""
+        self.gone = None if reclaim_after_s is None else GoneWriters(run_dir, writer, reclaim_after_s)
+        """Which other writers are gone (``control/reclaim.py``); None: this job never reclaims."""
 
     def _read(self) -> AdmissionRecord:
         return self._read_at(self.run_dir, self.skips)
@@ -215,7 +227,9 @@ class Admission:
 
     def try_start(self, consumed_groups_at_version: int, own: Optional[int] = None) -> Optional[int]:
         """Reserve one group start if the budget allows, and claim its prompt (``own``: one this writer holds
-        already); the prompt index, or None when the budget is spent. ClaimLost if the claims were released."""
+        already); the prompt index, or None when the budget is spent. ClaimLost if the claims were released.
+        Every few seconds the claims of gone writers are reclaimed first (:meth:`reclaim_gone_writers`)."""
+        self.reclaim_gone_writers()
         self.skips.poll()  # only grows: a record read late gives less budget, never more
         with _locked(self.run_dir):
             state = self._read()
@@ -235,6 +249,20 @@ class Admission:
             claims.commit(state.prompts, self.writer, self.lease, prompts)
             yield
             write_json_atomic(self.run_dir.admission, state.to_json())
+
+    def reclaim_gone_writers(self) -> list[str]:
+        """Release the claims and budget of the other writers whose jobs are gone (``control/reclaim.py``), at most
+        every few seconds; returns the writers released. A writer whose heartbeat moved since it was judged (a new
+        job of it started) is left alone."""
+        if self.gone is None or not self.gone.due():
+            return []
+        book = read_claims(self.run_dir)
+        released = []
+        for writer, beat, why in self.gone.find(book) if book is not None else ():
+            if _release(self.run_dir, writer, f"reclaimed by {self.writer}: {why}",
+                        still=lambda: same_beat(self.run_dir, writer, beat)) is not None:
+                released.append(writer)
+        return released
 
     def release(self, why: str) -> int:
         """This writer leaves for good (drained): :func:`release_writer`."""

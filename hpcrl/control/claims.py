@@ -13,8 +13,10 @@ admission budget, in the same step that reserves the group's start:
 - **join**: a writer's job, at start, takes a new lease (a zombie predecessor can then commit nothing) and
   keeps its open claims less what its manifest committed: a requeued job regenerates exactly those (and
   continues the groups its predecessor saved in flight, which are keyed by prompt index);
-- **release**: a writer that leaves for good (drained, or gone and not coming back) hands its open claims
-  less its committed prompts to :attr:`ClaimBook.free`, where any writer takes them first.
+- **release**: a writer that leaves for good hands its open claims less its committed prompts to
+  :attr:`ClaimBook.free`, where any writer takes them first: the writer itself when drained, the launcher for a job
+  that ended and is not resubmitted, or the other writers for one that is gone (heartbeat stale and its job ended:
+  ``control/reclaim.py``). A writer released so may join again later: it holds nothing then.
 
 So a prompt index is open in at most one writer's claims at any instant and committed by at most one
 writer, whatever joins, leaves or is killed; every index below ``next_prompt`` is committed, open, or free
@@ -33,14 +35,16 @@ from hpcrl.json_record import JsonRecord
 
 
 class ClaimLost(RuntimeError):
-    """This writer's claims were released (it was drained or reclaimed) or taken over by a newer job of the
-    same writer (another lease): it must not commit and must stop."""
+    """This writer's claims were released (it was drained, or reclaimed as gone by another writer) or taken over
+    by a newer job of the same writer (another lease): it must not commit and must stop. Its job then ends as
+    failed; a new job of the writer (resubmitted, requeued) joins again and holds what is still its own."""
 
 
 @dataclass
 class WriterClaims(JsonRecord):
     """One writer's open claims in ``control/admission.json``: written by that writer's job (claim, commit, join),
-    removed by whoever releases them (the writer when drained, the launcher for a job that left for good)."""
+    removed by whoever releases them (the writer when drained, the launcher for a job that left for good, another
+    writer that reclaims a gone one: ``control/reclaim.py``)."""
 
     lease: str
     """The id of the writer's current job (host, pid, time): set at its start; a commit under another is refused."""
@@ -53,7 +57,8 @@ class WriterLeft(JsonRecord):
     """A writer that released its claims (for ``hpcrl status`` and the logs)."""
 
     why: str
-    """``drained``, or what the launcher saw (``its job ended and is not resubmitted``)."""
+    """``drained``, what the launcher saw (``drained: its job ended``), or who reclaimed it and what it saw
+    (``reclaimed by w000: heartbeat stale 312 s and Slurm job 123 ended (COMPLETED)``)."""
     time_s: float
     released: int
     """Open claims handed to the free list."""

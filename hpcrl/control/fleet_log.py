@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from hpcrl.fsio import JsonlAppender, read_jsonl
+from hpcrl.control.records import slurm_job_of
 from hpcrl.json_record import JsonRecord
 from hpcrl.run_dir import FLEET_LAUNCHER, RunDir
 
@@ -135,11 +136,7 @@ class FleetLog:
 def slurm_job_id() -> str:
     """This job's scheduler id, as the launcher names it: Slurm's (``1234_5`` for an array task), submitit's local
     job id, else ``local:<pid>``."""
-    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
-    if array and task:
-        return f"{array}_{task}"
-    return (os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID")
-            or f"local:{os.getpid()}")
+    return slurm_job_of(dict(os.environ)) or os.environ.get("SUBMITIT_LOCAL_JOB_ID") or f"local:{os.getpid()}"
 
 
 def read_fleet_events(run_dir: RunDir) -> list[FleetEvent]:

@@ -3,7 +3,7 @@
 =====================================  ===========  ======================================
 record                                 written by   read by
 =====================================  ===========  ======================================
-heartbeat/<job>.json  (Heartbeat)      every job    launcher, trainer (waiting), retention
+heartbeat/<job>.json  (Heartbeat)      every job    launcher, trainer (waiting), retention, rollout jobs (reclaim.py)
 loading/<reader>.json (LoadingAnn.)    every reader trainer weight retention (rollout jobs, eval)
 checkpoints/latest.json (LatestCkpt.)  trainer      trainer (resume), launcher (--resume)
 trainer_done.json     (TrainerDone)    trainer      rollout jobs (stop), evaluation job (final version), launcher
@@ -56,6 +56,13 @@ ENDED_STATES = frozenset({HeartbeatState.DONE.value, HeartbeatState.FAILED.value
 it pins nothing (weight retention), whatever the heartbeat's age."""
 
 
+def slurm_job_of(env: dict[str, str]) -> str:
+    """The Slurm job of a process with environment ``env`` as ``squeue -j`` takes it (:attr:`Heartbeat.slurm_job`):
+    ``ARRAYJOB_TASK`` for an array task (requeued, it keeps that name), else ``SLURM_JOB_ID``; empty outside Slurm."""
+    array, task = env.get("SLURM_ARRAY_JOB_ID", ""), env.get("SLURM_ARRAY_TASK_ID", "")
+    return f"{array}_{task}" if array and task else env.get("SLURM_JOB_ID", "")
+
+
 def has_ended(state: object) -> bool:
     """True if a heartbeat's ``state`` field says its job has ended."""
     return str(state) in ENDED_STATES
@@ -85,6 +92,10 @@ class Heartbeat(JsonRecord):
     """Unix time the step began."""
     stats: dict = field(default_factory=dict)
     """Counters for the status view (groups committed/consumed, idle ratio, ...)."""
+    slurm_job: str = ""
+    """The Slurm job that runs it, as ``squeue -j`` takes it (``123``, or ``120_3`` for an array task); empty
+    outside Slurm (and in a beat written before the field existed). Other rollout jobs ask Slurm about it before
+    they reclaim a dead writer's claims (``control/reclaim.py``)."""
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -242,7 +253,8 @@ class HeartbeatThread:
     def __init__(self, run_dir: RunDir, job: str, role: str, interval_s: float):
         self.path = run_dir.heartbeat(job)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.beat = Heartbeat(job=job, role=role, host=socket.gethostname(), pid=os.getpid(), time_s=time.time())
+        self.beat = Heartbeat(job=job, role=role, host=socket.gethostname(), pid=os.getpid(), time_s=time.time(),
+                              slurm_job=slurm_job_of(dict(os.environ)))
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._lock = threading.Lock()

@@ -73,7 +73,7 @@ def _family(pid: int) -> set[int]:
     return out
 
 
-def _running(pid: int) -> bool:
+def process_running(pid: int) -> bool:
     """Whether ``pid`` is a process that has not ended (a zombie has: only its parent's wait is missing)."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
@@ -122,9 +122,9 @@ def sweep_leftovers(run_dir: Path, job: str, command: tuple[str, ...]) -> list[i
         except OSError:
             pass
     deadline = time.monotonic() + GONE_S
-    while any(_running(p) for p in others) and time.monotonic() < deadline:
+    while any(process_running(p) for p in others) and time.monotonic() < deadline:
         time.sleep(0.05)
-    still = [p for p in others if _running(p)]
+    still = [p for p in others if process_running(p)]
     if others:
         log.warning("start-up sweep: ended %d leftover process(es) of an earlier attempt of %s on this node: pids %s%s",
                     len(others), job, ", ".join(map(str, others)),

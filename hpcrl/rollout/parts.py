@@ -3,7 +3,9 @@
 Built in one place (:func:`build_parts`) from the frozen config, in this order: tokenizer, prompts,
 reward, agent loops, engine (the slow step; its child processes get a reaper), weight subscriber,
 shard writer (recovered from its own folder), admission budget and prompt claims (this writer's count reset
-to what it committed, its uncommitted claims kept: ``control/claims.py``), the prompts it holds, saved groups in flight, the version log, the group pool. Nothing is
+to what it committed, its uncommitted claims kept: ``control/claims.py``; gone writers' claims reclaimed:
+``control/reclaim.py``), the prompts it holds, saved groups in flight (of those prompts only), the version log,
+the group pool. Nothing is
 attached to the job later. An error in the run's inputs (model, tokenizer, data, reward) is recorded
 as fatal (a restart would repeat it); whatever was built before any error is closed again.
 """
@@ -121,7 +123,7 @@ def build_parts(cfg: RunConfig, run_dir: RunDir, writer: str, steps: StartupStep
         weights = make_subscriber(cfg.weights, run_dir, writer, t, engine.receive_device)
         closers.callback(weights.close)
         with steps.step(f"recovering writer {writer}'s shards, admission count and prompt claims"):
-            admission = Admission(run_dir, writer, cfg.admission_budget)
+            admission = Admission(run_dir, writer, cfg.admission_budget, reclaim_after_s=t.heartbeat_stale_s)
             shards = ShardWriter(run_dir, writer, cfg.rollout.seal_groups, cfg.rollout.seal_interval_s,
                                  skips=SkipLog(run_dir), commit_guard=admission.committing)
             held = admission.join(shards.committed_groups, shards.committed_prompt_indices, shards.skipped_at_start)
@@ -129,7 +131,7 @@ def build_parts(cfg: RunConfig, run_dir: RunDir, writer: str, steps: StartupStep
             tokenizer=tokenizer, stream=PromptStream(rows, cfg.data.seed), prompt_counts=counts, scorer=scorer, loops=loops, runner=runner,
             engine=engine, weights=weights, shards=shards, admission=admission,
             positions=ClaimedPrompts(held),
-            states=InFlightStates(run_dir.in_flight_states(writer), cfg.async_training.partial_rollout),
+            states=InFlightStates(run_dir.in_flight_states(writer), cfg.async_training.partial_rollout, held),
             metrics=MetricsLog(run_dir.rollout_metrics(writer)),
             pool=ThreadPoolExecutor(cfg.rollout.max_concurrent_groups, thread_name_prefix="group"),
             closers=closers.pop_all())

@@ -10,9 +10,10 @@ over. A SIGKILL loses only what was generated since the last switch.
 
 Nothing here can break exactly-once: a group exists for the trainer only once its shard is
 committed, a saved state is used only for a prompt index the successor admits (an index that was
-committed is never admitted again), and a file that is not the record (unreadable, torn, ``null``,
-``[]``, a field of the wrong type) is logged and ignored: the prompts are generated from scratch, as
-without it.
+committed is never admitted again; the successor drops, when it starts, the saved groups of prompts it no
+longer holds a claim on, as after its writer was reclaimed: ``control/reclaim.py``), and a file that is not
+the record (unreadable, torn, ``null``, ``[]``, a field of the wrong type) is logged and ignored: the prompts
+are generated from scratch, as without it.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import logging
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterable, Optional
 
 from hpcrl.fsio import read_json, write_json_atomic
 from hpcrl.json_record import JsonRecord, RecordError
@@ -56,14 +58,30 @@ class SavedGroups(JsonRecord):
 class InFlightStates:
     """The live states of this job's groups in flight, and those its predecessor saved."""
 
-    def __init__(self, path: Path, enabled: bool):
+    def __init__(self, path: Path, enabled: bool, held: Optional[Iterable[int]] = None):
         """``enabled`` is ``async_training.partial_rollout``: without it a group is never continued
-        under another version, so saved states are ignored."""
+        under another version, so saved states are ignored. ``held``: the prompts this writer holds claims on
+        (``Admission.join``); saved groups of other prompts are dropped (None: all are kept)."""
         self.path = path
         self.enabled = enabled
         self._lock = threading.Lock()
         self._live: dict[int, SavedGroup] = {}
         self._saved: dict[int, SavedGroup] = self._read() if enabled else {}
+        if held is not None:
+            self._keep_only(set(held))
+        if self._saved:
+            log.info("continuing %d groups in flight saved by this writer's previous job (%s)", len(self._saved),
+                     self.path)
+
+    def _keep_only(self, held: set[int]) -> None:
+        """Drop saved groups whose prompts this writer no longer holds: committed after they were saved, or
+        released while it was down (reclaimed by the other writers, drained): another writer generates them."""
+        dropped = sorted(set(self._saved) - held)
+        for index in dropped:
+            del self._saved[index]
+        if dropped:
+            log.info("dropped %d groups in flight saved by this writer's previous job (prompts %s%s): this writer "
+                     "no longer holds their claims", len(dropped), dropped[:10], " ..." if len(dropped) > 10 else "")
 
     def _read(self) -> dict[int, SavedGroup]:
         if not self.path.exists():
@@ -74,8 +92,6 @@ class InFlightStates:
             log.warning("ignoring the groups in flight saved in %s (%s: %s): their prompts start over",
                         self.path, type(e).__name__, e)
             return {}
-        if saved:
-            log.info("continuing %d groups in flight saved by this writer's previous job (%s)", len(saved), self.path)
         return saved
 
     def start(self, prompt_index: int, agent: str, fresh: list[TrajectoryState]) -> tuple[list[TrajectoryState], bool]:

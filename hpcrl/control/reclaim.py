@@ -1,0 +1,165 @@
+"""Which rollout writers are gone for good: their claims are reclaimed by the writers that still run.
+
+ARCHITECTURE.md "Prompt claims". In a run no launcher follows (plain sbatch), a rollout job that dies for good
+(scancel, a node failure, a time limit without requeue) would keep its open prompt claims and its admission count
+forever: the fleet's budget shrinks by its groups in flight and their prompts are never generated. So every
+writer, before it admits a group (``Admission.try_start``) and at most every :data:`CHECK_EVERY_S` seconds,
+reads the heartbeats of the other writers in the claim book. A writer is *gone* when
+
+- its heartbeat is older than ``timeouts.heartbeat_stale_s`` (nothing more is asked about a fresh one), and
+- its job has ended: under Slurm (:attr:`~hpcrl.control.records.Heartbeat.slurm_job`) ``squeue`` says it is in an
+  end state (:data:`ENDED_SLURM_STATES`) or no longer knows it; a job pending, requeued, running or in any other
+  state is not gone (a requeued job comes back and recovers its claims itself), and an error or no answer from
+  Slurm within :data:`SQUEUE_TIMEOUT_S` means "not gone" (logged). Outside Slurm the heartbeat must come from
+  this host and its process must be gone; a job on another host without Slurm is never reclaimed by its
+  heartbeat's age alone (said once in the log: a drain, or the launcher following the run, releases it).
+
+A gone writer is released as a drained one is (``control/admission.py``, under the admission lock): its open
+claims less what it committed go to the free list, its admission count drops to its committed groups, and the
+claim book's ``left`` says who reclaimed it and why (``reclaimed by w000: heartbeat stale 312 s and Slurm job
+123 ended (COMPLETED)``; ``hpcrl status`` shows it). Under the lock the writer's heartbeat is read again and must
+be the one judged here: a new job of that writer beats before it joins, so one that came back meanwhile keeps its
+claims. A writer that comes back after it was reclaimed joins with nothing of its own and drops the groups its
+predecessor saved in flight (``rollout/resume.py``); a zombie of it (a process still alive after all) commits
+nothing (``ClaimLost``).
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from hpcrl.control.claims import ClaimBook
+from hpcrl.control.records import Heartbeat, read_heartbeats
+from hpcrl.fsio import read_json
+from hpcrl.process.leftovers import process_running
+from hpcrl.run_dir import RunDir
+
+log = logging.getLogger(__name__)
+
+CHECK_EVERY_S = 5.0
+"""How often a writer reads the other writers' heartbeats (one small file each); half of
+``timeouts.heartbeat_stale_s`` when that is shorter."""
+SLURM_RECHECK_S = 30.0
+"""How long a writer waits before it asks Slurm again about a job that was not gone (or Slurm did not answer):
+the rollout loop waits for ``squeue``, so a slow controller must not be asked every few seconds."""
+SQUEUE_TIMEOUT_S = 10.0
+"""Deadline of one ``squeue`` call; past it the job counts as not gone."""
+ENDED_SLURM_STATES = frozenset({"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
+                                "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"})
+"""``squeue`` states of a job that has ended and will not run again (a requeued job is PENDING or REQUEUED)."""
+
+
+def slurm_state(job: str, timeout_s: float = SQUEUE_TIMEOUT_S) -> tuple[Optional[str], str]:
+    """``squeue -h -j JOB -o %T``: ``(state, "")``, with state None when Slurm no longer knows the job, or
+    ``(None, error)`` when Slurm could not tell (no ``squeue``, no answer within ``timeout_s``, another error)."""
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True,
+                             timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return None, f"squeue gave no answer in {timeout_s:g} s"
+    except OSError as e:  # not installed, not executable
+        return None, f"squeue could not run ({e})"
+    if out.returncode == 0:
+        words = out.stdout.split()
+        return (words[0] if words else None), ""
+    if "invalid job id" in out.stderr.lower():  # the controller forgot it (MinJobAge after its end)
+        return None, ""
+    return None, f"squeue exited {out.returncode}: {out.stderr.strip()[-200:]}"
+
+
+@dataclass
+class Verdict:
+    """Whether a writer's job is gone (:func:`judge`), and why (or why not)."""
+
+    gone: bool
+    reason: str
+    """What its job's end (or life) was seen by (``Slurm job 123 ended (COMPLETED)``); empty: the beat is fresh."""
+    age_s: float
+    asked_slurm: bool = False
+
+    @property
+    def why(self) -> str:
+        """The line for the claim book's ``left`` and the logs."""
+        return f"heartbeat stale {self.age_s:.0f} s {'and' if self.gone else 'but'} {self.reason}"
+
+
+def judge(beat: Heartbeat, now_s: float, stale_s: float, host: str) -> Verdict:
+    """The rule of the module docstring for the writer whose last beat is ``beat``, seen from ``host`` at
+    ``now_s``. Asks Slurm only about a stale beat."""
+    age = beat.age_s(now_s)
+    if age <= stale_s:
+        return Verdict(False, "", age)
+    if beat.slurm_job:
+        state, error = slurm_state(beat.slurm_job)
+        if error:
+            return Verdict(False, f"Slurm could not say whether job {beat.slurm_job} ended ({error}): not "
+                                  "reclaimed", age, True)
+        if state is None or state in ENDED_SLURM_STATES:
+            return Verdict(True, f"Slurm job {beat.slurm_job} ended ({state or 'absent'})", age, True)
+        return Verdict(False, f"Slurm job {beat.slurm_job} is {state}: not reclaimed (it comes back and recovers "
+                              "its claims)", age, True)
+    if beat.host != host:
+        return Verdict(False, f"its heartbeat names no Slurm job and its host {beat.host} is not this one: never "
+                              "reclaimed by a heartbeat's age alone (a drain, or the launcher following the run, "
+                              "releases it)", age)
+    if not Path("/proc/self/stat").exists():
+        return Verdict(False, "this system has no /proc to tell whether its process ended: not reclaimed", age)
+    if process_running(beat.pid):
+        return Verdict(False, f"its process {beat.pid} still runs on this host: not reclaimed", age)
+    return Verdict(True, f"its process {beat.pid} on {beat.host} is gone", age)
+
+
+def same_beat(run_dir: RunDir, writer: str, beat: Heartbeat) -> bool:
+    """``writer``'s heartbeat on disk is still ``beat`` (no job of it beat since it was judged)."""
+    try:
+        now = Heartbeat.from_json(read_json(run_dir.heartbeat(RunDir.rollout_job(writer))))
+    except (ValueError, OSError):
+        return False
+    return (now.host, now.pid, now.time_s) == (beat.host, beat.pid, beat.time_s)
+
+
+class GoneWriters:
+    """One writer's look at the others (module docstring): :meth:`find` when :meth:`due`."""
+
+    def __init__(self, run_dir: RunDir, me: str, stale_s: float):
+        self.run_dir = run_dir
+        self.me = me
+        self.stale_s = stale_s
+        """``timeouts.heartbeat_stale_s``."""
+        self.every_s = min(CHECK_EVERY_S, stale_s / 2)
+        self._next_s = 0.0
+        self._slurm_next_s: dict[str, float] = {}  # writer -> monotonic time before which Slurm is not asked again
+        self._said: dict[str, str] = {}  # writer -> the last reason logged for not reclaiming it
+
+    def due(self) -> bool:
+        """True at most once per ``every_s`` (then :meth:`find` is expected)."""
+        now = time.monotonic()
+        if now < self._next_s:
+            return False
+        self._next_s = now + self.every_s
+        return True
+
+    def find(self, book: ClaimBook) -> list[tuple[str, Heartbeat, str]]:
+        """Writers of ``book`` other than this one whose jobs are gone: (writer, the beat judged, why). A writer
+        without a heartbeat is never judged (nothing tells which job it was)."""
+        beats, now_s, host = read_heartbeats(self.run_dir), time.time(), socket.gethostname()
+        gone = []
+        for writer in sorted(set(book.claims) - {self.me}):
+            beat = beats.get(RunDir.rollout_job(writer))
+            if beat is None or time.monotonic() < self._slurm_next_s.get(writer, 0.0):
+                continue
+            verdict = judge(beat, now_s, self.stale_s, host)
+            if verdict.gone:
+                gone.append((writer, beat, verdict.why))
+                continue
+            if verdict.asked_slurm:
+                self._slurm_next_s[writer] = time.monotonic() + SLURM_RECHECK_S
+            if verdict.reason and self._said.get(writer) != verdict.reason:
+                log.info("writer %s: %s", writer, verdict.why)
+            self._said[writer] = verdict.reason
+        return gone
