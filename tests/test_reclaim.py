@@ -1,6 +1,6 @@
 """Claims of a rollout writer whose job is gone, reclaimed by the writers still running (``control/reclaim.py``):
-the rule (stale heartbeat and ended job; Slurm asked through a stand-in ``squeue`` on PATH, as submitit's tests
-stand in for sbatch), the release under the admission lock, a writer that comes back, and a real run with a
+the rule (stale heartbeat and ended job, given what Slurm said; ``squeue`` itself is asked on the real private
+cluster in test_slurm_preempt.py), the release under the admission lock, a writer that comes back, and a real run with a
 SIGKILLed rollout job and no launcher (a background run, ``conftest.BackgroundRuns``: this file is its command)."""
 from __future__ import annotations
 
@@ -33,22 +33,6 @@ from test_samples import make_group
 HOST = socket.gethostname()
 
 
-@pytest.fixture
-def squeue(tmp_path, monkeypatch):
-    """A stand-in ``squeue`` first on PATH: ``squeue(body)`` sets its shell body; its calls go to ``calls``."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    calls = tmp_path / "squeue.calls"
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-
-    def set_body(body: str):
-        script = bin_dir / "squeue"
-        script.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n{body}\n')
-        script.chmod(0o755)
-        return calls
-    return set_body
-
-
 def _dead_pid() -> int:
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     p.wait()  # reaped: the pid names no process now
@@ -68,34 +52,35 @@ def test_the_heartbeat_names_the_slurm_job_and_an_older_beat_without_it_still_re
     assert Heartbeat.from_json(old).slurm_job == ""
 
 
-@pytest.mark.parametrize("body,gone,says", [
-    ("echo COMPLETED", True, "Slurm job 123 ended (COMPLETED)"),
-    ("echo NODE_FAIL", True, "ended (NODE_FAIL)"),
-    ("echo 'slurm_load_jobs error: Invalid job id specified' >&2; exit 1", True, "ended (absent)"),
-    ("echo RUNNING", False, "is RUNNING: not reclaimed"),
-    ("echo PENDING", False, "is PENDING"),
-    ("echo REQUEUED", False, "is REQUEUED"),
-    ("echo 'slurm_load_jobs error: Unable to contact slurm controller' >&2; exit 1", False,
+@pytest.mark.parametrize("said,gone,says", [
+    (("COMPLETED", ""), True, "Slurm job 123 ended (COMPLETED)"),
+    (("NODE_FAIL", ""), True, "ended (NODE_FAIL)"),
+    ((None, ""), True, "ended (absent)"),
+    (("RUNNING", ""), False, "is RUNNING: not reclaimed"),
+    (("PENDING", ""), False, "is PENDING"),
+    (("REQUEUED", ""), False, "is REQUEUED"),
+    ((None, "squeue exited 1: slurm_load_jobs error: Unable to contact slurm controller"), False,
      "Slurm could not say whether job 123 ended (squeue exited 1: slurm_load_jobs error: Unable to contact"),
 ])
-def test_a_stale_writer_under_slurm_is_gone_only_when_squeue_says_its_job_ended(squeue, body, gone, says):
-    calls = squeue(body)
-    v = judge(_beat(20, slurm_job="123"), time.time(), 10.0, HOST)
+def test_a_stale_writer_under_slurm_is_gone_only_when_slurm_says_its_job_ended(said, gone, says):
+    """The rule, given what Slurm said (slurm_state itself asks the real private cluster in test_slurm_preempt)."""
+    asked = []
+    v = judge(_beat(20, slurm_job="123"), time.time(), 10.0, HOST, lambda job: asked.append(job) or said)
     assert (v.gone, v.asked_slurm) == (gone, True) and says in v.why and v.why.startswith("heartbeat stale 20 s")
-    assert calls.read_text().split() == ["-h", "-j", "123", "-o", "%T"]
+    assert asked == ["123"]
 
 
-def test_a_fresh_writer_is_not_gone_and_slurm_is_not_asked(squeue):
-    calls = squeue("echo COMPLETED")
-    v = judge(_beat(3, slurm_job="123"), time.time(), 10.0, HOST)
-    assert not v.gone and v.reason == "" and not calls.exists()
+def test_a_fresh_writer_is_not_gone_and_slurm_is_not_asked():
+    asked = []
+    v = judge(_beat(3, slurm_job="123"), time.time(), 10.0, HOST, lambda job: asked.append(job) or ("COMPLETED", ""))
+    assert not v.gone and v.reason == "" and asked == []
 
 
-def test_squeue_without_an_answer_by_its_deadline_means_not_gone(squeue):
-    squeue("sleep 5; echo COMPLETED")
-    t0 = time.monotonic()
-    state, error = slurm_state("123", timeout_s=0.5)
-    assert state is None and "no answer in 0.5 s" in error and time.monotonic() - t0 < 4
+def test_without_squeue_slurm_cannot_say_and_nothing_is_reclaimed(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    state, error = slurm_state("123")
+    assert state is None and "squeue could not run" in error
+    assert not judge(_beat(20, slurm_job="123"), time.time(), 10.0, HOST).gone
 
 
 def test_outside_slurm_only_a_gone_process_on_this_host_is_gone():

@@ -31,7 +31,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from hpcrl.control.claims import ClaimBook
 from hpcrl.control.records import Heartbeat, read_heartbeats
@@ -88,14 +88,15 @@ class Verdict:
         return f"heartbeat stale {self.age_s:.0f} s {'and' if self.gone else 'but'} {self.reason}"
 
 
-def judge(beat: Heartbeat, now_s: float, stale_s: float, host: str) -> Verdict:
+def judge(beat: Heartbeat, now_s: float, stale_s: float, host: str,
+          ask_slurm: Callable[[str], tuple[Optional[str], str]] = slurm_state) -> Verdict:
     """The rule of the module docstring for the writer whose last beat is ``beat``, seen from ``host`` at
-    ``now_s``. Asks Slurm only about a stale beat."""
+    ``now_s``. Asks Slurm (``ask_slurm``: :func:`slurm_state`) only about a stale beat."""
     age = beat.age_s(now_s)
     if age <= stale_s:
         return Verdict(False, "", age)
     if beat.slurm_job:
-        state, error = slurm_state(beat.slurm_job)
+        state, error = ask_slurm(beat.slurm_job)
         if error:
             return Verdict(False, f"Slurm could not say whether job {beat.slurm_job} ended ({error}): not "
                                   "reclaimed", age, True)
