@@ -95,6 +95,26 @@ def test_a_drained_writer_hands_back_its_claims_and_budget_and_commits_nothing_a
     assert held == [] and "w000" not in read_claims(rd).left
 
 
+def test_a_writer_that_leaves_hands_over_the_prompts_of_its_skipped_shards_and_never_regenerates_them(tmp_path):
+    """The trainer skipped a damaged shard of w000 (its prompts are to be generated again) and w000 left before it
+    did: its prompts go to the free list, another writer takes them, and w000 joining again does not take them."""
+    from hpcrl.samples.skips import SkippedShard
+
+    rd = RunDir(tmp_path).create()
+    a, wa, _ = _join(rd, "w000")
+    b, _, _ = _join(rd, "w001")
+    for _ in range(2):
+        wa.add(make_group(a.try_start(0)))
+    line = wa.seal()
+    SkipLog(rd).record(SkippedShard("w000", line.shard, [0, 1], 2, "damaged (test)", 0.0))
+    assert release_writer(rd, "w000", "gone (test)") == 2, "its skipped prompts, never generated again"
+    assert read_claims(rd).free == [0, 1] and read_claims(rd).handed == {"w000": [0, 1]}
+    assert [b.try_start(0) for _ in range(3)] == [0, 1, 2]
+    _, _, held = _join(rd, "w000")  # it comes back: its shard is still skipped, but the prompts are w001's now
+    assert held == [], "handed over: never generated twice"
+    assert read_claims(rd).claims["w001"].prompts == [0, 1, 2]
+
+
 def _claim_many(root: str, writer: str, n: int, out) -> None:
     rd = RunDir(root)
     adm, w, _ = _join(rd, writer, seal_groups=3)

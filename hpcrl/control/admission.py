@@ -134,7 +134,8 @@ def _release(run_dir: RunDir, writer: str, why: str, still: Callable[[], bool] =
         if writer not in state.prompts.claims or not still():
             return None
         state.started[writer] = _committed_groups(run_dir, writer)
-        n = claims.release(state.prompts, writer, _live_committed(run_dir, writer, skips), why, time.time())
+        skipped = {p for rec in SkipLog(run_dir).poll() if rec.writer == writer for p in rec.prompt_indices}
+        n = claims.release(state.prompts, writer, _live_committed(run_dir, writer, skips), why, time.time(), skipped)
         write_json_atomic(run_dir.admission, state.to_json())
     log.info("writer %s left (%s): %d open prompt claims handed back to the fleet", writer, why, n)
     return n

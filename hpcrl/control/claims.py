@@ -16,7 +16,9 @@ admission budget, in the same step that reserves the group's start:
 - **release**: a writer that leaves for good hands its open claims less its committed prompts to
   :attr:`ClaimBook.free`, where any writer takes them first: the writer itself when drained, the launcher for a job
   that ended and is not resubmitted, or the other writers for one that is gone (heartbeat stale and its job ended:
-  ``control/reclaim.py``). A writer released so may join again later: it holds nothing then.
+  ``control/reclaim.py``). The prompts of its shards the trainer skipped that it had not generated again go to the
+  free list too (:attr:`ClaimBook.handed`). A writer released so may join again later: it holds nothing then, and
+  never regenerates what it handed over.
 
 So a prompt index is open in at most one writer's claims at any instant and committed by at most one
 writer, whatever joins, leaves or is killed; every index below ``next_prompt`` is committed, open, or free
@@ -76,6 +78,9 @@ class ClaimBook(JsonRecord):
     """Indices released by writers that left, not yet claimed again (sorted)."""
     left: dict[str, WriterLeft] = field(default_factory=dict)
     """Writers that left (released their claims) and have not joined again."""
+    handed: dict[str, list[int]] = field(default_factory=dict)
+    """Prompts of a writer's shards the trainer skipped, handed to the free list when it left before generating
+    them again: that writer never regenerates them if it joins again (another writer has them)."""
 
     def open_prompts(self) -> set[int]:
         """Indices claimed by some writer and not committed."""
@@ -86,7 +91,8 @@ def join(book: ClaimBook, writer: str, lease: str, committed: set[int], regenera
     """A job of ``writer`` starts under ``lease``: its open claims less ``committed`` stay its own, plus
     ``regenerate`` (prompts of its shards the trainer skipped); returns them, sorted (it generates them first)."""
     old = book.claims.get(writer)
-    keep = sorted((set(old.prompts if old is not None else ()) - committed) | set(regenerate))
+    mine = set(regenerate) - set(book.handed.get(writer, ()))
+    keep = sorted((set(old.prompts if old is not None else ()) - committed) | mine)
     book.claims[writer] = WriterClaims(lease, keep)
     book.left.pop(writer, None)
     return keep
@@ -132,13 +138,18 @@ def commit(book: ClaimBook, writer: str, lease: str, prompts: Iterable[int]) -> 
     mine.prompts = [p for p in mine.prompts if p not in prompts]
 
 
-def release(book: ClaimBook, writer: str, committed: set[int], why: str, now_s: float) -> int:
-    """``writer`` left for good: its open claims less ``committed`` go to the free list; returns how many
+def release(book: ClaimBook, writer: str, committed: set[int], why: str, now_s: float,
+            skipped: Iterable[int] = ()) -> int:
+    """``writer`` left for good: its open claims less ``committed`` go to the free list, and so do ``skipped``
+    (prompts of its shards the trainer skipped) not committed again (:attr:`ClaimBook.handed`); returns how many
     (0 when it holds none, or released them already)."""
     mine = book.claims.pop(writer, None)
     if mine is None:
         return 0
-    handed = sorted(set(mine.prompts) - committed)
+    lost = set(skipped) - committed
+    handed = sorted((set(mine.prompts) | lost) - committed)
+    if lost:
+        book.handed[writer] = sorted(set(book.handed.get(writer, ())) | lost)
     book.free = sorted(set(book.free) | set(handed))
     book.left[writer] = WriterLeft(why, now_s, len(handed))
     return len(handed)
