@@ -33,7 +33,6 @@ import logging
 import os
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass, field
 from typing import Optional
 
 from hpcrl import metric_names as M
@@ -46,52 +45,17 @@ from hpcrl.process import faults, termination
 from hpcrl.process.leftovers import mark_job, sweep_leftovers
 from hpcrl.process.preemption import PreemptionFlag, preempted_by_slurm, requeue_self
 from hpcrl.rollout.agent_loop import GroupContext, group_seed, run_group
-from hpcrl.rollout.engine import FINISH_LENGTH
 from hpcrl.rollout.gate import EngineGate
 from hpcrl.rollout.loops import loop_name
 from hpcrl.rollout.parts import RolloutParts, build_parts
 from hpcrl.rollout.trajectory import TrajectoryState
-from hpcrl.rollout.version_stats import VersionStats
+from hpcrl.rollout.version_stats import GroupInfo, VersionStats, sample_columns
 from hpcrl.run_dir import RunDir
 from hpcrl.samples.schema import Group, Trajectory
 from hpcrl.weights import WeightVersion
 from hpcrl.weights.shared_memory import SHM_DIR, sweep_stale
 
 log = logging.getLogger("hpcrl.rollout")
-
-
-@dataclass
-class GroupInfo:
-    """What a finished group adds to its version's counters besides the group itself."""
-
-    truncated: int
-    """Responses cut by length."""
-    turns: list[int]
-    """Turns (assistant + tool) of each trajectory."""
-    tool_calls: int = 0
-    tool_errors: int = 0
-    tool_latency_s: float = 0.0
-    resumed: bool = False
-    """Continued from the state a previous job of this writer saved."""
-    tool_error: str = ""
-    """``<sample id>: <message>`` of the group's first tool error."""
-    sample: dict = field(default_factory=dict)
-    """One response of the group (its first), as the rollout log's ``sample/*`` columns."""
-
-    @classmethod
-    def of(cls, trajs: list[TrajectoryState], resumed: bool, group_id: str, sample: dict) -> "GroupInfo":
-        """The counters of a finished group's trajectories."""
-        errors = [f"{group_id}/{j}: {t.tool_error}" for j, t in enumerate(trajs) if t.tool_error]
-        return cls(sum(t.finish_reason == FINISH_LENGTH for t in trajs), [t.num_turns for t in trajs],
-                   sum(t.tool_calls for t in trajs), sum(t.tool_errors for t in trajs),
-                   sum(t.tool_latency_s for t in trajs), resumed, errors[0][:300] if errors else "", sample)
-
-
-def _sample(sample_id: str, prompt, response: str, reward: float) -> dict:
-    """The rollout log's ``sample/*`` columns for one response (the prompt's last message, both cut)."""
-    text = prompt if isinstance(prompt, str) else str(prompt[-1].get("content", ""))
-    return {M.SAMPLE_ID: sample_id, M.SAMPLE_PROMPT: text[:200], M.SAMPLE_RESPONSE: response[:500],
-            M.SAMPLE_REWARD: reward}
 
 
 class EngineLoadFailed(Exception):
@@ -167,7 +131,7 @@ class RolloutJob:
                 continue
             out.append(Trajectory(prompt_ids=prompt_ids, response_ids=t.tokens, response_mask=t.mask,
                                   logprobs=t.logprobs, token_versions=t.versions, reward=reward))
-            sample = sample or _sample(sample_id, row["prompt"], text, reward)
+            sample = sample or sample_columns(sample_id, row["prompt"], text, reward)
         group = Group(writer=self.writer, prompt_index=prompt_index, trajectories=out, created_s=created,
                       finished_s=time.time(), reward_baseline=reward_baseline)
         sampled = [t for t in trajs if not t.greedy]
@@ -402,11 +366,11 @@ class RolloutJob:
                 log.exception("rollout %s failed", self.writer)  # into RUN/logs/jobs/, where the launcher looks
             raise
         finally:
-            try:
-                self._shutdown(final_state)
-            finally:
-                if final_state == HeartbeatState.PREEMPTED:
-                    with termination.deferred():  # a second SIGTERM (srun forwards one) must not skip it
+            with termination.deferred():  # a second SIGTERM (srun forwards Slurm's) must not cut the save short
+                try:
+                    self._shutdown(final_state)
+                finally:
+                    if final_state == HeartbeatState.PREEMPTED:
                         requeue_self()  # under Slurm; elsewhere whoever started the job restarts it
 
     def _loop(self) -> HeartbeatState:
@@ -416,8 +380,7 @@ class RolloutJob:
             termination.check()
             stop = self._stop_requested()
             if stop == HeartbeatState.DRAINED:
-                self._drain()  # every group admitted is committed: nothing is left for a successor
-                self._seal()
+                self._finish_in_flight()  # every group admitted is committed: nothing is left for a successor
             if stop is not None:
                 return stop
             self._switch_weights_if_newer()
@@ -428,6 +391,16 @@ class RolloutJob:
                 self.stats.idle_s += time.monotonic() - t0
             self._seal_if_due()
             self._wait_if_blocked(progressed=admitted or collected)
+
+    def _finish_in_flight(self) -> None:
+        """Drained: nothing more is admitted; the groups in flight finish as in the loop, weight switches included
+        (a group continues under the newest version, as the lag bound needs), and are sealed."""
+        while self.in_flight:
+            termination.check()
+            self._switch_weights_if_newer()
+            self._collect(timeout_s=self.cfg.timeouts.poll_interval_s)
+            self._seal_if_due()
+        self._seal()
 
     def _abort_generations(self) -> None:
         """Stop the generations in flight (their groups are dropped: the successor regenerates them)."""

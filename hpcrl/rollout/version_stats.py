@@ -1,11 +1,48 @@
-"""What a rollout job did with one weight version: one row of ``logs/rollout-<writer>.jsonl``."""
+"""What a rollout job did with one weight version: one row of ``logs/rollout-<writer>.jsonl`` (:class:`VersionStats`),
+and what each finished group adds to it (:class:`GroupInfo`)."""
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 
 from hpcrl import metric_names as M
+from hpcrl.rollout.engine import FINISH_LENGTH
+from hpcrl.rollout.trajectory import TrajectoryState
 from hpcrl.samples.schema import Group
+
+
+@dataclass
+class GroupInfo:
+    """What a finished group adds to its version's counters besides the group itself."""
+
+    truncated: int
+    """Responses cut by length."""
+    turns: list[int]
+    """Turns (assistant + tool) of each trajectory."""
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_latency_s: float = 0.0
+    resumed: bool = False
+    """Continued from the state a previous job of this writer saved."""
+    tool_error: str = ""
+    """``<sample id>: <message>`` of the group's first tool error."""
+    sample: dict = field(default_factory=dict)
+    """One response of the group (its first), as the rollout log's ``sample/*`` columns."""
+
+    @classmethod
+    def of(cls, trajs: list[TrajectoryState], resumed: bool, group_id: str, sample: dict) -> "GroupInfo":
+        """The counters of a finished group's trajectories."""
+        errors = [f"{group_id}/{j}: {t.tool_error}" for j, t in enumerate(trajs) if t.tool_error]
+        return cls(sum(t.finish_reason == FINISH_LENGTH for t in trajs), [t.num_turns for t in trajs],
+                   sum(t.tool_calls for t in trajs), sum(t.tool_errors for t in trajs),
+                   sum(t.tool_latency_s for t in trajs), resumed, errors[0][:300] if errors else "", sample)
+
+
+def sample_columns(sample_id: str, prompt, response: str, reward: float) -> dict:
+    """The rollout log's ``sample/*`` columns for one response (the prompt's last message, both cut)."""
+    text = prompt if isinstance(prompt, str) else str(prompt[-1].get("content", ""))
+    return {M.SAMPLE_ID: sample_id, M.SAMPLE_PROMPT: text[:200], M.SAMPLE_RESPONSE: response[:500],
+            M.SAMPLE_REWARD: reward}
 
 
 @dataclass
