@@ -64,8 +64,10 @@ def test_a_fleet_grown_shrunk_killed_and_resumed_trains_on_every_prompt_once(tmp
     assert scale_command(str(rd.root), 2, wait_s=30, scripts=None) == 0  # w002, the newest, drains
     wait_until(lambda: getattr(read_heartbeats(rd).get("rollout-w002"), "state", "") == "drained", 60, "w002 drained")
     w1_log = rd.job_log(RunDir.rollout_job("w001"))
-    os.kill(read_heartbeats(rd)["rollout-w001"].pid, signal.SIGKILL)  # claims open: the launcher resubmits it
-    wait_until(lambda: w1_log.read_text().count("joined the fleet") == 2, 60, "w001 resubmitted and joined again")
+    killed = read_heartbeats(rd)["rollout-w001"].pid
+    os.kill(killed, signal.SIGKILL)  # claims open: the launcher resubmits it
+    beat = lambda: read_heartbeats(rd)["rollout-w001"]  # noqa: E731
+    wait_until(lambda: beat().pid != killed and beat().state == "generating", 60, "w001 resubmitted and generating")
     assert run.stop(wait_s=120), "\n".join(lines[-20:])  # every job stops at its next safe point
     follower.join(60)
     assert result.get("ok") is False and not follower.is_alive(), "Run.wait ends when the run is stopped"

@@ -19,9 +19,13 @@ import time
 import pytest
 
 from conftest import REPO, TINY, check_exactly_once, start_trainer, wait_until
+from hpcrl.analysis.fleet import fleet_history
 from hpcrl.control.admission import read_claims
-from hpcrl.control.records import read_heartbeats
+from hpcrl.control.reclaim import judge, slurm_state
+from hpcrl.control.records import Heartbeat, read_heartbeats
 from hpcrl.fsio import read_json, read_jsonl
+from hpcrl.launcher.autoscale import can_start_soon, sbatch_test_only
+from hpcrl.launcher import sbatch_lines
 from hpcrl.launcher.sbatch_lines import rollout_lines
 from hpcrl.logs import read_staleness
 from hpcrl.process import faults
@@ -128,12 +132,36 @@ def test_a_fleet_grown_drained_preempted_and_killed_on_slurm_trains_on_every_pro
     for expected in ("scale: rollout-w001 submitted", "scale: rollout-w002 submitted", "asked to drain",
                      "job rollout-w002", "left the fleet", "job rollout-w000", "resubmitting"):
         assert expected in text, f"{expected!r} not in the launcher's lines:\n{text[-3000:]}"
+    lives = {w: [x.how for x in fleet_history(rd).lives if x.writer == w] for w in ("w000", "w001", "w002")}
+    print(f"slurm fleet lives (logs/fleet/): {lives}")
+    assert lives == {"w000": ["killed and resubmitted", "done"], "w001": ["preempted and requeued", "done"],
+                     "w002": ["drained"]}, "every join and leave is in logs/fleet/, the preemption saved in full"
     w1 = rd.job_log(RunDir.rollout_job("w001")).read_text()
     assert w1.count("joined the fleet") == 2, "the requeued job is the same writer"
     assert "SIGTERM of a Slurm preemption" in w1 and "requeueing Slurm job" in w1
     w0 = rd.job_log(RunDir.rollout_job("w000")).read_text()
     assert w0.count("joined the fleet") == 2 and "recovered" in w0
     assert "partition=scavenger" in _show(slurm, w001).replace("Partition=", "partition=")
+
+
+def test_slurm_answers_the_reclaim_and_autoscale_questions(slurm, tiny_run):
+    """What the rollout writers ask before reclaiming a writer's claims (``squeue``: ended or not) and what the
+    autoscaler asks before adding a job (``sbatch --test-only``: when would it start), asked of the real cluster."""
+    rd = tiny_run("resources.rollout_preemptible.partition=scavenger")
+    test = sbatch_test_only(sbatch_lines.test_only_argv(rd.load_config(), rd, sys.executable, 1))
+    assert not isinstance(test, str), test
+    assert test.partition == "scavenger" and abs(test.start_s - time.time()) < 60, test  # an idle cluster: now
+    ok, why, _ = can_start_soon([], sbatch_lines.test_only_argv(rd.load_config(), rd, sys.executable, 1), 300)
+    assert ok and "partition scavenger" in why, why
+    job = subprocess.run(["sbatch", "--parsable", "-p", "debug", "--output=/dev/null", "--wrap", "sleep 2"],
+                         capture_output=True, text=True, check=True, env=slurm).stdout.strip()
+    wait_until(lambda: slurm_state(job) == ("RUNNING", ""), 30, "the job to run")
+    stale = Heartbeat(job="rollout-w001", role="rollout", host="elsewhere", pid=1, time_s=time.time() - 600,
+                      slurm_job=job)
+    assert not judge(stale, time.time(), 60, "here").gone, "a running job is not gone, however stale its beat"
+    wait_until(lambda: slurm_state(job)[0] in (None, "COMPLETED"), 30, "the job to end")
+    assert judge(stale, time.time(), 60, "here").gone, "ended: its claims are reclaimed"
+    assert slurm_state("999999") == (None, ""), "a job Slurm does not know has ended"
 
 
 def test_a_tool_agent_preempted_in_the_middle_of_a_tool_call_continues_its_trajectories_when_requeued(
