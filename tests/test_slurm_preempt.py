@@ -174,6 +174,7 @@ def test_a_tool_agent_preempted_in_the_middle_of_a_tool_call_continues_its_traje
                   "async_training.staleness_threshold=1.0", "async_training.partial_rollout=true")
     trainer = start_trainer(rd)
     monkeypatch.setenv(faults.ENV, "tool_call:2:sleep=20")  # the rollout job's environment, not the trainer's
+    monkeypatch.setenv(faults.ONCE_ENV, str(rd.root / "tool-call-stalled"))  # not again in the requeued job
     (line,) = rollout_lines(rd.load_config(), rd, REPO / "sbatch", sys.executable, [1])
     subprocess.run(shlex.split(line), check=True, env=os.environ, capture_output=True)
     log = rd.job_log(RunDir.rollout_job("w001"))
@@ -193,6 +194,7 @@ def test_a_tool_agent_preempted_in_the_middle_of_a_tool_call_continues_its_traje
 
     text = log.read_text()
     assert text.count("joined the fleet") == 2 and "SIGTERM of a Slurm preemption" in text
+    assert text.count("sleep=20 at tool_call") == 1, "HPCRL_FAULT_ONCE: the requeued job's calls are not stalled"
     lines = [ShardManifestLine.from_json(x) for x in read_jsonl(rd.shard_manifest("w001"))]
     committed = {g.prompt_index: g for m in lines for g in read_shard(rd.writer_dir("w001") / m.shard, m, "w001")}
     for prompt, traj in saved:

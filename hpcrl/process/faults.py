@@ -6,7 +6,8 @@ harness ``bench/soak.py`` and ``tests/test_soak.py`` set it for one job)::
     HPCRL_FAULT_POINT=<point>:<n>:<action>
 
 At the ``n``-th time (1-based) this process reaches ``point`` it performs
-``action``: ``term`` (SIGTERM to itself), ``kill`` (SIGKILL to itself),
+``action`` (with ``HPCRL_FAULT_ONCE=<file>`` only if that file does not exist yet: the fault creates it, so it
+fires once across the job's restarts, not once per process): ``term`` (SIGTERM to itself), ``kill`` (SIGKILL to itself),
 ``sleep=<seconds>`` or ``fail`` (raise :class:`InjectedFault` there). Points, each placed
 at the instant a step begins:
 
@@ -33,6 +34,7 @@ import signal
 import time
 
 ENV = "HPCRL_FAULT_POINT"
+ONCE_ENV = "HPCRL_FAULT_ONCE"
 POINTS = ("seal_manifest", "checkpoint", "publish", "weight_load", "engine_load", "broadcast_bucket", "startup",
           "op_build", "eval_prompt", "tool_call")
 
@@ -45,6 +47,18 @@ class InjectedFault(RuntimeError):
     """Raised by the ``fail`` action."""
 
 
+def _first_firing() -> bool:
+    """True unless ``HPCRL_FAULT_ONCE`` names a file that exists (an earlier process of the job fired); creates it."""
+    once = os.environ.get(ONCE_ENV)
+    if not once:
+        return True
+    try:
+        os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+
+
 def point(name: str) -> None:
     """Count one arrival at ``name``; act if ``HPCRL_FAULT_POINT`` names this arrival."""
     if not _spec:
@@ -53,7 +67,7 @@ def point(name: str) -> None:
     if target != name:
         return
     _counts[name] = _counts.get(name, 0) + 1
-    if _counts[name] != int(n):
+    if _counts[name] != int(n) or not _first_firing():
         return
     log.warning("fault injection (%s=%s): %s at %s #%s", ENV, _spec, action, name, n)
     if action == "term":
