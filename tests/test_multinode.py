@@ -105,7 +105,7 @@ def test_trainer_on_two_nodes_and_rollout_on_a_third(cluster, tmp_path):
     out = subprocess.run(["bash", str(REPO / "sbatch" / "submit.sh"), str(TINY), str(run),
                           "resources.trainer.nodes=2", "resources.trainer.tasks_per_node=1", "actor.zero_stage=3",
                           "actor.ppo_micro_batch_size=2", "weights.transport=broadcast", "eval.every_versions=0",
-                          "rollout.total_rollout_steps=48", "timeouts.rendezvous_s=240",
+                          "rollout.total_rollout_steps=32", "timeouts.rendezvous_s=240",
                           "resources.trainer.sbatch_extra={nodelist: 'hpcrl-n[1-2]'}",
                           "resources.rollout.sbatch_extra={nodelist: hpcrl-n3}"],
                          capture_output=True, text=True, env=cluster, cwd=REPO, timeout=120)

@@ -87,7 +87,7 @@ def test_a_fleet_grown_drained_preempted_and_killed_on_slurm_trains_on_every_pro
 
     lines: list[str] = []
     run = hpcrl.launch(TINY, run_dir=tmp_path / "run", executor="slurm", emit=lines.append,
-                       overrides=[*SIMULATED, "rollout.total_rollout_steps=96", "simulated.decode_base_s=1.0",
+                       overrides=[*SIMULATED, "rollout.total_rollout_steps=80", "simulated.decode_base_s=1.0",
                                   "resources.rollout_preemptible.partition=scavenger", "resources.max_restarts=2"])
     rd, cfg = run.rd, run.cfg
     result: dict = {}
