@@ -176,15 +176,17 @@ def _committed(rd: RunDir, writer: str) -> set[int]:
 
 
 def sigkill_scenario(rd: RunDir) -> None:
-    """The background command (``python tests/test_reclaim.py RUN``): a trainer and two rollout jobs outside Slurm,
-    w001 SIGKILLed while it holds claims it has not committed, no launcher; the claims it held go to
-    ``RUN/killed_w001.json``. Its jobs end with it (SIGTERM: the session's end)."""
+    """The background command (``python tests/test_reclaim.py RUN``): a trainer and rollout job w001 outside Slurm,
+    w001 SIGKILLed while it holds claims it has not committed, no launcher; then w000 starts and must reclaim them
+    (on-policy, the run cannot finish otherwise). w000 starts only then: started together, a starved w001 was
+    once still loading when w000 had finished the whole run. The claims w001 held go to ``RUN/killed_w001.json``.
+    Its jobs end with it (SIGTERM: the session's end)."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}  # outside Slurm: the pid is asked
     jobs = [start_trainer(rd, base_env=env, killed_after_the_test=False)]
     try:
-        jobs += [start_rollout(rd, rank, base_env=env, killed_after_the_test=False) for rank in (0, 1)]
-        trainer, w0, w1 = jobs
+        jobs.append(start_rollout(rd, 1, base_env=env, killed_after_the_test=False))
+        trainer, w1 = jobs
 
         def kill_w1_holding_claims() -> set[int]:
             """SIGSTOP w001 where it is; SIGKILL it if it holds claims it has not committed (else let it go on)."""
@@ -200,6 +202,8 @@ def sigkill_scenario(rd: RunDir) -> None:
         held = wait_until(kill_w1_holding_claims, 1800, "w001 holding open claims after its first commit",
                           poll_s=0.05, jobs=jobs)
         (rd.root / "killed_w001.json").write_text(json.dumps(sorted(held)))
+        w0 = start_rollout(rd, 0, base_env=env, killed_after_the_test=False)
+        jobs.append(w0)
         assert trainer.wait(1800) == 0, trainer.tail()
         assert w0.wait(600) == 0, w0.tail()
     finally:
