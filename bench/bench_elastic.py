@@ -9,8 +9,8 @@ the one prompt stream between however many jobs run. The admission budget ``B = 
 s=1) caps the groups the whole fleet may have started and not yet had trained, so the fleet may wait on the budget
 (its idle ratio rises) before the trainer is saturated; ``--staleness 3`` (B=16) moves that cap.
 
-Measured on 2 shared CPU cores (``--quick``): at s=1, 0.82 / 1.32 / 1.62 / 1.68 groups/s with 1 / 2 / 4 / 8 jobs,
-trainer idle 0.67 / 0.44 / 0.35 / 0.34 and rollout idle 0.00 / 0.02 / 0.32 / 0.60 (the budget binds from 4 jobs);
+Measured on 2 CPU cores (``--quick``): at s=1, 0.85 / 1.53 / 1.69 / 1.72 groups/s with 1 / 2 / 4 / 8 jobs,
+trainer idle 0.66 / 0.39 / 0.37 / 0.35 and rollout idle 0.00 / 0.03 / 0.36 / 0.61 (the budget binds from 4 jobs);
 at s=3, 0.83 / 2.52 / 2.48 groups/s with 1 / 4 / 8 jobs, trainer idle 0.66 / 0.04 / 0.00: the trainer is the
 bottleneck from 4 jobs on.
 
