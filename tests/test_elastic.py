@@ -42,6 +42,26 @@ def _committed(rd: RunDir, writer: str) -> int:
     return sum(line["n_groups"] for line in read_jsonl(rd.shard_manifest(writer)))
 
 
+def check_fleet_run(rd: RunDir, cfg, lines: list[str], label: str, more: tuple[str, ...]) -> None:
+    """After a run grown to 3 writers and shrunk to 2 (w002 drained), one writer killed and resubmitted: exactly
+    once, every writer's groups trained on, the newest token's lag within the bound, w002 left drained, the frozen
+    config follows the fleet, and the launcher said every change (``more``: this run's own lines)."""
+    check_exactly_once(rd, cfg.rollout.max_concurrent_groups)
+    st = read_staleness(rd)
+    assert set(st.writer) == {"w000", "w001", "w002"}, "every writer's groups were trained on"
+    lag_end = st.trainer_version - st.groupby("group_id").version_end.transform("max")  # the group's newest token
+    print(f"{label}: lag of the newest token max {lag_end.max()} (bound {cfg.max_lag_bound}); groups per writer "
+          f"{st.drop_duplicates('group_id').writer.value_counts().to_dict()}")
+    assert lag_end.max() <= cfg.max_lag_bound
+    book = read_claims(rd)
+    assert set(book.left) == {"w002"} and book.left["w002"].why == "drained"
+    assert rd.load_config().resources.rollout_jobs == 2, "the frozen config follows the fleet (a resume starts 2)"
+    text = "\n".join(lines)
+    for expected in ("scale: rollout-w001 submitted", "scale: rollout-w002 submitted", "asked to drain",
+                     "job rollout-w002", "left the fleet", "resubmitting", *more):
+        assert expected in text, f"{expected!r} not in the launcher's lines:\n{text[-3000:]}"
+
+
 @pytest.mark.slow
 def test_a_fleet_grown_shrunk_killed_and_resumed_trains_on_every_prompt_once(tmp_path):
     """Local executor: the fleet changes as in tests/test_slurm_preempt.py (grown by `hpcrl scale`, the newest
@@ -78,20 +98,7 @@ def test_a_fleet_grown_shrunk_killed_and_resumed_trains_on_every_prompt_once(tmp
     assert sorted(resumed.jobs) == ["rollout-w000", "rollout-w001", "trainer"], "the fleet as it was, w002 not"
     assert resumed.wait(timeout_s=400, poll_s=0.5), "\n".join(lines[-30:])
 
-    check_exactly_once(rd, cfg.rollout.max_concurrent_groups)
-    st = read_staleness(rd)
-    assert set(st.group_id.str.split("/").str[0]) == {"w000", "w001", "w002"}, "every writer's groups were trained on"
-    lag_end = st.trainer_version - st.groupby("group_id").version_end.transform("max")  # the group's newest token
-    print(f"elastic run: lag of the newest token max {lag_end.max()} (bound {cfg.max_lag_bound}); groups per writer "
-          f"{st.drop_duplicates('group_id').writer.value_counts().to_dict()}")
-    assert lag_end.max() <= cfg.max_lag_bound
-    book = read_claims(rd)
-    assert set(book.left) == {"w002"} and book.left["w002"].why == "drained"
-    assert rd.load_config().resources.rollout_jobs == 2, "the frozen config follows the fleet"
-    text = "\n".join(lines)
-    for expected in ("scale: rollout-w001 submitted", "scale: rollout-w002 submitted", "asked to drain",
-                     "job rollout-w002", "left the fleet", "job rollout-w001", "resubmitting", "run stopped on request"):
-        assert expected in text, f"{expected!r} not in the launcher's lines:\n{text[-3000:]}"
+    check_fleet_run(rd, cfg, lines, "elastic run", ("job rollout-w001", "run stopped on request"))
     assert not any("resubmitting" in x and "rollout-w002" in x for x in lines), "a drained job is never resubmitted"
     w1 = w1_log.read_text()
     assert w1.count("joined the fleet") == 3 and "recovered" in w1
