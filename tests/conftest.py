@@ -78,8 +78,10 @@ def start_rollout(rd, rank: int = 0, **kw) -> Job:
     return Job(["rollout", str(rd.root), "--writer-rank", str(rank)], rd.root / f"rollout{rank}.out", **kw)
 
 
-def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.1, jobs: tuple = ()):
-    """Poll ``predicate``; fail at once if one of ``jobs`` exits meanwhile."""
+def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.1, jobs: tuple = (),
+               describe: Callable[[], str] | None = None):
+    """Poll ``predicate``; fail at once if one of ``jobs`` exits meanwhile. ``describe``: what the failure message
+    adds on a timeout (the state of what was waited for)."""
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         value = predicate()
@@ -90,7 +92,7 @@ def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.1, jobs
                 raise AssertionError(f"job {job.args} exited ({job.proc.returncode}) while waiting for "
                                      f"{what}:\n{job.tail()}")
         time.sleep(poll_s)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}" + (f":\n{describe()}" if describe else ""))
 
 
 _JOBS: list = []

@@ -15,6 +15,8 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -62,9 +64,28 @@ def _show(slurm: dict, job_id: str) -> str:
     return subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, env=slurm).stdout
 
 
-def _owner_takes_one_core_more_than_is_free(slurm: dict) -> None:
+def _queue(slurm: dict) -> str:
+    return subprocess.run(["squeue", "-o", "%i %P %j %T %C %R"], capture_output=True, text=True, env=slurm).stdout
+
+
+def _why_not_preempted(slurm: dict, job_id: str, log: Path) -> Callable[[], str]:
+    """What a failed wait for a preemption shows: the queue, the job, its log's and slurmctld's last lines."""
+    ctld = Path(slurm["SLURM_CONF"]).parent / "log" / "slurmctld.log"
+
+    def tail(path: Path, n: int) -> str:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:]) if path.exists() else f"(no {path})"
+
+    return lambda: (f"squeue:\n{_queue(slurm)}\nscontrol show job {job_id}:\n{_show(slurm, job_id)}\n"
+                    f"{log}:\n{tail(log, 15)}\n{ctld}:\n{tail(ctld, 25)}")
+
+
+def _owner_takes_one_core_more_than_is_free(slurm: dict, running: set) -> None:
     """Submit a job of the owner partition that fits only if one more core is freed: Slurm preempts (requeues) a
-    scavenger job for it. --mem: a job asking for the whole node's memory (the default) is never started so."""
+    scavenger job for it. Only once the queue holds just ``running``: a job of an earlier test still completing
+    would free its cores itself, and the owner would start without preempting anything. --mem: a job asking for the
+    whole node's memory (the default) is never started so."""
+    wait_until(lambda: squeue_ids(slurm) == running, 60, f"the queue to hold only {sorted(running)}",
+               describe=lambda: _queue(slurm))
     node = subprocess.run(["scontrol", "show", "node"], capture_output=True, text=True, env=slurm).stdout
     total, used = (int(re.search(rf"{k}=(\d+)", node).group(1)) for k in ("CPUTot", "CPUAlloc"))
     subprocess.run(["sbatch", "-p", "owner", f"--cpus-per-task={total - used + 1}", "--mem=100M",
@@ -105,8 +126,9 @@ def test_a_fleet_grown_drained_preempted_and_killed_on_slurm_trains_on_every_pro
                    text=True, env=slurm).stdout, 60, "w002's job to end")
         w001 = _slurm_job(slurm, "scavenger")
         others = squeue_ids(slurm) - {w001}
-        _owner_takes_one_core_more_than_is_free(slurm)
-        wait_until(lambda: "Restarts=1" in _show(slurm, w001), 90, "w001 preempted and requeued by Slurm")
+        _owner_takes_one_core_more_than_is_free(slurm, others | {w001})
+        wait_until(lambda: "Restarts=1" in _show(slurm, w001), 90, "w001 preempted and requeued by Slurm",
+                   describe=_why_not_preempted(slurm, w001, rd.job_log(RunDir.rollout_job("w001"))))
         assert _state(rd, "w001") == "preempted", "SIGTERM of the preemption: sealed and saved, then requeued"
         os.kill(read_heartbeats(rd)[RunDir.rollout_job("w000")].pid, signal.SIGKILL)  # the launcher resubmits it
         _requeued_job_starts_now(slurm, w001, others)
@@ -152,23 +174,24 @@ def test_slurm_answers_the_reclaim_and_autoscale_questions(slurm, tiny_run):
 def test_a_tool_agent_preempted_in_the_middle_of_a_tool_call_continues_its_trajectories_when_requeued(
         slurm, tiny_run, monkeypatch):
     """The only rollout job is writer 1 of a tool-agent run, on the scavenger partition (writers from
-    ``rollout_preemptible.floor`` = 1 on). Its 2nd tool call stalls (HPCRL_FAULT_POINT=tool_call:2:sleep=20: a slow
-    tool); an owner job preempts it meanwhile: on SIGTERM it saves the trajectory with its call pending, Slurm
+    ``rollout_preemptible.floor`` = 1 on). Its 2nd tool call stalls (HPCRL_FAULT_POINT=tool_call:2:sleep=300: a slow
+    tool, longer than any wait below: the call is still running whenever Slurm gets to the preemption); an owner
+    job preempts it meanwhile: on SIGTERM it saves the trajectory with its call pending, Slurm
     requeues it, and the requeued job calls the tool again and continues the trajectory where it stopped."""
     rd = tiny_run(*AGENT, "resources.rollout_preemptible.partition=scavenger", "rollout.total_rollout_steps=48",
                   "async_training.staleness_threshold=1.0", "async_training.partial_rollout=true")
     trainer = start_trainer(rd)
-    monkeypatch.setenv(faults.ENV, "tool_call:2:sleep=20")  # the rollout job's environment, not the trainer's
+    monkeypatch.setenv(faults.ENV, "tool_call:2:sleep=300")  # the rollout job's environment, not the trainer's
     monkeypatch.setenv(faults.ONCE_ENV, str(rd.root / "tool-call-stalled"))  # not again in the requeued job
     (line,) = rollout_lines(rd.load_config(), rd, REPO / "sbatch", sys.executable, [1])
     subprocess.run(shlex.split(line), check=True, env=os.environ, capture_output=True)
     log = rd.job_log(RunDir.rollout_job("w001"))
-    wait_until(lambda: log.exists() and "sleep=20 at tool_call #2" in log.read_text(), 180,
+    wait_until(lambda: log.exists() and "sleep=300 at tool_call #2" in log.read_text(), 180,
                "the rollout job's 2nd tool call (stalled by the fault point)", jobs=(trainer,))
     job_id = _slurm_job(slurm, "scavenger")  # 1_1 once running (1_[1] while pending)
-    _owner_takes_one_core_more_than_is_free(slurm)
+    _owner_takes_one_core_more_than_is_free(slurm, {job_id})
     wait_until(lambda: _state(rd, "w001") == "preempted" and "JobState=PENDING" in _show(slurm, job_id), 90,
-               "the rollout job preempted and requeued by Slurm")
+               "the rollout job preempted and requeued by Slurm", describe=_why_not_preempted(slurm, job_id, log))
     saved = [(g["prompt_index"], t) for g in read_json(rd.in_flight_states("w001"))["groups"]
              for t in g["trajectories"] if t["pending_calls"]]
     assert saved, "the trajectory whose call was running is saved with the call pending"
@@ -179,7 +202,7 @@ def test_a_tool_agent_preempted_in_the_middle_of_a_tool_call_continues_its_traje
 
     text = log.read_text()
     assert text.count("joined the fleet") == 2 and "SIGTERM of a Slurm preemption" in text
-    assert text.count("sleep=20 at tool_call") == 1, "HPCRL_FAULT_ONCE: the requeued job's calls are not stalled"
+    assert text.count("sleep=300 at tool_call") == 1, "HPCRL_FAULT_ONCE: the requeued job's calls are not stalled"
     lines = [ShardManifestLine.from_json(x) for x in read_jsonl(rd.shard_manifest("w001"))]
     committed = {g.prompt_index: g for m in lines for g in read_shard(rd.writer_dir("w001") / m.shard, m, "w001")}
     for prompt, traj in saved:
