@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from conftest import TINY, check_exactly_once, wait_until
+from conftest import REPO, TINY, BackgroundCommand, check_exactly_once, wait_until
 from hpcrl.analysis.fleet import fleet_history
 from hpcrl.control.admission import read_claims
 from hpcrl.control.fleet_log import read_fleet_events
@@ -28,6 +28,9 @@ SIMULATED = ["rollout.engine=simulated", "trainer.simulated=true", "eval.every_v
              "rollout.total_rollout_steps=160", "rollout.max_concurrent_groups=2", "rollout.n=2",
              "async_training.staleness_threshold=1.0", "async_training.partial_rollout=true",
              "trainer.checkpoint_every_updates=1000", "timeouts.wait_samples_s=120", "timeouts.wait_weights_s=120"]
+
+_BENCH_SETTING = ["rollout.max_concurrent_groups=2", "actor.ppo_mini_batch_size=4",
+                  "async_training.partial_rollout=true", "trainer.checkpoint_every_updates=1000000"]
 
 
 def _status(rd: RunDir) -> str:
@@ -111,3 +114,52 @@ def test_a_fleet_grown_shrunk_killed_and_resumed_trains_on_every_prompt_once(tmp
     lives = {w: [x.how for x in fleet_history(rd).lives if x.writer == w] for w in ("w000", "w001", "w002")}
     assert lives == {"w000": ["stopped, then resumed", "done"], "w002": ["drained"],
                      "w001": ["killed and resubmitted", "stopped, then resumed", "done"]}, lives
+
+
+AUTOSCALE_SETTING = [*_BENCH_SETTING, "async_training.staleness_threshold=1.0", "rollout.total_rollout_steps=160",
+                     "resources.rollout_autoscale.max_jobs=3", "resources.rollout_autoscale.versions=3"]
+"""bench/bench_elastic.py's rollout-bound setting (one job keeps the trainer ~2/3 idle, three ~1/3) with autoscale
+on from 1 up to 3 rollout jobs, deciding every 3 versions: 40 updates."""
+
+BACKGROUND_RUNS = {"elastic:autoscale": BackgroundCommand.hpcrl_args(
+    lambda folder: ["run", str(REPO / "configs" / "simulated.yaml"), *AUTOSCALE_SETTING, "--run-dir",
+                    str(folder / "run"), "--executor", "local", "--timeout-min", "30"])}
+"""A run whose fleet only the autoscale rule changes, launched like a user's in the background when the session
+starts (conftest.BackgroundRuns): what it asserts holds however fast it went (the rule reads the idle ratios the
+run measured, slow or not)."""
+
+
+def background_keys(item) -> tuple[str, ...]:
+    """The background runs a test item reads (none: it runs its own jobs)."""
+    return ("elastic:autoscale",) if item.originalname.startswith("test_autoscale") else ()
+
+
+@pytest.mark.slow
+def test_autoscale_grows_a_rollout_bound_fleet_and_logs_every_decision_with_its_numbers(background_runs):
+    """`hpcrl run configs/simulated.yaml` with ``resources.rollout_autoscale`` (max 3 jobs): the trainer waits on
+    one rollout job, so the launcher adds a second, then a third; every decision is a launcher line and a
+    ``logs/fleet/`` event whose numbers are the idle ratios of the metrics it read; the added writers train on
+    their own prompts; exactly once and the lag bound hold whatever the fleet did."""
+    out = background_runs.launched("elastic:autoscale", timeout_s=600)
+    assert out.returncode == 0, out.stdout[-6000:]
+    rd = RunDir(out.args[out.args.index("--run-dir") + 1])
+    cfg = rd.load_config()
+    decisions = [e for e in read_fleet_events(rd) if e.event == "autoscale"]
+    print("autoscale decisions: " + "; ".join(f"{e.from_jobs}->{e.to_jobs} at v{e.numbers['version']} "
+                                              f"({e.why})" for e in decisions))
+    grown = [(e.from_jobs, e.to_jobs) for e in decisions if e.applied and e.to_jobs > e.from_jobs]
+    assert grown[:2] == [(1, 2), (2, 3)], f"grown one job at a time to max_jobs: {grown}"
+    trainer_idle = {int(r["param_version"]): r["trainer/idle_ratio"] for r in read_jsonl(rd.metrics)}
+    for e in decisions:
+        assert f"autoscale: {e.from_jobs} -> {e.to_jobs} rollout job(s) at version {e.numbers['version']}" \
+               in out.stdout, "every decision is a launcher line"
+        if e.to_jobs > e.from_jobs:  # the rule saw the trainer idle above the threshold in each of `versions` rows
+            seen = [trainer_idle[v] for v in range(e.numbers["since_version"], e.numbers["version"] + 1)]
+            assert len(seen) == cfg.resources.rollout_autoscale.versions
+            assert min(seen) > cfg.resources.rollout_autoscale.idle_ratio
+            assert abs(e.numbers["trainer_idle_min"] - min(seen)) < 1e-6, (e.numbers, seen)
+    st = read_staleness(rd)
+    assert {"w000", "w001", "w002"} <= set(st.writer), "the added writers' groups were trained on"
+    check_exactly_once(rd, cfg.rollout.max_concurrent_groups)
+    lag_end = st.trainer_version - st.groupby("group_id").version_end.transform("max")
+    assert lag_end.max() <= cfg.max_lag_bound
