@@ -1,12 +1,11 @@
 """The tiny default run, launched like a user would, learns; staleness stays in its bound."""
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import REPO, TINY, BackgroundCommand, check_exactly_once, start_rollout, start_trainer
+from conftest import REPO, TINY, check_exactly_once, start_rollout, start_trainer
 from hpcrl.eval_log import EVALUATED, JOB, read_eval_rows
 from hpcrl.logs import read_metrics, read_staleness
 from hpcrl.run_dir import RunDir
@@ -19,25 +18,14 @@ def fifths(values):
     return float(np.mean(values[:k])), float(np.mean(values[-k:]))
 
 
-BACKGROUND_RUNS = {"learning:tiny": BackgroundCommand.hpcrl_args(
-    lambda folder: ["run", str(TINY), "--run-dir", str(folder / "tiny"), "--executor", "local", "--timeout-min", "30"])}
-"""The tiny default run, launched in the background when the session starts (conftest.BackgroundRuns): what it
-asserts does not depend on how fast it went (--timeout-min: the jobs' own limit; a background run may wait minutes
-for a core)."""
-
-
-def background_keys(item) -> tuple[str, ...]:
-    """The background runs a test item reads (none: it runs its own jobs)."""
-    return ("learning:tiny",) if item.originalname == "test_tiny_default_run_learns_through_the_launcher" else ()
-
-
-def test_tiny_default_run_learns_through_the_launcher(background_runs):
+def test_tiny_default_run_learns_through_the_launcher(tmp_path):
     """`hpcrl run configs/tiny.yaml` with submitit's local executor: reward rises, lag 0 at s=0; its evaluation job
     evaluates v0, every 20th version and the last on the held-out split, whose score rises too; the report draws
     the curve and `hpcrl status` shows the last score."""
-    out = background_runs.launched("learning:tiny", timeout_s=600)
-    run = Path(out.args[out.args.index("--run-dir") + 1])
-    assert out.returncode == 0, out.stdout[-6000:]
+    run = tmp_path / "tiny"
+    out = subprocess.run([sys.executable, "-m", "hpcrl", "run", str(TINY), "--run-dir", str(run), "--executor", "local",
+                          "--timeout-min", "10"], capture_output=True, text=True, cwd=REPO, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "run finished" in out.stdout and "v1 " in out.stdout  # one line per weight version
     rd = RunDir(run)
     m = read_metrics(rd)
