@@ -2,8 +2,9 @@
 launched with one rollout job, grown to three by a scale request the launcher follows, shrunk to two (the newest
 drains: it finishes its groups, seals, hands back its prompts and exits 0, never resubmitted), one SIGKILLed and
 resubmitted by the launcher, stopped and resumed with the fleet it had; the run completes, exactly once, within
-the lag bound, every join and leave logged (in the launcher's lines, the jobs' logs and ``logs/fleet/``). The same
-on a Slurm cluster with preemption: test_slurm_preempt.py."""
+the lag bound, every join and leave logged (in the launcher's lines, the jobs' logs and ``logs/fleet/``); and a
+rollout-bound run whose fleet the autoscale rule grows from 1 to 3 jobs. The same fleet changes on a Slurm cluster
+with preemption: test_slurm_preempt.py."""
 from __future__ import annotations
 
 import io
