@@ -21,6 +21,19 @@ def test_every_config_file_parses_and_validates(path):
     assert cfg.admission_budget >= cfg.groups_per_version
 
 
+def test_precision_is_bf16_on_a_gpu_and_fp32_on_cpu_unless_set():
+    cfg = load_config(TINY)
+    assert (cfg.rollout.dtype, cfg.actor.bf16) == ("auto", "auto")
+    assert cfg.rollout.dtype_on("cuda") == "bfloat16" and cfg.rollout.dtype_on("cpu") == "float32"
+    assert cfg.actor.bf16_on(cuda=True) is True and cfg.actor.bf16_on(cuda=False) is False
+    cfg = load_config(TINY, ["rollout.dtype=float32", "actor.bf16=false"])
+    assert cfg.rollout.dtype_on("cuda") == "float32" and cfg.actor.bf16_on(cuda=True) is False
+    cfg = load_config(TINY, ["rollout.dtype=bfloat16", "actor.bf16=true"])
+    assert cfg.rollout.dtype_on("cpu") == "bfloat16" and cfg.actor.bf16_on(cuda=False) is True
+    with pytest.raises(ConfigError, match="actor.bf16"):
+        load_config(TINY, ["actor.bf16=sometimes"])
+
+
 def test_overrides_apply_with_types():
     cfg = load_config(TINY, ["async_training.staleness_threshold=0.5", "rollout.n=4",
                                    "async_training.max_staleness=null"])

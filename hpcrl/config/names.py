@@ -76,8 +76,8 @@ ENGINES = ("transformers", "vllm", SIMULATED_ENGINE)
 ROLLOUT_DEVICES = ("auto", "cpu", "cuda")
 """``rollout.device``: ``auto`` = cuda when the job sees a GPU, else cpu."""
 
-DTYPES = ("float32", "bfloat16", "float16")
-"""``rollout.dtype``: the engine's weights and activations."""
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+"""``rollout.dtype``: the engine's weights and activations (``auto``: bfloat16 on cuda, float32 on cpu)."""
 
 BUILTIN_MODELS = ("builtin:tiny", "builtin:tiny-h64")
 """``model.path`` values that build a tiny model at launch (hpcrl/tiny/model.py): ``tiny`` has

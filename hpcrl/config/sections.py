@@ -175,11 +175,16 @@ class ActorConfig:
     """Max global gradient norm (0 disables clipping)."""
     zero_stage: int = 0
     """DeepSpeed ZeRO stage, 0..3."""
-    bf16: bool = False
-    """Train in bf16 (DeepSpeed bf16 mode). fp16 is refused on CPU by DeepSpeed."""
+    bf16: Union[bool, str] = "auto"
+    """Train in bf16 (DeepSpeed bf16 mode, fp32 master weights): ``auto`` (bf16 where the trainer runs on a
+    GPU, fp32 on CPU), ``true`` or ``false``. fp16 is refused on CPU by DeepSpeed."""
     temperature: float = 1.0
     """Logits are divided by this when computing log-probs; keep it equal to
     rollout.temperature so trainer and engine log-probs agree."""
+
+    def bf16_on(self, cuda: bool) -> bool:
+        """Whether the trainer trains in bf16, ``cuda`` saying whether it runs on a GPU (``auto``'s rule)."""
+        return cuda if self.bf16 == "auto" else bool(self.bf16)
 
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
@@ -208,7 +213,7 @@ class ActorConfig:
         check_choice("actor.kl_loss_type", self.kl_loss_type, names.KL_ESTIMATORS)
         check_float("actor.grad_clip", self.grad_clip, 0.0)
         check_int("actor.zero_stage", self.zero_stage, 0, 3)
-        check_choice("actor.bf16", self.bf16, (True, False))
+        check_choice("actor.bf16", self.bf16, (True, False, "auto"))
         check_float("actor.temperature", self.temperature, 0.0, lo_open=True)
 
 
@@ -224,9 +229,10 @@ class RolloutConfig:
     tokens; for measuring the pipeline at GPU proportions, needs ``model.path=builtin:tiny``)."""
     device: str = "auto"
     """``auto`` (cuda when the rollout job sees a GPU, else cpu), ``cpu`` or ``cuda``."""
-    dtype: str = "float32"
-    """Engine weights and activations: ``float32``, ``bfloat16`` or ``float16`` (the trainer's
-    log-probs are fp32; bf16 sampling shows up as importance weights != 1 at lag 0)."""
+    dtype: str = "auto"
+    """Engine weights and activations: ``auto`` (``bfloat16`` on cuda, ``float32`` on cpu), ``float32``,
+    ``bfloat16`` or ``float16`` (the trainer's log-probs are fp32; bf16 sampling shows up as importance
+    weights != 1 at lag 0)."""
     gpu_memory_utilization: Optional[float] = None
     """vLLM: share of the GPU's memory for weights and KV cache (on CPU: share of host memory for
     the KV cache). null = 0.5 on cuda (room for a trainer on the same GPU is the user's call), 0.1 on cpu."""
@@ -260,6 +266,12 @@ class RolloutConfig:
     """... or when its oldest group has waited this long, or when the job idles."""
     torch_threads: int = 1
     """torch intra-op threads in the rollout job."""
+
+    def dtype_on(self, device: str) -> str:
+        """The engine's dtype on ``device`` (``cpu`` or ``cuda``: ``auto``'s rule)."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if device == "cuda" else "float32"
 
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""

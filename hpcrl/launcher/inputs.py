@@ -139,7 +139,7 @@ def check_gpus(cfg: RunConfig, kind: Optional[str]) -> None:
         key = "trainer" if cfg.resources.trainer.gpus_per_node >= want else "rollout"
         raise bad(f"resources.{key}.gpus_per_node", want, f"at most the {have} GPU(s) of this machine with "
                   "--executor local (the jobs run here)", "set resources.trainer.gpus_per_node=0 and "
-                  "resources.rollout.gpus_per_node=0 (and rollout.dtype=float32, actor.bf16=false) to run on CPU, "
+                  "resources.rollout.gpus_per_node=0 to run on CPU (rollout.dtype and actor.bf16 'auto' then mean float32), "
                   "or --executor slurm")
 
 

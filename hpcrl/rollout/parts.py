@@ -44,14 +44,15 @@ log = logging.getLogger("hpcrl.rollout")
 
 
 def engine_options(cfg: RunConfig, model_dir) -> EngineOptions:
-    """``rollout.*`` resolved for this job: ``device: auto`` becomes cuda when a GPU is visible."""
+    """``rollout.*`` resolved for this job: ``device: auto`` becomes cuda when a GPU is visible, ``dtype: auto``
+    bfloat16 there (float32 on cpu)."""
     ro = cfg.rollout
     device = ro.device if ro.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"rollout.device=cuda but this job sees no GPU (CUDA_VISIBLE_DEVICES="
                            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): check resources.rollout.gpus_per_node")
     return EngineOptions(model_dir=model_dir, max_new_tokens=ro.response_length, temperature=ro.temperature,
-                         top_p=ro.top_p, device=device, dtype=ro.dtype, seed=cfg.model.seed,
+                         top_p=ro.top_p, device=device, dtype=ro.dtype_on(device), seed=cfg.model.seed,
                          gpu_memory_utilization=ro.gpu_memory_utilization, max_model_len=ro.max_model_len,
                          tensor_parallel_size=ro.tensor_parallel_size, data_parallel_size=ro.data_parallel_size,
                          enforce_eager=ro.enforce_eager, max_num_seqs=ro.max_num_seqs,

@@ -99,7 +99,7 @@ def _deepspeed(cfg: RunConfig, run_dir: RunDir, rank: int, world: int):
         "gradient_clipping": cfg.actor.grad_clip,
         "zero_optimization": {"stage": cfg.actor.zero_stage},
         "zero_allow_untested_optimizer": True,  # a plain torch AdamW: no JIT-compiled fused_adam on CPU
-        "bf16": {"enabled": cfg.actor.bf16},
+        "bf16": {"enabled": cfg.actor.bf16_on(torch.cuda.is_available())},
         "steps_per_print": 10**9,
     }
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
