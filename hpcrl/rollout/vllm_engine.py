@@ -16,10 +16,11 @@ fails the engine falls back to folders, logged),
   tokenizer vLLM would build differently (the tiny word-level one) cannot disagree.
 - New weights: pause -> load -> prefix cache reset -> resume. A version received by broadcast
   lies in one buffer in ``/dev/shm``: each worker maps it and loads the tensors in place
-  (``collective_rpc("hpcrl_load_mapped")``, ``vllm_worker.py``). Otherwise, or if that fails
-  (logged; folders from then on), ``reload_weights`` reads the version's folder (verified by
-  the transport just before). A failed load raises; the job then stays on its old version (the
-  caller reports a version only once loaded).
+  (``collective_rpc("hpcrl_load_mapped")``, ``vllm_worker.py``), or ``reload_weights`` reads the
+  version's folder (committed by the trainer before it broadcast), whichever this engine measured
+  faster (``load_paths.py``). Otherwise, or if a mapped load fails (logged; folders from then on),
+  ``reload_weights`` reads the version's folder (verified by the transport just before). A failed
+  load raises; the job then stays on its old version (the caller reports a version only once loaded).
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from typing import Optional
 import numpy as np
 
 from hpcrl.rollout.engine import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Engine, EngineOptions, Sample
+from hpcrl.rollout.load_paths import FOLDER, MAPPED, LoadPaths
 from hpcrl.rollout.vllm_worker import WORKER_EXTENSION
 from hpcrl.weights.base import MappedBuffer, WeightVersion
 
@@ -53,6 +55,12 @@ def memory_share(opts: EngineOptions) -> float:
     return GPU_MEMORY_SHARE if opts.device == "cuda" else CPU_MEMORY_SHARE
 
 
+def _cuda_initialized() -> bool:
+    import torch
+
+    return torch.cuda.is_initialized()
+
+
 def _eos_id(model_dir: Path) -> Optional[int]:
     import json
 
@@ -65,6 +73,11 @@ class VLLMEngine(Engine):
 
     def __init__(self, opts: EngineOptions):
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # flashinfer is not a dependency
+        if opts.device == "cuda" and _cuda_initialized():
+            # vLLM forks its engine core; a fork of a process that touched CUDA dies ("Cannot re-initialize CUDA
+            # in forked subprocess"): start it with spawn instead
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+            log.info("CUDA is initialised in this process: vLLM's workers start with spawn")
         from vllm import SamplingParams
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -86,6 +99,7 @@ class VLLMEngine(Engine):
         self._ids = itertools.count()
         self._closed = False
         self._mapped_ok = True  # False after a mapped load failed: folders only from then on
+        self._paths = LoadPaths()
         self._mapped_logged = False
 
     def _params(self, seed: int, max_tokens: Optional[int] = None, temperature: Optional[float] = None):
@@ -133,22 +147,27 @@ class VLLMEngine(Engine):
         await self.llm.resume_generation()
 
     async def load_weights(self, version: WeightVersion) -> str:
-        """A version in one shared-memory buffer (a broadcast) is mapped by the workers; anything else, or a
-        mapped load that fails, is reloaded from the version's folder (pinned until the version is released)."""
-        mapped = version.mapped if self._mapped_ok else None
-        if mapped is None and version.folder is None:
+        """A version in a shared-memory buffer (a broadcast) is mapped by the workers, or reloaded from its folder,
+        whichever this engine measured faster (:mod:`hpcrl.rollout.load_paths`); anything else from its folder (pinned
+        until the version is released). A mapped load that fails falls back to the folder (folders from then on).
+        Returns the way it took."""
+        can_map = version.mapped is not None and self._mapped_ok
+        if not can_map and version.folder is None:
             raise ValueError(f"weight version {version.version} has neither a folder nor a shared-memory buffer: "
                              "the vLLM engine loads one of them")
+        way = self._paths.pick(can_map, version.folder is not None)
         await self.llm.pause_generation(mode="wait")
         try:
-            how = "shared_memory"
-            if mapped is None or not await self._load_mapped(mapped, can_fall_back=version.folder is not None):
+            t0 = time.monotonic()
+            if way == MAPPED and not await self._load_mapped(version.mapped, can_fall_back=version.folder is not None):
+                way, t0 = FOLDER, time.monotonic()
+            if way == FOLDER:
                 await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(version.folder)})
-                how = "folder"
+            self._paths.record(way, time.monotonic() - t0)
             await self.llm.reset_prefix_cache()
         finally:
             await self.llm.resume_generation()
-        return how
+        return way
 
     async def _load_mapped(self, mapped: MappedBuffer, can_fall_back: bool) -> bool:
         """The workers load the buffer ``mapped`` names; False (logged, folders from now on) if that failed."""
