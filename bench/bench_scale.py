@@ -71,6 +71,8 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=32)
     p.add_argument("--versions", type=int, default=52)
     p.add_argument("--time-scale", type=float, default=5.0)
+    p.add_argument("--sites", action="store_true",
+                   help="also count each operation under the hpcrl function that caused it, and print the top ones")
     p.add_argument("--from", dest="from_dir", default=None, metavar="DIR",
                    help="report again on a finished run of this benchmark (its scale-* folder; no memory figures)")
     a = p.parse_args(argv)
@@ -92,7 +94,7 @@ def main(argv=None) -> int:
                  "async_training.staleness_threshold=0.5", "trainer.checkpoint_every_updates=10",
                  "timeouts.wait_samples_s=1200", "timeouts.job_start_s=1500", "resources.rollout.mem_gb=1"]
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'bench' / 'fsops'}:{REPO}", "HPCRL_FSOPS_RUN": str(rd),
-           "HPCRL_FSOPS_OUT": str(ops_dir)}
+           "HPCRL_FSOPS_OUT": str(ops_dir), "HPCRL_FSOPS_SITES": "1" if a.sites else "0"}
     peaks: dict = {}
     stop = threading.Event()
     threading.Thread(target=sample_memory, args=(rd.name + "-", peaks, stop), daemon=True).start()
@@ -136,6 +138,24 @@ def report(a, rd: Path, ops_dir: Path, peaks: dict, wall: float) -> None:
     print(table(["role", *OPS, "MB written (process)"], [[r, *(f"{per_version.loc[r, o]:.0f}" for o in OPS),
                                                  f"{per_version.loc[r, 'write_bytes'] / 1e6:.2f}"] for r in per_version.index]))
     extrapolate(per_version, a.jobs, steady / versions, a.time_scale)
+    if "sites" in ops and ops.sites.map(bool).any():
+        print_sites(ops, versions, a.jobs)
+
+
+def print_sites(ops, versions: int, jobs: int, top: int = 25) -> None:
+    """The operations per version by the hpcrl function that caused them (``--sites``), most first."""
+    rows = []
+    for role, g in ops.groupby("role"):
+        total: dict = {}
+        for sites in g.sites:
+            for k, n in (sites or {}).items():
+                total[k] = total.get(k, 0) + n
+        per = jobs if role == "rollout" else 1
+        for k, n in total.items():
+            rows.append((n / versions / per, role + (" (per job)" if role == "rollout" else ""), k))
+    rows.sort(reverse=True)
+    print(f"\ntop {top} call sites (operations per version):")
+    print(table(["ops/version", "role", "op and hpcrl function"], [[f"{n:.1f}", r, k] for n, r, k in rows[:top]]))
 
 
 def extrapolate(per_version, jobs: int, step_wall_s: float, time_scale: float) -> None:

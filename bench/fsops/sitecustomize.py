@@ -7,7 +7,8 @@ Python's audit events (files opened for reading / for writing, directory listing
 mkdirs) and calls of ``os.stat`` and ``os.fsync`` (fsyncs of any file: a job fsyncs only the run directory's);
 the bytes a process wrote to storage come from ``/proc/self/io``. Every 2 s and at exit it rewrites
 ``HPCRL_FSOPS_OUT/<pid>.json``. HDF5's own C-level opens are not seen (hpcrl reads and writes shard bytes
-from Python, so those are).
+from Python, so those are). With ``HPCRL_FSOPS_SITES=1`` each operation is also counted under the innermost
+``hpcrl`` function that caused it (``sites`` in the row: ``"op file:function" -> count``), to find what to cut.
 """
 import atexit
 import json
@@ -18,11 +19,24 @@ import time
 
 _RUN = os.environ.get("HPCRL_FSOPS_RUN")
 _OUT = os.environ.get("HPCRL_FSOPS_OUT")
+_SITES = os.environ.get("HPCRL_FSOPS_SITES") == "1"
 
 if _RUN and _OUT:
     _counts = {"open_read": 0, "open_write": 0, "listdir": 0, "rename": 0, "remove": 0, "mkdir": 0, "stat": 0,
                "fsync": 0}
     _WRITE = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+    _sites: dict = {}
+
+    def _count(op: str) -> None:
+        _counts[op] += 1
+        if not _SITES:
+            return
+        f = sys._getframe(2)
+        while f is not None and "/hpcrl/" not in f.f_code.co_filename:
+            f = f.f_back
+        where = "?" if f is None else (f"{f.f_code.co_filename.rsplit('/hpcrl/', 1)[1]}:{f.f_code.co_name}")
+        key = f"{op} {where}"
+        _sites[key] = _sites.get(key, 0) + 1
 
     def _ours(path) -> bool:
         try:
@@ -34,26 +48,26 @@ if _RUN and _OUT:
         if event == "open" and args and _ours(args[0]):
             mode, flags = args[1], args[2] or 0
             writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or bool(flags & _WRITE)
-            _counts["open_write" if writes else "open_read"] += 1
+            _count("open_write" if writes else "open_read")
         elif event in ("os.listdir", "os.scandir") and args and _ours(args[0]):
-            _counts["listdir"] += 1
+            _count("listdir")
         elif event == "os.rename" and args and _ours(args[0]):
-            _counts["rename"] += 1
+            _count("rename")
         elif event in ("os.remove", "os.rmdir") and args and _ours(args[0]):
-            _counts["remove"] += 1
+            _count("remove")
         elif event == "os.mkdir" and args and _ours(args[0]):
-            _counts["mkdir"] += 1
+            _count("mkdir")
 
     sys.addaudithook(_hook)
     _fsync, _stat = os.fsync, os.stat
 
     def _counted_fsync(fd):
-        _counts["fsync"] += 1
+        _count("fsync")
         return _fsync(fd)
 
     def _counted_stat(path, *a, **k):
         if _ours(path):
-            _counts["stat"] += 1
+            _count("stat")
         return _stat(path, *a, **k)
 
     os.fsync, os.stat = _counted_fsync, _counted_stat
@@ -63,7 +77,7 @@ if _RUN and _OUT:
             with open("/proc/self/io") as f:
                 io = dict(line.split(": ") for line in f.read().splitlines())
             row = {**_counts, "write_bytes": int(io.get("write_bytes", 0)), "wchar": int(io.get("wchar", 0)),
-                   "argv": " ".join(sys.argv)[-200:], "pid": os.getpid()}
+                   "argv": " ".join(sys.argv)[-200:], "pid": os.getpid(), "sites": dict(_sites)}
             tmp = os.path.join(_OUT, f".{os.getpid()}.tmp")
             with open(tmp, "w") as f:
                 json.dump(row, f)
