@@ -9,6 +9,7 @@ Layout (ARCHITECTURE.md, "The run directory")::
       sbatch/<role>.setup.sh       per-role setup lines for sbatch/*.sbatch     (launcher writes)
       samples/<writer>/shard-000042.h5, manifest.jsonl                          (one rollout job each)
       weights/v000007/             config.json, model.safetensors, tokenizer files, manifest.json (trainer)
+      weights/v000008/             ... model.delta instead of model.safetensors: a delta version (trainer)
       weights/v000007/bad.json     the version is damaged: never loaded again     (rollout job)
       control/heartbeat/<job>.json, control/loading/<writer>.json, control/admission.json,
       control/skipped_shards.jsonl, ...
@@ -59,6 +60,9 @@ WEIGHT_MANIFEST = "manifest.json"
 """The file that makes a weight version folder exist for readers (written last)."""
 WEIGHT_TENSORS = "model.safetensors"
 """The tensors of a weight version (one safetensors file, HF layout)."""
+WEIGHT_DELTA = "model.delta"
+"""The tensors of a delta version: each tensor's XOR against its base version, compressed
+(``weights/delta.py``); a safetensors file of byte tensors, named so that no loader takes it for weights."""
 WEIGHT_MODEL_CONFIG = "config.json"
 """The HF model config of a weight version (so the folder loads as an HF model)."""
 WEIGHT_MODEL_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -197,17 +201,26 @@ class RunDir:
         return self.weight_version_dir(version) / WEIGHT_MANIFEST
 
     def weight_file(self, version: int, name: str) -> Path:
-        """A file of version ``version`` (``name``: :data:`WEIGHT_TENSORS`, :data:`WEIGHT_MODEL_CONFIG` or one of
-        :data:`WEIGHT_MODEL_FILES`); ValueError for any other name."""
-        if name not in (WEIGHT_TENSORS, WEIGHT_MODEL_CONFIG, *WEIGHT_MODEL_FILES):
-            raise ValueError(f"{name!r} is not a weight file (expected {WEIGHT_TENSORS}, {WEIGHT_MODEL_CONFIG} or one "
-                             f"of {', '.join(WEIGHT_MODEL_FILES)})")
+        """A file of version ``version`` (``name``: :data:`WEIGHT_TENSORS`, :data:`WEIGHT_DELTA`,
+        :data:`WEIGHT_MODEL_CONFIG` or one of :data:`WEIGHT_MODEL_FILES`); ValueError for any other name."""
+        if name not in (WEIGHT_TENSORS, WEIGHT_DELTA, WEIGHT_MODEL_CONFIG, *WEIGHT_MODEL_FILES):
+            raise ValueError(f"{name!r} is not a weight file (expected {WEIGHT_TENSORS}, {WEIGHT_DELTA}, "
+                             f"{WEIGHT_MODEL_CONFIG} or one of {', '.join(WEIGHT_MODEL_FILES)})")
         return self.weight_version_dir(version) / name
 
     def weight_bad_marker(self, version: int) -> Path:
         """``weights/vNNNNNN/bad.json``: a reader found this version damaged; nobody loads it again.
         It lives in the version folder, so retention and a trainer rollback remove it with the version."""
         return self.weight_version_dir(version) / WEIGHT_BAD_MARKER
+
+    def weight_trash(self, version: int) -> Path:
+        """``weights/v000007.deleted``: a version being deleted is renamed here first (it vanishes whole, manifest
+        and all), then removed; one left by a killed trainer is removed by the next retention."""
+        return self.weights / f"v{version:06d}.deleted"
+
+    def weight_trash_leftovers(self) -> list[Path]:
+        """Folders of deletions a killed trainer did not finish."""
+        return sorted(self.weights.glob("v*.deleted")) if self.weights.is_dir() else []
 
     @staticmethod
     def parse_weight_version(name: str) -> Optional[int]:

@@ -1,10 +1,11 @@
 """``hpcrl export RUN [--version last|N] --out DIR``: take the trained model out of a run.
 
-Every published weight version is a complete Hugging Face folder (``weights/vNNNNNN/``: ``model.safetensors``,
+Every full weight version is a complete Hugging Face folder (``weights/vNNNNNN/``: ``model.safetensors``,
 ``config.json``, the model's tokenizer and chat template, its generation config; each listed and hashed in the
 version's manifest). Export copies one version's files to ``DIR`` and checks every copied byte against the
 manifest, so a version deleted or damaged while it was copied (retention on a live run) is an error, not a
-broken folder. ``DIR`` then loads as it is in ``AutoModelForCausalLM.from_pretrained(DIR)``,
+broken folder. A delta version (``weights.delta``: ``model.delta`` instead of ``model.safetensors``) is rebuilt
+against its base and verified tensor by tensor as a rollout job does, and written as ``model.safetensors``. ``DIR`` then loads as it is in ``AutoModelForCausalLM.from_pretrained(DIR)``,
 ``AutoTokenizer.from_pretrained(DIR)`` and vLLM (``LLM(model=DIR)``).
 
 A version published by an older hpcrl has no tokenizer files: they are taken from the run's model folder (the
@@ -21,9 +22,10 @@ from pathlib import Path
 from typing import Optional
 
 from hpcrl.fsio import fsync_path, read_json
-from hpcrl.run_dir import WEIGHT_MODEL_CONFIG, WEIGHT_MODEL_FILES, RunDir
+from hpcrl.run_dir import WEIGHT_DELTA, WEIGHT_MODEL_CONFIG, WEIGHT_MODEL_FILES, WEIGHT_TENSORS, RunDir
+from hpcrl.weights.delta_versions import DeltaReader
 from hpcrl.weights.manifest import WeightManifest
-from hpcrl.weights.safetensors_io import DamagedFile, check_file
+from hpcrl.weights.safetensors_io import DamagedFile, check_file, save_hashed
 
 GENERATION_CONFIG = "generation_config.json"
 
@@ -77,9 +79,13 @@ def export(run_dir, out: os.PathLike | str, version: Optional[int] = None) -> Ex
     notes: list[str] = []
     try:
         for name, entry in manifest.files.items():
+            if name == WEIGHT_DELTA:
+                continue
             dst = tmp / name
             shutil.copyfile(rd.weight_file(version, name), dst)
             check_file(dst, entry.size_bytes, entry.hash_algorithm, entry.hash_hex)
+        if manifest.base is not None:
+            _rebuild(rd, version, manifest, tmp, notes)
         _complete(rd, tmp, manifest, notes)
     except (FileNotFoundError, DamagedFile) as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -91,6 +97,16 @@ def export(run_dir, out: os.PathLike | str, version: Optional[int] = None) -> Ex
         out.rmdir()
     os.rename(tmp, out)
     return Exported(version, manifest.trainer_step, out, sorted(p.name for p in out.iterdir()), notes)
+
+
+def _rebuild(rd: RunDir, version: int, manifest: WeightManifest, folder: Path, notes: list[str]) -> None:
+    """A delta version's tensors, rebuilt against its base and verified, as ``folder/model.safetensors``
+    (tied aliases stored once, as in a full version)."""
+    rebuilt = DeltaReader(rd, keep_bases=False, threads=os.cpu_count() or 1).read(version, manifest)
+    stored = {k: v for k, v in rebuilt.state.items() if k not in manifest.aliases}
+    save_hashed(stored, folder / WEIGHT_TENSORS, {"format": "pt", "param_version": str(version)})
+    notes.append(f"weight version {version} is a delta against full version {manifest.base.version}: rebuilt and "
+                 f"verified tensor by tensor, written as {WEIGHT_TENSORS}")
 
 
 def _complete(rd: RunDir, folder: Path, manifest: WeightManifest, notes: list[str]) -> None:

@@ -418,11 +418,29 @@ class WeightsConfig:
     when both ends hold CUDA tensors, gloo otherwise)."""
     keep_versions: int = 3
     """Newest versions always kept; older ones are deleted unless a live rollout
-    job has announced it is loading them."""
+    job has announced it is loading them (or a kept delta version is written against them)."""
+    delta: bool = True
+    """Write a version as its changes against the newest full version (per tensor the XOR of its bits with the
+    base's, zstd-compressed: ``weights/vN/model.delta``) where that pays: at RL learning rates a few per cent
+    of the bf16 values change per version, so the trainer writes and every rollout job reads a fraction of the
+    model. Readers keep the base in host memory, rebuild each version and check every tensor against the
+    trainer's hash. A version is full when ``full_every`` versions have passed since the base, when the delta
+    would exceed ``delta_max_ratio`` of the full size (fp32 weights at a high learning rate), and at a
+    trainer's first publish. A delta version's folder is not a loadable model: ``hpcrl export`` rebuilds it.
+    false: every version is a full safetensors folder."""
+    full_every: int = 10
+    """With ``delta``: a full version at least every this many versions (1: every version full). Larger
+    means fewer full writes, but each delta is counted from an older base and grows."""
+    delta_max_ratio: float = 0.5
+    """With ``delta``: a version whose delta would be larger than this share of the full size is written full
+    (and becomes the new base)."""
 
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
         check_choice("weights.transport", self.transport, names.WEIGHT_TRANSPORTS)
         check_int("weights.keep_versions", self.keep_versions, 2)
+        check_choice("weights.delta", self.delta, (True, False))
+        check_int("weights.full_every", self.full_every, 1)
+        check_float("weights.delta_max_ratio", self.delta_max_ratio, 0.0, 1.0, lo_open=True)
         check_float("weights.bucket_mib", self.bucket_mib, 0.0, 4096.0, lo_open=True)
         check_choice("weights.broadcast_backend", self.broadcast_backend, names.BROADCAST_BACKENDS)

@@ -17,6 +17,7 @@ point             where
 seal_manifest     ShardWriter.seal, just before the manifest line (the commit) is appended
 checkpoint        trainer, before a checkpoint is saved
 publish           trainer, before a weight version is written
+delta_write       trainer, a delta version's ``model.delta`` written, before its folder is renamed and committed
 weight_load       rollout, before a weight version is loaded
 engine_load       rollout, as verified weights are handed to the engine
 broadcast_bucket  trainer or rollout, before each bucket of a weight broadcast is sent or received
@@ -35,7 +36,7 @@ import time
 
 ENV = "HPCRL_FAULT_POINT"
 ONCE_ENV = "HPCRL_FAULT_ONCE"
-POINTS = ("seal_manifest", "checkpoint", "publish", "weight_load", "engine_load", "broadcast_bucket", "startup",
+POINTS = ("seal_manifest", "checkpoint", "publish", "delta_write", "weight_load", "engine_load", "broadcast_bucket", "startup",
           "op_build", "eval_prompt", "tool_call")
 
 log = logging.getLogger(__name__)

@@ -52,7 +52,8 @@ import torch
 from hpcrl.config import TimeoutsConfig, WeightsConfig
 from hpcrl.run_dir import RunDir
 from hpcrl.weights.base import Published, WeightVersion
-from hpcrl.weights.filesystem import FilesystemPublisher, FilesystemSubscriber, dedupe_tied
+from hpcrl.weights.delta_versions import DeltaWriter
+from hpcrl.weights.filesystem import FilesystemPublisher, FilesystemSubscriber, dedupe_tied, delta_writer
 from hpcrl.weights.group import BroadcastFailed, BroadcastRefused
 from hpcrl.weights.receiver import Receiver
 from hpcrl.fsio import wait_for
@@ -84,8 +85,8 @@ class BroadcastPublisher(FilesystemPublisher):
     reason; ``auto``: it logs the reason and publishes files only."""
 
     def __init__(self, run_dir: RunDir, keep_versions: int, required: bool, bucket_mib: float, connect_s: float,
-                 broadcast_s: float, backend: str = "auto"):
-        super().__init__(run_dir, keep_versions)
+                 broadcast_s: float, backend: str = "auto", deltas: Optional[DeltaWriter] = None):
+        super().__init__(run_dir, keep_versions, deltas=deltas)
         self.required, self.connect_s, self.broadcast_s, self.backend = required, connect_s, broadcast_s, backend
         self.bucket_bytes = max(int(bucket_mib * 2**20), ALIGN_BYTES)
         self._sender: Optional[Sender] = None
@@ -95,7 +96,7 @@ class BroadcastPublisher(FilesystemPublisher):
     def from_config(cls, cfg: WeightsConfig, run_dir: RunDir, timeouts: TimeoutsConfig) -> "BroadcastPublisher":
         """The publisher of ``weights.transport=broadcast`` (required) or ``auto``."""
         return cls(run_dir, cfg.keep_versions, cfg.transport == "broadcast", cfg.bucket_mib,
-                   timeouts.broadcast_connect_s, timeouts.broadcast_s, cfg.broadcast_backend)
+                   timeouts.broadcast_connect_s, timeouts.broadcast_s, cfg.broadcast_backend, delta_writer(cfg))
 
     def start(self) -> None:
         """Start the store and write the rendezvous (a resumed trainer announces its new epoch at once)."""
@@ -110,7 +111,7 @@ class BroadcastPublisher(FilesystemPublisher):
         t0 = time.monotonic()
         tensors, aliases = dedupe_tied(state_dict)
         manifest = self.write_version(version, tensors, aliases, model_config_json, trainer_step, consumed_groups,
-                                      model_files)
+                                      model_files, originals=state_dict)
         files_s = time.monotonic() - t0
         if self._sender is None:
             return Published(manifest, files_s)
@@ -132,9 +133,11 @@ class BroadcastSubscriber(FilesystemSubscriber):
     ``required``: a reader that cannot join a live trainer at its first take fails with the reason (one whose
     rendezvous names a dead trainer waits for a live one, bounded); ``auto``: it logs the reason and uses files."""
 
-    def __init__(self, run_dir: RunDir, reader: str, required: bool, timeouts: TimeoutsConfig, device: str = "cpu"):
-        """``device``: where this reader's engine wants the tensors (``cuda``: it can receive by NCCL)."""
-        super().__init__(run_dir, reader)
+    def __init__(self, run_dir: RunDir, reader: str, required: bool, timeouts: TimeoutsConfig, device: str = "cpu",
+                 keep_bases: bool = False):
+        """``device``: where this reader's engine wants the tensors (``cuda``: it can receive by NCCL);
+        ``keep_bases``: as :class:`FilesystemSubscriber`'s (for the versions it reads from files)."""
+        super().__init__(run_dir, reader, keep_bases=keep_bases)
         self.required, self.timeouts, self.device = required, timeouts, device
         self._receiver: Optional[Receiver] = None
         self._tried = False
@@ -143,7 +146,7 @@ class BroadcastSubscriber(FilesystemSubscriber):
     def from_config(cls, cfg: WeightsConfig, run_dir: RunDir, reader: str, timeouts: TimeoutsConfig,
                     device: str = "cpu") -> "BroadcastSubscriber":
         """The subscriber of ``weights.transport=broadcast`` (required) or ``auto``."""
-        return cls(run_dir, reader, cfg.transport == "broadcast", timeouts, device)
+        return cls(run_dir, reader, cfg.transport == "broadcast", timeouts, device, keep_bases=cfg.delta)
 
     def _live_rendezvous(self) -> Optional[BroadcastRendezvous]:
         rdv = read_rendezvous(self.run_dir)
@@ -222,7 +225,8 @@ class BroadcastSubscriber(FilesystemSubscriber):
             self.folders.pin(self.reader, version, False)
             self._receiver.recycle(staged)
 
-        return WeightVersion(version, manifest, self.run_dir.weight_version_dir(version), staged.state,
+        folder = self.run_dir.weight_version_dir(version) if manifest.base is None else None  # a delta's: no model
+        return WeightVersion(version, manifest, folder, staged.state,
                              path="broadcast", transfer_s=time.monotonic() - t0 + staged.transfer_s,
                              nbytes=staged.header.total_bytes, mapped=staged.mapped(), _release=release)
 

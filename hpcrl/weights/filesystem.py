@@ -15,9 +15,19 @@ damaged version (torn file, flipped bytes, unreadable manifest or header) is nam
 marked with ``bad.json`` and never taken again; ``take_newest`` falls back to the newest intact
 one and the trainer publishes its current weights as a new version.
 
-Retention (trainer): keep the newest ``keep_versions`` and the newest intact version; an
-older version is deleted only if no live rollout job (fresh heartbeat) has announced it
-is loading it (AReaL #710). A dead job's announcement does not pin anything.
+Delta versions (``weights.delta``, ``delta_versions.py``): a version may hold ``model.delta`` (its changes
+against an older full version, the *base*, named with its hash in the manifest) instead of
+``model.safetensors``. The subscriber rebuilds it against the base it holds in memory (else the base's
+files), checks every rebuilt tensor against the trainer's hash, and hands it over in one flat buffer
+(``mapped`` for vLLM; the folder is not a loadable model, so ``folder`` is None). A delta that cannot be
+rebuilt (its file damaged or missing, its base gone or damaged) is named, marked bad and skipped like any
+damaged version; a damaged base is marked bad too, and the trainer's next version is then full.
+
+Retention (trainer): keep the newest ``keep_versions``, the newest intact version, and the base of every
+delta it keeps; an older version is deleted only if no live rollout job (fresh heartbeat) has announced it
+is loading it (AReaL #710). A dead job's announcement does not pin anything. A version is deleted by
+renaming its folder to ``vNNNNNN.deleted`` (it vanishes whole) and removing that; one a killed trainer left
+is removed by the next retention.
 """
 from __future__ import annotations
 
@@ -32,9 +42,11 @@ import torch
 from hpcrl.config import TimeoutsConfig, WeightsConfig
 from hpcrl.control.records import LoadingAnnouncement, live_jobs
 from hpcrl.fsio import fsync_path, read_json, write_json_atomic
-from hpcrl.run_dir import WEIGHT_MODEL_CONFIG, WEIGHT_TENSORS, RunDir
+from hpcrl.process import faults
+from hpcrl.run_dir import WEIGHT_DELTA, WEIGHT_MODEL_CONFIG, WEIGHT_TENSORS, RunDir
 from hpcrl.weights.base import (Published, WeightPublisher, WeightSubscriber, WeightVersion, WeightVersionBad,
                                 WeightVersionGone)
+from hpcrl.weights.delta_versions import BaseUnusable, DeltaReader, DeltaWriter, Encoded, Rebuilt, frame_tensors
 from hpcrl.weights.manifest import BadVersionMarker, FileEntry, TensorEntry, WeightManifest
 from hpcrl.weights.safetensors_io import (HASH_ALGORITHM, HASHES, DamagedFile, check_file, load_verified,
                                           save_hashed, write_hashed)
@@ -57,6 +69,11 @@ def dedupe_tied(state_dict: dict[str, torch.Tensor], to_cpu: bool = True
             seen[key] = k
         tensors[k] = (v.detach().to("cpu") if to_cpu else v.detach()).contiguous()
     return tensors, aliases
+
+
+def delta_writer(cfg: WeightsConfig) -> Optional[DeltaWriter]:
+    """The trainer's delta policy of ``weights.delta`` / ``full_every`` / ``delta_max_ratio`` (None: all full)."""
+    return DeltaWriter(cfg.full_every, cfg.delta_max_ratio) if cfg.delta else None
 
 
 class VersionFolders:
@@ -137,55 +154,99 @@ class VersionFolders:
         return out
 
     def delete(self, version: int) -> bool:
-        """Remove ``version`` (its manifest first: from that instant it does not exist for readers)."""
+        """Remove ``version``: its folder is renamed to ``vNNNNNN.deleted`` first (from that instant the version
+        does not exist for readers, and no folder without a manifest is left behind), then removed."""
+        rd = self.run_dir
+        if not rd.weight_manifest(version).is_file():
+            return False
+        trash = rd.weight_trash(version)
+        shutil.rmtree(trash, ignore_errors=True)
         try:
-            self.run_dir.weight_manifest(version).unlink()
+            os.rename(rd.weight_version_dir(version), trash)
         except FileNotFoundError:
             return False
-        shutil.rmtree(self.run_dir.weight_version_dir(version), ignore_errors=True)
+        shutil.rmtree(trash, ignore_errors=True)
         return True
+
+    def sweep_trash(self) -> None:
+        """Remove the folders of deletions a killed trainer did not finish."""
+        for path in self.run_dir.weight_trash_leftovers():
+            shutil.rmtree(path, ignore_errors=True)
 
 
 class FilesystemPublisher(WeightPublisher):
     """Trainer rank 0: versions as safetensors folders in ``RUN/weights`` (module docstring)."""
 
-    def __init__(self, run_dir: RunDir, keep_versions: int, checksum: bool = True):
-        """``checksum`` exists for the benchmark (what hashing costs); jobs keep it on."""
+    def __init__(self, run_dir: RunDir, keep_versions: int, checksum: bool = True,
+                 deltas: Optional[DeltaWriter] = None):
+        """``checksum`` exists for the benchmark (what hashing costs); jobs keep it on. ``deltas``: write versions
+        as deltas where they pay (``weights.delta``); None: every version full."""
         self.run_dir = run_dir
         self.folders = VersionFolders(run_dir)
         self.keep_versions = keep_versions
         self.checksum = checksum
+        self.deltas = deltas
+        self._bases: dict[tuple[int, int], Optional[int]] = {}  # (version, manifest inode) -> its base (None: full)
 
     @classmethod
     def from_config(cls, cfg: WeightsConfig, run_dir: RunDir, timeouts: TimeoutsConfig) -> "FilesystemPublisher":
-        """The publisher the trainer uses (``weights.keep_versions``)."""
-        return cls(run_dir, cfg.keep_versions)
+        """The publisher the trainer uses (``weights.keep_versions``, ``weights.delta``)."""
+        return cls(run_dir, cfg.keep_versions, deltas=delta_writer(cfg))
 
     def publish(self, version: int, state_dict: dict[str, torch.Tensor], model_config_json: str,
                 trainer_step: int, consumed_groups: int, model_files: Optional[dict[str, bytes]] = None) -> Published:
         t0 = time.monotonic()
         manifest = self.write_version(version, *dedupe_tied(state_dict), model_config_json, trainer_step,
-                                      consumed_groups, model_files)
+                                      consumed_groups, model_files, originals=state_dict)
         return Published(manifest, files_s=time.monotonic() - t0)
+
+    def _encode(self, version: int, tensors: dict[str, torch.Tensor]) -> Optional[Encoded]:
+        """The delta of ``version`` if it is to be one (logged either way); None: write it full."""
+        if self.deltas is None:
+            return None
+        newest = self.published_versions()[-1:]
+        if newest and self.is_bad(newest[0]):  # whatever was damaged, readers start again from a full version
+            encoded, why = None, f"the newest version {newest[0]} was found damaged"
+        else:
+            encoded, why = self.deltas.encode(version, tensors, lambda v: self.run_dir.weight_manifest(v).is_file()
+                                              and not self.is_bad(v))
+        if encoded is None:
+            log.info("weight version %d is written full: %s", version, why)
+        else:
+            log.info("weight version %d is written as a delta against full version %d: %.1f MB, %.1f%% of the "
+                     "%.1f MB full", version, encoded.base.version, encoded.delta_bytes / 1e6,
+                     100 * encoded.delta_bytes / max(encoded.full_bytes, 1), encoded.full_bytes / 1e6)
+        return encoded
 
     def write_version(self, version: int, tensors: dict[str, torch.Tensor], aliases: dict[str, str],
                       model_config_json: str, trainer_step: int, consumed_groups: int,
-                      model_files: Optional[dict[str, bytes]] = None) -> WeightManifest:
+                      model_files: Optional[dict[str, bytes]] = None,
+                      originals: Optional[dict[str, torch.Tensor]] = None) -> WeightManifest:
         """The files of ``version`` (``tensors`` stored once, ``aliases`` in the manifest; ``model_files``: the
         tokenizer and generation files, by name), committed by the manifest written last. Every file is listed
-        and hashed in the manifest."""
+        and hashed in the manifest. ``originals``: the state dict ``tensors`` came from (a full version kept as
+        the base of deltas is copied where it is the caller's own storage)."""
         rd = self.run_dir
         final = rd.weight_version_dir(version)
         if rd.weight_manifest(version).exists():
             raise FileExistsError(f"weight version {version} already published at {final}")
+        encoded = self._encode(version, tensors)
         tmp = rd.staging(final)
         shutil.rmtree(tmp, ignore_errors=True)
         if final.exists():  # renamed by a trainer killed before its manifest: never visible, rewrite it
             shutil.rmtree(final)
         tmp.mkdir(parents=True)
         metadata = {"format": "pt", "param_version": str(version)}
-        size, digest = save_hashed(tensors, tmp / WEIGHT_TENSORS, metadata)
-        files = {WEIGHT_TENSORS: FileEntry(size, HASH_ALGORITHM, digest)}
+        if encoded is None:
+            size, digest = save_hashed(tensors, tmp / WEIGHT_TENSORS, metadata)
+            files = {WEIGHT_TENSORS: FileEntry(size, HASH_ALGORITHM, digest)}
+            entries = [TensorEntry(k, str(v.dtype).removeprefix("torch."), list(v.shape)) for k, v in tensors.items()]
+        else:
+            size, digest = save_hashed(frame_tensors(encoded), tmp / WEIGHT_DELTA,
+                                       {**metadata, "codec": encoded.base.codec, "base_version": str(encoded.base.version)})
+            files = {WEIGHT_DELTA: FileEntry(size, HASH_ALGORITHM, digest)}
+            entries = encoded.entries
+            faults.point("delta_write")
         for name, data in {WEIGHT_MODEL_CONFIG: model_config_json.encode(), **(model_files or {})}.items():
             rd.weight_file(version, name)  # a known file name (ValueError otherwise)
             h = HASHES[HASH_ALGORITHM]()
@@ -198,9 +259,11 @@ class FilesystemPublisher(WeightPublisher):
         fsync_path(final.parent)
         manifest = WeightManifest(
             param_version=version, trainer_step=trainer_step, consumed_groups=consumed_groups, files=files,
-            tensors=[TensorEntry(k, str(v.dtype).removeprefix("torch."), list(v.shape)) for k, v in tensors.items()],
-            total_bytes=sum(f.size_bytes for f in files.values()), published_s=time.time(), aliases=aliases)
+            tensors=entries, total_bytes=sum(f.size_bytes for f in files.values()), published_s=time.time(),
+            aliases=aliases, base=encoded.base if encoded is not None else None)
         write_json_atomic(rd.weight_manifest(version), manifest.to_json())  # the commit point
+        if encoded is None and self.deltas is not None:
+            self.deltas.hold(version, tensors, originals or {}, files[WEIGHT_TENSORS])
         return manifest
 
     def withdraw_after(self, version: int) -> list[int]:
@@ -220,7 +283,25 @@ class FilesystemPublisher(WeightPublisher):
         if intact:
             protected.add(intact[-1])  # readers fall back to it while the newest ones are damaged
         protected |= self.folders.pinned_by_live_readers(heartbeat_stale_s)
+        protected |= {b for v in list(protected) if (b := self._base_of(v)) is not None}  # what kept deltas need
+        if self.deltas is not None and self.deltas.base is not None:
+            protected.add(self.deltas.base.version)  # the next delta's base
+        self.folders.sweep_trash()
         return [v for v in versions if v not in protected and self.folders.delete(v)]
+
+    def _base_of(self, version: int) -> Optional[int]:
+        """The base of delta ``version`` (None for a full version, or an unreadable or vanished manifest)."""
+        path = self.run_dir.weight_manifest(version)
+        try:
+            key = (version, path.stat().st_ino)
+        except FileNotFoundError:
+            return None
+        if key not in self._bases:
+            try:
+                self._bases[key] = WeightManifest.from_json(read_json(path), str(path)).base_version
+            except (ValueError, OSError, UnicodeDecodeError):
+                return None  # a damaged manifest: that version is never rebuilt, its base not needed for it
+        return self._bases[key]
 
     def published_versions(self) -> list[int]:
         return self.folders.published_versions()
@@ -232,18 +313,21 @@ class FilesystemPublisher(WeightPublisher):
 class FilesystemSubscriber(WeightSubscriber):
     """A reader of the safetensors folders in ``RUN/weights`` (module docstring)."""
 
-    def __init__(self, run_dir: RunDir, reader: str, verify: bool = True):
-        """``verify`` exists for the benchmark (what checking the hashes costs); jobs keep it on."""
+    def __init__(self, run_dir: RunDir, reader: str, verify: bool = True, keep_bases: bool = False):
+        """``verify`` exists for the benchmark (what checking the hashes costs); jobs keep it on. ``keep_bases``:
+        hold each full version taken in host memory as the base of the deltas after it (``weights.delta``)."""
         self.run_dir = run_dir
         self.reader = reader
         self.folders = VersionFolders(run_dir)
         self.verify = verify
+        self.deltas = DeltaReader(run_dir, keep_bases, verify)
+        """Rebuilds delta versions (whatever this reader's config says: the trainer decides what it writes)."""
 
     @classmethod
     def from_config(cls, cfg: WeightsConfig, run_dir: RunDir, reader: str, timeouts: TimeoutsConfig,
                     device: str = "cpu") -> "FilesystemSubscriber":
         """The subscriber a reader named ``reader`` uses."""
-        return cls(run_dir, reader)
+        return cls(run_dir, reader, keep_bases=cfg.delta)
 
     def published_versions(self) -> list[int]:
         return self.folders.published_versions()
@@ -258,16 +342,27 @@ class FilesystemSubscriber(WeightSubscriber):
         t0 = time.monotonic()
         self.folders.pin(self.reader, version, True)
         try:
-            manifest, tensors = self._read_verified(version)
+            manifest, tensors, rebuilt = self._read_verified(version)
         except BaseException:
             self.folders.pin(self.reader, version, False)
             raise
-        return WeightVersion(version, manifest, self.run_dir.weight_version_dir(version), tensors, path="filesystem",
-                             transfer_s=time.monotonic() - t0, nbytes=manifest.total_bytes,
-                             _release=lambda: self.folders.pin(self.reader, version, False))
 
-    def _read_verified(self, version: int) -> tuple[WeightManifest, dict[str, torch.Tensor]]:
-        """The manifest and verified tensors of ``version``; WeightVersionGone / WeightVersionBad (marked)."""
+        def release() -> None:
+            self.folders.pin(self.reader, version, False)
+            if rebuilt is not None:
+                self.deltas.recycle(rebuilt)
+
+        if rebuilt is None:
+            return WeightVersion(version, manifest, self.run_dir.weight_version_dir(version), tensors,
+                                 path="filesystem", transfer_s=time.monotonic() - t0, nbytes=manifest.total_bytes,
+                                 _release=release)
+        # a delta's folder is not a model an engine could load: the rebuilt buffer is the only way in
+        return WeightVersion(version, manifest, None, tensors, path="filesystem", transfer_s=time.monotonic() - t0,
+                             nbytes=rebuilt.nbytes_read, mapped=rebuilt.mapped(manifest.aliases), _release=release)
+
+    def _read_verified(self, version: int) -> tuple[WeightManifest, dict[str, torch.Tensor], Optional[Rebuilt]]:
+        """The manifest and verified tensors of ``version`` (and the rebuilt buffer of a delta version);
+        WeightVersionGone / WeightVersionBad (marked; a damaged base of a delta is marked too)."""
         rd = self.run_dir
         try:
             try:
@@ -275,7 +370,12 @@ class FilesystemSubscriber(WeightSubscriber):
                 if manifest is None:
                     raise WeightVersionGone(f"weight version {version} disappeared from {rd.weights} "
                                             "before it was loaded")
-                return manifest, self._read(version, manifest)
+                return (manifest, *self._read(version, manifest))
+            except BaseUnusable as e:
+                if e.damaged:
+                    self.folders.mark_bad(e.base_version, self.reader, f"found damaged as the base of delta "
+                                                                       f"version {version}: {e}")
+                raise WeightVersionBad(f"weight version {version} (a delta) cannot be rebuilt: {e}") from None
             except FileNotFoundError as e:
                 if not rd.weight_manifest(version).exists():
                     raise WeightVersionGone(f"weight version {version} was deleted while it was loaded") from None
@@ -287,25 +387,31 @@ class FilesystemSubscriber(WeightSubscriber):
             self.folders.mark_bad(version, self.reader, str(e))
             raise
 
-    def _read(self, version: int, manifest: WeightManifest) -> dict[str, torch.Tensor]:
-        """The verified tensors of ``version`` with tied aliases restored; DamagedFile if anything differs."""
+    def _read(self, version: int, manifest: WeightManifest) -> tuple[dict[str, torch.Tensor], Optional[Rebuilt]]:
+        """The verified tensors of ``version`` with tied aliases restored (and the buffer of a delta version);
+        DamagedFile if anything differs, BaseUnusable if a delta's base cannot be used."""
         rd = self.run_dir
-        if not {WEIGHT_TENSORS, WEIGHT_MODEL_CONFIG} <= set(manifest.files):
-            raise DamagedFile(f"manifest lists {sorted(manifest.files)}, expected {WEIGHT_TENSORS} and "
+        tensors_file = WEIGHT_TENSORS if manifest.base is None else WEIGHT_DELTA
+        if not {tensors_file, WEIGHT_MODEL_CONFIG} <= set(manifest.files):
+            raise DamagedFile(f"manifest lists {sorted(manifest.files)}, expected {tensors_file} and "
                               f"{WEIGHT_MODEL_CONFIG} among them")
         for name, entry in manifest.files.items():  # config.json and the tokenizer files: each verified
-            if name == WEIGHT_TENSORS:
+            if name in (WEIGHT_TENSORS, WEIGHT_DELTA):
                 continue
             try:
                 path = rd.weight_file(version, name)
             except ValueError as e:
                 raise DamagedFile(f"manifest lists an unknown file: {e}") from None
             check_file(path, entry.size_bytes, entry.hash_algorithm if self.verify else "", entry.hash_hex)
+        if manifest.base is not None:
+            rebuilt = self.deltas.read(version, manifest)
+            return rebuilt.state, rebuilt
         entry = manifest.files[WEIGHT_TENSORS]
         state = load_verified(rd.weight_file(version, WEIGHT_TENSORS), entry.size_bytes, entry.hash_algorithm,
                               entry.hash_hex, verify=self.verify)
+        self.deltas.took_full(version, manifest, state)
         for alias, stored in manifest.aliases.items():
             if stored not in state:
                 raise DamagedFile(f"alias {alias} -> {stored}, but {WEIGHT_TENSORS} has no {stored}")
             state[alias] = state[stored]
-        return state
+        return state, None

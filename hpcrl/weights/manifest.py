@@ -13,11 +13,16 @@ record                 written by                       read by
 
 A version folder without ``manifest.json`` does not exist for readers. Both records
 are written tmp -> fsync -> rename (``hpcrl.fsio.write_json_atomic``).
+
+A *full* version holds ``model.safetensors``; a *delta* version (``base`` set) holds ``model.delta``
+instead: each tensor's bits XOR its base version's, compressed (``weights/delta.py``), and every
+tensor's hash, against which the reader checks what it rebuilt.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Optional
 
 from hpcrl.json_record import JsonRecord
 
@@ -44,6 +49,23 @@ class TensorEntry(JsonRecord):
     dtype: str
     """torch dtype without the ``torch.`` prefix (``bfloat16``)."""
     shape: list[int]
+    hash_hex: str = ""
+    """Delta versions: xxh3_128 of the full tensor's bytes as the trainer had them; a reader checks every
+    tensor it rebuilds against it. Empty in full versions (the file's hash covers them)."""
+
+
+@dataclass
+class DeltaBase(JsonRecord):
+    """What a delta version was written against: a full version of the same run."""
+
+    version: int
+    """The base version (a full one, older than the delta)."""
+    hash_algorithm: str
+    hash_hex: str
+    """The base's ``model.safetensors`` hash as its manifest gives it: a version number republished with
+    other bytes (a trainer rollback) is another base."""
+    codec: str
+    """How ``model.delta`` encodes each tensor: ``xor-zstd`` (``weights/delta.py``)."""
 
 
 @dataclass
@@ -60,16 +82,24 @@ class WeightManifest(JsonRecord):
     """Groups the trainer had consumed (trained or dropped) when it published this
     version. The rollout fleet's admission budget for this version is counted from here."""
     files: dict[str, FileEntry]
-    """File name (``model.safetensors``, ``config.json``) -> size and hash; a reader verifies
-    every one before the version is used."""
+    """File name (``model.safetensors`` or ``model.delta``, ``config.json``, ...) -> size and hash; a reader
+    verifies every one before the version is used."""
     tensors: list[TensorEntry]
-    """What ``model.safetensors`` holds (informational: the file's own header is what is read)."""
+    """What ``model.safetensors`` holds (informational: the file's own header is what is read); for a delta
+    version, what the reader rebuilds (dtype, shape and hash of each tensor)."""
     total_bytes: int
     """Sum of ``files[*].size_bytes``."""
     published_s: float
     """Unix time the manifest was written."""
     aliases: dict[str, str] = dataclasses.field(default_factory=dict)
     """Tied tensors stored once: name -> the stored name it shares storage with."""
+    base: Optional[DeltaBase] = None
+    """Set for a delta version (``model.delta`` instead of ``model.safetensors``); None for a full one."""
+
+    @property
+    def base_version(self) -> Optional[int]:
+        """The full version a delta version was written against; None for a full version."""
+        return self.base.version if self.base is not None else None
 
 
 
