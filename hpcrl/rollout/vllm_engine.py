@@ -154,7 +154,8 @@ class VLLMEngine(Engine):
         can_map = version.mapped is not None and self._mapped_ok
         if not can_map and version.folder is None:
             raise ValueError(f"weight version {version.version} has neither a folder nor a shared-memory buffer: "
-                             "the vLLM engine loads one of them")
+                             "the vLLM engine loads one of them (a delta version is rebuilt into /dev/shm, which had "
+                             "no room for it: give /dev/shm room, or set weights.delta=false)")
         way = self._paths.pick(can_map, version.folder is not None)
         await self.llm.pause_generation(mode="wait")
         try:
