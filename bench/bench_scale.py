@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -138,8 +140,39 @@ def report(a, rd: Path, ops_dir: Path, peaks: dict, wall: float) -> None:
     print(table(["role", *OPS, "MB written (process)"], [[r, *(f"{per_version.loc[r, o]:.0f}" for o in OPS),
                                                  f"{per_version.loc[r, 'write_bytes'] / 1e6:.2f}"] for r in per_version.index]))
     extrapolate(per_version, a.jobs, steady / versions, a.time_scale)
+    reaction(rd)
     if "sites" in ops and ops.sites.map(bool).any():
         print_sites(ops, versions, a.jobs)
+
+
+_STAMP = r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) "
+_PUBLISHED = re.compile(_STAMP + r".*hpcrl\.trainer: v(\d+) step .* published in")
+_LOADED = re.compile(_STAMP + r".*hpcrl\.rollout: loaded weight version (\d+) in")
+
+
+def _stamp(text: str) -> float:
+    return time.mktime(time.strptime(text[:19], "%Y-%m-%d %H:%M:%S")) + int(text[20:]) / 1e3
+
+
+def reaction(rd: Path) -> None:
+    """Seconds from the trainer's publish of a version (its log line) to each rollout job's load of it (the job's
+    log line): the poll's delay, the groups in flight finishing (no partial rollout here), and the load."""
+    jobs = rd / "logs" / "jobs"
+    published = {}
+    for line in (jobs / "trainer.log").read_text().splitlines():
+        if m := _PUBLISHED.match(line):
+            published[int(m.group(2))] = _stamp(m.group(1))
+    delays = []
+    for log_path in jobs.glob("rollout-*.log"):
+        for line in log_path.read_text().splitlines():
+            if (m := _LOADED.match(line)) and int(m.group(2)) in published:
+                delays.append(_stamp(m.group(1)) - published[int(m.group(2))])
+    if not delays:
+        print("\nreaction: no publish/load pairs in the job logs")
+        return
+    delays.sort()
+    print(f"\nreaction, publish -> a rollout job's load ({len(delays)} loads): median {statistics.median(delays):.2f}s, "
+          f"p90 {delays[int(0.9 * (len(delays) - 1))]:.2f}s, max {delays[-1]:.2f}s")
 
 
 def print_sites(ops, versions: int, jobs: int, top: int = 25) -> None:

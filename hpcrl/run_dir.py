@@ -14,6 +14,7 @@ Layout (ARCHITECTURE.md, "The run directory")::
       control/heartbeat/<job>.json, control/loading/<writer>.json, control/admission.json,
       control/skipped_shards.jsonl, ...
       control/fatal.json           an error no restart can fix                  (any job)
+      control/changes.jsonl        grows by a line after each change pollers wait for (control/changes.py)
       control/in_flight/<writer>.json  partial groups for the job's successor    (rollout job)
       control/drain/<writer>.json  that writer's job is asked to leave the fleet  (launcher, hpcrl scale)
       control/scale.json           the fleet size asked for by hpcrl scale      (hpcrl scale)
@@ -183,9 +184,11 @@ class RunDir:
 
     def writers(self) -> list[str]:
         """Writers that have a sample folder, sorted."""
-        if not self.samples.is_dir():
+        try:
+            with os.scandir(self.samples) as it:  # the entries' types come with the listing: no stat each
+                return sorted(e.name for e in it if _WRITER_RE.match(e.name) and e.is_dir())
+        except FileNotFoundError:
             return []
-        return sorted(p.name for p in self.samples.iterdir() if p.is_dir() and _WRITER_RE.match(p.name))
 
     # ---- weights
     @property
@@ -296,6 +299,13 @@ class RunDir:
     @property
     def trainer_done(self) -> Path:
         return self.control / "trainer_done.json"
+
+    @property
+    def changes(self) -> Path:
+        """``control/changes.jsonl``: every writer of something pollers wait for (a weight version, a bad marker,
+        a stop, drain or done record, a skipped shard, budget handed back) appends a line after it; pollers stat
+        this one file instead of everything (``control/changes.py``)."""
+        return self.control / "changes.jsonl"
 
     @property
     def stop_request(self) -> Path:

@@ -28,7 +28,11 @@ class TimeoutsConfig:
     claims are reclaimed by the other writers once its job has ended too:
     control/reclaim.py)."""
     poll_interval_s: float = 0.05
-    """Sleep between polls of the run directory."""
+    """Sleep between polls of the run directory, right after something changed."""
+    poll_max_s: float = 0.5
+    """While nothing changes, a job's polls of the run directory back off from ``poll_interval_s`` to this
+    (``control/changes.py``; the trainer's look for new samples too): a change is seen at most this late.
+    Lower reacts faster and costs the filesystem's metadata server more operations per second."""
     wait_log_interval_s: float = 10.0
     """A job that waits for the other one logs what it waits for this often."""
     job_start_s: float = 900.0
@@ -62,9 +66,12 @@ class TimeoutsConfig:
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
         for name in ("wait_samples_s", "wait_weights_s", "heartbeat_interval_s", "heartbeat_stale_s",
-                     "poll_interval_s", "wait_log_interval_s", "job_start_s", "rendezvous_s", "engine_start_s", "generate_s",
+                     "poll_interval_s", "poll_max_s", "wait_log_interval_s", "job_start_s", "rendezvous_s", "engine_start_s", "generate_s",
                      "retry_failed_load_s", "broadcast_connect_s", "broadcast_s", "stop_s"):
             check_float(f"timeouts.{name}", getattr(self, name), 0.0, lo_open=True)
+        if self.poll_max_s < self.poll_interval_s:
+            raise bad("timeouts.poll_max_s", self.poll_max_s,
+                      f">= timeouts.poll_interval_s = {self.poll_interval_s} (the back-off starts there)")
         if self.heartbeat_stale_s <= 2 * self.heartbeat_interval_s:
             raise bad("timeouts.heartbeat_stale_s", self.heartbeat_stale_s,
                        f"more than 2 * timeouts.heartbeat_interval_s = {2 * self.heartbeat_interval_s}")

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Optional
 
 from hpcrl.control import claims
+from hpcrl.control.changes import bump
 from hpcrl.control.claims import ClaimBook
 from hpcrl.control.fleet_log import ENDED, JOINED, FleetLog, slurm_job_id
 from hpcrl.control.reclaim import GoneWriters, same_beat
@@ -83,8 +84,11 @@ class AdmissionRecord(JsonRecord):
 
 @contextmanager
 def _locked(run_dir: RunDir):
-    run_dir.control.mkdir(parents=True, exist_ok=True)
-    fd = os.open(run_dir.admission_lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(run_dir.admission_lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except FileNotFoundError:  # no control/ yet (not a mkdir per lock: a metadata operation each)
+        run_dir.control.mkdir(parents=True, exist_ok=True)
+        fd = os.open(run_dir.admission_lock, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -137,6 +141,7 @@ def _release(run_dir: RunDir, writer: str, why: str, still: Callable[[], bool] =
         skipped = {p for rec in SkipLog(run_dir).poll() if rec.writer == writer for p in rec.prompt_indices}
         n = claims.release(state.prompts, writer, _live_committed(run_dir, writer, skips), why, time.time(), skipped)
         write_json_atomic(run_dir.admission, state.to_json())
+    bump(run_dir, f"writer {writer} released its budget and claims", why)  # jobs blocked on the budget look again
     log.info("writer %s left (%s): %d open prompt claims handed back to the fleet", writer, why, n)
     return n
 
@@ -218,6 +223,7 @@ class Admission:
             state.started[self.writer] = committed_groups
             gaps = claims.join(state.prompts, self.writer, self.lease, committed, regenerate)
             write_json_atomic(self.run_dir.admission, state.to_json())
+        bump(self.run_dir, f"writer {self.writer} joined (its predecessor's groups in flight released)", self.writer)
         log.info("writer %s joined the fleet (lease %s): %d claimed prompts to generate first, next new prompt %d",
                  self.writer, self.lease, len(gaps), state.prompts.next_prompt)
         self.history.record(JOINED, writer=self.writer, job=RunDir.rollout_job(self.writer), job_id=slurm_job_id(),

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+from hpcrl.control.changes import bump
 from hpcrl.fsio import read_json, write_json_atomic
 from hpcrl.json_record import JsonRecord
 from hpcrl.run_dir import RunDir
@@ -53,6 +54,7 @@ def request_drain(run_dir: RunDir, writer: str, by: str) -> None:
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(path, DrainRequest(time.time(), by).to_json())
+        bump(run_dir, f"{writer} asked to drain", by)
 
 
 def drain_requested(run_dir: RunDir, writer: str) -> bool:

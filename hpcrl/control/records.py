@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+from hpcrl.control.changes import bump
 from hpcrl.process import termination
 from hpcrl.fsio import read_json, write_json_atomic
 from hpcrl.json_record import JsonRecord
@@ -165,6 +166,7 @@ def request_stop(run_dir: RunDir, by: str) -> None:
     """Ask every job of the run to stop at its next safe point (trainer: after a checkpoint)."""
     run_dir.control.mkdir(parents=True, exist_ok=True)
     write_json_atomic(run_dir.stop_request, StopRequest(time.time(), by).to_json())
+    bump(run_dir, "stop requested", by)
 
 
 def stop_requested(run_dir: RunDir) -> bool:

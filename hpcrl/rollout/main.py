@@ -18,6 +18,11 @@ The loop (:meth:`RolloutJob._loop`) repeats these named steps:
 6. **wait** when nothing was admitted, collected or is in flight: the version's
    budget is spent, so only a newer version (or trainer_done) lets the job go on.
 
+Steps 1, 2, the re-admission of a job whose budget is spent, and the skipped prompts look at the run
+directory only when ``control/changes.jsonl`` grew (``control/changes.py``: one stat, backing off from
+``timeouts.poll_interval_s`` to ``poll_max_s`` while nothing changes, and every 10 s anyway): every writer
+of what they look for appends to it after the change.
+
 What it waits for: weight version 0 at start, and a newer version whenever the
 budget is spent; each wait logs what it waits for and the trainer's heartbeat, and
 fails after ``timeouts.wait_weights_s``. If the trainer dies, this job keeps its
@@ -36,6 +41,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Optional
 
 from hpcrl import metric_names as M
+from hpcrl.control.changes import ChangeWatch
 from hpcrl.control.fleet import drain_requested
 from hpcrl.control.records import HeartbeatState, HeartbeatThread, describe_heartbeats, ended_state, stop_requested
 from hpcrl.control.startup import StartupSteps
@@ -60,11 +66,6 @@ log = logging.getLogger("hpcrl.rollout")
 
 class EngineLoadFailed(Exception):
     """The engine could not adopt a verified weight version (the files are fine: not marked bad)."""
-
-
-TRAINER_DONE_POLL_S = 0.5
-"""How often the loop looks for ``trainer_done.json`` (a stat of the shared filesystem per
-look; finishing half a second late costs nothing)."""
 
 
 class RolloutJob:
@@ -99,7 +100,9 @@ class RolloutJob:
         """Groups generating (or parked at the gate) -> their prompt index."""
         self.stats: Optional[VersionStats] = None
         """Counters of the current version, written as a row when the next one is loaded."""
-        self._done_checked_s = 0.0
+        self.watch = ChangeWatch(run_dir, self.cfg.timeouts.poll_interval_s, self.cfg.timeouts.poll_max_s)
+        """Whether anything the loop looks for may have changed (``control/changes.py``)."""
+        self._budget_spent = False  # the last try to admit found the budget spent: try again after a change
         self._blocked_since: Optional[float] = None
         self._failed_load: tuple[int, float] = (-1, 0.0)  # (version, monotonic time) of the last failed engine load
 
@@ -138,15 +141,13 @@ class RolloutJob:
         return group, GroupInfo.of(sampled, resumed, f"{self.writer}/{prompt_index}", sample)
 
     # ---- steps of the loop
-    def _stop_requested(self) -> Optional[HeartbeatState]:
+    def _stop_requested(self, changed: bool) -> Optional[HeartbeatState]:
         """Step 1: PREEMPTED on USR2, DONE once the trainer finished, STOPPED when the launcher asked the run
-        to stop (Ctrl-C), else None."""
+        to stop (Ctrl-C), else None; the records are looked at only if the run directory ``changed``."""
         if self.preemption is not None and self.preemption.requested:
             log.warning("USR2: sealing complete groups and requeueing this rollout job")
             return HeartbeatState.PREEMPTED
-        now = time.monotonic()
-        if now - self._done_checked_s >= TRAINER_DONE_POLL_S:
-            self._done_checked_s = now
+        if changed:
             if self.run_dir.trainer_done.exists():
                 log.info("trainer is done; stopping")
                 return HeartbeatState.DONE
@@ -204,7 +205,8 @@ class RolloutJob:
         while (wv := weights.take_newest()) is None:
             t = self.cfg.timeouts
             wait_for(f"an intact weight version in {self.run_dir.weights} (every one is marked bad)",
-                     lambda: weights.newest_usable() is not None, t.wait_weights_s, t.poll_interval_s, log,
+                     lambda: self.watch.changed() and weights.newest_usable() is not None, t.wait_weights_s,
+                     t.poll_interval_s, log,
                      describe=lambda: describe_heartbeats(self.run_dir, "trainer"), stop=termination.check)
         with wv:
             how, apply_s = self._apply_to_engine(wv)
@@ -215,6 +217,7 @@ class RolloutJob:
         if self.stats is not None:
             self._write_version_stats()
         self.version, self.consumed_at_version = wv.version, wv.manifest.consumed_groups
+        self._budget_spent = False  # a new version's budget
         self.stats = VersionStats(self.version, load_s=load_s, sync=wv.metrics(apply_s),
                                   prompts={M.PROMPTS_FILTERED: self.parts.prompt_counts.filtered,
                                            M.PROMPTS_TRUNCATED: self.parts.prompt_counts.truncated})
@@ -223,9 +226,12 @@ class RolloutJob:
         log.info("loaded weight version %d in %.2fs by %s into the engine's %s (trainer step %d, consumed %d groups)",
                  self.version, load_s, wv.path, how, wv.manifest.trainer_step, wv.manifest.consumed_groups)
 
-    def _switch_weights_if_newer(self) -> None:
+    def _switch_weights_if_newer(self, changed: bool) -> None:
         """Step 2: load a newer version; also an *older* newest one: the trainer was restarted
-        from a checkpoint and withdrew the versions published after it."""
+        from a checkpoint and withdrew the versions published after it. Looked for only if the run
+        directory ``changed``."""
+        if not changed:
+            return
         v = self.parts.weights.newest_usable()
         if v is None or v == self.version:
             return
@@ -258,14 +264,20 @@ class RolloutJob:
         self.stats.pause_s += time.monotonic() - t0
         log.debug("paused %d groups in flight in %.3fs for a weight switch", carried, time.monotonic() - t0)
 
-    def _admit(self) -> bool:
+    def _admit(self, changed: bool) -> bool:
         """Step 3: start groups while the concurrency limit and the shared budget allow; True if any.
-        Prompts of shards the trainer skipped as damaged are generated again first."""
+        Prompts of shards the trainer skipped as damaged are generated again first. Once the budget is
+        spent, it is tried again only after the run directory ``changed`` (a new version, a skipped shard,
+        a writer's budget handed back: each bumps ``control/changes.jsonl``)."""
         p = self.parts
-        p.positions.requeue(p.shards.take_skipped_prompts())
+        if changed:
+            p.positions.requeue(p.shards.take_skipped_prompts())
+        elif self._budget_spent:
+            return False
         admitted = False
         while len(self.in_flight) < self.cfg.rollout.max_concurrent_groups:
             index = p.admission.try_start(self.consumed_at_version, own=p.positions.peek())
+            self._budget_spent = index is None
             if index is None:
                 break
             p.positions.taken(index)
@@ -350,7 +362,8 @@ class RolloutJob:
             self.parts = build_parts(self.cfg, self.run_dir, self.writer, self.startup)
             weights = self.parts.weights
             with self.startup.step("waiting for weight version 0", t.wait_weights_s + 60):
-                wait_for(f"weight version 0 in {self.run_dir.weights}", lambda: weights.newest_usable() is not None,
+                wait_for(f"weight version 0 in {self.run_dir.weights}",
+                         lambda: self.watch.changed() and weights.newest_usable() is not None,
                          t.wait_weights_s, t.poll_interval_s, log,
                          describe=lambda: describe_heartbeats(self.run_dir, "trainer"), stop=termination.check)
             with self.startup.step("loading the first weight version", t.wait_weights_s + t.generate_s):
@@ -378,13 +391,14 @@ class RolloutJob:
         poll_s = self.cfg.timeouts.poll_interval_s
         while True:
             termination.check()
-            stop = self._stop_requested()
+            changed = self.watch.changed()
+            stop = self._stop_requested(changed)
             if stop == HeartbeatState.DRAINED:
                 self._finish_in_flight()  # every group admitted is committed: nothing is left for a successor
             if stop is not None:
                 return stop
-            self._switch_weights_if_newer()
-            admitted = self._admit()
+            self._switch_weights_if_newer(changed)
+            admitted = self._admit(changed)
             t0 = time.monotonic()
             collected = self._collect(timeout_s=poll_s)
             if not self.in_flight:
@@ -397,7 +411,7 @@ class RolloutJob:
         (a group continues under the newest version, as the lag bound needs), and are sealed."""
         while self.in_flight:
             termination.check()
-            self._switch_weights_if_newer()
+            self._switch_weights_if_newer(self.watch.changed())
             self._collect(timeout_s=self.cfg.timeouts.poll_interval_s)
             self._seal_if_due()
         self._seal()

@@ -18,6 +18,11 @@ prompts and admission returns their budget; a shard recorded there is skipped
 without being read again.
 
 Each shard is read once: the bytes are hashed and parsed from memory.
+
+Metadata operations per poll (a shared filesystem's metadata server serves every one): a stat of
+``samples/`` (the writer folders are listed again only when it changed, or every
+:data:`WRITERS_RESCAN_S`), and a stat of each writer's manifest, opened only when it grew. The skip
+log is read once: the trainer is its only writer, and records its own skips in the same instance.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ import heapq
 import io
 import json
 import logging
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -40,6 +46,10 @@ from hpcrl.samples.schema import (DATASET_DTYPES, OPTIONAL_DTYPES, SCHEMA_VERSIO
 from hpcrl.samples.skips import SkipLog, SkippedShard
 
 log = logging.getLogger(__name__)
+
+WRITERS_RESCAN_S = 10.0
+"""The writer folders are listed at least this often (a new folder whose creation left ``samples/``'s
+modification time as it was, within the clock's granularity, is found then)."""
 
 
 class ShardCorrupt(Exception):
@@ -108,11 +118,19 @@ class SampleReader:
             self._writers[writer] = _WriterState(line=int(pos["line"]), row=int(pos["row"]),
                                                  loaded_upto=int(pos["line"]))
         self.skipped: list[dict] = []  # {"writer", "shard", "reason", "n_groups", "prompt_indices"}
+        self.lines_seen = 0
+        """Manifest lines parsed so far, every writer (grows when a poll found new commits)."""
+        self._skips_read = False
+        self._writer_names: list[str] = []
+        self._samples_stamp: Optional[tuple[int, int]] = None
+        self._writers_listed_s = 0.0
 
     # ---- discovering committed groups
     def _tail_manifest(self, writer: str, st: _WriterState) -> None:
         path = self.run_dir.shard_manifest(writer)
         try:
+            if os.stat(path).st_size <= st.manifest_offset:  # append-only: nothing new (a stat, not an open)
+                return
             with open(path, "rb") as f:
                 f.seek(st.manifest_offset)
                 data = f.read()
@@ -125,6 +143,7 @@ class SampleReader:
             except ValueError as e:  # not JSON, or JSON that is not a manifest line (RecordError)
                 # a writer killed mid-line leaves a fragment, then appends a newline after it
                 log.warning("writer %s: unparsable manifest line skipped (%s): %r", writer, e, raw[:80])
+            self.lines_seen += 1
         st.manifest_offset += end
 
     def _load_next_shards(self, writer: str, st: _WriterState) -> None:
@@ -171,11 +190,24 @@ class SampleReader:
                              "prompt_indices": prompts})
         return None
 
+    def _writer_folders(self) -> list[str]:
+        """The writer folders: listed again only if ``samples/`` changed, or every :data:`WRITERS_RESCAN_S`."""
+        try:
+            st = os.stat(self.run_dir.samples)
+        except FileNotFoundError:
+            return []
+        stamp, now = (st.st_ino, st.st_mtime_ns), time.monotonic()
+        if stamp != self._samples_stamp or now - self._writers_listed_s >= WRITERS_RESCAN_S:
+            self._samples_stamp, self._writers_listed_s = stamp, now
+            self._writer_names = self.run_dir.writers()
+        return self._writer_names
+
     def poll(self) -> int:
         """Discover new writers and commits; return how many groups are ready."""
-        if self.skip_log is not None:
+        if self.skip_log is not None and not self._skips_read:
+            self._skips_read = True
             self.skip_log.poll()
-        for writer in self.run_dir.writers():
+        for writer in self._writer_folders():
             st = self._writers.setdefault(writer, _WriterState())
             self._tail_manifest(writer, st)
             self._load_next_shards(writer, st)

@@ -37,6 +37,7 @@ from typing import Optional
 import torch
 
 from hpcrl import metric_names as M
+from hpcrl.control.changes import ChangeWatch, bump
 from hpcrl.control.records import HeartbeatState, HeartbeatThread, TrainerDone, describe_heartbeats, stop_requested
 from hpcrl.control.startup import StartupSteps
 from hpcrl.fsio import write_json_atomic
@@ -57,10 +58,6 @@ from hpcrl.trainer.parts import LeadParts, TrainerParts, build_parts
 from hpcrl.trainer.share import ABORT, BATCH, PREEMPT, REPUBLISH, share_groups, share_json
 
 log = logging.getLogger("hpcrl.trainer")
-
-STOP_POLL_S = 0.5
-"""How often rank 0 looks for the launcher's stop request (a stat of the shared filesystem per look)."""
-
 
 class _NoHeartbeat:
     """Ranks other than 0 do not write heartbeats."""
@@ -102,8 +99,9 @@ class TrainerJob:
         self._last_checkpoint_step = 0
         self._sync_stats: dict = {}  # metrics of the last publish (gather, files, broadcast)
         self._taken: tuple[list[Group], list[Group]] = ([], [])  # kept/dropped while a republish interrupts
-        self._bad_checked_s = 0.0
-        self._stop_checked_s = 0.0
+        self._watch = ChangeWatch(run_dir, self.cfg.timeouts.poll_interval_s, self.cfg.timeouts.poll_max_s)
+        """Rank 0: whether the stop request or a bad marker may have appeared (``control/changes.py``)."""
+        self._look_for_stop = self._look_for_bad = True  # the run directory changed since that last look
         self._stop_seen = False  # the launcher's stop request (Ctrl-C) was seen
         self._gathers_logged = False
 
@@ -150,6 +148,7 @@ class TrainerJob:
         self._taken = ([], [])
         t0 = time.monotonic()
         last_log = t0
+        sleep_s = cfg.timeouts.poll_interval_s
         while len(kept) < need:
             termination.check()
             if self._stop_asked():
@@ -157,7 +156,11 @@ class TrainerJob:
             if self._newest_weights_bad():
                 self._taken = (kept, dropped)
                 return REPUBLISH, [], [], time.monotonic() - t0
+            lines = self.lead.reader.lines_seen
             self.lead.reader.poll()
+            # nothing committed since the last look: look less often (up to timeouts.poll_max_s)
+            sleep_s = (cfg.timeouts.poll_interval_s if self.lead.reader.lines_seen > lines
+                       else min(2 * sleep_s, cfg.timeouts.poll_max_s))
             self._count_skipped()
             for g in self.lead.reader.take(need - len(kept)):
                 lag = self.state.param_version - g.version_start  # the version this update starts from
@@ -174,18 +177,24 @@ class TrainerJob:
                          self.run_dir.samples, describe_heartbeats(self.run_dir, "rollout"))
                 last_log = time.monotonic()
             self.heartbeat.update(state=HeartbeatState.WAITING_SAMPLES)
-            time.sleep(cfg.timeouts.poll_interval_s)
+            time.sleep(sleep_s)
         self.heartbeat.update(state=HeartbeatState.TRAINING)
         return BATCH, kept, dropped, time.monotonic() - t0
 
+    def _look_at_changes(self) -> None:
+        """Rank 0: if the run directory changed (one stat of ``control/changes.jsonl``, backing off while nothing
+        changes), the stop request and the bad marker are each looked for at their next check."""
+        if self._watch.changed():
+            self._look_for_stop = self._look_for_bad = True
+
     def _stop_asked(self) -> bool:
-        """Rank 0: USR2 (preemption), or the launcher's stop request (Ctrl-C; looked for at most every
-        :data:`STOP_POLL_S`): checkpoint the last completed update, then stop."""
+        """Rank 0: USR2 (preemption), or the launcher's stop request (Ctrl-C; looked for when the run directory
+        changed): checkpoint the last completed update, then stop."""
         if self.preemption.requested:
             return True
-        now = time.monotonic()
-        if not self._stop_seen and now - self._stop_checked_s >= STOP_POLL_S:
-            self._stop_checked_s = now
+        self._look_at_changes()
+        if not self._stop_seen and self._look_for_stop:
+            self._look_for_stop = False
             self._stop_seen = stop_requested(self.run_dir)
             if self._stop_seen:
                 log.warning("the launcher asked the run to stop (%s): checkpointing the last completed update",
@@ -193,13 +202,13 @@ class TrainerJob:
         return self._stop_seen
 
     def _newest_weights_bad(self) -> bool:
-        """Rank 0, at most once a second: has a rollout job marked our newest version damaged?
+        """Rank 0, when the run directory changed: has a rollout job marked our newest version damaged?
         Then its readers fell back to an older version whose admission budget is spent, and
         only a new version (same weights, current ``consumed_groups``) lets them go on."""
-        now = time.monotonic()
-        if now - self._bad_checked_s < 1.0:
+        self._look_at_changes()
+        if not self._look_for_bad:
             return False
-        self._bad_checked_s = now
+        self._look_for_bad = False
         if not self.lead.weights.is_bad(self.state.param_version):
             return False
         log.error("weight version %d was found damaged by a rollout job (see %s); publishing the current "
@@ -226,6 +235,8 @@ class TrainerJob:
         return status, kept, dropped, wait_s
 
     def _count_skipped(self) -> None:
+        if self.lead.reader.skipped:  # recorded in control/skipped_shards.jsonl: their writers and admission look
+            bump(self.run_dir, f"{len(self.lead.reader.skipped)} shard(s) skipped", "trainer")
         while self.lead.reader.skipped:
             s = self.lead.reader.skipped.pop(0)  # not consumed: recorded, its budget returned, its prompts regenerated
             c = self.state.counters
@@ -422,6 +433,7 @@ class TrainerJob:
             write_json_atomic(self.run_dir.trainer_done, TrainerDone(
                 self.state.step, self.state.param_version, self.state.consumed_groups, time.time(),
                 cursor=self.lead.reader.cursor()).to_json())
+            bump(self.run_dir, "trainer done", "trainer")
             log.info("done: %d updates, version %d, %d groups consumed", self.state.step, self.state.param_version,
                      self.state.consumed_groups)
 

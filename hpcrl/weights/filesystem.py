@@ -40,6 +40,7 @@ from typing import Optional
 import torch
 
 from hpcrl.config import TimeoutsConfig, WeightsConfig
+from hpcrl.control.changes import bump
 from hpcrl.control.records import LoadingAnnouncement, live_jobs
 from hpcrl.fsio import fsync_path, read_json, write_json_atomic
 from hpcrl.process import faults
@@ -86,18 +87,28 @@ class VersionFolders:
         # tried again even if the marker could not be written, but a version number the trainer
         # withdrew and published again (after a rollback) is a new version.
         self._bad: dict[int, Optional[tuple[int, int]]] = {}
+        # Versions seen with a manifest: a folder keeps its manifest until it is renamed away whole (delete), so
+        # a listing stats only the folders not seen complete before (forget() drops one found without it).
+        self._complete: set[int] = set()
 
     def published_versions(self) -> list[int]:
-        """Versions whose manifest exists, oldest first."""
+        """Versions whose manifest exists, oldest first (one listing, and a stat per folder not seen before)."""
         rd = self.run_dir
-        if not rd.weights.is_dir():
+        try:
+            names = os.listdir(rd.weights)
+        except FileNotFoundError:
             return []
         out = []
-        for p in rd.weights.iterdir():
-            v = rd.parse_weight_version(p.name)
-            if v is not None and rd.weight_manifest(v).is_file():
+        for name in names:
+            v = rd.parse_weight_version(name)
+            if v is not None and (v in self._complete or rd.weight_manifest(v).is_file()):
                 out.append(v)
+        self._complete = set(out)
         return sorted(out)
+
+    def forget(self, version: int) -> None:
+        """``version`` was found without its manifest: stat it again at the next listing."""
+        self._complete.discard(version)
 
     def read_manifest(self, version: int) -> Optional[WeightManifest]:
         """The manifest of ``version``; None if there is none; WeightVersionBad if it is not one."""
@@ -133,7 +144,8 @@ class VersionFolders:
         try:
             write_json_atomic(self.run_dir.weight_bad_marker(version), marker.to_json())
         except FileNotFoundError:
-            pass  # the version was deleted meanwhile: nobody can load it anyway
+            return  # the version was deleted meanwhile: nobody can load it anyway
+        bump(self.run_dir, f"weight version {version} marked bad", reader)
 
     def pin(self, reader: str, version: int, pinned: bool) -> None:
         """Announce that ``reader`` is loading ``version`` (retention must not delete it), or is done with it."""
@@ -262,6 +274,7 @@ class FilesystemPublisher(WeightPublisher):
             tensors=entries, total_bytes=sum(f.size_bytes for f in files.values()), published_s=time.time(),
             aliases=aliases, base=encoded.base if encoded is not None else None)
         write_json_atomic(rd.weight_manifest(version), manifest.to_json())  # the commit point
+        bump(rd, f"weight version {version} published", "trainer")
         if encoded is None and self.deltas is not None:
             self.deltas.hold(version, tensors, originals or {}, files[WEIGHT_TENSORS])
         return manifest
@@ -274,6 +287,8 @@ class FilesystemPublisher(WeightPublisher):
                             v, version)
                 if self.folders.delete(v):
                     removed.append(v)
+        if removed:
+            bump(self.run_dir, f"weight versions {removed} withdrawn", "trainer")
         return removed
 
     def retain(self, heartbeat_stale_s: float) -> list[int]:
@@ -368,6 +383,7 @@ class FilesystemSubscriber(WeightSubscriber):
             try:
                 manifest = self.read_manifest(version)
                 if manifest is None:
+                    self.folders.forget(version)
                     raise WeightVersionGone(f"weight version {version} disappeared from {rd.weights} "
                                             "before it was loaded")
                 return (manifest, *self._read(version, manifest))

@@ -1,0 +1,90 @@
+"""One file whose growth says "something a waiting job looks for has changed": ``control/changes.jsonl``.
+
+Why: a job that polls the run directory for what it waits for (a new weight version, a stop request,
+a drain request, the trainer's end, a skipped shard, budget handed back) stats or lists several paths
+per poll; a thousand jobs doing that every 0.05 s is what a Lustre metadata server does not survive
+(``bench/bench_scale.py``). Instead, every writer of such a change appends one line here *after* the
+change (:func:`bump`), and a poller stats this one file (:class:`ChangeWatch`) and looks at the rest only
+when it grew.
+
+- Writers append (``O_APPEND``, one short JSON line: who, what, when; no fsync: it is a hint, never
+  the truth). The size only grows, so "changed" is "the size (or the file) differs from what I saw": no
+  counter to read-modify-write, no lock, and two writers racing on a filesystem without atomic appends
+  (NFS) still grow it. Nothing parses it but people (``tail control/changes.jsonl`` shows the run's
+  changes).
+- A poller stats it at most every ``interval``: ``timeouts.poll_interval_s`` after a change, doubling
+  while nothing changes up to ``timeouts.poll_max_s`` (so a change is seen at most that late), and it
+  reports a change every :data:`RESCAN_S` anyway: a writer killed between its change and its bump, or one
+  that does not bump (an older hpcrl), delays a reaction by that much at most, never forever.
+- Order: the poller takes the file's stamp *before* it looks at the rest, and writers bump *after* their
+  change, so a change is never missed: if the bump comes after the stamp, the next stat sees it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from typing import Optional
+
+from hpcrl.run_dir import RunDir
+
+log = logging.getLogger(__name__)
+
+RESCAN_S = 10.0
+"""A watch reports a change at least this often, whatever the file says (module docstring)."""
+
+
+def bump(run_dir: RunDir, what: str, by: str = "") -> None:
+    """Tell every poller of ``run_dir`` that something changed (call it after the change is visible)."""
+    line = json.dumps({"what": what, "by": by or f"{socket.gethostname()}:{os.getpid()}", "time_s": time.time()})
+    try:
+        fd = os.open(run_dir.changes, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except FileNotFoundError:  # no control/ yet (a run directory being prepared): nobody polls it either
+        return
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+class ChangeWatch:
+    """A poller's view of ``control/changes.jsonl``: :meth:`changed` is True (at most once per stat) when it
+    grew since the last look, or :data:`RESCAN_S` passed; it stats the file at most every interval, which
+    backs off from ``min_s`` to ``max_s`` while nothing changes."""
+
+    def __init__(self, run_dir: RunDir, min_s: float, max_s: float, rescan_s: float = RESCAN_S):
+        self.path = run_dir.changes
+        self.min_s, self.max_s, self.rescan_s = min_s, max(min_s, max_s), rescan_s
+        self.interval_s = min_s
+        self._stamp: Optional[tuple[int, int]] = None
+        self._next_s = 0.0  # monotonic time of the next stat
+        self._rescan_at = 0.0  # monotonic time of the next forced report (0: the first call reports)
+
+    def _read_stamp(self) -> Optional[tuple[int, int]]:
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return None
+        return st.st_ino, st.st_size
+
+    def changed(self) -> bool:
+        """Whether the caller should look at what it waits for now (module docstring)."""
+        now = time.monotonic()
+        if now < self._next_s:
+            return False
+        stamp = self._read_stamp()
+        moved = stamp != self._stamp
+        self._stamp = stamp
+        self.interval_s = self.min_s if moved else min(2 * self.interval_s, self.max_s)
+        self._next_s = now + self.interval_s
+        if moved or now >= self._rescan_at:
+            self._rescan_at = now + self.rescan_s
+            return True
+        return False
+
+    def soon(self) -> None:
+        """Look at the next call (the caller expects a change: it just asked for one, or waits at start-up)."""
+        self._next_s = 0.0
+        self.interval_s = self.min_s
