@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import json
 import logging
 import os
 import socket
@@ -190,9 +191,13 @@ class Admission:
         claims gets them from the manifests."""
         path = run_dir.admission
         state = AdmissionRecord()
-        if path.exists():
+        try:
+            raw = path.read_bytes()  # not a stat first: one metadata operation less per start
+        except FileNotFoundError:
+            raw = None  # no record yet
+        if raw is not None:
             try:
-                state = AdmissionRecord.from_json(read_json(path), str(path))  # JSON null is not a record either
+                state = AdmissionRecord.from_json(json.loads(raw), str(path))  # JSON null is not a record either
             except (ValueError, UnicodeDecodeError) as e:  # not JSON, or JSON that is not the record
                 state = Admission._rebuild(run_dir, f"{type(e).__name__}: {e}")
         if state.prompts is None:

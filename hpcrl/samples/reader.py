@@ -190,6 +190,11 @@ class SampleReader:
                              "prompt_indices": prompts})
         return None
 
+    @property
+    def writers_seen(self) -> int:
+        """Writer folders found by the last poll (each poll stats one manifest per writer)."""
+        return len(self._writer_names)
+
     def _writer_folders(self) -> list[str]:
         """The writer folders: listed again only if ``samples/`` changed, or every :data:`WRITERS_RESCAN_S`."""
         try:
