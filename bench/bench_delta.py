@@ -34,10 +34,12 @@ Run::
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -79,7 +81,7 @@ def deepspeed_engine(model, lr: float):
 
     from hpcrl.process.network import free_port
 
-    if not dist.is_initialized():
+    if not dist.is_initialized():  # (a process of its own: train())
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))
         deepspeed.init_distributed(dist_backend="gloo")
@@ -101,8 +103,32 @@ def train_step(engine, vocab: int, tokens: int, seed: int) -> float:
 
 
 def bf16_state(engine) -> dict[str, torch.Tensor]:
-    """The policy as the trainer publishes it (bf16, tied lm_head an alias of the embedding)."""
-    return {k: v.detach() for k, v in engine.module.state_dict().items()}
+    """The policy as the trainer publishes it: bf16, the tied lm_head left out (stored once, as publish does)."""
+    return {k: v.detach() for k, v in engine.module.state_dict().items() if k != "lm_head.weight"}
+
+
+def train(shape: dict, lr: float, steps: int, tokens: int, out: Path) -> None:
+    """Versions 0..steps of the model trained at ``lr``, as ``out/vK.safetensors`` and ``out/vK.json`` (loss and
+    step seconds). Run in a process of its own: DeepSpeed's ~10 GB go back to the system before the measuring."""
+    from safetensors.torch import save_file
+
+    engine = deepspeed_engine(build_model(shape), lr)
+    save_file(bf16_state(engine), str(out / "v0.safetensors"))
+    for v in range(1, steps + 1):
+        t0 = time.perf_counter()
+        loss = train_step(engine, shape["vocab_size"], tokens, seed=v)
+        (out / f"v{v}.json").write_text(json.dumps({"loss": loss, "train_s": time.perf_counter() - t0}))
+        save_file(bf16_state(engine), str(out / f"v{v}.safetensors"))
+        print(f"  lr {lr:g} v{v}: loss {loss:.3f}, step {time.perf_counter() - t0:.1f}s", flush=True)
+
+
+def version(out: Path, v: int) -> dict[str, torch.Tensor]:
+    """Version ``v`` as the trainer hands it to publish (the tied lm_head an alias of the embedding)."""
+    from safetensors.torch import load_file
+
+    sd = load_file(str(out / f"v{v}.safetensors"))
+    sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+    return sd
 
 
 def sparse_size(base: dict, new: dict) -> tuple[int, float]:
@@ -131,14 +157,20 @@ def load_into(sub: FilesystemSubscriber, version: int, params: dict[str, torch.T
 def raw_pair(folder: Path, nbytes: int) -> tuple[float, float]:
     data = bytearray(os.urandom(1 << 20)) * -(-nbytes // (1 << 20))
     w = raw_write(folder, memoryview(data)[:nbytes])
+    del data
     r = raw_read(folder, bytearray(nbytes))
     (folder / "raw.bin").unlink()
     return w, r
 
 
-def one_lr(parent: Path, shape: dict, lr: float, steps: int, tokens: int) -> dict:
-    """Train ``steps`` steps at ``lr``, publishing every version full and as a delta; the measurements."""
-    engine = deepspeed_engine(build_model(shape), lr)
+def one_lr(parent: Path, shape: dict, lr: float, steps: int, tokens: int, quick: bool) -> dict:
+    """Train ``steps`` steps at ``lr`` (a subprocess), then publish every version full and as a delta and load
+    each as the rollout job does; the measurements."""
+    out = parent / f"versions-{lr:g}"
+    out.mkdir()
+    cmd = [sys.executable, __file__, "--train-into", str(out), "--lrs", str(lr), "--steps", str(steps),
+           "--tokens", str(tokens)] + (["--quick"] if quick else [])
+    subprocess.run(cmd, check=True)
     config_json = json.dumps({"model_type": "qwen2"})
     rd_full, rd_delta = RunDir(parent / f"full-{lr:g}").create(), RunDir(parent / f"delta-{lr:g}").create()
     raw_dir = parent / "raw"
@@ -148,23 +180,20 @@ def one_lr(parent: Path, shape: dict, lr: float, steps: int, tokens: int) -> dic
     delta_pub = FilesystemPublisher(rd_delta, keep_versions=2, deltas=DeltaWriter(steps + 1, 1.0))
     full_sub = FilesystemSubscriber(rd_full, "w000")
     follower, newcomer = FilesystemSubscriber(rd_delta, "w000", keep_bases=True), FilesystemSubscriber(rd_delta, "w001")
-    state = bf16_state(engine)
+    state = version(out, 0)
     params = {k: torch.empty_like(v) for k, v in state.items()}
     delta_pub.publish(0, state, config_json, 0, 0)
     full_pub.publish(0, state, config_json, 0, 0)
     load_into(follower, 0, params)  # the follower holds the base from here on
     base = delta_pub.deltas.base.tensors  # the trainer's copy of v0 (memory is tight: no copy of our own)
-    prev, rows = base, []
+    prev, rows = state, []
     for v in range(1, steps + 1):
-        t0 = time.perf_counter()
-        loss = train_step(engine, shape["vocab_size"], tokens, seed=v)
-        train_s = time.perf_counter() - t0
-        state = bf16_state(engine)
+        state = version(out, v)
         stored = [k for k in state if k != "lm_head.weight"]
         n = sum(state[k].numel() for k in stored)
         changed_prev = sum(changed_elements(prev[k], state[k]) for k in stored)
         changed_base = sum(changed_elements(base[k], state[k]) for k in stored)
-        prev = {k: state[k].clone() for k in stored}
+        prev = None
         t0 = time.perf_counter()
         full_pub.publish(v, state, config_json, v, 0)
         pub_full = time.perf_counter() - t0
@@ -181,16 +210,19 @@ def one_lr(parent: Path, shape: dict, lr: float, steps: int, tokens: int) -> dic
         sparse_bytes, sparse_s = sparse_size(base, {k: state[k] for k in stored})
         raw_w_full, raw_r_full = raw_pair(raw_dir, full_bytes)
         raw_w_delta, raw_r_delta = raw_pair(raw_dir, delta_bytes)
-        rows.append(dict(version=v, loss=loss, train_s=train_s, n=n, changed_prev=changed_prev,
+        trained = json.loads((out / f"v{v}.json").read_text())
+        rows.append(dict(version=v, loss=trained["loss"], train_s=trained["train_s"], n=n, changed_prev=changed_prev,
                          changed_base=changed_base, full_bytes=full_bytes, delta_bytes=delta_bytes,
                          sparse_bytes=sparse_bytes, sparse_s=sparse_s, pub_full=pub_full, pub_delta=pub_delta,
                          load_full=load_full, load_delta=load_delta, load_new=load_new, raw_w_full=raw_w_full,
                          raw_r_full=raw_r_full, raw_w_delta=raw_w_delta, raw_r_delta=raw_r_delta))
         for pub in (full_pub, delta_pub):
             pub.retain(heartbeat_stale_s=5)
-        print(f"  lr {lr:g} v{v}: loss {loss:.3f}, step {train_s:.1f}s, {changed_base / n:.2%} changed since v0, "
+        (out / f"v{v - 1}.safetensors").unlink()
+        prev = state
+        print(f"  lr {lr:g} v{v}: {changed_prev / n:.2%} changed since v{v - 1}, {changed_base / n:.2%} since v0, "
               f"delta {delta_bytes / 1e6:.1f} MB of {full_bytes / 1e6:.1f}", flush=True)
-    del engine
+    shutil.rmtree(out)
     shutil.rmtree(rd_full.root)
     shutil.rmtree(rd_delta.root)
     return {"lr": lr, "rows": rows}
@@ -237,22 +269,26 @@ def report(results: list[dict], params_model: int) -> None:
 
 
 def main(argv=None) -> int:
-    p = bench_parser(__doc__, "a ~20M-parameter model of the same structure (seconds)")
+    p = bench_parser(__doc__, "a ~12M-parameter model of the same structure (minutes)")
     p.add_argument("--steps", type=int, default=4, help="optimizer steps (= versions after v0) per learning rate")
     p.add_argument("--lrs", default="1e-6,1e-5", help="comma-separated learning rates")
     p.add_argument("--tokens", type=int, default=128, help="tokens per training step")
+    p.add_argument("--train-into", default=None, help=argparse.SUPPRESS)  # the training subprocess
     a = p.parse_args(argv)
     if a.steps < 1:
         p.error(f"--steps must be >= 1, got {a.steps}")
     shape = SHAPES["quick" if a.quick else "0.5b"]
     torch.set_num_threads(os.cpu_count() or 1)
+    if a.train_into is not None:
+        train(shape, float(a.lrs), a.steps, a.tokens, Path(a.train_into))
+        return 0
     parent = Path(tempfile.mkdtemp(prefix="hpcrl-bench-delta-", dir=a.dir))
     try:
         n_params = sum(p.numel() for p in build_model(shape).parameters())
         print(f"delta weight versions: Qwen2-shaped model, {n_params / 1e6:.0f}M parameters (tied embedding), bf16 "
-              f"published, {a.steps} DeepSpeed bf16 AdamW steps per learning rate; in {parent}; "
-              f"{os.cpu_count()} CPUs; page cache not dropped")
-        results = [one_lr(parent, shape, float(lr), a.steps, a.tokens) for lr in a.lrs.split(",")]
+              f"published, {a.steps} DeepSpeed bf16 AdamW steps per learning rate ({a.tokens} tokens each); in "
+              f"{parent}; {os.cpu_count()} CPUs; page cache not dropped")
+        results = [one_lr(parent, shape, float(lr), a.steps, a.tokens, a.quick) for lr in a.lrs.split(",")]
         report(results, n_params)
     finally:
         shutil.rmtree(parent, ignore_errors=True)
