@@ -273,6 +273,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=4, help="optimizer steps (= versions after v0) per learning rate")
     p.add_argument("--lrs", default="1e-6,1e-5", help="comma-separated learning rates")
     p.add_argument("--tokens", type=int, default=128, help="tokens per training step")
+    p.add_argument("--results", default=None, metavar="FILE",
+                   help="keep each learning rate's measurements in this JSON file as it finishes, and report every "
+                        "rate the file holds (a rate it holds already is not measured again)")
     p.add_argument("--train-into", default=None, help=argparse.SUPPRESS)  # the training subprocess
     a = p.parse_args(argv)
     if a.steps < 1:
@@ -288,8 +291,16 @@ def main(argv=None) -> int:
         print(f"delta weight versions: Qwen2-shaped model, {n_params / 1e6:.0f}M parameters (tied embedding), bf16 "
               f"published, {a.steps} DeepSpeed bf16 AdamW steps per learning rate ({a.tokens} tokens each); in "
               f"{parent}; {os.cpu_count()} CPUs; page cache not dropped")
-        results = [one_lr(parent, shape, float(lr), a.steps, a.tokens, a.quick) for lr in a.lrs.split(",")]
-        report(results, n_params)
+        saved = Path(a.results) if a.results else None
+        results = json.loads(saved.read_text()) if saved is not None and saved.exists() else []
+        for lr in map(float, a.lrs.split(",")):
+            if any(r["lr"] == lr for r in results):
+                print(f"  lr {lr:g}: measured already in {saved}")
+                continue
+            results.append(one_lr(parent, shape, lr, a.steps, a.tokens, a.quick))
+            if saved is not None:
+                saved.write_text(json.dumps(results))
+        report(sorted(results, key=lambda r: r["lr"]), n_params)
     finally:
         shutil.rmtree(parent, ignore_errors=True)
     return 0

@@ -245,3 +245,12 @@ def test_export_of_a_delta_version_is_a_complete_model_folder(tmp_path):
     theirs = load_file(str(done.folder / WEIGHT_TENSORS))
     assert WEIGHT_DELTA not in done.files and any("rebuilt" in n for n in done.notes)
     assert_same({**theirs, "lm_head.weight": theirs["embed.weight"]}, sds[1])
+
+
+def test_hpcrl_eval_of_a_delta_folder_says_what_it_is_and_what_to_do(tmp_path, capsys):
+    from hpcrl.cli import main as cli_main
+    wt = publisher(tmp_path)
+    publish_chain(wt, 2)
+    assert cli_main(["eval", "--model", str(wt.run_dir.weight_version_dir(1))]) != 0
+    err = capsys.readouterr().err
+    assert "a delta weight version" in err and "hpcrl export" in err

@@ -27,7 +27,7 @@ from hpcrl.config import ConfigError, RunConfig, config_from_dict, load_config, 
 from hpcrl.control.records import HeartbeatThread, live_jobs
 from hpcrl.eval.writer import EvalLogWriter
 from hpcrl.eval_log import EVALUATED, OFFLINE, EvalRow
-from hpcrl.run_dir import EVAL_JOB, EVAL_OFFLINE_JOB, RunDir
+from hpcrl.run_dir import EVAL_JOB, EVAL_OFFLINE_JOB, WEIGHT_DELTA, RunDir
 
 log = logging.getLogger("hpcrl.eval")
 
@@ -173,6 +173,10 @@ def _evaluate_model(a: argparse.Namespace, emit: Callable[[str], None]) -> int:
     folder = Path(a.model).expanduser().resolve()
     if not (folder / "config.json").is_file():
         raise ValueError(f"--model {folder}: not a Hugging Face model folder (no config.json)")
+    if (folder / WEIGHT_DELTA).is_file():
+        raise ValueError(f"--model {folder}: a delta weight version (weights.delta: its {WEIGHT_DELTA} holds changes "
+                         "against another version, not a model); evaluate the run (hpcrl eval RUN --versions N), or "
+                         "`hpcrl export RUN --version N --out DIR` and give --model DIR")
     tokenizer = Path(a.tokenizer).expanduser() if a.tokenizer else folder
     if not any((tokenizer / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         raise ValueError(f"{tokenizer} holds no tokenizer; pass --tokenizer DIR (for a run's weights/vN: "
