@@ -161,6 +161,33 @@ def test_a_broadcast_version_is_loaded_by_the_workers_from_shared_memory(vllm_en
     tt.close(), rt.close(), beat.stop("done")
 
 
+def test_a_delta_version_is_rebuilt_into_shared_memory_and_loaded_by_the_workers(vllm_engine, models, tmp_path):
+    """weights.delta: v1 differs from v0 in one tensor, so it is written as a delta; its folder is not a model, so the
+    subscriber rebuilds it into a /dev/shm buffer that vLLM's worker maps, and greedy outputs are v1's."""
+    runner, engine = vllm_engine
+    rd = RunDir(tmp_path).create()
+    wt, sub = make_publisher(WeightsConfig(), rd), make_subscriber(WeightsConfig(), rd, "w000")
+    m0 = load_reference(models[0])
+    changed = {k: v.clone() for k, v in m0.state_dict().items()}
+    changed["model.norm.weight"] *= -1  # flips every logit: greedy outputs change
+    wt.publish(0, dict(m0.state_dict()), m0.config.to_json_string(), 0, 0)
+    assert wt.publish(1, changed, m0.config.to_json_string(), 1, 4).manifest.base_version == 0
+    apply = lambda wv: runner.call(lambda: engine.load_weights(wv), 120, "load")  # noqa: E731
+    greedy = lambda p: runner.call(lambda: engine.greedy(p, 8), 120, "greedy")  # noqa: E731
+    with sub.take(0) as wv:
+        assert apply(wv) == "folder"
+    with sub.take(1) as wv:
+        assert wv.folder is None and wv.mapped is not None, "a delta reaches vLLM as a shared-memory buffer only"
+        assert apply(wv) == "shared_memory"
+    m0.load_state_dict(changed)
+    want = [m0.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=m0.config.eos_token_id,
+                        pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
+    assert [greedy(p) for p in PROMPTS] == want
+    assert want != [greedy_hf(models[0], p, 8) for p in PROMPTS], "the two versions must differ for this to mean anything"
+    with sub.take(0) as wv:  # back to model 0 for the other tests
+        apply(wv)
+
+
 def test_abort_returns_the_partial_responses_and_the_engine_serves_again(vllm_engine):
     runner, engine = vllm_engine
     # decoding speed on CPU varies (the first steps are slow): widen the delay until the abort

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -107,12 +108,13 @@ class DeltaWriter:
         b = self.base
         full_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
         names, out, delta_bytes = list(tensors), [], 0
-        for i in range(0, len(names), self.threads):  # a batch at a time: stop as soon as it cannot pay
-            out += parallel(lambda k: encode(b.tensors[k], tensors[k]), names[i:i + self.threads], self.threads)
-            delta_bytes = sum(len(frame) for frame, _ in out)
-            if delta_bytes > self.max_ratio * full_bytes:
-                return None, (f"its delta against the full version {b.version} exceeds {self.max_ratio:.0%} of the "
-                              f"full size (weights.delta_max_ratio) after {len(out)} of {len(names)} tensors")
+        with ThreadPoolExecutor(self.threads, thread_name_prefix="delta") as pool:
+            for i in range(0, len(names), self.threads):  # a batch at a time: stop as soon as it cannot pay
+                out += pool.map(lambda k: encode(b.tensors[k], tensors[k]), names[i:i + self.threads])
+                delta_bytes = sum(len(frame) for frame, _ in out)
+                if delta_bytes > self.max_ratio * full_bytes:
+                    return None, (f"its delta against the full version {b.version} exceeds {self.max_ratio:.0%} of "
+                                  f"the full size (weights.delta_max_ratio) after {len(out)} of {len(names)} tensors")
         frames = {k: frame for k, (frame, _) in zip(names, out)}
         entries = [TensorEntry(k, str(tensors[k].dtype).removeprefix("torch."), list(tensors[k].shape), h)
                    for k, (_, h) in zip(names, out)]
