@@ -22,8 +22,8 @@ BOTTOM_ORDER = [
     ("config",),
     ("fsio.py", "json_record.py", "metric_names.py", "process", "tiny"),
     ("run_dir.py",),
-    ("samples",),
-    ("control", "logs.py", "trackers.py", "eval_log.py"),
+    ("samples", "logs.py"),
+    ("control", "trackers.py", "eval_log.py"),
     ("weights",),
 ]
 """The bottom layer, lowest first: the run directory's contracts every job and the launcher build on.
@@ -187,6 +187,34 @@ def test_config_imports_only_the_config():
 def test_fsio_records_and_the_process_primitives_import_nothing_of_hpcrl():
     for p in [PKG / "fsio.py", PKG / "json_record.py", *_files("process")]:
         assert not [m for _, m in _imports(p) if m.startswith("hpcrl")], p
+
+
+JOB_LIFE = {"setup_logging", "mark_job", "sweep_leftovers", "PreemptionFlag", "requeue_self", "preempted_by_slurm",
+            "termination.install", "heartbeat.stop"}
+"""What a job does around its own steps (logging, leftovers, signals, preemption, final heartbeat, requeue):
+``hpcrl/control/job.py`` only."""
+
+
+def _called(call: ast.Call) -> str:
+    f = call.func
+    if isinstance(f, ast.Name):
+        return f.id
+    if isinstance(f, ast.Attribute):
+        owner = f.value.attr if isinstance(f.value, ast.Attribute) else getattr(f.value, "id", "")
+        return f.attr if f.attr in JOB_LIFE else f"{owner}.{f.attr}"
+    return ""
+
+
+def test_every_job_lives_in_the_one_lifecycle():
+    """A second job skeleton fails here: a call that sets up a job's logging, sweeps an earlier attempt's leftovers,
+    takes USR2, installs the SIGTERM handler, writes a final heartbeat or requeues, anywhere but control/job.py (the
+    modules that define them excepted)."""
+    home = {PKG / "control" / "job.py", PKG / "logs.py", PKG / "process" / "leftovers.py",
+            PKG / "process" / "preemption.py", PKG / "process" / "termination.py", PKG / "control" / "records.py"}
+    bad = [f"{p.relative_to(PKG.parent)}:{node.lineno} calls {_called(node)}"
+           for p in _files(".") if p not in home for node in ast.walk(ast.parse(p.read_text()))
+           if isinstance(node, ast.Call) and _called(node) in JOB_LIFE]
+    assert not bad, "a job's life is written once, in hpcrl/control/job.py:\n" + "\n".join(bad)
 
 
 # Names that only RunDir may spell: file names of the run directory and job/writer names.
