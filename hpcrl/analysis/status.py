@@ -43,7 +43,8 @@ from hpcrl.control.admission import read_claims
 from hpcrl.control.fleet import drained_writers
 from hpcrl.control.records import HeartbeatState, TrainerDone, has_ended, read_heartbeats, read_trainer_done
 from hpcrl.eval_log import EVALUATED, JOB, SKIPPED, EvalRow
-from hpcrl.fsio import JsonlTail
+from hpcrl.control.fatal import read_fatal
+from hpcrl.fsio import JsonlTail, free_bytes, size_text, tree_bytes
 from hpcrl.run_dir import EVAL_JOB, RunDir
 from hpcrl import metric_names as M
 
@@ -100,6 +101,7 @@ class StatusView:
     """The run has an evaluation job (say so while nothing is evaluated yet)."""
 
     def __post_init__(self):
+        self._disk: tuple[float, str] = (-math.inf, "")  # (when measured, the line): the tree is walked once a minute
         self.metrics = JsonlTail(self.rd.metrics)
         self.evals = JsonlTail(self.rd.eval_log)
         self.rollout: dict[str, JsonlTail] = {}
@@ -142,7 +144,10 @@ class StatusView:
         committed = self.committed()
         lines += (self._job_lines(jobs, m, committed) + self._fleet_lines() + [""] + self._group_lines(m, committed)
                   + self._eval_lines()
-                  + self._problem_lines())
+                  + self._problem_lines() + self._disk_lines(now))
+        fatal = read_fatal(self.rd)
+        if fatal is not None:
+            lines.append(f"run stopped by an error a restart would repeat: {fatal}")
         if done is not None:
             lines.append(f"run finished: {done.trainer_step} updates, version {done.param_version}, "
                          f"{done.consumed_groups} groups consumed")
@@ -245,6 +250,15 @@ class StatusView:
         return [f"validation: v{last.version} (step {last.trainer_step}) {last.score:.3f} {last.score_name}; best "
                 f"{best.score:.3f} at v{best.version}; {len(done)} versions evaluated"
                 + (f", {skipped} skipped (the evaluation fell behind)" if skipped else "")]
+
+    def _disk_lines(self, now: float) -> list[str]:
+        """The run directory's size and its filesystem's free space (the size measured at most once a minute)."""
+        if now - self._disk[0] >= 60.0:
+            size = tree_bytes(self.rd.root)
+            free, total = free_bytes(self.rd.root)
+            self._disk = (now, f"disk: run directory {size_text(size)}; {size_text(free)} free of {size_text(total)} "
+                               "on its filesystem")
+        return [self._disk[1]]
 
     def _problem_lines(self) -> list[str]:
         """Reward errors, tool errors and filtered prompts per writer (only when there are any)."""

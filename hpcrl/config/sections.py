@@ -383,6 +383,10 @@ class TrainerConfig:
     """Save model, optimizer and sample cursor together every this many local updates."""
     keep_checkpoints: int = 2
     """Checkpoints kept on disk (older ones are deleted after a newer one is complete)."""
+    keep_consumed_shards: int = 8
+    """Per rollout writer, the shard files wholly behind the checkpointed sample cursor that stay on disk (the
+    newest ones: ``hpcrl samples`` reads them); older ones are deleted after each checkpoint (their manifest lines,
+    the record of what was committed, stay). -1 keeps every shard."""
     torch_threads: int = 1
     """torch intra-op threads per trainer rank."""
     simulated: bool = False
@@ -395,6 +399,7 @@ class TrainerConfig:
         check_choice("trainer.simulated", self.simulated, (True, False))
         check_int("trainer.checkpoint_every_updates", self.checkpoint_every_updates, 1)
         check_int("trainer.keep_checkpoints", self.keep_checkpoints, 1)
+        check_int("trainer.keep_consumed_shards", self.keep_consumed_shards, -1)
         check_int("trainer.torch_threads", self.torch_threads, 1)
 
 

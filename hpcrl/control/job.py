@@ -27,14 +27,24 @@ or a drain request for a rollout writer (``drained``: finish, hand back, leave f
 how a loop asks, between two units of work: SIGTERM first (it raises), then USR2, then, at most every
 :data:`POLL_S`, the run directory's records. Any other exception is a failure: logged with its trace into the
 job's log (where the launcher looks), except :class:`CannotStart`, which is one line and exit status 1.
+
+**A full disk** (``fsio.guarded``): every write waits for space up to ``timeouts.disk_full_s`` (set here, with
+``timeouts.slow_write_s``, for the whole process). A job holds a little room on the run directory's filesystem
+while it lives (``control/reserve/<job>``); when a write gives up (:class:`hpcrl.fsio.WriteFailed`) it gives the
+room back, so its fatal record (``control/fatal.json``, input ``disk``: the launcher stops the run instead of
+resubmitting it into the same wall, ``hpcrl status`` says "disk full at ...") and its last heartbeat can still be
+written; its shutdown then saves what fits without waiting again.
 """
 from __future__ import annotations
 
 import enum
 import logging
+import os
 import time
 from typing import Callable, Optional, Protocol
 
+from hpcrl import fsio
+from hpcrl.control.fatal import write_fatal
 from hpcrl.control.fleet import drain_requested
 from hpcrl.control.records import HeartbeatState, stop_requested
 from hpcrl.logs import setup_logging
@@ -48,6 +58,8 @@ log = logging.getLogger(__name__)
 POLL_S = 0.5
 """How often a job looks at the run directory's stop records (one stat of the shared filesystem each; ending
 half a second late costs nothing)."""
+RESERVE_BYTES = 1 << 20
+"""Room a job holds for its last records (a fatal record and a heartbeat are a few hundred bytes each)."""
 
 
 class Stop(str, enum.Enum):
@@ -154,9 +166,42 @@ class Steps(Protocol):
         """Save what must be saved and release what it holds, whatever stage failed (SIGTERM deferred)."""
 
 
-def run(job: Steps) -> None:
+class DiskRoom:
+    """The room a job holds on the run directory's filesystem (module docstring)."""
+
+    def __init__(self, run_dir: RunDir, job: str):
+        self.run_dir, self.job, self.path = run_dir, job, run_dir.disk_reserve(job)
+
+    def hold(self) -> None:
+        """Take :data:`RESERVE_BYTES` (said in one line if there is no room even for that)."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, RESERVE_BYTES)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            log.warning("no room for the job's reserve %s (%s): a full disk may leave its last records unwritten",
+                        self.path, e.strerror)
+
+    def give_back(self) -> None:
+        """Free the room (at every end of the job, and before its fatal record)."""
+        self.path.unlink(missing_ok=True)
+
+    def record(self, failed: fsio.WriteFailed) -> None:
+        """The run cannot go on: give the room back, then the fatal record; later writes do not wait again."""
+        self.give_back()
+        fsio.POLICY.full_wait_s = 0.0
+        try:
+            write_fatal(self.run_dir, self.job, str(failed), "disk")
+        except (OSError, fsio.WriteFailed) as e:
+            log.error("could not record the failure in %s either (%s)", self.run_dir.fatal, e)
+
+
+def run(job: Steps, room: Optional[DiskRoom] = None) -> None:
     """A job's whole life (module docstring): start, loop, then shutdown, final heartbeat and requeue in that order,
-    whatever happened. Raises what ended the job if it failed (SystemExit for SIGTERM)."""
+    whatever happened. Raises what ended the job if it failed (SystemExit for SIGTERM, a full disk, CannotStart)."""
     job.heartbeat.start()
     final_state = HeartbeatState.FAILED
     try:
@@ -166,6 +211,11 @@ def run(job: Steps) -> None:
         final_state = stop.reason.state
     except CannotStart as e:
         log.error("%s cannot start: %s", job.name, e)
+        raise SystemExit(1) from None
+    except fsio.WriteFailed as e:
+        log.error("%s cannot go on: %s (free space, then `hpcrl run --resume`)", job.name, e)
+        if room is not None:
+            room.record(e)
         raise SystemExit(1) from None
     except BaseException as e:
         if isinstance(e, SystemExit) and termination.received() is not None and preempted_by_slurm():
@@ -177,11 +227,24 @@ def run(job: Steps) -> None:
     finally:
         with termination.deferred():
             try:
-                job.shutdown(final_state)
+                _shut_down(job, final_state, room)
             finally:
                 job.heartbeat.stop(final_state)
+                if room is not None:
+                    room.give_back()
                 if final_state == HeartbeatState.PREEMPTED and job.requeues:
                     requeue_self()  # under Slurm; elsewhere whoever started the job restarts it
+
+
+def _shut_down(job: Steps, final_state: HeartbeatState, room: Optional[DiskRoom]) -> None:
+    """``job.shutdown``; a write it cannot make on a full disk ends the job as failed with the fatal record."""
+    try:
+        job.shutdown(final_state)
+    except fsio.WriteFailed as e:
+        log.error("%s could not save what it holds: %s", job.name, e)
+        if room is not None:
+            room.record(e)
+        raise SystemExit(1) from None
 
 
 def job_main(run_dir: str, job: str, command: tuple[str, ...], build: Callable[[RunDir, PreemptionFlag], Steps],
@@ -193,6 +256,7 @@ def job_main(run_dir: str, job: str, command: tuple[str, ...], build: Callable[[
     cfg = rd.load_config()
     name = log_name or job
     setup_logging(f"{name} [simulated]" if cfg.is_simulated else name, cfg.logging.level, rd.job_log(name))
+    fsio.POLICY.full_wait_s, fsio.POLICY.slow_write_s = cfg.timeouts.disk_full_s, cfg.timeouts.slow_write_s
     mark_job(rd.root, job)
     sweep_leftovers(rd.root, job, command)
     termination.install()
@@ -202,4 +266,6 @@ def job_main(run_dir: str, job: str, command: tuple[str, ...], build: Callable[[
     except CannotStart as e:  # one line, naming what was missing
         log.error("%s cannot start: %s", name, e)
         raise SystemExit(1) from None
-    run(steps)
+    room = DiskRoom(rd, name)
+    room.hold()
+    run(steps, room)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 import os
 import socket
 import threading
@@ -26,9 +27,11 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from hpcrl.process import termination
-from hpcrl.fsio import read_json, write_json_atomic
+from hpcrl.fsio import WriteFailed, make_dirs, read_json, write_json_atomic
 from hpcrl.json_record import JsonRecord
 from hpcrl.run_dir import RunDir
+
+log = logging.getLogger(__name__)
 
 
 class HeartbeatState(str, enum.Enum):
@@ -252,13 +255,14 @@ class HeartbeatThread:
 
     def __init__(self, run_dir: RunDir, job: str, role: str, interval_s: float):
         self.path = run_dir.heartbeat(job)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.path.parent)
         self.beat = Heartbeat(job=job, role=role, host=socket.gethostname(), pid=os.getpid(), time_s=time.time(),
                               slurm_job=slurm_job_of(dict(os.environ)))
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()
+        self._failed_said_s = -60.0
         self._thread = threading.Thread(target=self._run, name=f"heartbeat-{job}", daemon=True)
 
     def start(self) -> "HeartbeatThread":
@@ -280,14 +284,18 @@ class HeartbeatThread:
             with self._lock:
                 self.beat.time_s = time.time()
                 record = self.beat.to_json()
-            write_json_atomic(self.path, record)
+            try:
+                write_json_atomic(self.path, record, wait=False)
+            except (OSError, WriteFailed) as e:  # a beat must never stop the job: the next one tries again
+                now = time.monotonic()
+                if now - self._failed_said_s >= 60.0:
+                    self._failed_said_s = now
+                    log.warning("heartbeat %s not written (%s): its age grows until a beat is written again",
+                                self.path, e)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            try:
-                self.write()
-            except OSError:
-                pass  # a transient filesystem error must not kill the job; next beat retries
+            self.write()
 
     def stop(self, final_state: str) -> None:
         """Stop beating and write the final state (done, failed, preempted; a job that "failed"

@@ -106,6 +106,9 @@ class RunFollower:
             return f"fix the reward file, or point at another: `{resume} reward.path=FILE`"
         if which == "data":
             return f"fix the data file, or point at another: `{resume} data.source=FILE`"
+        if which == "disk":
+            return (f"free space on the run directory's filesystem (or raise the quota; `hpcrl status {self.rd.root}` "
+                    f"shows its size and what is free), then `{resume}`")
         if which in ("model", "agent"):
             return (f"fix the {which} in place, then `{resume}` (a changed model.path cannot resume this run: "
                     "start a new --run-dir)")

@@ -45,6 +45,7 @@ from hpcrl.logs import log_size
 from hpcrl.process import faults, termination
 from hpcrl.process.preemption import PreemptionFlag
 from hpcrl.run_dir import RunDir
+from hpcrl.samples.reader import delete_consumed
 from hpcrl.samples.schema import Group
 from hpcrl.trainer import checkpoint
 from hpcrl.trainer.batch import build_batch
@@ -107,6 +108,7 @@ class TrainerJob:
         self._taken: tuple[list[Group], list[Group]] = ([], [])  # kept/dropped while a republish interrupts
         self._bad_checked_s = 0.0
         self._gathers_logged = False
+        self._shards_removed: dict[str, int] = {}  # writer -> manifest lines whose consumed shards are removed
 
     @property
     def lead(self) -> LeadParts:
@@ -285,6 +287,11 @@ class TrainerJob:
         state = checkpoint.TrainerState.from_json(share_json(self._boundary))
         tag = checkpoint.save(self.parts.engine, self.run_dir, state, self.cfg.trainer.keep_checkpoints)
         log.info("checkpoint %s (version %d, %d groups consumed)", tag, state.param_version, state.consumed_groups)
+        if self.rank == 0:  # the shards wholly behind this checkpoint's cursor are never read again
+            removed = delete_consumed(self.run_dir, state.cursor, self.cfg.trainer.keep_consumed_shards,
+                                      self._shards_removed)
+            if removed:
+                log.debug("removed %d consumed shard files (trainer.keep_consumed_shards)", removed)
 
     def _sync_row(self, sync_s: float) -> dict:
         """The last publish's sync metrics for an update that published; zeros (path ``none``) for one

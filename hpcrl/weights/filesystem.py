@@ -31,7 +31,7 @@ import torch
 
 from hpcrl.config import TimeoutsConfig, WeightsConfig
 from hpcrl.control.records import LoadingAnnouncement, live_jobs
-from hpcrl.fsio import fsync_path, read_json, write_json_atomic
+from hpcrl.fsio import fsync_path, guarded, read_json, write_json_atomic
 from hpcrl.run_dir import WEIGHT_MODEL_CONFIG, WEIGHT_TENSORS, RunDir
 from hpcrl.weights.base import (Published, WeightPublisher, WeightSubscriber, WeightVersion, WeightVersionBad,
                                 WeightVersionGone)
@@ -137,13 +137,34 @@ class VersionFolders:
         return out
 
     def delete(self, version: int) -> bool:
-        """Remove ``version`` (its manifest first: from that instant it does not exist for readers)."""
+        """Remove ``version``: its folder is renamed out of the version names first (from that instant it does not
+        exist for readers; a trainer killed in the middle leaves a ``.deleting`` folder that :meth:`sweep` removes,
+        never a version folder without its manifest), then removed."""
+        folder = self.run_dir.weight_version_dir(version)
+        doomed = RunDir.doomed(folder)
         try:
-            self.run_dir.weight_manifest(version).unlink()
+            os.replace(folder, doomed)
         except FileNotFoundError:
             return False
-        shutil.rmtree(self.run_dir.weight_version_dir(version), ignore_errors=True)
+        shutil.rmtree(doomed, ignore_errors=True)
         return True
+
+    def sweep(self) -> list[str]:
+        """Trainer rank 0 at start (nothing is being written): remove what a killed trainer left half-written or
+        half-removed (a staging folder, a ``.deleting`` folder, a version folder without its manifest), one log
+        line each; the names removed."""
+        rd, removed = self.run_dir, []
+        for p in sorted(rd.weights.iterdir()) if rd.weights.is_dir() else []:
+            v, stem = rd.parse_weight_version(p.name), p.with_suffix("")
+            why = ("left half-removed" if RunDir.doomed(stem) == p else
+                   "left half-written" if RunDir.staging(stem) == p else
+                   "without its manifest (never published)" if v is not None and not rd.weight_manifest(v).exists()
+                   else None)
+            if why is not None and p.is_dir():
+                log.warning("start-up sweep: removing %s, %s by a trainer killed before", p, why)
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(p.name)
+        return removed
 
 
 class FilesystemPublisher(WeightPublisher):
@@ -173,7 +194,18 @@ class FilesystemPublisher(WeightPublisher):
                       model_files: Optional[dict[str, bytes]] = None) -> WeightManifest:
         """The files of ``version`` (``tensors`` stored once, ``aliases`` in the manifest; ``model_files``: the
         tokenizer and generation files, by name), committed by the manifest written last. Every file is listed
-        and hashed in the manifest."""
+        and hashed in the manifest. On a full disk the version's staging folder is removed and the version written
+        again once there is room (``fsio.guarded``)."""
+        staging = self.run_dir.staging(self.run_dir.weight_version_dir(version))
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        return guarded(f"weight version {version}", staging, nbytes,
+                       lambda: self._write_files(version, tensors, aliases, model_config_json, trainer_step,
+                                                 consumed_groups, model_files),
+                       undo=lambda: shutil.rmtree(staging, ignore_errors=True))
+
+    def _write_files(self, version: int, tensors: dict[str, torch.Tensor], aliases: dict[str, str],
+                     model_config_json: str, trainer_step: int, consumed_groups: int,
+                     model_files: Optional[dict[str, bytes]]) -> WeightManifest:
         rd = self.run_dir
         final = rd.weight_version_dir(version)
         if rd.weight_manifest(version).exists():
@@ -204,6 +236,7 @@ class FilesystemPublisher(WeightPublisher):
         return manifest
 
     def withdraw_after(self, version: int) -> list[int]:
+        self.folders.sweep()  # at the trainer's start: what a killed trainer left half-written or half-removed
         removed = []
         for v in self.published_versions():
             if v > version:
