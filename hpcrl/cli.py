@@ -30,14 +30,21 @@ from hpcrl.config import ConfigError, dump_config, load_config
 
 def _cmd_run(a) -> int:
     from hpcrl.launcher.api import launch, plan_run
+    from hpcrl.launcher.input_warnings import WARNING
 
     try:
         plan = plan_run(a.config, a.run_dir, a.executor, a.overrides, a.resume)
     except (ConfigError, ValueError, FileNotFoundError) as e:
-        for line in str(e).splitlines():
+        problems = str(e).splitlines()
+        for line in problems:
             print(f"hpcrl: error: {line}", file=sys.stderr)
+        if len(problems) > 1:
+            print(f"hpcrl: {len(problems)} problems, found in one pass; nothing was created or submitted",
+                  file=sys.stderr)
         return 2
     cfg, kind = plan.cfg, plan.kind
+    warnings = [n for n in plan.notes if n.startswith(WARNING)]
+    plan.notes = [n for n in plan.notes if not n.startswith(WARNING)]
     if plan.finished is not None:
         print(plan.finished)
         return 0
@@ -54,9 +61,11 @@ def _cmd_run(a) -> int:
             print("would submit " + job.describe())
         print("# resolved config:")
         print(dump_config(cfg), end="")
+        _print_warnings(warnings)
         return 0
     for note in plan.notes:
         print(note)
+    _print_warnings(warnings)
     for change in plan.changes:
         print(f"--resume changes {change} (recorded at the top of {plan.rd.config_path})")
     old_term = signal.signal(signal.SIGTERM, _interrupt) if threading.current_thread() is threading.main_thread() else None
@@ -65,6 +74,15 @@ def _cmd_run(a) -> int:
     finally:
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)
+
+
+def _print_warnings(warnings: list[str]) -> None:
+    """The input checks' warnings (hpcrl/launcher/input_warnings.py), last and on stderr, so that neither the
+    resolved config nor the run's lines hide them."""
+    for w in warnings:
+        print(f"hpcrl: {w}", file=sys.stderr)
+    if warnings:
+        print(f"hpcrl: {len(warnings)} warning(s) above: the run may start, but check them first", file=sys.stderr)
 
 
 def _interrupt(signum, frame) -> None:
