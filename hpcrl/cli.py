@@ -274,8 +274,8 @@ def run_analysis_command(a: argparse.Namespace) -> int:
             return status_main(a.run_dir, a.interval_s, a.once)
         except KeyboardInterrupt:
             return 130
+    from hpcrl.analysis.glance import glance
     from hpcrl.analysis.load import RunFormatError
-    from hpcrl.analysis.recommend import recommend_run
     from hpcrl.analysis.report import build_report
 
     from hpcrl.run_dir import RunDir
@@ -286,10 +286,12 @@ def run_analysis_command(a: argparse.Namespace) -> int:
         print(f"hpcrl report: error: {e}", file=sys.stderr)
         return 2
     for d in rep.runs:
-        print(f"{d.name}: {recommend_run(d).line}")
+        for line in glance(d):
+            print(f"{d.name}: {line}")
         for note in d.notes:
             print(f"{d.name}: note: {note}")
-    print(f"report: {rep.markdown} and {rep.html} ({len(rep.plots)} plots)")
+    print(f"report: {rep.markdown} and {rep.html} ({len(rep.plots)} plots; the numbers and the reasoning behind "
+          "these lines are there)")
     for failure in rep.failed_plots:
         print(f"hpcrl report: plot failed: {failure}", file=sys.stderr)
     return 1 if rep.failed_plots else 0
