@@ -41,13 +41,7 @@ def _cmd_run(a) -> int:
     try:
         plan = plan_run(a.config, a.run_dir, a.executor, a.overrides, a.resume)
     except (ConfigError, ValueError, FileNotFoundError) as e:
-        problems = str(e).splitlines()
-        for line in problems:
-            print(f"hpcrl: error: {line}", file=sys.stderr)
-        if len(problems) > 1:
-            print(f"hpcrl: {len(problems)} problems, found in one pass; nothing was created or submitted",
-                  file=sys.stderr)
-        return 2
+        return _problems("hpcrl", e)
     cfg, kind = plan.cfg, plan.kind
     warnings = [n for n in plan.notes if n.startswith(WARNING)]
     plan.notes = [n for n in plan.notes if not n.startswith(WARNING)]
@@ -80,6 +74,16 @@ def _cmd_run(a) -> int:
     finally:
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)
+
+
+def _problems(prog: str, e: BaseException) -> int:
+    """Every problem of a check that found some (one line each, one pass: ``config/checks.py``), on stderr; 2."""
+    problems = str(e).splitlines() or [type(e).__name__]
+    for line in problems:
+        print(f"{prog}: error: {line}", file=sys.stderr)
+    if len(problems) > 1:
+        print(f"{prog}: {len(problems)} problems, found in one pass; nothing was created or submitted", file=sys.stderr)
+    return 2
 
 
 def _print_warnings(warnings: list[str]) -> None:
@@ -160,8 +164,7 @@ def _cmd_plan(a) -> int:
     try:
         lines = plan_command(a.config, a.overrides, a.gpus, a.gpus_per_engine, a.updates, a.probe, a.top, a.all)
     except (ConfigError, ValueError, FileNotFoundError) as e:
-        print(f"hpcrl plan: error: {e}", file=sys.stderr)
-        return 2
+        return _problems("hpcrl plan", e)
     print("\n".join(lines))
     return 0
 
@@ -175,8 +178,7 @@ def _cmd_sbatch_lines(a) -> int:
         cfg = load_config(a.config, a.overrides)
         rd = RunDir(a.run_dir) if a.dry_run else prepare_run_dir(cfg, Path(a.run_dir), resume=False)
     except (ConfigError, ValueError, FileNotFoundError) as e:
-        print(f"hpcrl: error: {e}", file=sys.stderr)
-        return 2
+        return _problems("hpcrl", e)
     if not a.dry_run:
         write_setup_files(cfg, rd)
     for line in sbatch_lines(cfg, rd, Path(a.scripts).resolve(), a.python or sys.executable):
