@@ -339,6 +339,8 @@ def test_the_report_opens_with_plain_answers(tmp_path):
     assert flat[0].startswith("learning: not clearly: reward 0.4 -> 0.4"), flat[0]
     assert flat[2].endswith(": training is the slow side") and flat[3] == "to change: more training: give the " \
         "trainer more GPUs", flat
+    # one update per window (10 updates): the noise comes from successive updates, so an alternating reward is no rise
+    assert glance(synthetic_run(tmp_path, [0.1, 0.3] * 5))[0].startswith("learning: not clearly: reward 0.1 -> 0.3")
     assert glance(synthetic_run(tmp_path, [0.9, 0.1]))[0] == "learning: too early to tell: 2 update(s), reward 0.1"
 
 

@@ -4,7 +4,9 @@ behind them follow in the report (the recommendation of ``recommend.py``, the ta
 
 "Learning" compares the mean reward of the first and the last tenth of the updates (at least one update each,
 :func:`hpcrl.analysis.tables.final_window`): a rise of more than :data:`NOISE` standard errors is learning, a fall as
-large is not, anything between is "not clearly"; with the held-out score where the run has an evaluation job.
+large is not, anything between is "not clearly"; with the held-out score where the run has an evaluation job. The
+noise of one update's mean reward is taken from the differences of successive updates (their spread / sqrt 2), which
+a slow trend does not inflate.
 """
 from __future__ import annotations
 
@@ -49,7 +51,8 @@ def learning(d: RunData) -> str:
         return (f"no: every reward so far is 0 ({n} updates); see what the model writes (`hpcrl samples "
                 f"{d.root}`) and whether the reward can score it (the dry run's warnings)")
     rise = float(last.mean() - first.mean())
-    sem = math.sqrt(first.var(ddof=1) / k + last.var(ddof=1) / k) if k > 1 else 0.0
+    noise = float(np.std(np.diff(rewards), ddof=1)) / math.sqrt(2) if n > 2 else 0.0
+    sem = noise * math.sqrt(2 / k)
     span = f"reward {first.mean():.3g} -> {last.mean():.3g} (mean of the first and the last {k} of {n} updates)"
     if rise > NOISE * sem and rise > 0:
         return f"yes: {span}{held}"
