@@ -115,15 +115,12 @@ def test_the_builtin_tiny_model_exports_and_generates_as_the_run_does_with_the_l
     last = capsys.readouterr().out.strip().splitlines()[-1]
     loader = re.search(r"and (\w+)\.from_pretrained\('[^']+'\) \(the run's tokenizer\)", last)
     assert loader and loader.group(1) == "AutoTokenizer", last
-    run_tok = load_tokenizer(base)
-    exported = AutoModelForCausalLM.from_pretrained(out)
-    prompt = run_tok("repeat c", return_tensors="pt")["input_ids"]
-    want = run_tok.decode(exported.generate(prompt, max_new_tokens=8, do_sample=False)[0, 2:], skip_special_tokens=True)
-    tok = getattr(transformers, loader.group(1)).from_pretrained(out)
+    run_tok, tok = load_tokenizer(base), getattr(transformers, loader.group(1)).from_pretrained(out)
     ids = tok("repeat c", return_tensors="pt")["input_ids"]
-    assert ids.tolist() == [[39, 5]] and tok.chat_template
-    got = tok.decode(exported.generate(ids, max_new_tokens=8, do_sample=False)[0, 2:], skip_special_tokens=True)
-    assert got == want and got.split(), (got, want)
+    assert ids.tolist() == run_tok("repeat c", return_tensors="pt")["input_ids"].tolist() == [[39, 5]]
+    response = AutoModelForCausalLM.from_pretrained(out).generate(ids, max_new_tokens=8, do_sample=False)[0, 2:]
+    got, want = tok.decode(response, skip_special_tokens=True), run_tok.decode(response, skip_special_tokens=True)
+    assert got == want and got.split() and tok.chat_template == run_tok.chat_template, (got, want)
 
 
 VLLM_LOAD = """
