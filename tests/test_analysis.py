@@ -324,6 +324,7 @@ def synthetic_run(tmp_path, rewards, wait_s=0.6, rollout_idle=0.1):
 
 def test_the_report_opens_with_plain_answers(tmp_path):
     """Is it learning, how stale, which job waits, what to change: in words, each with its numbers."""
+    from hpcrl import metric_names as M
     from hpcrl.analysis.glance import glance
 
     rising = synthetic_run(tmp_path, list(np.linspace(0.1, 0.9, 20)))
@@ -342,6 +343,9 @@ def test_the_report_opens_with_plain_answers(tmp_path):
     # one update per window (10 updates): the noise comes from successive updates, so an alternating reward is no rise
     assert glance(synthetic_run(tmp_path, [0.1, 0.3] * 5))[0].startswith("learning: not clearly: reward 0.1 -> 0.3")
     assert glance(synthetic_run(tmp_path, [0.9, 0.1]))[0] == "learning: too early to tell: 2 update(s), reward 0.1"
+    older = synthetic_run(tmp_path, [0.1, 0.3] * 5)  # an older hpcrl's metrics: no timing_s/param_sync (load: NaN)
+    older.metrics[M.PARAM_SYNC_S], older.missing = np.nan, {"metrics": [M.PARAM_SYNC_S]}
+    assert glance(older)[2] == "waiting: the rollout jobs waited for weights or the budget 10% of theirs: not known yet"
 
 
 def test_a_rollout_bound_line_names_the_exact_scale_command_of_a_live_run():

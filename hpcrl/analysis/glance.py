@@ -73,22 +73,25 @@ def _held_out(d: RunData) -> str:
 
 
 def staleness(d: RunData) -> str:
-    """How old the trained samples were, against what the knobs allow."""
-    g = tables.groups(d)
-    if g.empty:
-        return "not yet known: no group trained"
+    """How old the trained samples were (a group's lag is its largest, as in the report's lag table), against what
+    the knobs allow."""
+    st = d.trained
+    if st.empty or d.lacks("staleness", "group_id", "lag"):
+        return "not yet known: no group trained" if st.empty else "not known: the staleness log lacks the lag"
+    lag = st.groupby("group_id")["lag"].max()
     k = d.knobs
     allowed = "" if k is None else (f" (async_training.staleness_threshold={k.staleness_threshold:g} allows "
                                     f"{k.max_lag_bound} with one rollout job)")
-    return (f"the samples trained on came from weights {g['lag'].mean():.2f} versions old on average, at most "
-            f"{int(g['lag'].max())}{allowed}")
+    return (f"the samples trained on came from weights {lag.mean():.2f} versions old on average, at most "
+            f"{int(lag.max())}{allowed}")
 
 
 def waiting(d: RunData, rec: Recommendation) -> str:
     """Which job waits, and how much."""
     m, ro = d.metrics, d.rollout
     t = tables.trainer_idle(m) if not m.empty and not d.lacks("metrics", *tables.STEP_PARTS) else math.nan
-    r = tables.rollout_idle(ro) if not ro.empty else math.nan
+    r = tables.rollout_idle(ro) if not ro.empty and not d.lacks("rollout", "wall_s", M.ROLLOUT_IDLE_RATIO) \
+        else math.nan
     parts = []
     if not math.isnan(t):
         parts.append(f"the trainer waited for samples {t:.0%} of its time")
