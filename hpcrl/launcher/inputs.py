@@ -159,6 +159,11 @@ def _one_line(e: BaseException) -> str:
     return text if text.startswith(("config ", "override ")) else f"config {text}"
 
 
+EVAL_KEYS = ("eval.every_versions", "eval.engine", "eval.reward.", "eval.max_prompts", "eval.response_length", "data.",
+             "rollout.response_length", "rollout.engine", "rollout.device", "model.path")
+"""What :func:`check_eval` reads: it is skipped while one of them is reported wrong."""
+
+
 def _attempt(fn, *args, skip: tuple[str, ...] = ()):
     """``fn(*args)``, or None with its problem reported (and not called at all when a key it reads, one of
     ``skip``, is already reported wrong: it would say the same again)."""
@@ -216,7 +221,7 @@ def _check_inputs(cfg: RunConfig, kind: Optional[str]) -> InputsFound:
     from hpcrl.rollout.reward_fn import RewardProbe, load_reward, probe_reward
 
     _attempt(check_engine, cfg, skip=("rollout.engine", "rollout.device", "model.path"))
-    _attempt(check_gpus, cfg, kind, skip=("resources.",))
+    _attempt(check_gpus, cfg, kind, skip=("resources.trainer.gpus_per_node", "resources.rollout.gpus_per_node"))
     tokenizer = _attempt(load_model_tokenizer, cfg, skip=("model.path",))
     rows = _attempt(_rows, cfg, skip=("data.", "rollout.response_length"))
     encoded = None
@@ -241,7 +246,7 @@ def _check_inputs(cfg: RunConfig, kind: Optional[str]) -> InputsFound:
     if tokenizer is not None:
         train_rows = encoded[0] if encoded else rows
         lines += _attempt(check_eval, cfg, tokenizer, not isinstance(probe, RewardProbe), train_rows,
-                          skip=("eval.", "data.val_files", "resources.eval.")) or []
+                          skip=EVAL_KEYS) or []
     return InputsFound([x for x in lines if not x.startswith(WARNING)] + warnings
                        + [x for x in lines if x.startswith(WARNING)], len(encoded[0]) if encoded else 0)
 
