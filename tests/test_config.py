@@ -144,6 +144,9 @@ def test_every_bad_value_is_reported_in_one_pass_with_what_is_allowed_and_the_fi
     assert all("; allowed: " in line and "; fix: " in line for line in lines), lines
     assert "config rollout.n: got 0; allowed: an integer >= 1; fix: e.g. rollout.n=8 (the default)" in lines
     assert "fix: did you mean rollout.n?" in lines[keys.index("rollout.nn")]
+    with pytest.raises(ConfigError) as e:  # a malformed override too
+        load_config(TINY, ["rollout", "actor.lr=-1"])
+    assert [line.split(":")[0] for line in str(e.value).splitlines()] == ["override 'rollout'", "config actor.lr"]
     # a section checked on its own still stops at its first problem
     from hpcrl.config import RolloutConfig
 

@@ -240,8 +240,14 @@ def load_config(path: Optional[os.PathLike | str] = None, overrides: Optional[li
     """Read YAML (or start from defaults), apply ``key=value`` overrides, validate. verl's keys are read
     through :data:`hpcrl.config.names.VERL_KEYS` (:mod:`hpcrl.config.verl`); the lines saying how go to
     ``notes`` (else to the log), once per key."""
-    with collecting():  # unknown keys, wrong types and values out of range: all in one pass
-        tree, lines = translate(_read_yaml(path), [parse_override(text) for text in overrides or []], RunConfig)
+    with collecting():  # malformed overrides, unknown keys, wrong types and values out of range: all in one pass
+        pairs = []
+        for text in overrides or []:
+            try:
+                pairs.append(parse_override(text))
+            except ConfigError as e:
+                report(e)
+        tree, lines = translate(_read_yaml(path), pairs, RunConfig)
         if notes is None:
             for line in lines:
                 log.info("%s", line)
