@@ -238,11 +238,11 @@ def _docstring_ids(tree: ast.AST) -> set[int]:
     return out
 
 
-MESSAGE_CALLS = {"debug", "info", "warning", "error", "exception", "emit", "print"}
+MESSAGE_CALLS = {"debug", "info", "warning", "error", "exception", "emit", "print", "fail", "bad"}
 
 
 def _message_ids(tree: ast.AST) -> set[int]:
-    """ids of strings inside log calls and raised exceptions: prose that may name a file."""
+    """ids of strings inside log calls, raised exceptions and reported config problems: prose that may name a file."""
     out = set()
     for node in ast.walk(tree):
         is_msg = isinstance(node, ast.Raise)

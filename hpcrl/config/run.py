@@ -25,7 +25,7 @@ from typing import Any, Optional
 import yaml
 
 from hpcrl.config.algorithm import AlgorithmConfig, CriticConfig
-from hpcrl.config.checks import ConfigError, bad
+from hpcrl.config.checks import ConfigError, bad, collecting, fail, report, reported
 from hpcrl.config.combinations import check_algorithm_combinations
 from hpcrl.config.evaluation import EvalConfig
 from hpcrl.config.resources import ResourcesConfig
@@ -96,52 +96,61 @@ class RunConfig:
         return self.algorithm.use_kl_in_reward or self.actor.use_kl_loss
 
     def validate(self) -> "RunConfig":
-        """Check every section, then the rules that span sections; return self."""
-        for f in dataclasses.fields(self):
-            getattr(self, f.name).validate()
-        if self.rollout.total_rollout_steps < self.groups_per_update:
-            raise bad("rollout.total_rollout_steps", self.rollout.total_rollout_steps,
-                       f"at least R = actor.ppo_mini_batch_size * async_training.require_batches = "
-                       f"{self.groups_per_update}")
-        check_algorithm_combinations(self)
-        check_simulated_combination(self)
-        world = self.resources.trainer.world_size
-        if self.actor.ppo_mini_batch_size % (world * self.actor.ppo_micro_batch_size):
-            raise bad("actor.ppo_mini_batch_size", self.actor.ppo_mini_batch_size,
-                       f"a multiple of trainer ranks ({world}) * actor.ppo_micro_batch_size "
-                       f"({self.actor.ppo_micro_batch_size})", "each rank takes an equal share of a mini-batch")
-        gpus, ro = self.resources.rollout.gpus_per_node, self.rollout
-        if ro.device == "cuda" and gpus == 0:
-            raise bad("rollout.device", ro.device, "cpu or auto while resources.rollout.gpus_per_node is 0",
-                      "set resources.rollout.gpus_per_node to the GPUs each rollout job should get")
-        if ro.engine == "vllm" and gpus and ro.tensor_parallel_size * ro.data_parallel_size > gpus:
-            raise bad("rollout.tensor_parallel_size", ro.tensor_parallel_size,
-                      f"tensor_parallel_size * data_parallel_size ({ro.tensor_parallel_size} * "
-                      f"{ro.data_parallel_size}) <= resources.rollout.gpus_per_node ({gpus})",
-                      "lower the parallel sizes or give each rollout job more GPUs")
-        if self.weights.broadcast_backend == "nccl" and 0 in (self.resources.trainer.gpus_per_node, gpus):
-            raise bad("weights.broadcast_backend", "nccl", "auto or gloo on a run without GPUs (nccl needs a GPU on "
-                      f"the trainer and on every rollout job; resources.trainer.gpus_per_node="
-                      f"{self.resources.trainer.gpus_per_node}, resources.rollout.gpus_per_node={gpus})",
-                      "set weights.broadcast_backend=auto (picks gloo here), or give both jobs GPUs")
-        self._check_eval()
-        if abs(self.actor.temperature - self.rollout.temperature) > 1e-9:
-            raise bad("actor.temperature", self.actor.temperature,
-                       f"equal to rollout.temperature={self.rollout.temperature}",
-                       "set both to the same value so the trainer's log-probs match the engine's")
+        """Check every section, then the rules that span sections; return self. Every problem is reported at
+        once (:func:`hpcrl.config.checks.collecting`); a rule that reads a value already reported wrong is
+        skipped."""
+        with collecting() as problems:
+            for f in dataclasses.fields(self):
+                getattr(self, f.name).validate()
+            self._check_spans()
+            check_algorithm_combinations(self)
+            check_simulated_combination(self)
+            self._check_eval()
+            if problems.errors:
+                problems.suggest_defaults(Schema.of(RunConfig).defaults)
         return self
+
+    def _check_spans(self) -> None:
+        """The rules between the trainer's batch, the rollout jobs' devices and the weights' transport."""
+        actor, ro, world = self.actor, self.rollout, self.resources.trainer.world_size
+        if self.rollout.total_rollout_steps < self.groups_per_update and not reported(
+                "actor.ppo_mini_batch_size", "async_training.require_batches"):
+            fail("rollout.total_rollout_steps", self.rollout.total_rollout_steps,
+                 f"at least R = actor.ppo_mini_batch_size * async_training.require_batches = {self.groups_per_update}")
+        sizes = ("actor.ppo_mini_batch_size", "actor.ppo_micro_batch_size", "resources.trainer.")
+        if not reported(*sizes) and actor.ppo_mini_batch_size % (world * actor.ppo_micro_batch_size):
+            fail("actor.ppo_mini_batch_size", actor.ppo_mini_batch_size,
+                 f"a multiple of trainer ranks ({world}) * actor.ppo_micro_batch_size ({actor.ppo_micro_batch_size})",
+                 "each rank takes an equal share of a mini-batch")
+        gpus = self.resources.rollout.gpus_per_node
+        if ro.device == "cuda" and gpus == 0:
+            fail("rollout.device", ro.device, "cpu or auto while resources.rollout.gpus_per_node is 0",
+                 "set resources.rollout.gpus_per_node to the GPUs each rollout job should get")
+        if ro.engine == "vllm" and gpus and ro.tensor_parallel_size * ro.data_parallel_size > gpus:
+            fail("rollout.tensor_parallel_size", ro.tensor_parallel_size,
+                 f"tensor_parallel_size * data_parallel_size ({ro.tensor_parallel_size} * {ro.data_parallel_size}) "
+                 f"<= resources.rollout.gpus_per_node ({gpus})", "lower the parallel sizes or give each rollout job "
+                 "more GPUs")
+        if self.weights.broadcast_backend == "nccl" and 0 in (self.resources.trainer.gpus_per_node, gpus):
+            fail("weights.broadcast_backend", "nccl", "auto or gloo on a run without GPUs (nccl needs a GPU on "
+                 f"the trainer and on every rollout job; resources.trainer.gpus_per_node="
+                 f"{self.resources.trainer.gpus_per_node}, resources.rollout.gpus_per_node={gpus})",
+                 "set weights.broadcast_backend=auto (picks gloo here), or give both jobs GPUs")
+        if abs(actor.temperature - ro.temperature) > 1e-9 and not reported("actor.temperature", "rollout.temperature"):
+            fail("actor.temperature", actor.temperature, f"equal to rollout.temperature={ro.temperature}",
+                 "set both to the same value so the trainer's log-probs match the engine's")
 
     def _check_eval(self) -> None:
         """The evaluation job needs held-out prompts, and GPUs where its engine runs on cuda."""
         if not self.eval.enabled:
             return
         if not self.data.val_files:
-            raise bad("data.val_files", self.data.val_files, f"held-out prompt files with eval.every_versions="
-                      f"{self.eval.every_versions}", "set data.val_files (e.g. builtin:toy_heldout or a .parquet), "
-                      "or eval.every_versions=0 for no evaluation")
+            fail("data.val_files", self.data.val_files, f"held-out prompt files with eval.every_versions="
+                 f"{self.eval.every_versions}", "set data.val_files (e.g. builtin:toy_heldout or a .parquet), "
+                 "or eval.every_versions=0 for no evaluation")
         if self.rollout.device == "cuda" and self.resources.eval.gpus_per_node == 0:
-            raise bad("resources.eval.gpus_per_node", 0, "at least 1 with rollout.device=cuda (the evaluation "
-                      "engine uses rollout's device)", "set resources.eval.gpus_per_node, or rollout.device=auto")
+            fail("resources.eval.gpus_per_node", 0, "at least 1 with rollout.device=cuda (the evaluation "
+                 "engine uses rollout's device)", "set resources.eval.gpus_per_node, or rollout.device=auto")
 
     @property
     def is_simulated(self) -> bool:
@@ -157,23 +166,28 @@ class RunConfig:
 # Building a RunConfig from YAML + overrides, strictly.
 
 def _build(cls: type, data: Any, prefix: str) -> Any:
+    """``cls`` from a parsed tree; a key that is unknown or of the wrong type is reported (the field keeps its
+    default, so the checks after it still run on a well-typed config)."""
     if not isinstance(data, dict):
-        raise bad(prefix or "<root>", data, "a mapping of keys to values")
+        fail(prefix or "<root>", data, "a mapping of keys to values")
+        return cls()
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:  # a frozen config written by another hpcrl (load_config translated everything else already)
-        schema = Schema.of(RunConfig)
-        raise ConfigError("\n".join(unknown_key_message(f"{prefix}.{k}" if prefix else k, data[k], schema)
-                                    for k in unknown))
+    for k in sorted(set(data) - names):  # a frozen config written by another hpcrl (load_config translated the rest)
+        report(ConfigError(unknown_key_message(f"{prefix}.{k}" if prefix else k, data[k], Schema.of(RunConfig))))
     kwargs = {}
     for name, value in data.items():
+        if name not in names:
+            continue
         key = f"{prefix}.{name}" if prefix else name
         hint = hints[name]
         if dataclasses.is_dataclass(hint):
             kwargs[name] = _build(hint, value, key)
-        else:
+            continue
+        try:
             kwargs[name] = _coerce(key, hint, value)
+        except ConfigError as e:
+            report(e)
     return cls(**kwargs)
 
 
@@ -226,13 +240,20 @@ def load_config(path: Optional[os.PathLike | str] = None, overrides: Optional[li
     """Read YAML (or start from defaults), apply ``key=value`` overrides, validate. verl's keys are read
     through :data:`hpcrl.config.names.VERL_KEYS` (:mod:`hpcrl.config.verl`); the lines saying how go to
     ``notes`` (else to the log), once per key."""
-    tree, lines = translate(_read_yaml(path), [parse_override(text) for text in overrides or []], RunConfig)
-    if notes is None:
-        for line in lines:
-            log.info("%s", line)
-    else:
-        notes.extend(lines)
-    return _build(RunConfig, tree, "").validate()
+    with collecting():  # malformed overrides, unknown keys, wrong types and values out of range: all in one pass
+        pairs = []
+        for text in overrides or []:
+            try:
+                pairs.append(parse_override(text))
+            except ConfigError as e:
+                report(e)
+        tree, lines = translate(_read_yaml(path), pairs, RunConfig)
+        if notes is None:
+            for line in lines:
+                log.info("%s", line)
+        else:
+            notes.extend(lines)
+        return _build(RunConfig, tree, "").validate()
 
 
 def _read_yaml(path: Optional[os.PathLike | str]) -> dict:
@@ -265,7 +286,8 @@ def given_keys(path: Optional[os.PathLike | str], overrides: Optional[list[str]]
 
 def config_from_dict(tree: dict) -> RunConfig:
     """Build and validate a RunConfig from a parsed YAML tree (unknown keys fail)."""
-    return _build(RunConfig, tree, "").validate()
+    with collecting():
+        return _build(RunConfig, tree, "").validate()
 
 
 def dump_config(cfg: RunConfig) -> str:

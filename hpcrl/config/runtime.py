@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from hpcrl.config import names
-from hpcrl.config.checks import bad, check_choice, check_float, check_int
+from hpcrl.config.checks import check_choice, check_float, check_int, fail
 
 
 @dataclass
@@ -74,8 +74,8 @@ class TimeoutsConfig:
                      "slow_write_s"):
             check_float(f"timeouts.{name}", getattr(self, name), 0.0, lo_open=True)
         if self.heartbeat_stale_s <= 2 * self.heartbeat_interval_s:
-            raise bad("timeouts.heartbeat_stale_s", self.heartbeat_stale_s,
-                       f"more than 2 * timeouts.heartbeat_interval_s = {2 * self.heartbeat_interval_s}")
+            fail("timeouts.heartbeat_stale_s", self.heartbeat_stale_s,
+                  f"more than 2 * timeouts.heartbeat_interval_s = {2 * self.heartbeat_interval_s}")
 
 
 @dataclass

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from hpcrl.config import ConfigError, RunConfig, given_keys, load_config
+from hpcrl.config.checks import collecting, report
 from hpcrl.control.fatal import read_fatal_record
 from hpcrl.control.fleet_log import SCALE_APPLIED, SUBMITTED, FleetLog
 from hpcrl.control.records import HeartbeatState, read_heartbeats, read_trainer_done, request_stop
@@ -84,13 +85,18 @@ def plan_run(config: Optional[os.PathLike | str | RunConfig], run_dir: os.PathLi
     if resume and not rd.config_path.exists():
         raise ConfigError(f"--resume: {rd.root} holds no run (no config.yaml)")
     notes: list[str] = []
-    cfg, given = _load(config, rd, overrides, resume, notes)
-    kind = resolve_executor(executor)
-    if resume:
-        finished = finished_message(read_trainer_done(rd), cfg, str(rd.root))
-        if finished is not None and not overrides and config is None:
-            return RunPlan(cfg, rd, kind, [], notes, finished=finished)
-    found = check_inputs(cfg, kind)
+    with collecting():  # the config's problems, the executor's and the inputs' in one pass (one line each)
+        cfg, given = _load(config, rd, overrides, resume, notes)
+        try:
+            kind = resolve_executor(executor)
+        except ValueError as e:
+            report(ConfigError(str(e)))
+            kind = executor
+        if resume:
+            finished = finished_message(read_trainer_done(rd), cfg, str(rd.root))
+            if finished is not None and not overrides and config is None:
+                return RunPlan(cfg, rd, kind, [], notes, finished=finished)
+        found = check_inputs(cfg, kind)
     if not resume or "data.epochs" in given:
         derived = derive_total_steps(cfg, found.prompts, "rollout.total_rollout_steps" in given)
         found.lines += [derived] if derived else []

@@ -73,6 +73,11 @@ def gsm8k(response: str, answer: str) -> float:
     return float(_math_equal(gold.replace(",", ""), got))
 
 
+def gsm8k_right_answer(answer: str) -> str:
+    """The response :func:`gsm8k` scores 1 for ground truth ``answer``: ``#### <answer>``."""
+    return f"{GSM8K_MARK} {answer.rsplit(GSM8K_MARK, 1)[-1].strip()}"
+
+
 def toy_calc(response: str, answer: str, extra_info: dict | None) -> float:
     """The multi-turn toy task's reward (``builtin:toy_calc`` with the ``tiny`` tool parser), from
     the agent's counters in ``extra_info``: 0.3 for a call the calculator ran but rejected, 0.5 if
@@ -111,6 +116,17 @@ REWARDS: dict[str, RewardFn] = {
     "gsm8k": gsm8k,
     "toy_calc": toy_calc,
 }
+
+
+RIGHT_ANSWERS: dict[str, Callable[[str], str]] = {"gsm8k": gsm8k_right_answer}
+"""Rule -> the response it scores as right, from the ground truth, for a rule that wants a form around the answer
+(every other rule takes the bare ground truth). The launch probe calls the reward on it
+(:func:`hpcrl.rollout.reward_fn.probe_reward`)."""
+
+
+def right_answer(rule: str | None, answer: str) -> str:
+    """A response that rule ``rule`` (None: unknown) scores as right for ground truth ``answer``."""
+    return RIGHT_ANSWERS[rule](answer) if rule in RIGHT_ANSWERS else answer
 
 
 DATA_SOURCES: dict[str, str] = {
