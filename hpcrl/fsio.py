@@ -40,7 +40,7 @@ FLAKY = (errno.EIO, errno.ESTALE)
 class DiskPolicy:
     """How long writes wait out a full disk and retry a failing one (one per process: :data:`POLICY`)."""
 
-    full_wait_s: float = 600.0
+    full_wait_s: float = 300.0
     """Wait for space this long (``timeouts.disk_full_s``), then give up with :class:`WriteFailed`."""
     flaky_retries: int = 5
     """Retries of a write that met EIO or ESTALE before giving up."""
