@@ -221,7 +221,7 @@ class LauncherJobs:
         del self.handles[job]
 
     def cancel_all(self) -> None:
-        """Cancel every job still queued or running."""
-        for handle in self.handles.values():
+        """Cancel every job still queued or running (``Run.cancel`` may call this while the follower runs)."""
+        for handle in list(self.handles.values()):
             if not handle.done():
                 handle.cancel()
