@@ -368,3 +368,84 @@ def test_agent_loops_match_the_implementation():
 
     assert set(LOOPS) == set(names.AGENT_LOOPS)
     assert {SingleTurnLoop.name, ToolAgentLoop.name} == set(names.AGENT_LOOPS)
+
+
+# ---- one fleet-resize path (launcher/fleet.py) ------------------------------------------------------
+
+FLEET_PATH = "hpcrl/launcher/fleet.py"
+RESIZE_NAMES = {
+    "request_drain": "writes a drain record",
+    "drained_writers": "reads who was drained (who is in the fleet is active_writers')",
+    "used_writer_ids": "the numbers used (which numbers new writers get is new_writer_ids')",
+    "record_fleet_size": "makes the frozen config follow the fleet",
+    "DRAIN_REQUESTED": "logs a drain",
+    "SCALE_APPLIED": "logs a resize",
+}
+"""What only the one resize path may do; besides it, the module that defines a name and the analysis (which reads
+the fleet's history and drain records to show them) may name it."""
+RESIZE_DEFINED_IN = {"request_drain": "hpcrl/control/fleet.py", "drained_writers": "hpcrl/control/fleet.py",
+                     "DRAIN_REQUESTED": "hpcrl/control/fleet_log.py", "SCALE_APPLIED": "hpcrl/control/fleet_log.py",
+                     "used_writer_ids": FLEET_PATH, "record_fleet_size": FLEET_PATH}
+
+
+def _resize_outside_the_fleet_path(rel: str, source: str) -> list[str]:
+    """Lines of ``source`` (the file ``rel``) that name what only ``launcher/fleet.py`` may do."""
+    if rel == FLEET_PATH or rel.startswith("hpcrl/analysis/") or not any(n in source for n in RESIZE_NAMES):
+        return []
+    bad = []
+    for node in ast.walk(ast.parse(source)):
+        name = (node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute)
+                else node.name if isinstance(node, ast.alias) else None)
+        if name in RESIZE_NAMES and RESIZE_DEFINED_IN[name] != rel:
+            bad.append(f"{rel}:{getattr(node, 'lineno', '?')}: {name} ({RESIZE_NAMES[name]})")
+    return bad
+
+
+def test_only_one_module_resizes_the_rollout_fleet():
+    """``Run.scale``, ``hpcrl scale`` (with and without a launcher) and autoscale all go through ``Fleet.resize``:
+    a second place that drains writers, picks writer numbers or logs a resize is a second resize path."""
+    bad = [b for p in _files(".") for b in _resize_outside_the_fleet_path(str(p.relative_to(PKG.parent)),
+                                                                           p.read_text())]
+    assert not bad, f"only {FLEET_PATH} resizes the rollout fleet (Fleet.resize):\n" + "\n".join(bad)
+
+
+def test_the_resize_check_finds_a_second_path():
+    planted = ("from hpcrl.control.fleet import request_drain\nfrom hpcrl.launcher import fleet\n"
+               "def shrink(rd, w):\n    request_drain(rd, w, 'me')\n    return max(fleet.used_writer_ids(rd)) + 1\n")
+    assert _resize_outside_the_fleet_path("hpcrl/launcher/scale_cmd.py", planted) == [
+        "hpcrl/launcher/scale_cmd.py:1: request_drain (writes a drain record)",
+        "hpcrl/launcher/scale_cmd.py:4: request_drain (writes a drain record)",
+        "hpcrl/launcher/scale_cmd.py:5: used_writer_ids (the numbers used (which numbers new writers get is "
+        "new_writer_ids'))"]
+    assert _resize_outside_the_fleet_path(FLEET_PATH, planted) == []
+
+
+def _callbacks_handed_out(rel: str, source: str) -> list[str]:
+    """Calls in a class's methods that pass one of its own methods (``self.scale``), or a lambda that uses
+    ``self``, to something else: that something calls this object back."""
+    bad = []
+    for cls in [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef)]:
+        methods = {f.name for f in cls.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                   and not any(isinstance(d, ast.Name) and d.id == "property" for d in f.decorator_list)}
+        for call in [n for n in ast.walk(cls) if isinstance(n, ast.Call)]:
+            for arg in [*call.args, *(k.value for k in call.keywords)]:
+                own = (isinstance(arg, ast.Attribute) and isinstance(arg.value, ast.Name) and arg.value.id == "self"
+                       and arg.attr in methods)
+                closes = isinstance(arg, ast.Lambda) and any(isinstance(n, ast.Name) and n.id == "self"
+                                                             for n in ast.walk(arg))
+                if own or closes:
+                    bad.append(f"{rel}:{arg.lineno}: {cls.name} hands {ast.unparse(arg)} to {ast.unparse(call.func)}")
+    return bad
+
+
+def test_no_launcher_object_hands_its_own_methods_to_another():
+    """The launcher's objects form a tree (``RunHandle`` builds the jobs, the fleet, the autoscaler, the console and
+    the follower; each calls only those below it): no two call each other through a callback."""
+    bad = [b for p in _files("launcher") for b in _callbacks_handed_out(str(p.relative_to(PKG.parent)),
+                                                                         p.read_text())]
+    assert not bad, "launcher objects that would be called back:\n" + "\n".join(bad)
+    planted = ("class RunHandle:\n    def __init__(self):\n        self.follower = RunFollower(scale=self.scale,\n"
+               "            resubmit=lambda name: self.submit(name))\n    def scale(self, n): ...\n")
+    assert _callbacks_handed_out("x.py", planted) == [
+        "x.py:3: RunHandle hands self.scale to RunFollower",
+        "x.py:4: RunHandle hands lambda name: self.submit(name) to RunFollower"]
