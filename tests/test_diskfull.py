@@ -9,7 +9,6 @@ and a run whose space never comes back ends with the fatal record ``hpcrl status
 """
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -22,7 +21,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from conftest import REPO, Job, check_exactly_once, make_run, start_rollout, start_trainer, wait_until
 from hpcrl import fsio
