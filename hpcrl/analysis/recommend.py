@@ -31,7 +31,8 @@ from typing import Optional
 from hpcrl.analysis import tables
 from hpcrl.analysis.ceiling import Ceiling, run_ceiling
 from hpcrl.analysis.fleet import fleet_history
-from hpcrl.analysis.load import Knobs, RunData
+from hpcrl.analysis.load import RunData
+from hpcrl.config.knobs import Knobs, admission_budget, max_lag_bound
 from hpcrl.run_dir import RunDir
 from hpcrl import metric_names as M
 
@@ -119,12 +120,13 @@ def recommend(t: float, r: float, k: Optional[Knobs], why_unknown: str = "",
         ahead = k.admission_budget - kr
         if ahead < k.groups_per_update:
             s_new = _min_s_for_full_update(k)
+            budget_new = admission_budget(s_new, k.trigger_parameter_sync_step, k.groups_per_update)
             return Recommendation("neither", (
                 f"Neither side is the bottleneck, they wait on each other: {nums}. The budget B={k.admission_budget} "
                 f"lets the rollout fleet generate only {ahead} group(s) ahead of the K*R={kr} a version consumes, "
                 f"fewer than the R={k.groups_per_update} the next update needs: raise "
                 f"async_training.staleness_threshold from {k.staleness_threshold:g} to at least {s_new:g} "
-                f"(lag bound then {(math.floor((1 + s_new) * kr + 1e-9) - 1) // kr} version(s)); "
+                f"(lag bound then {max_lag_bound(budget_new, kr)} version(s)); "
                 "moving GPUs would not help."),
                 f"raise async_training.staleness_threshold from {k.staleness_threshold:g} to {s_new:g}, so generation "
                 "can run a whole update ahead of training")
@@ -174,7 +176,7 @@ def budget_binds(t: float, r: float, k: Knobs, c: Optional[Ceiling]) -> Optional
     for s_new in (k.staleness_threshold + 0.25 * i for i in range(1, 13)):
         chain = ch.with_staleness(s_new)
         if chain.per_update_s <= ideal:
-            lag = (chain.B - 1) // kr
+            lag = max_lag_bound(chain.B, kr)
             return Recommendation("budget", line + (
                 f"; raise async_training.staleness_threshold to {s_new:g} (B={chain.B}, lag bound {lag} "
                 f"version(s)), where the chain allows {chain.per_update_s:.2f}s and the pools' work binds."),

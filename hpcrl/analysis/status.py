@@ -37,8 +37,9 @@ from dataclasses import dataclass, field
 from typing import Optional, TextIO
 
 from hpcrl.analysis.fleet import fleet_history, status_lines as fleet_status_lines
-from hpcrl.analysis.load import Knobs, read_config_leniently, read_json_tolerant
+from hpcrl.analysis.load import read_config_leniently, read_json_tolerant
 from hpcrl.analysis.problems import tally
+from hpcrl.config.knobs import Knobs
 from hpcrl.control.admission import read_claims
 from hpcrl.control.fleet import drained_writers
 from hpcrl.control.records import HeartbeatState, TrainerDone, has_ended, read_heartbeats, read_trainer_done
@@ -330,7 +331,7 @@ def status_main(run_dir, interval_s: float = 5.0, once: bool = False, out: Optio
         return 2
     notes: list[str] = []
     cfg = read_config_leniently(rd, notes)
-    view = StatusView(rd, Knobs.from_config(cfg) if cfg else None,
+    view = StatusView(rd, cfg.knobs if cfg else None,
                       cfg.timeouts.heartbeat_stale_s if cfg else 60.0, [f"note: {n}" for n in notes],
                       knobs_eval=bool(cfg and cfg.eval.enabled))
     clear = out.isatty() and not once

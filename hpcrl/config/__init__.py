@@ -18,7 +18,8 @@ module             what it holds
 ``evaluation``     eval: the evaluation job (which versions, sampling, engine, reward)
 ``resources``      job sizes and Slurm options per role
 ``simulated``      simulated: the phase model of a simulated engine and trainer
-``run``            RunConfig (all sections, derived R/K/B), load_config, dump_config
+``knobs``          the async knobs (s, K, R) and their arithmetic: the admission budget B, the lag bound
+``run``            RunConfig (all sections, its ``knobs``), load_config, dump_config
 =================  ==============================================================
 
 This package imports nothing from the jobs (``tests/test_layers.py``).

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import re
 import typing
@@ -28,6 +27,8 @@ from hpcrl.config.algorithm import AlgorithmConfig, CriticConfig
 from hpcrl.config.checks import ConfigError, bad, collecting, fail, report, reported
 from hpcrl.config.combinations import check_algorithm_combinations
 from hpcrl.config.evaluation import EvalConfig
+from hpcrl.config.knobs import Knobs
+from hpcrl.config.names import SIMULATED_ENGINE
 from hpcrl.config.resources import ResourcesConfig
 from hpcrl.config.runtime import LoggingConfig, TimeoutsConfig
 from hpcrl.config.simulated import SimulatedConfig, check_simulated_combination
@@ -59,30 +60,45 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     simulated: SimulatedConfig = field(default_factory=SimulatedConfig)
 
-    # ---- derived quantities (the flow-control arithmetic: ARCHITECTURE.md, "Admission budget") ----
+    # ---- derived quantities (the flow-control arithmetic, written once in config/knobs.py) ----
+    @property
+    def knobs(self) -> Knobs:
+        """The async knobs and what follows from them (R, K*R, the admission budget B, the lag bound)."""
+        a = self.async_training
+        parts = [p for p, on in (("engine", self.rollout.engine == SIMULATED_ENGINE),
+                                 ("trainer", self.trainer.simulated)) if on]
+        return Knobs(staleness_threshold=a.staleness_threshold,
+                     trigger_parameter_sync_step=a.trigger_parameter_sync_step,
+                     ppo_mini_batch_size=self.actor.ppo_mini_batch_size, require_batches=a.require_batches,
+                     partial_rollout=a.partial_rollout, max_staleness=a.max_staleness, n=self.rollout.n,
+                     rollout_jobs=self.resources.rollout_jobs, max_concurrent_groups=self.rollout.max_concurrent_groups,
+                     total_rollout_steps=self.rollout.total_rollout_steps, simulated=" and ".join(parts),
+                     time_scale=self.simulated.time_scale if parts else 1.0)
+
     @property
     def groups_per_update(self) -> int:
         """R = ppo_mini_batch_size * require_batches."""
-        return self.actor.ppo_mini_batch_size * self.async_training.require_batches
+        return self.knobs.groups_per_update
 
     @property
     def groups_per_version(self) -> int:
         """K * R: groups the trainer consumes between two weight versions."""
-        return self.async_training.trigger_parameter_sync_step * self.groups_per_update
+        return self.knobs.groups_per_version
 
     @property
     def admission_budget(self) -> int:
         """B = floor((1 + s) * K * R): groups the fleet may start per weight version."""
-        return math.floor((1.0 + self.async_training.staleness_threshold) * self.groups_per_version + 1e-9)
+        return self.knobs.admission_budget
 
     @property
     def total_updates(self) -> int:
-        return self.rollout.total_rollout_steps // self.groups_per_update
+        """Trainer updates in the run: total_rollout_steps // R."""
+        return self.knobs.total_updates
 
     @property
     def max_lag_bound(self) -> int:
         """Largest lag (versions) the admission budget allows for one writer: floor((B - 1) / (K * R))."""
-        return (self.admission_budget - 1) // self.groups_per_version
+        return self.knobs.max_lag_bound
 
     @property
     def uses_prox_log_prob(self) -> bool:
@@ -155,7 +171,7 @@ class RunConfig:
     @property
     def is_simulated(self) -> bool:
         """The engine (and maybe the trainer) only sleeps: every log line and the report say so."""
-        return self.rollout.engine == "simulated" or self.trainer.simulated
+        return self.rollout.engine == SIMULATED_ENGINE or self.trainer.simulated
 
     def to_dict(self) -> dict:
         """Plain dict of every field (what ``config.yaml`` holds)."""

@@ -1,0 +1,121 @@
+"""Each rule written once: the admission budget's formula has one home (``hpcrl/config/knobs.py``), and the async
+knobs one class.
+
+Read with ``ast`` (nothing imported), so a copy is reported as file:line. Each search is also run on copies it
+must find (the ones this code once held), so a search that stopped finding anything would fail too.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SCANNED = [*sorted((REPO / "hpcrl").rglob("*.py")), *sorted((REPO / "bench").rglob("*.py")),
+           *sorted((REPO / "analysis").rglob("*.py"))]
+"""The package, the benches and the analysis scripts (tests keep their own oracles: verl's arithmetic)."""
+BUDGET_HOME = REPO / "hpcrl" / "config" / "knobs.py"
+
+ROUNDING = {"floor", "ceil", "int", "trunc", "round"}
+
+
+def _factors(node: ast.AST) -> list[ast.AST]:
+    """The factors of a product ``a * b * c`` (the node itself if it is not one)."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+        return _factors(node.left) + _factors(node.right)
+    return [node]
+
+
+def _one_plus(node: ast.AST) -> bool:
+    """``1 + x`` or ``x + 1`` (``1.0`` too) with ``x`` not a constant: ``(1 + s)``."""
+    sides = (node.left, node.right) if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) else ()
+    return (any(isinstance(x, ast.Constant) and x.value == 1 for x in sides)
+            and not all(isinstance(x, ast.Constant) for x in sides))
+
+
+def _identifiers(node: ast.AST) -> set[str]:
+    return {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(node)
+            if isinstance(n, (ast.Name, ast.Attribute))}
+
+
+def _rounded(tree: ast.AST):
+    """Every expression rounded to a whole number: the arguments of floor/ceil/int/trunc/round, a ``//``'s left."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+            if name in ROUNDING:
+                yield from node.args
+        elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.FloorDiv):
+            yield node.left
+
+
+def budget_copies(source: str) -> list[int]:
+    """Lines that compute an admission budget: a product rounded to a whole number with a ``(1 + x)`` factor, or
+    with a staleness among its factors (``floor((1 + s) * K * R)``, verl's ``int(R * (s + 1) * K)``,
+    ``K*R + floor(staleness_threshold * K*R)``)."""
+    lines = set()
+    for expr in _rounded(ast.parse(source)):
+        for node in ast.walk(expr):
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+                factors = _factors(node)
+                if any(_one_plus(f) for f in factors) or any("stale" in name.lower() for f in factors
+                                                              for name in _identifiers(f)):
+                    lines.add(node.lineno)
+    return sorted(lines)
+
+
+def test_the_budget_search_finds_copies_and_nothing_else():
+    copies = [
+        "B = math.floor((1.0 + self.staleness_threshold) * self.trigger_parameter_sync_step\n"
+        "               * self.groups_per_update + 1e-9)",                   # plan/pipeline.py had this
+        "B = math.floor((1.0 + s) * self.K * self.R + 1e-9)",                   # analysis/budget_bound.py
+        "lag = (math.floor((1 + s_new) * kr + 1e-9) - 1) // kr",                # analysis/recommend.py
+        "budget = int((1 + a.staleness) * 4)",                                  # bench/bench_elastic.py
+        "n = int(required_samples * (s + 1) * trigger)",                        # verl's own
+        "b = kr + floor(cfg.async_training.staleness_threshold * kr)",          # the same rule rewritten
+    ]
+    for code in copies:
+        assert budget_copies(code), code
+    clean = ["x = math.floor(math.log10(abs(x)))", "c = torch.clamp(r, 1.0 - lo, 1.0 + hi)",
+             "b = admission_budget(s, K, R)", "v = -((B - j * R) // (K * R))", "self.value *= 1.0 + e * n / h",
+             "k = max(1, int(n * ratio))"]
+    for code in clean:
+        assert not budget_copies(code), code
+
+
+def test_the_admission_budget_is_computed_only_in_config_knobs():
+    found = [f"{p.relative_to(REPO)}:{line}" for p in SCANNED if p != BUDGET_HOME
+             for line in budget_copies(p.read_text())]
+    assert budget_copies(BUDGET_HOME.read_text()), "the search no longer finds the formula in its home"
+    assert not found, ("the admission budget floor((1 + s) * K * R) is computed again; call "
+                       "hpcrl.config.knobs.admission_budget (or RunConfig.admission_budget) instead:\n"
+                       + "\n".join(found))
+
+
+PLANNER_CANDIDATE = REPO / "hpcrl" / "plan"
+"""``hpcrl plan``'s candidate (``Knobs`` with the simulator's own fields: trainer GPUs, ``max_num_seqs``, lengths)
+computes its budget through :func:`hpcrl.config.knobs.admission_budget`; it is the one other ``Knobs`` allowed
+until the planner's rewrite lands (it then derives from the config's)."""
+
+
+def test_one_class_holds_the_async_knobs():
+    defined = [f"{p.relative_to(REPO)}:{node.lineno}" for p in SCANNED
+               if p != BUDGET_HOME and PLANNER_CANDIDATE not in p.parents
+               for node in ast.walk(ast.parse(p.read_text()))
+               if isinstance(node, ast.ClassDef) and "knobs" in node.name.lower()]
+    assert not defined, ("a second class of async knobs; use hpcrl.config.knobs.Knobs (RunConfig.knobs):\n"
+                         + "\n".join(defined))
+
+
+def test_the_config_the_knobs_and_the_admission_counter_agree():
+    """RunConfig's B and lag bound are the Knobs' (one formula), for the settings the tests pin elsewhere."""
+    from hpcrl.config import load_config
+    from hpcrl.config.knobs import Knobs, admission_budget
+
+    cfg = load_config("configs/simulated.yaml", ["actor.ppo_mini_batch_size=3", "actor.ppo_micro_batch_size=3",
+                                                 "async_training.staleness_threshold=0.4",
+                                                 "async_training.trigger_parameter_sync_step=5"])
+    k = cfg.knobs
+    assert isinstance(k, Knobs) and cfg.admission_budget == k.admission_budget == admission_budget(0.4, 5, 3) == 21
+    assert cfg.max_lag_bound == k.max_lag_bound == (21 - 1) // 15
+    assert k.describe().startswith("s=0.4, K=5, R=3, B=21 groups per version, max lag bound 1")
