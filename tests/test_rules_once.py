@@ -119,3 +119,97 @@ def test_the_config_the_knobs_and_the_admission_counter_agree():
     assert isinstance(k, Knobs) and cfg.admission_budget == k.admission_budget == admission_budget(0.4, 5, 3) == 21
     assert cfg.max_lag_bound == k.max_lag_bound == (21 - 1) // 15
     assert k.describe().startswith("s=0.4, K=5, R=3, B=21 groups per version, max lag bound 1")
+
+
+# ---- pid liveness: one rule (hpcrl/process/pids.py) ------------------------------------------------------
+
+PID_HOME = REPO / "hpcrl" / "process" / "pids.py"
+
+
+def _signal_zero_calls(source: str) -> list[int]:
+    """Lines that probe a pid with signal 0 (``os.kill(pid, 0)``, ``kill(pid, 0)``)."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and len(node.args) == 2 and isinstance(node.args[1], ast.Constant) \
+                and node.args[1].value == 0:
+            f = node.func
+            if (f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")) in ("kill", "pidfd_send_signal"):
+                out.append(node.lineno)
+    return out
+
+
+def test_only_the_pid_rule_probes_a_pid():
+    assert _signal_zero_calls("try:\n    os.kill(pid, 0)\nexcept ProcessLookupError:\n    pass") == [2]
+    assert not _signal_zero_calls("os.kill(pid, signal.SIGKILL)")
+    assert _signal_zero_calls(PID_HOME.read_text()), "the search no longer finds the rule in its home"
+    found = [f"{p.relative_to(REPO)}:{line}" for p in SCANNED if p != PID_HOME
+             for line in _signal_zero_calls(p.read_text())]
+    assert not found, ("a second pid-alive check; call hpcrl.process.pids.pid_running (another user's process "
+                       "runs, a zombie has ended):\n" + "\n".join(found))
+
+
+def test_a_pid_runs_until_it_ends_a_zombie_has_ended():
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from hpcrl.process.pids import pid_running
+
+    assert pid_running(os.getpid())
+    assert not pid_running(0) and not pid_running(-1)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert pid_running(child.pid)
+    finally:
+        child.kill()
+    deadline = time.monotonic() + 10
+    while "Z" != open(f"/proc/{child.pid}/stat").read().rsplit(")", 1)[1].split()[0]:
+        assert time.monotonic() < deadline, "the killed child never became a zombie"
+        time.sleep(0.01)
+    assert not pid_running(child.pid), "a zombie has ended (only its parent's wait is missing)"
+    child.wait()
+    assert not pid_running(child.pid), "a reaped pid names no process"
+
+
+def _interpreter_for(uid: int):
+    """An interpreter user ``uid`` may run (this one may sit under root's home), or None."""
+    import subprocess
+    import sys
+
+    for exe in (sys.executable, "/usr/bin/python3"):
+        try:
+            if subprocess.run([exe, "-c", "pass"], user=uid, capture_output=True, timeout=30).returncode == 0:
+                return exe
+        except OSError:
+            continue
+    return None
+
+
+def test_a_process_of_another_user_runs():
+    """The kernel answers EPERM for another user's process: it exists (status, the rendezvous, the buffer
+    sweep and the start-up sweep once disagreed on this). Run as the other user where this session is root."""
+    import os
+    import subprocess
+
+    import pytest
+
+    from hpcrl.process.pids import pid_running
+
+    if os.geteuid() != 0:
+        owner = os.stat("/proc/1").st_uid
+        if owner == os.geteuid():
+            pytest.skip("pid 1 is this user's: no other user's process to probe")
+        assert pid_running(1)
+        return
+    nobody = 65534
+    exe = _interpreter_for(nobody)
+    if exe is None:
+        pytest.skip("no Python interpreter that user 65534 may run")
+    me = os.getpid()
+    probe = (PID_HOME.read_text()  # the rule's own source: the other user cannot import this checkout
+             + f"\ntry:\n    os.kill({me}, 0)\n    raise SystemExit('no EPERM: the probe runs as this user')\n"
+             + f"except PermissionError:\n    pass\nprint(pid_running({me}), pid_running(2 ** 22 + 1))\n")
+    out = subprocess.run([exe, "-c", probe], user=nobody, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "False"], out.stdout

@@ -29,7 +29,6 @@ rolled it back is read again from the start).
 from __future__ import annotations
 
 import math
-import os
 import socket
 import sys
 import time
@@ -46,6 +45,7 @@ from hpcrl.control.records import HeartbeatState, TrainerDone, has_ended, read_h
 from hpcrl.eval_log import EVALUATED, JOB, SKIPPED, EvalRow
 from hpcrl.control.fatal import read_fatal
 from hpcrl.fsio import JsonlTail, free_bytes, size_text, tree_bytes
+from hpcrl.process.pids import pid_running
 from hpcrl.run_dir import EVAL_JOB, RunDir
 from hpcrl import metric_names as M
 
@@ -81,13 +81,7 @@ class JobView:
 def _process_gone(host: str, pid: int) -> bool:
     if host != socket.gethostname() or pid <= 0:
         return False  # another node: only the heartbeat age can tell
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
+    return not pid_running(pid)
 
 
 @dataclass
