@@ -1,5 +1,5 @@
 """The shape of the code, checked: layers, names owned by RunDir, docstrings, file sizes,
-and the config's allowed-name tables against the implementations.
+and the config's allowed-name tables against the implementations (the registries: tests/test_rules_once.py).
 
 Read with ``ast`` (nothing imported), so a violation is reported as file:line.
 """
@@ -304,6 +304,7 @@ def test_no_file_over_500_lines():
 
 
 # ---- the allowed-name tables of the config have implementations, and only those --------
+# (the registries of hpcrl/config/names.py, name -> implementation, are checked in tests/test_rules_once.py)
 
 def _calls(fn, names_, bogus="no-such-name"):
     """Every listed name is accepted by ``fn``; a bogus one is refused with ValueError."""
@@ -353,23 +354,6 @@ def test_pf_ppo_methods_match_the_implementation():
     from hpcrl.trainer.pf_ppo import pf_ppo_weights
 
     _calls(lambda method: pf_ppo_weights(torch.tensor([0.0, 1.0]), method, 2.0), names.PF_PPO_REWEIGHT_METHODS)
-
-
-def test_rewards_and_engines_match_the_implementation():
-    from hpcrl.rollout.engines import ENGINES
-    from hpcrl.rollout.rewards import REWARDS
-
-    assert set(REWARDS) | {names.BY_DATA_SOURCE} == set(names.REWARD_NAMES)
-    assert set(ENGINES) == set(names.ENGINES)
-
-
-def test_agent_loops_match_the_implementation():
-    from hpcrl.rollout.loops import LOOPS
-    from hpcrl.rollout.single_turn import SingleTurnLoop
-    from hpcrl.rollout.tool_agent import ToolAgentLoop
-
-    assert set(LOOPS) == set(names.AGENT_LOOPS)
-    assert {SingleTurnLoop.name, ToolAgentLoop.name} == set(names.AGENT_LOOPS)
 
 
 # ---- one fleet-resize path (launcher/fleet.py) ------------------------------------------------------

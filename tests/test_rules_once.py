@@ -7,6 +7,7 @@ must find (the ones this code once held), so a search that stopped finding anyth
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -14,6 +15,16 @@ SCANNED = [*sorted((REPO / "hpcrl").rglob("*.py")), *sorted((REPO / "bench").rgl
            *sorted((REPO / "analysis").rglob("*.py"))]
 """The package, the benches and the analysis scripts (tests keep their own oracles: verl's arithmetic)."""
 BUDGET_HOME = REPO / "hpcrl" / "config" / "knobs.py"
+
+
+@functools.lru_cache(maxsize=None)
+def _parsed(path: Path) -> ast.AST:
+    return ast.parse(path.read_text())
+
+
+def _tree(code) -> ast.AST:
+    """A file (parsed once for all the searches) or a snippet."""
+    return _parsed(code) if isinstance(code, Path) else ast.parse(code)
 
 ROUNDING = {"floor", "ceil", "int", "trunc", "round"}
 
@@ -49,12 +60,12 @@ def _rounded(tree: ast.AST):
             yield node.left
 
 
-def budget_copies(source: str) -> list[int]:
+def budget_copies(code) -> list[int]:
     """Lines that compute an admission budget: a product rounded to a whole number with a ``(1 + x)`` factor, or
     with a staleness among its factors (``floor((1 + s) * K * R)``, verl's ``int(R * (s + 1) * K)``,
     ``K*R + floor(staleness_threshold * K*R)``)."""
     lines = set()
-    for expr in _rounded(ast.parse(source)):
+    for expr in _rounded(_tree(code)):
         for node in ast.walk(expr):
             if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
                 factors = _factors(node)
@@ -85,8 +96,8 @@ def test_the_budget_search_finds_copies_and_nothing_else():
 
 def test_the_admission_budget_is_computed_only_in_config_knobs():
     found = [f"{p.relative_to(REPO)}:{line}" for p in SCANNED if p != BUDGET_HOME
-             for line in budget_copies(p.read_text())]
-    assert budget_copies(BUDGET_HOME.read_text()), "the search no longer finds the formula in its home"
+             for line in budget_copies(p)]
+    assert budget_copies(BUDGET_HOME), "the search no longer finds the formula in its home"
     assert not found, ("the admission budget floor((1 + s) * K * R) is computed again; call "
                        "hpcrl.config.knobs.admission_budget (or RunConfig.admission_budget) instead:\n"
                        + "\n".join(found))
@@ -101,7 +112,7 @@ until the planner's rewrite lands (it then derives from the config's)."""
 def test_one_class_holds_the_async_knobs():
     defined = [f"{p.relative_to(REPO)}:{node.lineno}" for p in SCANNED
                if p != BUDGET_HOME and PLANNER_CANDIDATE not in p.parents
-               for node in ast.walk(ast.parse(p.read_text()))
+               for node in ast.walk(_tree(p))
                if isinstance(node, ast.ClassDef) and "knobs" in node.name.lower()]
     assert not defined, ("a second class of async knobs; use hpcrl.config.knobs.Knobs (RunConfig.knobs):\n"
                          + "\n".join(defined))
@@ -126,10 +137,10 @@ def test_the_config_the_knobs_and_the_admission_counter_agree():
 PID_HOME = REPO / "hpcrl" / "process" / "pids.py"
 
 
-def _signal_zero_calls(source: str) -> list[int]:
+def _signal_zero_calls(code) -> list[int]:
     """Lines that probe a pid with signal 0 (``os.kill(pid, 0)``, ``kill(pid, 0)``)."""
     out = []
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(_tree(code)):
         if isinstance(node, ast.Call) and len(node.args) == 2 and isinstance(node.args[1], ast.Constant) \
                 and node.args[1].value == 0:
             f = node.func
@@ -141,9 +152,9 @@ def _signal_zero_calls(source: str) -> list[int]:
 def test_only_the_pid_rule_probes_a_pid():
     assert _signal_zero_calls("try:\n    os.kill(pid, 0)\nexcept ProcessLookupError:\n    pass") == [2]
     assert not _signal_zero_calls("os.kill(pid, signal.SIGKILL)")
-    assert _signal_zero_calls(PID_HOME.read_text()), "the search no longer finds the rule in its home"
+    assert _signal_zero_calls(PID_HOME), "the search no longer finds the rule in its home"
     found = [f"{p.relative_to(REPO)}:{line}" for p in SCANNED if p != PID_HOME
-             for line in _signal_zero_calls(p.read_text())]
+             for line in _signal_zero_calls(p)]
     assert not found, ("a second pid-alive check; call hpcrl.process.pids.pid_running (another user's process "
                        "runs, a zombie has ended):\n" + "\n".join(found))
 
@@ -213,3 +224,131 @@ def test_a_process_of_another_user_runs():
     out = subprocess.run([exe, "-c", probe], user=nobody, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", "False"], out.stdout
+
+
+# ---- the registries: each name once, in hpcrl/config/names.py, read by the config and the jobs alike ---------
+
+NAMES_HOME = REPO / "hpcrl" / "config" / "names.py"
+
+
+def _registries() -> dict:
+    from hpcrl.config import names
+
+    return {"ENGINES": names.ENGINES, "AGENT_LOOPS": names.AGENT_LOOPS, "TOOL_PARSERS": names.TOOL_PARSERS,
+            "WEIGHT_TRANSPORTS": names.WEIGHT_TRANSPORTS, "REWARDS": {**names.REWARDS, names.BY_DATA_SOURCE: ""}}
+
+
+def _spelled(code) -> list[tuple[int, frozenset]]:
+    """(line, the strings it spells) of every tuple, list or set literal and every dict literal's keys with two
+    or more strings."""
+    out = []
+    for node in ast.walk(_tree(code)):
+        items = node.keys if isinstance(node, ast.Dict) else node.elts if isinstance(
+            node, (ast.Tuple, ast.List, ast.Set)) else []
+        spelled = frozenset(x.value for x in items if isinstance(x, ast.Constant) and isinstance(x.value, str))
+        if len(spelled) >= 2:
+            out.append((node.lineno, spelled))
+    return out
+
+
+_spelled_in_file = functools.lru_cache(maxsize=None)(_spelled)
+
+
+def name_lists(code, registry_names) -> list[int]:
+    """Lines of a tuple, list or set literal, or a dict literal's keys, that spell two or more of the names."""
+    wanted = set(registry_names)
+    found = _spelled_in_file(code) if isinstance(code, Path) else _spelled(code)
+    return [line for line, spelled in found if len(spelled & wanted) >= 2]
+
+
+def test_the_name_list_search_finds_the_lists_that_stood_beside_the_registries():
+    regs = _registries()
+    old = {  # what hpcrl/config/names.py and the jobs held before the registries
+        "ENGINES": ['ENGINES = ("transformers", "vllm", SIMULATED_ENGINE)',
+                    'ENGINES = {"transformers": _transformers, "vllm": _vllm, "simulated": _simulated}'],
+        "AGENT_LOOPS": ['AGENT_LOOPS = ("single_turn", "tool_agent")'],
+        "TOOL_PARSERS": ['PARSERS = {"hermes": HermesParser, "tiny": TinyParser}'],
+        "WEIGHT_TRANSPORTS": ['BACKENDS = {"filesystem": ("m", "P", "S"), "broadcast": ("m", "P", "S")}',
+                              'broadcast = cfg.transport in ("auto", "broadcast")'],
+        "REWARDS": ['REWARD_NAMES = (BY_DATA_SOURCE, "toy_copy", "token_match", "exact_match")'],
+    }
+    for registry, copies in old.items():
+        for code in copies:
+            assert name_lists(code, regs[registry]), code
+    assert not name_lists('if engine == "vllm" and device == "cuda": pass', regs["ENGINES"])
+    assert not name_lists('DATA_SOURCES = {"openai/gsm8k": "gsm8k", "math": "math_verify"}', regs["REWARDS"])
+
+
+def test_no_name_list_beside_a_registry():
+    regs = _registries()
+    assert all(name_lists(NAMES_HOME, names) for names in regs.values()), \
+        "the search no longer finds the registries themselves"
+    found = [f"{p.relative_to(REPO)}:{line} spells {registry}'s names" for p in SCANNED if p != NAMES_HOME
+             for registry, names in regs.items() for line in name_lists(p, names)]
+    assert not found, ("a list of names beside the registry in hpcrl/config/names.py; read the registry "
+                       "(names.ENGINES, ...) instead:\n" + "\n".join(found))
+
+
+def _defines(path: str) -> bool:
+    """The registry entry ``module:attribute`` names a module of this checkout defining ``attribute`` at its top
+    level (read, not imported: vLLM is optional)."""
+    import importlib.util
+
+    module, _, attribute = path.partition(":")
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        return False
+    tree = ast.parse(Path(spec.origin).read_text())
+    return any(isinstance(n, (ast.ClassDef, ast.FunctionDef)) and n.name == attribute for n in tree.body)
+
+
+def test_every_registry_entry_names_an_implementation():
+    from hpcrl.config import names
+
+    entries = [(f"{registry}[{name!r}]", path) for registry, reg in _registries().items()
+               for name, value in reg.items() if value for path in ((value,) if isinstance(value, str) else value)]
+    missing = [f"{where} = {path!r}" for where, path in entries if not _defines(path)]
+    assert not missing, "registry entries without an implementation:\n" + "\n".join(missing)
+    assert not _defines("hpcrl.rollout.engines:NoSuchEngine") and not _defines("hpcrl.no_such_module:X")
+    assert names.reward_names() == (names.BY_DATA_SOURCE, *names.REWARDS)
+
+
+def test_config_validation_reads_the_registries_themselves(monkeypatch):
+    """A name added to a registry is accepted, one removed is refused: the checks hold no copy of the names."""
+    import pytest
+
+    from hpcrl.config import AgentConfig, ConfigError, RewardConfig, RolloutConfig, WeightsConfig, names
+    from hpcrl.config.evaluation import EvalRewardConfig
+
+    checks = [(names.ENGINES, "transformers", lambda v: RolloutConfig(engine=v).validate()),
+              (names.AGENT_LOOPS, "single_turn", lambda v: AgentConfig(default=v).validate()),
+              (names.TOOL_PARSERS, "hermes", lambda v: AgentConfig(tool_parser=v).validate()),
+              (names.WEIGHT_TRANSPORTS, "broadcast", lambda v: WeightsConfig(transport=v).validate()),
+              (names.REWARDS, "gsm8k", lambda v: RewardConfig(name=v).validate()),
+              (names.REWARDS, "gsm8k", lambda v: EvalRewardConfig(name=v).validate())]
+    for registry, existing, validate in checks:
+        validate(existing)
+        with pytest.raises(ConfigError):
+            validate("brand_new")
+        with monkeypatch.context() as m:
+            m.setitem(registry, "brand_new", registry[existing])
+            validate("brand_new")
+            m.delitem(registry, existing)
+            with pytest.raises(ConfigError, match="brand_new"):
+                validate(existing)
+
+
+def test_the_jobs_build_what_the_registries_name(monkeypatch):
+    """The jobs' lookups are the same objects: one line in the registry is a new loop for the rollout job."""
+    from hpcrl.config import AgentConfig, names
+    from hpcrl.rollout import engines, loops
+    from hpcrl.rollout.single_turn import SingleTurnLoop
+    from hpcrl.weights import registry
+
+    assert engines.ENGINES is names.ENGINES and loops.AGENT_LOOPS is names.AGENT_LOOPS
+    assert registry.WEIGHT_TRANSPORTS is names.WEIGHT_TRANSPORTS
+    monkeypatch.setitem(names.AGENT_LOOPS, "echo", names.AGENT_LOOPS[names.SINGLE_TURN])
+    built = loops.make_loops(AgentConfig(), None, [{"agent_name": "echo"}, {}])
+    assert set(built) == {"echo", names.SINGLE_TURN} and isinstance(built["echo"], SingleTurnLoop)
+    assert SingleTurnLoop.name == names.SINGLE_TURN
+    assert names.resolve(names.AGENT_LOOPS[names.TOOL_AGENT]).name == names.TOOL_AGENT

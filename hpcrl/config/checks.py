@@ -13,7 +13,7 @@ import math
 import re
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any, Iterator, Optional
+from typing import Any, Collection, Iterator, Optional
 
 
 class ConfigError(ValueError):
@@ -151,14 +151,15 @@ def check_float(key: str, value: Any, lo: float, hi: Optional[float] = None, lo_
     return True
 
 
-def check_choice(key: str, value: Any, choices: tuple) -> bool:
-    """One of ``choices``; False (reported) if not."""
+def check_choice(key: str, value: Any, choices: Collection) -> bool:
+    """One of ``choices`` (a tuple of names, or a registry of :mod:`hpcrl.config.registries`: its names); False
+    (reported) if not."""
     if value not in choices:
         return fail(key, value, "one of " + ", ".join(repr(c) for c in choices))
     return True
 
 
-def check_optional_choice(key: str, value: Any, choices: tuple) -> bool:
+def check_optional_choice(key: str, value: Any, choices: Collection) -> bool:
     """None or one of ``choices``; False (reported) if not."""
     if value not in (None, *choices):
         return fail(key, value, "null or one of " + ", ".join(repr(c) for c in choices))

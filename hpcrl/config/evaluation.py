@@ -22,7 +22,7 @@ class EvalRewardConfig:
     if ``path`` is null, the built-in ``name``."""
 
     name: Optional[str] = None
-    """A built-in reward (:data:`hpcrl.config.names.REWARD_NAMES`) for the evaluation; null = see above."""
+    """A built-in reward (:func:`hpcrl.config.names.reward_names`) for the evaluation; null = see above."""
     path: Optional[str] = None
     """A Python file with the evaluation's reward function (verl's signature); null = see above."""
     function: str = "compute_score"
@@ -37,7 +37,7 @@ class EvalRewardConfig:
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
         if self.name is not None:
-            check_choice("eval.reward.name", self.name, names.REWARD_NAMES)
+            check_choice("eval.reward.name", self.name, names.reward_names())
         if self.path is not None and Path(self.path).suffix != ".py":
             fail("eval.reward.path", self.path, "null or a .py file", "point eval.reward.path at your reward file")
         if not isinstance(self.function, str) or not self.function.isidentifier():

@@ -99,7 +99,7 @@ class RewardConfig:
     (only the names it accepts are passed; hpcrl/rollout/reward_fn.py)."""
 
     name: str = "by_data_source"
-    """Built-in reward (:data:`hpcrl.config.names.REWARD_NAMES`), used when reward.path is null:
+    """Built-in reward (:func:`hpcrl.config.names.reward_names`), used when reward.path is null:
     ``by_data_source`` picks the rule from each row's ``data_source`` as verl's default_compute_score
     does (``openai/gsm8k`` -> ``gsm8k``, the MATH sources -> ``math_verify``, ``builtin:toy`` ->
     ``toy_copy``); ``math_verify`` checks the final answer with the math-verify package, ``gsm8k``
@@ -117,7 +117,7 @@ class RewardConfig:
 
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
-        check_choice("reward.name", self.name, names.REWARD_NAMES)
+        check_choice("reward.name", self.name, names.reward_names())
         if self.path is not None and Path(self.path).suffix != ".py":
             fail("reward.path", self.path, "null or a .py file", "point reward.path at your reward file")
         if not isinstance(self.function, str) or not self.function.isidentifier():

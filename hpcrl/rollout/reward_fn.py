@@ -14,7 +14,7 @@ with its signature and the expected one.
 
 ``reward.path`` names the Python file and ``reward.function`` the function (verl:
 ``custom_reward_function.path`` / ``.name``); otherwise ``reward.name`` picks a built-in from
-:data:`hpcrl.rollout.rewards.REWARDS`, or ``by_data_source``: the built-in that a row's
+:data:`hpcrl.config.names.REWARDS`, or ``by_data_source``: the built-in that a row's
 ``data_source`` names (:data:`hpcrl.rollout.rewards.DATA_SOURCES`), verl's
 ``default_compute_score`` habit over hpcrl's own scorers. A result is a number (a bool counts as
 0/1, a tuple's first element is taken, as verl does) or a dict whose ``score`` is the reward and
@@ -43,7 +43,7 @@ from typing import Any, Callable, Optional
 
 from hpcrl.config import RewardConfig
 from hpcrl.config.names import BY_DATA_SOURCE
-from hpcrl.rollout.rewards import REWARDS, right_answer, scorer_for
+from hpcrl.rollout.rewards import builtin_rule, right_answer, scorer_for
 from hpcrl import metric_names as M
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ def _builtin(name: str) -> ComputeScore:
 
 
 def _call_rule(name: str, response: str, answer: str, extra_info: Optional[dict]) -> float:
-    fn = REWARDS[name]
+    fn = builtin_rule(name)
     return fn(response, answer, extra_info) if getattr(fn, "wants_extra_info", False) else fn(response, answer)
 
 

@@ -1,7 +1,7 @@
-"""Rule-based rewards: ``REWARDS[name](response_text, answer) -> float``.
+"""Rule-based rewards: ``builtin_rule(name)(response_text, answer) -> float``.
 
-Add one by writing a function and registering it here; ``reward.name`` in the
-config picks it and is checked against this table before anything starts. Your own
+Add one by writing a function here and its line in the registry, :data:`hpcrl.config.names.REWARDS`;
+``reward.name`` in the config picks it and is checked against that registry before anything starts. Your own
 function with verl's signature goes in ``reward.path`` instead (hpcrl/rollout/reward_fn.py).
 
 ``reward.name=by_data_source`` (the default) picks the rule from each row's ``data_source``
@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 import re
 from typing import Callable
+
+from hpcrl.config import names
 
 RewardFn = Callable[[str, str], float]
 
@@ -107,15 +109,9 @@ def toy_calc(response: str, answer: str, extra_info: dict | None) -> float:
 toy_calc.wants_extra_info = True  # the agent's counters (tool_calls, tool_errors) come in extra_info
 
 
-REWARDS: dict[str, RewardFn] = {
-    "toy_copy": token_match,
-    "token_match": token_match,
-    "exact_match": exact_match,
-    "last_number": last_number,
-    "math_verify": math_verify_reward,
-    "gsm8k": gsm8k,
-    "toy_calc": toy_calc,
-}
+def builtin_rule(name: str) -> RewardFn:
+    """The built-in rule ``reward.name`` names (:data:`hpcrl.config.names.REWARDS`); KeyError for another name."""
+    return names.resolve(names.REWARDS[name])
 
 
 RIGHT_ANSWERS: dict[str, Callable[[str], str]] = {"gsm8k": gsm8k_right_answer}
