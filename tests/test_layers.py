@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpcrl.config import names
+from hpcrl.config import names, registries
 
 PKG = Path(__file__).resolve().parents[1] / "hpcrl"
 
@@ -338,7 +338,7 @@ def test_loss_agg_modes_and_policy_losses_match_the_implementation():
 
     _calls(lambda mode: agg_loss(torch.ones(2, 3), torch.ones(2, 3), mode, horizon=3), names.LOSS_AGG_MODES)
     x, m = torch.zeros(2, 3), torch.ones(2, 3)
-    _calls(lambda mode: policy_loss(mode, x, x, x, m, LossParams(dro_beta=0.1)), names.POLICY_LOSS_MODES)
+    _calls(lambda mode: policy_loss(mode, x, x, x, m, LossParams(dro_beta=0.1)), registries.POLICY_LOSS_MODES)
 
 
 def test_rollout_correction_levels_match_the_implementation():

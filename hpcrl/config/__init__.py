@@ -6,7 +6,9 @@ whole before anything is created or submitted, then frozen into ``RUN/config.yam
 =================  ==============================================================
 module             what it holds
 =================  ==============================================================
-``names``          the names a field may choose from (estimators, rewards, ...), renamed and verl keys
+``names``          the names a field may choose from (estimators, ...), renamed and verl keys
+``registries``     name -> implementation ("module:attribute") of engines, loops, parsers, weight transports,
+                   rewards and policy losses: the config checks names against them, the jobs import from them
 ``checks``         ConfigError and the check helpers (key, what is allowed, fix)
 ``sections``       model, data, reward, actor, rollout, agent, async_training, trainer,
                    weights

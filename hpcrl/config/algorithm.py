@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-from hpcrl.config import names
+from hpcrl.config import names, registries
 from hpcrl.config.checks import check_choice, check_float, check_int, check_optional_choice, fail
 
 
@@ -237,9 +237,9 @@ class PolicyLossConfig:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
         k = "actor.policy_loss."
         if self.loss_mode == "bypass_mode":
-            fail(k + "loss_mode", self.loss_mode, "one of " + ", ".join(names.POLICY_LOSS_MODES),
+            fail(k + "loss_mode", self.loss_mode, "one of " + ", ".join(registries.POLICY_LOSS_MODES),
                  "verl sets bypass_mode itself: set algorithm.rollout_correction.bypass_mode=true (and loss_type)")
-        check_choice(k + "loss_mode", self.loss_mode, names.POLICY_LOSS_MODES)
+        check_choice(k + "loss_mode", self.loss_mode, registries.POLICY_LOSS_MODES)
         check_float(k + "clip_cov_ratio", self.clip_cov_ratio, 0.0, 1.0, lo_open=True)
         check_float(k + "clip_cov_lb", self.clip_cov_lb, -math.inf)
         if not self.clip_cov_ub > self.clip_cov_lb:

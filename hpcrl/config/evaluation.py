@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
-from hpcrl.config import names
+from hpcrl.config import registries
 from hpcrl.config.checks import check_choice, check_float, check_int, fail
 from hpcrl.config.sections import RewardConfig
 
@@ -22,7 +22,7 @@ class EvalRewardConfig:
     if ``path`` is null, the built-in ``name``."""
 
     name: Optional[str] = None
-    """A built-in reward (:func:`hpcrl.config.names.reward_names`) for the evaluation; null = see above."""
+    """A built-in reward (:func:`hpcrl.config.registries.reward_names`) for the evaluation; null = see above."""
     path: Optional[str] = None
     """A Python file with the evaluation's reward function (verl's signature); null = see above."""
     function: str = "compute_score"
@@ -37,7 +37,7 @@ class EvalRewardConfig:
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
         if self.name is not None:
-            check_choice("eval.reward.name", self.name, names.reward_names())
+            check_choice("eval.reward.name", self.name, registries.reward_names())
         if self.path is not None and Path(self.path).suffix != ".py":
             fail("eval.reward.path", self.path, "null or a .py file", "point eval.reward.path at your reward file")
         if not isinstance(self.function, str) or not self.function.isidentifier():
@@ -98,7 +98,7 @@ class EvalConfig:
         if self.response_length is not None:
             check_int("eval.response_length", self.response_length, 1)
         if self.engine is not None:
-            check_choice("eval.engine", self.engine, names.ENGINES)
+            check_choice("eval.engine", self.engine, registries.ENGINES)
         check_int("eval.concurrent_prompts", self.concurrent_prompts, 1)
         self.reward.validate()
         if self.do_sample and self.temperature <= 0:

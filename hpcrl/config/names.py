@@ -1,26 +1,14 @@
 """The names a config may choose from, defined once, here at the bottom layer.
 
-Two kinds of table. The *registries* (:data:`ENGINES`, :data:`AGENT_LOOPS`, :data:`TOOL_PARSERS`,
-:data:`WEIGHT_TRANSPORTS`, :data:`REWARDS`) map each name to where its implementation lives
-(``"package.module:attribute"``): the config checks a value against the registry itself before anything is
-submitted, and the job that needs the implementation imports it by that path only when it is chosen
-(:func:`resolve`; vLLM is an optional dependency). So the config knows the names and nothing of the jobs, and
-adding an engine, a loop, a parser, a backend or a reward is one file and one line here
-(``tests/test_rules_once.py`` fails on a list of these names anywhere else, and on an entry whose module or
-attribute does not exist). The other tables are plain names whose implementation dispatches on them
-(``hpcrl/trainer/``: ``tests/test_layers.py`` calls it with each).
+Plain tables of names whose implementation dispatches on them (``hpcrl/trainer/``: ``tests/test_layers.py``
+calls it with each), the names the registries are keyed by (:data:`SIMULATED_ENGINE`, :data:`SINGLE_TURN`,
+:data:`BY_DATA_SOURCE`, ...), renamed keys and verl's keys. The registries (name -> where the implementation
+lives: engines, agent loops, tool parsers, weight transports, rewards, policy losses) are
+:mod:`hpcrl.config.registries`.
 """
 from __future__ import annotations
 
-import importlib
-from typing import Any, NamedTuple, Optional
-
-
-def resolve(path: str) -> Any:
-    """The object a registry entry ``"package.module:attribute"`` names, its module imported now. Called by the
-    registries' users (the jobs, when a name is chosen), never by the config's checks."""
-    module, _, attribute = path.partition(":")
-    return getattr(importlib.import_module(module), attribute)
+from typing import NamedTuple, Optional
 
 
 ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "grpo_passk",
@@ -33,10 +21,6 @@ GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "grpo
                     "optimal_token_baseline", "tir_optimal_token_baseline", "gdpo", "grpo_vectorized",
                     "rloo_vectorized")
 """The estimators whose baseline is the rest of the group: they need ``rollout.n >= 2``."""
-
-POLICY_LOSS_MODES = ("vanilla", "gspo", "cispo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dppo_tv", "dppo_kl", "sapo",
-                     "dro")
-"""``actor.policy_loss.loss_mode`` (hpcrl/trainer/policy_losses.py)."""
 
 KL_ESTIMATORS = ("kl", "k1", "mse", "k2", "low_var_kl", "k3", "abs",
                  "kl+", "k1+", "mse+", "k2+", "low_var_kl+", "k3+", "abs+")
@@ -67,25 +51,6 @@ translates the bounds: 0.9.1's k1 bounds apply to 1/rho)."""
 BY_DATA_SOURCE = "by_data_source"
 """``reward.name`` that picks the rule from each row's ``data_source`` (verl's default_compute_score habit)."""
 
-_RULES = "hpcrl.rollout.rewards"
-REWARDS: dict[str, str] = {
-    "toy_copy": f"{_RULES}:token_match",
-    "token_match": f"{_RULES}:token_match",
-    "exact_match": f"{_RULES}:exact_match",
-    "last_number": f"{_RULES}:last_number",
-    "math_verify": f"{_RULES}:math_verify_reward",
-    "gsm8k": f"{_RULES}:gsm8k",
-    "toy_calc": f"{_RULES}:toy_calc",
-}
-"""Registry of the built-in rule-based rewards: ``reward.name`` -> the rule, ``rule(response, answer) -> float``
-(hpcrl/rollout/rewards.py; one with ``wants_extra_info`` also takes the row's ``extra_info``)."""
-
-
-def reward_names() -> tuple[str, ...]:
-    """``reward.name`` and ``eval.reward.name``: :data:`BY_DATA_SOURCE` or a rule of :data:`REWARDS`."""
-    return (BY_DATA_SOURCE, *REWARDS)
-
-
 TRUNCATIONS = ("filter", "left", "right", "error")
 """``data.truncation``: what happens to a prompt longer than ``data.max_prompt_length``
 (hpcrl/rollout/data.py)."""
@@ -99,14 +64,6 @@ WANDB_MODES = ("offline", "online")
 SIMULATED_ENGINE = "simulated"
 """The engine that sleeps instead of generating (hpcrl/rollout/simulated_engine.py; section ``simulated``)."""
 
-ENGINES: dict[str, str] = {
-    "transformers": "hpcrl.rollout.transformers_engine:TransformersEngine",
-    "vllm": "hpcrl.rollout.vllm_engine:VLLMEngine",
-    SIMULATED_ENGINE: "hpcrl.rollout.simulated_engine:SimulatedEngine",
-}
-"""Registry of ``rollout.engine`` and ``eval.engine``: the engine class, built as ``cls(EngineOptions)``
-(hpcrl/rollout/engine.py is the interface, one file per backend; hpcrl/rollout/engines.py starts one)."""
-
 ROLLOUT_DEVICES = ("auto", "cpu", "cuda")
 """``rollout.device``: ``auto`` = cuda when the job sees a GPU, else cpu."""
 
@@ -116,16 +73,6 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 BUILTIN_MODELS = ("builtin:tiny", "builtin:tiny-h64")
 """``model.path`` values that build a tiny model at launch (hpcrl/tiny/model.py): ``tiny`` has
 4 heads of 32, ``tiny-h64`` 2 heads of 64 (what vLLM's CPU attention needs), same parameters."""
-
-_BROADCAST = ("hpcrl.weights.broadcast:BroadcastPublisher", "hpcrl.weights.broadcast:BroadcastSubscriber")
-WEIGHT_TRANSPORTS: dict[str, tuple[str, str]] = {
-    "auto": _BROADCAST,
-    "broadcast": _BROADCAST,
-    "filesystem": ("hpcrl.weights.filesystem:FilesystemPublisher", "hpcrl.weights.filesystem:FilesystemSubscriber"),
-}
-"""Registry of ``weights.transport``: (publisher class, subscriber class) behind hpcrl/weights/base.py, built by
-hpcrl/weights/registry.py. ``broadcast`` and ``auto`` share a backend: ``broadcast`` fails where the broadcast
-cannot form, ``auto`` falls back to files."""
 
 BROADCAST_BACKENDS = ("auto", "gloo", "nccl")
 """``weights.broadcast_backend`` (hpcrl/weights/group.py): ``auto`` = nccl when both ends hold CUDA tensors."""
@@ -139,22 +86,10 @@ RENAMED_KEYS = {
 KL_CTRL_TYPES = ("fixed", "adaptive")
 """``algorithm.kl_ctrl.type`` (hpcrl/trainer/kl.py)."""
 
-SINGLE_TURN, TOOL_AGENT = "single_turn", "tool_agent"
-"""The two agent loops' names (each loop's ``name``)."""
-
-AGENT_LOOPS: dict[str, str] = {
-    SINGLE_TURN: "hpcrl.rollout.single_turn:SingleTurnLoop",
-    TOOL_AGENT: "hpcrl.rollout.tool_agent:ToolAgentLoop",
-}
-"""Registry of ``agent.default`` and a data row's ``agent_name``: the loop class behind
-hpcrl/rollout/agent_loop.py:AgentLoop, built by its ``build(AgentConfig, tokenizer)`` (hpcrl/rollout/loops.py)."""
-
-TOOL_PARSERS: dict[str, str] = {
-    "hermes": "hpcrl.rollout.tool_parsers:HermesParser",
-    "tiny": "hpcrl.rollout.tool_parsers:TinyParser",
-}
-"""Registry of ``agent.tool_parser``: the parser class, built as ``cls(tokenizer, tool_names)``
-(hpcrl/rollout/tool_parsers.py)."""
+SINGLE_TURN = "single_turn"
+"""The single-turn agent loop's name (hpcrl/rollout/single_turn.py; a key of ``registries.AGENT_LOOPS``)."""
+TOOL_AGENT = "tool_agent"
+"""The tool agent's name (hpcrl/rollout/tool_agent.py; a key of ``registries.AGENT_LOOPS``)."""
 
 BUILTIN_DATA = ("builtin:toy", "builtin:toy_calc", "builtin:toy_heldout")
 """``data.source`` and ``data.val_files`` values generated in hpcrl/rollout/dataset.py (``toy_heldout``: the toy

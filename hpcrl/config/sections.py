@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
-from hpcrl.config import names
+from hpcrl.config import names, registries
 from hpcrl.config.algorithm import PolicyLossConfig
 from hpcrl.config.checks import check_choice, check_float, check_int, fail
 
@@ -99,7 +99,7 @@ class RewardConfig:
     (only the names it accepts are passed; hpcrl/rollout/reward_fn.py)."""
 
     name: str = "by_data_source"
-    """Built-in reward (:func:`hpcrl.config.names.reward_names`), used when reward.path is null:
+    """Built-in reward (:func:`hpcrl.config.registries.reward_names`), used when reward.path is null:
     ``by_data_source`` picks the rule from each row's ``data_source`` as verl's default_compute_score
     does (``openai/gsm8k`` -> ``gsm8k``, the MATH sources -> ``math_verify``, ``builtin:toy`` ->
     ``toy_copy``); ``math_verify`` checks the final answer with the math-verify package, ``gsm8k``
@@ -117,7 +117,7 @@ class RewardConfig:
 
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
-        check_choice("reward.name", self.name, names.reward_names())
+        check_choice("reward.name", self.name, registries.reward_names())
         if self.path is not None and Path(self.path).suffix != ".py":
             fail("reward.path", self.path, "null or a .py file", "point reward.path at your reward file")
         if not isinstance(self.function, str) or not self.function.isidentifier():
@@ -275,7 +275,7 @@ class RolloutConfig:
 
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
-        check_choice("rollout.engine", self.engine, names.ENGINES)
+        check_choice("rollout.engine", self.engine, registries.ENGINES)
         check_choice("rollout.device", self.device, names.ROLLOUT_DEVICES)
         check_choice("rollout.dtype", self.dtype, names.DTYPES)
         if self.gpu_memory_utilization is not None:
@@ -324,8 +324,8 @@ class AgentConfig:
 
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
-        check_choice("agent.default", self.default, names.AGENT_LOOPS)
-        check_choice("agent.tool_parser", self.tool_parser, names.TOOL_PARSERS)
+        check_choice("agent.default", self.default, registries.AGENT_LOOPS)
+        check_choice("agent.tool_parser", self.tool_parser, registries.TOOL_PARSERS)
         for key in ("max_assistant_turns", "max_user_turns", "max_parallel_calls", "max_tool_response_chars"):
             check_int(f"agent.{key}", getattr(self, key), 1)
         if self.default == "tool_agent" and not self.tools:
@@ -427,7 +427,7 @@ class WeightsConfig:
 
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
-        check_choice("weights.transport", self.transport, names.WEIGHT_TRANSPORTS)
+        check_choice("weights.transport", self.transport, registries.WEIGHT_TRANSPORTS)
         check_int("weights.keep_versions", self.keep_versions, 2)
         check_float("weights.bucket_mib", self.bucket_mib, 0.0, 4096.0, lo_open=True)
         check_choice("weights.broadcast_backend", self.broadcast_backend, names.BROADCAST_BACKENDS)

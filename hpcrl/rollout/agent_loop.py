@@ -9,7 +9,7 @@ a weight switch or stopped with its job is saved and continued whatever its loop
 
 Loops: ``single_turn.py`` (one response per trajectory) and ``tool_agent.py`` (multi-turn with tool
 calls); ``loops.py`` builds the ones a run's rows name. A new loop is one file implementing
-:class:`AgentLoop` and one line in the registry, :data:`hpcrl.config.names.AGENT_LOOPS`.
+:class:`AgentLoop` and one line in the registry, :data:`hpcrl.config.registries.AGENT_LOOPS`.
 
 Seeds are derived here only: a group's from the data seed and its prompt index, each engine call's
 from the group's, the trajectory's position and how many calls it has made.
@@ -56,7 +56,7 @@ class AgentLoop(abc.ABC):
 
     name: str = ""
     """The loop's name in ``agent.default`` and a row's ``agent_name`` (its key in the registry,
-    :data:`hpcrl.config.names.AGENT_LOOPS`)."""
+    :data:`hpcrl.config.registries.AGENT_LOOPS`)."""
 
     @classmethod
     def build(cls, cfg: AgentConfig, tokenizer) -> "AgentLoop":

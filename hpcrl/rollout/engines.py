@@ -1,4 +1,4 @@
-"""Starting the engine ``rollout.engine`` names. The registry is :data:`hpcrl.config.names.ENGINES` (name ->
+"""Starting the engine ``rollout.engine`` names. The registry is :data:`hpcrl.config.registries.ENGINES` (name ->
 engine class), which the config checks names against; a backend's module is imported only when chosen (vLLM is
 an optional dependency). A new backend is one file behind :class:`~hpcrl.rollout.engine.Engine` and one line in
 that registry."""
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from hpcrl.config.names import ENGINES, resolve
+from hpcrl.config.registries import ENGINES, resolve
 from hpcrl.rollout.engine import Engine, EngineOptions, EngineRunner
 
 log = logging.getLogger(__name__)

@@ -6,11 +6,12 @@ from __future__ import annotations
 from typing import Iterable
 
 from hpcrl.config import AgentConfig
-from hpcrl.config.names import AGENT_LOOPS, SINGLE_TURN, TOOL_AGENT, resolve
+from hpcrl.config.names import SINGLE_TURN, TOOL_AGENT
+from hpcrl.config.registries import AGENT_LOOPS, resolve
 from hpcrl.rollout.agent_loop import AgentLoop
 
 __all__ = ["SINGLE_TURN", "TOOL_AGENT", "loop_name", "make_loops"]
-"""The loops' names come from the registry (:data:`hpcrl.config.names.AGENT_LOOPS`), re-exported for the callers."""
+"""The loops' names come from the registry (:data:`hpcrl.config.registries.AGENT_LOOPS`), re-exported for the callers."""
 
 
 def loop_name(row: dict, cfg: AgentConfig) -> str:

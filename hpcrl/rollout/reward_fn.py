@@ -14,7 +14,7 @@ with its signature and the expected one.
 
 ``reward.path`` names the Python file and ``reward.function`` the function (verl:
 ``custom_reward_function.path`` / ``.name``); otherwise ``reward.name`` picks a built-in from
-:data:`hpcrl.config.names.REWARDS`, or ``by_data_source``: the built-in that a row's
+:data:`hpcrl.config.registries.REWARDS`, or ``by_data_source``: the built-in that a row's
 ``data_source`` names (:data:`hpcrl.rollout.rewards.DATA_SOURCES`), verl's
 ``default_compute_score`` habit over hpcrl's own scorers. A result is a number (a bool counts as
 0/1, a tuple's first element is taken, as verl does) or a dict whose ``score`` is the reward and

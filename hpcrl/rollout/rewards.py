@@ -1,6 +1,6 @@
 """Rule-based rewards: ``builtin_rule(name)(response_text, answer) -> float``.
 
-Add one by writing a function here and its line in the registry, :data:`hpcrl.config.names.REWARDS`;
+Add one by writing a function here and its line in the registry, :data:`hpcrl.config.registries.REWARDS`;
 ``reward.name`` in the config picks it and is checked against that registry before anything starts. Your own
 function with verl's signature goes in ``reward.path`` instead (hpcrl/rollout/reward_fn.py).
 
@@ -15,7 +15,7 @@ import logging
 import re
 from typing import Callable
 
-from hpcrl.config import names
+from hpcrl.config import registries
 
 RewardFn = Callable[[str, str], float]
 
@@ -110,8 +110,8 @@ toy_calc.wants_extra_info = True  # the agent's counters (tool_calls, tool_error
 
 
 def builtin_rule(name: str) -> RewardFn:
-    """The built-in rule ``reward.name`` names (:data:`hpcrl.config.names.REWARDS`); KeyError for another name."""
-    return names.resolve(names.REWARDS[name])
+    """The built-in rule ``reward.name`` names (:data:`hpcrl.config.registries.REWARDS`); KeyError for another name."""
+    return registries.resolve(registries.REWARDS[name])
 
 
 RIGHT_ANSWERS: dict[str, Callable[[str], str]] = {"gsm8k": gsm8k_right_answer}

@@ -36,7 +36,7 @@ import dataclasses
 import time
 from typing import Optional
 
-from hpcrl.config import AgentConfig, names
+from hpcrl.config import AgentConfig, names, registries
 from hpcrl.process import faults
 from hpcrl.rollout.agent_loop import AgentLoop, GroupContext, call_seed
 from hpcrl.rollout.engine import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
@@ -82,7 +82,7 @@ class ToolAgentLoop(AgentLoop):
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.tools = make_tools(cfg.tools)
-        self.parser = names.resolve(names.TOOL_PARSERS[cfg.tool_parser])(tokenizer, sorted(self.tools))
+        self.parser = registries.resolve(registries.TOOL_PARSERS[cfg.tool_parser])(tokenizer, sorted(self.tools))
         if getattr(tokenizer, "chat_template", None) is None:
             raise ValueError("agent: the tokenizer has no chat template to render tool responses with")
         self.prefix = template_prefix(tokenizer)

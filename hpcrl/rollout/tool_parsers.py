@@ -12,7 +12,7 @@
 
 Each parser returns ``(calls, error)``: ``error`` (one line) when the turn tried to call a tool
 but the call does not parse; the agent counts it as a tool error and ends the episode.
-Add a format with a class here and its line in the registry, :data:`hpcrl.config.names.TOOL_PARSERS`.
+Add a format with a class here and its line in the registry, :data:`hpcrl.config.registries.TOOL_PARSERS`.
 """
 from __future__ import annotations
 

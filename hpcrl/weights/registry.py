@@ -1,5 +1,5 @@
 """The weight backend ``weights.transport`` names, imported only when chosen (a lazy factory outside the interface
-file). The registry is :data:`hpcrl.config.names.WEIGHT_TRANSPORTS` (name -> publisher and subscriber classes),
+file). The registry is :data:`hpcrl.config.registries.WEIGHT_TRANSPORTS` (name -> publisher and subscriber classes),
 which the config checks names against: a new backend is one file with a publisher and a subscriber behind
 :mod:`hpcrl.weights.base` and one line in that registry."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Optional
 
 from hpcrl.config import TimeoutsConfig, WeightsConfig
-from hpcrl.config.names import WEIGHT_TRANSPORTS, resolve
+from hpcrl.config.registries import WEIGHT_TRANSPORTS, resolve
 from hpcrl.run_dir import RunDir
 from hpcrl.weights.base import WeightPublisher, WeightSubscriber
 
