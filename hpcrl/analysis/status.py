@@ -41,7 +41,7 @@ from hpcrl.analysis.problems import tally
 from hpcrl.config.knobs import Knobs
 from hpcrl.control.admission import read_claims
 from hpcrl.control.fleet import drained_writers
-from hpcrl.control.records import HeartbeatState, TrainerDone, has_ended, read_heartbeats, read_trainer_done
+from hpcrl.control.records import HeartbeatState, JobStats, TrainerDone, has_ended, read_heartbeats, read_trainer_done
 from hpcrl.eval_log import EVALUATED, JOB, SKIPPED, EvalRow
 from hpcrl.control.fatal import read_fatal
 from hpcrl.fsio import JsonlTail, free_bytes, size_text, tree_bytes
@@ -70,7 +70,7 @@ class JobView:
     """The start-up step it is in (or failed in), from its heartbeat."""
     step_s: float = 0.0
     """Seconds since that step began."""
-    stats: dict = field(default_factory=dict)
+    stats: JobStats = field(default_factory=JobStats)
     """The heartbeat's counters."""
 
     @property
@@ -265,10 +265,9 @@ class StatusView:
 def _eval_detail(j: JobView) -> str:
     """The evaluation job's line: its last version and score, what it evaluates now."""
     st = j.stats
-    score = st.get("score")
-    last = (f"last v{st.get('last_version')} {score:.3f}" if isinstance(score, (int, float)) else "nothing evaluated yet")
-    if isinstance(st.get("evaluating"), int) and st["evaluating"] >= 0:
-        return f"{last}; evaluating v{st['evaluating']} ({st.get('prompts_done', 0)}/{st.get('prompts', 0)} prompts)"
+    last = f"last v{st.last_version} {st.score:.3f}" if st.score is not None else "nothing evaluated yet"
+    if st.evaluating_now is not None:
+        return f"{last}; evaluating v{st.evaluating_now} ({st.prompts_done or 0}/{st.prompts or 0} prompts)"
     return last
 
 

@@ -72,6 +72,46 @@ def has_ended(state: object) -> bool:
 
 
 @dataclass
+class JobStats(JsonRecord):
+    """A heartbeat's counters, written by the job through this type and read by ``hpcrl status`` (the evaluation
+    job's line), ``Run.status()`` and the tests. Each job kind writes its own fields; the others stay None and are
+    left out of the JSON."""
+
+    step: Optional[int] = None
+    """Trainer: local updates done."""
+    consumed_groups: Optional[int] = None
+    """Trainer: groups consumed so far."""
+    reward_mean: Optional[float] = None
+    """Trainer: mean reward of the last update's groups."""
+    idle_ratio: Optional[float] = None
+    """Trainer: share of the last update's wall time spent waiting for samples."""
+    groups_committed: Optional[int] = None
+    """Rollout: groups this writer has committed (its manifest)."""
+    last_version: Optional[int] = None
+    """Evaluation: the last version it evaluated (None: none yet; -1 in a beat of an older hpcrl)."""
+    score: Optional[float] = None
+    """Evaluation: that version's score (``score_name``)."""
+    score_name: Optional[str] = None
+    """Evaluation: what ``score`` is (``val-core/<source>/reward/mean@n``)."""
+    evaluating: Optional[int] = None
+    """Evaluation: the version being evaluated now (None: none; -1 in a beat of an older hpcrl)."""
+    prompts_done: Optional[int] = None
+    """Evaluation: held-out prompts of ``evaluating`` scored so far."""
+    prompts: Optional[int] = None
+    """Evaluation: held-out prompts per version."""
+    skipped: Optional[int] = None
+    """Evaluation: due versions it skipped (it fell behind, or they were deleted before it got to them)."""
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+    @property
+    def evaluating_now(self) -> Optional[int]:
+        """The version the evaluation job is evaluating, or None (an older hpcrl wrote -1 for none)."""
+        return self.evaluating if self.evaluating is not None and self.evaluating >= 0 else None
+
+
+@dataclass
 class Heartbeat(JsonRecord):
     """One job's liveness record, ``control/heartbeat/<job>.json``; rewritten every few seconds."""
 
@@ -93,8 +133,8 @@ class Heartbeat(JsonRecord):
     after it, the step it failed in, if it failed there."""
     step_started_s: float = 0.0
     """Unix time the step began."""
-    stats: dict = field(default_factory=dict)
-    """Counters for the status view (groups committed/consumed, idle ratio, ...)."""
+    stats: JobStats = field(default_factory=JobStats)
+    """The job's counters (:class:`JobStats`: groups committed or consumed, idle ratio, what it evaluates)."""
     slurm_job: str = ""
     """The Slurm job that runs it, as ``squeue -j`` takes it (``123``, or ``120_3`` for an array task); empty
     outside Slurm (and in a beat written before the field existed). Other rollout jobs ask Slurm about it before
@@ -103,6 +143,7 @@ class Heartbeat(JsonRecord):
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         d["state"] = str(self.state)
+        d["stats"] = self.stats.to_json()
         return d
 
     @property

@@ -30,7 +30,7 @@ import time
 from typing import Optional
 
 from hpcrl.control.job import Stop, StopWatch, job_main
-from hpcrl.control.records import HeartbeatState, HeartbeatThread, describe_heartbeats, read_trainer_done
+from hpcrl.control.records import HeartbeatState, HeartbeatThread, JobStats, describe_heartbeats, read_trainer_done
 from hpcrl.control.startup import StartupSteps
 from hpcrl.eval import schedule
 from hpcrl.eval.data import sampling
@@ -204,12 +204,12 @@ class EvalJob:
                  row.eval_s, row.load_s)
         self.heartbeat.update(param_version=version, state=HeartbeatState.WAITING_WEIGHTS, stats=self._stats())
 
-    def _stats(self, evaluating: int = -1, done: int = 0) -> dict:
+    def _stats(self, evaluating: Optional[int] = None, done: int = 0) -> JobStats:
         """The heartbeat's counters: the last evaluated version and score, the one in progress."""
         last = next((r for r in reversed(self.writer.rows) if r.source == JOB and r.status == EVALUATED), None)
-        return {"last_version": last.version if last else -1, "score": last.score if last else None,
-                "score_name": last.score_name if last else "", "evaluating": evaluating, "prompts_done": done,
-                "prompts": len(self.inputs.rows), "skipped": sum(r.status == SKIPPED for r in self.writer.rows)}
+        return JobStats(last_version=last.version if last else None, score=last.score if last else None,
+                        score_name=last.score_name if last else None, evaluating=evaluating, prompts_done=done,
+                        prompts=len(self.inputs.rows), skipped=sum(r.status == SKIPPED for r in self.writer.rows))
 
     def _wait(self) -> None:
         """Step 4: nothing due now; fail once no new version has appeared for ``timeouts.wait_weights_s``."""

@@ -153,7 +153,8 @@ class RunHandle:
                           "heartbeat_age_s": beat.age_s(now) if beat else None,
                           "job_state": beat.state if beat else None,
                           "param_version": beat.param_version if beat else None,
-                          "stats": beat.stats if beat else {}, "restarts": self.launched.restarts.get(name, 0)}
+                          "stats": beat.stats.to_json() if beat else {},
+                          "restarts": self.launched.restarts.get(name, 0)}
         return {"run_dir": str(self.rd.root), "finished": read_trainer_done(self.rd) is not None, "jobs": jobs}
 
     def wait(self, timeout_s: float, poll_s: float = 1.0) -> bool:

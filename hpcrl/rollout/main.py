@@ -37,7 +37,7 @@ from typing import Optional
 
 from hpcrl import metric_names as M
 from hpcrl.control.job import Stop, StopWatch, job_main
-from hpcrl.control.records import HeartbeatState, HeartbeatThread, describe_heartbeats, ended_state
+from hpcrl.control.records import HeartbeatState, HeartbeatThread, JobStats, describe_heartbeats, ended_state
 from hpcrl.control.startup import StartupSteps
 from hpcrl.fsio import wait_for
 from hpcrl.process import faults, termination
@@ -294,7 +294,7 @@ class RolloutJob:
     def _seal(self) -> None:
         line = self.parts.shards.seal()
         if line is not None:
-            self.heartbeat.update(stats={"groups_committed": self.parts.shards.committed_groups})
+            self.heartbeat.update(stats=JobStats(groups_committed=self.parts.shards.committed_groups))
             log.debug("committed %s (%d groups)", line.shard, line.n_groups)
 
     def _wait_if_blocked(self, progressed: bool) -> None:

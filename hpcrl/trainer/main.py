@@ -38,7 +38,7 @@ import torch
 
 from hpcrl import metric_names as M
 from hpcrl.control.job import Stop, StopWatch, job_main
-from hpcrl.control.records import HeartbeatState, HeartbeatThread, TrainerDone, describe_heartbeats
+from hpcrl.control.records import HeartbeatState, HeartbeatThread, JobStats, TrainerDone, describe_heartbeats
 from hpcrl.control.startup import StartupSteps
 from hpcrl.fsio import write_json_atomic
 from hpcrl.logs import log_size
@@ -325,8 +325,8 @@ class TrainerJob:
                M.UPDATE_S: update_s, M.PARAM_SYNC_S: sync_s, **self._sync_row(sync_s),
                M.TOKENS_PER_S: upd[M.N_TOKENS] / max(total_s, 1e-9), M.TIME_S: now}
         self.lead.metrics.write(row)
-        self.heartbeat.update(stats={"step": st.step, "consumed_groups": st.consumed_groups,
-                                     "reward_mean": upd[M.REWARD_MEAN], "idle_ratio": row[M.TRAINER_IDLE_RATIO]})
+        self.heartbeat.update(stats=JobStats(step=st.step, consumed_groups=st.consumed_groups,
+                                             reward_mean=upd[M.REWARD_MEAN], idle_ratio=row[M.TRAINER_IDLE_RATIO]))
         return row
 
     # ---- the loop
