@@ -277,9 +277,9 @@ def test_the_name_list_search_finds_the_lists_that_stood_beside_the_registries()
                     '                "math_verify", "gsm8k", "toy_calc")',
                     'REWARDS = {"toy_copy": token_match, "token_match": token_match, "exact_match": exact_match,\n'
                     '           "last_number": last_number, "math_verify": math_verify_reward, "gsm8k": gsm8k}'],
-        "POLICY_LOSS_MODES": ['LOSSES = {"vanilla": _vanilla, "gspo": gspo_loss, "cispo": cispo_loss, "gpg": gpg_loss,\n'
-                              '          "clip_cov": clip_cov_loss, "kl_cov": kl_cov_loss, "geo_mean": geo_mean_loss,\n'
-                              '          "dppo_tv": dppo_tv_loss}'],
+        "POLICY_LOSS_MODES": ['LOSSES = {"vanilla": _vanilla, "gspo": gspo_loss, "cispo": cispo_loss,\n'
+                              '          "gpg": gpg_loss, "clip_cov": clip_cov_loss, "kl_cov": kl_cov_loss,\n'
+                              '          "geo_mean": geo_mean_loss, "dppo_tv": dppo_tv_loss}'],
     }
     for registry, copies in old.items():
         for code in copies:

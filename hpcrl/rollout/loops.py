@@ -11,7 +11,7 @@ from hpcrl.config.registries import AGENT_LOOPS, resolve
 from hpcrl.rollout.agent_loop import AgentLoop
 
 __all__ = ["SINGLE_TURN", "TOOL_AGENT", "loop_name", "make_loops"]
-"""The loops' names come from the registry (:data:`hpcrl.config.registries.AGENT_LOOPS`), re-exported for the callers."""
+"""The loops' names (keys of :data:`hpcrl.config.registries.AGENT_LOOPS`), re-exported for the callers."""
 
 
 def loop_name(row: dict, cfg: AgentConfig) -> str:
