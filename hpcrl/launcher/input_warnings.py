@@ -18,8 +18,9 @@ from typing import Optional
 
 from hpcrl.config import RewardConfig, RunConfig
 from hpcrl.config.names import BUILTIN_MODELS, BY_DATA_SOURCE
+from hpcrl.config.registries import REWARDS
 from hpcrl.rollout.reward_fn import RewardProbe
-from hpcrl.rollout.rewards import REWARDS, scorer_for
+from hpcrl.rollout.rewards import scorer_for
 
 WARNING = "warning: "
 """How every warning line begins (``hpcrl run`` prints them last, on stderr)."""
@@ -72,7 +73,7 @@ def rule_mismatch(reward: RewardConfig, rows: list[dict], key: str, where: str) 
     out = []
     for source in dict.fromkeys(r["data_source"] for r in rows):
         theirs = _rule(source)
-        if theirs is not None and REWARDS[theirs] is not REWARDS[reward.name]:
+        if theirs is not None and REWARDS[theirs] != REWARDS[reward.name]:  # two names of one rule agree
             out.append(f"{WARNING}{key}={reward.name} scores {where}'s data_source {source!r}, whose rule is {theirs}: "
                        f"it was not written for these rows and will score them wrong; fix: {key}={theirs}, or "
                        f"{key}={BY_DATA_SOURCE} (each row's rule)")
