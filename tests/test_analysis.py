@@ -305,7 +305,8 @@ def synthetic_run(tmp_path, rewards, wait_s=0.6, rollout_idle=0.1):
     the trainer waits ``wait_s`` of each 1 s step, the rollout job idles ``rollout_idle`` of its time."""
     import pandas as pd
 
-    from hpcrl.analysis.load import Knobs, RunData
+    from hpcrl.analysis.load import RunData
+    from hpcrl.config.knobs import Knobs
     from hpcrl import metric_names as M
 
     n = len(rewards)
@@ -318,7 +319,8 @@ def synthetic_run(tmp_path, rewards, wait_s=0.6, rollout_idle=0.1):
                                "version_start": 0, "version_end": 0, "trainer_version": g // 4, "trainer_step": g // 4 + 1,
                                "n_tokens": 8, "reward": 0.5, "created_s": 100.0, "finished_s": 100.5,
                                "committed_s": 100.6, "consumed_s": 101.0, "dropped": ""} for g in range(4 * n)])
-    knobs = Knobs(0.5, 1, 4, 6, 1, n, 4 * n, 8, 1, 2, None, False)
+    knobs = Knobs(staleness_threshold=0.5, ppo_mini_batch_size=4, total_rollout_steps=4 * n, n=8, rollout_jobs=1,
+                  max_concurrent_groups=2)  # K=1, R=4: B=6, lag bound 1, n updates
     return RunData("synthetic", tmp_path, knobs, staleness, metrics, rollout, {}, None, 100.0)
 
 

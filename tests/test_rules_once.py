@@ -323,8 +323,9 @@ def test_every_registry_entry_names_an_implementation():
     assert registries.reward_names() == (names.BY_DATA_SOURCE, *registries.REWARDS)
 
 
-def test_config_validation_reads_the_registries_themselves(monkeypatch):
-    """A name added to a registry is accepted, one removed is refused: the checks hold no copy of the names."""
+def test_config_validation_reads_the_registries_themselves():
+    """A name added to a registry is accepted, one removed is refused: the checks hold no copy of the names. (Each
+    registry is put back as it was, in its order: the allowed names are listed in it.)"""
     import pytest
 
     from hpcrl.config import (AgentConfig, ConfigError, PolicyLossConfig, RewardConfig, RolloutConfig, WeightsConfig,
@@ -342,12 +343,16 @@ def test_config_validation_reads_the_registries_themselves(monkeypatch):
         validate(existing)
         with pytest.raises(ConfigError):
             validate("brand_new")
-        with monkeypatch.context() as m:
-            m.setitem(registry, "brand_new", registry[existing])
+        was = dict(registry)
+        try:
+            registry["brand_new"] = registry[existing]
             validate("brand_new")
-            m.delitem(registry, existing)
+            del registry[existing]
             with pytest.raises(ConfigError, match="brand_new"):
                 validate(existing)
+        finally:
+            registry.clear()
+            registry.update(was)
 
 
 def test_the_jobs_build_what_the_registries_name(monkeypatch):
