@@ -17,6 +17,7 @@ Layout (ARCHITECTURE.md, "The run directory")::
       control/changes.jsonl        grows by a line after each change pollers wait for (control/changes.py)
       control/in_flight/<writer>.json  partial groups for the job's successor    (rollout job)
       control/drain/<writer>.json  that writer's job is asked to leave the fleet  (launcher, hpcrl scale)
+      control/reserve/<job>        room a job holds on the filesystem for its last records (control/job.py)
       control/scale.json           the fleet size asked for by hpcrl scale      (hpcrl scale)
       control/broadcast.json       host/port/epoch of the weight broadcast      (trainer)
       checkpoints/<tag>/, checkpoints/latest.json                               (trainer)
@@ -178,6 +179,12 @@ class RunDir:
         """Where a file or folder is written before it is renamed to ``path``."""
         return path.with_name(path.name + ".tmp")
 
+    @staticmethod
+    def doomed(path: Path) -> Path:
+        """Where a folder is renamed before it is removed (a weight version, a checkpoint): from the rename on
+        it no longer exists for readers, and a job killed mid-removal leaves a name the next start sweeps."""
+        return path.with_name(path.name + ".deleting")
+
     def shard_manifest(self, writer: str) -> Path:
         """``samples/<writer>/manifest.jsonl``: the writer's commit log."""
         return self.writer_dir(writer) / SHARD_MANIFEST
@@ -215,15 +222,6 @@ class RunDir:
         """``weights/vNNNNNN/bad.json``: a reader found this version damaged; nobody loads it again.
         It lives in the version folder, so retention and a trainer rollback remove it with the version."""
         return self.weight_version_dir(version) / WEIGHT_BAD_MARKER
-
-    def weight_trash(self, version: int) -> Path:
-        """``weights/v000007.deleted``: a version being deleted is renamed here first (it vanishes whole, manifest
-        and all), then removed; one left by a killed trainer is removed by the next retention."""
-        return self.weights / f"v{version:06d}.deleted"
-
-    def weight_trash_leftovers(self) -> list[Path]:
-        """Folders of deletions a killed trainer did not finish."""
-        return sorted(self.weights.glob("v*.deleted")) if self.weights.is_dir() else []
 
     @staticmethod
     def parse_weight_version(name: str) -> Optional[int]:
@@ -299,6 +297,11 @@ class RunDir:
     @property
     def trainer_done(self) -> Path:
         return self.control / "trainer_done.json"
+
+    def disk_reserve(self, job: str) -> Path:
+        """``control/reserve/<job>``: room a job holds on the run directory's filesystem while it lives and gives
+        back when a full disk ends it, so its fatal record and last heartbeat can still be written."""
+        return self.control / "reserve" / job
 
     @property
     def changes(self) -> Path:

@@ -35,27 +35,27 @@ def test_a_watch_reports_each_bump_once_and_backs_off_while_nothing_changes(tmp_
     rd = RunDir(tmp_path).create()
     stats = Stats(monkeypatch, rd.changes)
     w = ChangeWatch(rd, min_s=0.01, max_s=0.08, rescan_s=60)
-    assert w.changed(), "the first look always looks"
-    assert not w.changed(), "not due yet: no stat"
+    assert w.changed("loop"), "the first look always looks"
+    assert not w.changed("loop"), "not due yet: no stat"
     assert stats.n == 1
     seen = []
     for _ in range(40):  # 0.4 s with nothing changing
         time.sleep(0.01)
-        seen.append(w.changed())
+        seen.append(w.changed("loop"))
     assert not any(seen) and w.interval_s == 0.08
     assert stats.n <= 8, f"{stats.n} stats in 0.4 s: the interval did not back off"
     bump(rd, "weight version 1 published", "trainer")
     time.sleep(0.09)
-    assert w.changed() and w.interval_s == 0.01, "a change is seen within max_s, then the polls are fast again"
+    assert w.changed("loop") and w.interval_s == 0.01, "a change is seen within max_s, then the polls are fast again"
     time.sleep(0.02)
-    assert not w.changed()
+    assert not w.changed("loop")
     assert rd.changes.read_text().count("\n") == 1 and "weight version 1" in rd.changes.read_text()
 
 
 def test_every_writer_of_what_pollers_wait_for_bumps(tmp_path):
     rd = RunDir(tmp_path).create()
     w = ChangeWatch(rd, min_s=0.0, max_s=0.0, rescan_s=60)
-    assert w.changed()
+    assert w.changed("loop")
     pub = make_publisher(WeightsConfig(), rd)
     import torch
     for what, act in [("publish", lambda: pub.publish(0, {"w": torch.ones(3)}, "{}", 0, 0)),
@@ -64,16 +64,30 @@ def test_every_writer_of_what_pollers_wait_for_bumps(tmp_path):
                       ("stop", lambda: request_stop(rd, "test")),
                       ("drain", lambda: request_drain(rd, "w001", "test"))]:
         act()
-        assert w.changed(), f"{what} did not bump control/changes.jsonl"
-        assert not w.changed()
+        assert w.changed("loop"), f"{what} did not bump control/changes.jsonl"
+        assert not w.changed("loop")
+
+
+def test_one_stat_tells_every_part_of_a_loop_once(tmp_path, monkeypatch):
+    rd = RunDir(tmp_path).create()
+    stats = Stats(monkeypatch, rd.changes)
+    w = ChangeWatch(rd, min_s=0.0, max_s=0.0, rescan_s=60)
+    assert w.changed("stop") and w.changed("weights"), "each part looks the first time it asks"
+    assert not w.changed("stop") and not w.changed("weights")
+    bump(rd, "weight version 3 published", "trainer")
+    n = stats.n
+    assert w.changed("stop"), "the stop check sees the change first ..."
+    assert w.changed("weights"), "... and the weights check still sees it (one change, told to every part once)"
+    assert not w.changed("stop") and not w.changed("weights")
+    assert stats.n - n >= 1
 
 
 def test_a_watch_reports_at_least_every_rescan_even_without_a_bump(tmp_path):
     rd = RunDir(tmp_path).create()
     w = ChangeWatch(rd, min_s=0.0, max_s=0.0, rescan_s=0.05)
-    assert w.changed() and not w.changed()
+    assert w.changed("loop") and not w.changed("loop")
     time.sleep(0.06)
-    assert w.changed(), "a writer killed between its change and its bump delays a reaction, never forever"
+    assert w.changed("loop"), "a writer killed between its change and its bump delays a reaction, never forever"
 
 
 def test_a_bump_without_a_control_folder_is_a_no_op(tmp_path):

@@ -218,16 +218,17 @@ def test_retention_never_deletes_a_base_a_kept_delta_needs(tmp_path):
     assert sorted(wt.retain(heartbeat_stale_s=5)) == [1, 2, 3]
     assert wt.published_versions() == [0, 4, 5]
     assert_same(reader(wt).load(5).tensors, sds[5])
-    assert not wt.run_dir.weight_trash_leftovers()
+    assert not list(wt.run_dir.weights.glob("*.deleting")), "a removal leaves nothing behind"
 
 
 def test_a_trainer_killed_mid_delta_leaves_no_visible_version(tmp_path, monkeypatch):
     wt = publisher(tmp_path)
     sds = publish_chain(wt, 2)
-    monkeypatch.setattr(faults, "_spec", "delta_write:1:fail")
+    monkeypatch.setattr(faults, "_specs", [["delta_write", "1", "fail"]])
+    monkeypatch.setattr(faults, "_counts", {})
     with pytest.raises(faults.InjectedFault):
         wt.publish(2, step(sds[1], 1), "{}", 2, 8)
-    monkeypatch.setattr(faults, "_spec", None)
+    monkeypatch.setattr(faults, "_specs", [])
     rd = wt.run_dir
     assert wt.published_versions() == [0, 1] and reader(wt).newest_usable() == 1
     assert rd.staging(rd.weight_version_dir(2)).is_dir(), "the half-written folder is under its staging name"

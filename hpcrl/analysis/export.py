@@ -5,8 +5,10 @@ Every full weight version is a complete Hugging Face folder (``weights/vNNNNNN/`
 version's manifest). Export copies one version's files to ``DIR`` and checks every copied byte against the
 manifest, so a version deleted or damaged while it was copied (retention on a live run) is an error, not a
 broken folder. A delta version (``weights.delta``: ``model.delta`` instead of ``model.safetensors``) is rebuilt
-against its base and verified tensor by tensor as a rollout job does, and written as ``model.safetensors``. ``DIR`` then loads as it is in ``AutoModelForCausalLM.from_pretrained(DIR)``,
-``AutoTokenizer.from_pretrained(DIR)`` and vLLM (``LLM(model=DIR)``).
+against its base and verified tensor by tensor as a rollout job does, and written as ``model.safetensors``.
+``DIR`` then loads as it is in ``AutoModelForCausalLM.from_pretrained(DIR)``,
+``AutoTokenizer.from_pretrained(DIR)`` (which export checks against the run's tokenizer, and makes agree where it
+would pick another class from the model type: :mod:`hpcrl.analysis.export_tokenizer`) and vLLM (``LLM(model=DIR)``).
 
 A version published by an older hpcrl has no tokenizer files: they are taken from the run's model folder (the
 tokenizer does not change during training), and a ``generation_config.json`` is written from ``config.json``
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from hpcrl.analysis.export_tokenizer import AUTO_TOKENIZER, make_auto_tokenizer_load_it
 from hpcrl.fsio import fsync_path, read_json
 from hpcrl.run_dir import WEIGHT_DELTA, WEIGHT_MODEL_CONFIG, WEIGHT_MODEL_FILES, WEIGHT_TENSORS, RunDir
 from hpcrl.weights.delta_versions import DeltaReader
@@ -43,6 +46,8 @@ class Exported:
     folder: Path
     files: list[str]
     notes: list[str]
+    tokenizer_loader: str = AUTO_TOKENIZER
+    """The transformers class whose ``from_pretrained(folder)`` loads the run's tokenizer (export_tokenizer.py)."""
 
 
 def _versions(rd: RunDir) -> list[int]:
@@ -87,6 +92,7 @@ def export(run_dir, out: os.PathLike | str, version: Optional[int] = None) -> Ex
         if manifest.base is not None:
             _rebuild(rd, version, manifest, tmp, notes)
         _complete(rd, tmp, manifest, notes)
+        loader = make_auto_tokenizer_load_it(tmp, notes)
     except (FileNotFoundError, DamagedFile) as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise ExportError(f"weight version {version} changed while it was copied ({e}): it was deleted or damaged; "
@@ -96,7 +102,7 @@ def export(run_dir, out: os.PathLike | str, version: Optional[int] = None) -> Ex
     if out.exists():
         out.rmdir()
     os.rename(tmp, out)
-    return Exported(version, manifest.trainer_step, out, sorted(p.name for p in out.iterdir()), notes)
+    return Exported(version, manifest.trainer_step, out, sorted(p.name for p in out.iterdir()), notes, loader)
 
 
 def _rebuild(rd: RunDir, version: int, manifest: WeightManifest, folder: Path, notes: list[str]) -> None:
@@ -125,24 +131,6 @@ def _complete(rd: RunDir, folder: Path, manifest: WeightManifest, notes: list[st
         notes.append(f"{GENERATION_CONFIG} written from {WEIGHT_MODEL_CONFIG} ({', '.join(gen) or 'no token ids'})")
 
 
-def tokenizer_note(folder: Path, run_dir) -> Optional[str]:
-    """None if ``AutoTokenizer.from_pretrained(folder)`` encodes like the run's own tokenizer; else a line
-    saying how to load it (transformers picks the tokenizer class from the model type for some models, e.g.
-    Qwen2's BPE for any qwen2 folder, which the built-in tiny model's word-level tokenizer is not)."""
-    from transformers import AutoTokenizer
-
-    from hpcrl.tiny.model import load_tokenizer
-
-    text = "repeat a b c ( 3 * 4 ) ."
-    ours = load_tokenizer(folder)
-    theirs = AutoTokenizer.from_pretrained(folder)
-    if theirs(text)["input_ids"] == ours(text)["input_ids"]:
-        return None
-    return (f"AutoTokenizer.from_pretrained loads a {type(theirs).__name__} for this model type, which encodes "
-            f"differently from the run's tokenizer; load it with "
-            f"PreTrainedTokenizerFast.from_pretrained('{folder}') (what hpcrl's jobs do)")
-
-
 def export_main(run_dir: str, out: str, version: str = "last") -> int:
     """``hpcrl export``: 0, or 2 with one line on stderr."""
     import sys
@@ -157,9 +145,7 @@ def export_main(run_dir: str, out: str, version: str = "last") -> int:
           f"to {done.folder}: {', '.join(done.files)}")
     for note in done.notes:
         print(f"note: {note}")
-    note = tokenizer_note(done.folder, run_dir)
-    if note:
-        print(f"note: {note}")
-    print(f"load it with AutoModelForCausalLM.from_pretrained('{done.folder}'), AutoTokenizer, or vLLM: "
+    print(f"load it with AutoModelForCausalLM.from_pretrained('{done.folder}') and "
+          f"{done.tokenizer_loader}.from_pretrained('{done.folder}') (the run's tokenizer), or vLLM: "
           f"LLM(model='{done.folder}')")
     return 0

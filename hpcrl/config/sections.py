@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
-from hpcrl.config import names
+from hpcrl.config import names, registries
 from hpcrl.config.algorithm import PolicyLossConfig
-from hpcrl.config.checks import bad, check_choice, check_float, check_int
+from hpcrl.config.checks import check_choice, check_float, check_int, fail
 
 @dataclass
 class ModelConfig:
@@ -31,7 +31,7 @@ class ModelConfig:
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
         if not isinstance(self.path, str) or not self.path.strip():
-            raise bad("model.path", self.path, f"{' or '.join(names.BUILTIN_MODELS)} or a local HF model folder")
+            fail("model.path", self.path, f"{' or '.join(names.BUILTIN_MODELS)} or a local HF model folder")
         check_int("model.seed", self.seed, 0)
 
 
@@ -76,12 +76,12 @@ class DataConfig:
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
         if self.source not in names.BUILTIN_DATA and Path(self.source).suffix not in (".jsonl", ".parquet"):
-            raise bad("data.source", self.source, f"{' or '.join(names.BUILTIN_DATA)} or a .jsonl/.parquet file")
+            fail("data.source", self.source, f"{' or '.join(names.BUILTIN_DATA)} or a .jsonl/.parquet file")
         if isinstance(self.val_files, str):  # verl writes one file as a string
             self.val_files = [self.val_files]
         for f in self.val_files:
             if not isinstance(f, str) or (f not in names.BUILTIN_DATA and Path(f).suffix not in (".jsonl", ".parquet")):
-                raise bad("data.val_files", f, f"{' or '.join(names.BUILTIN_DATA)} or .jsonl/.parquet files")
+                fail("data.val_files", f, f"{' or '.join(names.BUILTIN_DATA)} or .jsonl/.parquet files")
         check_choice("data.apply_chat_template", self.apply_chat_template, (None, True, False))
         if self.max_prompt_length is not None:
             check_int("data.max_prompt_length", self.max_prompt_length, 1)
@@ -99,7 +99,7 @@ class RewardConfig:
     (only the names it accepts are passed; hpcrl/rollout/reward_fn.py)."""
 
     name: str = "by_data_source"
-    """Built-in reward (:data:`hpcrl.config.names.REWARD_NAMES`), used when reward.path is null:
+    """Built-in reward (:func:`hpcrl.config.registries.reward_names`), used when reward.path is null:
     ``by_data_source`` picks the rule from each row's ``data_source`` as verl's default_compute_score
     does (``openai/gsm8k`` -> ``gsm8k``, the MATH sources -> ``math_verify``, ``builtin:toy`` ->
     ``toy_copy``); ``math_verify`` checks the final answer with the math-verify package, ``gsm8k``
@@ -117,14 +117,14 @@ class RewardConfig:
 
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
-        check_choice("reward.name", self.name, names.REWARD_NAMES)
+        check_choice("reward.name", self.name, registries.reward_names())
         if self.path is not None and Path(self.path).suffix != ".py":
-            raise bad("reward.path", self.path, "null or a .py file", "point reward.path at your reward file")
+            fail("reward.path", self.path, "null or a .py file", "point reward.path at your reward file")
         if not isinstance(self.function, str) or not self.function.isidentifier():
-            raise bad("reward.function", self.function, "a Python function name")
+            fail("reward.function", self.function, "a Python function name")
         for k in self.kwargs:
             if not isinstance(k, str) or not k.isidentifier():
-                raise bad("reward.kwargs", k, "keyword names (Python identifiers)")
+                fail("reward.kwargs", k, "keyword names (Python identifiers)")
 
 
 @dataclass
@@ -199,8 +199,8 @@ class ActorConfig:
         if self.clip_ratio_high is not None:
             check_float("actor.clip_ratio_high", self.clip_ratio_high, 0.0, lo_open=True)
         if self.clip_ratio_c is not None and (isinstance(self.clip_ratio_c, bool) or self.clip_ratio_c <= 1.0):
-            raise bad("actor.clip_ratio_c", self.clip_ratio_c, "a number > 1 or null",
-                       "use e.g. 3.0 for dual-clip PPO, or null to turn it off")
+            fail("actor.clip_ratio_c", self.clip_ratio_c, "a number > 1 or null",
+                  "use e.g. 3.0 for dual-clip PPO, or null to turn it off")
         self.policy_loss.validate()
         check_choice("actor.loss_agg_mode", self.loss_agg_mode, names.LOSS_AGG_MODES)
         if self.loss_scale_factor is not None:
@@ -275,7 +275,7 @@ class RolloutConfig:
 
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
-        check_choice("rollout.engine", self.engine, names.ENGINES)
+        check_choice("rollout.engine", self.engine, registries.ENGINES)
         check_choice("rollout.device", self.device, names.ROLLOUT_DEVICES)
         check_choice("rollout.dtype", self.dtype, names.DTYPES)
         if self.gpu_memory_utilization is not None:
@@ -286,8 +286,8 @@ class RolloutConfig:
         check_int("rollout.data_parallel_size", self.data_parallel_size, 1)
         check_int("rollout.max_num_seqs", self.max_num_seqs, 1)
         if self.engine != "vllm" and (self.tensor_parallel_size, self.data_parallel_size) != (1, 1):
-            raise bad("rollout.tensor_parallel_size", (self.tensor_parallel_size, self.data_parallel_size),
-                      "1 and 1 with rollout.engine=transformers (set rollout.engine=vllm for parallel engines)")
+            fail("rollout.tensor_parallel_size", (self.tensor_parallel_size, self.data_parallel_size),
+                 "1 and 1 with rollout.engine=transformers (set rollout.engine=vllm for parallel engines)")
         check_int("rollout.n", self.n, 1)
         check_int("rollout.total_rollout_steps", self.total_rollout_steps, 1)
         check_int("rollout.response_length", self.response_length, 1)
@@ -324,13 +324,13 @@ class AgentConfig:
 
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
-        check_choice("agent.default", self.default, names.AGENT_LOOPS)
-        check_choice("agent.tool_parser", self.tool_parser, names.TOOL_PARSERS)
+        check_choice("agent.default", self.default, registries.AGENT_LOOPS)
+        check_choice("agent.tool_parser", self.tool_parser, registries.TOOL_PARSERS)
         for key in ("max_assistant_turns", "max_user_turns", "max_parallel_calls", "max_tool_response_chars"):
             check_int(f"agent.{key}", getattr(self, key), 1)
         if self.default == "tool_agent" and not self.tools:
-            raise bad("agent.tools", self.tools, "at least one tool with agent.default=tool_agent",
-                      "e.g. agent.tools=[{name: calculator}]")
+            fail("agent.tools", self.tools, "at least one tool with agent.default=tool_agent",
+                 "e.g. agent.tools=[{name: calculator}]")
 
 
 @dataclass
@@ -367,8 +367,8 @@ class AsyncConfig:
         check_int("async_training.trigger_parameter_sync_step", self.trigger_parameter_sync_step, 1)
         check_choice("async_training.partial_rollout", self.partial_rollout, (True, False))
         if self.partial_rollout and self.staleness_threshold == 0:
-            raise bad("async_training.partial_rollout", True, "false while async_training.staleness_threshold is 0 "
-                      "(no group is in flight at a version change)", "set async_training.staleness_threshold > 0")
+            fail("async_training.partial_rollout", True, "false while async_training.staleness_threshold is 0 "
+                 "(no group is in flight at a version change)", "set async_training.staleness_threshold > 0")
         check_choice("async_training.use_rollout_log_probs", self.use_rollout_log_probs, (True, False))
         check_choice("async_training.compute_prox_log_prob", self.compute_prox_log_prob, (True, False))
         if self.max_staleness is not None:
@@ -383,6 +383,10 @@ class TrainerConfig:
     """Save model, optimizer and sample cursor together every this many local updates."""
     keep_checkpoints: int = 2
     """Checkpoints kept on disk (older ones are deleted after a newer one is complete)."""
+    keep_consumed_shards: int = 8
+    """Per rollout writer, the shard files wholly behind the checkpointed sample cursor that stay on disk (the
+    newest ones: ``hpcrl samples`` reads them); older ones are deleted after each checkpoint (their manifest lines,
+    the record of what was committed, stay). -1 keeps every shard."""
     torch_threads: int = 1
     """torch intra-op threads per trainer rank."""
     simulated: bool = False
@@ -395,6 +399,7 @@ class TrainerConfig:
         check_choice("trainer.simulated", self.simulated, (True, False))
         check_int("trainer.checkpoint_every_updates", self.checkpoint_every_updates, 1)
         check_int("trainer.keep_checkpoints", self.keep_checkpoints, 1)
+        check_int("trainer.keep_consumed_shards", self.keep_consumed_shards, -1)
         check_int("trainer.torch_threads", self.torch_threads, 1)
 
 
@@ -437,7 +442,7 @@ class WeightsConfig:
 
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
-        check_choice("weights.transport", self.transport, names.WEIGHT_TRANSPORTS)
+        check_choice("weights.transport", self.transport, registries.WEIGHT_TRANSPORTS)
         check_int("weights.keep_versions", self.keep_versions, 2)
         check_choice("weights.delta", self.delta, (True, False))
         check_int("weights.full_every", self.full_every, 1)

@@ -107,7 +107,8 @@ def _rollout_gpus(value: Any, t, key: str) -> Made:
          f"resources.rollout.gpus_per_node={replica} (one per vLLM replica)")
 
 
-_ENGINES = {"vllm": "vllm", "hf": "transformers", "transformers": "transformers"}
+_ENGINES = {"vllm": "vllm", "hf": "transformers"}
+"""verl's ``rollout.name`` values -> hpcrl's engine (hpcrl's own names go in ``rollout.engine``)."""
 
 
 def _engine(value: Any, t, key: str) -> Made:

@@ -50,9 +50,10 @@ def bump(run_dir: RunDir, what: str, by: str = "") -> None:
 
 
 class ChangeWatch:
-    """A poller's view of ``control/changes.jsonl``: :meth:`changed` is True (at most once per stat) when it
-    grew since the last look, or :data:`RESCAN_S` passed; it stats the file at most every interval, which
-    backs off from ``min_s`` to ``max_s`` while nothing changes."""
+    """A job's view of ``control/changes.jsonl``, shared by the parts of its loop that wait for something (each
+    names itself: ``stop``, ``weights``, ...). It stats the file at most every interval, which backs off from
+    ``min_s`` to ``max_s`` while nothing changes; a growth, or :data:`RESCAN_S` passing, is reported once to each
+    part (:meth:`changed`), so one stat serves them all."""
 
     def __init__(self, run_dir: RunDir, min_s: float, max_s: float, rescan_s: float = RESCAN_S):
         self.path = run_dir.changes
@@ -60,7 +61,9 @@ class ChangeWatch:
         self.interval_s = min_s
         self._stamp: Optional[tuple[int, int]] = None
         self._next_s = 0.0  # monotonic time of the next stat
-        self._rescan_at = 0.0  # monotonic time of the next forced report (0: the first call reports)
+        self._rescan_at = 0.0  # monotonic time of the next report whatever the file says
+        self._parts: set[str] = set()  # every part that asked
+        self._due: set[str] = set()  # the parts not told of the last change yet
 
     def _read_stamp(self) -> Optional[tuple[int, int]]:
         try:
@@ -69,11 +72,10 @@ class ChangeWatch:
             return None
         return st.st_ino, st.st_size
 
-    def changed(self) -> bool:
-        """Whether the caller should look at what it waits for now (module docstring)."""
+    def _look(self) -> None:
         now = time.monotonic()
         if now < self._next_s:
-            return False
+            return
         stamp = self._read_stamp()
         moved = stamp != self._stamp
         self._stamp = stamp
@@ -81,10 +83,18 @@ class ChangeWatch:
         self._next_s = now + self.interval_s
         if moved or now >= self._rescan_at:
             self._rescan_at = now + self.rescan_s
+            self._due = set(self._parts)
+
+    def changed(self, part: str) -> bool:
+        """Whether ``part`` should look at what it waits for now: the first time it asks, and then once after each
+        change (module docstring)."""
+        if part not in self._parts:
+            self._parts.add(part)
+            self._look()
+            self._due.discard(part)
+            return True
+        self._look()
+        if part in self._due:
+            self._due.discard(part)
             return True
         return False
-
-    def soon(self) -> None:
-        """Look at the next call (the caller expects a change: it just asked for one, or waits at start-up)."""
-        self._next_s = 0.0
-        self.interval_s = self.min_s

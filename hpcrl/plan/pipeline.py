@@ -19,13 +19,13 @@ simulated run and its prediction see the same lengths. Control-plane latencies (
 """
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
 
+from hpcrl.config.knobs import admission_budget
 from hpcrl.config.simulated import SimulatedConfig
 
 INF = float("inf")
@@ -55,8 +55,7 @@ class Knobs:
     @property
     def budget(self) -> int:
         """B = floor((1 + s) * K * R), as RunConfig.admission_budget."""
-        return math.floor((1.0 + self.staleness_threshold) * self.trigger_parameter_sync_step
-                          * self.groups_per_update + 1e-9)
+        return admission_budget(self.staleness_threshold, self.trigger_parameter_sync_step, self.groups_per_update)
 
 
 @dataclass

@@ -26,8 +26,8 @@ damaged version; a damaged base is marked bad too, and the trainer's next versio
 Retention (trainer): keep the newest ``keep_versions``, the newest intact version, and the base of every
 delta it keeps; an older version is deleted only if no live rollout job (fresh heartbeat) has announced it
 is loading it (AReaL #710). A dead job's announcement does not pin anything. A version is deleted by
-renaming its folder to ``vNNNNNN.deleted`` (it vanishes whole) and removing that; one a killed trainer left
-is removed by the next retention.
+renaming its folder to ``vNNNNNN.deleting`` (it vanishes whole) and removing that; one a killed trainer left
+is removed by the next trainer's start (:meth:`VersionFolders.sweep`).
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ import torch
 from hpcrl.config import TimeoutsConfig, WeightsConfig
 from hpcrl.control.changes import bump
 from hpcrl.control.records import LoadingAnnouncement, live_jobs
-from hpcrl.fsio import fsync_path, read_json, write_json_atomic
+from hpcrl.fsio import fsync_path, guarded, read_json, write_json_atomic
 from hpcrl.process import faults
 from hpcrl.run_dir import WEIGHT_DELTA, WEIGHT_MODEL_CONFIG, WEIGHT_TENSORS, RunDir
 from hpcrl.weights.base import (Published, WeightPublisher, WeightSubscriber, WeightVersion, WeightVersionBad,
@@ -166,24 +166,34 @@ class VersionFolders:
         return out
 
     def delete(self, version: int) -> bool:
-        """Remove ``version``: its folder is renamed to ``vNNNNNN.deleted`` first (from that instant the version
-        does not exist for readers, and no folder without a manifest is left behind), then removed."""
-        rd = self.run_dir
-        if not rd.weight_manifest(version).is_file():
-            return False
-        trash = rd.weight_trash(version)
-        shutil.rmtree(trash, ignore_errors=True)
+        """Remove ``version``: its folder is renamed out of the version names first (from that instant it does not
+        exist for readers; a trainer killed in the middle leaves a ``.deleting`` folder that :meth:`sweep` removes,
+        never a version folder without its manifest), then removed."""
+        folder = self.run_dir.weight_version_dir(version)
+        doomed = RunDir.doomed(folder)
         try:
-            os.rename(rd.weight_version_dir(version), trash)
+            os.replace(folder, doomed)
         except FileNotFoundError:
             return False
-        shutil.rmtree(trash, ignore_errors=True)
+        shutil.rmtree(doomed, ignore_errors=True)
         return True
 
-    def sweep_trash(self) -> None:
-        """Remove the folders of deletions a killed trainer did not finish."""
-        for path in self.run_dir.weight_trash_leftovers():
-            shutil.rmtree(path, ignore_errors=True)
+    def sweep(self) -> list[str]:
+        """Trainer rank 0 at start (nothing is being written): remove what a killed trainer left half-written or
+        half-removed (a staging folder, a ``.deleting`` folder, a version folder without its manifest), one log
+        line each; the names removed."""
+        rd, removed = self.run_dir, []
+        for p in sorted(rd.weights.iterdir()) if rd.weights.is_dir() else []:
+            v, stem = rd.parse_weight_version(p.name), p.with_suffix("")
+            why = ("left half-removed" if RunDir.doomed(stem) == p else
+                   "left half-written" if RunDir.staging(stem) == p else
+                   "without its manifest (never published)" if v is not None and not rd.weight_manifest(v).exists()
+                   else None)
+            if why is not None and p.is_dir():
+                log.warning("start-up sweep: removing %s, %s by a trainer killed before", p, why)
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(p.name)
+        return removed
 
 
 class FilesystemPublisher(WeightPublisher):
@@ -237,12 +247,28 @@ class FilesystemPublisher(WeightPublisher):
         """The files of ``version`` (``tensors`` stored once, ``aliases`` in the manifest; ``model_files``: the
         tokenizer and generation files, by name), committed by the manifest written last. Every file is listed
         and hashed in the manifest. ``originals``: the state dict ``tensors`` came from (a full version kept as
-        the base of deltas is copied where it is the caller's own storage)."""
+        the base of deltas is copied where it is the caller's own storage). On a full disk the version's staging
+        folder is removed and the version written again once there is room (``fsio.guarded``)."""
+        final = self.run_dir.weight_version_dir(version)
+        if self.run_dir.weight_manifest(version).exists():
+            raise FileExistsError(f"weight version {version} already published at {final}")
+        encoded = self._encode(version, tensors)
+        staging = self.run_dir.staging(final)
+        nbytes = (encoded.delta_bytes if encoded is not None else
+                  sum(t.numel() * t.element_size() for t in tensors.values()))
+        return guarded(f"weight version {version}", staging, nbytes,
+                       lambda: self._write_files(version, tensors, aliases, model_config_json, trainer_step,
+                                                 consumed_groups, model_files, encoded, originals),
+                       undo=lambda: shutil.rmtree(staging, ignore_errors=True))
+
+    def _write_files(self, version: int, tensors: dict[str, torch.Tensor], aliases: dict[str, str],
+                     model_config_json: str, trainer_step: int, consumed_groups: int,
+                     model_files: Optional[dict[str, bytes]], encoded: Optional[Encoded],
+                     originals: Optional[dict[str, torch.Tensor]]) -> WeightManifest:
         rd = self.run_dir
         final = rd.weight_version_dir(version)
         if rd.weight_manifest(version).exists():
             raise FileExistsError(f"weight version {version} already published at {final}")
-        encoded = self._encode(version, tensors)
         tmp = rd.staging(final)
         shutil.rmtree(tmp, ignore_errors=True)
         if final.exists():  # renamed by a trainer killed before its manifest: never visible, rewrite it
@@ -280,6 +306,7 @@ class FilesystemPublisher(WeightPublisher):
         return manifest
 
     def withdraw_after(self, version: int) -> list[int]:
+        self.folders.sweep()  # at the trainer's start: what a killed trainer left half-written or half-removed
         removed = []
         for v in self.published_versions():
             if v > version:
@@ -301,7 +328,6 @@ class FilesystemPublisher(WeightPublisher):
         protected |= {b for v in list(protected) if (b := self._base_of(v)) is not None}  # what kept deltas need
         if self.deltas is not None and self.deltas.base is not None:
             protected.add(self.deltas.base.version)  # the next delta's base
-        self.folders.sweep_trash()
         return [v for v in versions if v not in protected and self.folders.delete(v)]
 
     def _base_of(self, version: int) -> Optional[int]:
