@@ -139,3 +139,14 @@ def test_a_sample_poll_with_nothing_new_opens_nothing(tmp_path, monkeypatch):
     rd.shard_manifest("w000").write_bytes(b'{"not": "a line"}\n')
     r.poll()
     assert opened == [rd.shard_manifest("w000")] and r.lines_seen == 1
+
+
+def test_a_bump_that_cannot_be_written_does_not_fail_its_caller(tmp_path, monkeypatch, caplog):
+    import errno
+    rd = RunDir(tmp_path).create()
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(changes.os, "write", full)
+    bump(rd, "weight version 1 published", "trainer")
+    assert "next rescan" in caplog.text and rd.changes.read_bytes() == b""

@@ -37,16 +37,21 @@ RESCAN_S = 10.0
 
 
 def bump(run_dir: RunDir, what: str, by: str = "") -> None:
-    """Tell every poller of ``run_dir`` that something changed (call it after the change is visible)."""
+    """Tell every poller of ``run_dir`` that something changed (call it after the change is visible). Never fails
+    the caller: a line that cannot be written (no ``control/`` yet, a full disk) only delays the pollers until
+    their next rescan (:data:`RESCAN_S`)."""
     line = json.dumps({"what": what, "by": by or f"{socket.gethostname()}:{os.getpid()}", "time_s": time.time()})
     try:
         fd = os.open(run_dir.changes, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (line + "\n").encode())
+        finally:
+            os.close(fd)
     except FileNotFoundError:  # no control/ yet (a run directory being prepared): nobody polls it either
         return
-    try:
-        os.write(fd, (line + "\n").encode())
-    finally:
-        os.close(fd)
+    except OSError as e:
+        log.warning("could not append to %s (%s): pollers see this change at their next rescan (%.0fs at most)",
+                    run_dir.changes, e.strerror, RESCAN_S)
 
 
 class ChangeWatch:
