@@ -25,12 +25,14 @@ For every version it measures, in one process on one disk (ratios in one run):
 
 The page cache is not dropped (root only, and the machine is shared): reads come from memory, so the read
 side measures software cost (decompression, XOR, hashing), not the disk; on Lustre the bytes saved are the
-point. Run it alone: it needs ~12 GB (``flock /tmp/hpcrl-bigmem.lock`` serialises it with other big jobs).
+point. The training runs in a process of its own (DeepSpeed holds ~11 GB: fp32 masters, Adam's two moments,
+fp32 gradients), which writes each version to disk and exits before the measuring (~6 GB). Run it alone
+(``flock /tmp/hpcrl-bigmem.lock`` serialises it with other big jobs).
 
 Run::
 
-    flock /tmp/hpcrl-bigmem.lock .venv/bin/python bench/bench_delta.py          # 0.5B, 1e-6 and 1e-5, 4 steps
-    .venv/bin/python bench/bench_delta.py --quick                                  # a 20M model, seconds
+    flock /tmp/hpcrl-bigmem.lock .venv/bin/python bench/bench_delta.py --steps 9 --results delta.json   # ~40 min
+    .venv/bin/python bench/bench_delta.py --quick                      # a 12M model of the same shape, ~2 min
 """
 from __future__ import annotations
 
