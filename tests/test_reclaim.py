@@ -144,6 +144,27 @@ def test_a_gone_writer_is_reclaimed_under_the_lock_and_one_that_comes_back_holds
     assert states.saved_count() == 0 and "dropped 1 groups in flight" in caplog.text
 
 
+def test_each_writer_watches_the_next_three_in_a_ring_and_reads_only_their_heartbeats(tmp_path, monkeypatch):
+    """Every writer reading every heartbeat is quadratic in the fleet (768 x 768 reads every 5 s at 1,024 GPUs):
+    each watches the next WATCHED writers of the claim book instead, and the ring closes on the first ones."""
+    from hpcrl.control import reclaim
+    from hpcrl.control.claims import ClaimBook, WriterClaims
+    book = ClaimBook(claims={f"w{i:03d}": WriterClaims(lease="l") for i in range(10)})
+    rd = RunDir(tmp_path).create()
+    assert reclaim.GoneWriters(rd, "w003", 60).watched(book) == ["w004", "w005", "w006"]
+    assert reclaim.GoneWriters(rd, "w008", 60).watched(book) == ["w009", "w000", "w001"]
+    assert sorted(w for me in book.claims for w in reclaim.GoneWriters(rd, me, 60).watched(book)) == \
+        sorted(list(book.claims) * 3), "every writer is watched by three others"
+    for w in book.claims:
+        _write_beat(rd, _beat(30, job=f"rollout-{w}"))
+    read = []
+    real = reclaim.read_json
+    monkeypatch.setattr(reclaim, "read_json", lambda p: read.append(p.name) or real(p))
+    gone = reclaim.GoneWriters(rd, "w003", 10).find(book)
+    assert sorted(read) == ["rollout-w004.json", "rollout-w005.json", "rollout-w006.json"]
+    assert [w for w, _, _ in gone] == ["w004", "w005", "w006"]
+
+
 def test_a_writer_that_beat_again_after_it_was_judged_keeps_its_claims(tmp_path):
     rd = RunDir(tmp_path).create()
     a, _, _ = _join(rd, "w000", reclaim_after_s=10.0)
