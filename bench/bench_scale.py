@@ -73,6 +73,8 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=32)
     p.add_argument("--versions", type=int, default=52)
     p.add_argument("--time-scale", type=float, default=5.0)
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="another config override for the run (repeatable), e.g. timeouts.poll_max_s=0.25")
     p.add_argument("--sites", action="store_true",
                    help="also count each operation under the hpcrl function that caused it, and print the top ones")
     p.add_argument("--from", dest="from_dir", default=None, metavar="DIR",
@@ -94,7 +96,8 @@ def main(argv=None) -> int:
                  "rollout.max_concurrent_groups=2", "rollout.response_length=512", "simulated.length_mean=128",
                  f"simulated.time_scale={a.time_scale}", "simulated.trainer_gpus=8",
                  "async_training.staleness_threshold=0.5", "trainer.checkpoint_every_updates=10",
-                 "timeouts.wait_samples_s=1200", "timeouts.job_start_s=1500", "resources.rollout.mem_gb=1"]
+                 "timeouts.wait_samples_s=1200", "timeouts.job_start_s=1500", "resources.rollout.mem_gb=1",
+                 *a.overrides]
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'bench' / 'fsops'}:{REPO}", "HPCRL_FSOPS_RUN": str(rd),
            "HPCRL_FSOPS_OUT": str(ops_dir), "HPCRL_FSOPS_SITES": "1" if a.sites else "0"}
     peaks: dict = {}
