@@ -155,8 +155,9 @@ def test_each_writer_watches_the_next_three_in_a_ring_and_reads_only_their_heart
     assert reclaim.GoneWriters(rd, "w008", 60).watched(book) == ["w009", "w000", "w001"]
     assert sorted(w for me in book.claims for w in reclaim.GoneWriters(rd, me, 60).watched(book)) == \
         sorted(list(book.claims) * 3), "every writer is watched by three others"
+    dead = _dead_pid()
     for w in book.claims:
-        _write_beat(rd, _beat(30, job=f"rollout-{w}"))
+        _write_beat(rd, _beat(30, job=f"rollout-{w}", pid=dead))
     read = []
     real = reclaim.read_json
     monkeypatch.setattr(reclaim, "read_json", lambda p: read.append(p.name) or real(p))

@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from conftest import make_run
+from conftest import TINY
 from hpcrl.analysis.export import export
-from hpcrl.config import WeightsConfig
+from hpcrl.config import WeightsConfig, load_config
 from hpcrl.process import faults
 from hpcrl.run_dir import WEIGHT_DELTA, WEIGHT_TENSORS, RunDir
 from hpcrl.weights import WeightVersionBad, make_publisher, make_subscriber
@@ -239,7 +239,8 @@ def test_a_trainer_killed_mid_delta_leaves_no_visible_version(tmp_path, monkeypa
 
 def test_export_of_a_delta_version_is_a_complete_model_folder(tmp_path):
     from safetensors.torch import load_file
-    rd = make_run(tmp_path)
+    rd = RunDir(tmp_path / "run").create()
+    rd.freeze_config(load_config(TINY))  # a run directory as export reads it (no model built: export needs none)
     wt = make_publisher(WeightsConfig(), rd)
     sds = publish_chain(wt, 2)
     done = export(rd.root, tmp_path / "out", 1)
