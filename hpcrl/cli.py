@@ -9,7 +9,7 @@
     hpcrl status RUN_DIR [--interval-s 5] [--once] # live view from the login node
     hpcrl summary RUN_DIR                          # per-version table of the staleness log
     hpcrl samples RUN_DIR [--version V] [--worst|--best] [-n K]   # prompts, responses, rewards, token versions
-    hpcrl export RUN_DIR [--version last|N] --out DIR             # a weight version as a Hugging Face folder
+    hpcrl export RUN_DIR [--version last|N] --out DIR [--merge]   # a weight version as a Hugging Face folder
     hpcrl plan CONFIG [key=value ...] --gpus N [--probe RUN]      # best trainer:rollout split and async knobs
     hpcrl doctor [--dir D] [--require cuda,vllm] [--json F]         # what this node offers a run
     hpcrl scale RUN_DIR --rollout-jobs N                          # grow or shrink a live run's rollout fleet
@@ -238,6 +238,8 @@ def add_analysis_commands(sub) -> None:
     ex.add_argument("run_dir", metavar="RUN_DIR", help=RUN_DIR_HELP)
     ex.add_argument("--version", default="last", help="weight version number, or last (default)")
     ex.add_argument("--out", required=True, metavar="DIR", help="a new folder")
+    ex.add_argument("--merge", action="store_true", help="a LoRA run: the base model with the adapter merged into "
+                                                        "its weights (default: the adapter folder)")
 
 
 def _cmd_summary(run_dir: str) -> int:
@@ -265,7 +267,7 @@ def run_analysis_command(a: argparse.Namespace) -> int:
     if a.cmd == "export":
         from hpcrl.analysis.export import export_main
 
-        return export_main(a.run_dir, a.out, a.version)
+        return export_main(a.run_dir, a.out, a.version, a.merge)
     if a.cmd == "status":
         from hpcrl.analysis.status import status_main
 

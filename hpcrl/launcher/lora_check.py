@@ -104,12 +104,10 @@ def check_lora(cfg: RunConfig) -> list[str]:
         raise bad("model.path", cfg.model.path, "a model whose config.json builds (to find its linear layers)",
                   f"fix the folder ({str(e).splitlines()[0][:200]})") from None
     adapted = targeted(cfg, linears)
-    engines = {("rollout.engine", cfg.rollout.engine)}
-    if cfg.eval.enabled:
-        engines.add(("eval.engine", engine_name(cfg)))
-    for key, engine in sorted(engines):
-        if engine == "vllm":
-            check_vllm_serves(cfg, key, adapted)
+    if cfg.rollout.engine == "vllm":
+        check_vllm_serves(cfg, "rollout.engine", adapted)
+    elif cfg.eval.enabled and engine_name(cfg) == "vllm":
+        check_vllm_serves(cfg, "eval.engine", adapted)
     r = cfg.actor.lora_rank
     params = sum(r * (i + o) for i, o in adapted.values())
     total = sum(i * o for i, o in linears.values())
