@@ -210,3 +210,47 @@ def test_an_engine_refuses_the_other_kind_of_version():
         asyncio.run(engine(8).load_weights(WeightVersion.in_memory(1, {})))
     with pytest.raises(ValueError, match="serves ranks up to 2"):
         asyncio.run(engine(2).load_weights(WeightVersion.in_memory(1, tensors, adapter=config)))
+
+
+def test_the_broadcast_sends_the_adapter_alone(tmp_path):
+    """weights.transport=broadcast (sender and receiver in this process): an adapter version arrives by broadcast with
+    the adapter's bytes only and peft's verified config."""
+    from hpcrl.config import TimeoutsConfig, WeightsConfig
+    from hpcrl.control.records import HeartbeatThread
+
+    rd = RunDir(tmp_path).create()
+    rd.secret.write_text("s")
+    beat = HeartbeatThread(rd, RunDir.trainer_job(), "trainer", 0.5).start()  # a reader joins a live trainer only
+    timeouts = TimeoutsConfig(broadcast_connect_s=2.0, broadcast_s=5.0, wait_weights_s=4.0)
+    cfg = WeightsConfig(transport="broadcast", bucket_mib=0.01)
+    pub, sub = make_publisher(cfg, rd, timeouts), make_subscriber(cfg, rd, "w000", timeouts)
+    base = AdapterBase(path=str(BASE), hash=base_model_hash(BASE))
+    try:
+        for v in (0, 1):
+            tensors, config, _ = adapter_tensors(v)
+            published = pub.publish(v, tensors, json.dumps(config), v, 4 * v, adapter=base)
+            with sub.take(v) as wv:
+                if v == 1:  # a member from the publish after it joined
+                    adapter_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+                    assert published.path == wv.path == "broadcast"
+                    assert published.broadcast_bytes == wv.nbytes == adapter_bytes
+                    assert wv.adapter == json.loads(rd.weight_file(1, WEIGHT_ADAPTER_CONFIG).read_text())
+                    assert all(torch.equal(wv.tensors[k], tensors[k]) for k in tensors)
+    finally:
+        pub.close(), sub.close(), beat.stop("done")
+
+
+def test_a_resume_on_a_changed_base_model_is_refused_before_anything_is_submitted(tmp_path):
+    from hpcrl.launcher.prepare import prepare_run_dir
+
+    cfg = cfg_of("actor.lora_rank=8", "eval.every_versions=0")
+    rd = prepare_run_dir(cfg, tmp_path / "run", resume=False)
+    frozen = rd.load_config()
+    assert frozen.model.base_hash == base_model_hash(rd.base_model), "the launcher names the base by its hash"
+    prepare_run_dir(frozen, rd.root, resume=True)  # the same base: fine
+    path = rd.base_model / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-4] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(ConfigError, match="config model.base_hash: the base model's weights in .* hash to"):
+        prepare_run_dir(frozen, rd.root, resume=True)

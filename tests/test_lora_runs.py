@@ -4,6 +4,8 @@ with the transformers engine and with vLLM; and a run whose trainer and rollout 
 version is published and being loaded resumes from the adapter checkpoint with every group trained on once."""
 import importlib.util
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +14,7 @@ import pytest
 import yaml
 
 from conftest import REPO, TINY, BackgroundCommand, check_exactly_once, start_rollout, start_trainer, wait_until
+from hpcrl.eval_log import EVALUATED, read_eval_rows
 from hpcrl.fsio import read_json, read_jsonl
 from hpcrl.logs import read_metrics
 from hpcrl.run_dir import RunDir
@@ -43,7 +46,7 @@ def vllm_lora_run(folder: Path) -> list[str]:
     """``hpcrl run`` of the tiny task on :func:`sharp_base` with a rank-8 adapter on the projections, vLLM serving
     it (the launch checks ask this vLLM build whether it serves LoRA)."""
     return ["run", str(TINY), f"model.path={sharp_base(folder)}", "rollout.engine=vllm", "actor.lora_rank=8",
-            f"rollout.total_rollout_steps={4 * VLLM_UPDATES}", "eval.every_versions=0", "--run-dir",
+            f"rollout.total_rollout_steps={4 * VLLM_UPDATES}", f"eval.every_versions={VLLM_UPDATES // 2}", "--run-dir",
             str(folder / "run"), "--executor", "local", "--timeout-min", "30"]
 
 
@@ -86,6 +89,11 @@ def test_lora_learns_the_tiny_task_as_full_fine_tuning_does(background_runs):
     assert max(m["actor/ratio_max"].max() - 1, 1 - m["actor/ratio_min"].min()) < 1e-3, \
         "at lag 0 the engine's adapter log-probs are the trainer's"
     check_exactly_once(lora, lora.load_config().rollout.max_concurrent_groups)
+    out = subprocess.run([sys.executable, "-m", "hpcrl", "eval", str(lora.root), "--versions", "last", "--out",
+                          str(lora.root / "offline")], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    row, = read_eval_rows(RunDir(lora.root / "offline").eval_log)  # hpcrl eval scores the last adapter version
+    assert row.version == 300 and row.status == EVALUATED and row.score >= 0.8, row
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
@@ -107,6 +115,9 @@ def test_lora_through_vllm_serves_every_adapter_version_and_learns(background_ru
     assert "into the engine's adapter" in rd.job_log(RunDir.rollout_job("w000")).read_text()
     assert ratio < 1e-3, "at lag 0 vLLM's log-probs under the adapter are the trainer's: the PPO ratio is 1"
     assert last > first + 0.4, "LoRA through vLLM learns"
+    rows = read_eval_rows(rd.eval_log)  # the evaluation job (vLLM too) scores the adapter versions
+    assert [(r.version, r.status) for r in rows] == [(v, EVALUATED) for v in (0, VLLM_UPDATES // 2, VLLM_UPDATES)]
+    assert rows[-1].score > rows[0].score + 0.2, [(r.version, r.score) for r in rows]
     check_exactly_once(rd, rd.load_config().rollout.max_concurrent_groups)
 
 
