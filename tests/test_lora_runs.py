@@ -74,8 +74,8 @@ def test_the_lora_config_is_the_tiny_config_with_the_lora_overrides():
 
 
 def test_lora_learns_the_tiny_task_as_full_fine_tuning_does(background_runs):
-    lora = background_runs.finish("lora:tiny")
-    full = background_runs.finish("lora:full")
+    lora = background_runs.finish("lora:tiny", trainer_s=900)
+    full = background_runs.finish("lora:full", trainer_s=900)
     curves = {name: read_metrics(rd)["reward/mean"].to_numpy() for name, rd in (("lora", lora), ("full", full))}
     (lora_first, lora_last), (full_first, full_last) = fifths(curves["lora"]), fifths(curves["full"])
     print(f"300 updates, reward first/last fifth: LoRA rank 8 {lora_first:.3f} -> {lora_last:.3f}, "

@@ -126,3 +126,31 @@ def test_a_response_continued_across_an_adapter_switch_has_each_token_s_log_prob
     assert len(rest.response_ids) > 0
     assert np.abs(rest.logprobs - logp_under(peft_models[1], head, rest.response_ids.tolist())).max() < 1e-4, \
         "the continued tokens are scored under the new adapter"
+
+
+def test_a_vllm_build_without_lora_kernels_is_refused_at_launch_in_one_line(monkeypatch):
+    """This build serves LoRA (the check passes); one whose platform has no LoRA kernels (vLLM raises
+    NotImplementedError from get_punica_wrapper) is refused before submission, naming the alternative."""
+    from vllm.platforms import current_platform
+
+    from hpcrl.config import ConfigError, load_config
+    from hpcrl.launcher.lora_check import check_lora
+    from conftest import TINY
+
+    cfg = load_config(TINY, ["actor.lora_rank=8", "model.path=builtin:tiny-h64", "rollout.engine=vllm",
+                             "rollout.device=cpu"])
+    assert check_lora(cfg)[0].startswith("LoRA: rank 8")
+
+    def no_kernels():
+        raise NotImplementedError
+
+    monkeypatch.setattr(current_platform, "get_punica_wrapper", no_kernels)
+    with pytest.raises(ConfigError) as e:
+        check_lora(cfg)
+    msg = str(e.value)
+    import vllm
+
+    assert msg.startswith("config rollout.engine: got 'vllm' with actor.lora_rank=8; this vLLM build cannot serve "
+                          f"LoRA adapters (vllm {vllm.__version__} has no LoRA kernels for its cpu platform)")
+    assert "\n" not in msg
+    assert "fix: rollout.engine=transformers" in msg
