@@ -86,11 +86,13 @@ def test_the_launch_check_names_a_target_module_the_model_lacks_and_counts_the_a
     assert check_lora(cfg_of()) == []
 
 
-def test_vllm_is_refused_an_adapter_on_the_output_layer_in_one_line():
+def test_vllm_is_refused_an_adapter_on_the_output_layer_in_one_line_with_the_other_problems():
     with pytest.raises(ConfigError) as e:
         check_lora(cfg_of("actor.lora_rank=8", "model.path=builtin:tiny-h64", "rollout.engine=vllm",
-                          "actor.lora_target_modules=[q_proj,lm_head]"))
-    assert "got ['lm_head']" in str(e.value) and "rollout.engine=transformers" in str(e.value)
+                          "actor.lora_target_modules=[q_proj,lm_head,c_attn]"))
+    missing, vllm = str(e.value).splitlines()
+    assert missing.startswith("config actor.lora_target_modules: got ['c_attn']")
+    assert vllm.startswith("config actor.lora_target_modules: got ['lm_head']") and "rollout.engine=transformers" in vllm
 
 
 # ---- adapter weight versions

@@ -43,18 +43,18 @@ def linear_modules(cfg: RunConfig) -> dict[str, tuple[int, int]]:
             if isinstance(m, torch.nn.Linear)}
 
 
-def targeted(cfg: RunConfig, linears: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
-    """The linear layers ``actor.lora_target_modules`` names (by the last part of their name); ConfigError naming a
-    target the model does not have."""
+def targeted(cfg: RunConfig, linears: dict[str, tuple[int, int]]) -> tuple[dict[str, tuple[int, int]], list[str]]:
+    """The linear layers ``actor.lora_target_modules`` names (by the last part of their name), and a line naming the
+    targets the model does not have (none: [])."""
     targets = cfg.actor.lora_target_modules
     if targets == ALL_LINEAR:
-        return {n: f for n, f in linears.items() if n.rsplit(".", 1)[-1] != OUTPUT_LAYER}
+        return {n: f for n, f in linears.items() if n.rsplit(".", 1)[-1] != OUTPUT_LAYER}, []
     leaves = sorted({n.rsplit(".", 1)[-1] for n in linears})
     missing = [t for t in targets if t not in leaves]
-    if missing:
-        raise bad("actor.lora_target_modules", missing, f"names of the model's linear layers ({', '.join(leaves)})",
-                  f"drop {', '.join(missing)}, or set actor.lora_target_modules={ALL_LINEAR}")
-    return {n: f for n, f in linears.items() if n.rsplit(".", 1)[-1] in targets}
+    problems = [str(bad("actor.lora_target_modules", missing, f"names of the model's linear layers "
+                        f"({', '.join(leaves)})", f"drop {', '.join(missing)}, or set "
+                        f"actor.lora_target_modules={ALL_LINEAR}"))] if missing else []
+    return {n: f for n, f in linears.items() if n.rsplit(".", 1)[-1] in targets}, problems
 
 
 def check_vllm_serves(cfg: RunConfig, key: str, adapted: dict[str, tuple[int, int]]) -> None:
@@ -103,11 +103,16 @@ def check_lora(cfg: RunConfig) -> list[str]:
     except (OSError, ValueError) as e:
         raise bad("model.path", cfg.model.path, "a model whose config.json builds (to find its linear layers)",
                   f"fix the folder ({str(e).splitlines()[0][:200]})") from None
-    adapted = targeted(cfg, linears)
-    if cfg.rollout.engine == "vllm":
-        check_vllm_serves(cfg, "rollout.engine", adapted)
-    elif cfg.eval.enabled and engine_name(cfg) == "vllm":
-        check_vllm_serves(cfg, "eval.engine", adapted)
+    adapted, problems = targeted(cfg, linears)
+    vllm_key = "rollout.engine" if cfg.rollout.engine == "vllm" else \
+        "eval.engine" if cfg.eval.enabled and engine_name(cfg) == "vllm" else None
+    if vllm_key is not None:
+        try:
+            check_vllm_serves(cfg, vllm_key, adapted)
+        except ConfigError as e:
+            problems.append(str(e))
+    if problems:  # every one at once, one line each
+        raise ConfigError("\n".join(problems))
     r = cfg.actor.lora_rank
     params = sum(r * (i + o) for i, o in adapted.values())
     total = sum(i * o for i, o in linears.values())
