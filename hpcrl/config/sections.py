@@ -203,7 +203,9 @@ class ActorConfig:
     and MLP projections of Llama/Qwen-style layers, or ``all-linear`` (peft: every linear layer but the output
     layer; verl: ``target_modules``). Each name must be a linear layer of the model (checked at launch)."""
     lora_dropout: float = 0.0
-    """Dropout on the adapter's input in the trainer's training passes (0 <= p < 1); the engines never drop."""
+    """Dropout on the adapter's input in the trainer's forward passes, which run in training mode (the
+    start-of-update log-probs too, when computed; the KL reference has the adapter off); 0 <= p < 1. The engines
+    never drop."""
 
     def bf16_on(self, cuda: bool) -> bool:
         """Whether the trainer trains in bf16, ``cuda`` saying whether it runs on a GPU (``auto``'s rule)."""
