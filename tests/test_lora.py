@@ -256,3 +256,36 @@ def test_a_resume_on_a_changed_base_model_is_refused_before_anything_is_submitte
     path.write_bytes(bytes(data))
     with pytest.raises(ConfigError, match="config model.base_hash: the base model's weights in .* hash to"):
         prepare_run_dir(frozen, rd.root, resume=True)
+
+
+def test_export_writes_the_adapter_folder_or_the_merged_model_and_both_load_in_transformers(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from hpcrl.analysis.export import ExportError, export
+    from hpcrl.launcher.prepare import prepare_run_dir
+
+    rd = prepare_run_dir(cfg_of("actor.lora_rank=4", "eval.every_versions=0"), tmp_path / "run", resume=False)
+    global BASE
+    saved, BASE = BASE, rd.base_model  # the run's own base
+    try:
+        tensors, config, peft_model = adapter_tensors(3)
+        publish_adapter(rd, 0, tensors, config)
+    finally:
+        BASE = saved
+    ids = torch.tensor([PROMPTS[1]])
+    with torch.no_grad():
+        want = peft_model(input_ids=ids).logits
+    adapter = export(rd.root, tmp_path / "adapter")
+    assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json"} <= set(adapter.files)
+    merged = export(rd.root, tmp_path / "merged", merge=True)
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(merged.files)
+    assert not any(name.startswith("adapter_") for name in merged.files)
+    for folder in (adapter.folder, merged.folder):  # transformers loads the adapter's base itself (peft installed)
+        with torch.no_grad():
+            got = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)(input_ids=ids).logits
+        assert torch.allclose(got, want, atol=1e-5), folder
+    full = prepare_run_dir(cfg_of("eval.every_versions=0"), tmp_path / "full", resume=False)
+    model = AutoModelForCausalLM.from_pretrained(full.base_model, dtype=torch.float32)
+    make_publisher(cfg_of().weights, full).publish(0, dict(model.state_dict()), model.config.to_json_string(), 0, 0)
+    with pytest.raises(ExportError, match="holds full weights: --merge is for a LoRA run"):
+        export(full.root, tmp_path / "nope", merge=True)

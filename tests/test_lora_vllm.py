@@ -128,6 +128,28 @@ def test_a_response_continued_across_an_adapter_switch_has_each_token_s_log_prob
         "the continued tokens are scored under the new adapter"
 
 
+def test_the_merged_export_of_an_adapter_version_is_what_vllm_generates_from_it(setup, tmp_path):
+    """``hpcrl export --merge``: a plain Hugging Face folder vLLM loads (here: reloaded into the module's engine, with
+    no adapter on the requests), generating what peft's model with that adapter does."""
+    from hpcrl.analysis.export import export
+    from hpcrl.config import load_config
+    from conftest import TINY
+
+    runner, engine, sub, peft_models = setup
+    rd = sub.run_dir
+    rd.freeze_config(load_config(TINY, ["actor.lora_rank=8", "eval.every_versions=0"]))
+    merged = export(rd.root, tmp_path / "merged", version=1, merge=True).folder
+    engine._lora = None  # the merged weights alone
+
+    async def reload():
+        await engine.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(merged)})
+        await engine.llm.reset_prefix_cache()
+
+    runner.call(reload, 120, "reload the merged folder")
+    greedy = lambda p: runner.call(lambda: engine.greedy(p, 8), 120, "greedy")  # noqa: E731
+    assert [greedy(p) for p in PROMPTS] == [greedy_peft(peft_models[1], p) for p in PROMPTS]
+
+
 def test_a_vllm_build_without_lora_kernels_is_refused_at_launch_in_one_line(monkeypatch):
     """This build serves LoRA (the check passes); one whose platform has no LoRA kernels (vLLM raises
     NotImplementedError from get_punica_wrapper) is refused before submission, naming the alternative."""
