@@ -37,8 +37,9 @@ def validate_lora_fields(actor) -> None:
              "adapter of that rank is trained on the frozen model)",
              "e.g. actor.lora_rank=8, or leave it out for full fine-tuning (verl's lora_rank=0 means that)")
     check_float("actor.lora_alpha", actor.lora_alpha, 0.0, lo_open=True)
-    if check_float("actor.lora_dropout", actor.lora_dropout, 0.0, 1.0) and actor.lora_dropout >= 1.0:
-        fail("actor.lora_dropout", actor.lora_dropout, "a number >= 0 and < 1")
+    p = actor.lora_dropout
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
+        fail("actor.lora_dropout", p, "a number >= 0 and < 1 (the probability of dropping an input of the adapter)")
     targets = actor.lora_target_modules
     example = f"e.g. [{', '.join(DEFAULT_TARGET_MODULES)}]"
     if isinstance(targets, str):
