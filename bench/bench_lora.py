@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import resource
 import socket
 import statistics
 import subprocess
