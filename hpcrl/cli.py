@@ -22,6 +22,7 @@ command and option has help).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -174,9 +175,10 @@ def _cmd_sbatch_lines(a) -> int:
     from hpcrl.launcher.sbatch_lines import sbatch_lines, write_setup_files
     from hpcrl.run_dir import RunDir
 
-    try:
-        cfg = load_config(a.config, a.overrides)
-        rd = RunDir(a.run_dir) if a.dry_run else prepare_run_dir(cfg, Path(a.run_dir), resume=False)
+    try:  # stdout carries the sbatch lines only (submit.sh runs each): what the checks print goes to stderr
+        with contextlib.redirect_stdout(sys.stderr):
+            cfg = load_config(a.config, a.overrides)
+            rd = RunDir(a.run_dir) if a.dry_run else prepare_run_dir(cfg, Path(a.run_dir), resume=False)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         return _problems("hpcrl", e)
     if not a.dry_run:
