@@ -5,7 +5,8 @@ The setting (``configs/plan-7b-math-28k.yaml``): a 7B math-RL run, n=16, R=128 g
 responses up to 28,672 tokens (lognormal, mean 3,000), one GPU per engine, prompts of 256 tokens.
 
 - **after**: ``python -m hpcrl plan CONFIG --gpus G --prompt-tokens 256`` of this checkout, wall and CPU seconds
-  (one process, one core);
+  (one process, one core), and the same with the old sweep's candidates each simulated (``--splits 1:G-1 --all``:
+  what the fast simulation alone buys, without the search);
 - **before**: the planner of ``--before DIR`` (a checkout of the old code, e.g. ``git archive 808f781 hpcrl |
   tar -x -C DIR``) simulated every split x {0, 0.5, 1} x partial (``(G - 1) * 5`` candidates at 32 updates).
   A whole old sweep takes minutes at 32 GPUs and hours at 128, so it is **extrapolated**: the old ``predict`` is
@@ -115,6 +116,8 @@ def main(argv=None) -> int:
     p.add_argument("--before-full", type=int, default=None, metavar="G", help="run the whole old sweep at G GPUs")
     p.add_argument("--gpus", default="32,128,1024")
     p.add_argument("--agreement", type=int, default=4, help="candidates compared fast vs reference (default 4)")
+    p.add_argument("--every-up-to", type=int, default=128, metavar="G",
+                   help="also time `--splits 1:G-1 --all` (the old sweep's candidates, each simulated) up to G GPUs")
     a = p.parse_args(argv)
     sizes = [32, 128] if a.quick else [int(x) for x in a.gpus.split(",")]
     rows = []
@@ -125,6 +128,12 @@ def main(argv=None) -> int:
         best = out.split("best (highest throughput first):")[1].strip().splitlines()[0].split(":")[0]
         row = [str(g), f"{wall:.1f}", f"{cpu:.1f}", searched.split(",")[0].split()[1], searched.split(",")[1].split()[1],
                best.strip()]
+        if g <= a.every_up_to:  # the old sweep's candidates, every one simulated: the simulation's own speed-up
+            _, cpu_all, out = timed([sys.executable, "-m", "hpcrl", "plan", str(CONFIG), "--gpus", str(g),
+                                     "--prompt-tokens", str(PROMPT), "--splits", f"1:{g - 1}", "--all"], REPO)
+            row.append(f"{cpu_all:.1f} ({len(old_candidates(g))})")
+        else:
+            row.append("-")
         if a.before and not a.quick:
             old_s, n = before(Path(a.before), g, a.samples)
             row += [f"{old_s:.0f} (extrapolated from {n})", f"{old_s / cpu:.0f}x"]
@@ -136,7 +145,8 @@ def main(argv=None) -> int:
                              Path(a.before), env)
         print(f"before, whole sweep at {a.before_full} GPUs: {wall:.1f}s wall, {cpu:.1f}s CPU "
               f"({len(old_candidates(a.before_full))} candidates)")
-    header = ["GPUs", "after wall s", "after CPU s", "candidates", "simulated", "best"]
+    header = ["GPUs", "after wall s", "after CPU s", "candidates", "simulated", "best",
+              "after CPU s, every split, --all (candidates)"]
     if a.before and not a.quick:
         header += ["before CPU s", "after vs before"]
     print(f"\n{CONFIG.name}, prompts {PROMPT} tokens, 32 updates per candidate; CPU seconds of one process")

@@ -118,7 +118,7 @@ def plan_command(config: str, overrides: list[str], spec: SweepSpec, probe: Opti
     shown = done if show_all else done[:top]
     rows = [candidate_row(c, sync, "requested" if c.key == req_key else "") for c in shown]
     rows += [candidate_row(c, sync, "requested") for c in done if c.key == req_key and c not in shown]
-    rows.append(_row(f"{spec.gpus} coloc.", "0", "no", sync, sync, "synchronous baseline"))
+    rows.append(_row(f"coloc({spec.gpus})", "0", "no", sync, sync, "synchronous baseline"))
     lines.append(table(HEADER, rows))
     lines += ["", f"s/update: one local update of R={cfg.groups_per_update} groups; s/sync: a parameter-sync period "
               f"of K={K} updates; vs sync: tokens/s over the synchronous baseline (all {spec.gpus} GPUs colocated, "

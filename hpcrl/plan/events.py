@@ -413,6 +413,12 @@ class Pipeline:
             self._trainer(now, updates)
             for job in serve:
                 self._push(job, now)
+        for job in self.jobs:  # the busy time up to the end, as the reference (whose batches all stop at ``now``)
+            b = job.batch
+            if b.mark_s > now:  # ran ahead, busy all the way (it stops only where nothing runs)
+                b.busy_s -= b.mark_s - now
+            else:
+                b.advance_to(now)
         return steady_prediction(self.update_ends, updates, [j.batch.busy_s for j in self.jobs], self.lags,
                                  self.latencies, self.k)
 

@@ -33,7 +33,9 @@ BOUND_MARGIN = 0.05
 """The bound uses the mean response length, not each window's: 5 % covers a window of long responses
 (``tests/test_plan_sweep.py`` checks the pruned search against the exhaustive one)."""
 EVERY_SPLIT_UP_TO = 64
-"""Budgets up to this many GPUs try every trainer size; larger ones whole nodes of 8 (and 1, 2, 4)."""
+"""Budgets up to this many GPUs try every trainer size; larger ones whole nodes (and 1, 2, 4)."""
+GPUS_PER_NODE = 8
+"""A trainer past one node takes whole nodes of this many GPUs (the default splits, the printed resources)."""
 
 
 @dataclass
@@ -43,13 +45,16 @@ class Candidate:
     bound_tokens_per_s: float = 0.0
 
     def overrides(self, gpus_per_engine: int) -> str:
-        """What to launch: the async knobs and the resources (a trainer over more than one node needs
-        resources.trainer.nodes too; a simulated run takes the trainer's GPUs as simulated.trainer_gpus)."""
+        """What to launch: the async knobs and the resources (a trainer past one node in whole nodes of
+        :data:`GPUS_PER_NODE`, one rank per GPU; a simulated run takes the trainer's GPUs as simulated.trainer_gpus)."""
         k = self.knobs
+        t = k.trainer_gpus
+        nodes, per_node = (t // GPUS_PER_NODE, GPUS_PER_NODE) if t > GPUS_PER_NODE and t % GPUS_PER_NODE == 0 else (1, t)
         return (f"async_training.staleness_threshold={k.staleness_threshold:g} "
-                f"async_training.partial_rollout={str(k.partial_rollout).lower()} "
-                f"resources.trainer.gpus_per_node={k.trainer_gpus} resources.rollout_jobs={k.rollout_jobs} "
-                f"resources.rollout.gpus_per_node={gpus_per_engine} (simulated: simulated.trainer_gpus={k.trainer_gpus})")
+                f"async_training.partial_rollout={str(k.partial_rollout).lower()} resources.trainer.nodes={nodes} "
+                f"resources.trainer.tasks_per_node={per_node} resources.trainer.gpus_per_node={per_node} "
+                f"resources.rollout_jobs={k.rollout_jobs} resources.rollout.gpus_per_node={gpus_per_engine} "
+                f"(simulated: simulated.trainer_gpus={t})")
 
     @property
     def key(self) -> tuple:
@@ -127,7 +132,7 @@ def default_splits(gpus: int, gpus_per_engine: int) -> list[int]:
     top = gpus - gpus_per_engine
     if gpus <= EVERY_SPLIT_UP_TO:
         return list(range(1, top + 1))
-    return sorted({t for t in (1, 2, 4) if t <= top} | set(range(8, top + 1, 8)))
+    return sorted({t for t in (1, 2, 4) if t <= top} | set(range(GPUS_PER_NODE, top + 1, GPUS_PER_NODE)))
 
 
 def candidates(cfg: RunConfig, spec: SweepSpec, requested: Optional[Knobs] = None) -> list[Candidate]:
