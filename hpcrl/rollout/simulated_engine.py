@@ -209,31 +209,41 @@ class SimulatedEngine(Engine):
             raise
 
     async def _run_batch(self) -> None:
-        """Advance the batch event to event until nothing is running or waiting."""
-        carry_s = 0.0  # modelled time slept past the last whole step (an interruption mid-step)
+        """Advance the batch event to event until nothing is running or waiting.
+
+        The batch's modelled time is the loop's wall time times time_scale, counted from one mark to the next
+        (the sleeps, what they overshoot, and this loop's own work in between): what is not yet a whole step is
+        carried, so under load the batch keeps to its phase model instead of falling behind it."""
+        loop = asyncio.get_running_loop()
+        carry_s = 0.0  # modelled time passed and not yet spent on prefill or whole steps
+        mark = loop.time()
         while self._running or self._waiting:
             if self._aborting:
                 self._abort_now()
-                carry_s = 0.0
+                carry_s, mark = 0.0, loop.time()
                 continue
             self._admit()
             step = self.sim.decode_step_s(len(self._running))
             k = min(s.remaining for s in self._running)
             left = self.sim.kv_steps_left(self._usage, len(self._running))
             k = k if left is None else min(k, left)
-            planned = max(0.0, self._prefill_due_s + k * step - carry_s)
+            now = loop.time()
+            carry_s, mark = carry_s + (now - mark) * self.sim.time_scale, now
+            due = self._prefill_due_s + k * step
             self._wake.clear()
-            loop = asyncio.get_running_loop()
-            t0 = loop.time()
             try:
-                await asyncio.wait_for(self._wake.wait(), planned / self.sim.time_scale)
-                slept = (loop.time() - t0) * self.sim.time_scale + carry_s
+                await asyncio.wait_for(self._wake.wait(), max(0.0, due - carry_s) / self.sim.time_scale)
+                timed_out = False
             except asyncio.TimeoutError:
-                slept = planned + carry_s
+                timed_out = True
+            now = loop.time()
+            slept, mark = carry_s + (now - mark) * self.sim.time_scale, now
+            if timed_out:  # the whole stretch passed, even if the timer fired a hair early
+                slept = max(slept, due)
             prefill = min(self._prefill_due_s, slept)
             self._prefill_due_s -= prefill
             steps = min(k, int((slept - prefill) / step + 1e-9))
-            carry_s = slept - prefill - steps * step if steps < k else 0.0
+            carry_s = max(0.0, slept - prefill - steps * step)
             self.busy_model_s += prefill + steps * step
             self._advance(steps)
 
