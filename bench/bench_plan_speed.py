@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import bench_parser, table  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 CONFIG = REPO / "configs" / "plan-7b-math-28k.yaml"
 PROMPT = 256
 

@@ -151,3 +151,26 @@ def test_groups_take_prompt_indices_in_claim_order_and_jobs_the_budget_in_a_rand
     assert len({tuple(r) for r in per_version.values()}) > 1  # not the same engines every version
     keys = ServiceOrder(4, 0)
     assert sorted(keys.key(1)) == [0, 1, 2, 3] and not np.array_equal(keys.key(1), keys.key(2))
+
+
+def test_a_draining_job_commits_what_finished_meanwhile_when_the_drain_ends():
+    """Without partial rollout a job that sees a new version finishes its groups in flight and seals them only
+    then (RolloutJob._drain): the planner holds them too, and holding them costs throughput."""
+    cfg = load_config(SIM)
+    k = knobs_of(cfg, 1, 1, 0.5, False, prompt_tokens=2)
+    pipe = events.Pipeline(cfg.simulated, k, Draws(cfg.simulated, 8, 1536, prompts=2))
+    held = []
+    commit = pipe._commit
+
+    def spy(groups, now, finished=True):
+        if not finished and groups:
+            held.append((now, [g.finished_s for g in groups]))
+        commit(groups, now, finished)
+
+    pipe._commit = spy
+    pipe.run(16)
+    assert held and any(len(f) > 1 for _, f in held)
+    for now, finished in held:
+        assert max(finished) == now and min(finished) <= now
+    assert any(min(f) < now for now, f in held)  # some waited for the slowest
+    _agree(*_both(cfg.simulated, dataclass_replace(k, commit_while_draining=True), 16))

@@ -244,6 +244,8 @@ class _Job:
         self.gen = 0  # its newest entry in the run's event heap
         self.pending: list[_Group] = []  # completed by running ahead, committed at ``pending_s``
         self.pending_s = INF
+        self.draining = False  # the reference's ``_Job.draining``
+        self.held: list[_Group] = []
 
     def start_load(self, now: float, version: int, consumed: int) -> None:
         self.loading_until, self.target, self._target_consumed = now + self.sim.weight_load_s, version, consumed
@@ -262,7 +264,11 @@ class _Job:
                 self.parked = self.batch.abort(now)
                 self.start_load(now, newest, consumed)
             elif not self.in_flight:
+                pipe._commit(self.held, now, finished=False)
+                self.held, self.draining = [], False
                 self.start_load(now, newest, consumed)
+            else:
+                self.draining = not self.k.commit_while_draining
             return
         k, draws, batch = self.k, self.draws, self.batch
         limit = self.consumed_at + k.budget
@@ -292,12 +298,17 @@ class _Job:
         return t
 
     def take(self, now: float) -> list[_Group]:
-        """The groups it commits at ``now`` (its batch run to ``now``)."""
+        """The groups it commits at ``now`` (its batch run to ``now``); while draining it holds them."""
         groups = []
         if self.pending and self.pending_s <= now + EPS_S:
             groups, self.pending, self.pending_s = self.pending, [], INF
         groups += completed(self.batch.advance_to(now))
         self.in_flight -= len(groups)
+        if self.draining:
+            for g in groups:
+                g.finished_s = now
+            self.held += groups
+            return []
         return groups
 
 
@@ -422,9 +433,10 @@ class Pipeline:
         return steady_prediction(self.update_ends, updates, [j.batch.busy_s for j in self.jobs], self.lags,
                                  self.latencies, self.k)
 
-    def _commit(self, groups: list[_Group], now: float) -> None:
+    def _commit(self, groups: list[_Group], now: float, finished: bool = True) -> None:
         for g in groups:
-            g.finished_s = now
+            if finished:
+                g.finished_s = now
             self.queue.append(g)
 
 

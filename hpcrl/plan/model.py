@@ -38,6 +38,10 @@ class Knobs:
     response_length: int = 1024
     prompt_tokens: int = 16
     """Prompt length when no :class:`Draws` with the data's prompt lengths is given."""
+    commit_while_draining: bool = False
+    """A rollout job draining for a new version (no partial rollout) seals the groups that finish meanwhile only
+    when the drain ends (``RolloutJob._drain`` collects, ``_seal`` follows): False models that; True a job that
+    seals them as they finish (what that change would buy)."""
 
     @property
     def groups_per_update(self) -> int:

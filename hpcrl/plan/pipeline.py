@@ -11,7 +11,9 @@ model of the ``simulated`` section:
   shared admission budget allows (``started < consumed_groups(v) + B``, v the version it holds); the group
   generates prompt index ``started`` (the shared claim hands indices out in order); jobs acting at the same
   instant take the budget in :class:`~hpcrl.plan.model.ServiceOrder`;
-- a finished group is committed at once; the trainer takes R committed groups in commit order, updates for
+- a finished group is committed at once, except while its job drains for a new version (no partial rollout),
+  which commits what it collected when the drain ends, as ``RolloutJob._drain`` does; the trainer takes R
+  committed groups in commit order, updates for
   ``update_model_s(tokens)``, publishes every K updates for ``publish_s`` (the version's ``consumed_groups`` =
   what it consumed);
 - a job that sees a newer version drains its groups (or, with partial rollout, aborts them and keeps their
@@ -159,6 +161,8 @@ class _Job:
         self.loading_until: Optional[float] = None
         self.target = 0
         self.load_s = 0.0
+        self.draining = False  # a newer version is out, groups are in flight, no partial rollout
+        self.held: list[_Group] = []  # finished while draining: committed when the drain ends
 
     def start_load(self, now: float, version: int, consumed: int) -> None:
         self.loading_until, self.target, self._target_consumed = now + self.sim.weight_load_s, version, consumed
@@ -179,7 +183,11 @@ class _Job:
                 self.parked = self.batch.abort(now)
                 self.start_load(now, newest, consumed)
             elif not self.in_flight:
+                pipe.commit(self.held)  # the drain is over: what it collected is sealed, then the load
+                self.held, self.draining = [], False
                 self.start_load(now, newest, consumed)
+            else:
+                self.draining = not self.k.commit_while_draining
             return  # draining: no admission until the load
         while len(self.in_flight) < self.k.max_concurrent_groups and pipe.started < self.consumed_at + self.k.budget:
             g = _Group(pipe.started, self.version, created_s=now)
@@ -224,6 +232,10 @@ class Pipeline:
         self.update_ends: list[tuple[float, int, float]] = []  # (end, tokens, update seconds)
         self.lags: list[int] = []
         self.latencies: list[float] = []  # of the groups of updates 2..N
+
+    def commit(self, groups: list[_Group]) -> None:
+        """Groups become visible to the trainer (their shard is sealed)."""
+        self.queue.extend((g, sum(s.length for s in g.seqs)) for g in groups)
 
     def newest(self, now: float) -> tuple[int, int]:
         """The newest version available at ``now`` and its consumed_groups."""
@@ -273,9 +285,13 @@ class Pipeline:
                 raise RuntimeError(f"plan: {self.k} deadlocks (no event left at t={now:.1f}s)")
             now = t
             for job in self.jobs:
-                for g in job.advance_to(now):
+                done = job.advance_to(now)
+                for g in done:
                     g.finished_s = now
-                    self.queue.append((g, sum(s.length for s in g.seqs)))
+                if job.draining:
+                    job.held += done
+                else:
+                    self.commit(done)
             self._trainer(now, updates)
             keys = self.order.key(self.newest(now)[0])
             for job in sorted(self.jobs, key=lambda j: keys[j.rank]):
