@@ -134,17 +134,31 @@ def _cmd_plan(a) -> int:
     from hpcrl.plan.command import plan_command
     from hpcrl.plan.sweep import SweepSpec, parse_floats, parse_partial, parse_splits
 
+    problems: list[str] = []
+
+    def attempt(fn, *args):
+        try:
+            return fn(*args)
+        except ValueError as e:
+            problems.append(str(e))
+            return None
+
+    staleness = attempt(parse_floats, a.staleness, "--staleness")
+    partial = attempt(parse_partial, a.partial)
+    splits = attempt(parse_splits, a.splits) if a.splits else None
+    for name, value, lo in (("--gpus", a.gpus, 2), ("--gpus-per-engine", a.gpus_per_engine, 1),
+                            ("--updates", a.updates, 3), ("--top", a.top, 1), ("--prompt-tokens", a.prompt_tokens, 1)):
+        if value is not None and value < lo:
+            problems.append(f"{name} must be >= {lo}, got {value}")
     try:
+        if problems:
+            raise ValueError("; ".join(problems))
         gpe = a.gpus_per_engine
         if gpe is None:
             r = load_config(a.config, a.overrides).resources.rollout
             gpe = max(1, r.nodes * r.gpus_per_node)
-        spec = SweepSpec(gpus=a.gpus, gpus_per_engine=gpe, updates=a.updates,
-                         staleness=parse_floats(a.staleness, "--staleness"), partial=parse_partial(a.partial),
-                         splits=parse_splits(a.splits) if a.splits else None)
-        if a.gpus < 2 or gpe < 1 or a.updates < 3 or a.top < 1:
-            raise ValueError(f"--gpus must be >= 2 (got {a.gpus}), --gpus-per-engine >= 1 (got {gpe}), --updates >= 3 "
-                             f"(got {a.updates}), --top >= 1 (got {a.top})")
+        spec = SweepSpec(gpus=a.gpus, gpus_per_engine=gpe, updates=a.updates, staleness=staleness, partial=partial,
+                         splits=splits)
         lines = plan_command(a.config, a.overrides, spec, a.probe, a.top, a.all, a.prompt_tokens, a.reference)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"hpcrl plan: error: {e}", file=sys.stderr)

@@ -183,3 +183,10 @@ def test_candidate_overrides_name_the_resources():
     assert "resources.trainer.nodes=1 resources.trainer.tasks_per_node=5 resources.trainer.gpus_per_node=5" in o
     o = Candidate(Knobs(rollout_jobs=96, trainer_gpus=32, staleness_threshold=1, partial_rollout=False)).overrides(1)
     assert "resources.trainer.nodes=4 resources.trainer.tasks_per_node=8 resources.trainer.gpus_per_node=8" in o
+
+
+def test_bad_options_are_refused_together_before_anything_is_simulated(capsys):
+    rc, out = _cli(capsys, SIM, "--gpus", "1", "--splits", "x", "--staleness", "-1", "--updates", "2")
+    assert rc == 2
+    for what in ("--splits x", "--staleness -1", "--gpus must be >= 2, got 1", "--updates must be >= 3, got 2"):
+        assert what in out
