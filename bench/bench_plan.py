@@ -42,7 +42,7 @@ from bench_async import REPO, logs, run  # noqa: E402
 from hpcrl import metric_names as M  # noqa: E402
 from hpcrl.analysis.ceiling import ceiling  # noqa: E402
 from hpcrl.config import load_config  # noqa: E402
-from hpcrl.plan.events import predict  # noqa: E402
+from hpcrl.plan.events import Pipeline, predict  # noqa: E402
 from hpcrl.plan.model import Draws  # noqa: E402
 from hpcrl.plan.prompts import prompt_lengths  # noqa: E402
 from hpcrl.plan.sweep import knobs_of  # noqa: E402
@@ -91,6 +91,26 @@ def with_control_plane(sim, cp: dict):
                                weight_load_s=sim.weight_load_s + max(0.0, cp["load"]) + cp["pause"])
 
 
+def engines_per_version(rd: Path, groups: int) -> float:
+    """How many rollout jobs started groups under each weight version, mean over versions (the first ``groups``
+    prompts: those the window trains on): how the jobs spread a version's budget."""
+    used: dict[int, set] = {}
+    for line in (rd / "logs" / "staleness.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        writer, index = r["group_id"].split("/")
+        if int(index) < groups:
+            used.setdefault(r["version_start"], set()).add(writer)
+    return float(np.mean([len(w) for w in used.values()]))
+
+
+def engines_per_version_plan(starts: list, groups: int) -> float:
+    """:func:`engines_per_version` of the planner's starts ((version, job) in prompt order)."""
+    used: dict[int, set] = {}
+    for version, rank in starts[:groups]:
+        used.setdefault(version, set()).add(rank)
+    return float(np.mean([len(w) for w in used.values()]))
+
+
 def analyse(rd: Path, case: tuple) -> list[str]:
     cfg = load_config(rd / "config.yaml")
     m, ro, _ = logs(rd)
@@ -100,23 +120,28 @@ def analyse(rd: Path, case: tuple) -> list[str]:
     prompts, _ = prompt_lengths(cfg, None)
     k = knobs_of(cfg, jobs, tg, s, partial)
     draws = Draws(cfg.simulated, cfg.rollout.n, cfg.rollout.response_length, cfg.data.seed, None, prompts)
-    plan = predict(cfg.simulated, k, cfg.total_updates, cfg.data.seed, draws=draws)
+    pipe = Pipeline(cfg.simulated, k, draws, cfg.data.seed)
+    plan = pipe.run(cfg.total_updates)
     cp = control_plane(rd, cfg)
     # a version switch is seen one poll late on average (half the interval), by the trainer's commits as well
     plan_cp = predict(with_control_plane(cfg.simulated, cp), k, cfg.total_updates, cfg.data.seed,
                       overhead_s=cp["poll"], draws=draws)
     measured = c.tokens / (c.measured_s * ts)
+    groups = cfg.total_updates * k.groups_per_update
+    spread_run, spread_plan = engines_per_version(rd, groups), engines_per_version_plan(pipe.starts, groups)
     err, err_cp = plan.tokens_per_s / measured - 1, plan_cp.tokens_per_s / measured - 1
     cp_per_update = cp["update"] + (cp["publish"] + cp["load"] + cp["pause"] + cp["poll"]) / k.trigger_parameter_sync_step
     return [f"{tg}:{jobs}", f"{s:g}", "yes" if partial else "no", f"{ts:g}", f"{c.measured_s * ts / c.updates:.1f}",
             f"{plan.step_s:.1f}", f"{measured:.0f}", f"{plan.tokens_per_s:.0f}", f"{err:+.1%}",
             f"{cp_per_update:.1f}", f"{cp['pause']:.1f}", f"{cp['commit']:.1f}", f"{err_cp:+.1%}",
-            f"{m[M.UPDATE_S].iloc[1:].sum() / c.measured_s:.2f}", f"{plan.trainer_busy:.2f}", "same" if plan.tokens == c.tokens else f"{plan.tokens / c.tokens - 1:+.1%}"]
+            f"{m[M.UPDATE_S].iloc[1:].sum() / c.measured_s:.2f}", f"{plan.trainer_busy:.2f}",
+            "same" if plan.tokens == c.tokens else f"{plan.tokens / c.tokens - 1:+.1%}",
+            f"{spread_run:.1f} / {spread_plan:.1f}"]
 
 
 HEADER = ["trainer:engines", "s", "partial", "time_scale", "step s run", "step s plan", "tokens/s run", "tokens/s plan",
           "plan error", "cp s/update", "pause s", "commit s", "plan+cp error", "trainer busy run", "trainer busy plan",
-          "tokens plan vs run"]
+          "tokens plan vs run", "engines/version run / plan"]
 
 
 def main(argv=None) -> int:
@@ -148,7 +173,8 @@ def main(argv=None) -> int:
     errs = [abs(float(r[9].rstrip("%"))) for r in rows]
     errs_cp = [abs(float(r[13].rstrip("%"))) for r in rows]
     print(f"within 10 %: plan {sum(e <= 10 for e in errs)} of {len(rows)}, plan + control plane "
-          f"{sum(e <= 10 for e in errs_cp)} of {len(rows)}")
+          f"{sum(e <= 10 for e in errs_cp)} of {len(rows)}; mean |error| plan {np.mean(errs):.1f} %, plan + control "
+          f"plane {np.mean(errs_cp):.1f} %")
     if tmp_ctx:
         tmp_ctx.cleanup()
     return 0

@@ -280,6 +280,7 @@ class _Job:
             g = _Group(index, self.version, now, k.n, sum(lengths))
             batch.add([_Seq(g, length, prompt) for length in lengths], now)
             self.in_flight += 1
+            pipe.starts.append((self.version, self.rank))
 
     def run_ahead(self, horizon: float) -> float:
         """Take the batch's own finishes before ``horizon`` until one completes a group (kept in ``pending``);
@@ -330,6 +331,7 @@ class Pipeline:
         self.lags: list[int] = []
         self.latencies: list[float] = []
         self.events: list = []  # (time, kind, rank, gen): kind 0 a job's event, 1 the trainer's or a version's
+        self.starts: list[tuple[int, int]] = []  # (version, job) of each group started, in prompt order
         self._seen_newest = 0
 
     def newest(self, now: float) -> tuple[int, int]:
