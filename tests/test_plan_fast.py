@@ -74,9 +74,9 @@ def _fixed(tmp_path, length: int) -> str:
 
 def _batch_busy(sim, seqs, max_num_seqs=256):
     """The planner's engine run to empty on ``seqs`` = [(prompt, length)]: its busy modelled seconds."""
-    g = events._Group(0, 0, 0.0, len(seqs), 0)
-    b = events._Batch(sim, max_num_seqs)
-    b.add([events._Seq(g, length, prompt) for prompt, length in seqs], 0.0)
+    g = events.Group(0, 0, 0.0, len(seqs), 0)
+    b = events.Batch(sim, max_num_seqs)
+    b.add([events.Seq(g, length, prompt) for prompt, length in seqs], 0.0)
     b.advance_to(float("inf"))
     return b.busy_s, b
 
@@ -120,35 +120,32 @@ def test_a_kv_cache_smaller_than_one_sequence_is_refused_before_submission():
     assert load_config(SIM, ["simulated.kv_cache_tokens=4000"]).simulated.kv_cache_tokens == 4000
 
 
-def test_groups_take_prompt_indices_in_claim_order_and_jobs_the_budget_in_a_random_order_per_version():
-    """The shared claim numbers groups in start order; jobs that load together take the budget first come first
-    served, in an order that changes from version to version, up to max_concurrent_groups each."""
+def test_the_claim_numbers_groups_in_start_order_whoever_starts_them():
+    """What the planner assumes (prompt index = the fleet's start count): the shared claim hands out the next
+    index never claimed, whichever writer asks."""
+    from hpcrl.control import claims
+
+    book = claims.ClaimBook()
+    for w in ("w000", "w001", "w002"):
+        claims.join(book, w, f"lease-{w}", set())
+    order = [claims.claim(book, w, f"lease-{w}") for w in ("w001", "w001", "w000", "w002", "w000", "w001")]
+    assert order == list(range(6))
+
+
+def test_jobs_take_the_budget_first_come_up_to_their_cap_in_an_order_that_changes_per_version():
+    """Jobs that load a version together take the budget up to max_concurrent_groups each, first come first
+    served, in an order that differs from version to version."""
     sim = load_config(SIM).simulated
-    k = Knobs(rollout_jobs=4, trainer_gpus=1, staleness_threshold=0.0, partial_rollout=False, ppo_mini_batch_size=4,
+    k = Knobs(rollout_jobs=4, trainer_gpus=1, staleness_threshold=0.0, partial_rollout=True, ppo_mini_batch_size=4,
               n=2, max_concurrent_groups=2, response_length=1536)
     pipe = events.Pipeline(sim, k, Draws(sim, 2, 1536, prompts=2))
-    takers: list[tuple] = []
-    service = events._Job.service
-
-    def spy(job, now, p):
-        before = p.started
-        service(job, now, p)
-        if p.started > before:
-            takers.append((job.version, job.rank, before, p.started))
-
-    events._Job.service = spy
-    try:
-        pipe.run(8)
-    finally:
-        events._Job.service = service
-    indices = [i for _, _, a, b in takers for i in range(a, b)]
-    assert indices == list(range(len(indices)))  # claim order
+    pipe.run(8)
     per_version: dict[int, list[int]] = {}
-    for v, rank, a, b in takers:
-        assert b - a == 2  # a job takes up to its cap (B = 4 over 4 jobs of 2)
+    for v, rank in pipe.starts:
         per_version.setdefault(v, []).append(rank)
-    assert all(len(r) == 2 for r in per_version.values())  # B=4 fills 2 of the 4 engines
-    assert len({tuple(r) for r in per_version.values()}) > 1  # not the same engines every version
+    for ranks in per_version.values():  # B=4 over jobs of 2: two jobs, two groups each
+        assert len(ranks) == 4 and len(set(ranks)) == 2 and all(ranks.count(r) == 2 for r in ranks)
+    assert len({frozenset(r) for r in per_version.values()}) > 1  # not the same engines every version
     keys = ServiceOrder(4, 0)
     assert sorted(keys.key(1)) == [0, 1, 2, 3] and not np.array_equal(keys.key(1), keys.key(2))
 

@@ -6,14 +6,14 @@ once, so ``max_num_seqs`` and the KV cache bound the batch, not ``rollout.max_co
 ``G`` GPUs train ``K`` updates of ``R`` groups, then the new weights go into the engines (``weight_load_s``: an
 in-memory reshard, no publish through the filesystem). Nothing overlaps, every response is on-policy, and the
 step is ``generation of the slowest engine + K updates + the switch`` per period. The engines run the same
-continuous-batching model as the async simulation (:class:`hpcrl.plan.events._Batch`).
+continuous-batching model as the async simulation (:class:`hpcrl.plan.events.Batch`).
 """
 from __future__ import annotations
 
 import dataclasses
 
 from hpcrl.config.simulated import SimulatedConfig
-from hpcrl.plan.events import _Batch, _Group, _Seq
+from hpcrl.plan.events import Batch, Group, Seq
 from hpcrl.plan.model import INF, Draws, Knobs, Prediction
 
 
@@ -28,13 +28,13 @@ def sync_baseline(sim: SimulatedConfig, k: Knobs, gpus: int, gpus_per_engine: in
     window = gen_total = upd_total = 0.0
     tokens = 0
     for p in range(periods):
-        batches = [_Batch(sim, k.max_num_seqs) for _ in range(engines)]
+        batches = [Batch(sim, k.max_num_seqs) for _ in range(engines)]
         group_tokens = []
         for j in range(K * R):
             index = p * K * R + j
             lengths = draws.responses(index)
-            g = _Group(index, p, 0.0, k.n, sum(lengths))
-            batches[j % engines].add([_Seq(g, length, draws.prompt(index)) for length in lengths], 0.0)
+            g = Group(index, p, 0.0, k.n, sum(lengths))
+            batches[j % engines].add([Seq(g, length, draws.prompt(index)) for length in lengths], 0.0)
             group_tokens.append(g.tokens)
         for b in batches:
             b.advance_to(INF)

@@ -25,14 +25,14 @@ from hpcrl.plan.model import EPS_S, INF, Draws, Knobs, Prediction, ServiceOrder,
 from hpcrl.plan.pipeline import steady_prediction
 
 
-class _Seq:
+class Seq:
     __slots__ = ("group", "length", "prompt", "produced", "p0", "adm")
 
-    def __init__(self, group: "_Group", length: int, prompt: int):
+    def __init__(self, group: "Group", length: int, prompt: int):
         self.group, self.length, self.prompt, self.produced, self.p0, self.adm = group, length, prompt, 0, 0, -1
 
 
-class _Group:
+class Group:
     __slots__ = ("index", "version_start", "created_s", "finished_s", "open", "tokens")
 
     def __init__(self, index: int, version_start: int, created_s: float, n: int, tokens: int):
@@ -40,7 +40,7 @@ class _Group:
         self.finished_s = 0.0
 
 
-def completed(seqs: list[_Seq]) -> list[_Group]:
+def completed(seqs: list[Seq]) -> list[Group]:
     """The groups whose last sequence is among ``seqs`` (which just finished)."""
     done = []
     for s in seqs:
@@ -51,8 +51,8 @@ def completed(seqs: list[_Seq]) -> list[_Group]:
     return done
 
 
-class _Batch:
-    """One engine's continuous batch on a step clock (module docstring); the reference's ``_Batch`` otherwise."""
+class Batch:
+    """One engine's continuous batch on a step clock (module docstring); the reference's ``Batch`` otherwise."""
 
     def __init__(self, sim: SimulatedConfig, max_num_seqs: int):
         self.sim, self.max_num_seqs = sim, max_num_seqs
@@ -60,15 +60,15 @@ class _Batch:
         self.kv = sim.kv_cache_tokens
         self.P = 0  # decoding steps taken
         self.heap: list = []  # (finish step, admission number, seq); an entry whose seq left is skipped
-        self.running: dict[int, _Seq] = {}  # admission number -> seq, in admission order
-        self.waiting: deque[_Seq] = deque()
+        self.running: dict[int, Seq] = {}  # admission number -> seq, in admission order
+        self.waiting: deque[Seq] = deque()
         self.adm = 0
         self.prefill_due_s = 0.0
         self.mark_s = 0.0
         self.busy_s = 0.0
         self.usage = 0
 
-    def add(self, seqs: list[_Seq], now: float) -> None:
+    def add(self, seqs: list[Seq], now: float) -> None:
         """``seqs`` join the queue at ``now`` (one group, or the parked ones after a load)."""
         if not self.running:
             self.mark_s = now
@@ -120,7 +120,7 @@ class _Batch:
             return INF
         return self.mark_s + self.prefill_due_s + self._k() * (self.base + self.per_seq * len(self.running))
 
-    def step_next(self) -> list[_Seq]:
+    def step_next(self) -> list[Seq]:
         """Run to the batch's next event (:meth:`next_finish_s`); the sequences that finished there."""
         running, heap = self.running, self.heap
         k = self._k()
@@ -145,7 +145,7 @@ class _Batch:
             self._admit()
         return done
 
-    def run_to_group(self, horizon: float) -> tuple[float, list[_Group]]:
+    def run_to_group(self, horizon: float) -> tuple[float, list[Group]]:
         """:meth:`step_next` until a group completes, before ``horizon``: (its time, the groups), or (the next
         finish, []) at or after ``horizon``. One loop without calls for the common case (nothing waits, no KV
         limit, so no finish admits anything); otherwise :meth:`step_next` one by one."""
@@ -160,7 +160,7 @@ class _Batch:
         running, heap = self.running, self.heap
         P, mark, busy, usage, pd = self.P, self.mark_s, self.busy_s, self.usage, self.prefill_due_s
         base, per_seq, pop, limit = self.base, self.per_seq, heapq.heappop, horizon - EPS_S
-        groups: list[_Group] = []
+        groups: list[Group] = []
         t = INF
         while heap:
             m = len(running)
@@ -189,9 +189,9 @@ class _Batch:
         self.P, self.mark_s, self.busy_s, self.usage, self.prefill_due_s = P, mark, busy, usage, pd
         return t, groups
 
-    def advance_to(self, t: float) -> list[_Seq]:
+    def advance_to(self, t: float) -> list[Seq]:
         """Run until ``t``; the sequences that finished."""
-        done: list[_Seq] = []
+        done: list[Seq] = []
         while self.running and self.next_finish_s() <= t + EPS_S:
             done += self.step_next()
         running = self.running
@@ -218,7 +218,7 @@ class _Batch:
             self.usage -= s.prompt + s.produced
             self.waiting.appendleft(s)
 
-    def abort(self, now: float) -> list[_Seq]:
+    def abort(self, now: float) -> list[Seq]:
         """Every sequence leaves with what it has (partial rollout)."""
         self.advance_to(now)
         out = list(self.running.values())
@@ -235,17 +235,17 @@ class _Job:
 
     def __init__(self, rank: int, k: Knobs, sim: SimulatedConfig, draws: Draws):
         self.rank, self.k, self.sim, self.draws = rank, k, sim, draws
-        self.batch = _Batch(sim, k.max_num_seqs)
+        self.batch = Batch(sim, k.max_num_seqs)
         self.version, self.consumed_at = -1, 0
         self.in_flight = 0  # started and not yet committed
-        self.parked: list[_Seq] = []
+        self.parked: list[Seq] = []
         self.loading_until: Optional[float] = None
         self.target = self._target_consumed = 0
         self.gen = 0  # its newest entry in the run's event heap
-        self.pending: list[_Group] = []  # completed by running ahead, committed at ``pending_s``
+        self.pending: list[Group] = []  # completed by running ahead, committed at ``pending_s``
         self.pending_s = INF
         self.draining = False  # the reference's ``_Job.draining``
-        self.held: list[_Group] = []
+        self.held: list[Group] = []
 
     def start_load(self, now: float, version: int, consumed: int) -> None:
         self.loading_until, self.target, self._target_consumed = now + self.sim.weight_load_s, version, consumed
@@ -277,8 +277,8 @@ class _Job:
             pipe.started += 1
             lengths = draws.responses(index)
             prompt = draws.prompt(index)
-            g = _Group(index, self.version, now, k.n, sum(lengths))
-            batch.add([_Seq(g, length, prompt) for length in lengths], now)
+            g = Group(index, self.version, now, k.n, sum(lengths))
+            batch.add([Seq(g, length, prompt) for length in lengths], now)
             self.in_flight += 1
             pipe.starts.append((self.version, self.rank))
 
@@ -298,7 +298,7 @@ class _Job:
             self.pending, self.pending_s = groups, t
         return t
 
-    def take(self, now: float) -> list[_Group]:
+    def take(self, now: float) -> list[Group]:
         """The groups it commits at ``now`` (its batch run to ``now``); while draining it holds them."""
         groups = []
         if self.pending and self.pending_s <= now + EPS_S:
@@ -322,7 +322,7 @@ class Pipeline:
         self.jobs = [_Job(r, k, sim, draws) for r in range(k.rollout_jobs)]
         self.order = ServiceOrder(k.rollout_jobs, data_seed)
         self.started = 0
-        self.queue: deque[_Group] = deque()
+        self.queue: deque[Group] = deque()
         self.published: list[tuple[float, int, int]] = [(0.0, 0, 0)]
         self.step, self.consumed, self.version = 0, 0, 0
         self.busy_until: Optional[float] = None
@@ -435,7 +435,7 @@ class Pipeline:
         return steady_prediction(self.update_ends, updates, [j.batch.busy_s for j in self.jobs], self.lags,
                                  self.latencies, self.k)
 
-    def _commit(self, groups: list[_Group], now: float, finished: bool = True) -> None:
+    def _commit(self, groups: list[Group], now: float, finished: bool = True) -> None:
         for g in groups:
             if finished:
                 g.finished_s = now
