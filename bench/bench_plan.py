@@ -62,7 +62,8 @@ def overrides(case: tuple, updates: int, time_scale: float) -> list[str]:
 
 def finished(rd: Path, updates: int) -> bool:
     m = rd / "logs" / "metrics.jsonl"
-    return m.is_file() and len(m.read_text().splitlines()) >= updates and (rd / "control" / "trainer_done.json").exists()
+    done = rd / "control" / "trainer_done.json"
+    return m.is_file() and len(m.read_text().splitlines()) >= updates and done.exists()
 
 
 def control_plane(rd: Path, cfg) -> dict:
@@ -130,7 +131,8 @@ def analyse(rd: Path, case: tuple) -> list[str]:
     groups = cfg.total_updates * k.groups_per_update
     spread_run, spread_plan = engines_per_version(rd, groups), engines_per_version_plan(pipe.starts, groups)
     err, err_cp = plan.tokens_per_s / measured - 1, plan_cp.tokens_per_s / measured - 1
-    cp_per_update = cp["update"] + (cp["publish"] + cp["load"] + cp["pause"] + cp["poll"]) / k.trigger_parameter_sync_step
+    per_version = cp["publish"] + cp["load"] + cp["pause"] + cp["poll"]
+    cp_per_update = cp["update"] + per_version / k.trigger_parameter_sync_step
     return [f"{tg}:{jobs}", f"{s:g}", "yes" if partial else "no", f"{ts:g}", f"{c.measured_s * ts / c.updates:.1f}",
             f"{plan.step_s:.1f}", f"{measured:.0f}", f"{plan.tokens_per_s:.0f}", f"{err:+.1%}",
             f"{cp_per_update:.1f}", f"{cp['pause']:.1f}", f"{cp['commit']:.1f}", f"{err_cp:+.1%}",

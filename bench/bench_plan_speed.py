@@ -127,7 +127,8 @@ def main(argv=None) -> int:
                                 "--prompt-tokens", str(PROMPT)], REPO)
         searched = next(x for x in out.splitlines() if x.startswith("searched"))
         best = out.split("best (highest throughput first):")[1].strip().splitlines()[0].split(":")[0]
-        row = [str(g), f"{wall:.1f}", f"{cpu:.1f}", searched.split(",")[0].split()[1], searched.split(",")[1].split()[1],
+        counts = [part.split()[1] for part in searched.split(",")[:2]]
+        row = [str(g), f"{wall:.1f}", f"{cpu:.1f}", *counts,
                best.strip()]
         if g <= a.every_up_to:  # the old sweep's candidates, every one simulated: the simulation's own speed-up
             _, cpu_all, out = timed([sys.executable, "-m", "hpcrl", "plan", str(CONFIG), "--gpus", str(g),

@@ -91,7 +91,8 @@ def plan_command(config: str, overrides: list[str], spec: SweepSpec, probe: Opti
     if 0 < sim.kv_cache_tokens < longest + cfg.rollout.response_length + 1:
         raise ValueError(f"simulated.kv_cache_tokens={sim.kv_cache_tokens} cannot hold one sequence (longest prompt "
                          f"{longest} + rollout.response_length {cfg.rollout.response_length} + 1); raise it")
-    draws = Draws(sim, cfg.rollout.n, cfg.rollout.response_length, cfg.data.seed, empirical_lengths(sim.lengths), prompts)
+    draws = Draws(sim, cfg.rollout.n, cfg.rollout.response_length, cfg.data.seed, empirical_lengths(sim.lengths),
+                  prompts)
     requested, requested_line = requested_knobs(cfg, spec.gpus, spec.gpus_per_engine)
     cands = candidates(cfg, spec, requested)
     if not cands:

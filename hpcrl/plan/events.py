@@ -36,7 +36,8 @@ class Group:
     __slots__ = ("index", "version_start", "created_s", "finished_s", "open", "tokens")
 
     def __init__(self, index: int, version_start: int, created_s: float, n: int, tokens: int):
-        self.index, self.version_start, self.created_s, self.open, self.tokens = index, version_start, created_s, n, tokens
+        self.index, self.version_start, self.created_s = index, version_start, created_s
+        self.open, self.tokens = n, tokens
         self.finished_s = 0.0
 
 

@@ -151,5 +151,6 @@ class ServiceOrder:
         """``key[rank]``: jobs act in increasing key while ``version`` is the newest."""
         keys = self._keys.get(version)
         if keys is None:
-            keys = self._keys[version] = np.random.default_rng([self.seed, 7919, max(version, 0)]).permutation(self.jobs)
+            rng = np.random.default_rng([self.seed, 7919, max(version, 0)])
+            keys = self._keys[version] = rng.permutation(self.jobs)
         return keys

@@ -34,10 +34,12 @@ def probe_model(sim: SimulatedConfig, run_dir: Path) -> tuple[SimulatedConfig, l
         per_token, base = np.polyfit(tokens, secs, 1)
     else:
         per_token, base = 0.0, float(secs.mean())
-    gpus = probe_cfg.simulated.trainer_gpus if probe_cfg.trainer.simulated else max(1, probe_cfg.resources.trainer.gpus_per_node)
+    res = probe_cfg.resources.trainer
+    gpus = probe_cfg.simulated.trainer_gpus if probe_cfg.trainer.simulated else max(1, res.gpus_per_node)
     loads = [json.loads(x).get(M.LOAD_WEIGHTS_S, 0.0) for p in rd.rollout_metrics_logs().values()
              for x in p.read_text().splitlines() if x.strip()]
-    out = dataclasses.replace(sim, update_base_s=max(0.0, float(base)), update_per_token_s=max(0.0, float(per_token)) * gpus,
+    out = dataclasses.replace(sim, update_base_s=max(0.0, float(base)),
+                              update_per_token_s=max(0.0, float(per_token)) * gpus,
                               weight_load_s=float(np.median(loads)) * scale if loads else sim.weight_load_s,
                               lengths=f"empirical:{run_dir}", time_scale=1.0)
     notes = [f"probe {run_dir} ({len(rows)} updates, time x{scale:g}): update {out.update_base_s:.3f}s + "

@@ -49,7 +49,8 @@ class Candidate:
         :data:`GPUS_PER_NODE`, one rank per GPU; a simulated run takes the trainer's GPUs as simulated.trainer_gpus)."""
         k = self.knobs
         t = k.trainer_gpus
-        nodes, per_node = (t // GPUS_PER_NODE, GPUS_PER_NODE) if t > GPUS_PER_NODE and t % GPUS_PER_NODE == 0 else (1, t)
+        whole_nodes = t > GPUS_PER_NODE and t % GPUS_PER_NODE == 0
+        nodes, per_node = (t // GPUS_PER_NODE, GPUS_PER_NODE) if whole_nodes else (1, t)
         return (f"async_training.staleness_threshold={k.staleness_threshold:g} "
                 f"async_training.partial_rollout={str(k.partial_rollout).lower()} resources.trainer.nodes={nodes} "
                 f"resources.trainer.tasks_per_node={per_node} resources.trainer.gpus_per_node={per_node} "

@@ -5,10 +5,11 @@ decoding step gives every running sequence one token and takes ``decode_base_s +
 running`` modelled seconds; a sequence entering the batch first costs ``prefill_per_token_s`` per token
 of its prompt. With ``simulated.kv_cache_tokens`` the running sequences' prompts and tokens must fit the
 KV cache (``SimulatedConfig.kv_admits``): a step that would not fit preempts the newest running sequence,
-which waits at the head of the queue and pays its prefill again (vLLM's recompute). One scheduler task on the runner's loop advances the batch from event to event (the next
-sequence to finish, a new request, an abort), so a step costs no Python work: it sleeps
-``modelled / simulated.time_scale`` wall seconds. Response lengths are drawn per sequence from
-``simulated.lengths`` (EOS included), capped by the call's budget.
+which waits at the head of the queue and pays its prefill again (vLLM's recompute). One scheduler task on
+the runner's loop advances the batch from event to event (the next sequence to finish, a new request, an
+abort), so a step costs no Python work: it sleeps ``modelled / simulated.time_scale`` wall seconds, and
+carries what a sleep overshoots into the next, so the batch keeps to its phase model under load. Response
+lengths are drawn per sequence from ``simulated.lengths`` (EOS included), capped by the call's budget.
 
 What it returns is real data: token ids of the model's vocabulary (no special token except a final EOS)
 and log-probs, both drawn from the call's seed, so a group is reproducible. :meth:`abort_all` hands back
