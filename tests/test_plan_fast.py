@@ -157,14 +157,14 @@ def test_a_draining_job_commits_what_finished_meanwhile_when_the_drain_ends():
     k = knobs_of(cfg, 1, 1, 0.5, False, prompt_tokens=2)
     pipe = events.Pipeline(cfg.simulated, k, Draws(cfg.simulated, 8, 1536, prompts=2))
     held = []
-    commit = pipe._commit
+    commit = pipe.commit
 
     def spy(groups, now, finished=True):
         if not finished and groups:
             held.append((now, [g.finished_s for g in groups]))
         commit(groups, now, finished)
 
-    pipe._commit = spy
+    pipe.commit = spy
     pipe.run(16)
     assert held and any(len(f) > 1 for _, f in held)
     for now, finished in held:

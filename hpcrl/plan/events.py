@@ -265,7 +265,7 @@ class _Job:
                 self.parked = self.batch.abort(now)
                 self.start_load(now, newest, consumed)
             elif not self.in_flight:
-                pipe._commit(self.held, now, finished=False)
+                pipe.commit(self.held, now, finished=False)
                 self.held, self.draining = [], False
                 self.start_load(now, newest, consumed)
             else:
@@ -414,7 +414,7 @@ class Pipeline:
             now = self.events[0][0]
             due = sorted(self._due(now), key=lambda j: j.rank)
             for job in due:
-                self._commit(job.take(now), now)
+                self.commit(job.take(now), now)
             self._trainer(now, updates)
             newest = self.newest(now)[0]
             serve = due
@@ -422,7 +422,7 @@ class Pipeline:
                 self._seen_newest, serve = newest, self.jobs
             keys = self.order.key(newest)
             for job in sorted(serve, key=lambda j: keys[j.rank]):
-                self._commit(job.take(now), now)  # nothing new: it ran to ``now`` or holds no event there
+                self.commit(job.take(now), now)  # nothing new: it ran to ``now`` or holds no event there
                 job.service(now, self)
             self._trainer(now, updates)
             for job in serve:
@@ -436,7 +436,9 @@ class Pipeline:
         return steady_prediction(self.update_ends, updates, [j.batch.busy_s for j in self.jobs], self.lags,
                                  self.latencies, self.k)
 
-    def _commit(self, groups: list[Group], now: float, finished: bool = True) -> None:
+    def commit(self, groups: list[Group], now: float, finished: bool = True) -> None:
+        """Groups become visible to the trainer (their shard is sealed) at ``now``; ``finished``: they finished
+        now too (else a drain held them since their finish)."""
         for g in groups:
             if finished:
                 g.finished_s = now
