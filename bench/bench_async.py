@@ -49,6 +49,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from hpcrl.analysis.ceiling import ceiling  # noqa: E402
 from hpcrl.config import load_config  # noqa: E402
+from hpcrl.config.registries import ENGINES  # noqa: E402
 
 MODES = {
     "(a) on-policy s=0": ["async_training.staleness_threshold=0"],
@@ -93,7 +94,7 @@ def main(argv=None) -> int:
     p = bench_parser(__doc__, "16 updates per run")
     p.add_argument("--updates", type=int, default=32)
     p.add_argument("--tokens", type=int, default=256, help="transformers/vllm engines: response cap")
-    p.add_argument("--engine", default="simulated", choices=["simulated", "transformers", "vllm"])
+    p.add_argument("--engine", default="simulated", choices=list(ENGINES))
     p.add_argument("--only", default="", help="comma-separated mode letters to run, e.g. a,c")
     p.add_argument("--keep", action="store_true", help="keep the run directories (their path is printed)")
     a = p.parse_args(argv)

@@ -44,6 +44,7 @@ from _common import bench_parser, table  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from hpcrl.analysis.exactly_once import audit  # noqa: E402
+from hpcrl.config.knobs import admission_budget  # noqa: E402
 from hpcrl.run_dir import RunDir  # noqa: E402
 
 SETTING = ["rollout.max_concurrent_groups=2", "actor.ppo_mini_batch_size=4", "async_training.partial_rollout=true",
@@ -108,7 +109,7 @@ def main(argv=None) -> int:
                          s["lag_max"], s["problems"]])
             print(f"{jobs} rollout job(s): {s['groups_s']:.2f} groups/s, trainer idle {s['idle_trainer']:.2f}",
                   flush=True)
-    budget = int((1 + a.staleness) * 4)
+    budget = admission_budget(a.staleness, 1, 4)  # K=1, R=4 (configs/simulated.yaml)
     print(f"\n{a.updates} updates of 4 groups x 8 per run, simulated engine and trainer (configs/simulated.yaml, "
           f"time_scale 10), max_concurrent_groups=2 per job, s={a.staleness:g} + partial (budget B={budget} groups "
           "ahead of the trainer for the whole fleet); steady window: every job producing")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -132,6 +133,8 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="8 prompts x 4, 32 tokens, 1 repeat")
     p.add_argument("--json", default=None, help="also write the medians and ratios to this file (bench/gpu_check.sh)")
     a = p.parse_args(argv)
+    if a.device == "cuda":  # vLLM forks its engine core: a fork after this process touched CUDA dies
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     if a.quick:
         a.prompts, a.n, a.tokens, a.repeats = 8, 4, 32, 1
     from hpcrl.rollout.engine import EngineOptions

@@ -1,10 +1,11 @@
 """The tiny task end to end for ``bench/gpu_check.sh``: trainer + one rollout job on this node
 (``--executor local``), ``rollout.engine=vllm`` with weights by broadcast, then the exactly-once audit.
 
-    python bench/gpu_check_e2e.py RUN_DIR OUT.json [key=value ...]
+    python bench/gpu_check_e2e.py RUN_DIR OUT.json [--min-reward R] [key=value ...]
 
 Writes the figures (wall seconds, updates, reward of the first and last fifth, how many versions reached
-vLLM by broadcast, the audit's counts) to OUT.json; exits 1 if the run failed or the audit found a problem.
+vLLM by broadcast, the audit's counts) to OUT.json; exits 1 if the run failed, the audit found a problem or,
+with ``--min-reward``, the mean reward of the last fifth of the updates is below R (the task was not learnt).
 """
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ OVERRIDES = ["model.path=builtin:tiny-h64", "rollout.engine=vllm", "weights.tran
 
 def main(argv: list[str]) -> int:
     run, out, extra = Path(argv[0]), Path(argv[1]), argv[2:]
+    min_reward = None
+    if extra[:1] == ["--min-reward"]:
+        min_reward, extra = float(extra[1]), extra[2:]
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "hpcrl", "run", str(REPO / "configs" / "tiny.yaml"), *OVERRIDES,
                            *extra, "--run-dir", str(run), "--executor", "local", "--timeout-min", "25"],
@@ -50,9 +54,14 @@ def main(argv: list[str]) -> int:
                    reward_last_fifth=float(reward[-fifth:].mean()), versions_loaded=len(paths),
                    versions_by_broadcast=paths.count("broadcast"), consumed_groups=a.consumed_groups,
                    exactly_once_problems=a.problems())
+    learnt = min_reward is None or figures["reward_last_fifth"] >= min_reward
+    figures.update(min_reward=min_reward, learnt=learnt)
     out.write_text(json.dumps(figures, indent=1) + "\n")
     print(json.dumps(figures), file=sys.stderr)
-    return 1 if a.problems() or a.consumed_groups == 0 else 0
+    if not learnt:
+        print(f"gpu_check_e2e: the reward of the last fifth is {figures['reward_last_fifth']:.3f}, below "
+              f"{min_reward}: the tiny task was not learnt in {len(reward)} updates", file=sys.stderr)
+    return 1 if a.problems() or a.consumed_groups == 0 or not learnt else 0
 
 
 if __name__ == "__main__":

@@ -9,9 +9,15 @@
     hpcrl status RUN_DIR [--interval-s 5] [--once] # live view from the login node
     hpcrl summary RUN_DIR                          # per-version table of the staleness log
     hpcrl samples RUN_DIR [--version V] [--worst|--best] [-n K]   # prompts, responses, rewards, token versions
-    hpcrl export RUN_DIR [--version last|N] --out DIR             # a weight version as a Hugging Face folder
+    hpcrl export RUN_DIR [--version last|N] --out DIR [--merge]   # a weight version as a Hugging Face folder
     hpcrl plan CONFIG [key=value ...] --gpus N [--splits ..] [--staleness ..]  # best split and async knobs
     hpcrl doctor [--dir D] [--require cuda,vllm] [--json F]         # what this node offers a run
+    hpcrl scale RUN_DIR --rollout-jobs N                          # grow or shrink a live run's rollout fleet
+    hpcrl sbatch-lines CONFIG [key=value ...] --run-dir DIR       # prepare DIR, print the sbatch commands
+    hpcrl build-ops [--timeout-s 1800]                            # build DeepSpeed's JIT ops for this node now
+
+``hpcrl --help`` lists them and ``hpcrl COMMAND --help`` explains each option (tests/test_cli_help.py: every
+command and option has help).
 """
 from __future__ import annotations
 
@@ -30,14 +36,15 @@ from hpcrl.config import ConfigError, dump_config, load_config
 
 def _cmd_run(a) -> int:
     from hpcrl.launcher.api import launch, plan_run
+    from hpcrl.launcher.input_warnings import WARNING
 
     try:
         plan = plan_run(a.config, a.run_dir, a.executor, a.overrides, a.resume)
     except (ConfigError, ValueError, FileNotFoundError) as e:
-        for line in str(e).splitlines():
-            print(f"hpcrl: error: {line}", file=sys.stderr)
-        return 2
+        return _problems("hpcrl", e)
     cfg, kind = plan.cfg, plan.kind
+    warnings = [n for n in plan.notes if n.startswith(WARNING)]
+    plan.notes = [n for n in plan.notes if not n.startswith(WARNING)]
     if plan.finished is not None:
         print(plan.finished)
         return 0
@@ -54,9 +61,11 @@ def _cmd_run(a) -> int:
             print("would submit " + job.describe())
         print("# resolved config:")
         print(dump_config(cfg), end="")
+        _print_warnings(warnings)
         return 0
     for note in plan.notes:
         print(note)
+    _print_warnings(warnings)
     for change in plan.changes:
         print(f"--resume changes {change} (recorded at the top of {plan.rd.config_path})")
     old_term = signal.signal(signal.SIGTERM, _interrupt) if threading.current_thread() is threading.main_thread() else None
@@ -65,6 +74,25 @@ def _cmd_run(a) -> int:
     finally:
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)
+
+
+def _problems(prog: str, e: BaseException) -> int:
+    """Every problem of a check that found some (one line each, one pass: ``config/checks.py``), on stderr; 2."""
+    problems = str(e).splitlines() or [type(e).__name__]
+    for line in problems:
+        print(f"{prog}: error: {line}", file=sys.stderr)
+    if len(problems) > 1:
+        print(f"{prog}: {len(problems)} problems, found in one pass; nothing was created or submitted", file=sys.stderr)
+    return 2
+
+
+def _print_warnings(warnings: list[str]) -> None:
+    """The input checks' warnings (hpcrl/launcher/input_warnings.py), last and on stderr, so that neither the
+    resolved config nor the run's lines hide them."""
+    for w in warnings:
+        print(f"hpcrl: {w}", file=sys.stderr)
+    if warnings:
+        print(f"hpcrl: {len(warnings)} warning(s) above: the run may start, but check them first", file=sys.stderr)
 
 
 def _interrupt(signum, frame) -> None:
@@ -152,7 +180,7 @@ def _cmd_plan(a) -> int:
             problems.append(f"{name} must be >= {lo}, got {value}")
     try:
         if problems:
-            raise ValueError("; ".join(problems))
+            raise ValueError("\n".join(problems))
         gpe = a.gpus_per_engine
         if gpe is None:
             r = load_config(a.config, a.overrides).resources.rollout
@@ -161,8 +189,7 @@ def _cmd_plan(a) -> int:
                          splits=splits)
         lines = plan_command(a.config, a.overrides, spec, a.probe, a.top, a.all, a.prompt_tokens, a.reference)
     except (ConfigError, ValueError, FileNotFoundError) as e:
-        print(f"hpcrl plan: error: {e}", file=sys.stderr)
-        return 2
+        return _problems("hpcrl plan", e)
     print("\n".join(lines))
     return 0
 
@@ -176,8 +203,7 @@ def _cmd_sbatch_lines(a) -> int:
         cfg = load_config(a.config, a.overrides)
         rd = RunDir(a.run_dir) if a.dry_run else prepare_run_dir(cfg, Path(a.run_dir), resume=False)
     except (ConfigError, ValueError, FileNotFoundError) as e:
-        print(f"hpcrl: error: {e}", file=sys.stderr)
-        return 2
+        return _problems("hpcrl", e)
     if not a.dry_run:
         write_setup_files(cfg, rd)
     for line in sbatch_lines(cfg, rd, Path(a.scripts).resolve(), a.python or sys.executable):
@@ -196,7 +222,7 @@ def add_plan_command(sub) -> None:
                                     "settings of a GPU budget, next to the configuration the config asks for and the "
                                     "synchronous colocated baseline (README: 'Sizing a run with hpcrl plan').")
     pl.add_argument("config", help="YAML config whose simulated: section holds the phase model (modelled seconds)")
-    pl.add_argument("overrides", nargs="*")
+    pl.add_argument("overrides", nargs="*", help="dotted overrides of the config, e.g. simulated.decode_base_s=0.03")
     pl.add_argument("--gpus", type=int, required=True, help="GPU budget: trainer GPUs + rollout engines' GPUs")
     pl.add_argument("--gpus-per-engine", type=int, default=None,
                     help="GPUs of one rollout job's engine (default: the config's resources.rollout GPUs, else 1)")
@@ -214,10 +240,14 @@ def add_plan_command(sub) -> None:
     pl.add_argument("--probe", default=None, metavar="RUN", help="measure the update model, weight switch and "
                     "response lengths from this run directory's logs")
     pl.add_argument("--top", type=int, default=10, help="rows shown, best first (default 10)")
-    pl.add_argument("--all", action="store_true", help="simulate every candidate (no pruning by the upper bound) "
-                                                       "and show them all")
+    pl.add_argument("--all", action="store_true", help="simulate every candidate (no search, no bound) and show "
+                                                       "them all")
     pl.add_argument("--reference", action="store_true",
                     help="predict with the slow reference simulation the fast one is tested against")
+
+
+RUN_DIR_HELP = "a run directory (--run-dir of `hpcrl run`)"
+JOB_RUN_DIR_HELP = "the run directory prepared by `hpcrl run` or `hpcrl sbatch-lines` (the sbatch scripts pass it)"
 
 
 def add_analysis_commands(sub) -> None:
@@ -230,16 +260,16 @@ def add_analysis_commands(sub) -> None:
     st = sub.add_parser("status", help="live plain-text view of a run (login node, ssh)",
                         description="Refresh a plain-text view of the run's jobs until the trainer finishes. "
                                     "Exit 0 finished (or running, with --once), 1 stopped unfinished, 2 not a run.")
-    st.add_argument("run_dir", metavar="RUN_DIR")
+    st.add_argument("run_dir", metavar="RUN_DIR", help=RUN_DIR_HELP)
     st.add_argument("--interval-s", type=float, default=5.0, help="seconds between views (default 5)")
     st.add_argument("--once", action="store_true", help="print one view and exit")
     sm = sub.add_parser("summary", help="per-version table of a run's staleness log in the terminal")
-    sm.add_argument("run_dir", metavar="RUN_DIR")
+    sm.add_argument("run_dir", metavar="RUN_DIR", help=RUN_DIR_HELP)
     sa = sub.add_parser("samples", help="what the model writes: prompts, responses, rewards and per-token versions "
                                         "decoded from the shards",
                         description="Decode committed samples of one weight version (default: the newest) with the "
                                     "run's tokenizer.")
-    sa.add_argument("run_dir", metavar="RUN_DIR")
+    sa.add_argument("run_dir", metavar="RUN_DIR", help=RUN_DIR_HELP)
     sa.add_argument("--version", type=int, default=None, help="weight version that sampled them (default: newest)")
     order = sa.add_mutually_exclusive_group()
     order.add_argument("--worst", action="store_true", help="lowest reward first")
@@ -247,9 +277,11 @@ def add_analysis_commands(sub) -> None:
     sa.add_argument("-n", type=int, default=4, help="how many (default 4)")
     ex = sub.add_parser("export", help="write a published weight version as a Hugging Face folder (model, tokenizer, "
                                        "generation config) that transformers and vLLM load as is")
-    ex.add_argument("run_dir", metavar="RUN_DIR")
+    ex.add_argument("run_dir", metavar="RUN_DIR", help=RUN_DIR_HELP)
     ex.add_argument("--version", default="last", help="weight version number, or last (default)")
     ex.add_argument("--out", required=True, metavar="DIR", help="a new folder")
+    ex.add_argument("--merge", action="store_true", help="a LoRA run: the base model with the adapter merged into "
+                                                        "its weights (default: the adapter folder)")
 
 
 def _cmd_summary(run_dir: str) -> int:
@@ -277,7 +309,7 @@ def run_analysis_command(a: argparse.Namespace) -> int:
     if a.cmd == "export":
         from hpcrl.analysis.export import export_main
 
-        return export_main(a.run_dir, a.out, a.version)
+        return export_main(a.run_dir, a.out, a.version, a.merge)
     if a.cmd == "status":
         from hpcrl.analysis.status import status_main
 
@@ -288,8 +320,8 @@ def run_analysis_command(a: argparse.Namespace) -> int:
             return status_main(a.run_dir, a.interval_s, a.once)
         except KeyboardInterrupt:
             return 130
+    from hpcrl.analysis.glance import glance
     from hpcrl.analysis.load import RunFormatError
-    from hpcrl.analysis.recommend import recommend_run
     from hpcrl.analysis.report import build_report
 
     from hpcrl.run_dir import RunDir
@@ -300,10 +332,12 @@ def run_analysis_command(a: argparse.Namespace) -> int:
         print(f"hpcrl report: error: {e}", file=sys.stderr)
         return 2
     for d in rep.runs:
-        print(f"{d.name}: {recommend_run(d).line}")
+        for line in glance(d):
+            print(f"{d.name}: {line}")
         for note in d.notes:
             print(f"{d.name}: note: {note}")
-    print(f"report: {rep.markdown} and {rep.html} ({len(rep.plots)} plots)")
+    print(f"report: {rep.markdown} and {rep.html} ({len(rep.plots)} plots; the numbers and the reasoning behind "
+          "these lines are there)")
     for failure in rep.failed_plots:
         print(f"hpcrl report: plot failed: {failure}", file=sys.stderr)
     return 1 if rep.failed_plots else 0
@@ -324,7 +358,8 @@ def _parser() -> argparse.ArgumentParser:
     """Every command and its arguments."""
     p = argparse.ArgumentParser(prog="hpcrl", description="asynchronous RL post-training on Slurm")
     p.add_argument("--version", action="version", version=f"hpcrl {__version__}")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND",
+                           help="what to do; `hpcrl COMMAND --help` explains its options")
     r = sub.add_parser("run", help="launch a run (trainer + rollout jobs) and follow it")
     r.add_argument("config", nargs="?", help="YAML config, e.g. configs/tiny.yaml (omit with --resume)")
     r.add_argument("overrides", nargs="*", help="dotted overrides, e.g. async_training.staleness_threshold=0.5")
@@ -336,35 +371,35 @@ def _parser() -> argparse.ArgumentParser:
                    help="give up following after this long (default: resources.trainer.timeout_min)")
     sc = sub.add_parser("scale", help="grow or shrink the rollout fleet of a live run (new jobs join; the newest "
                         "drain: finish their groups, seal, hand back their prompts, exit)")
-    sc.add_argument("run_dir")
+    sc.add_argument("run_dir", metavar="RUN_DIR", help="the live run's directory (--run-dir of `hpcrl run`)")
     sc.add_argument("--rollout-jobs", type=int, required=True, help="the number of rollout jobs from now on")
     sc.add_argument("--wait-s", type=float, default=30.0,
                     help="how long to wait for the launcher following the run before acting here")
     sc.add_argument("--scripts", default=None, help="folder holding rollout.sbatch (runs launched with sbatch)")
     sl = sub.add_parser("sbatch-lines", help="prepare RUN_DIR and print the sbatch commands (used by sbatch/submit.sh)")
-    sl.add_argument("config")
-    sl.add_argument("overrides", nargs="*")
-    sl.add_argument("--run-dir", required=True)
+    sl.add_argument("config", help="YAML config, e.g. configs/tiny.yaml")
+    sl.add_argument("overrides", nargs="*", help="dotted overrides, e.g. async_training.staleness_threshold=0.5")
+    sl.add_argument("--run-dir", required=True, help="run directory to prepare on the shared filesystem (a new one)")
     sl.add_argument("--scripts", default=str(Path(__file__).resolve().parents[1] / "sbatch"),
                     help="folder holding trainer.sbatch, rollout.sbatch and eval.sbatch")
     sl.add_argument("--python", default=None, help="python the jobs run (default: this one)")
     sl.add_argument("--dry-run", action="store_true", help="print the lines; create and submit nothing")
     t = sub.add_parser("trainer", help="run the trainer job in this process")
-    t.add_argument("run_dir")
+    t.add_argument("run_dir", metavar="RUN_DIR", help=JOB_RUN_DIR_HELP)
     ro = sub.add_parser("rollout", help="run one rollout job in this process")
-    ro.add_argument("run_dir")
-    ro.add_argument("--writer-rank", type=int, default=0)
+    ro.add_argument("run_dir", metavar="RUN_DIR", help=JOB_RUN_DIR_HELP)
+    ro.add_argument("--writer-rank", type=int, default=0, help="this job's writer number (w000 is 0; default 0)")
     ej = sub.add_parser("eval-job", help="run the evaluation job in this process")
-    ej.add_argument("run_dir")
+    ej.add_argument("run_dir", metavar="RUN_DIR", help=JOB_RUN_DIR_HELP)
     from hpcrl.eval.offline import add_arguments as add_eval_arguments
 
     add_eval_arguments(sub.add_parser(
         "eval", help="evaluate a run's weight versions, or a model folder, on held-out prompts (verl's metrics)",
         description="Evaluate weight versions of RUN (or --model HF_FOLDER) on held-out prompts with the evaluation "
                     "job's code; rows go to RUN/logs/eval.jsonl (marked offline) or --out DIR."))
-    bo = sub.add_parser("build-ops", help="build DeepSpeed's ops for this node now (install.sh runs it), so that "
-                                          "a trainer's first start does not")
-    bo.add_argument("--timeout-s", type=float, default=1800.0)
+    bo = sub.add_parser("build-ops", help="build DeepSpeed's JIT ops for this node now, so that a trainer's first "
+                                          "start does not wait for the compiler (install.sh runs it)")
+    bo.add_argument("--timeout-s", type=float, default=1800.0, help="give up building after this long (default 1800)")
 
     add_plan_command(sub)
     from hpcrl.doctor.command import add_arguments as add_doctor_arguments
@@ -372,6 +407,9 @@ def _parser() -> argparse.ArgumentParser:
     add_doctor_arguments(sub.add_parser("doctor", help="check what this node offers a run (CUDA, vLLM, gloo, /dev/shm, "
                                                        "the shared filesystem); exit 1 if a required check fails"))
     add_analysis_commands(sub)
+    for action in sub._choices_actions:  # `hpcrl X --help` opens with what X does, as `hpcrl --help` lists it
+        parser = sub.choices[action.dest]
+        parser.description = parser.description or action.help[0].upper() + action.help[1:] + "."
     return p
 
 

@@ -4,16 +4,163 @@ Two patterns only (ARCHITECTURE.md, "Invariants"):
 - whole files: write ``x.tmp`` -> fsync -> ``os.replace(x.tmp, x)`` -> fsync the folder;
 - append-only logs: one JSON object per line, each ``write`` + ``fsync``; a reader
   skips a last line without its newline (the writer died mid-line).
+
+Every write also survives a misbehaving filesystem (:func:`guarded`): a write that fails leaves nothing torn
+(its temporary file removed, a log cut back to its last whole line); a full disk or quota (ENOSPC, EDQUOT) is
+said in one line (which path, how many bytes, how much is free) and waited out with back-off for
+:data:`POLICY`'s ``full_wait_s`` (a job sets it from ``timeouts.disk_full_s``), then :class:`WriteFailed`; an I/O
+error or a stale NFS handle (EIO, ESTALE) is retried a few times, then :class:`WriteFailed` too; a write slower
+than ``slow_write_s`` (an fsync stalling under a metadata storm) is named in the log.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, TypeVar
+
+from hpcrl.process import faults
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+FULL = (errno.ENOSPC, errno.EDQUOT)
+"""A full filesystem or an exceeded quota: waited out."""
+FLAKY = (errno.EIO, errno.ESTALE)
+"""An I/O error or a stale NFS handle: retried a few times."""
+
+
+@dataclass
+class DiskPolicy:
+    """How long writes wait out a full disk and retry a failing one (one per process: :data:`POLICY`)."""
+
+    full_wait_s: float = 300.0
+    """Wait for space this long (``timeouts.disk_full_s``), then give up with :class:`WriteFailed`."""
+    flaky_retries: int = 5
+    """Retries of a write that met EIO or ESTALE before giving up."""
+    slow_write_s: float = 10.0
+    """A write (with its fsync) slower than this is named in the log."""
+    backoff_max_s: float = 30.0
+    """The longest pause between two tries."""
+
+
+POLICY = DiskPolicy()
+"""This process's policy; a job sets it from its config when it starts (``control/job.py``)."""
+
+
+class WriteFailed(RuntimeError):
+    """A write to the run directory that no wait or retry could make: ``path`` on a full disk (``full``) or a
+    failing one; the message says which, how many bytes and how much was free."""
+
+    def __init__(self, message: str, path: Path, full: bool):
+        super().__init__(message)
+        self.path, self.full = path, full
+
+
+def free_bytes(path: os.PathLike | str) -> tuple[int, int]:
+    """(bytes free to this user, total bytes) of the filesystem holding ``path`` (or its nearest existing parent)."""
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    st = os.statvfs(p)
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+
+
+def size_text(n: float) -> str:
+    """Bytes in words: ``512 B``, ``97.7 KiB``, ``1.2 MiB``, ``3.4 GiB``."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def guarded(what: str, path: os.PathLike | str, nbytes: int, write: Callable[[], T],
+            undo: Optional[Callable[[], None]] = None, wait: bool = True) -> T:
+    """``write()`` (``what`` of ``nbytes`` to ``path``), surviving the filesystem as the module docstring says.
+    ``undo()`` runs after each failed try and must leave nothing torn (remove the try's temporary file); ``wait``
+    False: a full disk raises at once (a heartbeat skips a beat rather than holding its thread)."""
+    path = Path(path)
+    pause, retries, full_since, said_s = 1.0, 0, None, 0.0
+    while True:
+        t0 = time.monotonic()
+        try:
+            faults.point("write")
+            out = write()
+        except OSError as e:
+            if undo is not None:
+                try:
+                    undo()
+                except OSError:
+                    pass
+            if e.errno not in FULL + FLAKY:
+                raise
+            if e.errno in FLAKY:
+                retries += 1
+                if retries > POLICY.flaky_retries:
+                    raise WriteFailed(f"I/O error at {path}: {what} failed {retries} times ({e.strerror})", path,
+                                      full=False) from e
+                log.warning("%s writing %s (%s): try %d of %d in %.0fs", e.strerror, path, what, retries + 1,
+                            POLICY.flaky_retries + 1, pause)
+            else:
+                free, total = free_bytes(path)
+                now = time.monotonic()
+                full_since = full_since if full_since is not None else now
+                if not wait or now - full_since >= POLICY.full_wait_s:
+                    waited = f"; waited {now - full_since:.0f}s (timeouts.disk_full_s)" if wait else ""
+                    raise WriteFailed(f"disk full at {path}: {what} needs {size_text(nbytes)}, {size_text(free)} "
+                                      f"free of {size_text(total)}{waited}", path, full=True) from e
+                if now - said_s >= 60.0:
+                    said_s = now
+                    log.error("%s writing %s (%s): needs %s, %s free of %s on its filesystem; waiting for space "
+                              "(%.0fs so far, at most %.0fs: timeouts.disk_full_s)", e.strerror, path, what,
+                              size_text(nbytes), size_text(free), size_text(total), now - full_since,
+                              POLICY.full_wait_s)
+            time.sleep(pause)
+            pause = min(2 * pause, POLICY.backoff_max_s)
+            continue
+        took = time.monotonic() - t0
+        if took > POLICY.slow_write_s:
+            log.warning("slow write: %s to %s took %.1fs (%s)", what, path, took, size_text(nbytes))
+        if full_since is not None:
+            log.info("%s written to %s after %.0fs waiting for space", what, path, time.monotonic() - full_since)
+        return out
+
+
+def _unlink(path: Path) -> None:
+    path.unlink(missing_ok=True)
+
+
+def wait_for_room(what: str, path: os.PathLike | str, nbytes: int) -> None:
+    """Before a write of many files that cannot be retried piece by piece (a DeepSpeed checkpoint): wait, as
+    :func:`guarded` does, until the filesystem of ``path`` has ``nbytes`` free."""
+    def room() -> None:
+        free, _ = free_bytes(path)
+        if free < nbytes:
+            raise OSError(errno.ENOSPC, f"{size_text(free)} free, {size_text(nbytes)} needed")
+    guarded(what, path, nbytes, room)
+
+
+def tree_bytes(path: os.PathLike | str) -> int:
+    """Bytes of the files under ``path`` (0 if it does not exist); files that vanish meanwhile count 0."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def make_dirs(path: os.PathLike | str) -> None:
+    """``mkdir -p`` that waits out a full disk (a new folder needs room too)."""
+    guarded("a new folder", path, 4096, lambda: Path(path).mkdir(parents=True, exist_ok=True))
 
 
 
@@ -36,12 +183,15 @@ def file_sha256(path: os.PathLike | str) -> str:
     return h.hexdigest()
 
 
-def write_file_durably(path: os.PathLike | str, data: bytes) -> None:
-    """Create ``path`` holding exactly ``data``, fsync'd (the caller renames it into place)."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+def write_file_durably(path: os.PathLike | str, data: bytes, what: str = "a file") -> None:
+    """Create ``path`` holding exactly ``data``, fsync'd (the caller renames it into place); a failed try removes it
+    (:func:`guarded`)."""
+    def write() -> None:
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    guarded(what, path, len(data), write, undo=lambda: _unlink(Path(path)))
 
 
 def truncate_torn_tail(path: os.PathLike | str) -> int:
@@ -79,22 +229,26 @@ def truncate_torn_tail(path: os.PathLike | str) -> int:
         return 0
 
 
-def write_bytes_atomic(path: os.PathLike | str, data: bytes) -> None:
-    """Write ``data`` to ``path`` as tmp -> fsync -> replace -> fsync the folder: never torn."""
+def write_bytes_atomic(path: os.PathLike | str, data: bytes, wait: bool = True) -> None:
+    """Write ``data`` to ``path`` as tmp -> fsync -> replace -> fsync the folder: never torn, the tmp removed if a
+    try fails (:func:`guarded`; ``wait`` False: a full disk raises at once)."""
     path = Path(path)
     # one tmp name per process and thread: two threads writing the same file must not share (and rename) one
     tmp = path.with_name(path.name + f".tmp{os.getpid()}.{threading.get_ident()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_path(path.parent)
+
+    def write() -> None:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_path(path.parent)
+    guarded("a file", path, len(data), write, undo=lambda: _unlink(tmp), wait=wait)
 
 
-def write_json_atomic(path: os.PathLike | str, obj: Any) -> None:
+def write_json_atomic(path: os.PathLike | str, obj: Any, wait: bool = True) -> None:
     """:func:`write_bytes_atomic` of ``obj`` as indented, sorted JSON."""
-    write_bytes_atomic(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+    write_bytes_atomic(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode(), wait=wait)
 
 
 def read_json(path: os.PathLike | str) -> Optional[Any]:
@@ -107,24 +261,27 @@ def read_json(path: os.PathLike | str) -> Optional[Any]:
 
 
 class JsonlAppender:
-    """Append JSON lines durably (write + flush + fsync per call) to one file.
+    """Append JSON lines durably (write + fsync per call) to one file.
 
-    One writer per file. A crash can leave at most the last line incomplete,
-    which :func:`read_jsonl` skips.
+    One writer per file. A crash can leave at most the last line incomplete, which :func:`read_jsonl` skips; a
+    write that fails (a full disk: :func:`guarded` waits it out) is cut back to the last whole line before the
+    next try, so no torn line is ever followed by another.
     """
 
     def __init__(self, path: os.PathLike | str, fsync: bool = True):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.path.parent)
         self._fsync = fsync
-        self._f = open(self.path, "ab")
+        self._fd = guarded("a log", self.path, 0,
+                           lambda: os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644))
         # A previous writer killed mid-line left a fragment: end it so our first
         # record starts on its own line (the fragment is then skipped as invalid).
-        if self._f.tell() > 0:
+        size = os.fstat(self._fd).st_size
+        if size > 0:
             with open(self.path, "rb") as r:
                 r.seek(-1, os.SEEK_END)
                 if r.read(1) != b"\n":
-                    self._f.write(b"\n")
+                    self._write(b"\n")
 
     def append(self, record: dict) -> None:
         """Append one record as a line, durably."""
@@ -132,17 +289,24 @@ class JsonlAppender:
 
     def append_many(self, records: list[dict]) -> None:
         """Append records as lines with one write and one fsync."""
-        if not records:
-            return
-        data = b"".join(json.dumps(r, sort_keys=True).encode() + b"\n" for r in records)
-        self._f.write(data)
-        self._f.flush()
-        if self._fsync:
-            os.fsync(self._f.fileno())
+        if records:
+            self._write(b"".join(json.dumps(r, sort_keys=True).encode() + b"\n" for r in records))
+
+    def _write(self, data: bytes) -> None:
+        start = os.fstat(self._fd).st_size
+
+        def write() -> None:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view):]
+            if self._fsync:
+                os.fsync(self._fd)
+        guarded("log lines", self.path, len(data), write,
+                undo=lambda: os.ftruncate(self._fd, start))
 
     def close(self) -> None:
         """Close the file."""
-        self._f.close()
+        os.close(self._fd)
 
 
 def read_jsonl(path: os.PathLike | str, on_bad_line: Optional[Callable[[int, str], None]] = None) -> Iterator[dict]:

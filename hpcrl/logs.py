@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from hpcrl.fsio import JsonlAppender, read_jsonl
+from hpcrl.process import faults
 from hpcrl.metric_names import STALENESS_COLUMNS  # noqa: F401 (the staleness log's columns, re-exported)
 from hpcrl.run_dir import RunDir
 
@@ -135,6 +136,7 @@ class MetricsLog:
 
     def write(self, row: dict) -> None:
         """Append one row, durably; then hand it to the trackers."""
+        faults.point("metrics_log")
         self._out.append(row)
         if self._trackers is not None:
             self._trackers.log(row)

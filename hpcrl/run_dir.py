@@ -8,13 +8,15 @@ Layout (ARCHITECTURE.md, "The run directory")::
       base_model/                  builtin:tiny model + tokenizer               (launcher writes)
       sbatch/<role>.setup.sh       per-role setup lines for sbatch/*.sbatch     (launcher writes)
       samples/<writer>/shard-000042.h5, manifest.jsonl                          (one rollout job each)
-      weights/v000007/             config.json, model.safetensors, tokenizer files, manifest.json (trainer)
+      weights/v000007/             config.json, model.safetensors, tokenizer files, manifest.json (trainer);
+                                   LoRA runs: adapter_config.json, adapter_model.safetensors, manifest.json
       weights/v000007/bad.json     the version is damaged: never loaded again     (rollout job)
       control/heartbeat/<job>.json, control/loading/<writer>.json, control/admission.json,
       control/skipped_shards.jsonl, ...
       control/fatal.json           an error no restart can fix                  (any job)
       control/in_flight/<writer>.json  partial groups for the job's successor    (rollout job)
       control/drain/<writer>.json  that writer's job is asked to leave the fleet  (launcher, hpcrl scale)
+      control/reserve/<job>        room a job holds on the filesystem for its last records (control/job.py)
       control/scale.json           the fleet size asked for by hpcrl scale      (hpcrl scale)
       control/broadcast.json       host/port/epoch of the weight broadcast      (trainer)
       checkpoints/<tag>/, checkpoints/latest.json                               (trainer)
@@ -61,6 +63,11 @@ WEIGHT_TENSORS = "model.safetensors"
 """The tensors of a weight version (one safetensors file, HF layout)."""
 WEIGHT_MODEL_CONFIG = "config.json"
 """The HF model config of a weight version (so the folder loads as an HF model)."""
+WEIGHT_ADAPTER_TENSORS = "adapter_model.safetensors"
+"""The tensors of a LoRA adapter version (``actor.lora_rank``): peft's file name and layout, instead of
+:data:`WEIGHT_TENSORS`."""
+WEIGHT_ADAPTER_CONFIG = "adapter_config.json"
+"""peft's config of a LoRA adapter version, instead of :data:`WEIGHT_MODEL_CONFIG`."""
 WEIGHT_MODEL_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                       "added_tokens.json", "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt",
                       "tokenizer.model")
@@ -173,6 +180,12 @@ class RunDir:
         """Where a file or folder is written before it is renamed to ``path``."""
         return path.with_name(path.name + ".tmp")
 
+    @staticmethod
+    def doomed(path: Path) -> Path:
+        """Where a folder is renamed before it is removed (a weight version, a checkpoint): from the rename on
+        it no longer exists for readers, and a job killed mid-removal leaves a name the next start sweeps."""
+        return path.with_name(path.name + ".deleting")
+
     def shard_manifest(self, writer: str) -> Path:
         """``samples/<writer>/manifest.jsonl``: the writer's commit log."""
         return self.writer_dir(writer) / SHARD_MANIFEST
@@ -199,9 +212,10 @@ class RunDir:
     def weight_file(self, version: int, name: str) -> Path:
         """A file of version ``version`` (``name``: :data:`WEIGHT_TENSORS`, :data:`WEIGHT_MODEL_CONFIG` or one of
         :data:`WEIGHT_MODEL_FILES`); ValueError for any other name."""
-        if name not in (WEIGHT_TENSORS, WEIGHT_MODEL_CONFIG, *WEIGHT_MODEL_FILES):
-            raise ValueError(f"{name!r} is not a weight file (expected {WEIGHT_TENSORS}, {WEIGHT_MODEL_CONFIG} or one "
-                             f"of {', '.join(WEIGHT_MODEL_FILES)})")
+        if name not in (WEIGHT_TENSORS, WEIGHT_MODEL_CONFIG, WEIGHT_ADAPTER_TENSORS, WEIGHT_ADAPTER_CONFIG,
+                        *WEIGHT_MODEL_FILES):
+            raise ValueError(f"{name!r} is not a weight file (expected {WEIGHT_TENSORS}, {WEIGHT_MODEL_CONFIG}, "
+                             f"{WEIGHT_ADAPTER_TENSORS}, {WEIGHT_ADAPTER_CONFIG} or one of {', '.join(WEIGHT_MODEL_FILES)})")
         return self.weight_version_dir(version) / name
 
     def weight_bad_marker(self, version: int) -> Path:
@@ -283,6 +297,11 @@ class RunDir:
     @property
     def trainer_done(self) -> Path:
         return self.control / "trainer_done.json"
+
+    def disk_reserve(self, job: str) -> Path:
+        """``control/reserve/<job>``: room a job holds on the run directory's filesystem while it lives and gives
+        back when a full disk ends it, so its fatal record and last heartbeat can still be written."""
+        return self.control / "reserve" / job
 
     @property
     def stop_request(self) -> Path:

@@ -18,8 +18,16 @@ from typing import Callable
 
 import pytest
 
-from hpcrl.config import load_config
-from hpcrl.launcher.prepare import prepare_run_dir
+# CUDA's tensor rules on CPU, here and in every job a test starts (tests/cuda_rules/cuda_rules.py)
+_CUDA_RULES = str(Path(__file__).resolve().parent / "cuda_rules")
+sys.path.insert(0, _CUDA_RULES)
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_CUDA_RULES, os.environ.get("PYTHONPATH")) if p)
+import cuda_rules  # noqa: E402
+
+cuda_rules.install()
+
+from hpcrl.config import load_config  # noqa: E402
+from hpcrl.launcher.prepare import prepare_run_dir  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny.yaml"

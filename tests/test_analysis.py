@@ -271,7 +271,15 @@ def test_recommendation_states_the_idle_ratios_it_used(runs, report):
         raw = Raw(runs[row["run"]])
         assert close(re.search(r"trainer idle (\d\.\d\d)", line).group(1), Raw.trainer_idle(raw.m), 2), line
         assert close(re.search(r"rollout idle (\d\.\d\d)", line).group(1), Raw.rollout_idle(raw.ro), 2), line
-        assert line[len(f"- {row['run']}: "):] in res.stdout  # printed by the command too
+        # the report and the command open with the plain lines (hpcrl/analysis/glance.py), the same numbers
+        waits = re.search(rf"^{row['run']}: waiting: the trainer waited for samples (\d+)% of its time, the rollout "
+                          r"jobs waited for weights or the budget (\d+)% of theirs: ", res.stdout, re.M)
+        assert waits, res.stdout
+        assert abs(int(waits.group(1)) / 100 - Raw.trainer_idle(raw.m)) <= 0.005 + 1e-9, waits.group(0)
+        assert abs(int(waits.group(2)) / 100 - Raw.rollout_idle(raw.ro)) <= 0.005 + 1e-9, waits.group(0)
+        for what in ("learning", "staleness", "waiting", "to change"):
+            assert f"\n- {row['run']}: {what}: " in md.split("\n## Side by side")[0], what
+    assert md.splitlines()[2] == "## At a glance", md[:300]
 
 
 def test_recommendation_rule():
@@ -290,6 +298,56 @@ def test_recommendation_rule():
     assert "max_concurrent_groups" in recommend(0.8, 0.6, K).line
     assert recommend(float("nan"), 0.5, K).bottleneck == "unknown"
     assert HIGH < 0.6
+
+
+def synthetic_run(tmp_path, rewards, wait_s=0.6, rollout_idle=0.1):
+    """A RunData of ``len(rewards)`` updates (4 groups each, lag alternating 0 and 1) without a run directory's jobs:
+    the trainer waits ``wait_s`` of each 1 s step, the rollout job idles ``rollout_idle`` of its time."""
+    import pandas as pd
+
+    from hpcrl.analysis.load import RunData
+    from hpcrl.config.knobs import Knobs
+    from hpcrl import metric_names as M
+
+    n = len(rewards)
+    metrics = pd.DataFrame({"step": range(1, n + 1), "time_s": [100.0 + i for i in range(1, n + 1)],
+                            M.REWARD_MEAN: rewards, M.WAIT_SAMPLES_S: wait_s, M.UPDATE_S: 0.9 - wait_s,
+                            M.PARAM_SYNC_S: 0.1, "param_version": range(1, n + 1), "n_tokens": 32})
+    rollout = pd.DataFrame({"wall_s": [float(n)], M.ROLLOUT_IDLE_RATIO: [rollout_idle], "param_version": [0],
+                            "groups": [4 * n]})
+    staleness = pd.DataFrame([{"group_id": f"g{g}", "sample_id": f"w000/{g}/0", "writer": "w000", "lag": g % 2,
+                               "version_start": 0, "version_end": 0, "trainer_version": g // 4, "trainer_step": g // 4 + 1,
+                               "n_tokens": 8, "reward": 0.5, "created_s": 100.0, "finished_s": 100.5,
+                               "committed_s": 100.6, "consumed_s": 101.0, "dropped": ""} for g in range(4 * n)])
+    knobs = Knobs(staleness_threshold=0.5, ppo_mini_batch_size=4, total_rollout_steps=4 * n, n=8, rollout_jobs=1,
+                  max_concurrent_groups=2)  # K=1, R=4: B=6, lag bound 1, n updates
+    return RunData("synthetic", tmp_path, knobs, staleness, metrics, rollout, {}, None, 100.0)
+
+
+def test_the_report_opens_with_plain_answers(tmp_path):
+    """Is it learning, how stale, which job waits, what to change: in words, each with its numbers."""
+    from hpcrl import metric_names as M
+    from hpcrl.analysis.glance import glance
+
+    rising = synthetic_run(tmp_path, list(np.linspace(0.1, 0.9, 20)))
+    learning, stale, waits, change = glance(rising)
+    assert learning == "learning: yes: reward 0.121 -> 0.879 (mean of the first and the last 2 of 20 updates)", learning
+    assert stale == ("staleness: the samples trained on came from weights 0.50 versions old on average, at most 1 "
+                     "(async_training.staleness_threshold=0.5 allows 1 with one rollout job)"), stale
+    assert waits == ("waiting: the trainer waited for samples 60% of its time, the rollout jobs waited for weights or "
+                     "the budget 10% of theirs: generation is the slow side"), waits
+    assert change == "to change: more generation: resources.rollout_jobs 1 -> 2 (or more GPUs per rollout job)"
+    assert glance(synthetic_run(tmp_path, [0.0] * 20))[0].startswith("learning: no: every reward so far is 0")
+    flat = glance(synthetic_run(tmp_path, [0.3, 0.5] * 10, wait_s=0.05, rollout_idle=0.6))
+    assert flat[0].startswith("learning: not clearly: reward 0.4 -> 0.4"), flat[0]
+    assert flat[2].endswith(": training is the slow side") and flat[3] == "to change: more training: give the " \
+        "trainer more GPUs", flat
+    # one update per window (10 updates): the noise comes from successive updates, so an alternating reward is no rise
+    assert glance(synthetic_run(tmp_path, [0.1, 0.3] * 5))[0].startswith("learning: not clearly: reward 0.1 -> 0.3")
+    assert glance(synthetic_run(tmp_path, [0.9, 0.1]))[0] == "learning: too early to tell: 2 update(s), reward 0.1"
+    older = synthetic_run(tmp_path, [0.1, 0.3] * 5)  # an older hpcrl's metrics: no timing_s/param_sync (load: NaN)
+    older.metrics[M.PARAM_SYNC_S], older.missing = np.nan, {"metrics": [M.PARAM_SYNC_S]}
+    assert glance(older)[2] == "waiting: the rollout jobs waited for weights or the budget 10% of theirs: not known yet"
 
 
 def test_a_rollout_bound_line_names_the_exact_scale_command_of_a_live_run():

@@ -1,4 +1,5 @@
 """Config: every shipped file parses; bad input fails with the key, the allowed values and a fix."""
+import re
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,19 @@ def test_every_config_file_parses_and_validates(path):
     cfg = load_config(path)
     assert cfg.total_updates >= 1
     assert cfg.admission_budget >= cfg.groups_per_version
+
+
+def test_precision_is_bf16_on_a_gpu_and_fp32_on_cpu_unless_set():
+    cfg = load_config(TINY)
+    assert (cfg.rollout.dtype, cfg.actor.bf16) == ("auto", "auto")
+    assert cfg.rollout.dtype_on("cuda") == "bfloat16" and cfg.rollout.dtype_on("cpu") == "float32"
+    assert cfg.actor.bf16_on(cuda=True) is True and cfg.actor.bf16_on(cuda=False) is False
+    cfg = load_config(TINY, ["rollout.dtype=float32", "actor.bf16=false"])
+    assert cfg.rollout.dtype_on("cuda") == "float32" and cfg.actor.bf16_on(cuda=True) is False
+    cfg = load_config(TINY, ["rollout.dtype=bfloat16", "actor.bf16=true"])
+    assert cfg.rollout.dtype_on("cpu") == "bfloat16" and cfg.actor.bf16_on(cuda=False) is True
+    with pytest.raises(ConfigError, match="actor.bf16"):
+        load_config(TINY, ["actor.bf16=sometimes"])
 
 
 def test_overrides_apply_with_types():
@@ -112,7 +126,44 @@ def test_bad_values_are_refused_with_a_clear_message(override, fragment):
     with pytest.raises(ConfigError) as e:
         load_config(TINY, override)
     assert fragment in str(e.value)
-    assert "config" in str(e.value) or "override" in str(e.value)
+    assert all(line.startswith(("config ", "override ")) for line in str(e.value).splitlines()), str(e.value)
+
+
+def test_every_bad_value_is_reported_in_one_pass_with_what_is_allowed_and_the_fix():
+    """The README's "all of them at once": values out of range in three sections, an unknown key, a wrong type and a
+    rule between sections, one line each. A rule that reads a value already reported (actor.temperature against
+    rollout.temperature, the mini-batch against its micro-batches) says nothing more, and does not crash on it."""
+    with pytest.raises(ConfigError) as e:
+        load_config(TINY, ["rollout.n=0", "actor.ppo_mini_batch_size=0", "rollout.temperature=-3", "rollout.nn=3",
+                           "actor.ppo_micro_batch_size=0", "trainer.keep_checkpoints=abc", "algorithm.use_pf_ppo=true",
+                           "actor.temperature=0.5"])
+    lines = str(e.value).splitlines()
+    keys = [re.match(r"config ([\w.]+): got ", line).group(1) for line in lines]
+    assert sorted(keys) == sorted(["rollout.n", "actor.ppo_mini_batch_size", "rollout.temperature", "rollout.nn",
+                                   "actor.ppo_micro_batch_size", "trainer.keep_checkpoints", "algorithm.use_pf_ppo"]), lines
+    assert all("; allowed: " in line and "; fix: " in line for line in lines), lines
+    assert "config rollout.n: got 0; allowed: an integer >= 1; fix: e.g. rollout.n=8 (the default)" in lines
+    assert "fix: did you mean rollout.n?" in lines[keys.index("rollout.nn")]
+    with pytest.raises(ConfigError) as e:  # a malformed override too
+        load_config(TINY, ["rollout", "actor.lr=-1"])
+    assert [line.split(":")[0] for line in str(e.value).splitlines()] == ["override 'rollout'", "config actor.lr"]
+    # a section checked on its own still stops at its first problem
+    from hpcrl.config import RolloutConfig
+
+    with pytest.raises(ConfigError) as e:
+        RolloutConfig(n=0, temperature=-3.0).validate()
+    assert str(e.value) == "config rollout.n: got 0; allowed: an integer >= 1"
+
+
+def test_the_config_and_the_inputs_are_checked_in_one_pass(tmp_path, capsys):
+    rc = cli_main(["run", str(TINY), "rollout.n=0", "actor.ppo_mini_batch_size=0", "rollout.temperature=-3",
+                   "model.path=/nowhere/model", "--run-dir", str(tmp_path / "r"), "--executor", "local", "--dry-run"])
+    err = capsys.readouterr().err.splitlines()
+    assert rc == 2 and len(err) == 5, err
+    assert [line.split(":")[2].split()[-1] for line in err[:4]] == ["actor.ppo_mini_batch_size", "rollout.n",
+                                                                    "rollout.temperature", "model.path"], err
+    assert err[4] == "hpcrl: 4 problems, found in one pass; nothing was created or submitted"
+    assert not (tmp_path / "r").exists()
 
 
 def test_algorithm_options_parse_with_verl_names():

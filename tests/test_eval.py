@@ -62,7 +62,7 @@ def test_eval_job_stopped_and_killed_mid_version_evaluates_every_due_version_onc
     trainer, rollout = start_trainer(rd), start_rollout(rd)
     first = start_eval(rd, env={"HPCRL_FAULT_POINT": "eval_prompt:30:sleep=300"}, name="eval1")  # v20's 6th prompt
     jobs = (trainer, rollout, first)
-    wait_until(lambda: (b := eval_beat(rd)) and b.stats.get("evaluating") == 20 and newest(rd) >= 23, 300,
+    wait_until(lambda: (b := eval_beat(rd)) and b.stats.evaluating == 20 and newest(rd) >= 23, 300,
                "the evaluation job held in v20 while the trainer publishes v23", jobs=jobs)
     assert rd.weight_manifest(20).exists(), "pinned by the live evaluation job: retention must keep it"
     assert not rd.weight_manifest(21).exists(), "retention is at work (keep_versions=2)"

@@ -91,20 +91,36 @@ def test_export_loads_in_transformers_with_its_chat_template(tmp_path, capsys):
     assert "exists and is not empty" in err and "weight version 7 is not in" in err
 
 
-def test_export_of_the_builtin_tiny_model_says_how_to_load_its_tokenizer(tmp_path, capsys):
-    from transformers import PreTrainedTokenizerFast
+def test_the_builtin_tiny_model_exports_and_generates_as_the_run_does_with_the_loader_export_names(tmp_path, capsys):
+    """transformers picks Qwen2's BPE for any qwen2 folder under AutoTokenizer: the exported tiny model wrote
+    'aaaaaaaa' where the run's tokenizer gives 'c c c c c c c c'. Export makes AutoTokenizer load the run's
+    tokenizer (auto_map) and its last line names the loader; generating with exactly that loader gives the run's
+    ids and text."""
+    import re
+
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from hpcrl.tiny.model import load_tokenizer
 
     rd = make_run(tmp_path)
     base = RunDir(rd.root).base_model
-    publish = make_publisher(WeightsConfig(), rd)
-    from transformers import AutoModelForCausalLM
-
     model = AutoModelForCausalLM.from_pretrained(base)
-    publish.publish(0, model.state_dict(), model.config.to_json_string(), 0, 0, model_files(base))
-    assert cli_main(["export", str(rd.root), "--out", str(tmp_path / "out")]) == 0
-    assert "load it with PreTrainedTokenizerFast.from_pretrained" in capsys.readouterr().out
-    tok = PreTrainedTokenizerFast.from_pretrained(tmp_path / "out")
-    assert tok("repeat c")["input_ids"] == [39, 5] and tok.chat_template
+    make_publisher(WeightsConfig(), rd).publish(0, model.state_dict(), model.config.to_json_string(), 0, 0,
+                                                model_files(base))
+    assert transformers.AutoTokenizer.from_pretrained(base)("repeat c")["input_ids"] != [39, 5], \
+        "transformers no longer picks another tokenizer for the tiny model: this test no longer shows the fix"
+    out = tmp_path / "out"
+    assert cli_main(["export", str(rd.root), "--out", str(out)]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    loader = re.search(r"and (\w+)\.from_pretrained\('[^']+'\) \(the run's tokenizer\)", last)
+    assert loader and loader.group(1) == "AutoTokenizer", last
+    run_tok, tok = load_tokenizer(base), getattr(transformers, loader.group(1)).from_pretrained(out)
+    ids = tok("repeat c", return_tensors="pt")["input_ids"]
+    assert ids.tolist() == run_tok("repeat c", return_tensors="pt")["input_ids"].tolist() == [[39, 5]]
+    response = AutoModelForCausalLM.from_pretrained(out).generate(ids, max_new_tokens=8, do_sample=False)[0, 2:]
+    got, want = tok.decode(response, skip_special_tokens=True), run_tok.decode(response, skip_special_tokens=True)
+    assert got == want and got.split() and tok.chat_template == run_tok.chat_template, (got, want)
 
 
 VLLM_LOAD = """

@@ -1,7 +1,12 @@
-"""The fleet's writer numbers, drain records and ``hpcrl scale`` without a launcher (``launcher/fleet.py``,
-``control/fleet.py``, ``launcher/scale_cmd.py``): fast, no job started."""
+"""The fleet's writer numbers, drain records, its one resize path with and without a launcher, and ``hpcrl scale``
+(``launcher/fleet.py``, ``control/fleet.py``, ``launcher/scale_cmd.py``): fast, no rollout job started (where a
+launcher submits one, a real local job that sleeps stands in for it)."""
 import json
+import os
 import time
+from pathlib import Path
+
+import pytest
 
 from conftest import make_run
 from hpcrl.control.admission import Admission, read_claims
@@ -9,10 +14,11 @@ from hpcrl.control.fleet import drain_requested, read_scale_request, request_dra
 from hpcrl.control.fleet_log import FleetLog, read_fleet_events
 from hpcrl.control.records import Heartbeat
 from hpcrl.fsio import write_json_atomic
-from hpcrl.launcher.fleet import fleet_ids, retire_writers
+from hpcrl.launcher.fleet import Fleet, active_writers, fleet_ids
+from hpcrl.launcher.jobs import JobHandle
 from hpcrl.launcher.sbatch_lines import rollout_lines, sbatch_lines
 from hpcrl.launcher.scale_cmd import scale_command
-from hpcrl.launcher.submit import plan_jobs
+from hpcrl.launcher.submit import LauncherJobs, plan_jobs
 from hpcrl.run_dir import FLEET_LAUNCHER, FLEET_SCALE, RunDir
 
 
@@ -38,7 +44,9 @@ def test_a_resume_with_a_smaller_fleet_retires_the_newest_writers_and_hands_back
         adm = Admission(rd, w, 100)
         adm.join(0, set())
         adm.try_start(0)
-    assert retire_writers(rd, [0], "test", FleetLog(rd, FLEET_LAUNCHER)) == ["w001"]
+    cfg = rd.load_config()
+    fleet = Fleet(rd, cfg, FleetLog(rd, FLEET_LAUNCHER), print, LauncherJobs(cfg, rd, "local"))
+    assert fleet.retire([0], "test") == ["w001"]
     book = read_claims(rd)
     assert drain_requested(rd, "w001") and book.free == [1] and set(book.claims) == {"w000"}
     (ev,) = [e for e in read_fleet_events(rd) if e.source == FLEET_LAUNCHER]
@@ -257,29 +265,164 @@ def test_sbatch_test_only_says_why_it_has_no_answer():
     assert "No such file" in sbatch_test_only(["/nonexistent/sbatch", "--test-only"])
 
 
-def test_an_autoscale_decision_is_logged_with_its_numbers_whether_or_not_the_queue_lets_it_through(tmp_path):
+def _sleeping_jobs(folder: Path):
+    """A launcher's submit function whose jobs are real local processes (submitit's, as the launcher starts them)
+    that become ``sleep 120`` instead of running the rollout job: the fleet's handles, states and cancels (SIGTERM)
+    are real."""
+    import submitit
+
+    def submit(rd: RunDir, kind: str, planned) -> JobHandle:
+        ex = submitit.LocalExecutor(folder=folder / planned.name)
+        ex.update_parameters(timeout_min=2)
+        return JobHandle(planned.name, ex.submit(os.execvp, "sleep", ["sleep", "120"]), "local")
+    return submit
+
+
+def _launch(fleet: Fleet) -> None:
+    """Submit the rollout jobs of the launch plan, as ``hpcrl run`` does (the trainer is not needed here)."""
+    rollouts = [p for p in plan_jobs(fleet.cfg, fleet.rd) if RunDir.writer_of_job(p.name) is not None]
+    fleet.starter.submit_all(rollouts, fleet.log, "hpcrl run")
+
+
+@pytest.fixture
+def launcher(tmp_path):
+    """``launcher(rd)``: the fleet of a launcher following ``rd`` whose jobs sleep (:func:`_sleeping_jobs`), its
+    lines in ``.lines``; every job it started is cancelled after the test."""
+    made = []
+
+    def make(rd: RunDir) -> Fleet:
+        cfg = rd.load_config()
+        lines: list[str] = []
+        fleet = Fleet(rd, cfg, FleetLog(rd, FLEET_LAUNCHER), lines.append,
+                      LauncherJobs(cfg, rd, "local", submit=_sleeping_jobs(tmp_path / "submitit")))
+        fleet.lines = lines
+        made.append(fleet)
+        return fleet
+    yield make
+    for fleet in made:
+        for handle in fleet.starter.handles.values():
+            _end(handle)
+
+
+def _end(handle: JobHandle) -> None:
+    """End a sleeping job (SIGTERM, as the launcher cancels) and wait for its end."""
+    handle.cancel()
+    deadline = time.monotonic() + 30
+    while not handle.done():
+        assert time.monotonic() < deadline, f"{handle.name} did not end within 30 s of SIGTERM"
+        time.sleep(0.05)
+
+
+def test_an_autoscale_decision_is_logged_with_its_numbers_whether_or_not_the_queue_lets_it_through(tmp_path, launcher):
     from hpcrl.fsio import JsonlAppender
-    from hpcrl.launcher.follow import RunFollower
+    from hpcrl.launcher.autoscale import Autoscaler
 
     rd = make_run(tmp_path, "resources.rollout_autoscale.max_jobs=3", "resources.rollout_autoscale.versions=2")
+    fleet = launcher(rd)
+    _launch(fleet)  # w000
+    _beat(rd, "w000")
     rows = JsonlAppender(rd.metrics)
     rows.append_many([{"param_version": v, "step": v, "trainer/idle_ratio": 0.7} for v in range(3)])
-    scaled, lines = [], []
     answers = iter([(False, "rollout-w001 (12) still pending in the queue", {"pending_jobs": 1}),
                     (True, "sbatch --test-only: it would start in 0s", {"start_in_s": 0.0})])
-    f = RunFollower(rd, rd.load_config(), {}, emit=lines.append, scale=lambda n, by: scaled.append((n, by)),
-                    queue_check=lambda: next(answers))
-    f._autoscale()
-    assert scaled == [] and "HELD" not in lines[-1] and "held until 2 more versions" in lines[-1]
-    f._autoscale()
-    assert scaled == [], "a held decision waits `versions` versions like any other"
+    scaler = Autoscaler(fleet, fleet.cfg.resources.rollout_autoscale, queue_check=lambda: next(answers))
+    assert scaler.step().rollout_jobs == 2 and fleet.active() == ["w000"], "held: nothing submitted"
+    assert "HELD" not in fleet.lines[-1] and "held until 2 more versions" in fleet.lines[-1]
+    assert scaler.step() is None, "a held decision waits `versions` versions like any other"
     rows.append_many([{"param_version": v, "step": v, "trainer/idle_ratio": 0.7} for v in range(3, 5)])
-    f._autoscale()
-    assert scaled == [(1, "autoscale")]
+    assert scaler.step().rollout_jobs == 2
+    assert fleet.active() == ["w000", "w001"] and "scale: rollout-w001 submitted as " in "\n".join(fleet.lines)
     held, added = [e for e in read_fleet_events(rd) if e.event == "autoscale"]
     assert not held.applied and held.numbers["pending_jobs"] == 1 and held.numbers["trainer_idle_min"] == 0.7
-    assert "still pending" in held.why and (held.from_jobs, held.to_jobs) == (0, 1)
+    assert "still pending" in held.why and (held.from_jobs, held.to_jobs) == (1, 2)
     assert added.applied and added.numbers["start_in_s"] == 0.0 and added.numbers["version"] == 4
+    (applied,) = [e for e in read_fleet_events(rd) if e.event == "scale_applied"]
+    assert (applied.by, applied.from_jobs, applied.to_jobs, applied.numbers) == ("autoscale", 1, 2,
+                                                                                 {"jobs": ["rollout-w001"]})
+    assert rd.load_config().resources.rollout_jobs == 2, "the frozen config follows an autoscale decision too"
+
+
+def _fake_sbatch(tmp_path: Path, monkeypatch, job_id: str = "4242") -> Path:
+    """An ``sbatch`` on PATH that answers as ``sbatch --parsable`` does (no Slurm here: the real one is asked in
+    test_slurm_preempt.py) and keeps each command line it got in the returned file."""
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    calls = tmp_path / "sbatch_calls"
+    (folder / "sbatch").write_text(f'#!/bin/sh\necho "$*" >> {calls}\necho {job_id}\n')
+    (folder / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ['PATH']}")
+    return calls
+
+
+def test_with_and_without_a_launcher_the_fleet_is_the_same_writers_after_a_drain_and_a_join(tmp_path, launcher,
+                                                                                          monkeypatch):
+    """The launcher's view (its job handles) and the run directory's (what ``hpcrl scale`` reads when no launcher
+    follows) name the same writers at every step; a writer number is never given twice, whichever path grows."""
+    rd = make_run(tmp_path, "resources.rollout_jobs=2")
+    fleet = launcher(rd)
+    records = lambda: active_writers(rd, rd.load_config())  # noqa: E731  (no launcher: the records alone)
+    assert records() == ["w000", "w001"], "a run launched by sbatch/submit.sh whose jobs are still queued"
+    _launch(fleet)
+    assert fleet.active() == records() == ["w000", "w001"]
+    _beat(rd, "w000")
+    _beat(rd, "w001")
+
+    assert fleet.resize(1, "Run.scale") == ["rollout-w001"]  # the newest drains
+    assert drain_requested(rd, "w001") and fleet.active() == records() == ["w000"]
+    assert "scale: rollout-w001 (" in fleet.lines[0] and "asked to drain" in fleet.lines[0]
+    w001 = fleet.starter.handles["rollout-w001"]
+    _end(w001)  # its job drains and ends
+    _beat(rd, "w001", state="drained")
+    assert w001.done() and fleet.reap("rollout-w001", w001) and "rollout-w001" not in fleet.starter.handles
+    assert fleet.active() == records() == ["w000"]
+
+    assert fleet.resize(2, "hpcrl scale --rollout-jobs 2") == ["rollout-w002"]  # a new number, never w001 again
+    assert fleet.active() == records() == ["w000", "w002"], "submitted, not started yet: in the fleet"
+
+    calls = _fake_sbatch(tmp_path, monkeypatch)  # the launcher has gone: `hpcrl scale` acts itself
+    assert scale_command(str(rd.root), 3, wait_s=0, scripts=None) == 0
+    assert records() == ["w000", "w002", "w003"] and calls.read_text().count("--array=3-3 ") == 1
+    assert scale_command(str(rd.root), 3, wait_s=0, scripts=None) == 0
+    assert calls.read_text().count("\n") == 1, "w002 and w003 are queued, not gone: nothing is submitted twice"
+    assert scale_command(str(rd.root), 2, wait_s=0, scripts=None) == 0  # the newest, still queued, drains
+    assert drain_requested(rd, "w003") and records() == ["w000", "w002"]
+    assert rd.load_config().resources.rollout_jobs == 2
+    said = [(e.source, e.event, e.writer, e.job_id, e.from_jobs, e.to_jobs) for e in read_fleet_events(rd)
+            if e.event not in ("scale_requested", "cancelled", "left")]
+    assert said == [("launcher", "submitted", "w000", said[0][3], -1, -1),
+                    ("launcher", "submitted", "w001", said[1][3], -1, -1),
+                    ("launcher", "drain_requested", "w001", said[1][3], -1, -1),
+                    ("launcher", "scale_applied", "", "", 2, 1),
+                    ("launcher", "submitted", "w002", said[4][3], -1, -1),
+                    ("launcher", "scale_applied", "", "", 1, 2),
+                    ("scale", "submitted", "w003", "4242_3", -1, -1), ("scale", "scale_applied", "", "", 2, 3),
+                    ("scale", "scale_applied", "", "", 3, 3),
+                    ("scale", "drain_requested", "w003", "", -1, -1), ("scale", "scale_applied", "", "", 3, 2)]
+
+
+def test_without_a_launcher_a_preempted_writer_stays_and_an_ended_or_reclaimed_one_has_left(tmp_path):
+    rd = make_run(tmp_path, "resources.rollout_jobs=5")
+    for w, state in (("w000", "generating"), ("w001", "preempted"), ("w002", "failed"), ("w003", "stopped"),
+                     ("w004", "generating")):
+        Admission(rd, w, 100).join(0, set())
+        _beat(rd, w, state)
+    from hpcrl.control.admission import release_writer
+
+    release_writer(rd, "w004", "reclaimed by w000: heartbeat stale 312 s and Slurm job 123 ended (COMPLETED)")
+    assert active_writers(rd, rd.load_config()) == ["w000", "w001"], "Slurm requeues a preempted job"
+
+
+def test_only_the_launcher_can_cancel_a_drained_job_that_has_not_started(tmp_path, launcher):
+    rd = make_run(tmp_path, "resources.rollout_jobs=2")
+    fleet = launcher(rd)
+    _launch(fleet)
+    _beat(rd, "w000")
+    assert fleet.resize(1, "Run.scale") == ["rollout-w001"]
+    assert "scale: rollout-w001 (" in fleet.lines[0] and "not started: nothing to save, cancelled" in fleet.lines[0]
+    (cancelled,) = [e for e in read_fleet_events(rd) if e.event == "cancelled"]
+    assert cancelled.writer == "w001" and "drained while queued" in cancelled.why
+    with pytest.raises(ValueError, match="must be >= 1, got 0"):
+        fleet.resize(0, "Run.scale")
 
 
 def test_a_zombies_end_does_not_end_its_successor_and_a_run_without_fleet_logs_has_one_life_per_writer(tmp_path):

@@ -1,5 +1,6 @@
 """``bench/gpu_check.sh`` runs green on CPU (vLLM's CPU build): every step passes and the JSON holds the
-figures a GPU machine would report (engine vs bare vLLM, a version into vLLM, the tiny task end to end)."""
+figures a GPU machine would report (the gpu tests, engine vs bare vLLM, a version into vLLM, the tiny task end
+to end, the real-size step at a small size)."""
 import importlib.util
 import json
 from pathlib import Path
@@ -37,9 +38,18 @@ def test_gpu_check_runs_green_on_cpu(background_runs):
     assert proc.returncode == 0, proc.stdout[-4000:]
     report = json.loads(out.read_text())
     steps = report["steps"]
-    assert report["ok"] and set(steps) == {"doctor", "engine", "weights", "e2e"}
+    assert report["ok"] and list(steps) == ["gputests", "doctor", "engine", "weights", "e2e", "size"]
+    tests = steps["gputests"]["figures"]
+    assert tests["tests"] == tests["skipped"] > 50 and tests["failures"] == tests["errors"] == 0, \
+        "on CPU every gpu test is collected and skipped"
     assert steps["engine"]["figures"]["ours_over_bare_vllm"] > 0
-    assert steps["weights"]["figures"]["median_ms"]["mapped"] > 0
+    weights = steps["weights"]["figures"]
+    assert weights["median_ms"]["mapped"] > 0 and weights["chosen"] in ("mapped", "folder")
     e2e = steps["e2e"]["figures"]
     assert e2e["updates"] == 12 and e2e["consumed_groups"] == 48 and not e2e["exactly_once_problems"]
-    assert e2e["versions_by_broadcast"] >= e2e["versions_loaded"] - 2
+    assert e2e["versions_by_broadcast"] >= e2e["versions_loaded"] - 2 and e2e["min_reward"] is None
+    size = steps["size"]["figures"]
+    assert size["size"] == "small" and size["consumed_groups"] == 4 * size["updates"]
+    assert not size["exactly_once_problems"] and size["weight_paths"] == ["broadcast"]
+    assert size["per_update_s"]["update"] > 0 and size["per_version_rollout"]["tokens_per_s"] > 0
+    assert size["weights"]["raw_copy_gb_per_s"] > 0 and size["weights"]["load_gb_per_s"] > 0

@@ -1,5 +1,6 @@
 """Inputs users bring: prompt files, run directories, torn logs; failures reported, not hidden."""
 import json
+import re
 import subprocess
 import sys
 
@@ -125,3 +126,61 @@ def test_vllm_with_the_head_dim_32_tiny_model_is_refused_before_anything_runs(tm
                          cwd=REPO, timeout=300)
     assert out.returncode != 0 and "builtin:tiny-h64" in out.stderr and "Traceback" not in out.stderr
     assert not (tmp_path / "r").exists()
+
+
+GSM8K_QUESTIONS = [
+    ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips "
+     "did Natalia sell altogether in April and May?", "72"),
+    ("Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. How much did she "
+     "earn?", "10"),
+]
+
+
+def gsm8k_parquet(path):
+    """Two rows of GSM8K in verl's format (verl's examples/data_preprocess/gsm8k.py)."""
+    pd.DataFrame([{"data_source": "openai/gsm8k", "ability": "math",
+                   "prompt": [{"role": "user", "content": q + " Let's think step by step and output the final answer "
+                               "after \"####\"."}],
+                   "reward_model": {"style": "rule", "ground_truth": a}, "extra_info": {"split": "train", "index": i}}
+                  for i, (q, a) in enumerate(GSM8K_QUESTIONS)]).to_parquet(path)
+    return path
+
+
+def dry_run(tmp_path, capsys, *overrides):
+    from hpcrl.cli import main as cli_main
+
+    rc = cli_main(["run", str(TINY), *overrides, "--run-dir", str(tmp_path / "run"), "--dry-run"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    return out, [line[len("hpcrl: warning: "):] for line in err.splitlines() if line.startswith("hpcrl: warning: ")]
+
+
+def test_a_verl_user_with_gsm8k_on_the_tiny_model_is_warned_before_the_run(tmp_path, capsys):
+    """configs/tiny.yaml pointed at GSM8K: the tiny tokenizer maps most of each prompt, ``####`` and the numbers to
+    <unk> (no response can ever score), and the toy held-out set would be scored with the GSM8K reward."""
+    out, warnings = dry_run(tmp_path, capsys, f"data.source={gsm8k_parquet(tmp_path / 'g.parquet')}", "reward.name=gsm8k")
+    assert len(warnings) == 3, warnings
+    share = re.match(r"data.source: (\d+)% of the prompt tokens \(\d+ of \d+\) are unknown to the model's tokenizer "
+                     r"\(<unk>\): the model cannot read them; fix: a model whose tokenizer covers the data", warnings[0])
+    assert share and int(share.group(1)) > 50, warnings[0]
+    assert warnings[1].startswith("reward: the model cannot write a right answer (openai/gsm8k: '#### 72' is written '' "
+                                  "(tokens '<unk> <unk>')"), warnings[1]
+    assert warnings[2].startswith("data.val_files: the held-out rows (data_source builtin:toy_heldout) are none of the "
+                                  "training data's tasks (openai/gsm8k)"), warnings[2]
+    # the probe's line shows the right answer in the rule's form, and what the model would make of it
+    assert "openai/gsm8k '#### 72' -> 1, but as the model's tokenizer writes it '' (tokens '<unk> <unk>') -> 0" in out
+
+
+def test_a_built_in_reward_on_rows_of_another_rule_is_warned_about(tmp_path, capsys):
+    _, warnings = dry_run(tmp_path, capsys, "reward.name=gsm8k", "eval.every_versions=0")
+    assert warnings == ["reward.name=gsm8k scores data.source's data_source 'builtin:toy', whose rule is toy_copy: it "
+                        "was not written for these rows and will score them wrong; fix: reward.name=toy_copy, or "
+                        "reward.name=by_data_source (each row's rule)"], warnings
+    _, warnings = dry_run(tmp_path, capsys, "eval.reward.name=exact_match")
+    assert len(warnings) == 1 and warnings[0].startswith("eval.reward.name=exact_match scores data.val_files's "
+                                                         "data_source 'builtin:toy_heldout', whose rule is toy_copy")
+
+
+def test_the_tiny_defaults_give_no_warning(tmp_path, capsys):
+    out, warnings = dry_run(tmp_path, capsys)
+    assert warnings == [] and "builtin:toy 'g g g g g g g g' -> 1" in out, warnings

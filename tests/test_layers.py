@@ -1,5 +1,5 @@
 """The shape of the code, checked: layers, names owned by RunDir, docstrings, file sizes,
-and the config's allowed-name tables against the implementations.
+and the config's allowed-name tables against the implementations (the registries: tests/test_rules_once.py).
 
 Read with ``ast`` (nothing imported), so a violation is reported as file:line.
 """
@@ -14,16 +14,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpcrl.config import names
+from hpcrl.config import names, registries
 
 PKG = Path(__file__).resolve().parents[1] / "hpcrl"
 
 BOTTOM_ORDER = [
     ("config",),
-    ("fsio.py", "json_record.py", "metric_names.py", "process", "tiny"),
+    ("json_record.py", "metric_names.py", "process", "tiny"),
+    ("fsio.py",),
     ("run_dir.py",),
-    ("samples",),
-    ("control", "logs.py", "trackers.py", "eval_log.py"),
+    ("samples", "logs.py"),
+    ("control", "trackers.py", "eval_log.py"),
     ("weights",),
 ]
 """The bottom layer, lowest first: the run directory's contracts every job and the launcher build on.
@@ -185,14 +186,46 @@ def test_config_imports_only_the_config():
 
 
 def test_fsio_records_and_the_process_primitives_import_nothing_of_hpcrl():
-    for p in [PKG / "fsio.py", PKG / "json_record.py", *_files("process")]:
-        assert not [m for _, m in _imports(p) if m.startswith("hpcrl")], p
+    """``process/`` may use its own primitives (the one pid rule, ``process/pids.py``), nothing else of hpcrl."""
+    assert not [m for _, m in _imports(PKG / "json_record.py") if m.startswith("hpcrl")]
+    for p in _files("process"):
+        assert not [m for _, m in _imports(p) if m.startswith("hpcrl") and not m.startswith("hpcrl.process")], p
+    assert {m for _, m in _imports(PKG / "fsio.py") if m.startswith("hpcrl")} <= {"hpcrl.process", "hpcrl.process.faults"}, \
+        "fsio imports only the fault points (its writes can be made to fail in tests)"
+
+
+JOB_LIFE = {"setup_logging", "mark_job", "sweep_leftovers", "PreemptionFlag", "requeue_self", "preempted_by_slurm",
+            "termination.install", "heartbeat.stop"}
+"""What a job does around its own steps (logging, leftovers, signals, preemption, final heartbeat, requeue):
+``hpcrl/control/job.py`` only."""
+
+
+def _called(call: ast.Call) -> str:
+    f = call.func
+    if isinstance(f, ast.Name):
+        return f.id
+    if isinstance(f, ast.Attribute):
+        owner = f.value.attr if isinstance(f.value, ast.Attribute) else getattr(f.value, "id", "")
+        return f.attr if f.attr in JOB_LIFE else f"{owner}.{f.attr}"
+    return ""
+
+
+def test_every_job_lives_in_the_one_lifecycle():
+    """A second job skeleton fails here: a call that sets up a job's logging, sweeps an earlier attempt's leftovers,
+    takes USR2, installs the SIGTERM handler, writes a final heartbeat or requeues, anywhere but control/job.py (the
+    modules that define them excepted)."""
+    home = {PKG / "control" / "job.py", PKG / "logs.py", PKG / "process" / "leftovers.py",
+            PKG / "process" / "preemption.py", PKG / "process" / "termination.py", PKG / "control" / "records.py"}
+    bad = [f"{p.relative_to(PKG.parent)}:{node.lineno} calls {_called(node)}"
+           for p in _files(".") if p not in home for node in ast.walk(ast.parse(p.read_text()))
+           if isinstance(node, ast.Call) and _called(node) in JOB_LIFE]
+    assert not bad, "a job's life is written once, in hpcrl/control/job.py:\n" + "\n".join(bad)
 
 
 # Names that only RunDir may spell: file names of the run directory and job/writer names.
 RUN_DIR_LITERALS = re.compile(
     r"manifest\.jsonl?|config\.yaml|trainer_done\.json|admission\.(json|lock)|latest\.json|metrics\.jsonl|"
-    r"staleness\.jsonl|(?<!-)rollout-|trainer-rank|shard-|base_model|heartbeat/|loading/|\.setup\.sh|^secret$|"
+    r"staleness\.jsonl|(?<!-)rollout-|trainer-rank|shard-|base_model(?!_name_or_path)|heartbeat/|loading/|\.setup\.sh|^secret$|"
     r"(^|[^a-z])w\{|w%03d|:03d\}")
 
 
@@ -207,11 +240,11 @@ def _docstring_ids(tree: ast.AST) -> set[int]:
     return out
 
 
-MESSAGE_CALLS = {"debug", "info", "warning", "error", "exception", "emit", "print"}
+MESSAGE_CALLS = {"debug", "info", "warning", "error", "exception", "emit", "print", "fail", "bad"}
 
 
 def _message_ids(tree: ast.AST) -> set[int]:
-    """ids of strings inside log calls and raised exceptions: prose that may name a file."""
+    """ids of strings inside log calls, raised exceptions and reported config problems: prose that may name a file."""
     out = set()
     for node in ast.walk(tree):
         is_msg = isinstance(node, ast.Raise)
@@ -271,6 +304,7 @@ def test_no_file_over_500_lines():
 
 
 # ---- the allowed-name tables of the config have implementations, and only those --------
+# (the registries of hpcrl/config/names.py, name -> implementation, are checked in tests/test_rules_once.py)
 
 def _calls(fn, names_, bogus="no-such-name"):
     """Every listed name is accepted by ``fn``; a bogus one is refused with ValueError."""
@@ -304,7 +338,7 @@ def test_loss_agg_modes_and_policy_losses_match_the_implementation():
 
     _calls(lambda mode: agg_loss(torch.ones(2, 3), torch.ones(2, 3), mode, horizon=3), names.LOSS_AGG_MODES)
     x, m = torch.zeros(2, 3), torch.ones(2, 3)
-    _calls(lambda mode: policy_loss(mode, x, x, x, m, LossParams(dro_beta=0.1)), names.POLICY_LOSS_MODES)
+    _calls(lambda mode: policy_loss(mode, x, x, x, m, LossParams(dro_beta=0.1)), registries.POLICY_LOSS_MODES)
 
 
 def test_rollout_correction_levels_match_the_implementation():
@@ -322,18 +356,82 @@ def test_pf_ppo_methods_match_the_implementation():
     _calls(lambda method: pf_ppo_weights(torch.tensor([0.0, 1.0]), method, 2.0), names.PF_PPO_REWEIGHT_METHODS)
 
 
-def test_rewards_and_engines_match_the_implementation():
-    from hpcrl.rollout.engines import ENGINES
-    from hpcrl.rollout.rewards import REWARDS
+# ---- one fleet-resize path (launcher/fleet.py) ------------------------------------------------------
 
-    assert set(REWARDS) | {names.BY_DATA_SOURCE} == set(names.REWARD_NAMES)
-    assert set(ENGINES) == set(names.ENGINES)
+FLEET_PATH = "hpcrl/launcher/fleet.py"
+RESIZE_NAMES = {
+    "request_drain": "writes a drain record",
+    "drained_writers": "reads who was drained (who is in the fleet is active_writers')",
+    "used_writer_ids": "the numbers used (which numbers new writers get is new_writer_ids')",
+    "record_fleet_size": "makes the frozen config follow the fleet",
+    "DRAIN_REQUESTED": "logs a drain",
+    "SCALE_APPLIED": "logs a resize",
+}
+"""What only the one resize path may do; besides it, the module that defines a name and the analysis (which reads
+the fleet's history and drain records to show them) may name it."""
+RESIZE_DEFINED_IN = {"request_drain": "hpcrl/control/fleet.py", "drained_writers": "hpcrl/control/fleet.py",
+                     "DRAIN_REQUESTED": "hpcrl/control/fleet_log.py", "SCALE_APPLIED": "hpcrl/control/fleet_log.py",
+                     "used_writer_ids": FLEET_PATH, "record_fleet_size": FLEET_PATH}
 
 
-def test_agent_loops_match_the_implementation():
-    from hpcrl.rollout.loops import LOOPS
-    from hpcrl.rollout.single_turn import SingleTurnLoop
-    from hpcrl.rollout.tool_agent import ToolAgentLoop
+def _resize_outside_the_fleet_path(rel: str, source: str) -> list[str]:
+    """Lines of ``source`` (the file ``rel``) that name what only ``launcher/fleet.py`` may do."""
+    if rel == FLEET_PATH or rel.startswith("hpcrl/analysis/") or not any(n in source for n in RESIZE_NAMES):
+        return []
+    bad = []
+    for node in ast.walk(ast.parse(source)):
+        name = (node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute)
+                else node.name if isinstance(node, ast.alias) else None)
+        if name in RESIZE_NAMES and RESIZE_DEFINED_IN[name] != rel:
+            bad.append(f"{rel}:{getattr(node, 'lineno', '?')}: {name} ({RESIZE_NAMES[name]})")
+    return bad
 
-    assert set(LOOPS) == set(names.AGENT_LOOPS)
-    assert {SingleTurnLoop.name, ToolAgentLoop.name} == set(names.AGENT_LOOPS)
+
+def test_only_one_module_resizes_the_rollout_fleet():
+    """``Run.scale``, ``hpcrl scale`` (with and without a launcher) and autoscale all go through ``Fleet.resize``:
+    a second place that drains writers, picks writer numbers or logs a resize is a second resize path."""
+    bad = [b for p in _files(".") for b in _resize_outside_the_fleet_path(str(p.relative_to(PKG.parent)),
+                                                                           p.read_text())]
+    assert not bad, f"only {FLEET_PATH} resizes the rollout fleet (Fleet.resize):\n" + "\n".join(bad)
+
+
+def test_the_resize_check_finds_a_second_path():
+    planted = ("from hpcrl.control.fleet import request_drain\nfrom hpcrl.launcher import fleet\n"
+               "def shrink(rd, w):\n    request_drain(rd, w, 'me')\n    return max(fleet.used_writer_ids(rd)) + 1\n")
+    assert _resize_outside_the_fleet_path("hpcrl/launcher/scale_cmd.py", planted) == [
+        "hpcrl/launcher/scale_cmd.py:1: request_drain (writes a drain record)",
+        "hpcrl/launcher/scale_cmd.py:4: request_drain (writes a drain record)",
+        "hpcrl/launcher/scale_cmd.py:5: used_writer_ids (the numbers used (which numbers new writers get is "
+        "new_writer_ids'))"]
+    assert _resize_outside_the_fleet_path(FLEET_PATH, planted) == []
+
+
+def _callbacks_handed_out(rel: str, source: str) -> list[str]:
+    """Calls in a class's methods that pass one of its own methods (``self.scale``), or a lambda that uses
+    ``self``, to something else: that something calls this object back."""
+    bad = []
+    for cls in [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef)]:
+        methods = {f.name for f in cls.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                   and not any(isinstance(d, ast.Name) and d.id == "property" for d in f.decorator_list)}
+        for call in [n for n in ast.walk(cls) if isinstance(n, ast.Call)]:
+            for arg in [*call.args, *(k.value for k in call.keywords)]:
+                own = (isinstance(arg, ast.Attribute) and isinstance(arg.value, ast.Name) and arg.value.id == "self"
+                       and arg.attr in methods)
+                closes = isinstance(arg, ast.Lambda) and any(isinstance(n, ast.Name) and n.id == "self"
+                                                             for n in ast.walk(arg))
+                if own or closes:
+                    bad.append(f"{rel}:{arg.lineno}: {cls.name} hands {ast.unparse(arg)} to {ast.unparse(call.func)}")
+    return bad
+
+
+def test_no_launcher_object_hands_its_own_methods_to_another():
+    """The launcher's objects form a tree (``RunHandle`` builds the jobs, the fleet, the autoscaler, the console and
+    the follower; each calls only those below it): no two call each other through a callback."""
+    bad = [b for p in _files("launcher") for b in _callbacks_handed_out(str(p.relative_to(PKG.parent)),
+                                                                         p.read_text())]
+    assert not bad, "launcher objects that would be called back:\n" + "\n".join(bad)
+    planted = ("class RunHandle:\n    def __init__(self):\n        self.follower = RunFollower(scale=self.scale,\n"
+               "            resubmit=lambda name: self.submit(name))\n    def scale(self, n): ...\n")
+    assert _callbacks_handed_out("x.py", planted) == [
+        "x.py:3: RunHandle hands self.scale to RunFollower",
+        "x.py:4: RunHandle hands lambda name: self.submit(name) to RunFollower"]

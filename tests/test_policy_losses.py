@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from hpcrl.config.names import POLICY_LOSS_MODES
+from hpcrl.config.registries import POLICY_LOSS_MODES
 from hpcrl.trainer.losses import agg_counts, ppo_policy_loss
 from hpcrl.trainer.policy_losses import LossParams, policy_loss
 

@@ -128,3 +128,54 @@ def test_a_damaged_admission_record_is_set_aside_and_rebuilt_from_the_manifests(
     assert json.loads(rd.admission.read_text())["started"] == {"w000": 5, "w001": 4}
     assert "was damaged" in caplog.text and list(rd.admission.parent.glob(rd.admission.name + ".damaged-*"))
     assert adm.try_start(consumed_groups_at_version=0) is None, "9 started >= 0 + 8: the rebuilt count holds"
+
+
+def test_a_heartbeats_counters_are_a_typed_record_each_job_writing_its_own_fields(tmp_path):
+    """JobStats: written and read through the type; a kind's JSON holds only its fields; a wrong type is named."""
+    from hpcrl.analysis.status import JobView, _eval_detail
+    from hpcrl.control.records import HeartbeatThread, JobStats
+
+    rd = RunDir(tmp_path).create()
+    beats = {"trainer": JobStats(step=3, consumed_groups=12, reward_mean=0.25, idle_ratio=0.4),
+             "rollout-w000": JobStats(groups_committed=7),
+             "eval": JobStats(last_version=3, score=0.5, score_name="val-core/toy/reward/mean@1", evaluating=5,
+                              prompts_done=2, prompts=8, skipped=0)}
+    for job, stats in beats.items():
+        hb = HeartbeatThread(rd, job, job.split("-")[0], 60.0)
+        hb.update(stats=stats)
+        hb.write()
+    on_disk = {job: json.loads(rd.heartbeat(job).read_text())["stats"] for job in beats}
+    assert on_disk["rollout-w000"] == {"groups_committed": 7}, "a kind's beat holds only its own counters"
+    assert set(on_disk["trainer"]) == {"step", "consumed_groups", "reward_mean", "idle_ratio"}
+    assert {job: b.stats for job, b in read_heartbeats(rd).items()} == beats
+    view = lambda st: JobView("eval", "evaluating", 3, 1.0, "h", 1, stats=st)  # noqa: E731
+    assert _eval_detail(view(beats["eval"])) == "last v3 0.500; evaluating v5 (2/8 prompts)"
+    older = JobStats.from_json({"last_version": -1, "score": None, "score_name": "", "evaluating": -1,
+                                "prompts_done": 0, "prompts": 8, "skipped": 0})  # an older hpcrl's eval beat
+    assert older.evaluating_now is None and _eval_detail(view(older)) == "nothing evaluated yet"
+    with pytest.raises(RecordError, match=r"Heartbeat\.stats\.groups_committed: expected int"):
+        Heartbeat.from_json({**json.loads(rd.heartbeat("rollout-w000").read_text()),
+                             "stats": {"groups_committed": "seven"}})
+
+
+def test_no_job_spells_heartbeat_counters_as_a_dict():
+    """Writers pass a JobStats (``stats={...}`` with a dict is the untyped record this replaced); readers take its
+    fields (``.stats[...]``, ``.stats.get(...)`` read a dict)."""
+    import ast
+    from pathlib import Path
+
+    def dict_stats(tree):
+        for node in ast.walk(tree):
+            if isinstance(node, ast.keyword) and node.arg == "stats" and (
+                    isinstance(node.value, ast.Dict)
+                    or isinstance(node.value, ast.Call) and getattr(node.value.func, "id", "") == "dict"):
+                yield node.value.lineno
+            if isinstance(node, (ast.Subscript, ast.Attribute)) and getattr(node.value, "attr", "") == "stats" \
+                    and (isinstance(node, ast.Subscript) or node.attr == "get"):
+                yield node.lineno
+
+    assert list(dict_stats(ast.parse('hb.update(stats={"groups_committed": 3})\nx = beat.stats.get("score")')))
+    root = Path(__file__).resolve().parents[1]
+    found = [f"{p.relative_to(root)}:{line}" for p in sorted((root / "hpcrl").rglob("*.py"))
+             for line in dict_stats(ast.parse(p.read_text()))]
+    assert not found, "heartbeat counters as a dict; use hpcrl.control.records.JobStats:\n" + "\n".join(found)

@@ -97,9 +97,10 @@ def test_every_input_problem_is_reported_in_one_pass(tmp_path, capsys):
                    f"reward.path={tmp_path / 'r.py'}", "resources.trainer.gpus_per_node=2", "--executor", "local",
                    "--run-dir", str(tmp_path / "run"), "--dry-run"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and len(err) == 4, err
+    assert rc == 2 and len(err) == 5, err
     assert "resources.trainer.gpus_per_node" in err[0] and "--executor local" in err[0]
     assert "model.path" in err[1] and "data.source" in err[2] and "no_such_module_here" in err[3]
+    assert err[4] == "hpcrl: 4 problems, found in one pass; nothing was created or submitted"
     assert not (tmp_path / "run").exists()
 
 

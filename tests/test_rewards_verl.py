@@ -94,7 +94,7 @@ def test_a_verl_style_custom_function_scores_correctly(tmp_path):
     r = row("openai/gsm8k", "72", {"split": "train"})
     assert [scorer.score("w000/0/0", r, "#### 72"), scorer.score("w000/0/1", r, "#### 7")] == [1.0, 0.0]
     assert scorer.pop_metrics()["reward/errors"] == 0
-    assert "openai/gsm8k '72' -> 0" in check_reward(RewardConfig(path=str(tmp_path / "r.py")), [r])
+    assert "openai/gsm8k '#### 72' -> 1" in check_reward(RewardConfig(path=str(tmp_path / "r.py")), [r])
 
 
 def gsm8k_parquet(path):
@@ -111,7 +111,7 @@ def test_the_launch_check_shows_the_signature_and_a_real_rows_score(verl_scorers
     out = capsys.readouterr().out
     assert rc == 0
     assert ("compute_score(solution_str, ground_truth, method='strict', format_score=0.0, score=1.0) from" in out
-            and "called with solution_str, ground_truth" in out and "openai/gsm8k '72' -> 0" in out), out
+            and "called with solution_str, ground_truth" in out and "openai/gsm8k '#### 72' -> 1" in out), out
 
 
 @pytest.mark.parametrize("body, fragment", [

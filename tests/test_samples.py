@@ -273,7 +273,7 @@ def test_a_seal_that_fails_never_reuses_its_shard_index(tmp_path, monkeypatch):
     w = ShardWriter(rd, "w000", seal_groups=1, seal_interval_s=60)
     w.add(make_group(0))
     real = writer_mod.write_file_durably
-    monkeypatch.setattr(writer_mod, "write_file_durably", lambda p, d: (_ for _ in ()).throw(OSError("disk full")))
+    monkeypatch.setattr(writer_mod, "write_file_durably", lambda p, d, what="": (_ for _ in ()).throw(OSError("no")))
     with pytest.raises(OSError):
         w.seal()
     monkeypatch.setattr(writer_mod, "write_file_durably", real)

@@ -102,9 +102,9 @@ def test_user_reward_errors_score_zero_and_are_counted(tmp_path):
     ("math_verify", "so the answer is $\\boxed{\\frac{1}{2}}$", "0.5", 1.0),
     ("math_verify", "so the answer is $\\frac{1}{3}$", "0.5", 0.0)])
 def test_builtin_math_rewards(name, response, truth, want):
-    from hpcrl.rollout.rewards import REWARDS
+    from hpcrl.rollout.rewards import builtin_rule
 
-    assert REWARDS[name](response, truth) == want
+    assert builtin_rule(name)(response, truth) == want
 
 
 VERL_YAML = """

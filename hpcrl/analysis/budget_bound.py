@@ -40,6 +40,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hpcrl.config.knobs import admission_budget
+
 
 @dataclass(frozen=True)
 class Link:
@@ -100,7 +102,7 @@ class BudgetChain:
 
     def with_staleness(self, s: float) -> "BudgetChain":
         """The same run's chain under another staleness_threshold (B recomputed as RunConfig.admission_budget)."""
-        return dataclasses.replace(self, B=math.floor((1.0 + s) * self.K * self.R + 1e-9))
+        return dataclasses.replace(self, B=admission_budget(s, self.K, self.R))
 
     @property
     def binding(self) -> Link:

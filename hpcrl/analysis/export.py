@@ -5,7 +5,11 @@ Every published weight version is a complete Hugging Face folder (``weights/vNNN
 version's manifest). Export copies one version's files to ``DIR`` and checks every copied byte against the
 manifest, so a version deleted or damaged while it was copied (retention on a live run) is an error, not a
 broken folder. ``DIR`` then loads as it is in ``AutoModelForCausalLM.from_pretrained(DIR)``,
-``AutoTokenizer.from_pretrained(DIR)`` and vLLM (``LLM(model=DIR)``).
+``AutoTokenizer.from_pretrained(DIR)`` (which export checks against the run's tokenizer, and makes agree where it
+would pick another class from the model type: :mod:`hpcrl.analysis.export_tokenizer`) and vLLM (``LLM(model=DIR)``).
+
+A LoRA run's version (``actor.lora_rank``) is an adapter: export writes its adapter folder (peft's layout, with
+the base's tokenizer), or with ``--merge`` the base model with the adapter merged (``export_adapter.py``).
 
 A version published by an older hpcrl has no tokenizer files: they are taken from the run's model folder (the
 tokenizer does not change during training), and a ``generation_config.json`` is written from ``config.json``
@@ -20,8 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from hpcrl.analysis.export_tokenizer import AUTO_TOKENIZER, make_auto_tokenizer_load_it
+from hpcrl.analysis.export_adapter import BaseModelChanged, export_adapter
 from hpcrl.fsio import fsync_path, read_json
-from hpcrl.run_dir import WEIGHT_MODEL_CONFIG, WEIGHT_MODEL_FILES, RunDir
+from hpcrl.run_dir import WEIGHT_ADAPTER_CONFIG, WEIGHT_MODEL_CONFIG, WEIGHT_MODEL_FILES, RunDir
 from hpcrl.weights.manifest import WeightManifest
 from hpcrl.weights.safetensors_io import DamagedFile, check_file
 
@@ -41,6 +47,8 @@ class Exported:
     folder: Path
     files: list[str]
     notes: list[str]
+    tokenizer_loader: str = AUTO_TOKENIZER
+    """The transformers class whose ``from_pretrained(folder)`` loads the run's tokenizer (export_tokenizer.py)."""
 
 
 def _versions(rd: RunDir) -> list[int]:
@@ -59,8 +67,10 @@ def _manifest(rd: RunDir, version: int) -> WeightManifest:
     return WeightManifest.from_json(d, str(rd.weight_manifest(version)))
 
 
-def export(run_dir, out: os.PathLike | str, version: Optional[int] = None) -> Exported:
-    """Copy weight version ``version`` (None: the newest intact one) of ``run_dir`` to ``out`` (module docstring)."""
+def export(run_dir, out: os.PathLike | str, version: Optional[int] = None, merge: bool = False) -> Exported:
+    """Copy weight version ``version`` (None: the newest intact one) of ``run_dir`` to ``out`` (module docstring); a
+    LoRA run's version is written as its adapter folder, or with ``merge`` as the base model with the adapter merged
+    (``export_adapter.py``)."""
     rd, out = RunDir(run_dir), Path(out).expanduser().resolve()
     if not rd.config_path.is_file():
         raise ExportError(f"{rd.root} is not an hpcrl run directory (no config.yaml)")
@@ -71,16 +81,26 @@ def export(run_dir, out: os.PathLike | str, version: Optional[int] = None) -> Ex
     if out.exists() and any(out.iterdir()):
         raise ExportError(f"--out {out} exists and is not empty; choose a new folder")
     manifest = _manifest(rd, version)
+    if merge and manifest.adapter is None:
+        raise ExportError(f"weight version {version} holds full weights: --merge is for a LoRA run's adapter versions "
+                          "(actor.lora_rank); export it without --merge")
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     notes: list[str] = []
     try:
-        for name, entry in manifest.files.items():
-            dst = tmp / name
-            shutil.copyfile(rd.weight_file(version, name), dst)
-            check_file(dst, entry.size_bytes, entry.hash_algorithm, entry.hash_hex)
-        _complete(rd, tmp, manifest, notes)
+        if manifest.adapter is not None:
+            notes += export_adapter(rd, version, manifest, tmp, merge)
+        else:
+            for name, entry in manifest.files.items():
+                dst = tmp / name
+                shutil.copyfile(rd.weight_file(version, name), dst)
+                check_file(dst, entry.size_bytes, entry.hash_algorithm, entry.hash_hex)
+            _complete(rd, tmp, manifest, notes)
+        loader = make_auto_tokenizer_load_it(tmp, notes)
+    except BaseModelChanged as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ExportError(str(e)) from None
     except (FileNotFoundError, DamagedFile) as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise ExportError(f"weight version {version} changed while it was copied ({e}): it was deleted or damaged; "
@@ -90,7 +110,7 @@ def export(run_dir, out: os.PathLike | str, version: Optional[int] = None) -> Ex
     if out.exists():
         out.rmdir()
     os.rename(tmp, out)
-    return Exported(version, manifest.trainer_step, out, sorted(p.name for p in out.iterdir()), notes)
+    return Exported(version, manifest.trainer_step, out, sorted(p.name for p in out.iterdir()), notes, loader)
 
 
 def _complete(rd: RunDir, folder: Path, manifest: WeightManifest, notes: list[str]) -> None:
@@ -109,31 +129,13 @@ def _complete(rd: RunDir, folder: Path, manifest: WeightManifest, notes: list[st
         notes.append(f"{GENERATION_CONFIG} written from {WEIGHT_MODEL_CONFIG} ({', '.join(gen) or 'no token ids'})")
 
 
-def tokenizer_note(folder: Path, run_dir) -> Optional[str]:
-    """None if ``AutoTokenizer.from_pretrained(folder)`` encodes like the run's own tokenizer; else a line
-    saying how to load it (transformers picks the tokenizer class from the model type for some models, e.g.
-    Qwen2's BPE for any qwen2 folder, which the built-in tiny model's word-level tokenizer is not)."""
-    from transformers import AutoTokenizer
-
-    from hpcrl.tiny.model import load_tokenizer
-
-    text = "repeat a b c ( 3 * 4 ) ."
-    ours = load_tokenizer(folder)
-    theirs = AutoTokenizer.from_pretrained(folder)
-    if theirs(text)["input_ids"] == ours(text)["input_ids"]:
-        return None
-    return (f"AutoTokenizer.from_pretrained loads a {type(theirs).__name__} for this model type, which encodes "
-            f"differently from the run's tokenizer; load it with "
-            f"PreTrainedTokenizerFast.from_pretrained('{folder}') (what hpcrl's jobs do)")
-
-
-def export_main(run_dir: str, out: str, version: str = "last") -> int:
+def export_main(run_dir: str, out: str, version: str = "last", merge: bool = False) -> int:
     """``hpcrl export``: 0, or 2 with one line on stderr."""
     import sys
 
     try:
         v = None if version == "last" else int(version)
-        done = export(run_dir, out, v)
+        done = export(run_dir, out, v, merge)
     except ValueError as e:  # ExportError, or --version that is not a number
         print(f"hpcrl export: error: {e}", file=sys.stderr)
         return 2
@@ -141,9 +143,12 @@ def export_main(run_dir: str, out: str, version: str = "last") -> int:
           f"to {done.folder}: {', '.join(done.files)}")
     for note in done.notes:
         print(f"note: {note}")
-    note = tokenizer_note(done.folder, run_dir)
-    if note:
-        print(f"note: {note}")
-    print(f"load it with AutoModelForCausalLM.from_pretrained('{done.folder}'), AutoTokenizer, or vLLM: "
+    if (done.folder / WEIGHT_ADAPTER_CONFIG).is_file():
+        print(f"load it with PeftModel.from_pretrained(base, '{done.folder}') or AutoModelForCausalLM.from_pretrained("
+              f"'{done.folder}') (peft installed) and {done.tokenizer_loader}.from_pretrained('{done.folder}'), or "
+              f"vLLM: LLM(model=BASE, enable_lora=True) and LoRARequest('adapter', 1, '{done.folder}')")
+        return 0
+    print(f"load it with AutoModelForCausalLM.from_pretrained('{done.folder}') and "
+          f"{done.tokenizer_loader}.from_pretrained('{done.folder}') (the run's tokenizer), or vLLM: "
           f"LLM(model='{done.folder}')")
     return 0

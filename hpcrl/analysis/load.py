@@ -39,6 +39,7 @@ import pandas as pd
 import yaml
 
 from hpcrl.config import ConfigError, RunConfig, config_from_dict
+from hpcrl.config.knobs import Knobs
 from hpcrl.control.records import Heartbeat, TrainerDone, read_heartbeats, read_trainer_done
 from hpcrl.eval_log import EVALUATED, JOB, read_eval_rows
 from hpcrl.logs import read_jsonl_frame
@@ -59,42 +60,6 @@ REQUIRED = {"staleness": STALENESS_COLUMNS, "metrics": METRICS_COLUMNS, "rollout
 
 class RunFormatError(ValueError):
     """The folder is not an hpcrl run directory, or holds nothing to analyse yet."""
-
-
-@dataclass
-class Knobs:
-    """The flow-control knobs of a run and what follows from them (ARCHITECTURE.md, "Admission budget with skips")."""
-
-    staleness_threshold: float
-    trigger_parameter_sync_step: int
-    groups_per_update: int
-    admission_budget: int
-    max_lag_bound: int
-    total_updates: int
-    total_rollout_steps: int
-    n: int
-    rollout_jobs: int
-    max_concurrent_groups: int
-    max_staleness: Optional[int]
-    partial_rollout: bool
-    simulated: str = ""
-    """What of the run was simulated (``rollout.engine=simulated``, ``trainer.simulated``); empty for a real run."""
-    time_scale: float = 1.0
-    """A simulated run's modelled seconds per wall second (``simulated.time_scale``)."""
-
-    @classmethod
-    def from_config(cls, cfg: RunConfig) -> "Knobs":
-        a = cfg.async_training
-        parts = [p for p, on in (("engine", cfg.rollout.engine == "simulated"), ("trainer", cfg.trainer.simulated)) if on]
-        return cls(a.staleness_threshold, a.trigger_parameter_sync_step, cfg.groups_per_update, cfg.admission_budget,
-                   cfg.max_lag_bound, cfg.total_updates, cfg.rollout.total_rollout_steps, cfg.rollout.n,
-                   cfg.resources.rollout_jobs, cfg.rollout.max_concurrent_groups, a.max_staleness, a.partial_rollout,
-                   simulated=" and ".join(parts), time_scale=cfg.simulated.time_scale if parts else 1.0)
-
-    def describe(self) -> str:
-        return (f"s={self.staleness_threshold:g}, K={self.trigger_parameter_sync_step}, R={self.groups_per_update}, "
-                f"B={self.admission_budget} groups per version, max lag bound {self.max_lag_bound}, "
-                f"{self.total_updates} updates, n={self.n}, {self.rollout_jobs} rollout job(s)")
 
 
 @dataclass
@@ -304,7 +269,7 @@ def load_run(path: os.PathLike | str, name: Optional[str] = None) -> RunData:
         states = ", ".join(f"{j} {h.state}" for j, h in heartbeats.items()) or "no heartbeats"
         notes.append(f"The run has not finished (no {rd.trainer_done.relative_to(rd.root)}; jobs: {states}): the numbers cover "
                      f"the {len(m)} update(s) logged so far.")
-    return RunData(name=name or root.name, root=root, knobs=Knobs.from_config(cfg) if cfg else None, staleness=st,
+    return RunData(name=name or root.name, root=root, knobs=cfg.knobs if cfg else None, staleness=st,
                    metrics=m, rollout=ro, heartbeats=heartbeats, trainer_done=done, t0_s=_time_origin(st, m, ro),
                    notes=notes, missing=missing, evals=evals, eval_rows=eval_rows,
                    eval_enabled=bool(cfg and cfg.eval.enabled))

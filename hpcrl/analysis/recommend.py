@@ -31,7 +31,8 @@ from typing import Optional
 from hpcrl.analysis import tables
 from hpcrl.analysis.ceiling import Ceiling, run_ceiling
 from hpcrl.analysis.fleet import fleet_history
-from hpcrl.analysis.load import Knobs, RunData
+from hpcrl.analysis.load import RunData
+from hpcrl.config.knobs import Knobs, admission_budget, max_lag_bound
 from hpcrl.run_dir import RunDir
 from hpcrl import metric_names as M
 
@@ -52,6 +53,8 @@ class Recommendation:
     sets the step), ``balanced`` or ``unknown``."""
     line: str
     """One sentence with the action and the numbers it was derived from."""
+    action: str = ""
+    """What to change, in a few plain words (the report's first lines, ``analysis/glance.py``)."""
 
 
 def _min_s_for_full_update(k: Knobs) -> float:
@@ -90,6 +93,14 @@ def _more_writers(k: Knobs, fleet: Optional[FleetNow]) -> str:
             f"scale RUN --rollout-jobs N`){rate}; or more GPUs per rollout job")
 
 
+def _more_writers_short(k: Knobs, fleet: Optional[FleetNow]) -> str:
+    """:func:`_more_writers` in a few words."""
+    n = fleet.writers if fleet is not None and fleet.writers > 0 else k.rollout_jobs
+    if fleet is not None and fleet.live:
+        return f"`hpcrl scale {fleet.run} --rollout-jobs {n + 1}`"
+    return f"resources.rollout_jobs {n} -> {n + 1} (or more GPUs per rollout job)"
+
+
 def recommend(t: float, r: float, k: Optional[Knobs], why_unknown: str = "",
               fleet: Optional[FleetNow] = None) -> Recommendation:
     """The recommendation for trainer idle ratio ``t`` and rollout idle ratio ``r`` (``fleet``: the run's fleet, so
@@ -97,34 +108,41 @@ def recommend(t: float, r: float, k: Optional[Knobs], why_unknown: str = "",
     if math.isnan(t) or math.isnan(r):
         have = "trainer" if not math.isnan(t) else "rollout" if not math.isnan(r) else "neither side"
         return Recommendation("unknown", f"No recommendation: the idle ratio is known for {have} only "
-                                         f"({why_unknown or 'the run has not logged both sides yet'}).")
+                                         f"({why_unknown or 'the run has not logged both sides yet'}).",
+                              "nothing yet: the logs do not show both sides' waits")
     nums = _nums(t, r)
     if t > HIGH and r > HIGH:
         if k is None:
             return Recommendation("neither", f"Neither side is saturated: {nums}; they wait on each other. "
-                                             "Let generation overlap training: raise staleness_threshold.")
+                                             "Let generation overlap training: raise staleness_threshold.",
+                                  "raise async_training.staleness_threshold, so generation runs ahead of training")
         kr = k.trigger_parameter_sync_step * k.groups_per_update
         ahead = k.admission_budget - kr
         if ahead < k.groups_per_update:
             s_new = _min_s_for_full_update(k)
+            budget_new = admission_budget(s_new, k.trigger_parameter_sync_step, k.groups_per_update)
             return Recommendation("neither", (
                 f"Neither side is the bottleneck, they wait on each other: {nums}. The budget B={k.admission_budget} "
                 f"lets the rollout fleet generate only {ahead} group(s) ahead of the K*R={kr} a version consumes, "
                 f"fewer than the R={k.groups_per_update} the next update needs: raise "
                 f"async_training.staleness_threshold from {k.staleness_threshold:g} to at least {s_new:g} "
-                f"(lag bound then {(math.floor((1 + s_new) * kr + 1e-9) - 1) // kr} version(s)); "
-                "moving GPUs would not help."))
+                f"(lag bound then {max_lag_bound(budget_new, kr)} version(s)); "
+                "moving GPUs would not help."),
+                f"raise async_training.staleness_threshold from {k.staleness_threshold:g} to {s_new:g}, so generation "
+                "can run a whole update ahead of training")
         return Recommendation("neither", (
             f"Neither side is the bottleneck, they wait on each other: {nums}, although the budget "
             f"B={k.admission_budget} already allows a whole update ({k.groups_per_update} groups) ahead. The "
             f"hand-off limits the overlap: raise rollout.max_concurrent_groups (now {k.max_concurrent_groups}) "
-            "or lower timeouts.poll_interval_s / rollout.seal_interval_s; moving GPUs would not help."))
+            "or lower timeouts.poll_interval_s / rollout.seal_interval_s; moving GPUs would not help."),
+            f"raise rollout.max_concurrent_groups (now {k.max_concurrent_groups}), so more groups are in flight")
     if t > HIGH and t - r >= MARGIN:
         extra = "" if k is None else _more_writers(k, fleet)
         return Recommendation("rollout", (
             f"The rollout side is the bottleneck: {nums}. Move GPUs from the trainer to rollout"
             f"{' (' + extra + ')' if extra else ''}; the trainer could absorb up to {1 / max(1 - t, 1e-9):.1f}x "
-            "the current sample rate."))
+            "the current sample rate."),
+            "more generation: " + (_more_writers_short(k, fleet) if k else "more rollout GPUs"))
     if r > HIGH and r - t >= MARGIN:
         n = fleet.writers if fleet is not None and fleet.writers > 0 else k.rollout_jobs if k else 0
         fewer = ("" if n < 2 else f": `hpcrl scale {fleet.run} --rollout-jobs {n - 1}`" if fleet is not None and fleet.live
@@ -132,10 +150,12 @@ def recommend(t: float, r: float, k: Optional[Knobs], why_unknown: str = "",
         return Recommendation("trainer", (
             f"The trainer is the bottleneck: {nums}. Move GPUs from rollout to the trainer (more trainer GPUs "
             f"or fewer rollout jobs{fewer}); the rollout fleet could generate up to {1 / max(1 - r, 1e-9):.1f}x what "
-            "the trainer consumes. Raising staleness_threshold would only add lag."))
+            "the trainer consumes. Raising staleness_threshold would only add lag."),
+            "more training: give the trainer more GPUs" + (f", or run fewer rollout jobs{fewer}" if n >= 2 else ""))
     return Recommendation("balanced", (
         f"Balanced: {nums}; both sides are busy most of the time (idle at most {HIGH:.2f}), so keep the split; "
-        "more throughput needs more GPUs on both sides."))
+        "more throughput needs more GPUs on both sides."),
+        "nothing in the split: more throughput needs more GPUs on both sides")
 
 
 def _nums(t: float, r: float) -> str:
@@ -156,11 +176,14 @@ def budget_binds(t: float, r: float, k: Knobs, c: Optional[Ceiling]) -> Optional
     for s_new in (k.staleness_threshold + 0.25 * i for i in range(1, 13)):
         chain = ch.with_staleness(s_new)
         if chain.per_update_s <= ideal:
-            lag = (chain.B - 1) // kr
+            lag = max_lag_bound(chain.B, kr)
             return Recommendation("budget", line + (
                 f"; raise async_training.staleness_threshold to {s_new:g} (B={chain.B}, lag bound {lag} "
-                f"version(s)), where the chain allows {chain.per_update_s:.2f}s and the pools' work binds."))
-    return Recommendation("budget", line + "; raise async_training.staleness_threshold.")
+                f"version(s)), where the chain allows {chain.per_update_s:.2f}s and the pools' work binds."),
+                f"raise async_training.staleness_threshold from {k.staleness_threshold:g} to {s_new:g}, so the "
+                "budget lets generation run further ahead (more GPUs would not help)")
+    return Recommendation("budget", line + "; raise async_training.staleness_threshold.",
+                          "raise async_training.staleness_threshold, so the budget lets generation run further ahead")
 
 
 def recommend_run(data: RunData) -> Recommendation:

@@ -4,6 +4,7 @@ Writes ``DIR/report.md`` and ``DIR/report.html`` (same content) with tables and
 PNG plots (``DIR/<run>/*.png`` per run, ``DIR/compare_*.png`` for several runs),
 reading nothing but the run directories (see :mod:`hpcrl.analysis.load`).
 
+It opens with four plain lines per run (``glance.py``: is it learning, how stale, which job waits, what to change).
 Sections per run: recommendation, notes, summary, problems (reward errors, tool errors, prompts
 filtered, with the first message and sample id), lag (groups and tokens, over
 time), partial spans, idle ratios per version, timeline of generation / training
@@ -22,6 +23,7 @@ from pathlib import Path
 from hpcrl.analysis import compare, fleet, plots, tables, training_plots, validation
 from hpcrl.analysis.ceiling import run_ceiling, speedup_line
 from hpcrl.analysis.doc import Doc
+from hpcrl.analysis.glance import glance
 from hpcrl.analysis.load import LOG_PATHS, RunData, load_run
 from hpcrl.analysis.problems import problems_of, problems_table
 from hpcrl.analysis.recommend import recommend_run
@@ -292,6 +294,8 @@ def build_report(run_dirs: list, out_dir, names: list[str] | None = None) -> Rep
     rep = Report(out_dir / "report.md", out_dir / "report.html", runs)
     title = f"hpcrl report: {runs[0].name}" if len(runs) == 1 else f"hpcrl report: {len(runs)} runs side by side"
     doc = Doc(title)
+    doc.heading(2, "At a glance")
+    doc.bullets([line if len(runs) == 1 else f"{d.name}: {line}" for d in runs for line in glance(d)])
     doc.para(f"Written {time.strftime('%Y-%m-%d %H:%M:%S')} by `hpcrl report` from the run directories only. "
              "Times in seconds; versions are weight versions; plots' time axes start at each run's first event.")
 

@@ -29,7 +29,6 @@ rolled it back is read again from the start).
 from __future__ import annotations
 
 import math
-import os
 import socket
 import sys
 import time
@@ -37,13 +36,16 @@ from dataclasses import dataclass, field
 from typing import Optional, TextIO
 
 from hpcrl.analysis.fleet import fleet_history, status_lines as fleet_status_lines
-from hpcrl.analysis.load import Knobs, read_config_leniently, read_json_tolerant
+from hpcrl.analysis.load import read_config_leniently, read_json_tolerant
 from hpcrl.analysis.problems import tally
+from hpcrl.config.knobs import Knobs
 from hpcrl.control.admission import read_claims
 from hpcrl.control.fleet import drained_writers
-from hpcrl.control.records import HeartbeatState, TrainerDone, has_ended, read_heartbeats, read_trainer_done
+from hpcrl.control.records import HeartbeatState, JobStats, TrainerDone, has_ended, read_heartbeats, read_trainer_done
 from hpcrl.eval_log import EVALUATED, JOB, SKIPPED, EvalRow
-from hpcrl.fsio import JsonlTail
+from hpcrl.control.fatal import read_fatal
+from hpcrl.fsio import JsonlTail, free_bytes, size_text, tree_bytes
+from hpcrl.process.pids import pid_running
 from hpcrl.run_dir import EVAL_JOB, RunDir
 from hpcrl import metric_names as M
 
@@ -68,7 +70,7 @@ class JobView:
     """The start-up step it is in (or failed in), from its heartbeat."""
     step_s: float = 0.0
     """Seconds since that step began."""
-    stats: dict = field(default_factory=dict)
+    stats: JobStats = field(default_factory=JobStats)
     """The heartbeat's counters."""
 
     @property
@@ -79,13 +81,7 @@ class JobView:
 def _process_gone(host: str, pid: int) -> bool:
     if host != socket.gethostname() or pid <= 0:
         return False  # another node: only the heartbeat age can tell
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
+    return not pid_running(pid)
 
 
 @dataclass
@@ -100,6 +96,7 @@ class StatusView:
     """The run has an evaluation job (say so while nothing is evaluated yet)."""
 
     def __post_init__(self):
+        self._disk: tuple[float, str] = (-math.inf, "")  # (when measured, the line): the tree is walked once a minute
         self.metrics = JsonlTail(self.rd.metrics)
         self.evals = JsonlTail(self.rd.eval_log)
         self.rollout: dict[str, JsonlTail] = {}
@@ -142,7 +139,10 @@ class StatusView:
         committed = self.committed()
         lines += (self._job_lines(jobs, m, committed) + self._fleet_lines() + [""] + self._group_lines(m, committed)
                   + self._eval_lines()
-                  + self._problem_lines())
+                  + self._problem_lines() + self._disk_lines(now))
+        fatal = read_fatal(self.rd)
+        if fatal is not None:
+            lines.append(f"run stopped by an error a restart would repeat: {fatal}")
         if done is not None:
             lines.append(f"run finished: {done.trainer_step} updates, version {done.param_version}, "
                          f"{done.consumed_groups} groups consumed")
@@ -246,6 +246,15 @@ class StatusView:
                 f"{best.score:.3f} at v{best.version}; {len(done)} versions evaluated"
                 + (f", {skipped} skipped (the evaluation fell behind)" if skipped else "")]
 
+    def _disk_lines(self, now: float) -> list[str]:
+        """The run directory's size and its filesystem's free space (the size measured at most once a minute)."""
+        if now - self._disk[0] >= 60.0:
+            size = tree_bytes(self.rd.root)
+            free, total = free_bytes(self.rd.root)
+            self._disk = (now, f"disk: run directory {size_text(size)}; {size_text(free)} free of {size_text(total)} "
+                               "on its filesystem")
+        return [self._disk[1]]
+
     def _problem_lines(self) -> list[str]:
         """Reward errors, tool errors and filtered prompts per writer (only when there are any)."""
         found = [tally(w, rows) for w, rows in self.rollout_rows().items()]
@@ -256,10 +265,9 @@ class StatusView:
 def _eval_detail(j: JobView) -> str:
     """The evaluation job's line: its last version and score, what it evaluates now."""
     st = j.stats
-    score = st.get("score")
-    last = (f"last v{st.get('last_version')} {score:.3f}" if isinstance(score, (int, float)) else "nothing evaluated yet")
-    if isinstance(st.get("evaluating"), int) and st["evaluating"] >= 0:
-        return f"{last}; evaluating v{st['evaluating']} ({st.get('prompts_done', 0)}/{st.get('prompts', 0)} prompts)"
+    last = f"last v{st.last_version} {st.score:.3f}" if st.score is not None else "nothing evaluated yet"
+    if st.evaluating_now is not None:
+        return f"{last}; evaluating v{st.evaluating_now} ({st.prompts_done or 0}/{st.prompts or 0} prompts)"
     return last
 
 
@@ -316,7 +324,7 @@ def status_main(run_dir, interval_s: float = 5.0, once: bool = False, out: Optio
         return 2
     notes: list[str] = []
     cfg = read_config_leniently(rd, notes)
-    view = StatusView(rd, Knobs.from_config(cfg) if cfg else None,
+    view = StatusView(rd, cfg.knobs if cfg else None,
                       cfg.timeouts.heartbeat_stale_s if cfg else 60.0, [f"note: {n}" for n in notes],
                       knobs_eval=bool(cfg and cfg.eval.enabled))
     clear = out.isatty() and not once

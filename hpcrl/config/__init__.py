@@ -6,7 +6,9 @@ whole before anything is created or submitted, then frozen into ``RUN/config.yam
 =================  ==============================================================
 module             what it holds
 =================  ==============================================================
-``names``          the names a field may choose from (estimators, rewards, ...), renamed and verl keys
+``names``          the names a field may choose from (estimators, ...), renamed and verl keys
+``registries``     name -> implementation ("module:attribute") of engines, loops, parsers, weight transports,
+                   rewards and policy losses: the config checks names against them, the jobs import from them
 ``checks``         ConfigError and the check helpers (key, what is allowed, fix)
 ``sections``       model, data, reward, actor, rollout, agent, async_training, trainer,
                    weights
@@ -18,7 +20,8 @@ module             what it holds
 ``evaluation``     eval: the evaluation job (which versions, sampling, engine, reward)
 ``resources``      job sizes and Slurm options per role
 ``simulated``      simulated: the phase model of a simulated engine and trainer
-``run``            RunConfig (all sections, derived R/K/B), load_config, dump_config
+``knobs``          the async knobs (s, K, R) and their arithmetic: the admission budget B, the lag bound
+``run``            RunConfig (all sections, its ``knobs``), load_config, dump_config
 =================  ==============================================================
 
 This package imports nothing from the jobs (``tests/test_layers.py``).

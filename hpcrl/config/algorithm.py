@@ -12,8 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-from hpcrl.config import names
-from hpcrl.config.checks import bad, check_choice, check_float, check_int, check_optional_choice
+from hpcrl.config import names, registries
+from hpcrl.config.checks import check_choice, check_float, check_int, check_optional_choice, fail
 
 
 @dataclass
@@ -157,19 +157,19 @@ class RolloutCorrectionConfig:
         try:
             is_bounds(self.rollout_is_threshold)
         except ValueError as e:
-            raise bad(k + "rollout_is_threshold", self.rollout_is_threshold, str(e),
-                      "e.g. 2.0 (truncation) or \"0.5_5.0\" (IcePop)") from None
+            fail(k + "rollout_is_threshold", self.rollout_is_threshold, str(e),
+                "e.g. 2.0 (truncation) or \"0.5_5.0\" (IcePop)")
         check_choice(k + "rollout_is_batch_normalize", self.rollout_is_batch_normalize, (True, False))
         check_choice(k + "mask_before_advantages", self.mask_before_advantages, (True, False))
         if self.rollout_rs_threshold_lower is not None:
-            raise bad(k + "rollout_rs_threshold_lower", self.rollout_rs_threshold_lower,
-                      "null (retired with verl 0.6's rollout_rs levels)",
-                      "give both bounds as rollout_rs_threshold: \"lower_upper\" (bounds on 1/rho for *_k1 options)")
+            fail(k + "rollout_rs_threshold_lower", self.rollout_rs_threshold_lower,
+                 "null (retired with verl 0.6's rollout_rs levels)",
+                 "give both bounds as rollout_rs_threshold: \"lower_upper\" (bounds on 1/rho for *_k1 options)")
         if self.rollout_rs is not None:
             self._validate_rs(k)
         elif self.rollout_rs_threshold is not None:
-            raise bad(k + "rollout_rs_threshold", self.rollout_rs_threshold, "null without rollout_rs",
-                      "set rollout_rs (e.g. seq_mean_k1) or remove rollout_rs_threshold")
+            fail(k + "rollout_rs_threshold", self.rollout_rs_threshold, "null without rollout_rs",
+                 "set rollout_rs (e.g. seq_mean_k1) or remove rollout_rs_threshold")
         if self.rollout_token_veto_threshold is not None:
             check_float(k + "rollout_token_veto_threshold", self.rollout_token_veto_threshold, 0.0, 1.0, lo_open=True)
         if self.max_token_lag is not None:
@@ -177,31 +177,31 @@ class RolloutCorrectionConfig:
         check_choice(k + "bypass_mode", self.bypass_mode, (True, False))
         check_choice(k + "loss_type", self.loss_type, names.BYPASS_LOSS_TYPES)
         if not self.bypass_mode and self.loss_type != "ppo_clip":
-            raise bad(k + "loss_type", self.loss_type, "ppo_clip unless bypass_mode=true (it picks bypass mode's loss)",
-                      "set algorithm.rollout_correction.bypass_mode=true, or remove loss_type")
+            fail(k + "loss_type", self.loss_type, "ppo_clip unless bypass_mode=true (it picks bypass mode's loss)",
+                 "set algorithm.rollout_correction.bypass_mode=true, or remove loss_type")
         if self.bypass_mode and self.rollout_token_veto_threshold is not None:
-            raise bad(k + "rollout_token_veto_threshold", self.rollout_token_veto_threshold,
-                      "null with bypass_mode=true (verl 0.9.1's bypass mode has no veto)",
-                      "use rollout_rs (e.g. token_k1 with \"lower_upper\") or bypass_mode=false")
+            fail(k + "rollout_token_veto_threshold", self.rollout_token_veto_threshold,
+                 "null with bypass_mode=true (verl 0.9.1's bypass mode has no veto)",
+                 "use rollout_rs (e.g. token_k1 with \"lower_upper\") or bypass_mode=false")
 
     def _validate_rs(self, k: str) -> None:
-        if not isinstance(self.rollout_rs, str) or not split_rs_options(self.rollout_rs):
-            raise bad(k + "rollout_rs", self.rollout_rs, "null or comma-separated options of " + ", ".join(names.RS_OPTIONS))
-        for opt in split_rs_options(self.rollout_rs):
-            if opt in names.RS_RETIRED:
-                raise bad(k + "rollout_rs", self.rollout_rs, "verl 0.9.1's options: " + ", ".join(names.RS_OPTIONS),
-                          f"{opt!r} is verl 0.6's name: use {names.RS_RETIRED[opt]!r} with rollout_rs_threshold "
-                          f"\"lower_upper\", whose bounds apply to 1/rho (old bounds [a, b] on rho become "
-                          f"\"1/b_1/a\"); see the README's rollout-correction table")
-            if opt not in names.RS_OPTIONS:
-                raise bad(k + "rollout_rs", self.rollout_rs, "null or comma-separated options of " + ", ".join(names.RS_OPTIONS))
+        options = split_rs_options(self.rollout_rs) if isinstance(self.rollout_rs, str) else []
+        retired = [opt for opt in options if opt in names.RS_RETIRED]
+        if retired:
+            return fail(k + "rollout_rs", self.rollout_rs, "verl 0.9.1's options: " + ", ".join(names.RS_OPTIONS),
+                        f"{retired[0]!r} is verl 0.6's name: use {names.RS_RETIRED[retired[0]]!r} with "
+                        f"rollout_rs_threshold \"lower_upper\", whose bounds apply to 1/rho (old bounds [a, b] on rho "
+                        f"become \"1/b_1/a\"); see the README's rollout-correction table")
+        if not options or any(opt not in names.RS_OPTIONS for opt in options):
+            return fail(k + "rollout_rs", self.rollout_rs,
+                        "null or comma-separated options of " + ", ".join(names.RS_OPTIONS))
         if self.rollout_rs_threshold is None:
-            raise bad(k + "rollout_rs_threshold", None, "bounds for rollout_rs (verl 0.9.1 requires them)",
-                      "e.g. rollout_rs_threshold: \"0.5_2.0\" for *_k1, 0.01 for k2/k3")
+            return fail(k + "rollout_rs_threshold", None, "bounds for rollout_rs (verl 0.9.1 requires them)",
+                        "e.g. rollout_rs_threshold: \"0.5_2.0\" for *_k1, 0.01 for k2/k3")
         try:
             rs_thresholds(self.rollout_rs, self.rollout_rs_threshold)
         except ValueError as e:
-            raise bad(k + "rollout_rs_threshold", self.rollout_rs_threshold, str(e)) from None
+            fail(k + "rollout_rs_threshold", self.rollout_rs_threshold, str(e))
 
     @property
     def needs_prox(self) -> bool:
@@ -237,20 +237,20 @@ class PolicyLossConfig:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
         k = "actor.policy_loss."
         if self.loss_mode == "bypass_mode":
-            raise bad(k + "loss_mode", self.loss_mode, "one of " + ", ".join(names.POLICY_LOSS_MODES),
-                      "verl sets bypass_mode itself: set algorithm.rollout_correction.bypass_mode=true (and loss_type)")
-        check_choice(k + "loss_mode", self.loss_mode, names.POLICY_LOSS_MODES)
+            fail(k + "loss_mode", self.loss_mode, "one of " + ", ".join(registries.POLICY_LOSS_MODES),
+                 "verl sets bypass_mode itself: set algorithm.rollout_correction.bypass_mode=true (and loss_type)")
+        check_choice(k + "loss_mode", self.loss_mode, registries.POLICY_LOSS_MODES)
         check_float(k + "clip_cov_ratio", self.clip_cov_ratio, 0.0, 1.0, lo_open=True)
         check_float(k + "clip_cov_lb", self.clip_cov_lb, -math.inf)
         if not self.clip_cov_ub > self.clip_cov_lb:
-            raise bad(k + "clip_cov_ub", self.clip_cov_ub, f"a number > clip_cov_lb = {self.clip_cov_lb}")
+            fail(k + "clip_cov_ub", self.clip_cov_ub, f"a number > clip_cov_lb = {self.clip_cov_lb}")
         check_float(k + "kl_cov_ratio", self.kl_cov_ratio, 0.0, 1.0, lo_open=True)
         check_float(k + "ppo_kl_coef", self.ppo_kl_coef, 0.0)
         if self.dro_beta is not None:
             check_float(k + "dro_beta", self.dro_beta, 0.0, lo_open=True)
         elif self.loss_mode == "dro":
-            raise bad(k + "dro_beta", None, "a number > 0 with loss_mode=dro (verl 0.9.1 has no default)",
-                      "e.g. actor.policy_loss.dro_beta=0.1")
+            fail(k + "dro_beta", None, "a number > 0 with loss_mode=dro (verl 0.9.1 has no default)",
+                 "e.g. actor.policy_loss.dro_beta=0.1")
 
 
 @dataclass
@@ -319,12 +319,12 @@ class AlgorithmConfig:
         check_choice("algorithm.use_pf_ppo", self.use_pf_ppo, (True, False))
         self.pf_ppo.validate()
         if self.gdpo_reward_keys is not None:
-            raise bad("algorithm.gdpo_reward_keys", self.gdpo_reward_keys,
-                      "null (a shard holds one reward per trajectory; per-component rewards need a shard field)",
-                      "return the weighted sum of the components as the score, or use adv_estimator=grpo")
+            fail("algorithm.gdpo_reward_keys", self.gdpo_reward_keys,
+                 "null (a shard holds one reward per trajectory; per-component rewards need a shard field)",
+                 "return the weighted sum of the components as the score, or use adv_estimator=grpo")
         if self.gdpo_reward_weights is not None:
-            raise bad("algorithm.gdpo_reward_weights", self.gdpo_reward_weights, "null while gdpo_reward_keys is null",
-                      "remove gdpo_reward_weights")
+            fail("algorithm.gdpo_reward_weights", self.gdpo_reward_weights, "null while gdpo_reward_keys is null",
+                 "remove gdpo_reward_weights")
 
 
 @dataclass

@@ -3,7 +3,7 @@ needs from the others. Called by :meth:`hpcrl.config.RunConfig.validate`; each e
 naming the key, what is allowed with what, and the fix."""
 from __future__ import annotations
 
-from hpcrl.config.checks import bad
+from hpcrl.config.checks import fail
 from hpcrl.config.names import GROUP_ESTIMATORS
 
 
@@ -12,14 +12,14 @@ def check_algorithm_combinations(cfg) -> None:
     alg, actor = cfg.algorithm, cfg.actor
     est, mode = alg.adv_estimator, actor.policy_loss.loss_mode
     if cfg.rollout.n < 2 and est in GROUP_ESTIMATORS:
-        raise bad("rollout.n", cfg.rollout.n, f"at least 2 with adv_estimator={est} (a group of one has no baseline)",
-                  "raise rollout.n, or use adv_estimator=gae or reinforce_plus_plus")
+        fail("rollout.n", cfg.rollout.n, f"at least 2 with adv_estimator={est} (a group of one has no baseline)",
+             "raise rollout.n, or use adv_estimator=gae or reinforce_plus_plus")
     if alg.use_pf_ppo and est != "gae":
-        raise bad("algorithm.use_pf_ppo", True, f"false with adv_estimator={est} (verl resamples only with gae)",
-                  "set algorithm.adv_estimator=gae, or use_pf_ppo=false")
+        fail("algorithm.use_pf_ppo", True, f"false with adv_estimator={est} (verl resamples only with gae)",
+             "set algorithm.adv_estimator=gae, or use_pf_ppo=false")
     if mode in ("dppo_tv", "dppo_kl") and actor.clip_ratio_c is None:
-        raise bad("actor.clip_ratio_c", None, f"a number > 1 with loss_mode={mode} (C, the truncation of its "
-                  "detached ratio)", "e.g. actor.clip_ratio_c=20 (the DPPO paper prefers a large C)")
+        fail("actor.clip_ratio_c", None, f"a number > 1 with loss_mode={mode} (C, the truncation of its "
+             "detached ratio)", "e.g. actor.clip_ratio_c=20 (the DPPO paper prefers a large C)")
     _check_rollout_correction(cfg)
 
 
@@ -27,18 +27,18 @@ def _check_rollout_correction(cfg) -> None:
     rc, k = cfg.algorithm.rollout_correction, "algorithm.rollout_correction."
     if rc.bypass_mode:
         if cfg.uses_prox_log_prob:
-            raise bad(k + "bypass_mode", True, "false while the trainer computes proximal log-probs "
-                      "(async_training.compute_prox_log_prob=true or use_rollout_log_probs=false)",
-                      "bypass uses the engine's log-probs as the anchor: set compute_prox_log_prob=false and "
-                      "use_rollout_log_probs=true, or bypass_mode=false (decoupled)")
+            fail(k + "bypass_mode", True, "false while the trainer computes proximal log-probs "
+                 "(async_training.compute_prox_log_prob=true or use_rollout_log_probs=false)",
+                 "bypass uses the engine's log-probs as the anchor: set compute_prox_log_prob=false and "
+                 "use_rollout_log_probs=true, or bypass_mode=false (decoupled)")
         if cfg.actor.policy_loss.loss_mode != "vanilla":
-            raise bad("actor.policy_loss.loss_mode", cfg.actor.policy_loss.loss_mode,
-                      "vanilla with bypass_mode=true (verl replaces the loss by bypass mode's loss_type)",
-                      "choose the loss with algorithm.rollout_correction.loss_type=ppo_clip|reinforce")
+            fail("actor.policy_loss.loss_mode", cfg.actor.policy_loss.loss_mode,
+                 "vanilla with bypass_mode=true (verl replaces the loss by bypass mode's loss_type)",
+                 "choose the loss with algorithm.rollout_correction.loss_type=ppo_clip|reinforce")
     elif rc.needs_prox and not cfg.uses_prox_log_prob:
         name = next(n for n in ("rollout_is", "rollout_rs", "rollout_token_veto_threshold")
                     if getattr(rc, n) is not None)
-        raise bad(k + name, getattr(rc, name),
-                  "null unless the trainer computes proximal log-probs (the ratio is pi_prox / engine log-probs)",
-                  "set async_training.compute_prox_log_prob=true, or bypass_mode=true (ratio pi_theta / mu, "
-                  "computed in the loss)")
+        fail(k + name, getattr(rc, name),
+             "null unless the trainer computes proximal log-probs (the ratio is pi_prox / engine log-probs)",
+             "set async_training.compute_prox_log_prob=true, or bypass_mode=true (ratio pi_theta / mu, "
+             "computed in the loss)")

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
-from hpcrl.config import names
-from hpcrl.config.checks import bad, check_choice, check_float, check_int
+from hpcrl.config import registries
+from hpcrl.config.checks import check_choice, check_float, check_int, fail
 from hpcrl.config.sections import RewardConfig
 
 
@@ -22,7 +22,7 @@ class EvalRewardConfig:
     if ``path`` is null, the built-in ``name``."""
 
     name: Optional[str] = None
-    """A built-in reward (:data:`hpcrl.config.names.REWARD_NAMES`) for the evaluation; null = see above."""
+    """A built-in reward (:func:`hpcrl.config.registries.reward_names`) for the evaluation; null = see above."""
     path: Optional[str] = None
     """A Python file with the evaluation's reward function (verl's signature); null = see above."""
     function: str = "compute_score"
@@ -37,11 +37,11 @@ class EvalRewardConfig:
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
         if self.name is not None:
-            check_choice("eval.reward.name", self.name, names.REWARD_NAMES)
+            check_choice("eval.reward.name", self.name, registries.reward_names())
         if self.path is not None and Path(self.path).suffix != ".py":
-            raise bad("eval.reward.path", self.path, "null or a .py file", "point eval.reward.path at your reward file")
+            fail("eval.reward.path", self.path, "null or a .py file", "point eval.reward.path at your reward file")
         if not isinstance(self.function, str) or not self.function.isidentifier():
-            raise bad("eval.reward.function", self.function, "a Python function name")
+            fail("eval.reward.function", self.function, "a Python function name")
 
 
 @dataclass
@@ -98,12 +98,12 @@ class EvalConfig:
         if self.response_length is not None:
             check_int("eval.response_length", self.response_length, 1)
         if self.engine is not None:
-            check_choice("eval.engine", self.engine, names.ENGINES)
+            check_choice("eval.engine", self.engine, registries.ENGINES)
         check_int("eval.concurrent_prompts", self.concurrent_prompts, 1)
         self.reward.validate()
         if self.do_sample and self.temperature <= 0:
-            raise bad("eval.temperature", self.temperature, "a number > 0 with eval.do_sample=true",
-                      "set eval.temperature (e.g. 1.0), or eval.do_sample=false for greedy decoding")
+            fail("eval.temperature", self.temperature, "a number > 0 with eval.do_sample=true",
+                 "set eval.temperature (e.g. 1.0), or eval.do_sample=false for greedy decoding")
         if not self.do_sample and self.n > 1:
-            raise bad("eval.n", self.n, "1 with greedy decoding (eval.do_sample=false: every response would be the "
-                      "same)", "set eval.do_sample=true (with eval.temperature) to sample n responses, or eval.n=1")
+            fail("eval.n", self.n, "1 with greedy decoding (eval.do_sample=false: every response would be the "
+                 "same)", "set eval.do_sample=true (with eval.temperature) to sample n responses, or eval.n=1")

@@ -1,13 +1,15 @@
 """The names a config may choose from, defined once, here at the bottom layer.
 
-The config checks a value against these tables before anything is submitted; the
-implementations (``hpcrl/trainer/``, ``hpcrl/rollout/``, ``hpcrl/weights/``) look
-their functions up by the same names, and ``tests/test_layers.py`` asserts that
-every name here has an implementation and every implementation a name.
+Plain tables of names whose implementation dispatches on them (``hpcrl/trainer/``: ``tests/test_layers.py``
+calls it with each), the names the registries are keyed by (:data:`SIMULATED_ENGINE`, :data:`SINGLE_TURN`,
+:data:`BY_DATA_SOURCE`, ...), renamed keys and verl's keys. The registries (name -> where the implementation
+lives: engines, agent loops, tool parsers, weight transports, rewards, policy losses) are
+:mod:`hpcrl.config.registries`.
 """
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
+
 
 ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "grpo_passk",
                   "gpg", "remax", "optimal_token_baseline", "tir_optimal_token_baseline", "gdpo", "grpo_vectorized",
@@ -19,10 +21,6 @@ GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "grpo
                     "optimal_token_baseline", "tir_optimal_token_baseline", "gdpo", "grpo_vectorized",
                     "rloo_vectorized")
 """The estimators whose baseline is the rest of the group: they need ``rollout.n >= 2``."""
-
-POLICY_LOSS_MODES = ("vanilla", "gspo", "cispo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dppo_tv", "dppo_kl", "sapo",
-                     "dro")
-"""``actor.policy_loss.loss_mode`` (hpcrl/trainer/policy_losses.py)."""
 
 KL_ESTIMATORS = ("kl", "k1", "mse", "k2", "low_var_kl", "k3", "abs",
                  "kl+", "k1+", "mse+", "k2+", "low_var_kl+", "k3+", "abs+")
@@ -53,10 +51,6 @@ translates the bounds: 0.9.1's k1 bounds apply to 1/rho)."""
 BY_DATA_SOURCE = "by_data_source"
 """``reward.name`` that picks the rule from each row's ``data_source`` (verl's default_compute_score habit)."""
 
-REWARD_NAMES = (BY_DATA_SOURCE, "toy_copy", "token_match", "exact_match", "last_number", "math_verify", "gsm8k",
-                "toy_calc")
-"""``reward.name``: the built-in rule-based rewards (hpcrl/rollout/rewards.py) and ``by_data_source``."""
-
 TRUNCATIONS = ("filter", "left", "right", "error")
 """``data.truncation``: what happens to a prompt longer than ``data.max_prompt_length``
 (hpcrl/rollout/data.py)."""
@@ -70,21 +64,15 @@ WANDB_MODES = ("offline", "online")
 SIMULATED_ENGINE = "simulated"
 """The engine that sleeps instead of generating (hpcrl/rollout/simulated_engine.py; section ``simulated``)."""
 
-ENGINES = ("transformers", "vllm", SIMULATED_ENGINE)
-"""``rollout.engine`` (hpcrl/rollout/engine.py: one file per backend)."""
-
 ROLLOUT_DEVICES = ("auto", "cpu", "cuda")
 """``rollout.device``: ``auto`` = cuda when the job sees a GPU, else cpu."""
 
-DTYPES = ("float32", "bfloat16", "float16")
-"""``rollout.dtype``: the engine's weights and activations."""
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+"""``rollout.dtype``: the engine's weights and activations (``auto``: bfloat16 on cuda, float32 on cpu)."""
 
 BUILTIN_MODELS = ("builtin:tiny", "builtin:tiny-h64")
 """``model.path`` values that build a tiny model at launch (hpcrl/tiny/model.py): ``tiny`` has
 4 heads of 32, ``tiny-h64`` 2 heads of 64 (what vLLM's CPU attention needs), same parameters."""
-
-WEIGHT_TRANSPORTS = ("auto", "broadcast", "filesystem")
-"""``weights.transport`` (hpcrl/weights/registry.py): ``auto`` = broadcast where it forms, files otherwise."""
 
 BROADCAST_BACKENDS = ("auto", "gloo", "nccl")
 """``weights.broadcast_backend`` (hpcrl/weights/group.py): ``auto`` = nccl when both ends hold CUDA tensors."""
@@ -98,11 +86,10 @@ RENAMED_KEYS = {
 KL_CTRL_TYPES = ("fixed", "adaptive")
 """``algorithm.kl_ctrl.type`` (hpcrl/trainer/kl.py)."""
 
-AGENT_LOOPS = ("single_turn", "tool_agent")
-"""``agent.default`` and a data row's ``agent_name`` (hpcrl/rollout/loops.py: one file per loop)."""
-
-TOOL_PARSERS = ("hermes", "tiny")
-"""``agent.tool_parser`` (hpcrl/rollout/tool_parsers.py)."""
+SINGLE_TURN = "single_turn"
+"""The single-turn agent loop's name (hpcrl/rollout/single_turn.py; a key of ``registries.AGENT_LOOPS``)."""
+TOOL_AGENT = "tool_agent"
+"""The tool agent's name (hpcrl/rollout/tool_agent.py; a key of ``registries.AGENT_LOOPS``)."""
 
 BUILTIN_DATA = ("builtin:toy", "builtin:toy_calc", "builtin:toy_heldout")
 """``data.source`` and ``data.val_files`` values generated in hpcrl/rollout/dataset.py (``toy_heldout``: the toy
@@ -128,7 +115,7 @@ _PROFILE = "no profiler hooks: bench/ measures the exchanges, logs/*.jsonl time 
 _CKPT = "checkpoints hold model, optimizer and sample cursor in RUN/checkpoints (trainer.checkpoint_every_updates)"
 _BATCH_TOKENS = "micro-batches count groups (actor.ppo_micro_batch_size), not tokens"
 _ENGINE = "a vLLM engine option hpcrl does not set (the rollout.* fields list the ones it does)"
-_MODEL = "the model is model.path loaded as it is (no LoRA, remove-padding or kernel options)"
+_MODEL = "the model is model.path loaded as it is (no remove-padding or kernel options; LoRA: actor.lora_*)"
 _TP = "parallel training is DeepSpeed ZeRO data parallelism only (no tensor, pipeline or sequence parallelism)"
 
 VERL_KEYS: dict[str, str | VerlKey] = {
@@ -171,8 +158,16 @@ VERL_KEYS: dict[str, str | VerlKey] = {
     "data.mm_processor_kwargs": VerlKey(None, "text only", refuse=True),
     # ---- the model, the actor and its optimizer
     "actor_rollout_ref.model.path": "model.path",
-    "actor_rollout_ref.model.lora_rank": VerlKey(None, "no LoRA: every weight of the model is trained", refuse=True),
-    "actor_rollout_ref.model.lora.rank": VerlKey(None, "no LoRA: every weight of the model is trained", refuse=True),
+    "actor_rollout_ref.model.lora_rank": VerlKey("actor.lora_rank", "0: full fine-tuning (null here); > 0: a LoRA "
+                                                 "adapter of that rank"),
+    "actor_rollout_ref.model.lora.rank": VerlKey("actor.lora_rank", "0: full fine-tuning (null here); > 0: a LoRA "
+                                                 "adapter of that rank"),
+    "actor_rollout_ref.model.lora_alpha": "actor.lora_alpha",
+    "actor_rollout_ref.model.lora.alpha": "actor.lora_alpha",
+    "actor_rollout_ref.model.target_modules": "actor.lora_target_modules",
+    "actor_rollout_ref.model.lora.target_modules": "actor.lora_target_modules",
+    "actor_rollout_ref.model.exclude_modules": VerlKey(None, "the adapted modules are named in "
+                                                       "actor.lora_target_modules (list the ones to adapt)", refuse=True),
     "actor_rollout_ref.model.custom_chat_template": VerlKey(None, "the chat template is the tokenizer's (save it "
                                                             "into model.path)", refuse=True),
     "actor_rollout_ref.model.tokenizer_path": VerlKey(None, "the tokenizer is model.path's own", refuse=True),
@@ -184,16 +179,15 @@ VERL_KEYS: dict[str, str | VerlKey] = {
     "actor_rollout_ref.model.enable_gradient_checkpointing": VerlKey(None, _MODEL),
     "actor_rollout_ref.model.enable_activation_offload": VerlKey(None, _MODEL),
     "actor_rollout_ref.model.use_remove_padding": VerlKey(None, _MODEL),
-    "actor_rollout_ref.model.lora_alpha": VerlKey(None, _MODEL),
-    "actor_rollout_ref.model.target_modules": VerlKey(None, _MODEL),
-    "actor_rollout_ref.model.exclude_modules": VerlKey(None, _MODEL),
     "actor_rollout_ref.model.use_liger": VerlKey(None, _MODEL),
     "actor_rollout_ref.model.use_fused_kernels": VerlKey(None, _MODEL),
     "actor_rollout_ref.model.fused_kernel_options.*": VerlKey(None, _MODEL),
     "actor_rollout_ref.model.tiled_mlp.*": VerlKey(None, _MODEL),
     "actor_rollout_ref.model.mtp.*": VerlKey(None, _MODEL),
     "actor_rollout_ref.model.lora.*": VerlKey(None, _MODEL),
-    "actor_rollout_ref.model.lora_adapter_path": VerlKey(None, "no LoRA: every weight of the model is trained",
+    "actor_rollout_ref.model.lora_adapter_path": VerlKey(None, "training starts from a fresh adapter on model.path; "
+                                                         "to start from yours, merge it into the model first "
+                                                         "(peft's merge_and_unload) and point model.path at that",
                                                          refuse=True),
     "actor_rollout_ref.hybrid_engine": VerlKey(None, "the trainer and the rollout always run as separate jobs"),
     "actor_rollout_ref.nccl_timeout": VerlKey(None, "every wait has its own limit in timeouts.*"),

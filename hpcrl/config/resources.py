@@ -5,7 +5,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
-from hpcrl.config.checks import bad, check_int
+from hpcrl.config.checks import check_int, fail
 
 @dataclass
 class JobResources:
@@ -48,14 +48,14 @@ class JobResources:
         for name in ("partition", "account", "qos", "constraint"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v or any(c.isspace() for c in v)):
-                raise bad(f"{prefix}.{name}", v, "null or a single word", "quote nothing, no spaces")
+                fail(f"{prefix}.{name}", v, "null or a single word", "quote nothing, no spaces")
         for k, v in self.sbatch_extra.items():
             if not isinstance(k, str) or not k or k.startswith("-") or any(c.isspace() for c in k):
-                raise bad(f"{prefix}.sbatch_extra", k, "option names without leading dashes, e.g. reservation")
+                fail(f"{prefix}.sbatch_extra", k, "option names without leading dashes, e.g. reservation")
             if not isinstance(v, (str, int, float)):
-                raise bad(f"{prefix}.sbatch_extra.{k}", v, "a string or number ('' for a flag)")
+                fail(f"{prefix}.sbatch_extra.{k}", v, "a string or number ('' for a flag)")
         if not all(isinstance(line, str) for line in self.setup):
-            raise bad(f"{prefix}.setup", self.setup, "a list of shell lines (strings)")
+            fail(f"{prefix}.setup", self.setup, "a list of shell lines (strings)")
 
 
 @dataclass
@@ -90,10 +90,10 @@ class PreemptibleRollout:
         for name in ("partition", "qos"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v or any(c.isspace() for c in v)):
-                raise bad(f"resources.rollout_preemptible.{name}", v, "null or a single word", "no spaces")
+                fail(f"resources.rollout_preemptible.{name}", v, "null or a single word", "no spaces")
         check_int("resources.rollout_preemptible.floor", self.floor, 1)
         if not isinstance(self.requeue, bool):
-            raise bad("resources.rollout_preemptible.requeue", self.requeue, "true or false")
+            fail("resources.rollout_preemptible.requeue", self.requeue, "true or false")
 
 
 @dataclass
@@ -127,14 +127,14 @@ class RolloutAutoscale:
         check_int("resources.rollout_autoscale.max_jobs", self.max_jobs, 0)
         check_int("resources.rollout_autoscale.versions", self.versions, 1)
         if self.enabled and self.max_jobs < self.min_jobs:
-            raise bad("resources.rollout_autoscale.max_jobs", self.max_jobs,
-                      f">= resources.rollout_autoscale.min_jobs = {self.min_jobs}, or 0 (off)")
+            fail("resources.rollout_autoscale.max_jobs", self.max_jobs,
+                 f">= resources.rollout_autoscale.min_jobs = {self.min_jobs}, or 0 (off)")
         if not isinstance(self.start_within_s, (int, float)) or isinstance(self.start_within_s, bool) \
                 or not self.start_within_s > 0:
-            raise bad("resources.rollout_autoscale.start_within_s", self.start_within_s,
-                      "seconds > 0, e.g. 300 (how soon the queue must be able to start an added rollout job)")
+            fail("resources.rollout_autoscale.start_within_s", self.start_within_s,
+                 "seconds > 0, e.g. 300 (how soon the queue must be able to start an added rollout job)")
         if not isinstance(self.idle_ratio, (int, float)) or not 0 < self.idle_ratio < 1:
-            raise bad("resources.rollout_autoscale.idle_ratio", self.idle_ratio, "a ratio in (0, 1), e.g. 0.3")
+            fail("resources.rollout_autoscale.idle_ratio", self.idle_ratio, "a ratio in (0, 1), e.g. 0.3")
 
 
 @dataclass
@@ -169,11 +169,11 @@ class ResourcesConfig:
         self.rollout_autoscale.validate()
         check_int("resources.max_restarts", self.max_restarts, 0)
         if self.rollout.world_size != 1:
-            raise bad("resources.rollout.tasks_per_node", self.rollout.tasks_per_node,
-                       "1 task on 1 node per rollout job", "add capacity with resources.rollout_jobs instead")
+            fail("resources.rollout.tasks_per_node", self.rollout.tasks_per_node,
+                  "1 task on 1 node per rollout job", "add capacity with resources.rollout_jobs instead")
         if self.eval.world_size != 1:
-            raise bad("resources.eval.tasks_per_node", self.eval.tasks_per_node, "1 task on 1 node for the evaluation "
-                      "job", "give it more GPUs per node (vLLM's tensor_parallel_size) instead")
+            fail("resources.eval.tasks_per_node", self.eval.tasks_per_node, "1 task on 1 node for the evaluation "
+                 "job", "give it more GPUs per node (vLLM's tensor_parallel_size) instead")
 
 
 

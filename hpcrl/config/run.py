@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import re
 import typing
@@ -25,9 +24,12 @@ from typing import Any, Optional
 import yaml
 
 from hpcrl.config.algorithm import AlgorithmConfig, CriticConfig
-from hpcrl.config.checks import ConfigError, bad
+from hpcrl.config.checks import ConfigError, bad, collecting, fail, report, reported
 from hpcrl.config.combinations import check_algorithm_combinations
 from hpcrl.config.evaluation import EvalConfig
+from hpcrl.config.knobs import Knobs
+from hpcrl.config.names import SIMULATED_ENGINE
+from hpcrl.config.lora import check_lora_combination
 from hpcrl.config.resources import ResourcesConfig
 from hpcrl.config.runtime import LoggingConfig, TimeoutsConfig
 from hpcrl.config.simulated import SimulatedConfig, check_simulated_combination
@@ -59,30 +61,45 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     simulated: SimulatedConfig = field(default_factory=SimulatedConfig)
 
-    # ---- derived quantities (the flow-control arithmetic: ARCHITECTURE.md, "Admission budget") ----
+    # ---- derived quantities (the flow-control arithmetic, written once in config/knobs.py) ----
+    @property
+    def knobs(self) -> Knobs:
+        """The async knobs and what follows from them (R, K*R, the admission budget B, the lag bound)."""
+        a = self.async_training
+        parts = [p for p, on in (("engine", self.rollout.engine == SIMULATED_ENGINE),
+                                 ("trainer", self.trainer.simulated)) if on]
+        return Knobs(staleness_threshold=a.staleness_threshold,
+                     trigger_parameter_sync_step=a.trigger_parameter_sync_step,
+                     ppo_mini_batch_size=self.actor.ppo_mini_batch_size, require_batches=a.require_batches,
+                     partial_rollout=a.partial_rollout, max_staleness=a.max_staleness, n=self.rollout.n,
+                     rollout_jobs=self.resources.rollout_jobs, max_concurrent_groups=self.rollout.max_concurrent_groups,
+                     total_rollout_steps=self.rollout.total_rollout_steps, simulated=" and ".join(parts),
+                     time_scale=self.simulated.time_scale if parts else 1.0)
+
     @property
     def groups_per_update(self) -> int:
         """R = ppo_mini_batch_size * require_batches."""
-        return self.actor.ppo_mini_batch_size * self.async_training.require_batches
+        return self.knobs.groups_per_update
 
     @property
     def groups_per_version(self) -> int:
         """K * R: groups the trainer consumes between two weight versions."""
-        return self.async_training.trigger_parameter_sync_step * self.groups_per_update
+        return self.knobs.groups_per_version
 
     @property
     def admission_budget(self) -> int:
         """B = floor((1 + s) * K * R): groups the fleet may start per weight version."""
-        return math.floor((1.0 + self.async_training.staleness_threshold) * self.groups_per_version + 1e-9)
+        return self.knobs.admission_budget
 
     @property
     def total_updates(self) -> int:
-        return self.rollout.total_rollout_steps // self.groups_per_update
+        """Trainer updates in the run: total_rollout_steps // R."""
+        return self.knobs.total_updates
 
     @property
     def max_lag_bound(self) -> int:
         """Largest lag (versions) the admission budget allows for one writer: floor((B - 1) / (K * R))."""
-        return (self.admission_budget - 1) // self.groups_per_version
+        return self.knobs.max_lag_bound
 
     @property
     def uses_prox_log_prob(self) -> bool:
@@ -91,62 +108,77 @@ class RunConfig:
         return a.compute_prox_log_prob or not a.use_rollout_log_probs
 
     @property
+    def lora(self) -> bool:
+        """The trainer trains a LoRA adapter and every weight version is one (``actor.lora_rank`` set)."""
+        return self.actor.lora_rank is not None
+
+    @property
     def needs_reference(self) -> bool:
         """A KL term needs the frozen reference model."""
         return self.algorithm.use_kl_in_reward or self.actor.use_kl_loss
 
     def validate(self) -> "RunConfig":
-        """Check every section, then the rules that span sections; return self."""
-        for f in dataclasses.fields(self):
-            getattr(self, f.name).validate()
-        if self.rollout.total_rollout_steps < self.groups_per_update:
-            raise bad("rollout.total_rollout_steps", self.rollout.total_rollout_steps,
-                       f"at least R = actor.ppo_mini_batch_size * async_training.require_batches = "
-                       f"{self.groups_per_update}")
-        check_algorithm_combinations(self)
-        check_simulated_combination(self)
-        world = self.resources.trainer.world_size
-        if self.actor.ppo_mini_batch_size % (world * self.actor.ppo_micro_batch_size):
-            raise bad("actor.ppo_mini_batch_size", self.actor.ppo_mini_batch_size,
-                       f"a multiple of trainer ranks ({world}) * actor.ppo_micro_batch_size "
-                       f"({self.actor.ppo_micro_batch_size})", "each rank takes an equal share of a mini-batch")
-        gpus, ro = self.resources.rollout.gpus_per_node, self.rollout
-        if ro.device == "cuda" and gpus == 0:
-            raise bad("rollout.device", ro.device, "cpu or auto while resources.rollout.gpus_per_node is 0",
-                      "set resources.rollout.gpus_per_node to the GPUs each rollout job should get")
-        if ro.engine == "vllm" and gpus and ro.tensor_parallel_size * ro.data_parallel_size > gpus:
-            raise bad("rollout.tensor_parallel_size", ro.tensor_parallel_size,
-                      f"tensor_parallel_size * data_parallel_size ({ro.tensor_parallel_size} * "
-                      f"{ro.data_parallel_size}) <= resources.rollout.gpus_per_node ({gpus})",
-                      "lower the parallel sizes or give each rollout job more GPUs")
-        if self.weights.broadcast_backend == "nccl" and 0 in (self.resources.trainer.gpus_per_node, gpus):
-            raise bad("weights.broadcast_backend", "nccl", "auto or gloo on a run without GPUs (nccl needs a GPU on "
-                      f"the trainer and on every rollout job; resources.trainer.gpus_per_node="
-                      f"{self.resources.trainer.gpus_per_node}, resources.rollout.gpus_per_node={gpus})",
-                      "set weights.broadcast_backend=auto (picks gloo here), or give both jobs GPUs")
-        self._check_eval()
-        if abs(self.actor.temperature - self.rollout.temperature) > 1e-9:
-            raise bad("actor.temperature", self.actor.temperature,
-                       f"equal to rollout.temperature={self.rollout.temperature}",
-                       "set both to the same value so the trainer's log-probs match the engine's")
+        """Check every section, then the rules that span sections; return self. Every problem is reported at
+        once (:func:`hpcrl.config.checks.collecting`); a rule that reads a value already reported wrong is
+        skipped."""
+        with collecting() as problems:
+            for f in dataclasses.fields(self):
+                getattr(self, f.name).validate()
+            self._check_spans()
+            check_algorithm_combinations(self)
+            check_simulated_combination(self)
+            check_lora_combination(self)
+            self._check_eval()
+            if problems.errors:
+                problems.suggest_defaults(Schema.of(RunConfig).defaults)
         return self
+
+    def _check_spans(self) -> None:
+        """The rules between the trainer's batch, the rollout jobs' devices and the weights' transport."""
+        actor, ro, world = self.actor, self.rollout, self.resources.trainer.world_size
+        if self.rollout.total_rollout_steps < self.groups_per_update and not reported(
+                "actor.ppo_mini_batch_size", "async_training.require_batches"):
+            fail("rollout.total_rollout_steps", self.rollout.total_rollout_steps,
+                 f"at least R = actor.ppo_mini_batch_size * async_training.require_batches = {self.groups_per_update}")
+        sizes = ("actor.ppo_mini_batch_size", "actor.ppo_micro_batch_size", "resources.trainer.")
+        if not reported(*sizes) and actor.ppo_mini_batch_size % (world * actor.ppo_micro_batch_size):
+            fail("actor.ppo_mini_batch_size", actor.ppo_mini_batch_size,
+                 f"a multiple of trainer ranks ({world}) * actor.ppo_micro_batch_size ({actor.ppo_micro_batch_size})",
+                 "each rank takes an equal share of a mini-batch")
+        gpus = self.resources.rollout.gpus_per_node
+        if ro.device == "cuda" and gpus == 0:
+            fail("rollout.device", ro.device, "cpu or auto while resources.rollout.gpus_per_node is 0",
+                 "set resources.rollout.gpus_per_node to the GPUs each rollout job should get")
+        if ro.engine == "vllm" and gpus and ro.tensor_parallel_size * ro.data_parallel_size > gpus:
+            fail("rollout.tensor_parallel_size", ro.tensor_parallel_size,
+                 f"tensor_parallel_size * data_parallel_size ({ro.tensor_parallel_size} * {ro.data_parallel_size}) "
+                 f"<= resources.rollout.gpus_per_node ({gpus})", "lower the parallel sizes or give each rollout job "
+                 "more GPUs")
+        if self.weights.broadcast_backend == "nccl" and 0 in (self.resources.trainer.gpus_per_node, gpus):
+            fail("weights.broadcast_backend", "nccl", "auto or gloo on a run without GPUs (nccl needs a GPU on "
+                 f"the trainer and on every rollout job; resources.trainer.gpus_per_node="
+                 f"{self.resources.trainer.gpus_per_node}, resources.rollout.gpus_per_node={gpus})",
+                 "set weights.broadcast_backend=auto (picks gloo here), or give both jobs GPUs")
+        if abs(actor.temperature - ro.temperature) > 1e-9 and not reported("actor.temperature", "rollout.temperature"):
+            fail("actor.temperature", actor.temperature, f"equal to rollout.temperature={ro.temperature}",
+                 "set both to the same value so the trainer's log-probs match the engine's")
 
     def _check_eval(self) -> None:
         """The evaluation job needs held-out prompts, and GPUs where its engine runs on cuda."""
         if not self.eval.enabled:
             return
         if not self.data.val_files:
-            raise bad("data.val_files", self.data.val_files, f"held-out prompt files with eval.every_versions="
-                      f"{self.eval.every_versions}", "set data.val_files (e.g. builtin:toy_heldout or a .parquet), "
-                      "or eval.every_versions=0 for no evaluation")
+            fail("data.val_files", self.data.val_files, f"held-out prompt files with eval.every_versions="
+                 f"{self.eval.every_versions}", "set data.val_files (e.g. builtin:toy_heldout or a .parquet), "
+                 "or eval.every_versions=0 for no evaluation")
         if self.rollout.device == "cuda" and self.resources.eval.gpus_per_node == 0:
-            raise bad("resources.eval.gpus_per_node", 0, "at least 1 with rollout.device=cuda (the evaluation "
-                      "engine uses rollout's device)", "set resources.eval.gpus_per_node, or rollout.device=auto")
+            fail("resources.eval.gpus_per_node", 0, "at least 1 with rollout.device=cuda (the evaluation "
+                 "engine uses rollout's device)", "set resources.eval.gpus_per_node, or rollout.device=auto")
 
     @property
     def is_simulated(self) -> bool:
         """The engine (and maybe the trainer) only sleeps: every log line and the report say so."""
-        return self.rollout.engine == "simulated" or self.trainer.simulated
+        return self.rollout.engine == SIMULATED_ENGINE or self.trainer.simulated
 
     def to_dict(self) -> dict:
         """Plain dict of every field (what ``config.yaml`` holds)."""
@@ -157,23 +189,28 @@ class RunConfig:
 # Building a RunConfig from YAML + overrides, strictly.
 
 def _build(cls: type, data: Any, prefix: str) -> Any:
+    """``cls`` from a parsed tree; a key that is unknown or of the wrong type is reported (the field keeps its
+    default, so the checks after it still run on a well-typed config)."""
     if not isinstance(data, dict):
-        raise bad(prefix or "<root>", data, "a mapping of keys to values")
+        fail(prefix or "<root>", data, "a mapping of keys to values")
+        return cls()
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:  # a frozen config written by another hpcrl (load_config translated everything else already)
-        schema = Schema.of(RunConfig)
-        raise ConfigError("\n".join(unknown_key_message(f"{prefix}.{k}" if prefix else k, data[k], schema)
-                                    for k in unknown))
+    for k in sorted(set(data) - names):  # a frozen config written by another hpcrl (load_config translated the rest)
+        report(ConfigError(unknown_key_message(f"{prefix}.{k}" if prefix else k, data[k], Schema.of(RunConfig))))
     kwargs = {}
     for name, value in data.items():
+        if name not in names:
+            continue
         key = f"{prefix}.{name}" if prefix else name
         hint = hints[name]
         if dataclasses.is_dataclass(hint):
             kwargs[name] = _build(hint, value, key)
-        else:
+            continue
+        try:
             kwargs[name] = _coerce(key, hint, value)
+        except ConfigError as e:
+            report(e)
     return cls(**kwargs)
 
 
@@ -226,13 +263,20 @@ def load_config(path: Optional[os.PathLike | str] = None, overrides: Optional[li
     """Read YAML (or start from defaults), apply ``key=value`` overrides, validate. verl's keys are read
     through :data:`hpcrl.config.names.VERL_KEYS` (:mod:`hpcrl.config.verl`); the lines saying how go to
     ``notes`` (else to the log), once per key."""
-    tree, lines = translate(_read_yaml(path), [parse_override(text) for text in overrides or []], RunConfig)
-    if notes is None:
-        for line in lines:
-            log.info("%s", line)
-    else:
-        notes.extend(lines)
-    return _build(RunConfig, tree, "").validate()
+    with collecting():  # malformed overrides, unknown keys, wrong types and values out of range: all in one pass
+        pairs = []
+        for text in overrides or []:
+            try:
+                pairs.append(parse_override(text))
+            except ConfigError as e:
+                report(e)
+        tree, lines = translate(_read_yaml(path), pairs, RunConfig)
+        if notes is None:
+            for line in lines:
+                log.info("%s", line)
+        else:
+            notes.extend(lines)
+        return _build(RunConfig, tree, "").validate()
 
 
 def _read_yaml(path: Optional[os.PathLike | str]) -> dict:
@@ -265,7 +309,8 @@ def given_keys(path: Optional[os.PathLike | str], overrides: Optional[list[str]]
 
 def config_from_dict(tree: dict) -> RunConfig:
     """Build and validate a RunConfig from a parsed YAML tree (unknown keys fail)."""
-    return _build(RunConfig, tree, "").validate()
+    with collecting():
+        return _build(RunConfig, tree, "").validate()
 
 
 def dump_config(cfg: RunConfig) -> str:

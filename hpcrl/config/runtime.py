@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from hpcrl.config import names
-from hpcrl.config.checks import bad, check_choice, check_float, check_int
+from hpcrl.config.checks import check_choice, check_float, check_int, fail
 
 
 @dataclass
@@ -58,16 +58,24 @@ class TimeoutsConfig:
     """Ctrl-C (or SIGTERM) to ``hpcrl run``: the launcher asks the jobs to stop, the trainer checkpoints its
     last completed update (so a resume redoes nothing) and the rollout jobs seal their complete groups;
     after this long it cancels what is left. A second Ctrl-C cancels at once."""
+    disk_full_s: float = 300.0
+    """A job whose write to the run directory meets a full disk or quota (ENOSPC, EDQUOT) says so in one line
+    (which path, how many bytes, how much is free) and waits for space with back-off this long, then ends with
+    a fatal record (``hpcrl status``: "disk full at ..."; free space, then ``hpcrl run --resume``). Keep it below
+    wait_samples_s and wait_weights_s, so the other jobs outwait it."""
+    slow_write_s: float = 10.0
+    """A write to the run directory (with its fsync) slower than this is named in the job's log."""
 
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
         for name in ("wait_samples_s", "wait_weights_s", "heartbeat_interval_s", "heartbeat_stale_s",
                      "poll_interval_s", "wait_log_interval_s", "job_start_s", "rendezvous_s", "engine_start_s", "generate_s",
-                     "retry_failed_load_s", "broadcast_connect_s", "broadcast_s", "stop_s"):
+                     "retry_failed_load_s", "broadcast_connect_s", "broadcast_s", "stop_s", "disk_full_s",
+                     "slow_write_s"):
             check_float(f"timeouts.{name}", getattr(self, name), 0.0, lo_open=True)
         if self.heartbeat_stale_s <= 2 * self.heartbeat_interval_s:
-            raise bad("timeouts.heartbeat_stale_s", self.heartbeat_stale_s,
-                       f"more than 2 * timeouts.heartbeat_interval_s = {2 * self.heartbeat_interval_s}")
+            fail("timeouts.heartbeat_stale_s", self.heartbeat_stale_s,
+                  f"more than 2 * timeouts.heartbeat_interval_s = {2 * self.heartbeat_interval_s}")
 
 
 @dataclass

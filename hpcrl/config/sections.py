@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
-from hpcrl.config import names
+from hpcrl.config import names, registries
 from hpcrl.config.algorithm import PolicyLossConfig
-from hpcrl.config.checks import bad, check_choice, check_float, check_int
+from hpcrl.config.checks import check_choice, check_float, check_int, fail
+from hpcrl.config.lora import DEFAULT_TARGET_MODULES, validate_lora_fields
 
 @dataclass
 class ModelConfig:
@@ -27,12 +28,20 @@ class ModelConfig:
     a shipped config may hold a placeholder path."""
     seed: int = 0
     """Seed for building ``builtin:tiny`` (random init) and for the trainer."""
+    base_hash: Optional[str] = None
+    """LoRA runs (``actor.lora_rank``): the hash of the model folder's weight files (``xxh3_128:<hex>``), which the
+    launcher writes into the frozen config; every job checks that the folder still has it before it applies an
+    adapter version to it (an adapter means nothing on another base). Leave it null: a value given is checked
+    against the folder at launch."""
 
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
         if not isinstance(self.path, str) or not self.path.strip():
-            raise bad("model.path", self.path, f"{' or '.join(names.BUILTIN_MODELS)} or a local HF model folder")
+            fail("model.path", self.path, f"{' or '.join(names.BUILTIN_MODELS)} or a local HF model folder")
         check_int("model.seed", self.seed, 0)
+        if self.base_hash is not None and (not isinstance(self.base_hash, str) or ":" not in self.base_hash):
+            fail("model.base_hash", self.base_hash, "null (the launcher fills it in) or ALGORITHM:HEX",
+                 "leave model.base_hash out")
 
 
 @dataclass
@@ -76,12 +85,12 @@ class DataConfig:
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
         if self.source not in names.BUILTIN_DATA and Path(self.source).suffix not in (".jsonl", ".parquet"):
-            raise bad("data.source", self.source, f"{' or '.join(names.BUILTIN_DATA)} or a .jsonl/.parquet file")
+            fail("data.source", self.source, f"{' or '.join(names.BUILTIN_DATA)} or a .jsonl/.parquet file")
         if isinstance(self.val_files, str):  # verl writes one file as a string
             self.val_files = [self.val_files]
         for f in self.val_files:
             if not isinstance(f, str) or (f not in names.BUILTIN_DATA and Path(f).suffix not in (".jsonl", ".parquet")):
-                raise bad("data.val_files", f, f"{' or '.join(names.BUILTIN_DATA)} or .jsonl/.parquet files")
+                fail("data.val_files", f, f"{' or '.join(names.BUILTIN_DATA)} or .jsonl/.parquet files")
         check_choice("data.apply_chat_template", self.apply_chat_template, (None, True, False))
         if self.max_prompt_length is not None:
             check_int("data.max_prompt_length", self.max_prompt_length, 1)
@@ -99,7 +108,7 @@ class RewardConfig:
     (only the names it accepts are passed; hpcrl/rollout/reward_fn.py)."""
 
     name: str = "by_data_source"
-    """Built-in reward (:data:`hpcrl.config.names.REWARD_NAMES`), used when reward.path is null:
+    """Built-in reward (:func:`hpcrl.config.registries.reward_names`), used when reward.path is null:
     ``by_data_source`` picks the rule from each row's ``data_source`` as verl's default_compute_score
     does (``openai/gsm8k`` -> ``gsm8k``, the MATH sources -> ``math_verify``, ``builtin:toy`` ->
     ``toy_copy``); ``math_verify`` checks the final answer with the math-verify package, ``gsm8k``
@@ -117,14 +126,14 @@ class RewardConfig:
 
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
-        check_choice("reward.name", self.name, names.REWARD_NAMES)
+        check_choice("reward.name", self.name, registries.reward_names())
         if self.path is not None and Path(self.path).suffix != ".py":
-            raise bad("reward.path", self.path, "null or a .py file", "point reward.path at your reward file")
+            fail("reward.path", self.path, "null or a .py file", "point reward.path at your reward file")
         if not isinstance(self.function, str) or not self.function.isidentifier():
-            raise bad("reward.function", self.function, "a Python function name")
+            fail("reward.function", self.function, "a Python function name")
         for k in self.kwargs:
             if not isinstance(k, str) or not k.isidentifier():
-                raise bad("reward.kwargs", k, "keyword names (Python identifiers)")
+                fail("reward.kwargs", k, "keyword names (Python identifiers)")
 
 
 @dataclass
@@ -175,11 +184,32 @@ class ActorConfig:
     """Max global gradient norm (0 disables clipping)."""
     zero_stage: int = 0
     """DeepSpeed ZeRO stage, 0..3."""
-    bf16: bool = False
-    """Train in bf16 (DeepSpeed bf16 mode). fp16 is refused on CPU by DeepSpeed."""
+    bf16: Union[bool, str] = "auto"
+    """Train in bf16 (DeepSpeed bf16 mode, fp32 master weights): ``auto`` (bf16 where the trainer runs on a
+    GPU, fp32 on CPU), ``true`` or ``false``. fp16 is refused on CPU by DeepSpeed."""
     temperature: float = 1.0
     """Logits are divided by this when computing log-probs; keep it equal to
     rollout.temperature so trainer and engine log-probs agree."""
+    lora_rank: Optional[int] = None
+    """null: full fine-tuning (every weight is trained and published). An integer >= 1: a LoRA adapter of this
+    rank is trained with peft on the frozen model (only the adapter is in the optimizer and the checkpoints),
+    every weight version is the adapter alone, and the engines apply it to the same base model (verl:
+    ``actor_rollout_ref.model.lora_rank``; its 0 is null here). The KL reference is the base model, the adapter
+    switched off (no second copy)."""
+    lora_alpha: float = 16.0
+    """LoRA scaling numerator: the adapter's update is scaled by lora_alpha / lora_rank (verl: ``lora_alpha``)."""
+    lora_target_modules: Union[list, str] = field(default_factory=lambda: list(DEFAULT_TARGET_MODULES))
+    """Names of the modules that get an adapter (the last part of the module's name): by default the attention
+    and MLP projections of Llama/Qwen-style layers, or ``all-linear`` (peft: every linear layer but the output
+    layer; verl: ``target_modules``). Each name must be a linear layer of the model (checked at launch)."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapter's input in the trainer's forward passes, which run in training mode (the
+    start-of-update log-probs too, when computed; the KL reference has the adapter off); 0 <= p < 1. The engines
+    never drop."""
+
+    def bf16_on(self, cuda: bool) -> bool:
+        """Whether the trainer trains in bf16, ``cuda`` saying whether it runs on a GPU (``auto``'s rule)."""
+        return cuda if self.bf16 == "auto" else bool(self.bf16)
 
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
@@ -194,8 +224,8 @@ class ActorConfig:
         if self.clip_ratio_high is not None:
             check_float("actor.clip_ratio_high", self.clip_ratio_high, 0.0, lo_open=True)
         if self.clip_ratio_c is not None and (isinstance(self.clip_ratio_c, bool) or self.clip_ratio_c <= 1.0):
-            raise bad("actor.clip_ratio_c", self.clip_ratio_c, "a number > 1 or null",
-                       "use e.g. 3.0 for dual-clip PPO, or null to turn it off")
+            fail("actor.clip_ratio_c", self.clip_ratio_c, "a number > 1 or null",
+                  "use e.g. 3.0 for dual-clip PPO, or null to turn it off")
         self.policy_loss.validate()
         check_choice("actor.loss_agg_mode", self.loss_agg_mode, names.LOSS_AGG_MODES)
         if self.loss_scale_factor is not None:
@@ -208,8 +238,9 @@ class ActorConfig:
         check_choice("actor.kl_loss_type", self.kl_loss_type, names.KL_ESTIMATORS)
         check_float("actor.grad_clip", self.grad_clip, 0.0)
         check_int("actor.zero_stage", self.zero_stage, 0, 3)
-        check_choice("actor.bf16", self.bf16, (True, False))
+        check_choice("actor.bf16", self.bf16, (True, False, "auto"))
         check_float("actor.temperature", self.temperature, 0.0, lo_open=True)
+        validate_lora_fields(self)
 
 
 @dataclass
@@ -224,9 +255,10 @@ class RolloutConfig:
     tokens; for measuring the pipeline at GPU proportions, needs ``model.path=builtin:tiny``)."""
     device: str = "auto"
     """``auto`` (cuda when the rollout job sees a GPU, else cpu), ``cpu`` or ``cuda``."""
-    dtype: str = "float32"
-    """Engine weights and activations: ``float32``, ``bfloat16`` or ``float16`` (the trainer's
-    log-probs are fp32; bf16 sampling shows up as importance weights != 1 at lag 0)."""
+    dtype: str = "auto"
+    """Engine weights and activations: ``auto`` (``bfloat16`` on cuda, ``float32`` on cpu), ``float32``,
+    ``bfloat16`` or ``float16`` (the trainer's log-probs are fp32; bf16 sampling shows up as importance
+    weights != 1 at lag 0)."""
     gpu_memory_utilization: Optional[float] = None
     """vLLM: share of the GPU's memory for weights and KV cache (on CPU: share of host memory for
     the KV cache). null = 0.5 on cuda (room for a trainer on the same GPU is the user's call), 0.1 on cpu."""
@@ -261,9 +293,15 @@ class RolloutConfig:
     torch_threads: int = 1
     """torch intra-op threads in the rollout job."""
 
+    def dtype_on(self, device: str) -> str:
+        """The engine's dtype on ``device`` (``cpu`` or ``cuda``: ``auto``'s rule)."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if device == "cuda" else "float32"
+
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
-        check_choice("rollout.engine", self.engine, names.ENGINES)
+        check_choice("rollout.engine", self.engine, registries.ENGINES)
         check_choice("rollout.device", self.device, names.ROLLOUT_DEVICES)
         check_choice("rollout.dtype", self.dtype, names.DTYPES)
         if self.gpu_memory_utilization is not None:
@@ -274,8 +312,8 @@ class RolloutConfig:
         check_int("rollout.data_parallel_size", self.data_parallel_size, 1)
         check_int("rollout.max_num_seqs", self.max_num_seqs, 1)
         if self.engine != "vllm" and (self.tensor_parallel_size, self.data_parallel_size) != (1, 1):
-            raise bad("rollout.tensor_parallel_size", (self.tensor_parallel_size, self.data_parallel_size),
-                      "1 and 1 with rollout.engine=transformers (set rollout.engine=vllm for parallel engines)")
+            fail("rollout.tensor_parallel_size", (self.tensor_parallel_size, self.data_parallel_size),
+                 "1 and 1 with rollout.engine=transformers (set rollout.engine=vllm for parallel engines)")
         check_int("rollout.n", self.n, 1)
         check_int("rollout.total_rollout_steps", self.total_rollout_steps, 1)
         check_int("rollout.response_length", self.response_length, 1)
@@ -312,13 +350,13 @@ class AgentConfig:
 
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
-        check_choice("agent.default", self.default, names.AGENT_LOOPS)
-        check_choice("agent.tool_parser", self.tool_parser, names.TOOL_PARSERS)
+        check_choice("agent.default", self.default, registries.AGENT_LOOPS)
+        check_choice("agent.tool_parser", self.tool_parser, registries.TOOL_PARSERS)
         for key in ("max_assistant_turns", "max_user_turns", "max_parallel_calls", "max_tool_response_chars"):
             check_int(f"agent.{key}", getattr(self, key), 1)
         if self.default == "tool_agent" and not self.tools:
-            raise bad("agent.tools", self.tools, "at least one tool with agent.default=tool_agent",
-                      "e.g. agent.tools=[{name: calculator}]")
+            fail("agent.tools", self.tools, "at least one tool with agent.default=tool_agent",
+                 "e.g. agent.tools=[{name: calculator}]")
 
 
 @dataclass
@@ -355,8 +393,8 @@ class AsyncConfig:
         check_int("async_training.trigger_parameter_sync_step", self.trigger_parameter_sync_step, 1)
         check_choice("async_training.partial_rollout", self.partial_rollout, (True, False))
         if self.partial_rollout and self.staleness_threshold == 0:
-            raise bad("async_training.partial_rollout", True, "false while async_training.staleness_threshold is 0 "
-                      "(no group is in flight at a version change)", "set async_training.staleness_threshold > 0")
+            fail("async_training.partial_rollout", True, "false while async_training.staleness_threshold is 0 "
+                 "(no group is in flight at a version change)", "set async_training.staleness_threshold > 0")
         check_choice("async_training.use_rollout_log_probs", self.use_rollout_log_probs, (True, False))
         check_choice("async_training.compute_prox_log_prob", self.compute_prox_log_prob, (True, False))
         if self.max_staleness is not None:
@@ -371,6 +409,10 @@ class TrainerConfig:
     """Save model, optimizer and sample cursor together every this many local updates."""
     keep_checkpoints: int = 2
     """Checkpoints kept on disk (older ones are deleted after a newer one is complete)."""
+    keep_consumed_shards: int = 8
+    """Per rollout writer, the shard files wholly behind the checkpointed sample cursor that stay on disk (the
+    newest ones: ``hpcrl samples`` reads them); older ones are deleted after each checkpoint (their manifest lines,
+    the record of what was committed, stay). -1 keeps every shard."""
     torch_threads: int = 1
     """torch intra-op threads per trainer rank."""
     simulated: bool = False
@@ -383,6 +425,7 @@ class TrainerConfig:
         check_choice("trainer.simulated", self.simulated, (True, False))
         check_int("trainer.checkpoint_every_updates", self.checkpoint_every_updates, 1)
         check_int("trainer.keep_checkpoints", self.keep_checkpoints, 1)
+        check_int("trainer.keep_consumed_shards", self.keep_consumed_shards, -1)
         check_int("trainer.torch_threads", self.torch_threads, 1)
 
 
@@ -410,7 +453,7 @@ class WeightsConfig:
 
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
-        check_choice("weights.transport", self.transport, names.WEIGHT_TRANSPORTS)
+        check_choice("weights.transport", self.transport, registries.WEIGHT_TRANSPORTS)
         check_int("weights.keep_versions", self.keep_versions, 2)
         check_float("weights.bucket_mib", self.bucket_mib, 0.0, 4096.0, lo_open=True)
         check_choice("weights.broadcast_backend", self.broadcast_backend, names.BROADCAST_BACKENDS)

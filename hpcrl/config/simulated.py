@@ -18,7 +18,7 @@ from typing import Optional
 import numpy as np
 
 from hpcrl.config import names
-from hpcrl.config.checks import bad, check_float, check_int
+from hpcrl.config.checks import check_float, check_int, fail, reported
 
 LENGTH_DISTRIBUTIONS = ("geometric", "lognormal")
 """``simulated.lengths`` besides ``empirical:RUN`` (the response lengths of a real run's staleness log)."""
@@ -102,11 +102,11 @@ class SimulatedConfig:
                     "update_base_s", "update_per_token_s", "publish_s"):
             check_float(f"simulated.{key}", getattr(self, key), 0.0)
         if self.decode_base_s + self.decode_per_seq_s <= 0:
-            raise bad("simulated.decode_base_s", self.decode_base_s, "decode_base_s + decode_per_seq_s > 0",
-                      "a decoding step must take time, e.g. simulated.decode_base_s=0.02")
+            fail("simulated.decode_base_s", self.decode_base_s, "decode_base_s + decode_per_seq_s > 0",
+                 "a decoding step must take time, e.g. simulated.decode_base_s=0.02")
         if not (self.lengths in LENGTH_DISTRIBUTIONS
                 or (self.lengths.startswith(EMPIRICAL_PREFIX) and len(self.lengths) > len(EMPIRICAL_PREFIX))):
-            raise bad("simulated.lengths", self.lengths, f"{', '.join(LENGTH_DISTRIBUTIONS)} or empirical:RUN_DIR")
+            fail("simulated.lengths", self.lengths, f"{', '.join(LENGTH_DISTRIBUTIONS)} or empirical:RUN_DIR")
         check_float("simulated.length_mean", self.length_mean, 1.0)
         check_float("simulated.length_sigma", self.length_sigma, 0.0)
         check_int("simulated.trainer_gpus", self.trainer_gpus, 1)
@@ -136,21 +136,21 @@ def check_simulated_combination(cfg) -> None:
     engine_sim = cfg.rollout.engine == names.SIMULATED_ENGINE
     if (engine_sim or cfg.trainer.simulated) and cfg.model.path not in names.BUILTIN_MODELS:
         what = "rollout.engine=simulated" if engine_sim else "trainer.simulated=true"
-        raise bad("model.path", cfg.model.path, f"{' or '.join(names.BUILTIN_MODELS)} with {what} (a simulated "
-                  "run models GPU time and trains on nothing real)",
-                  "set model.path=builtin:tiny, or use rollout.engine=transformers|vllm and trainer.simulated=false "
-                  "for a real run")
+        fail("model.path", cfg.model.path, f"{' or '.join(names.BUILTIN_MODELS)} with {what} (a simulated "
+             "run models GPU time and trains on nothing real)",
+             "set model.path=builtin:tiny, or use rollout.engine=transformers|vllm and trainer.simulated=false "
+             "for a real run")
     if cfg.trainer.simulated and not engine_sim:
-        raise bad("trainer.simulated", True, f"false with rollout.engine={cfg.rollout.engine} (a simulated trainer "
-                  "would discard real samples)", "set rollout.engine=simulated, or trainer.simulated=false")
+        fail("trainer.simulated", True, f"false with rollout.engine={cfg.rollout.engine} (a simulated trainer "
+             "would discard real samples)", "set rollout.engine=simulated, or trainer.simulated=false")
     kv, longest = cfg.simulated.kv_cache_tokens, cfg.rollout.response_length + (cfg.data.max_prompt_length or 1)
     if 0 < kv < longest + 1:
-        raise bad("simulated.kv_cache_tokens", kv, f"0 (no limit) or at least rollout.response_length + "
-                  f"data.max_prompt_length + 1 = {longest + 1} (one whole sequence must fit, as vLLM refuses a "
-                  "max_model_len its cache cannot hold)", f"set simulated.kv_cache_tokens={longest + 1} or more")
+        fail("simulated.kv_cache_tokens", kv, f"0 (no limit) or at least rollout.response_length + "
+             f"data.max_prompt_length + 1 = {longest + 1} (one whole sequence must fit, as vLLM refuses a "
+             "max_model_len its cache cannot hold)", f"set simulated.kv_cache_tokens={longest + 1} or more")
     if cfg.eval.engine == names.SIMULATED_ENGINE and not engine_sim:
-        raise bad("eval.engine", cfg.eval.engine, "transformers, vllm or null with a real rollout engine",
-                  "set eval.engine=null (the rollout engine)")
-    if (engine_sim or cfg.eval.engine == names.SIMULATED_ENGINE) and cfg.eval.enabled:
-        raise bad("eval.every_versions", cfg.eval.every_versions, "0 with rollout.engine=simulated (there is "
-                  "nothing real to evaluate)", "set eval.every_versions=0")
+        fail("eval.engine", cfg.eval.engine, "transformers, vllm or null with a real rollout engine",
+             "set eval.engine=null (the rollout engine)")
+    if (engine_sim or cfg.eval.engine == names.SIMULATED_ENGINE) and cfg.eval.enabled and not reported("eval.engine"):
+        fail("eval.every_versions", cfg.eval.every_versions, "0 with rollout.engine=simulated (there is "
+             "nothing real to evaluate)", "set eval.every_versions=0")

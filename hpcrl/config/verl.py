@@ -25,7 +25,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from hpcrl.config.checks import ConfigError, bad
+from hpcrl.config.checks import ConfigError, bad, collecting, report
 from hpcrl.config.names import RENAMED_KEYS, VERL_KEYS, VerlKey
 from hpcrl.config.verl_units import CONVERSIONS, LATE, PAIRED, conversion
 
@@ -254,8 +254,9 @@ def translate(tree: dict, overrides: list[tuple[str, Any]], root: type) -> tuple
         for k, v in leaves(value, key, schema) if isinstance(value, dict) and key in schema.sections else [(key, value)]:
             t.read(k, v, override=True)
     t.convert()
-    if t.errors:
-        raise ConfigError("\n".join(dict.fromkeys(t.errors)))
+    with collecting():  # in the caller's pass, the tree without the keys in error goes on to be checked
+        for line in dict.fromkeys(t.errors):
+            report(ConfigError(line))
     return t.tree(), t.note_lines()
 
 

@@ -1,7 +1,8 @@
 """Errors that a restart would only repeat: one record, and the launcher stops the run at once.
 
 A job that cannot start because of its *inputs* (the model folder, the tokenizer, the
-reward file, the prompt file) fails the same way on every resubmission. Such a job writes
+reward file, the prompt file), or whose run directory's filesystem stayed full, fails the same way on every
+resubmission. Such a job writes
 ``control/fatal.json`` (:attr:`hpcrl.run_dir.RunDir.fatal`) with a one-line message before
 it exits; the launcher's follower reads it, prints the line, cancels the other jobs and
 exits non-zero instead of spending ``resources.max_restarts``. Crashes of any other kind
@@ -40,8 +41,9 @@ class FatalRecord(JsonRecord):
     """Which input failed: one of :data:`INPUTS` (``""``: not said, a record of an older hpcrl)."""
 
 
-INPUTS = ("model", "data", "reward", "agent")
-"""The inputs a job loads at start, each under its own :func:`fatal_inputs` block."""
+INPUTS = ("model", "data", "reward", "agent", "disk")
+"""The inputs a job loads at start, each under its own :func:`fatal_inputs` block, and ``disk``: the run
+directory's filesystem stayed full (or failing) past ``timeouts.disk_full_s`` (``control/job.py``)."""
 
 
 def write_fatal(run_dir: RunDir, job: str, message: str, failed_input: str = "") -> None:

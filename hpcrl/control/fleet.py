@@ -3,8 +3,8 @@
 =====================================  ===============================  ==========================================
 record                                 written by                       read by
 =====================================  ===============================  ==========================================
-drain/<writer>.json  (DrainRequest)    the launcher, ``hpcrl scale``    that writer's rollout job (drain, exit 0),
-                                                                        the launcher (never resubmit it), status
+drain/<writer>.json  (DrainRequest)    ``launcher/fleet.py`` (the       that writer's rollout job (drain, exit 0),
+                                       launcher, ``hpcrl scale``)       the launcher (never resubmit it), status
 scale.json           (ScaleRequest)    ``hpcrl scale``                  the launcher following the run
 =====================================  ===============================  ==========================================
 

@@ -26,7 +26,9 @@ a complete line is the commit point, a torn last line (a writer killed mid-appen
 A writer's file has one job of that writer at a time, except that a zombie predecessor (its lease taken over,
 ``control/claims.py``) may still write its ``ended`` after its successor's ``joined``: readers order every file by
 ``time_s``. Nothing here is read back by a job to decide anything: the records are the history, the control
-records (``control/fleet.py``, ``admission.json``) are the state.
+records (``control/fleet.py``, ``admission.json``) are the state. The launcher's fleet path (``launcher/fleet.py``)
+reads the ``submitted`` events: a submitted writer's number is used before its job starts (and, with no launcher
+following the run, a queued job has no other record).
 """
 from __future__ import annotations
 

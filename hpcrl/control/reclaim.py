@@ -30,13 +30,12 @@ import socket
 import subprocess
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Optional
 
 from hpcrl.control.claims import ClaimBook
 from hpcrl.control.records import Heartbeat, read_heartbeats
 from hpcrl.fsio import read_json
-from hpcrl.process.leftovers import process_running
+from hpcrl.process.pids import pid_running
 from hpcrl.run_dir import RunDir
 
 log = logging.getLogger(__name__)
@@ -108,9 +107,7 @@ def judge(beat: Heartbeat, now_s: float, stale_s: float, host: str,
         return Verdict(False, f"its heartbeat names no Slurm job and its host {beat.host} is not this one: never "
                               "reclaimed by a heartbeat's age alone (a drain, or the launcher following the run, "
                               "releases it)", age)
-    if not Path("/proc/self/stat").exists():
-        return Verdict(False, "this system has no /proc to tell whether its process ended: not reclaimed", age)
-    if process_running(beat.pid):
+    if pid_running(beat.pid):
         return Verdict(False, f"its process {beat.pid} still runs on this host: not reclaimed", age)
     return Verdict(True, f"its process {beat.pid} on {beat.host} is gone", age)
 

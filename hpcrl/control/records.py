@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 import os
 import socket
 import threading
@@ -26,9 +27,11 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from hpcrl.process import termination
-from hpcrl.fsio import read_json, write_json_atomic
+from hpcrl.fsio import WriteFailed, make_dirs, read_json, write_json_atomic
 from hpcrl.json_record import JsonRecord
 from hpcrl.run_dir import RunDir
+
+log = logging.getLogger(__name__)
 
 
 class HeartbeatState(str, enum.Enum):
@@ -69,6 +72,46 @@ def has_ended(state: object) -> bool:
 
 
 @dataclass
+class JobStats(JsonRecord):
+    """A heartbeat's counters, written by the job through this type and read by ``hpcrl status`` (the evaluation
+    job's line), ``Run.status()`` and the tests. Each job kind writes its own fields; the others stay None and are
+    left out of the JSON."""
+
+    step: Optional[int] = None
+    """Trainer: local updates done."""
+    consumed_groups: Optional[int] = None
+    """Trainer: groups consumed so far."""
+    reward_mean: Optional[float] = None
+    """Trainer: mean reward of the last update's groups."""
+    idle_ratio: Optional[float] = None
+    """Trainer: share of the last update's wall time spent waiting for samples."""
+    groups_committed: Optional[int] = None
+    """Rollout: groups this writer has committed (its manifest)."""
+    last_version: Optional[int] = None
+    """Evaluation: the last version it evaluated (None: none yet; -1 in a beat of an older hpcrl)."""
+    score: Optional[float] = None
+    """Evaluation: that version's score (``score_name``)."""
+    score_name: Optional[str] = None
+    """Evaluation: what ``score`` is (``val-core/<source>/reward/mean@n``)."""
+    evaluating: Optional[int] = None
+    """Evaluation: the version being evaluated now (None: none; -1 in a beat of an older hpcrl)."""
+    prompts_done: Optional[int] = None
+    """Evaluation: held-out prompts of ``evaluating`` scored so far."""
+    prompts: Optional[int] = None
+    """Evaluation: held-out prompts per version."""
+    skipped: Optional[int] = None
+    """Evaluation: due versions it skipped (it fell behind, or they were deleted before it got to them)."""
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+    @property
+    def evaluating_now(self) -> Optional[int]:
+        """The version the evaluation job is evaluating, or None (an older hpcrl wrote -1 for none)."""
+        return self.evaluating if self.evaluating is not None and self.evaluating >= 0 else None
+
+
+@dataclass
 class Heartbeat(JsonRecord):
     """One job's liveness record, ``control/heartbeat/<job>.json``; rewritten every few seconds."""
 
@@ -90,8 +133,8 @@ class Heartbeat(JsonRecord):
     after it, the step it failed in, if it failed there."""
     step_started_s: float = 0.0
     """Unix time the step began."""
-    stats: dict = field(default_factory=dict)
-    """Counters for the status view (groups committed/consumed, idle ratio, ...)."""
+    stats: JobStats = field(default_factory=JobStats)
+    """The job's counters (:class:`JobStats`: groups committed or consumed, idle ratio, what it evaluates)."""
     slurm_job: str = ""
     """The Slurm job that runs it, as ``squeue -j`` takes it (``123``, or ``120_3`` for an array task); empty
     outside Slurm (and in a beat written before the field existed). Other rollout jobs ask Slurm about it before
@@ -100,6 +143,7 @@ class Heartbeat(JsonRecord):
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         d["state"] = str(self.state)
+        d["stats"] = self.stats.to_json()
         return d
 
     @property
@@ -252,13 +296,14 @@ class HeartbeatThread:
 
     def __init__(self, run_dir: RunDir, job: str, role: str, interval_s: float):
         self.path = run_dir.heartbeat(job)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.path.parent)
         self.beat = Heartbeat(job=job, role=role, host=socket.gethostname(), pid=os.getpid(), time_s=time.time(),
                               slurm_job=slurm_job_of(dict(os.environ)))
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()
+        self._failed_said_s = -60.0
         self._thread = threading.Thread(target=self._run, name=f"heartbeat-{job}", daemon=True)
 
     def start(self) -> "HeartbeatThread":
@@ -280,14 +325,18 @@ class HeartbeatThread:
             with self._lock:
                 self.beat.time_s = time.time()
                 record = self.beat.to_json()
-            write_json_atomic(self.path, record)
+            try:
+                write_json_atomic(self.path, record, wait=False)
+            except (OSError, WriteFailed) as e:  # a beat must never stop the job: the next one tries again
+                now = time.monotonic()
+                if now - self._failed_said_s >= 60.0:
+                    self._failed_said_s = now
+                    log.warning("heartbeat %s not written (%s): its age grows until a beat is written again",
+                                self.path, e)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            try:
-                self.write()
-            except OSError:
-                pass  # a transient filesystem error must not kill the job; next beat retries
+            self.write()
 
     def stop(self, final_state: str) -> None:
         """Stop beating and write the final state (done, failed, preempted; a job that "failed"

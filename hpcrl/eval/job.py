@@ -1,7 +1,7 @@
 """The evaluation job (``hpcrl eval-job RUN``): follows the published weight versions and evaluates the due
 ones on the held-out prompts, on its own allocation; training never waits for it.
 
-The loop (:meth:`EvalJob._loop`) repeats these named steps:
+The loop (:meth:`EvalJob.loop`) repeats these named steps:
 
 1. **stop?** USR2 (abandon the version, requeue), SIGTERM or the launcher's stop request (``control/stop.json``,
    Ctrl-C to ``hpcrl run``: abandon it, end ``stopped``; ``--resume`` evaluates it again); the work is over once the
@@ -29,8 +29,8 @@ import logging
 import time
 from typing import Optional
 
-from hpcrl.control.records import (HeartbeatState, HeartbeatThread, describe_heartbeats, read_trainer_done,
-                                   stop_requested)
+from hpcrl.control.job import Stop, StopWatch, job_main
+from hpcrl.control.records import HeartbeatState, HeartbeatThread, JobStats, describe_heartbeats, read_trainer_done
 from hpcrl.control.startup import StartupSteps
 from hpcrl.eval import schedule
 from hpcrl.eval.data import sampling
@@ -38,10 +38,7 @@ from hpcrl.eval.evaluate import Evaluator
 from hpcrl.eval.parts import EvalInputs, build_inputs, eval_subscriber, start_evaluator
 from hpcrl.eval.writer import EvalLogWriter
 from hpcrl.eval_log import DAMAGED, EVALUATED, JOB, SKIPPED, EvalRow
-from hpcrl.logs import setup_logging
-from hpcrl.process import termination
-from hpcrl.process.leftovers import mark_job, sweep_leftovers
-from hpcrl.process.preemption import PreemptionFlag, requeue_self
+from hpcrl.process.preemption import PreemptionFlag
 from hpcrl.run_dir import EVAL_JOB, RunDir
 from hpcrl.trackers import Trackers, open_trackers
 from hpcrl.weights import WeightSubscriber, WeightVersionBad, WeightVersionGone
@@ -49,24 +46,23 @@ from hpcrl.weights import WeightSubscriber, WeightVersionBad, WeightVersionGone
 log = logging.getLogger("hpcrl.eval")
 
 DONE_POLL_S = 0.5
-"""How often the loop reads ``trainer_done.json``."""
-
-
-class StopAsked(Exception):
-    """The launcher asked every job to stop (``control/stop.json``): abandon the version, end ``stopped``."""
-
-
-class Preempted(Exception):
-    """USR2 arrived: the version being evaluated is abandoned and the job requeues itself."""
+"""How often the loop reads ``trainer_done.json`` (for the final version; the trainer being done does not stop
+this job by itself: its due versions must be handled first)."""
 
 
 class EvalJob:
-    """The evaluation job of a run (module docstring); :meth:`run` is its whole life."""
+    """The evaluation job of a run (module docstring); its steps (:meth:`start`, :meth:`loop`, :meth:`shutdown`)
+    run in every job's frame (``control/job.py``)."""
 
     def __init__(self, run_dir: RunDir, preemption: Optional[PreemptionFlag] = None):
         self.run_dir = run_dir
         self.cfg = run_dir.load_config()
-        self.preemption = preemption
+        self.name = "the evaluation job"
+        self.requeues = True
+        self.watch = StopWatch(run_dir, preemption, {
+            Stop.PREEMPTED: "abandoning the version being evaluated and requeueing the evaluation job",
+            Stop.STOPPED: "abandoning the version in progress (a --resume evaluates it again)"})
+        """Between prompts and polls: USR2 and the launcher's stop request raise :class:`Stopping`."""
         t = self.cfg.timeouts
         self.heartbeat = HeartbeatThread(run_dir, EVAL_JOB, "eval", t.heartbeat_interval_s)
         self.startup = StartupSteps(self.heartbeat, EVAL_JOB, t.job_start_s)
@@ -86,12 +82,13 @@ class EvalJob:
         """The trainer's final version, once it is done."""
         self._manifest_seen: dict[int, int] = {}  # version -> manifest mtime_ns when last compared
         self._done_checked_s = 0.0
-        self._stop_checked_s = 0.0
         self._newest = (-1, time.monotonic())  # (newest published version, when it changed)
         self._waiting_logged_s = time.monotonic()
 
     # ---- building
-    def _build(self) -> None:
+    def start(self) -> None:
+        """The start-up steps: the held-out prompts and reward, the weight subscriber, the evaluation log read back
+        (the engine starts at the first version evaluated, under its pin)."""
         cfg, rd = self.cfg, self.run_dir
         with self.startup.step("loading the tokenizer, held-out prompts and reward"):
             self.inputs = build_inputs(cfg, rd.model_dir(cfg.model.path))
@@ -111,18 +108,6 @@ class EvalJob:
         self.heartbeat.write()  # out of start-up now: the launcher's Ctrl-C asks it to stop instead of cancelling it
 
     # ---- steps
-    def _check_stop(self) -> None:
-        """Between prompts and polls: SIGTERM raises SystemExit, USR2 :class:`Preempted`, the launcher's stop
-        request :class:`StopAsked` (its file is looked at every DONE_POLL_S at most)."""
-        termination.check()
-        if self.preemption is not None and self.preemption.requested:
-            raise Preempted()
-        now = time.monotonic()
-        if now - self._stop_checked_s >= DONE_POLL_S:
-            self._stop_checked_s = now
-            if stop_requested(self.run_dir):
-                raise StopAsked()
-
     def _policy(self) -> schedule.DuePolicy:
         now = time.monotonic()
         if self.final is None and now - self._done_checked_s >= DONE_POLL_S:
@@ -204,7 +189,7 @@ class EvalJob:
             load_s = wv.transfer_s + self.evaluator.load(wv)
             self.heartbeat.update(state=HeartbeatState.EVALUATING, step="", step_started_s=0.0)
             self.heartbeat.write()  # the engine's start-up step is over (its 'starting' is on disk until now)
-            result = self.evaluator.evaluate(version, self._check_stop, lambda done, total: self.heartbeat.update(
+            result = self.evaluator.evaluate(version, self.watch.raise_if_asked, lambda done, total: self.heartbeat.update(
                 stats=self._stats(evaluating=version, done=done)))
             row = self.writer.commit(EvalRow(
                 version=version, status=EVALUATED, source=JOB, trainer_step=wv.manifest.trainer_step,
@@ -219,12 +204,12 @@ class EvalJob:
                  row.eval_s, row.load_s)
         self.heartbeat.update(param_version=version, state=HeartbeatState.WAITING_WEIGHTS, stats=self._stats())
 
-    def _stats(self, evaluating: int = -1, done: int = 0) -> dict:
+    def _stats(self, evaluating: Optional[int] = None, done: int = 0) -> JobStats:
         """The heartbeat's counters: the last evaluated version and score, the one in progress."""
         last = next((r for r in reversed(self.writer.rows) if r.source == JOB and r.status == EVALUATED), None)
-        return {"last_version": last.version if last else -1, "score": last.score if last else None,
-                "score_name": last.score_name if last else "", "evaluating": evaluating, "prompts_done": done,
-                "prompts": len(self.inputs.rows), "skipped": sum(r.status == SKIPPED for r in self.writer.rows)}
+        return JobStats(last_version=last.version if last else None, score=last.score if last else None,
+                        score_name=last.score_name if last else None, evaluating=evaluating, prompts_done=done,
+                        prompts=len(self.inputs.rows), skipped=sum(r.status == SKIPPED for r in self.writer.rows))
 
     def _wait(self) -> None:
         """Step 4: nothing due now; fail once no new version has appeared for ``timeouts.wait_weights_s``."""
@@ -240,10 +225,11 @@ class EvalJob:
         time.sleep(max(t.poll_interval_s, 0.1))
 
     # ---- the loop
-    def _loop(self) -> HeartbeatState:
-        """Steps 1-4 until the work is over; returns DONE (PREEMPTED, SystemExit: raised through)."""
+    def loop(self) -> Stop:
+        """Steps 1-4 until the work is over; returns DONE (a stop or preemption is raised from between two prompts
+        as :class:`Stopping`, SIGTERM as SystemExit)."""
         while True:
-            self._check_stop()
+            self.watch.raise_if_asked()
             policy = self._policy()
             plan = self._plan(policy)
             if plan.target is None:
@@ -252,37 +238,14 @@ class EvalJob:
                                set())
                 if schedule.all_handled(policy, self.handled):
                     log.info("every due version up to the final one (%d) is handled", policy.final)
-                    return HeartbeatState.DONE
+                    return Stop.DONE
                 self._wait()
                 continue
             self._skip(plan.skipped, plan.target, set(self.weights.published_versions()))
             self._evaluate(plan.target)
 
-    def run(self) -> None:
-        """Build, loop until the work is over, shut down whatever stage failed."""
-        self.heartbeat.start()
-        final_state = HeartbeatState.FAILED
-        try:
-            self._build()
-            final_state = self._loop()
-        except StopAsked:
-            log.info("stop requested (%s): abandoning the version in progress (a --resume evaluates it again)",
-                     self.run_dir.stop_request)
-            final_state = HeartbeatState.STOPPED
-        except Preempted:
-            log.warning("USR2: abandoning the version being evaluated and requeueing the evaluation job")
-            final_state = HeartbeatState.PREEMPTED
-        except BaseException as e:
-            if not isinstance(e, SystemExit):
-                log.exception("the evaluation job failed")  # into RUN/logs/jobs/, where the launcher looks
-            raise
-        finally:
-            self._shutdown(final_state)
-        if final_state == HeartbeatState.PREEMPTED:
-            requeue_self()
-
-    def _shutdown(self, final_state: HeartbeatState) -> None:
-        """Stop the prompts in flight, close the logs, the engine and its processes, write the last heartbeat."""
+    def shutdown(self, final_state: HeartbeatState) -> None:
+        """Stop the prompts in flight, close the logs, the engine and its processes."""
         try:
             self.closers.close()
             if self.writer is not None:
@@ -292,20 +255,14 @@ class EvalJob:
         except Exception as e:  # noqa: BLE001 - shutting down: say so and go on
             log.warning("closing the evaluation job failed: %s", e)
         finally:
-            self.heartbeat.stop(final_state)
             log.info("evaluation job %s: %d versions evaluated", final_state,
                      sum(r.status == EVALUATED and r.source == JOB for r in self.writer.rows) if self.writer else 0)
 
 
 def eval_main(run_dir: str) -> None:
-    """The evaluation job's entry point (``hpcrl eval-job RUN``, the launcher, ``sbatch/eval.sbatch``)."""
-    rd = RunDir(run_dir)
-    cfg = rd.load_config()
-    setup_logging(EVAL_JOB, cfg.logging.level, rd.job_log(EVAL_JOB))
-    mark_job(rd.root, EVAL_JOB)
-    sweep_leftovers(rd.root, EVAL_JOB, ("eval-job",))
-    termination.install()  # scancel: abandon the version being evaluated, exit
-    EvalJob(rd, PreemptionFlag()).run()
+    """The evaluation job's entry point (``hpcrl eval-job RUN``, the launcher, ``sbatch/eval.sbatch``): every job's
+    life (``control/job.py``) around :class:`EvalJob`."""
+    job_main(run_dir, EVAL_JOB, ("eval-job",), lambda rd, preemption: EvalJob(rd, preemption))
 
 
 def main(argv=None) -> None:

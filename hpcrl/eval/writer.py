@@ -14,7 +14,7 @@ from pathlib import Path
 from hpcrl.eval_log import EvalRow, EvalSample, committed_samples_bytes, read_eval_rows
 from hpcrl.fsio import JsonlAppender, truncate_torn_tail
 from hpcrl.logs import log_size, truncate_to
-from hpcrl.process import termination
+from hpcrl.process import faults, termination
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,7 @@ class EvalLogWriter:
         """Append ``samples`` then ``row`` (with its sample count, the samples file's size and the time), durably;
         SIGTERM meanwhile takes effect after both."""
         with termination.deferred():
+            faults.point("eval_commit")
             self._samples.append_many([s.to_json() for s in samples])
             row.samples = len(samples)
             row.samples_bytes = log_size(self.samples_path)

@@ -16,24 +16,23 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from hpcrl.config import ConfigError, RunConfig, given_keys, load_config
+from hpcrl.config.checks import collecting, report
 from hpcrl.control.fatal import read_fatal_record
-from hpcrl.control.fleet_log import SCALE_APPLIED, SUBMITTED, FleetLog
+from hpcrl.control.fleet_log import FleetLog
 from hpcrl.control.records import HeartbeatState, read_heartbeats, read_trainer_done, request_stop
-from hpcrl.launcher.autoscale import can_start_soon
+from hpcrl.launcher.autoscale import Autoscaler
+from hpcrl.launcher.fleet import Fleet
 from hpcrl.launcher.follow import RunFollower
 from hpcrl.launcher.inputs import check_inputs, derive_total_steps
 from hpcrl.launcher.prepare import prepare_run_dir
+from hpcrl.launcher.progress import Console
 from hpcrl.launcher.resume import change_lines, check_changes, finished_message
-from hpcrl.launcher.fleet import (active_rollout_jobs, drain_newest, record_fleet_size, retire_writers,
-                                  used_writer_ids)
-from hpcrl.launcher.sbatch_lines import test_only_argv
-from hpcrl.launcher.submit import PlannedJob, plan_jobs, plan_rollout, resolve_executor, submit_jobs, submit_one
+from hpcrl.launcher.submit import LauncherJobs, PlannedJob, plan_jobs, resolve_executor
 from hpcrl.run_dir import FLEET_LAUNCHER, RunDir
 
 log = logging.getLogger(__name__)
@@ -84,13 +83,20 @@ def plan_run(config: Optional[os.PathLike | str | RunConfig], run_dir: os.PathLi
     if resume and not rd.config_path.exists():
         raise ConfigError(f"--resume: {rd.root} holds no run (no config.yaml)")
     notes: list[str] = []
-    cfg, given = _load(config, rd, overrides, resume, notes)
-    kind = resolve_executor(executor)
-    if resume:
-        finished = finished_message(read_trainer_done(rd), cfg, str(rd.root))
-        if finished is not None and not overrides and config is None:
-            return RunPlan(cfg, rd, kind, [], notes, finished=finished)
-    found = check_inputs(cfg, kind)
+    with collecting():  # the config's problems, the executor's and the inputs' in one pass (one line each)
+        cfg, given = _load(config, rd, overrides, resume, notes)
+        if resume and cfg.model.base_hash is None:  # written at launch (a LoRA run); checked again by prepare_run_dir
+            cfg.model.base_hash = rd.load_config().model.base_hash
+        try:
+            kind = resolve_executor(executor)
+        except ValueError as e:
+            report(ConfigError(str(e)))
+            kind = executor
+        if resume:
+            finished = finished_message(read_trainer_done(rd), cfg, str(rd.root))
+            if finished is not None and not overrides and config is None:
+                return RunPlan(cfg, rd, kind, [], notes, finished=finished)
+        found = check_inputs(cfg, kind)
     if not resume or "data.epochs" in given:
         derived = derive_total_steps(cfg, found.prompts, "rollout.total_rollout_steps" in given)
         found.lines += [derived] if derived else []
@@ -105,69 +111,38 @@ def plan_run(config: Optional[os.PathLike | str | RunConfig], run_dir: os.PathLi
 
 
 class RunHandle:
-    """A submitted run: its jobs, their state, and a follower that resubmits dead jobs."""
+    """A submitted run: its jobs (``launcher/submit.py``), its rollout fleet (``launcher/fleet.py``), the console
+    and the follower that resubmits dead jobs; each is built here and handed to those that use it, none calls
+    this back."""
 
     def __init__(self, plan: RunPlan, emit: Callable[[str], None], resume: bool = False, bar: bool = False):
         self.cfg, self.rd, self.kind = plan.cfg, plan.rd, plan.kind
-        self.planned = {p.name: p for p in plan.jobs}
-        """Every job planned, by name (rollout jobs added as the fleet grows): what a resubmission submits."""
-        fleet = FleetLog(plan.rd, FLEET_LAUNCHER)
+        self.console = Console(plan.rd, plan.cfg, emit, resume, bar)
+        say = self.console.say
+        self.launched = LauncherJobs(plan.cfg, plan.rd, plan.kind)
+        """Every job followed, with its plan (a resubmission submits it again) and restarts."""
+        self.fleet = Fleet(plan.rd, plan.cfg, FleetLog(plan.rd, FLEET_LAUNCHER), say, self.launched)
+        """The rollout fleet: ``Run.scale``, ``hpcrl scale`` and autoscale resize it through here."""
         if resume:
             keep = [p.args[1] for p in plan.jobs if RunDir.writer_of_job(p.name) is not None]
-            for w in retire_writers(plan.rd, keep, "hpcrl run --resume with a smaller fleet", fleet):
-                emit(f"{w} is not in the resumed fleet of {len(keep)}: drained, its prompt claims handed back")
-        jobs = submit_jobs(plan.rd, plan.kind, plan.jobs)
-        for name, handle in jobs.items():
-            fleet.record(SUBMITTED, job=name, writer=RunDir.writer_of_job(name) or "", job_id=handle.job_id,
-                         by="hpcrl run --resume" if resume else "hpcrl run")
-        self.follower = RunFollower(plan.rd, plan.cfg, jobs, emit=emit,
-                                    resubmit=lambda name: submit_one(plan.rd, plan.kind, self.planned[name]),
-                                    resume=resume, bar=bar, scale=self.scale, fleet=fleet,
-                                    queue_check=self._queue_check)
+            for w in self.fleet.retire(keep, "hpcrl run --resume with a smaller fleet"):
+                say(f"{w} is not in the resumed fleet of {len(keep)}: drained, its prompt claims handed back")
+        self.launched.submit_all(plan.jobs, self.fleet.log, "hpcrl run --resume" if resume else "hpcrl run")
+        scaling = plan.cfg.resources.rollout_autoscale
+        autoscaler = Autoscaler(self.fleet, scaling) if scaling.enabled else None
+        self.follower = RunFollower(plan.rd, plan.cfg, self.launched, self.fleet, self.console, say, resume,
+                                    autoscaler)
 
     def scale(self, rollout_jobs: int, by: str = "Run.scale") -> list[str]:
         """Grow the fleet to ``rollout_jobs`` rollout jobs (new writers, which take the newest weights and claim
-        prompts like the others) or shrink it (the newest drain: ``launcher/fleet.py``); the frozen config follows.
-        Returns the names of the jobs submitted or asked to drain."""
-        if rollout_jobs < 1:
-            raise ValueError(f"rollout_jobs must be >= 1, got {rollout_jobs}: a run needs one rollout job; stop the "
-                             "run with Run.stop() instead")
-        jobs, emit, fleet = self.follower.jobs, self.follower.emit, self.follower.fleet
-        active = active_rollout_jobs(self.rd, jobs)
-        changed: list[str] = []
-        if rollout_jobs > len(active):
-            first = self._next_writer_id()
-            for i in range(first, first + rollout_jobs - len(active)):
-                planned = plan_rollout(self.cfg, self.rd, i)
-                self.planned[planned.name] = planned
-                jobs[planned.name] = submit_one(self.rd, self.kind, planned)
-                emit(f"scale: {planned.name} submitted as {jobs[planned.name].job_id} ({by})")
-                fleet.record(SUBMITTED, job=planned.name, writer=RunDir.writer_name(i), job_id=jobs[planned.name].job_id,
-                             by=by)
-                changed.append(planned.name)
-        elif rollout_jobs < len(active):
-            changed = drain_newest(self.rd, {n: jobs[n] for n in active}, len(active) - rollout_jobs, by, emit, fleet)
-        record_fleet_size(self.cfg, self.rd, rollout_jobs, by)
-        emit(f"scale: the rollout fleet goes from {len(active)} to {rollout_jobs} job(s) ({by})")
-        fleet.record(SCALE_APPLIED, by=by, from_jobs=len(active), to_jobs=rollout_jobs, numbers={"jobs": changed})
-        return changed
-
-    def _next_writer_id(self) -> int:
-        """The number of the next writer to add: one never used (``launcher/fleet.py``)."""
-        used = used_writer_ids(self.rd) | {RunDir.writer_rank(RunDir.writer_of_job(n))
-                                           for n in active_rollout_jobs(self.rd, self.jobs)}
-        return max(used, default=-1) + 1
-
-    def _queue_check(self) -> tuple[bool, str, dict]:
-        """Can the queue start the next rollout job soon (``launcher/autoscale.py``)? Always, for local jobs."""
-        handles = [self.jobs[n] for n in active_rollout_jobs(self.rd, self.jobs)]
-        argv = None if self.kind == "local" else test_only_argv(self.cfg, self.rd, sys.executable,
-                                                                  self._next_writer_id())
-        return can_start_soon(handles, argv, self.cfg.resources.rollout_autoscale.start_within_s)
+        prompts like the others) or shrink it (the newest drain); the frozen config follows (``launcher/fleet.py``,
+        the path ``hpcrl scale`` and autoscale take). Returns the names of the jobs submitted or asked to drain."""
+        return self.fleet.resize(rollout_jobs, by)
 
     @property
     def jobs(self) -> dict:
-        return self.follower.jobs
+        """The jobs followed now, by name (``JobHandle``)."""
+        return self.launched.handles
 
     def status(self) -> dict:
         """Each job's scheduler state and heartbeat, and whether the trainer finished."""
@@ -180,7 +155,8 @@ class RunHandle:
                           "heartbeat_age_s": beat.age_s(now) if beat else None,
                           "job_state": beat.state if beat else None,
                           "param_version": beat.param_version if beat else None,
-                          "stats": beat.stats if beat else {}, "restarts": self.follower.restarts.get(name, 0)}
+                          "stats": beat.stats.to_json() if beat else {},
+                          "restarts": self.launched.restarts.get(name, 0)}
         return {"run_dir": str(self.rd.root), "finished": read_trainer_done(self.rd) is not None, "jobs": jobs}
 
     def wait(self, timeout_s: float, poll_s: float = 1.0) -> bool:
@@ -201,21 +177,21 @@ class RunHandle:
             for name, job in self.jobs.items():
                 beat = beats.get(name)
                 if name not in cancelled and not job.done() and (beat is None or beat.state == HeartbeatState.STARTING):
-                    self.follower.emit(f"{name}: {'no heartbeat yet' if beat is None else 'starting: ' + beat.step}"
+                    self.console.say(f"{name}: {'no heartbeat yet' if beat is None else 'starting: ' + beat.step}"
                                        "; nothing to save, cancelled")
                     job.cancel()
                     cancelled.add(name)
             if time.monotonic() > end:
-                self.follower.cancel_all()
+                self.launched.cancel_all()
                 return False
             time.sleep(0.5)
-        self.follower.console.close()
+        self.console.close()
         return not cancelled
 
     def cancel(self, wait_s: float = 0.0) -> bool:
         """Cancel every job of the run that is still queued or running; wait up to ``wait_s``
         for them to end. True when every job has ended."""
-        self.follower.cancel_all()
+        self.launched.cancel_all()
         end = time.monotonic() + wait_s
         while not all(j.done() for j in self.jobs.values()):
             if time.monotonic() > end:

@@ -11,26 +11,32 @@ The rule, on the measured idle ratios of the last ``versions`` weight versions:
   one leaves, the ratios settle).
 
 :func:`decide` is the rule alone (rows in, a decision with its numbers out); :class:`Autoscaler` feeds it the
-run's logs. Before a job is *added* under Slurm the queue must be able to start one soon (:func:`queue_verdict`,
-also pure): no rollout job of the fleet is still pending (one that is would only be joined by another in the
-queue), and ``sbatch --test-only`` with the rollout job's options (:func:`sbatch_test_only`, a subprocess with a
-deadline; its answer parsed by :func:`parse_test_only`) expects a start within ``start_within_s``. Otherwise the
-decision is held: logged with the queue's answer, and the rule waits ``versions`` versions as after any decision.
-The local executor can always start one. Draining needs no check.
+run's logs and the launcher's fleet (``launcher/fleet.py``: the writers in it; a decision resizes it through
+``Fleet.resize``, the path ``hpcrl scale`` takes). Before a job is *added* under Slurm the queue must be able to
+start one soon (:func:`queue_verdict`, also pure): no rollout job of the fleet is still pending (one that is
+would only be joined by another in the queue), and ``sbatch --test-only`` with the rollout job's options
+(:func:`sbatch_test_only`, a subprocess with a deadline; its answer parsed by :func:`parse_test_only`) expects a
+start within ``start_within_s``. Otherwise the decision is held: logged with the queue's answer, and the rule
+waits ``versions`` versions as after any decision. The local executor can always start one. Draining needs no
+check.
 """
 from __future__ import annotations
 
 import os
 import re
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Optional
+from typing import Callable, Optional
 
 from hpcrl import metric_names as M
 from hpcrl.config.resources import RolloutAutoscale
+from hpcrl.control.fleet_log import AUTOSCALE
 from hpcrl.fsio import JsonlTail
+from hpcrl.launcher.fleet import Fleet
+from hpcrl.launcher.sbatch_lines import test_only_argv
 from hpcrl.run_dir import RunDir
 
 
@@ -155,13 +161,33 @@ def can_start_soon(handles: list, test_argv: Optional[list[str]], start_within_s
     return queue_verdict(pending, test, time.time(), start_within_s)
 
 
-class Autoscaler:
-    """Reads the run's logs for :func:`decide` and remembers its last decision."""
+QueueCheck = Callable[[], "tuple[bool, str, dict]"]
+"""Can the queue start another rollout job soon: (yes or no, the reason in words, its numbers)."""
 
-    def __init__(self, rd: RunDir, cfg: RolloutAutoscale):
-        self.rd = rd
+
+def fleet_queue_check(fleet: Fleet, start_within_s: float) -> QueueCheck:
+    """The queue check of a launcher's fleet (:func:`can_start_soon`): its rollout jobs' handles, and ``sbatch
+    --test-only`` with the options of the next writer's job (none for the local executor)."""
+    def check() -> tuple[bool, str, dict]:
+        handles = [fleet.starter.handles[RunDir.rollout_job(w)] for w in fleet.active()]
+        argv = None if fleet.starter.kind == "local" else test_only_argv(fleet.cfg, fleet.rd, sys.executable,
+                                                                          fleet.new_writer_ids(1)[0])
+        return can_start_soon(handles, argv, start_within_s)
+    return check
+
+
+class Autoscaler:
+    """Applies the rule to a launcher's fleet: reads the run's logs for :func:`decide`, remembers its last decision,
+    logs each decision (a line and an ``autoscale`` event with its numbers and, to add a job, the queue's answer)
+    and resizes the fleet through :meth:`Fleet.resize <hpcrl.launcher.fleet.Fleet.resize>` unless the queue holds
+    it. ``queue_check`` defaults to :func:`fleet_queue_check`."""
+
+    def __init__(self, fleet: Fleet, cfg: RolloutAutoscale, queue_check: Optional[QueueCheck] = None):
+        self.fleet = fleet
+        self.rd = fleet.rd
         self.cfg = cfg
-        self._metrics = JsonlTail(rd.metrics)
+        self.queue_check = queue_check or fleet_queue_check(fleet, cfg.start_within_s)
+        self._metrics = JsonlTail(self.rd.metrics)
         self._rollout: dict[str, JsonlTail] = {}
         self.last_version = -10**9
         """The trainer version of the last decision (the rule waits ``versions`` after it)."""
@@ -174,4 +200,24 @@ class Autoscaler:
         decision = decide(self.cfg, len(writers), self._metrics.poll(), rows, self.last_version)
         if decision is not None:
             self.last_version = decision.version
+        return decision
+
+    def step(self) -> Optional[Decision]:
+        """One step of the rule on the fleet now; the decision taken (applied or held), or None."""
+        writers = self.fleet.active()
+        decision = self.poll(writers)
+        if decision is None:
+            return None
+        ok, queue, numbers = True, "", dict(decision.numbers)
+        if decision.rollout_jobs > len(writers):
+            ok, queue, said = self.queue_check()
+            numbers.update(said)
+        why = decision.why + (f"; queue: {queue}" if queue else "")
+        self.fleet.emit(f"autoscale: {len(writers)} -> {decision.rollout_jobs} rollout job(s) at version "
+                        f"{decision.version}: {why}" + ("" if ok else f"; held until {self.cfg.versions} more "
+                                                       "versions have passed"))
+        self.fleet.log.record(AUTOSCALE, by=AUTOSCALE, from_jobs=len(writers), to_jobs=decision.rollout_jobs,
+                              why=why, applied=ok, numbers={"version": decision.version, **numbers})
+        if ok:
+            self.fleet.resize(decision.rollout_jobs, AUTOSCALE)
         return decision

@@ -13,18 +13,18 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from hpcrl.config import RunConfig
-from hpcrl.control.admission import release_writer
 from hpcrl.control.fatal import read_fatal, read_fatal_record
-from hpcrl.control.fleet import acknowledge_scale, drain_requested, read_scale_request
-from hpcrl.control.fleet_log import AUTOSCALE, LEFT, RESUBMITTED, SCALE_REFUSED, FleetLog
+from hpcrl.control.fleet import acknowledge_scale, read_scale_request
+from hpcrl.control.fleet_log import RESUBMITTED, SCALE_REFUSED
 from hpcrl.control.records import (HeartbeatState, read_heartbeats, read_latest_checkpoint, read_trainer_done,
                                    stop_requested)
 from hpcrl.eval_log import EVALUATED, JOB, EvalRow
 from hpcrl.fsio import JsonlTail
 from hpcrl.launcher.autoscale import Autoscaler
-from hpcrl.launcher.fleet import active_rollout_jobs
+from hpcrl.launcher.fleet import Fleet, StartError
 from hpcrl.launcher.progress import Console, hms
-from hpcrl.run_dir import EVAL_JOB, FLEET_LAUNCHER, RunDir
+from hpcrl.launcher.submit import LauncherJobs
+from hpcrl.run_dir import EVAL_JOB, RunDir
 
 log = logging.getLogger(__name__)
 
@@ -54,40 +54,34 @@ def eval_line(row: EvalRow) -> str:
 
 class RunFollower:
     """Follows a submitted run from the login node: prints one line per weight version and per
-    evaluated version, grows or shrinks the rollout fleet when ``hpcrl scale`` asks (a drained rollout job is never
-    resubmitted), resubmits jobs that end early (within ``resources.max_restarts``), warns on
-    stale heartbeats, and stops at ``trainer_done`` (after the evaluation job, if any, has evaluated
-    the final version) or its deadline. The evaluation job never stops the run: if it fails for good,
-    training goes on without it."""
+    evaluated version, resizes the rollout fleet when ``hpcrl scale`` asks and when ``resources.rollout_autoscale``
+    decides (both through ``fleet``, ``launcher/fleet.py``; a drained rollout job is never resubmitted), resubmits
+    jobs that end early (within ``resources.max_restarts``), warns on stale heartbeats, and stops at
+    ``trainer_done`` (after the evaluation job, if any, has evaluated the final version) or its deadline. The
+    evaluation job never stops the run: if it fails for good, training goes on without it.
 
-    def __init__(self, rd: RunDir, cfg: RunConfig, jobs: dict, emit: Callable[[str], None] = print,
-                 resubmit: Optional[Callable[[str], object]] = None, resume: bool = False, bar: bool = False,
-                 scale: Optional[Callable[[int, str], list]] = None, fleet: Optional[FleetLog] = None,
-                 queue_check: Optional[Callable[[], tuple[bool, str, dict]]] = None):
+    It calls ``jobs``, ``fleet``, ``autoscaler`` and ``console`` and none of them calls it back."""
+
+    def __init__(self, rd: RunDir, cfg: RunConfig, jobs: LauncherJobs, fleet: Fleet, console: Console,
+                 emit: Callable[[str], None], resume: bool = False, autoscaler: Optional[Autoscaler] = None):
         self.rd = rd
-        self.scale = scale
-        """Grows or shrinks the rollout fleet (``RunHandle.scale``); asked for through ``control/scale.json``."""
-        self.fleet = fleet or FleetLog(rd, FLEET_LAUNCHER)
-        """The launcher's fleet events (``logs/fleet/launcher.jsonl``, ``control/fleet_log.py``)."""
-        self.queue_check = queue_check
-        """Can the queue start another rollout job soon (``autoscale.can_start_soon``)? None: always."""
-        self.autoscaler = (Autoscaler(rd, cfg.resources.rollout_autoscale)
-                           if cfg.resources.rollout_autoscale.enabled and scale is not None else None)
+        self.cfg = cfg
+        self.jobs = jobs
+        """The jobs followed (``launcher/submit.py``): handles, plans, restarts."""
+        self.fleet = fleet
+        """The rollout fleet and its one resize path (its ``log`` is ``logs/fleet/launcher.jsonl``)."""
+        self.autoscaler = autoscaler
         """``resources.rollout_autoscale``: decides fleet sizes from the idle ratios (``launcher/autoscale.py``)."""
         pending = read_scale_request(rd)
         self._scale_seen = pending.requested_s if pending is not None and pending.applied_s else 0.0
-        self.cfg = cfg
-        self.jobs = jobs
         self.emit = emit
-        self.resubmit = resubmit
-        self.restarts: dict[str, int] = {}
+        """Lines for the user (above the bar, when there is one)."""
         self._warned: dict[str, float] = {}
         self._evals = JsonlTail(rd.eval_log)
         self._evals_seen = len(self._evals.poll()) if resume else 0
         self._started_s = time.monotonic()
-        self.console = Console(rd, cfg, emit, resume, bar)
+        self.console = console
         """The version lines, problems, samples, start-up steps and the bar (:mod:`hpcrl.launcher.progress`)."""
-        self.emit = lambda line: self.console.bar.write(line, emit)  # above the bar, when there is one
         if resume:
             ckpt = read_latest_checkpoint(rd)
             self._intro = (f"resuming {rd.root}: trainer checkpoint at step {ckpt.step if ckpt else 0}/"
@@ -106,6 +100,9 @@ class RunFollower:
             return f"fix the reward file, or point at another: `{resume} reward.path=FILE`"
         if which == "data":
             return f"fix the data file, or point at another: `{resume} data.source=FILE`"
+        if which == "disk":
+            return (f"free space on the run directory's filesystem (or raise the quota; `hpcrl status {self.rd.root}` "
+                    f"shows its size and what is free), then `{resume}`")
         if which in ("model", "agent"):
             return (f"fix the {which} in place, then `{resume}` (a changed model.path cannot resume this run: "
                     "start a new --run-dir)")
@@ -139,20 +136,19 @@ class RunFollower:
 
     def _restart(self, name: str, handle, why: str) -> bool:
         """Resubmit job ``name`` if its restart budget allows (True), saying why."""
-        used = self.restarts.get(name, 0)
-        if self.resubmit is None or used >= self.cfg.resources.max_restarts:
+        used = self.jobs.restarts.get(name, 0)
+        if used >= self.cfg.resources.max_restarts:
             return False
-        self.restarts[name] = used + 1
         self.emit(f"job {name} ({handle.job_id}) {why}; resubmitting (restart {used + 1}/"
                   f"{self.cfg.resources.max_restarts}); last lines of its log:")
         self.emit(tail(self.rd.job_log(name), 5))
-        self.jobs[name] = self.resubmit(name)
-        self.emit(f"job {name} resubmitted as {self.jobs[name].job_id}")
+        new = self.jobs.resubmit(name)
+        self.emit(f"job {name} resubmitted as {new.job_id}")
         beat = read_heartbeats(self.rd).get(name)
-        self.fleet.record(RESUBMITTED, job=name, writer=RunDir.writer_of_job(name) or "", job_id=self.jobs[name].job_id,
-                          why=f"{why}; its last heartbeat said {beat.state if beat else 'nothing (never started)'}",
-                          numbers={"previous_job_id": handle.job_id, "restart": used + 1,
-                                   "max_restarts": self.cfg.resources.max_restarts})
+        self.fleet.log.record(RESUBMITTED, job=name, writer=RunDir.writer_of_job(name) or "", job_id=new.job_id,
+                              why=f"{why}; its last heartbeat said {beat.state if beat else 'nothing (never started)'}",
+                              numbers={"previous_job_id": handle.job_id, "restart": used + 1,
+                                       "max_restarts": self.cfg.resources.max_restarts})
         return True
 
     def _give_up_eval(self, handle) -> None:
@@ -160,19 +156,17 @@ class RunFollower:
         self.emit(f"the evaluation job ({handle.job_id}) failed and its restart budget (resources.max_restarts="
                   f"{self.cfg.resources.max_restarts}) is spent: training goes on without evaluation")
         self.emit(job_failure_report(self.rd, handle))
-        del self.jobs[EVAL_JOB]
+        self.jobs.forget(EVAL_JOB)
 
     def _check_jobs(self) -> Optional[int]:
         """Resubmit jobs that ended before the trainer finished, within the restart budget.
         Return 1 when the budget of some job is spent (after cancelling the rest), else None."""
-        for name, handle in list(self.jobs.items()):
+        for name, handle in list(self.jobs.handles.items()):
             if not handle.done():
                 continue
             if read_trainer_done(self.rd) is not None:
                 return None
-            writer = RunDir.writer_of_job(name)
-            if writer is not None and drain_requested(self.rd, writer):
-                self._drained(name, handle, writer)
+            if self.fleet.reap(name, handle):  # a drained rollout job left the fleet
                 continue
             if self._restart(name, handle, "ended before the trainer finished"):
                 continue
@@ -186,51 +180,18 @@ class RunFollower:
             return 1
         return None
 
-    def _drained(self, name: str, handle, writer: str) -> None:
-        """A drained rollout job ended: it is not resubmitted; its claims are released if it could not (killed
-        while draining, or cancelled before it started)."""
-        beat = read_heartbeats(self.rd).get(name)
-        released = release_writer(self.rd, writer, "drained: its job ended")
-        self.emit(f"job {name} ({handle.job_id}) left the fleet ({beat.state if beat else 'never started'}"
-                  f"{f'; {released} prompt claims handed back by the launcher' if released else ''})")
-        self.fleet.record(LEFT, job=name, writer=writer, job_id=handle.job_id,
-                          why=beat.state if beat else "never started", numbers={"released_prompts": released})
-        del self.jobs[name]
-
     def _apply_scale_request(self) -> None:
         """Act on a new ``control/scale.json`` (``hpcrl scale``) and acknowledge it."""
         req = read_scale_request(self.rd)
-        if req is None or req.requested_s <= self._scale_seen or self.scale is None:
+        if req is None or req.requested_s <= self._scale_seen:
             return
         self._scale_seen = req.requested_s
         try:
-            self.scale(req.rollout_jobs, req.by)
-        except (ValueError, OSError) as e:
+            self.fleet.resize(req.rollout_jobs, req.by)
+        except (ValueError, OSError, StartError) as e:
             self.emit(f"scale request {self.rd.scale_request} not applied: {e}")
-            self.fleet.record(SCALE_REFUSED, by=req.by, to_jobs=req.rollout_jobs, why=str(e))
+            self.fleet.log.record(SCALE_REFUSED, by=req.by, to_jobs=req.rollout_jobs, why=str(e))
         acknowledge_scale(self.rd, req)
-
-    def _autoscale(self) -> None:
-        """One step of ``resources.rollout_autoscale``: a decision is logged with its numbers (and, to add a job,
-        the queue's answer) and applied unless the queue cannot start a job soon."""
-        if self.autoscaler is None:
-            return
-        writers = [RunDir.writer_of_job(n) for n in active_rollout_jobs(self.rd, self.jobs)]
-        decision = self.autoscaler.poll(writers)
-        if decision is None:
-            return
-        ok, queue, numbers = True, "", dict(decision.numbers)
-        if decision.rollout_jobs > len(writers) and self.queue_check is not None:
-            ok, queue, said = self.queue_check()
-            numbers.update(said)
-        why = decision.why + (f"; queue: {queue}" if queue else "")
-        self.emit(f"autoscale: {len(writers)} -> {decision.rollout_jobs} rollout job(s) at version "
-                  f"{decision.version}: {why}" + ("" if ok else f"; held until {self.autoscaler.cfg.versions} more "
-                                                 "versions have passed"))
-        self.fleet.record(AUTOSCALE, by="autoscale", from_jobs=len(writers), to_jobs=decision.rollout_jobs, why=why,
-                          applied=ok, numbers={"version": decision.version, **numbers})
-        if ok:
-            self.scale(decision.rollout_jobs, "autoscale")
 
     def _warn_stale_heartbeats(self) -> None:
         now = time.time()
@@ -274,7 +235,8 @@ class RunFollower:
                 self.emit(f"run stopped on request ({self.rd.stop_request}); continue it with --resume")
                 return 1
             self._apply_scale_request()
-            self._autoscale()
+            if self.autoscaler is not None:
+                self.autoscaler.step()
             failed = self._check_jobs()
             if failed is not None:
                 return failed
@@ -289,12 +251,12 @@ class RunFollower:
     def _finish_eval(self, final: int, deadline: float, poll_s: float) -> None:
         """The trainer is done: wait (until ``deadline``) for the evaluation job to evaluate the final version and
         end; resubmit it if it dies meanwhile (restart budget); cancel it at the deadline."""
-        if EVAL_JOB not in self.jobs:
+        if EVAL_JOB not in self.jobs.handles:
             return
         self.emit(f"trainer done; waiting for the evaluation job to evaluate the final version v{final}")
         while True:
             self._print_new_evals()
-            handle = self.jobs[EVAL_JOB]
+            handle = self.jobs.handles[EVAL_JOB]
             if handle.done():
                 beat = read_heartbeats(self.rd).get(EVAL_JOB)
                 if beat is not None and beat.state == HeartbeatState.DONE.value:
@@ -311,7 +273,7 @@ class RunFollower:
     def _finish_rollouts(self, grace_s: float = 60.0) -> None:
         """Rollout jobs stop on their own once trainer_done exists; give them a moment. (The evaluation job
         is waited for by :meth:`_finish_eval`.)"""
-        jobs = {n: j for n, j in self.jobs.items() if n != EVAL_JOB}
+        jobs = {n: j for n, j in self.jobs.handles.items() if n != EVAL_JOB}
         end = time.monotonic() + grace_s
         while time.monotonic() < end and not all(j.done() for j in jobs.values()):
             time.sleep(0.5)
@@ -321,6 +283,5 @@ class RunFollower:
                 job.cancel()
 
     def cancel_all(self) -> None:
-        for job in self.jobs.values():
-            if not job.done():
-                job.cancel()
+        """Cancel every job still queued or running."""
+        self.jobs.cancel_all()

@@ -13,9 +13,14 @@ line, instead of after ``resources.max_restarts`` resubmissions:
   parser accepts them, and the tokenizer's chat template can append tool responses;
 - **evaluation** (``eval.every_versions`` > 0): ``data.val_files`` read and tokenize like the data,
   the evaluation's reward scores a held-out row of each data source, its engine can run;
-- **GPUs**: with ``--executor local`` the jobs run here, so the GPUs asked for must be here.
+- **GPUs**: with ``--executor local`` the jobs run here, so the GPUs asked for must be here;
+- **LoRA** (``actor.lora_rank``): the target modules are linear layers of the model, and each engine can serve the
+  adapter (``lora_check.py``).
 
-Every problem is reported at once (one line each), so one round trip shows them all.
+Every problem is reported at once (one line each), so one round trip shows them all: in ``hpcrl run`` the
+same pass holds the config's problems too (:func:`hpcrl.config.checks.collecting`). What is allowed but almost
+surely a mistake (a tokenizer that does not know the data, a reward written for other rows, a held-out set of
+another task) is a warning line instead (:mod:`hpcrl.launcher.input_warnings`).
 
 This is also where a shipped config with a placeholder model path is refused: paths are
 checked at launch (and by ``--dry-run``), not when a config file is parsed.
@@ -27,8 +32,10 @@ from pathlib import Path
 from typing import Optional
 
 from hpcrl.config import ConfigError, RunConfig
-from hpcrl.config.checks import bad
+from hpcrl.config.checks import bad, collecting, report, reported
 from hpcrl.config.names import BUILTIN_MODELS
+from hpcrl.launcher.input_warnings import WARNING, another_task, rule_mismatch, unknown_tokens, unwritable_answers
+from hpcrl.launcher.lora_check import check_lora
 
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 """Files that count as a model's weights."""
@@ -85,13 +92,15 @@ def check_engine_for(cfg: RunConfig, engine: str, key: str) -> None:
                   "vLLM's CPU attention needs head dim >= 64: set model.path=builtin:tiny-h64")
 
 
-def check_eval(cfg: RunConfig, tokenizer, training_reward_failed: bool = False) -> list[str]:
+def check_eval(cfg: RunConfig, tokenizer, training_reward_failed: bool = False,
+               train_rows: Optional[list[dict]] = None) -> list[str]:
     """The evaluation job's inputs (``eval.every_versions`` > 0): the held-out files read and tokenize, the
     evaluation's reward imports and scores a held-out row of each data source (not again when it is the training
     reward and that already failed: each problem is said once), its engine can run here. ConfigError in one line
-    on the first problem; lines saying what was found."""
+    on the first problem; lines saying what was found, then warnings (:mod:`hpcrl.launcher.input_warnings`:
+    ``train_rows`` are the training rows, to tell whether the held-out rows are the same task)."""
     from hpcrl.eval.data import engine_name, eval_reward, load_heldout
-    from hpcrl.rollout.reward_fn import check_reward
+    from hpcrl.rollout.reward_fn import probe_reward
 
     if not cfg.eval.enabled:
         return []
@@ -100,20 +109,25 @@ def check_eval(cfg: RunConfig, tokenizer, training_reward_failed: bool = False) 
         rows, lines = load_heldout(cfg, tokenizer)
     except (ValueError, OSError) as e:
         raise ConfigError(f"config data.val_files: {e}") from None
+    warnings = unknown_tokens(cfg, tokenizer, rows, "data.val_files")
     reward = eval_reward(cfg)
+    key = "reward" if reward is cfg.reward else "eval.reward"
+    other_task = another_task(train_rows or [], rows)
+    warnings += other_task or rule_mismatch(reward, rows, f"{key}.name", "data.val_files")
     if reward is cfg.reward and training_reward_failed:
-        return lines
+        return lines + warnings
     try:
-        line = check_reward(reward, rows)
+        probe = probe_reward(reward, rows, tokenizer)
     except ValueError as e:
-        key = "reward" if reward is cfg.reward else "eval.reward"
         raise ConfigError(f"config {key} (evaluation of data.val_files={','.join(cfg.data.val_files)}): {e}; fix: "
                           f"point data.val_files at held-out rows {key} can score, set eval.reward to a function "
                           "that scores these, or eval.every_versions=0 for no evaluation") from None
+    if not other_task:
+        warnings += unwritable_answers(cfg, probe, f"{key} (evaluation)")
     e = cfg.eval
     return lines + [f"evaluation job: every {e.every_versions} versions{', version 0' if e.before_training else ''} "
                     f"and the last, {len(rows)} prompts x {e.n} ({'sampled' if e.do_sample else 'greedy'}), engine "
-                    f"{engine_name(cfg)}; {line}"]
+                    f"{engine_name(cfg)}; {probe.line}"] + warnings
 
 
 @dataclass
@@ -139,13 +153,34 @@ def check_gpus(cfg: RunConfig, kind: Optional[str]) -> None:
         key = "trainer" if cfg.resources.trainer.gpus_per_node >= want else "rollout"
         raise bad(f"resources.{key}.gpus_per_node", want, f"at most the {have} GPU(s) of this machine with "
                   "--executor local (the jobs run here)", "set resources.trainer.gpus_per_node=0 and "
-                  "resources.rollout.gpus_per_node=0 (and rollout.dtype=float32, actor.bf16=false) to run on CPU, "
+                  "resources.rollout.gpus_per_node=0 to run on CPU (rollout.dtype and actor.bf16 'auto' then mean float32), "
                   "or --executor slurm")
 
 
 def _one_line(e: BaseException) -> str:
     text = str(e).strip()
     return text if text.startswith(("config ", "override ")) else f"config {text}"
+
+
+EVAL_KEYS = ("eval.every_versions", "eval.engine", "eval.reward.", "eval.max_prompts", "eval.response_length", "data.",
+             "rollout.response_length", "rollout.engine", "rollout.device", "model.path")
+"""What :func:`check_eval` reads: it is skipped while one of them is reported wrong."""
+
+
+def _attempt(fn, *args, skip: tuple[str, ...] = ()):
+    """``fn(*args)``, or None with its problem reported (and not called at all when a key it reads, one of
+    ``skip``, is already reported wrong: it would say the same again)."""
+    if reported(*skip):
+        return None
+    try:
+        return fn(*args)
+    except (ConfigError, ValueError, OSError) as e:
+        if isinstance(e, ConfigError) and e.key is not None:
+            report(e)
+        else:
+            for line in _one_line(e).splitlines():
+                report(ConfigError(line))
+        return None
 
 
 def _rows(cfg: RunConfig) -> list[dict]:
@@ -175,43 +210,49 @@ def derive_total_steps(cfg: RunConfig, prompts: int, capped: bool) -> Optional[s
 
 
 def check_inputs(cfg: RunConfig, kind: Optional[str] = None) -> InputsFound:
-    """Check the engine, GPUs (``kind`` local), model, data, reward and agent (module docstring); return what was
-    found. Every problem is reported in one ConfigError, one line each, so one round trip shows them all;
-    creates nothing."""
+    """Check the engine, GPUs (``kind`` local), model, data, reward, agent and evaluation (module docstring);
+    return what was found, warnings last (``warning: ...``, :mod:`hpcrl.launcher.input_warnings`). Every problem
+    is reported in one pass, one line each, with the config's own when the caller's pass holds both
+    (:func:`hpcrl.config.checks.collecting`); a check whose keys are already reported wrong is skipped. Creates
+    nothing."""
+    with collecting():
+        return _check_inputs(cfg, kind)
+
+
+def _check_inputs(cfg: RunConfig, kind: Optional[str]) -> InputsFound:
     from hpcrl.rollout.data import encode_rows
-    from hpcrl.rollout.reward_fn import check_reward, load_reward
+    from hpcrl.rollout.reward_fn import RewardProbe, load_reward, probe_reward
 
-    problems: list[str] = []
-
-    def attempt(fn, *args):
-        try:
-            return fn(*args)
-        except (ConfigError, ValueError, OSError) as e:
-            problems.extend(_one_line(e).splitlines())
-            return None
-
-    attempt(check_engine, cfg)
-    attempt(check_gpus, cfg, kind)
-    tokenizer = attempt(load_model_tokenizer, cfg)
-    rows = attempt(_rows, cfg)
+    _attempt(check_engine, cfg, skip=("rollout.engine", "rollout.device", "model.path"))
+    _attempt(check_gpus, cfg, kind, skip=("resources.trainer.gpus_per_node", "resources.rollout.gpus_per_node"))
+    lines_lora = _attempt(check_lora, cfg, skip=("actor.lora_", "model.path")) or []
+    tokenizer = _attempt(load_model_tokenizer, cfg, skip=("model.path",))
+    rows = _attempt(_rows, cfg, skip=("data.", "rollout.response_length"))
     encoded = None
     if rows is not None and tokenizer is not None:
         try:
             encoded = encode_rows(tokenizer, cfg.data, rows)
         except (ValueError, OSError) as e:
-            problems.append(f"config data.source: {e}")
-    lines = [encoded[1].line(cfg.data, encoded[2])] if encoded else []
-    reward_line = attempt(check_reward, cfg.reward, encoded[0] if encoded else rows) if rows \
-        else attempt(load_reward, cfg.reward)
-    if isinstance(reward_line, str):
-        lines.append(reward_line)
+            report(ConfigError(f"config data.source: {e}"))
+    lines = ([encoded[1].line(cfg.data, encoded[2])] if encoded else []) + lines_lora
+    warnings = unknown_tokens(cfg, tokenizer, encoded[0], "data.source") if encoded else []
+    probe = None
+    if rows:
+        probe = _attempt(probe_reward, cfg.reward, encoded[0] if encoded else rows, tokenizer, skip=("reward.",))
+    else:
+        _attempt(load_reward, cfg.reward, skip=("reward.",))
+    if isinstance(probe, RewardProbe):
+        lines.append(probe.line)
+        warnings += unwritable_answers(cfg, probe, "reward")
+        warnings += rule_mismatch(cfg.reward, rows, "reward.name", "data.source")
     if encoded:
-        lines += attempt(check_agent, cfg, tokenizer, encoded[0]) or []
+        lines += _attempt(check_agent, cfg, tokenizer, encoded[0], skip=("agent.",)) or []
     if tokenizer is not None:
-        lines += attempt(check_eval, cfg, tokenizer, not isinstance(reward_line, str)) or []
-    if problems:
-        raise ConfigError("\n".join(dict.fromkeys(problems)))
-    return InputsFound(lines, len(encoded[0]))
+        train_rows = encoded[0] if encoded else rows
+        lines += _attempt(check_eval, cfg, tokenizer, not isinstance(probe, RewardProbe), train_rows,
+                          skip=EVAL_KEYS) or []
+    return InputsFound([x for x in lines if not x.startswith(WARNING)] + warnings
+                       + [x for x in lines if x.startswith(WARNING)], len(encoded[0]) if encoded else 0)
 
 
 def check_agent(cfg: RunConfig, tokenizer, rows: list[dict]) -> list[str]:

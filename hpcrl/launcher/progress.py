@@ -125,6 +125,10 @@ class Console:
         self._startup_said_s = time.monotonic()
         self.bar = Bar(cfg.total_updates, bar, self._printed_step)
 
+    def say(self, line: str) -> None:
+        """One line for the user, above the bar when there is one."""
+        self.bar.write(line, self.emit)
+
     @property
     def first_update_seen(self) -> bool:
         """An update of this session was logged (until then the start-up steps are shown)."""

@@ -25,7 +25,8 @@ from hpcrl.control.fatal import FatalRecord
 from hpcrl.control.records import TrainerDone
 
 SAFE = ("resources.", "timeouts.", "logging.", "rollout.total_rollout_steps", "data.epochs",
-        "trainer.checkpoint_every_updates", "trainer.keep_checkpoints", "weights.keep_versions")
+        "trainer.checkpoint_every_updates", "trainer.keep_checkpoints", "trainer.keep_consumed_shards",
+        "weights.keep_versions")
 """Keys (or prefixes) that may change on every resume."""
 AFTER_FAILED_INPUT = {
     "reward": ("reward.",),

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from hpcrl.config import JobResources, RunConfig
 from hpcrl.fsio import write_bytes_atomic
+from hpcrl.launcher.fleet import fleet_ids
 from hpcrl.run_dir import RunDir
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "sbatch"
@@ -49,22 +50,27 @@ def sbatch_lines(cfg: RunConfig, rd: RunDir, scripts: Path, python: str) -> list
     """The sbatch command lines of a run (trainer; rollout job array; the evaluation job if on)."""
     trainer = ["sbatch", "--parsable", *_options("trainer", cfg.resources.trainer, rd, python),
                str(scripts / "trainer.sbatch"), str(rd.root)]
-    lines = [shlex.join(trainer), *rollout_lines(cfg, rd, scripts, python, list(range(cfg.resources.rollout_jobs)))]
+    lines = [shlex.join(trainer), *rollout_lines(cfg, rd, scripts, python, fleet_ids(rd, cfg.resources.rollout_jobs))]
     if cfg.eval.enabled:
         lines.append(shlex.join(["sbatch", "--parsable", *_options("eval", cfg.resources.eval, rd, python),
                                  str(scripts / "eval.sbatch"), str(rd.root)]))
     return lines
 
 
-def rollout_lines(cfg: RunConfig, rd: RunDir, scripts: Path, python: str, writer_ids: list[int]) -> list[str]:
-    """The sbatch commands of the rollout job arrays for these writer numbers (the array task id is the writer
-    number: ``0-3`` at launch, ``4,5`` when ``hpcrl scale`` grows the fleet): one array per kind of capacity
-    (``resources.rollout``, and ``resources.rollout_preemptible`` from its floor on)."""
+def rollout_arrays(cfg: RunConfig, writer_ids: list[int]) -> list[list[int]]:
+    """``writer_ids`` split into one job array per kind of capacity (``resources.rollout``, and
+    ``resources.rollout_preemptible`` from its floor on), in order."""
     kinds: dict[str, list[int]] = {}
     for i in writer_ids:
         kinds.setdefault(repr(cfg.resources.rollout_for(i)), []).append(i)
+    return list(kinds.values())
+
+
+def rollout_lines(cfg: RunConfig, rd: RunDir, scripts: Path, python: str, writer_ids: list[int]) -> list[str]:
+    """The sbatch commands of the rollout job arrays for these writer numbers (the array task id is the writer
+    number: ``0-3`` at launch, ``4,5`` when ``hpcrl scale`` grows the fleet), one per :func:`rollout_arrays`."""
     lines = []
-    for ids in kinds.values():
+    for ids in rollout_arrays(cfg, writer_ids):
         contiguous = ids == list(range(ids[0], ids[0] + len(ids)))
         array = f"{ids[0]}-{ids[-1]}" if contiguous else ",".join(map(str, ids))
         lines.append(shlex.join(["sbatch", "--parsable", f"--array={array}",

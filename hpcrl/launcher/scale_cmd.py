@@ -1,11 +1,12 @@
 """``hpcrl scale RUN --rollout-jobs N``: change the rollout fleet of a live run.
 
 The command writes ``control/scale.json``; the launcher following the run (``hpcrl run``, or a Python session's
-``Run``) acts on it within a poll (new jobs through its executor, drain records for the newest ones) and
-acknowledges it. When no launcher acknowledges within ``--wait-s`` (the run was launched with
-``sbatch/submit.sh``, or ``hpcrl run`` has exited), the command acts itself: it drains by writing drain records
-(the jobs drain by themselves), and grows by submitting the rollout job array of the new writer numbers with
-sbatch (``sbatch/rollout.sbatch``), or prints that line when sbatch is not on PATH.
+``Run``) acts on it within a poll and acknowledges it. When no launcher acknowledges within ``--wait-s`` (the run
+was launched with ``sbatch/submit.sh``, or ``hpcrl run`` has exited), the command resizes the fleet itself, by
+the same path (``launcher/fleet.py``: the same writers in the fleet, the same numbers for new ones, the same
+writers drained): it drains by writing drain records (the jobs drain by themselves), and grows by submitting the
+rollout job arrays of the new writer numbers with sbatch (:class:`SbatchArrays`, ``sbatch/rollout.sbatch``), or
+prints those lines when sbatch is not on PATH.
 """
 from __future__ import annotations
 
@@ -15,49 +16,54 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
-from hpcrl.control.fleet import drained_writers, read_scale_request, request_drain, request_scale
-from hpcrl.control.fleet_log import DRAIN_REQUESTED, SCALE_APPLIED, SCALE_REQUESTED, SUBMITTED, FleetLog
-from hpcrl.control.records import read_heartbeats, read_trainer_done
-from hpcrl.launcher.fleet import record_fleet_size, used_writer_ids
-from hpcrl.launcher.sbatch_lines import SCRIPTS, rollout_lines
+from hpcrl.config import RunConfig
+from hpcrl.control.fleet import read_scale_request, request_scale
+from hpcrl.control.fleet_log import SCALE_REQUESTED, FleetLog
+from hpcrl.control.records import read_trainer_done
+from hpcrl.launcher.fleet import Fleet, StartError, Submitted, active_writers
+from hpcrl.launcher.sbatch_lines import SCRIPTS, rollout_arrays, rollout_lines
 from hpcrl.run_dir import FLEET_SCALE, RunDir
 
-
-def _active_writers(rd: RunDir) -> list[str]:
-    """Writers whose job beats (not ended) and is not draining, sorted."""
-    drained = drained_writers(rd)
-    return sorted(w for job, beat in read_heartbeats(rd).items()
-                  if (w := RunDir.writer_of_job(job)) is not None and not beat.ended and w not in drained)
+SBATCH_TIMEOUT_S = 60.0
+"""Deadline of one ``sbatch`` submission."""
 
 
-def _act_without_launcher(rd: RunDir, n: int, scripts: Path, by: str, fleet: FleetLog) -> int:
-    cfg = rd.load_config()
-    active = _active_writers(rd)
-    if n < len(active):
-        for w in active[::-1][:len(active) - n]:
-            request_drain(rd, w, by)
-            fleet.record(DRAIN_REQUESTED, writer=w, job=RunDir.rollout_job(w), by=by, why="no launcher follows the run")
-            print(f"{RunDir.rollout_job(w)} asked to drain ({rd.drain_request(w)})")
-    elif n > len(active):
-        start = max(used_writer_ids(rd), default=-1) + 1
-        ids = list(range(start, start + n - len(active)))
-        lines = rollout_lines(cfg, rd, scripts, sys.executable, ids)
+class SbatchArrays:
+    """How ``hpcrl scale`` starts writers when no launcher follows the run: one rollout job array per kind of
+    capacity (``launcher/sbatch_lines.py``), the array task id being the writer number. It cannot cancel a job: a
+    drained one that has not started drains at once when it does."""
+
+    kind = "sbatch"
+    handles = None
+    note = "no launcher follows the run"
+
+    def __init__(self, cfg: RunConfig, rd: RunDir, scripts: Path):
+        self.cfg, self.rd, self.scripts = cfg, rd, scripts
+
+    def start(self, writer_ids: list[int]) -> Iterator[Submitted]:
+        """Submit the arrays of ``writer_ids``; StartError (with the lines to submit by hand) without sbatch."""
+        lines = rollout_lines(self.cfg, self.rd, self.scripts, sys.executable, writer_ids)
         if shutil.which("sbatch") is None:
-            print("sbatch is not on PATH: submit the new rollout jobs with\n" + "\n".join(lines))
-            return 1
-        for line in lines:
-            out = subprocess.run(shlex.split(line), capture_output=True, text=True, timeout=60)
+            raise StartError("sbatch is not on PATH: submit the new rollout jobs with\n" + "\n".join(lines))
+        for ids, line in zip(rollout_arrays(self.cfg, writer_ids), lines):
+            try:
+                out = subprocess.run(shlex.split(line), capture_output=True, text=True, timeout=SBATCH_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                raise StartError(f"`{line}` gave no answer in {SBATCH_TIMEOUT_S:g}s") from None
             if out.returncode != 0:
-                print(f"hpcrl scale: error: `{line}` failed: {out.stderr.strip()}", file=sys.stderr)
-                return 1
-            print(f"submitted rollout job array {out.stdout.strip()}: {line}")
-            fleet.record(SUBMITTED, job_id=out.stdout.strip(), by=by, why=f"rollout job array: {line}",
-                         numbers={"writer_ids": ids})
-        print(f"writers {ids[0]}..{ids[-1]} join the fleet")
-    record_fleet_size(cfg, rd, n, by)
-    fleet.record(SCALE_APPLIED, by=by, from_jobs=len(active), to_jobs=n, why="no launcher follows the run")
-    return 0
+                raise StartError(f"`{line}` failed: {out.stderr.strip()}")
+            array = out.stdout.strip().split(";")[0]  # --parsable: "id" or "id;cluster"
+            for i in ids:
+                yield Submitted(RunDir.writer_name(i), f"{array}_{i}", f"rollout job array {array}: {line}")
+
+    def cancel(self, job: str) -> bool:
+        """Not without a launcher (module docstring)."""
+        return False
+
+    def forget(self, job: str) -> None:
+        """Nothing is followed here."""
 
 
 def scale_command(run_dir: str, n: int, wait_s: float, scripts: str | None) -> int:
@@ -72,8 +78,8 @@ def scale_command(run_dir: str, n: int, wait_s: float, scripts: str | None) -> i
         return 2
     by = f"hpcrl scale --rollout-jobs {n}"
     req = request_scale(rd, n, by)
-    fleet = FleetLog(rd, FLEET_SCALE)
-    fleet.record(SCALE_REQUESTED, by=by, from_jobs=len(_active_writers(rd)), to_jobs=n)
+    log = FleetLog(rd, FLEET_SCALE)
+    log.record(SCALE_REQUESTED, by=by, from_jobs=len(active_writers(rd, rd.load_config())), to_jobs=n)
     deadline = time.monotonic() + wait_s
     print(f"asked for {n} rollout job(s) ({rd.scale_request}); waiting up to {wait_s:.0f}s for the launcher")
     while time.monotonic() < deadline:
@@ -84,4 +90,11 @@ def scale_command(run_dir: str, n: int, wait_s: float, scripts: str | None) -> i
         time.sleep(0.5)
     print(f"no launcher acknowledged in {wait_s:.0f}s (the run was launched with sbatch/submit.sh, or `hpcrl run` "
           "has exited): acting here")
-    return _act_without_launcher(rd, n, Path(scripts) if scripts else SCRIPTS, by, fleet)
+    cfg = rd.load_config()  # as the launcher may have left it
+    fleet = Fleet(rd, cfg, log, print, SbatchArrays(cfg, rd, Path(scripts) if scripts else SCRIPTS))
+    try:
+        fleet.resize(n, by)
+    except StartError as e:
+        print(f"hpcrl scale: error: {e}", file=sys.stderr)
+        return 1
+    return 0

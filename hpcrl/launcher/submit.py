@@ -10,6 +10,9 @@ submitit pickles the submitted callables into its own folder. That folder is
 kept *outside* the run directory, in a private (0700) folder of the submitting
 user (``~/.hpcrl/submitit/<run name>``), so no job ever unpickles anything from the
 shared run directory.
+
+:class:`LauncherJobs` holds the jobs a launcher follows (plans, handles, restarts) and is the way the launcher's
+fleet starts and cancels rollout jobs (``launcher/fleet.py``).
 """
 from __future__ import annotations
 
@@ -22,10 +25,11 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from hpcrl.config import JobResources, RunConfig
-from hpcrl.launcher.fleet import fleet_ids
+from hpcrl.control.fleet_log import SUBMITTED, FleetLog
+from hpcrl.launcher.fleet import StartError, Submitted, fleet_ids
 from hpcrl.launcher.jobs import JobHandle
 from hpcrl.launcher.sbatch_lines import slurm_options
 from hpcrl.process.leftovers import MARK_ENV, job_mark
@@ -156,15 +160,68 @@ def submit_one(rd: RunDir, kind: str, planned: PlannedJob) -> JobHandle:
     return JobHandle(planned.name, job, kind)
 
 
-def submit_jobs(rd: RunDir, kind: str, planned: list[PlannedJob]) -> dict[str, JobHandle]:
-    """Submit every planned job; return {name: JobHandle}. If one submission fails, the jobs
-    already submitted are cancelled before the error is raised (all or nothing)."""
-    jobs: dict[str, JobHandle] = {}
-    try:
-        for p in planned:
-            jobs[p.name] = submit_one(rd, kind, p)
-    except BaseException:
-        for handle in jobs.values():
-            handle.cancel()
-        raise
-    return jobs
+class LauncherJobs:
+    """The jobs a launcher follows, by name: each one's plan (what a resubmission submits again), its handle and its
+    restarts; the :class:`~hpcrl.launcher.fleet.Starter` of the launcher's fleet (one submitit job per writer).
+    ``submit`` submits one planned job (:func:`submit_one`; a test may start something lighter)."""
+
+    note = ""
+
+    def __init__(self, cfg: RunConfig, rd: RunDir, kind: str,
+                 submit: Callable[[RunDir, str, PlannedJob], JobHandle] = submit_one):
+        self.cfg, self.rd, self.kind = cfg, rd, kind
+        self.planned: dict[str, PlannedJob] = {}
+        self.handles: dict[str, JobHandle] = {}
+        """The jobs followed now (a rollout job that left the fleet, an evaluation job given up: no more)."""
+        self.restarts: dict[str, int] = {}
+        self._submit = submit
+
+    def submit_all(self, planned: list[PlannedJob], log: FleetLog, by: str) -> None:
+        """Submit every planned job, each a ``submitted`` event in ``log``. If one submission fails, the jobs
+        already submitted are cancelled before the error is raised (all or nothing)."""
+        try:
+            for p in planned:
+                self.submit(p)
+        except BaseException:
+            self.cancel_all()
+            raise
+        for name, handle in self.handles.items():
+            log.record(SUBMITTED, job=name, writer=RunDir.writer_of_job(name) or "", job_id=handle.job_id, by=by)
+
+    def submit(self, planned: PlannedJob) -> JobHandle:
+        """Submit one planned job and follow it."""
+        self.planned[planned.name] = planned
+        self.handles[planned.name] = self._submit(self.rd, self.kind, planned)
+        return self.handles[planned.name]
+
+    def resubmit(self, name: str) -> JobHandle:
+        """Submit job ``name`` again, as planned (a restart)."""
+        self.restarts[name] = self.restarts.get(name, 0) + 1
+        self.handles[name] = self._submit(self.rd, self.kind, self.planned[name])
+        return self.handles[name]
+
+    def start(self, writer_ids: list[int]) -> Iterator[Submitted]:
+        """New writers' rollout jobs, one submitit job each (the fleet's ``Starter``); StartError when the
+        executor refuses one."""
+        for i in writer_ids:
+            planned = plan_rollout(self.cfg, self.rd, i)
+            try:
+                handle = self.submit(planned)
+            except Exception as e:  # submitit's FailedSubmissionError, sbatch's refusal, an OSError
+                raise StartError(f"{planned.name} could not be submitted ({type(e).__name__}: {e})") from e
+            yield Submitted(RunDir.writer_name(i), handle.job_id)
+
+    def cancel(self, job: str) -> bool:
+        """Cancel ``job`` (SIGTERM / scancel); it is still followed until it ends."""
+        self.handles[job].cancel()
+        return True
+
+    def forget(self, job: str) -> None:
+        """Follow ``job`` no more."""
+        del self.handles[job]
+
+    def cancel_all(self) -> None:
+        """Cancel every job still queued or running (``Run.cancel`` may call this while the follower runs)."""
+        for handle in list(self.handles.values()):
+            if not handle.done():
+                handle.cancel()

@@ -8,12 +8,12 @@ runs). ``tests/test_plan_fast.py`` holds them equal.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
 import numpy as np
 
+from hpcrl.config.knobs import Knobs as RunKnobs
 from hpcrl.config.simulated import SimulatedConfig
 
 INF = float("inf")
@@ -21,21 +21,17 @@ EPS_S = 1e-12
 """Two event times closer than this are the same instant (both simulations)."""
 
 
-@dataclass
-class Knobs:
-    """The shape of one candidate run."""
+@dataclass(frozen=True, kw_only=True)
+class Knobs(RunKnobs):
+    """One candidate run: a run's async knobs (:class:`hpcrl.config.knobs.Knobs`: s, K, R, partial rollout, n, the
+    rollout jobs and their ``max_concurrent_groups``) and what the simulation needs besides."""
 
-    rollout_jobs: int
-    trainer_gpus: int
-    staleness_threshold: float
-    partial_rollout: bool
-    require_batches: int = 1
-    trigger_parameter_sync_step: int = 1
-    ppo_mini_batch_size: int = 4
-    n: int = 8
-    max_concurrent_groups: int = 8
+    trainer_gpus: int = 1
+    """GPUs of the trainer (the update's per-token time is divided by them)."""
     max_num_seqs: int = 256
+    """Sequences an engine runs at once (``rollout.max_num_seqs``)."""
     response_length: int = 1024
+    """The responses' cap (``rollout.response_length``)."""
     prompt_tokens: int = 16
     """Prompt length when no :class:`Draws` with the data's prompt lengths is given."""
     commit_while_draining: bool = False
@@ -44,14 +40,9 @@ class Knobs:
     seals them as they finish (what that change would buy)."""
 
     @property
-    def groups_per_update(self) -> int:
-        return self.ppo_mini_batch_size * self.require_batches
-
-    @property
     def budget(self) -> int:
-        """B = floor((1 + s) * K * R), as RunConfig.admission_budget."""
-        return math.floor((1.0 + self.staleness_threshold) * self.trigger_parameter_sync_step
-                          * self.groups_per_update + 1e-9)
+        """B, the config's :func:`hpcrl.config.knobs.admission_budget`."""
+        return self.admission_budget
 
 
 @dataclass

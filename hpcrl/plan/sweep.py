@@ -120,12 +120,10 @@ def parse_partial(text: str) -> tuple:
 
 def knobs_of(cfg: RunConfig, rollout_jobs: int, trainer_gpus: int, staleness: float, partial: bool,
              prompt_tokens: int = 16) -> Knobs:
-    """The knobs of ``cfg`` with a split and async setting replaced."""
-    return Knobs(rollout_jobs=rollout_jobs, trainer_gpus=trainer_gpus, staleness_threshold=staleness,
-                 partial_rollout=partial and staleness > 0, require_batches=cfg.async_training.require_batches,
-                 trigger_parameter_sync_step=cfg.async_training.trigger_parameter_sync_step,
-                 ppo_mini_batch_size=cfg.actor.ppo_mini_batch_size, n=cfg.rollout.n,
-                 max_concurrent_groups=cfg.rollout.max_concurrent_groups, max_num_seqs=cfg.rollout.max_num_seqs,
+    """The config's own knobs (``RunConfig.knobs``) with a split and async setting replaced."""
+    run = {f.name: getattr(cfg.knobs, f.name) for f in dataclasses.fields(cfg.knobs)}
+    run.update(rollout_jobs=rollout_jobs, staleness_threshold=staleness, partial_rollout=partial and staleness > 0)
+    return Knobs(**run, trainer_gpus=trainer_gpus, max_num_seqs=cfg.rollout.max_num_seqs,
                  response_length=cfg.rollout.response_length, prompt_tokens=prompt_tokens)
 
 

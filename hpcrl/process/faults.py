@@ -3,13 +3,15 @@
 Inert unless the environment variable ``HPCRL_FAULT_POINT`` is set (the soak
 harness ``bench/soak.py`` and ``tests/test_soak.py`` set it for one job)::
 
-    HPCRL_FAULT_POINT=<point>:<n>:<action>
+    HPCRL_FAULT_POINT=<point>:<n>:<action>[,<point>:<n>:<action> ...]
 
-At the ``n``-th time (1-based) this process reaches ``point`` it performs
+At the ``n``-th time (1-based; ``every``: every time) this process reaches ``point`` it performs
 ``action`` (with ``HPCRL_FAULT_ONCE=<file>`` only if that file does not exist yet: the fault creates it, so it
 fires once across the job's restarts, not once per process): ``term`` (SIGTERM to itself), ``kill`` (SIGKILL to itself),
-``sleep=<seconds>`` or ``fail`` (raise :class:`InjectedFault` there). Points, each placed
-at the instant a step begins:
+``sleep=<seconds>``, ``fail`` (raise :class:`InjectedFault` there), ``errno=<NAME>`` (raise ``OSError`` with that
+errno, e.g. ``ENOSPC``, ``EIO``, ``ESTALE``: a write that fails) or ``fill=<file>`` (write ``<file>`` until its
+filesystem is full: the next write there meets a real ENOSPC; the test frees the space by removing it). Several
+specs, comma-separated, each count on their own. Points, each placed at the instant a step begins:
 
 ================  ===================================================================
 point             where
@@ -24,10 +26,15 @@ startup           trainer or rollout, as each start-up step begins (``control/st
 op_build          trainer, as DeepSpeed's op build begins (in the build's own process)
 eval_prompt       evaluation, before each held-out prompt's generation is started
 tool_call         rollout, as an agent's tool call begins (in its worker thread: ``sleep`` holds the call)
+write             any job, as each write to the run directory begins (``fsio.guarded``)
+metrics_log       trainer, before an update's metrics row is appended
+states_save       rollout, before the states of its groups in flight are saved
+eval_commit       evaluation, before a version's samples and row are appended
 ================  ===================================================================
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -36,11 +43,11 @@ import time
 ENV = "HPCRL_FAULT_POINT"
 ONCE_ENV = "HPCRL_FAULT_ONCE"
 POINTS = ("seal_manifest", "checkpoint", "publish", "weight_load", "engine_load", "broadcast_bucket", "startup",
-          "op_build", "eval_prompt", "tool_call")
+          "op_build", "eval_prompt", "tool_call", "write", "metrics_log", "states_save", "eval_commit")
 
 log = logging.getLogger(__name__)
-_spec = os.environ.get(ENV)
-_counts: dict[str, int] = {}
+_specs = [spec.split(":", 2) for spec in os.environ.get(ENV, "").split(",") if spec]
+_counts: dict[int, int] = {}
 
 
 class InjectedFault(RuntimeError):
@@ -61,15 +68,21 @@ def _first_firing() -> bool:
 
 def point(name: str) -> None:
     """Count one arrival at ``name``; act if ``HPCRL_FAULT_POINT`` names this arrival."""
-    if not _spec:
-        return
-    target, n, action = _spec.split(":", 2)
-    if target != name:
-        return
-    _counts[name] = _counts.get(name, 0) + 1
-    if _counts[name] != int(n) or not _first_firing():
-        return
-    log.warning("fault injection (%s=%s): %s at %s #%s", ENV, _spec, action, name, n)
+    due = []
+    for i, (target, n, action) in enumerate(_specs):  # every spec counts this arrival before any acts
+        if target == name:
+            _counts[i] = _counts.get(i, 0) + 1
+            if n == "every" or _counts[i] == int(n):
+                due.append((n, action))
+    for n, action in due:
+        if not _first_firing():
+            continue
+        if n != "every":
+            log.warning("fault injection (%s=%s:%s:%s): %s at %s #%s", ENV, name, n, action, action, name, n)
+        _act(action, f"{name}:{n}:{action}")
+
+
+def _act(action: str, spec: str) -> None:
     if action == "term":
         os.kill(os.getpid(), signal.SIGTERM)
     elif action == "kill":
@@ -77,6 +90,30 @@ def point(name: str) -> None:
     elif action.startswith("sleep="):
         time.sleep(float(action.split("=", 1)[1]))
     elif action == "fail":
-        raise InjectedFault(f"{ENV}={_spec}")
+        raise InjectedFault(f"{ENV}={spec}")
+    elif action.startswith("errno="):
+        code = getattr(errno, action.split("=", 1)[1])
+        raise OSError(code, f"{os.strerror(code)} ({ENV}={spec})")
+    elif action.startswith("fill="):
+        fill(action.split("=", 1)[1])
     else:
-        raise ValueError(f"{ENV}={_spec}: action must be term, kill, sleep=<seconds> or fail, got {action!r}")
+        raise ValueError(f"{ENV}={spec}: action must be term, kill, sleep=<seconds>, fail, errno=<NAME> or "
+                         f"fill=<file>, got {action!r}")
+
+
+def fill(path: str) -> int:
+    """Write ``path`` until its filesystem has no room left; the bytes written (the file stays)."""
+    written, size = 0, 1 << 20
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        while size >= 4096:
+            try:
+                written += os.write(fd, b"\0" * size)
+            except OSError as e:
+                if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                size //= 16  # the last free pages, in smaller writes
+    finally:
+        os.close(fd)
+    log.warning("fault injection: filled the filesystem of %s (%d bytes)", path, written)
+    return written

@@ -22,6 +22,8 @@ import signal
 import time
 from pathlib import Path
 
+from hpcrl.process.pids import pid_running
+
 log = logging.getLogger(__name__)
 
 MARK_ENV = "HPCRL_JOB_MARK"
@@ -73,14 +75,6 @@ def _family(pid: int) -> set[int]:
     return out
 
 
-def process_running(pid: int) -> bool:
-    """Whether ``pid`` is a process that has not ended (a zombie has: only its parent's wait is missing)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
 def _attempt(env: dict[str, str]) -> tuple[str, ...]:
     return tuple(env.get(v, "") for v in ATTEMPT_VARS)
 
@@ -122,9 +116,9 @@ def sweep_leftovers(run_dir: Path, job: str, command: tuple[str, ...]) -> list[i
         except OSError:
             pass
     deadline = time.monotonic() + GONE_S
-    while any(process_running(p) for p in others) and time.monotonic() < deadline:
+    while any(pid_running(p) for p in others) and time.monotonic() < deadline:
         time.sleep(0.05)
-    still = [p for p in others if process_running(p)]
+    still = [p for p in others if pid_running(p)]
     if others:
         log.warning("start-up sweep: ended %d leftover process(es) of an earlier attempt of %s on this node: pids %s%s",
                     len(others), job, ", ".join(map(str, others)),

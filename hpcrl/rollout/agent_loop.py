@@ -9,7 +9,7 @@ a weight switch or stopped with its job is saved and continued whatever its loop
 
 Loops: ``single_turn.py`` (one response per trajectory) and ``tool_agent.py`` (multi-turn with tool
 calls); ``loops.py`` builds the ones a run's rows name. A new loop is one file implementing
-:class:`AgentLoop`, one line in ``loops.py`` and its name in :data:`hpcrl.config.names.AGENT_LOOPS`.
+:class:`AgentLoop` and one line in the registry, :data:`hpcrl.config.registries.AGENT_LOOPS`.
 
 Seeds are derived here only: a group's from the data seed and its prompt index, each engine call's
 from the group's, the trajectory's position and how many calls it has made.
@@ -20,6 +20,7 @@ import abc
 from dataclasses import dataclass
 from typing import Optional
 
+from hpcrl.config import AgentConfig
 from hpcrl.rollout.engine import Engine, EngineRunner
 from hpcrl.rollout.gate import EngineGate
 from hpcrl.rollout.trajectory import TrajectoryState
@@ -54,7 +55,14 @@ class AgentLoop(abc.ABC):
     """One way to generate a group (module docstring); runs on the engine's event loop."""
 
     name: str = ""
-    """The loop's name in ``agent.default`` and a row's ``agent_name``."""
+    """The loop's name in ``agent.default`` and a row's ``agent_name`` (its key in the registry,
+    :data:`hpcrl.config.registries.AGENT_LOOPS`)."""
+
+    @classmethod
+    def build(cls, cfg: AgentConfig, tokenizer) -> "AgentLoop":
+        """The loop a rollout job or the evaluation builds once (a loop that needs the agent config or the
+        tokenizer overrides this)."""
+        return cls()
 
     @abc.abstractmethod
     async def step(self, ctx: GroupContext, trajs: list[TrajectoryState], version: int) -> None:

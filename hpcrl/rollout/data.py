@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from hpcrl.config import DataConfig, names
+from hpcrl.config import DataConfig, registries
 
 
 def _plain(value: Any) -> Any:
@@ -66,8 +66,8 @@ def parse_row(raw: dict, cfg: DataConfig, where: str) -> dict:
         prompt = str(prompt)
     answer = _lookup(row, cfg.answer_key)
     extra = row.get("extra_info")
-    if row.get("agent_name") not in (None, "", *names.AGENT_LOOPS):
-        raise ValueError(f"{where}: agent_name {row['agent_name']!r} is not one of {', '.join(names.AGENT_LOOPS)}")
+    if row.get("agent_name") not in (None, "", *registries.AGENT_LOOPS):
+        raise ValueError(f"{where}: agent_name {row['agent_name']!r} is not one of {', '.join(registries.AGENT_LOOPS)}")
     return {"prompt": prompt, "answer": "" if answer is None else str(answer),
             "data_source": str(row.get("data_source") or ""), "extra_info": extra if isinstance(extra, dict) else None,
             "agent_name": row.get("agent_name") or None}

@@ -81,7 +81,8 @@ def load_rows(cfg: DataConfig, answer_len: int) -> list[dict]:
                 for r in toy_calc_rows(cfg.toy_num_prompts, cfg.seed)]
     path = Path(cfg.source).expanduser()
     if not path.is_file():
-        raise ValueError(f"{path} does not exist (it is read on the login node and on the rollout nodes)")
+        raise ValueError(f"{path} does not exist; fix: point it at a .jsonl or .parquet file on the shared filesystem "
+                         "(it is read on the login node and on the rollout nodes)")
     if path.suffix == ".jsonl":
         raw = []
         with open(path) as f:

@@ -1,35 +1,15 @@
-"""The engine registry: ``rollout.engine`` -> its backend, imported only when chosen (vLLM is an
-optional dependency). A new backend is one file behind :class:`~hpcrl.rollout.engine.Engine` and
-one line here (and its name in :data:`hpcrl.config.names.ENGINES`)."""
+"""Starting the engine ``rollout.engine`` names. The registry is :data:`hpcrl.config.registries.ENGINES` (name ->
+engine class), which the config checks names against; a backend's module is imported only when chosen (vLLM is
+an optional dependency). A new backend is one file behind :class:`~hpcrl.rollout.engine.Engine` and one line in
+that registry."""
 from __future__ import annotations
 
 import logging
-from typing import Callable
 
+from hpcrl.config.registries import ENGINES, resolve
 from hpcrl.rollout.engine import Engine, EngineOptions, EngineRunner
 
 log = logging.getLogger(__name__)
-
-
-def _transformers(opts: EngineOptions) -> Engine:
-    from hpcrl.rollout.transformers_engine import TransformersEngine
-    return TransformersEngine(opts)
-
-
-def _vllm(opts: EngineOptions) -> Engine:
-    from hpcrl.rollout.vllm_engine import VLLMEngine
-    return VLLMEngine(opts)
-
-
-def _simulated(opts: EngineOptions) -> Engine:
-    from hpcrl.rollout.simulated_engine import SimulatedEngine
-    return SimulatedEngine(opts)
-
-
-ENGINES: dict[str, Callable[[EngineOptions], Engine]] = {"transformers": _transformers, "vllm": _vllm,
-                                                         "simulated": _simulated}
-"""Engine builder by ``rollout.engine`` (the allowed names: :data:`hpcrl.config.names.ENGINES`).
-The backend module is imported only when chosen: vLLM is an optional dependency."""
 
 
 def make_engine(name: str, opts: EngineOptions, runner: EngineRunner, timeout_s: float) -> Engine:
@@ -41,6 +21,6 @@ def make_engine(name: str, opts: EngineOptions, runner: EngineRunner, timeout_s:
              opts.model_dir, timeout_s)
 
     async def build():
-        return ENGINES[name](opts)
+        return resolve(ENGINES[name])(opts)
 
     return runner.call(build, timeout_s, f"starting the {name} engine for {opts.model_dir}")

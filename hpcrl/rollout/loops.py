@@ -3,27 +3,15 @@ built once for a rollout job (the tool agent only when a row uses it: it checks 
 chat template and builds the tools)."""
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Iterable
 
-from hpcrl.config import AgentConfig, names
+from hpcrl.config import AgentConfig
+from hpcrl.config.names import SINGLE_TURN, TOOL_AGENT
+from hpcrl.config.registries import AGENT_LOOPS, resolve
 from hpcrl.rollout.agent_loop import AgentLoop
 
-SINGLE_TURN, TOOL_AGENT = names.AGENT_LOOPS
-"""The loops' names (``agent.default``, a row's ``agent_name``)."""
-
-
-def _single_turn(cfg: AgentConfig, tokenizer) -> AgentLoop:
-    from hpcrl.rollout.single_turn import SingleTurnLoop
-    return SingleTurnLoop()
-
-
-def _tool_agent(cfg: AgentConfig, tokenizer) -> AgentLoop:
-    from hpcrl.rollout.tool_agent import ToolAgentLoop
-    return ToolAgentLoop(cfg, tokenizer)
-
-
-LOOPS: dict[str, Callable[[AgentConfig, object], AgentLoop]] = {SINGLE_TURN: _single_turn, TOOL_AGENT: _tool_agent}
-"""Loop builder by name (the allowed names: :data:`hpcrl.config.names.AGENT_LOOPS`)."""
+__all__ = ["SINGLE_TURN", "TOOL_AGENT", "loop_name", "make_loops"]
+"""The loops' names (keys of :data:`hpcrl.config.registries.AGENT_LOOPS`), re-exported for the callers."""
 
 
 def loop_name(row: dict, cfg: AgentConfig) -> str:
@@ -34,7 +22,8 @@ def loop_name(row: dict, cfg: AgentConfig) -> str:
 def make_loops(cfg: AgentConfig, tokenizer, rows: Iterable[dict]) -> dict[str, AgentLoop]:
     """The loops the rows name, built once; ValueError (naming the allowed ones) for a name with no loop."""
     wanted = sorted({loop_name(r, cfg) for r in rows})
-    unknown = [n for n in wanted if n not in LOOPS]
+    unknown = [n for n in wanted if n not in AGENT_LOOPS]
     if unknown:
-        raise ValueError(f"agent loop {unknown[0]!r} (a row's agent_name or agent.default); allowed: {', '.join(LOOPS)}")
-    return {name: LOOPS[name](cfg, tokenizer) for name in wanted}
+        raise ValueError(f"agent loop {unknown[0]!r} (a row's agent_name or agent.default); allowed: "
+                         f"{', '.join(AGENT_LOOPS)}")
+    return {name: resolve(AGENT_LOOPS[name]).build(cfg, tokenizer) for name in wanted}

@@ -1,6 +1,6 @@
 """Rollout job: generate groups with the newest weights and commit them as shards.
 
-The loop (:meth:`RolloutJob._loop`) repeats these named steps:
+The loop (:meth:`RolloutJob.loop`) repeats these named steps:
 
 1. **stop?** USR2 (seal and requeue), ``control/trainer_done.json`` (seal, exit 0), the launcher's
    ``control/stop.json`` (Ctrl-C: seal, save the groups in flight, exit 0 as ``stopped``) or a drain record
@@ -36,14 +36,12 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Optional
 
 from hpcrl import metric_names as M
-from hpcrl.control.fleet import drain_requested
-from hpcrl.control.records import HeartbeatState, HeartbeatThread, describe_heartbeats, ended_state, stop_requested
+from hpcrl.control.job import Stop, StopWatch, job_main
+from hpcrl.control.records import HeartbeatState, HeartbeatThread, JobStats, describe_heartbeats, ended_state
 from hpcrl.control.startup import StartupSteps
 from hpcrl.fsio import wait_for
-from hpcrl.logs import setup_logging
 from hpcrl.process import faults, termination
-from hpcrl.process.leftovers import mark_job, sweep_leftovers
-from hpcrl.process.preemption import PreemptionFlag, preempted_by_slurm, requeue_self
+from hpcrl.process.preemption import PreemptionFlag
 from hpcrl.rollout.agent_loop import GroupContext, group_seed, run_group
 from hpcrl.rollout.gate import EngineGate
 from hpcrl.rollout.loops import loop_name
@@ -62,26 +60,30 @@ class EngineLoadFailed(Exception):
     """The engine could not adopt a verified weight version (the files are fine: not marked bad)."""
 
 
-TRAINER_DONE_POLL_S = 0.5
-"""How often the loop looks for ``trainer_done.json`` (a stat of the shared filesystem per
-look; finishing half a second late costs nothing)."""
-
-
 class RolloutJob:
     """One rollout job: writer ``w<rank>`` of the run (any number of them, joining at any time), generating and
     committing groups.
 
-    See the module docstring for the loop; :meth:`run` is the whole life of the job.
+    See the module docstring for the loop; its steps (:meth:`start`, :meth:`loop`, :meth:`shutdown`) run in
+    every job's frame (``control/job.py``).
     """
 
     def __init__(self, run_dir: RunDir, writer_rank: int, preemption: Optional[PreemptionFlag] = None):
         self.run_dir = run_dir
-        self.preemption = preemption
         self.cfg = run_dir.load_config()
         if writer_rank < 0:
             raise ValueError(f"writer rank {writer_rank} must be >= 0 (it names the writer: w000, w001, ...)")
         self.writer = RunDir.writer_name(writer_rank)
         """The job's writer: its identity across its own requeues (its shards, claims, groups in flight)."""
+        self.name = f"rollout {self.writer}"
+        self.requeues = True
+        self.watch = StopWatch(run_dir, preemption, {
+            Stop.PREEMPTED: "sealing complete groups and requeueing this rollout job",
+            Stop.DONE: "sealing complete groups and stopping",
+            Stop.STOPPED: "sealing complete groups, saving those in flight",
+            Stop.DRAINED: lambda: (f"finishing {len(self.in_flight)} groups in flight, sealing, releasing the budget "
+                                   "and prompt claims")}, trainer_done=True, writer=self.writer)
+        """Step 1: USR2, trainer_done, the launcher's stop request, a drain request for this writer."""
         self.heartbeat = HeartbeatThread(run_dir, RunDir.rollout_job(self.writer), "rollout",
                                          self.cfg.timeouts.heartbeat_interval_s)
         self.startup = StartupSteps(self.heartbeat, RunDir.rollout_job(self.writer), self.cfg.timeouts.job_start_s)
@@ -99,7 +101,6 @@ class RolloutJob:
         """Groups generating (or parked at the gate) -> their prompt index."""
         self.stats: Optional[VersionStats] = None
         """Counters of the current version, written as a row when the next one is loaded."""
-        self._done_checked_s = 0.0
         self._blocked_since: Optional[float] = None
         self._failed_load: tuple[int, float] = (-1, 0.0)  # (version, monotonic time) of the last failed engine load
 
@@ -109,7 +110,7 @@ class RolloutJob:
         ``agent.default``), continued from a saved state if the previous job left one. With
         ``adv_estimator=remax`` one more trajectory of the group is decoded greedily (as verl's remax branch
         adds one greedy request per prompt); its reward is the group's ``reward_baseline``, it is not trained.
-        GroupAborted if the job stops meanwhile (its state stays live for :meth:`_shutdown` to save)."""
+        GroupAborted if the job stops meanwhile (its state stays live for :meth:`shutdown` to save)."""
         p, ro = self.parts, self.cfg.rollout
         row = p.stream[prompt_index]
         created = time.time()
@@ -138,27 +139,6 @@ class RolloutJob:
         return group, GroupInfo.of(sampled, resumed, f"{self.writer}/{prompt_index}", sample)
 
     # ---- steps of the loop
-    def _stop_requested(self) -> Optional[HeartbeatState]:
-        """Step 1: PREEMPTED on USR2, DONE once the trainer finished, STOPPED when the launcher asked the run
-        to stop (Ctrl-C), else None."""
-        if self.preemption is not None and self.preemption.requested:
-            log.warning("USR2: sealing complete groups and requeueing this rollout job")
-            return HeartbeatState.PREEMPTED
-        now = time.monotonic()
-        if now - self._done_checked_s >= TRAINER_DONE_POLL_S:
-            self._done_checked_s = now
-            if self.run_dir.trainer_done.exists():
-                log.info("trainer is done; stopping")
-                return HeartbeatState.DONE
-            if stop_requested(self.run_dir):
-                log.info("the launcher asked the run to stop: sealing complete groups, saving those in flight")
-                return HeartbeatState.STOPPED
-            if drain_requested(self.run_dir, self.writer):
-                log.info("asked to leave the fleet (%s): finishing %d groups in flight, sealing, releasing the "
-                         "budget and prompt claims", self.run_dir.drain_request(self.writer), len(self.in_flight))
-                return HeartbeatState.DRAINED
-        return None
-
     def _apply_to_engine(self, wv: WeightVersion) -> tuple[str, float]:
         """Hand a verified version to the engine: how it reached the engine and the seconds it took;
         EngineLoadFailed if the engine cannot take it."""
@@ -314,7 +294,7 @@ class RolloutJob:
     def _seal(self) -> None:
         line = self.parts.shards.seal()
         if line is not None:
-            self.heartbeat.update(stats={"groups_committed": self.parts.shards.committed_groups})
+            self.heartbeat.update(stats=JobStats(groups_committed=self.parts.shards.committed_groups))
             log.debug("committed %s (%d groups)", line.shard, line.n_groups)
 
     def _wait_if_blocked(self, progressed: bool) -> None:
@@ -341,45 +321,26 @@ class RolloutJob:
         self.parts.metrics.write({**self.stats.row(self.writer), **self.parts.scorer.pop_metrics()})
 
     # ---- the loop
-    def run(self) -> None:
-        """Build, wait for version 0, loop until stopped; shut down whatever stage failed."""
+    def start(self) -> None:
+        """Build, wait for version 0 and load it (start-up steps)."""
         t = self.cfg.timeouts
-        self.heartbeat.start()
-        final_state = HeartbeatState.FAILED  # until the loop ends normally
-        try:
-            self.parts = build_parts(self.cfg, self.run_dir, self.writer, self.startup)
-            weights = self.parts.weights
-            with self.startup.step("waiting for weight version 0", t.wait_weights_s + 60):
-                wait_for(f"weight version 0 in {self.run_dir.weights}", lambda: weights.newest_usable() is not None,
-                         t.wait_weights_s, t.poll_interval_s, log,
-                         describe=lambda: describe_heartbeats(self.run_dir, "trainer"), stop=termination.check)
-            with self.startup.step("loading the first weight version", t.wait_weights_s + t.generate_s):
-                self._load_newest()
-            self.heartbeat.update(step="", step_started_s=0.0)
-            self.heartbeat.write()  # out of start-up now: the launcher's Ctrl-C waits for it to seal from here on
-            final_state = self._loop()
-        except BaseException as e:
-            if isinstance(e, SystemExit) and termination.received() is not None and preempted_by_slurm():
-                log.warning("SIGTERM of a Slurm preemption: sealing, saving the groups in flight, then requeueing")
-                final_state = HeartbeatState.PREEMPTED
-            elif not isinstance(e, SystemExit):
-                log.exception("rollout %s failed", self.writer)  # into RUN/logs/jobs/, where the launcher looks
-            raise
-        finally:
-            with termination.deferred():  # a second SIGTERM (srun forwards Slurm's) must not cut the save short
-                try:
-                    self._shutdown(final_state)
-                finally:
-                    if final_state == HeartbeatState.PREEMPTED:
-                        requeue_self()  # under Slurm; elsewhere whoever started the job restarts it
+        self.parts = build_parts(self.cfg, self.run_dir, self.writer, self.startup)
+        weights = self.parts.weights
+        with self.startup.step("waiting for weight version 0", t.wait_weights_s + 60):
+            wait_for(f"weight version 0 in {self.run_dir.weights}", lambda: weights.newest_usable() is not None,
+                     t.wait_weights_s, t.poll_interval_s, log,
+                     describe=lambda: describe_heartbeats(self.run_dir, "trainer"), stop=termination.check)
+        with self.startup.step("loading the first weight version", t.wait_weights_s + t.generate_s):
+            self._load_newest()
+        self.heartbeat.update(step="", step_started_s=0.0)
+        self.heartbeat.write()  # out of start-up now: the launcher's Ctrl-C waits for it to seal from here on
 
-    def _loop(self) -> HeartbeatState:
+    def loop(self) -> Stop:
         """Steps 1-6 of the module docstring until stopped; returns DONE, STOPPED, PREEMPTED or DRAINED."""
         poll_s = self.cfg.timeouts.poll_interval_s
         while True:
-            termination.check()
-            stop = self._stop_requested()
-            if stop == HeartbeatState.DRAINED:
+            stop = self.watch.check()
+            if stop == Stop.DRAINED:
                 self._finish_in_flight()  # every group admitted is committed: nothing is left for a successor
             if stop is not None:
                 return stop
@@ -425,9 +386,9 @@ class RolloutJob:
                 p.states.finish(self.in_flight[fut])
         p.states.save()
 
-    def _shutdown(self, final_state: HeartbeatState) -> None:
-        """Seal complete groups, write the last version row, release the engine, write the final heartbeat.
-        Works whatever stage the job failed in (nothing built yet, no version loaded, ...)."""
+    def shutdown(self, final_state: HeartbeatState) -> None:
+        """Seal complete groups, save those in flight, write the last version row, release the engine. Works
+        whatever stage the job failed in (nothing built yet, no version loaded, ...)."""
         p = self.parts
         try:
             if p is not None:
@@ -440,22 +401,21 @@ class RolloutJob:
         finally:
             if p is not None:
                 p.close()
-            self.heartbeat.stop(final_state)
             log.info("rollout %s %s: %d groups committed in total", self.writer, ended_state(final_state),
                      p.shards.committed_groups if p is not None else 0)
 
 
 def rollout_main(run_dir: str, writer_rank: int) -> None:
-    rd = RunDir(run_dir)
-    cfg = rd.load_config()
-    job = RunDir.rollout_job(RunDir.writer_name(writer_rank))
-    setup_logging(f"{job} [simulated]" if cfg.is_simulated else job, cfg.logging.level, rd.job_log(job))
-    mark_job(rd.root, job)
-    sweep_leftovers(rd.root, job, ("rollout", "--writer-rank", str(writer_rank)))
-    if not sweep_stale():  # their /dev/shm weight buffers (any dead process's), now that they are gone
-        log.info("start-up sweep: no weight buffers of dead processes in %s", SHM_DIR)
-    termination.install()  # scancel: seal complete groups, then exit
-    RolloutJob(rd, writer_rank, PreemptionFlag()).run()
+    """A rollout job's entry point (``hpcrl rollout RUN --writer-rank N``): every job's life (``control/job.py``)
+    around :class:`RolloutJob`, after the ``/dev/shm`` weight buffers of dead processes are swept."""
+    writer = RunDir.writer_name(writer_rank)
+
+    def build(rd: RunDir, preemption: PreemptionFlag) -> RolloutJob:
+        if not sweep_stale():  # their /dev/shm weight buffers (any dead process's), now that they are gone
+            log.info("start-up sweep: no weight buffers of dead processes in %s", SHM_DIR)
+        return RolloutJob(rd, writer_rank, preemption)
+
+    job_main(run_dir, RunDir.rollout_job(writer), ("rollout", "--writer-rank", str(writer_rank)), build)
 
 
 def main(argv=None) -> None:

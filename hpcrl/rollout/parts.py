@@ -39,22 +39,25 @@ from hpcrl.samples.skips import SkipLog
 from hpcrl.samples.writer import ShardWriter
 from hpcrl.tiny.model import load_tokenizer
 from hpcrl.weights import WeightSubscriber, make_subscriber
+from hpcrl.weights.adapter import verify_base
 
 log = logging.getLogger("hpcrl.rollout")
 
 
 def engine_options(cfg: RunConfig, model_dir) -> EngineOptions:
-    """``rollout.*`` resolved for this job: ``device: auto`` becomes cuda when a GPU is visible."""
+    """``rollout.*`` resolved for this job: ``device: auto`` becomes cuda when a GPU is visible, ``dtype: auto``
+    bfloat16 there (float32 on cpu)."""
     ro = cfg.rollout
     device = ro.device if ro.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"rollout.device=cuda but this job sees no GPU (CUDA_VISIBLE_DEVICES="
                            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): check resources.rollout.gpus_per_node")
     return EngineOptions(model_dir=model_dir, max_new_tokens=ro.response_length, temperature=ro.temperature,
-                         top_p=ro.top_p, device=device, dtype=ro.dtype, seed=cfg.model.seed,
+                         top_p=ro.top_p, device=device, dtype=ro.dtype_on(device), seed=cfg.model.seed,
                          gpu_memory_utilization=ro.gpu_memory_utilization, max_model_len=ro.max_model_len,
                          tensor_parallel_size=ro.tensor_parallel_size, data_parallel_size=ro.data_parallel_size,
                          enforce_eager=ro.enforce_eager, max_num_seqs=ro.max_num_seqs,
+                         lora_rank=cfg.actor.lora_rank or 0,
                          simulated=cfg.simulated if ro.engine == "simulated" else None)
 
 
@@ -113,6 +116,7 @@ def build_parts(cfg: RunConfig, run_dir: RunDir, writer: str, steps: StartupStep
             with fatal_inputs(run_dir, job, "building the agent loops", "agent"):
                 loops = make_loops(cfg.agent, tokenizer, rows)
         with fatal_inputs(run_dir, job, f"loading the model {mdir} into the {cfg.rollout.engine} engine", "model"):
+            verify_base(mdir, cfg.model.base_hash)  # LoRA: the adapters apply to this base only
             runner = EngineRunner()
             closers.callback(runner.close)
             with steps.step(f"starting the {cfg.rollout.engine} engine", t.engine_start_s + 10):  # its own limit first

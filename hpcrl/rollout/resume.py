@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional
 
-from hpcrl.fsio import read_json, write_json_atomic
+from hpcrl.fsio import make_dirs, read_json, write_json_atomic
 from hpcrl.json_record import JsonRecord, RecordError
+from hpcrl.process import faults
 from hpcrl.rollout.trajectory import TrajectoryState
 
 log = logging.getLogger(__name__)
@@ -124,7 +125,8 @@ class InFlightStates:
         with self._lock:
             groups = {**self._saved, **self._live}
             doc = SavedGroups(SCHEMA, [groups[i] for i in sorted(groups)]).to_json()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        faults.point("states_save")
+        make_dirs(self.path.parent)
         write_json_atomic(self.path, doc)
 
     def saved_count(self) -> int:

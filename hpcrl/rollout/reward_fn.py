@@ -14,14 +14,15 @@ with its signature and the expected one.
 
 ``reward.path`` names the Python file and ``reward.function`` the function (verl:
 ``custom_reward_function.path`` / ``.name``); otherwise ``reward.name`` picks a built-in from
-:data:`hpcrl.rollout.rewards.REWARDS`, or ``by_data_source``: the built-in that a row's
+:data:`hpcrl.config.registries.REWARDS`, or ``by_data_source``: the built-in that a row's
 ``data_source`` names (:data:`hpcrl.rollout.rewards.DATA_SOURCES`), verl's
 ``default_compute_score`` habit over hpcrl's own scorers. A result is a number (a bool counts as
 0/1, a tuple's first element is taken, as verl does) or a dict whose ``score`` is the reward and
 whose other numbers become metrics of the rollout job's per-version log (``reward_extra/<key>``).
 
 Checked before it matters: the launcher imports the file, checks the signature and calls the
-function on a real row of each data source (:func:`check_reward`), so a broken file fails before
+function on a real row of each data source (:func:`probe_reward`: its ground truth as the response, in the
+form the data source's rule wants, and as the model's tokenizer would write it), so a broken file fails before
 anything is submitted; the rollout job imports it again and records an import failure as fatal (no
 restart would fix it). At run time an exception in the function gives that response reward 0, is
 counted (``reward/errors``, with the first message and sample id in ``reward/first_error``) and
@@ -36,12 +37,13 @@ import math
 import sys
 import threading
 from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from hpcrl.config import RewardConfig
 from hpcrl.config.names import BY_DATA_SOURCE
-from hpcrl.rollout.rewards import REWARDS, scorer_for
+from hpcrl.rollout.rewards import builtin_rule, right_answer, scorer_for
 from hpcrl import metric_names as M
 
 log = logging.getLogger(__name__)
@@ -74,14 +76,15 @@ def _builtin(name: str) -> ComputeScore:
 
 
 def _call_rule(name: str, response: str, answer: str, extra_info: Optional[dict]) -> float:
-    fn = REWARDS[name]
+    fn = builtin_rule(name)
     return fn(response, answer, extra_info) if getattr(fn, "wants_extra_info", False) else fn(response, answer)
 
 
 def _import(cfg: RewardConfig) -> Callable:
     path = Path(cfg.path).expanduser().resolve()
     if not path.is_file():
-        raise RewardLoadError(f"reward.path {path} does not exist")
+        raise RewardLoadError(f"reward.path {path} does not exist; fix: point reward.path at a .py file on the shared "
+                              f"filesystem that defines {cfg.function} ({EXPECTED})")
     name = f"hpcrl_user_reward_{abs(hash(str(path)))}"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
@@ -175,27 +178,77 @@ def result_fields(result: Any) -> dict[str, Any]:
             if v is None or isinstance(v, (str, bool, int)) or isinstance(v, float) and math.isfinite(v)}
 
 
-def check_reward(cfg: RewardConfig, rows: list[dict]) -> str:
-    """Import the reward, check its signature and call it on the first row of each data source (with
-    the row's ground truth as the response); RewardLoadError in one line if that fails. Returns a
-    line saying what was called and the scores."""
+@dataclass
+class RewardProbe:
+    """What the launch probe (:func:`probe_reward`) found."""
+
+    line: str
+    """``reward: ..., called with ...; ... openai/gsm8k '#### 72' -> 1``: for the user."""
+    unwritable: list[str] = field(default_factory=list)
+    """One phrase per data source whose right answer scores less as the model's tokenizer writes it (the model
+    can never write it: e.g. ``####`` and the numbers are unknown words of the tiny tokenizer)."""
+
+
+def rule_of(cfg: RewardConfig, data_source: str) -> Optional[str]:
+    """The built-in rule that scores ``data_source``'s rows: ``reward.name``'s, ``by_data_source``'s pick, or for
+    a function of your own the rule its data source would get (its form of a right answer); None if unknown."""
+    if cfg.path is None and cfg.name != BY_DATA_SOURCE:
+        return cfg.name
+    try:
+        return scorer_for(data_source)
+    except ValueError:
+        return None
+
+
+def probe_reward(cfg: RewardConfig, rows: list[dict], tokenizer=None) -> RewardProbe:
+    """Import the reward, check its signature and call it on the first row of each data source with a right
+    answer as the response (the ground truth, in the form the data source's rule wants: ``#### 72`` for
+    gsm8k); with ``tokenizer``, also on that answer as the model would write it (encoded and decoded as the
+    rollout job decodes). RewardLoadError in one line if a call fails."""
     fn = load_reward(cfg)
     first: dict[str, dict] = {}
     for row in rows:
         first.setdefault(row["data_source"], row)
-    scores = []
+    scores, unwritable, zero = [], [], False
     for source, row in first.items():
-        try:
-            score, extra = split_result(fn(row["data_source"], row["answer"], row["answer"], row["extra_info"]))
-        except Exception as e:  # noqa: BLE001 - reported in one line, before submission
-            raise RewardLoadError(f"{fn.where} failed on the first row of data_source {source!r} (its ground "
-                                  f"truth {row['answer'][:40]!r} as the response): {type(e).__name__}: {e}") from None
-        scores.append(f"{source or '(no data_source)'} {row['answer'][:30]!r} -> {score:g}"
-                      + (f" + metrics {sorted(extra)}" if extra else ""))
+        response = right_answer(rule_of(cfg, source), row["answer"])
+        score, extra = _probe_one(fn, row, response)
+        shown = f"{source or '(no data_source)'} {response[:30]!r} -> {score:g}"
+        if tokenizer is not None:
+            ids = tokenizer(response, add_special_tokens=False)["input_ids"]
+            written = tokenizer.decode(ids, skip_special_tokens=True)
+            written_score = _probe_one(fn, row, written)[0] if written != response else score
+            if written_score < score:
+                tokens = tokenizer.decode(ids, skip_special_tokens=False)
+                how = f"{written[:30]!r}" + (f" (tokens {tokens[:30]!r})" if tokens != written else "")
+                shown += f", but as the model's tokenizer writes it {how} -> {written_score:g}"
+                unwritable.append(f"{source or '(no data_source)'}: {response[:30]!r} is written {how}")
+        zero = zero or score == 0
+        scores.append(shown + (f" + metrics {sorted(extra)}" if extra else ""))
     what = f"{fn.signature} from {cfg.path}" if cfg.path else f"built-in {cfg.name}"
     line = (f"reward: {what}, called with {', '.join(fn.passed)}; a real row of each data source, its ground truth "
-            f"as the response: {'; '.join(scores[:4])}" + (f" (+{len(scores) - 4} more sources)" if len(scores) > 4 else ""))
-    return line
+            f"as the response (in the form its data source's rule wants): {'; '.join(scores[:4])}"
+            + (f" (+{len(scores) - 4} more sources)" if len(scores) > 4 else ""))
+    if zero and cfg.path is not None:
+        line += ("; a 0 here is no error by itself: the probe cannot know the form your function wants around the "
+                 "answer, and a form it does not accept scores 0")
+    elif zero:
+        line += ("; a 0 here: the rule does not take the ground truth alone as a right answer (it needs more, as "
+                 "toy_calc needs the agent's tool calls, or it was written for other rows)")
+    return RewardProbe(line, unwritable)
+
+
+def _probe_one(fn: BoundReward, row: dict, response: str) -> tuple[float, dict[str, float]]:
+    try:
+        return split_result(fn(row["data_source"], response, row["answer"], row["extra_info"]))
+    except Exception as e:  # noqa: BLE001 - reported in one line, before submission
+        raise RewardLoadError(f"{fn.where} failed on the first row of data_source {row['data_source']!r} (its "
+                              f"ground truth {response[:40]!r} as the response): {type(e).__name__}: {e}") from None
+
+
+def check_reward(cfg: RewardConfig, rows: list[dict], tokenizer=None) -> str:
+    """:func:`probe_reward`'s line."""
+    return probe_reward(cfg, rows, tokenizer).line
 
 
 class RewardScorer:

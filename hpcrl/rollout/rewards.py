@@ -1,7 +1,7 @@
-"""Rule-based rewards: ``REWARDS[name](response_text, answer) -> float``.
+"""Rule-based rewards: ``builtin_rule(name)(response_text, answer) -> float``.
 
-Add one by writing a function and registering it here; ``reward.name`` in the
-config picks it and is checked against this table before anything starts. Your own
+Add one by writing a function here and its line in the registry, :data:`hpcrl.config.registries.REWARDS`;
+``reward.name`` in the config picks it and is checked against that registry before anything starts. Your own
 function with verl's signature goes in ``reward.path`` instead (hpcrl/rollout/reward_fn.py).
 
 ``reward.name=by_data_source`` (the default) picks the rule from each row's ``data_source``
@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 import re
 from typing import Callable
+
+from hpcrl.config import registries
 
 RewardFn = Callable[[str, str], float]
 
@@ -73,6 +75,11 @@ def gsm8k(response: str, answer: str) -> float:
     return float(_math_equal(gold.replace(",", ""), got))
 
 
+def gsm8k_right_answer(answer: str) -> str:
+    """The response :func:`gsm8k` scores 1 for ground truth ``answer``: ``#### <answer>``."""
+    return f"{GSM8K_MARK} {answer.rsplit(GSM8K_MARK, 1)[-1].strip()}"
+
+
 def toy_calc(response: str, answer: str, extra_info: dict | None) -> float:
     """The multi-turn toy task's reward (``builtin:toy_calc`` with the ``tiny`` tool parser), from
     the agent's counters in ``extra_info``: 0.3 for a call the calculator ran but rejected, 0.5 if
@@ -102,15 +109,20 @@ def toy_calc(response: str, answer: str, extra_info: dict | None) -> float:
 toy_calc.wants_extra_info = True  # the agent's counters (tool_calls, tool_errors) come in extra_info
 
 
-REWARDS: dict[str, RewardFn] = {
-    "toy_copy": token_match,
-    "token_match": token_match,
-    "exact_match": exact_match,
-    "last_number": last_number,
-    "math_verify": math_verify_reward,
-    "gsm8k": gsm8k,
-    "toy_calc": toy_calc,
-}
+def builtin_rule(name: str) -> RewardFn:
+    """The built-in rule ``reward.name`` names (:data:`hpcrl.config.registries.REWARDS`); KeyError for another name."""
+    return registries.resolve(registries.REWARDS[name])
+
+
+RIGHT_ANSWERS: dict[str, Callable[[str], str]] = {"gsm8k": gsm8k_right_answer}
+"""Rule -> the response it scores as right, from the ground truth, for a rule that wants a form around the answer
+(every other rule takes the bare ground truth). The launch probe calls the reward on it
+(:func:`hpcrl.rollout.reward_fn.probe_reward`)."""
+
+
+def right_answer(rule: str | None, answer: str) -> str:
+    """A response that rule ``rule`` (None: unknown) scores as right for ground truth ``answer``."""
+    return RIGHT_ANSWERS[rule](answer) if rule in RIGHT_ANSWERS else answer
 
 
 DATA_SOURCES: dict[str, str] = {

@@ -34,7 +34,7 @@ def extend(traj: TrajectoryState, sample: Sample, version: int, budget: int) -> 
 class SingleTurnLoop(AgentLoop):
     """One response per trajectory (module docstring)."""
 
-    name = names.AGENT_LOOPS[0]
+    name = names.SINGLE_TURN
 
     async def step(self, ctx: GroupContext, trajs: list[TrajectoryState], version: int) -> None:
         todo = [j for j, t in enumerate(trajs) if not t.done]

@@ -36,12 +36,12 @@ import dataclasses
 import time
 from typing import Optional
 
-from hpcrl.config import AgentConfig, names
+from hpcrl.config import AgentConfig, names, registries
 from hpcrl.process import faults
 from hpcrl.rollout.agent_loop import AgentLoop, GroupContext, call_seed
 from hpcrl.rollout.engine import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
 from hpcrl.rollout.gate import EngineGate
-from hpcrl.rollout.tool_parsers import PARSERS, ToolCall
+from hpcrl.rollout.tool_parsers import ToolCall
 from hpcrl.rollout.tools import ToolResult, make_tools
 from hpcrl.rollout.trajectory import GENERATING, PENDING, PROCESSING_TOOLS, TERMINATED, TrajectoryState
 
@@ -71,13 +71,18 @@ def template_prefix(tokenizer) -> str:
 class ToolAgentLoop(AgentLoop):
     """Runs trajectory state machines with tool calls on the engine's event loop (module docstring)."""
 
-    name = names.AGENT_LOOPS[1]
+    name = names.TOOL_AGENT
+
+    @classmethod
+    def build(cls, cfg: AgentConfig, tokenizer) -> "ToolAgentLoop":
+        """With the run's tools and parser, on the tokenizer's chat template."""
+        return cls(cfg, tokenizer)
 
     def __init__(self, cfg: AgentConfig, tokenizer):
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.tools = make_tools(cfg.tools)
-        self.parser = PARSERS[cfg.tool_parser](tokenizer, sorted(self.tools))
+        self.parser = registries.resolve(registries.TOOL_PARSERS[cfg.tool_parser])(tokenizer, sorted(self.tools))
         if getattr(tokenizer, "chat_template", None) is None:
             raise ValueError("agent: the tokenizer has no chat template to render tool responses with")
         self.prefix = template_prefix(tokenizer)

@@ -12,7 +12,7 @@
 
 Each parser returns ``(calls, error)``: ``error`` (one line) when the turn tried to call a tool
 but the call does not parse; the agent counts it as a tool error and ends the episode.
-Add a format with a class here and a name in :data:`PARSERS` (and ``names.TOOL_PARSERS``).
+Add a format with a class here and its line in the registry, :data:`hpcrl.config.registries.TOOL_PARSERS`.
 """
 from __future__ import annotations
 
@@ -84,7 +84,3 @@ class TinyParser:
         if not inner.strip():
             return [], "empty tool call ()"
         return [ToolCall(self.tool, {self.ARGUMENT[self.tool]: inner.strip()})], None
-
-
-PARSERS = {"hermes": HermesParser, "tiny": TinyParser}
-"""Parser class by ``agent.tool_parser`` (the allowed names: ``names.TOOL_PARSERS``)."""

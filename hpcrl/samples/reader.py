@@ -34,6 +34,7 @@ from typing import Optional
 
 import h5py
 
+from hpcrl.fsio import read_jsonl
 from hpcrl.run_dir import RunDir
 from hpcrl.samples.schema import (DATASET_DTYPES, OPTIONAL_DTYPES, SCHEMA_VERSION, Group, ShardFormatError,
                                  ShardManifestLine, arrays_from_layout, arrays_to_groups)
@@ -208,3 +209,31 @@ class SampleReader:
     def cursor(self) -> dict:
         """Position of the next group not handed out, per writer (JSON-able)."""
         return {w: {"line": st.line, "row": st.row} for w, st in sorted(self._writers.items())}
+
+
+def delete_consumed(run_dir: RunDir, cursor: dict, keep: int, done: Optional[dict[str, int]] = None) -> int:
+    """Trainer rank 0, once a checkpoint holding ``cursor`` is durable: remove the shard files of each writer's
+    manifest lines wholly before the cursor but the newest ``keep`` of them (``trainer.keep_consumed_shards``; -1
+    keeps all). No reader ever opens them again (a resume starts at the cursor); their manifest lines stay, the
+    record of what was committed. ``done`` (writer -> lines already handled) spares a second pass over old lines.
+    Returns the files removed."""
+    if keep < 0:
+        return 0
+    done = done if done is not None else {}
+    removed = 0
+    for writer, pos in cursor.items():
+        upto = int(pos["line"]) - keep
+        if upto <= done.get(writer, 0):
+            continue
+        for i, d in enumerate(read_jsonl(run_dir.shard_manifest(writer))):
+            if i >= upto:
+                break
+            if i < done.get(writer, 0) or not isinstance(d, dict) or not isinstance(d.get("shard"), str):
+                continue
+            try:
+                (run_dir.writer_dir(writer) / d["shard"]).unlink()
+                removed += 1
+            except FileNotFoundError:
+                pass
+        done[writer] = upto
+    return removed

@@ -39,7 +39,8 @@ from typing import Callable, ContextManager, Optional
 import h5py
 
 from hpcrl.process import faults, termination
-from hpcrl.fsio import JsonlAppender, fsync_path, read_jsonl, truncate_torn_tail, write_file_durably
+from hpcrl.fsio import (JsonlAppender, fsync_path, guarded, make_dirs, read_jsonl, truncate_torn_tail,
+                        write_file_durably)
 from hpcrl.run_dir import RunDir
 from hpcrl.samples.schema import SCHEMA_VERSION, Group, ShardManifestLine, groups_to_arrays
 from hpcrl.samples.skips import SkipLog
@@ -83,7 +84,7 @@ class ShardWriter:
         self.seal_groups = seal_groups
         self.seal_interval_s = seal_interval_s
         self.folder = run_dir.writer_dir(writer)
-        self.folder.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.folder)
         self.skips = skips
         self.commit_guard = commit_guard
         self._buffer: list[Group] = []
@@ -192,9 +193,8 @@ class ShardWriter:
             n_trajectories=sum(len(g.trajectories) for g in groups), size_bytes=len(image),
             sha256=hashlib.sha256(image).hexdigest(), prompt_indices=[g.prompt_index for g in groups],
             committed_s=0.0, layout=layout)
-        write_file_durably(tmp, image)
-        os.rename(tmp, final)
-        fsync_path(self.folder)
+        write_file_durably(tmp, image, what=f"shard {final.name}")
+        guarded(f"the rename of {tmp.name}", final, 0, lambda: (os.rename(tmp, final), fsync_path(self.folder)))
         with termination.deferred():  # durable and recorded in memory, or neither
             faults.point("seal_manifest")
             line.committed_s = time.time()

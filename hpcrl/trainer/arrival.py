@@ -23,6 +23,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from hpcrl.control.job import CannotStart
+
 log = logging.getLogger(__name__)
 
 POLL_S = 0.2
@@ -30,7 +32,7 @@ POLL_S = 0.2
 GO_KEY = "go"
 
 
-class LaunchError(RuntimeError):
+class LaunchError(CannotStart):
     """The trainer's ranks cannot form their world; the message is one line naming the cause and the fix."""
 
 

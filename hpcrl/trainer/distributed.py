@@ -157,7 +157,7 @@ def rank_from_environment() -> int:
 
 def init_distributed(timeout_s: float, arrival_s: float, log_interval_s: float) -> None:
     """Check in every rank (``arrival_s``, naming the missing ranks) and initialise the process group that
-    DeepSpeed then uses (gloo on CPU, NCCL on GPU). ``timeout_s`` bounds every collective: ranks other than 0
+    DeepSpeed then uses (gloo on CPU; on GPUs NCCL for CUDA tensors and gloo for host tensors). ``timeout_s`` bounds every collective: ranks other than 0
     wait in a broadcast while rank 0 waits for samples, so it must exceed the sample wait."""
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
     os.environ.update(rank_environment())
@@ -167,7 +167,13 @@ def init_distributed(timeout_s: float, arrival_s: float, log_interval_s: float) 
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     log.info("rank %d of %d, master %s:%d", rank, world, addr, port)
     store = check_in(rank, world, addr, port, arrival_s, log_interval_s)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = "gloo"
+    if torch.cuda.is_available():
+        # each rank its own GPU before NCCL makes a communicator (all would take cuda:0); NCCL carries the model's
+        # tensors, gloo the host tensors rank 0 shares with the others (share.py: the groups, JSON)
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+        backend = "cpu:gloo,cuda:nccl"
     torch.distributed.init_process_group(backend, store=torch.distributed.PrefixStore("world", store), rank=rank,
                                          world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
-    deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
+                               timeout=datetime.timedelta(seconds=timeout_s))

@@ -37,29 +37,27 @@ from typing import Optional
 import torch
 
 from hpcrl import metric_names as M
-from hpcrl.control.records import HeartbeatState, HeartbeatThread, TrainerDone, describe_heartbeats, stop_requested
+from hpcrl.control.job import Stop, StopWatch, job_main
+from hpcrl.control.records import HeartbeatState, HeartbeatThread, JobStats, TrainerDone, describe_heartbeats
 from hpcrl.control.startup import StartupSteps
 from hpcrl.fsio import write_json_atomic
-from hpcrl.logs import log_size, setup_logging
+from hpcrl.logs import log_size
 from hpcrl.process import faults, termination
-from hpcrl.process.leftovers import mark_job, sweep_leftovers
-from hpcrl.process.preemption import PreemptionFlag, requeue_self
+from hpcrl.process.preemption import PreemptionFlag
 from hpcrl.run_dir import RunDir
+from hpcrl.samples.reader import delete_consumed
 from hpcrl.samples.schema import Group
 from hpcrl.trainer import checkpoint
 from hpcrl.trainer.batch import build_batch
-from hpcrl.trainer.arrival import LaunchError
 from hpcrl.trainer.distributed import init_distributed, rank_environment, rank_from_environment
 from hpcrl.trainer.gather import zero3_state_dict
+from hpcrl.trainer.lora import adapter_state_dict
 from hpcrl.trainer.models import POLICY_PREFIX, policy_state_dict
 from hpcrl.trainer.ops import prepare_ops
 from hpcrl.trainer.parts import LeadParts, TrainerParts, build_parts
-from hpcrl.trainer.share import ABORT, BATCH, PREEMPT, REPUBLISH, share_groups, share_json
+from hpcrl.trainer.share import ABORT, BATCH, PREEMPT, REPUBLISH, STOP, share_groups, share_json
 
 log = logging.getLogger("hpcrl.trainer")
-
-STOP_POLL_S = 0.5
-"""How often rank 0 looks for the launcher's stop request (a stat of the shared filesystem per look)."""
 
 
 class _NoHeartbeat:
@@ -80,14 +78,21 @@ class _NoHeartbeat:
 
 class TrainerJob:
     """One rank of the trainer job. Rank 0 reads samples, writes logs, heartbeats and weight
-    versions; every rank trains its share of each mini-batch. :meth:`run` is the whole life
-    of the job (see the module docstring for what happens when either job dies)."""
+    versions; every rank trains its share of each mini-batch. Its steps (:meth:`start`, :meth:`loop`,
+    :meth:`shutdown`) run in every job's frame (``control/job.py``); see the module docstring for what happens
+    when either job dies."""
 
     def __init__(self, run_dir: RunDir, preemption: PreemptionFlag, rank: int, world: int):
         self.run_dir = run_dir
         self.cfg = run_dir.load_config()
-        self.preemption = preemption
         self.rank, self.world = rank, world
+        self.name = f"trainer rank {rank}"
+        self.requeues = rank == 0
+        """Rank 0 asks Slurm to requeue the job when it is preempted."""
+        self.watch = StopWatch(run_dir, preemption, {
+            Stop.PREEMPTED: "checkpointing the last completed update, then requeueing the trainer",
+            Stop.STOPPED: "checkpointing the last completed update"})
+        """Rank 0's: USR2 or the launcher's stop request end the run at the next update boundary."""
         self.heartbeat = (HeartbeatThread(run_dir, RunDir.trainer_job(), "trainer", self.cfg.timeouts.heartbeat_interval_s)
                           if self.rank == 0 else _NoHeartbeat())
         self.startup = StartupSteps(self.heartbeat, RunDir.trainer_job(rank), self.cfg.timeouts.job_start_s)
@@ -103,9 +108,8 @@ class TrainerJob:
         self._sync_stats: dict = {}  # metrics of the last publish (gather, files, broadcast)
         self._taken: tuple[list[Group], list[Group]] = ([], [])  # kept/dropped while a republish interrupts
         self._bad_checked_s = 0.0
-        self._stop_checked_s = 0.0
-        self._stop_seen = False  # the launcher's stop request (Ctrl-C) was seen
         self._gathers_logged = False
+        self._shards_removed: dict[str, int] = {}  # writer -> manifest lines whose consumed shards are removed
 
     @property
     def lead(self) -> LeadParts:
@@ -113,16 +117,25 @@ class TrainerJob:
         assert self.parts is not None and self.parts.lead is not None, "rank 0 only"
         return self.parts.lead
 
-    def _start(self) -> Optional[checkpoint.TrainerState]:
+    def start(self) -> None:
         """The start-up steps: DeepSpeed's ops, the ranks' own process group, the parts (model, checkpoint, run
-        directory); the checkpointed state it resumes from (None: a fresh start)."""
-        t = self.cfg.timeouts
+        directory), then the resume from the checkpoint or a fresh start."""
+        t, cfg = self.cfg.timeouts, self.cfg
         with self.startup.step("building DeepSpeed's ops"):
             prepare_ops(t.job_start_s)
         with self.startup.step(f"joining the other trainer ranks ({self.world} in all)"):
             init_distributed(t.wait_samples_s + 600, t.rendezvous_s, t.wait_log_interval_s)
         self.parts, resumed = build_parts(self.cfg, self.run_dir, self.rank, self.world, self.startup)
-        return resumed
+        self._resume_or_start(resumed)
+        log.info("training %d -> %d local updates on %d rank(s), R=%d groups each, K=%d, budget B=%d",
+                 self.state.step, cfg.total_updates, self.world, cfg.groups_per_update,
+                 cfg.async_training.trigger_parameter_sync_step, cfg.admission_budget)
+
+    def shutdown(self, final_state: HeartbeatState) -> None:
+        """Release what has threads of its own (rank 0's publisher); nothing to save: a checkpoint was taken at
+        the last update boundary a stop or preemption asked for, and a restart resumes from the newest one."""
+        if self.parts is not None:
+            self.parts.close()
 
     def _resume_or_start(self, resumed: Optional[checkpoint.TrainerState]) -> None:
         """Continue from the checkpoint's state (or a fresh one): publish its version if the run directory
@@ -151,9 +164,8 @@ class TrainerJob:
         t0 = time.monotonic()
         last_log = t0
         while len(kept) < need:
-            termination.check()
-            if self._stop_asked():
-                return PREEMPT, [], dropped, time.monotonic() - t0
+            if self.watch.check() is not None:
+                return self._stop_status(), [], dropped, time.monotonic() - t0
             if self._newest_weights_bad():
                 self._taken = (kept, dropped)
                 return REPUBLISH, [], [], time.monotonic() - t0
@@ -178,19 +190,9 @@ class TrainerJob:
         self.heartbeat.update(state=HeartbeatState.TRAINING)
         return BATCH, kept, dropped, time.monotonic() - t0
 
-    def _stop_asked(self) -> bool:
-        """Rank 0: USR2 (preemption), or the launcher's stop request (Ctrl-C; looked for at most every
-        :data:`STOP_POLL_S`): checkpoint the last completed update, then stop."""
-        if self.preemption.requested:
-            return True
-        now = time.monotonic()
-        if not self._stop_seen and now - self._stop_checked_s >= STOP_POLL_S:
-            self._stop_checked_s = now
-            self._stop_seen = stop_requested(self.run_dir)
-            if self._stop_seen:
-                log.warning("the launcher asked the run to stop (%s): checkpointing the last completed update",
-                            self.run_dir.stop_request)
-        return self._stop_seen
+    def _stop_status(self) -> int:
+        """Rank 0: the status that tells every rank why the run stops (the watch has a reason)."""
+        return STOP if self.watch.seen == Stop.STOPPED else PREEMPT
 
     def _newest_weights_bad(self) -> bool:
         """Rank 0, at most once a second: has a rollout job marked our newest version damaged?
@@ -214,9 +216,10 @@ class TrainerJob:
             if status == ABORT:
                 raise RuntimeError("trainer rank 0 failed; this rank stops too (see rank 0's log)")
             return status, kept, [], 0.0
-        if self._stop_asked():
-            share_groups(PREEMPT, None)
-            return PREEMPT, [], [], 0.0
+        if self.watch.check() is not None:
+            status = self._stop_status()
+            share_groups(status, None)
+            return status, [], [], 0.0
         try:
             status, kept, dropped, wait_s = self._take_groups()
         except BaseException:
@@ -239,8 +242,11 @@ class TrainerJob:
         return out
 
     def _gathered_state_dict(self) -> dict[str, torch.Tensor]:
-        """The policy's weights under the HF names (the value head stays in the trainer)."""
+        """The policy's weights under the HF names (the value head stays in the trainer); a LoRA run: the adapter's
+        alone, under peft's names."""
         engine = self.parts.engine
+        if self.cfg.lora:
+            return adapter_state_dict(engine.module, self.cfg.actor.zero_stage == 3, engine.global_rank)
         if self.cfg.actor.zero_stage == 3:  # a collective: one gather per layer, the tensors on rank 0 only
             state, gathers = zero3_state_dict(engine.module, engine.global_rank, POLICY_PREFIX)
             if not self._gathers_logged:
@@ -258,7 +264,7 @@ class TrainerJob:
         if self.parts.engine.global_rank == 0:
             weights = self.lead.weights
             published = weights.publish(version, state_dict, self.parts.model_config_json, self.state.step,
-                                        self.state.consumed_groups, self.parts.model_files)
+                                        self.state.consumed_groups, self.parts.model_files, self.parts.adapter_base)
             self._sync_stats = {M.PARAM_SYNC_GATHER_S: gather_s, **published.metrics()}
             if self.cfg.trainer.simulated:
                 self.parts.updater.after_publish()
@@ -283,8 +289,14 @@ class TrainerJob:
         faults.point("checkpoint")
         # every rank saves rank 0's record (only rank 0 reads samples and writes logs)
         state = checkpoint.TrainerState.from_json(share_json(self._boundary))
-        tag = checkpoint.save(self.parts.engine, self.run_dir, state, self.cfg.trainer.keep_checkpoints)
+        tag = checkpoint.save(self.parts.engine, self.run_dir, state, self.cfg.trainer.keep_checkpoints,
+                              adapter_only=self.cfg.lora)
         log.info("checkpoint %s (version %d, %d groups consumed)", tag, state.param_version, state.consumed_groups)
+        if self.rank == 0:  # the shards wholly behind this checkpoint's cursor are never read again
+            removed = delete_consumed(self.run_dir, state.cursor, self.cfg.trainer.keep_consumed_shards,
+                                      self._shards_removed)
+            if removed:
+                log.debug("removed %d consumed shard files (trainer.keep_consumed_shards)", removed)
 
     def _sync_row(self, sync_s: float) -> dict:
         """The last publish's sync metrics for an update that published; zeros (path ``none``) for one
@@ -318,39 +330,12 @@ class TrainerJob:
                M.UPDATE_S: update_s, M.PARAM_SYNC_S: sync_s, **self._sync_row(sync_s),
                M.TOKENS_PER_S: upd[M.N_TOKENS] / max(total_s, 1e-9), M.TIME_S: now}
         self.lead.metrics.write(row)
-        self.heartbeat.update(stats={"step": st.step, "consumed_groups": st.consumed_groups,
-                                     "reward_mean": upd[M.REWARD_MEAN], "idle_ratio": row[M.TRAINER_IDLE_RATIO]})
+        self.heartbeat.update(stats=JobStats(step=st.step, consumed_groups=st.consumed_groups,
+                                             reward_mean=upd[M.REWARD_MEAN], idle_ratio=row[M.TRAINER_IDLE_RATIO]))
         return row
 
     # ---- the loop
-    def run(self) -> None:
-        """Build, resume or start, train until done or preempted; the final heartbeat whatever happened."""
-        cfg = self.cfg
-        self.heartbeat.start()
-        final_state = HeartbeatState.FAILED
-        try:
-            self._resume_or_start(self._start())
-            log.info("training %d -> %d local updates on %d rank(s), R=%d groups each, K=%d, budget B=%d",
-                     self.state.step, cfg.total_updates, self.world, cfg.groups_per_update,
-                     cfg.async_training.trigger_parameter_sync_step, cfg.admission_budget)
-            final_state = self._train()
-        except LaunchError as e:  # the world cannot form: one line naming the cause, no trace
-            log.error("trainer rank %d cannot start: %s", self.rank, e)
-            raise SystemExit(1) from None
-        except BaseException as e:
-            if not isinstance(e, SystemExit):
-                log.exception("trainer rank %d failed", self.rank)  # into RUN/logs/jobs/, where the launcher looks
-            raise
-        finally:
-            if self.parts is not None:
-                self.parts.close()
-            self.heartbeat.stop(final_state)
-        if final_state == HeartbeatState.PREEMPTED and self.rank == 0:
-            # after the last heartbeat, as the rollout and evaluation jobs do: a requeue that works kills this
-            # process at once, and a trainer killed before it said "preempted" read as a stale "waiting_samples"
-            requeue_self()
-
-    def _train(self) -> HeartbeatState:
+    def loop(self) -> Stop:
         """The update loop, one local update per iteration, as named steps:
 
         take R groups (:meth:`_next_batch`: waits for committed groups; while a rollout job
@@ -364,9 +349,9 @@ class TrainerJob:
             termination.check()
             version_seen = self.state.param_version
             status, kept, dropped, wait_s = self._next_batch()
-            if status == PREEMPT:
-                self._preempt()
-                return HeartbeatState.STOPPED if self._stop_seen else HeartbeatState.PREEMPTED
+            if status in (PREEMPT, STOP):
+                self._checkpoint()  # the last completed update, on every rank
+                return Stop.STOPPED if status == STOP else Stop.PREEMPTED
             if status == REPUBLISH:  # every rank: the gather of ZeRO-3 weights is collective
                 self._publish(self.state.param_version + 1)
                 continue
@@ -379,7 +364,7 @@ class TrainerJob:
             if published:
                 self._checkpoint_if_due()
         self._finish()
-        return HeartbeatState.DONE
+        return Stop.DONE
 
     def _train_step(self, kept: list[Group], dropped: list[Group], version_seen: int) -> tuple[dict, float]:
         """One local update on ``kept``; the dropped groups count as consumed too."""
@@ -411,11 +396,6 @@ class TrainerJob:
             self._checkpoint()
             self._last_checkpoint_step = self.state.step
 
-    def _preempt(self) -> None:
-        """USR2 or the launcher's stop request: checkpoint the last completed update (every rank); on USR2
-        :meth:`run` asks Slurm to requeue this job once the final heartbeat says ``preempted``."""
-        self._checkpoint()
-
     def _finish(self) -> None:
         """Rank 0: write ``trainer_done.json`` (rollout jobs stop, the launcher reports)."""
         if self.rank == 0:
@@ -427,21 +407,16 @@ class TrainerJob:
 
 
 def trainer_main(run_dir: str) -> None:
-    rd = RunDir(run_dir)
-    cfg = rd.load_config()
+    """A trainer rank's entry point (``hpcrl trainer RUN``): every job's life (``control/job.py``) around
+    :class:`TrainerJob`. An earlier attempt's ranks on this node are ended first; a rank whose world cannot be
+    found (no Slurm or launcher variables) ends with one line."""
     rank = rank_from_environment()
-    job = RunDir.trainer_job(rank)
-    setup_logging(f"{job} [simulated]" if cfg.is_simulated else job, cfg.logging.level, rd.job_log(job))
-    mark_job(rd.root, RunDir.trainer_job())
-    sweep_leftovers(rd.root, RunDir.trainer_job(), ("trainer",))  # an earlier attempt's ranks on this node
-    try:
-        os.environ.update(rank_environment())
-    except LaunchError as e:  # one line, naming what was missing (never a silent localhost)
-        log.error("trainer rank %d cannot start: %s", rank, e)
-        raise SystemExit(1) from None
-    termination.install()  # scancel: stop now; a restart resumes from the last checkpoint
-    preemption = PreemptionFlag()
-    TrainerJob(rd, preemption, rank, int(os.environ["WORLD_SIZE"])).run()
+
+    def build(rd: RunDir, preemption: PreemptionFlag) -> TrainerJob:
+        os.environ.update(rank_environment())  # LaunchError: one line, naming what was missing
+        return TrainerJob(rd, preemption, rank, int(os.environ["WORLD_SIZE"]))
+
+    job_main(run_dir, RunDir.trainer_job(), ("trainer",), build, log_name=RunDir.trainer_job(rank))
 
 
 def main(argv=None) -> None:

@@ -54,7 +54,7 @@ from typing import Callable, Optional
 
 import torch
 
-from hpcrl.config.names import POLICY_LOSS_MODES  # noqa: E402 (the allowed names live with the config)
+from hpcrl.config.registries import POLICY_LOSS_MODES, resolve  # the registry of the losses below
 from hpcrl.trainer.losses import _frac, agg_counts, agg_loss, ppo_policy_loss
 
 
@@ -223,15 +223,12 @@ def dro_loss(logp, logp_old, adv, m, p: LossParams, weights, agg: dict) -> tuple
     return agg_loss(per_token, m, **agg), {"actor/ppo_kl": _ppo_kl(log_ratio, m)}
 
 
-def _vanilla(logp, logp_old, adv, m, p: LossParams, weights, agg: dict) -> tuple[torch.Tensor, dict]:
+def vanilla_loss(logp, logp_old, adv, m, p: LossParams, weights, agg: dict) -> tuple[torch.Tensor, dict]:
+    """PPO's clipped surrogate with dual clip (:func:`hpcrl.trainer.losses.ppo_policy_loss`)."""
     return ppo_policy_loss(logp, logp_old, adv, m, clip_low=p.clip_low, clip_high=p.clip_high,
                            clip_ratio_c=p.clip_ratio_c, weights=weights, **agg)
 
 
-LOSSES: dict[str, Callable] = {"vanilla": _vanilla, "gspo": gspo_loss, "cispo": cispo_loss, "gpg": gpg_loss,
-                               "clip_cov": clip_cov_loss, "kl_cov": kl_cov_loss, "geo_mean": geo_mean_loss,
-                               "dppo_tv": dppo_tv_loss, "dppo_kl": dppo_kl_loss, "sapo": sapo_loss, "dro": dro_loss}
-assert tuple(LOSSES) == POLICY_LOSS_MODES, "hpcrl.config.names.POLICY_LOSS_MODES and this table must agree"
 
 
 def policy_loss(loss_mode: str, logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor,
@@ -239,10 +236,10 @@ def policy_loss(loss_mode: str, logp: torch.Tensor, logp_old: torch.Tensor, adva
                 mode: str = "token-mean", n_tokens: Optional[int] = None, n_seqs: Optional[int] = None,
                 horizon: Optional[int] = None) -> tuple[torch.Tensor, dict]:
     """(loss, statistics) of ``loss_mode``; counts default to this batch's own (see :func:`agg_loss`)."""
-    if loss_mode not in LOSSES:
+    if loss_mode not in POLICY_LOSS_MODES:
         raise ValueError(f"unknown policy loss_mode {loss_mode!r}; allowed: {', '.join(POLICY_LOSS_MODES)}")
     m = mask.float()
     if n_tokens is None or n_seqs is None:
         n_tokens, n_seqs = agg_counts(m)
     agg = {"mode": mode, "n_tokens": n_tokens, "n_seqs": n_seqs, "horizon": horizon}
-    return LOSSES[loss_mode](logp, logp_old, advantages, m, params, weights, agg)
+    return resolve(POLICY_LOSS_MODES[loss_mode])(logp, logp_old, advantages, m, params, weights, agg)

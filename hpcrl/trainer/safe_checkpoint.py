@@ -20,7 +20,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngi
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from hpcrl.fsio import fsync_path
+from hpcrl.fsio import fsync_path, guarded
 
 _TREE_KEY = "hpcrl_tree"
 
@@ -110,12 +110,19 @@ def _decode(obj, tensors, map_location):
 
 
 def save_tree(state, path: str) -> None:
+    """``state`` as a safetensors file at ``path`` (tmp -> fsync -> replace), waiting out a full disk
+    (``fsio.guarded``: a failed try's tmp is removed)."""
     tensors: dict = {}
     tree = _encode(state, "<root>", tensors)
     tmp = f"{path}.tmp"
-    save_file(tensors, tmp, metadata={_TREE_KEY: json.dumps(tree)})
-    fsync_path(tmp)
-    os.replace(tmp, path)
+
+    def write() -> None:
+        save_file(tensors, tmp, metadata={_TREE_KEY: json.dumps(tree)})
+        fsync_path(tmp)
+        os.replace(tmp, path)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    guarded(f"checkpoint file {os.path.basename(path)}", path, nbytes, write,
+            undo=lambda: os.path.exists(tmp) and os.unlink(tmp))
 
 
 def load_tree(path: str, map_location=None):

@@ -6,6 +6,7 @@ rank never unpickles anything and all ranks agree on what happens next:
 
 - ``BATCH``: a batch follows;
 - ``PREEMPT``: checkpoint now and requeue (USR2 reached rank 0);
+- ``STOP``: checkpoint now and end (the launcher asked the run to stop);
 - ``ABORT``: rank 0 failed (e.g. timed out waiting for samples); every rank raises;
 - ``REPUBLISH``: a rollout job marked the newest weight version damaged: every rank
   takes part in publishing the current weights as a new version.
@@ -20,7 +21,7 @@ import torch.distributed as dist
 
 from hpcrl.samples.schema import DATASET_DTYPES, OPTIONAL_DTYPES, Group, arrays_to_groups, groups_to_arrays
 
-BATCH, PREEMPT, ABORT, REPUBLISH = 0, 1, 2, 3
+BATCH, PREEMPT, ABORT, REPUBLISH, STOP = 0, 1, 2, 3, 4
 _DTYPES = DATASET_DTYPES | OPTIONAL_DTYPES
 _NAMES = list(_DTYPES)
 ABSENT = -1

@@ -31,11 +31,12 @@ import torch
 
 from hpcrl.config import TimeoutsConfig, WeightsConfig
 from hpcrl.control.records import LoadingAnnouncement, live_jobs
-from hpcrl.fsio import fsync_path, read_json, write_json_atomic
-from hpcrl.run_dir import WEIGHT_MODEL_CONFIG, WEIGHT_TENSORS, RunDir
+from hpcrl.fsio import fsync_path, guarded, read_json, write_json_atomic
+from hpcrl.run_dir import RunDir
+from hpcrl.weights.adapter import read_adapter_config, version_files
 from hpcrl.weights.base import (Published, WeightPublisher, WeightSubscriber, WeightVersion, WeightVersionBad,
                                 WeightVersionGone)
-from hpcrl.weights.manifest import BadVersionMarker, FileEntry, TensorEntry, WeightManifest
+from hpcrl.weights.manifest import AdapterBase, BadVersionMarker, FileEntry, TensorEntry, WeightManifest
 from hpcrl.weights.safetensors_io import (HASH_ALGORITHM, HASHES, DamagedFile, check_file, load_verified,
                                           save_hashed, write_hashed)
 
@@ -137,13 +138,34 @@ class VersionFolders:
         return out
 
     def delete(self, version: int) -> bool:
-        """Remove ``version`` (its manifest first: from that instant it does not exist for readers)."""
+        """Remove ``version``: its folder is renamed out of the version names first (from that instant it does not
+        exist for readers; a trainer killed in the middle leaves a ``.deleting`` folder that :meth:`sweep` removes,
+        never a version folder without its manifest), then removed."""
+        folder = self.run_dir.weight_version_dir(version)
+        doomed = RunDir.doomed(folder)
         try:
-            self.run_dir.weight_manifest(version).unlink()
+            os.replace(folder, doomed)
         except FileNotFoundError:
             return False
-        shutil.rmtree(self.run_dir.weight_version_dir(version), ignore_errors=True)
+        shutil.rmtree(doomed, ignore_errors=True)
         return True
+
+    def sweep(self) -> list[str]:
+        """Trainer rank 0 at start (nothing is being written): remove what a killed trainer left half-written or
+        half-removed (a staging folder, a ``.deleting`` folder, a version folder without its manifest), one log
+        line each; the names removed."""
+        rd, removed = self.run_dir, []
+        for p in sorted(rd.weights.iterdir()) if rd.weights.is_dir() else []:
+            v, stem = rd.parse_weight_version(p.name), p.with_suffix("")
+            why = ("left half-removed" if RunDir.doomed(stem) == p else
+                   "left half-written" if RunDir.staging(stem) == p else
+                   "without its manifest (never published)" if v is not None and not rd.weight_manifest(v).exists()
+                   else None)
+            if why is not None and p.is_dir():
+                log.warning("start-up sweep: removing %s, %s by a trainer killed before", p, why)
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(p.name)
+        return removed
 
 
 class FilesystemPublisher(WeightPublisher):
@@ -162,18 +184,32 @@ class FilesystemPublisher(WeightPublisher):
         return cls(run_dir, cfg.keep_versions)
 
     def publish(self, version: int, state_dict: dict[str, torch.Tensor], model_config_json: str,
-                trainer_step: int, consumed_groups: int, model_files: Optional[dict[str, bytes]] = None) -> Published:
+                trainer_step: int, consumed_groups: int, model_files: Optional[dict[str, bytes]] = None,
+                adapter: Optional[AdapterBase] = None) -> Published:
         t0 = time.monotonic()
         manifest = self.write_version(version, *dedupe_tied(state_dict), model_config_json, trainer_step,
-                                      consumed_groups, model_files)
+                                      consumed_groups, model_files, adapter)
         return Published(manifest, files_s=time.monotonic() - t0)
 
     def write_version(self, version: int, tensors: dict[str, torch.Tensor], aliases: dict[str, str],
                       model_config_json: str, trainer_step: int, consumed_groups: int,
-                      model_files: Optional[dict[str, bytes]] = None) -> WeightManifest:
+                      model_files: Optional[dict[str, bytes]] = None,
+                      adapter: Optional[AdapterBase] = None) -> WeightManifest:
         """The files of ``version`` (``tensors`` stored once, ``aliases`` in the manifest; ``model_files``: the
-        tokenizer and generation files, by name), committed by the manifest written last. Every file is listed
-        and hashed in the manifest."""
+        tokenizer and generation files, by name; ``adapter``: a LoRA adapter version of that base, in peft's file
+        names), committed by the manifest written last. Every file is listed
+        and hashed in the manifest. On a full disk the version's staging folder is removed and the version written
+        again once there is room (``fsio.guarded``)."""
+        staging = self.run_dir.staging(self.run_dir.weight_version_dir(version))
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        return guarded(f"weight version {version}", staging, nbytes,
+                       lambda: self._write_files(version, tensors, aliases, model_config_json, trainer_step,
+                                                 consumed_groups, model_files, adapter),
+                       undo=lambda: shutil.rmtree(staging, ignore_errors=True))
+
+    def _write_files(self, version: int, tensors: dict[str, torch.Tensor], aliases: dict[str, str],
+                     model_config_json: str, trainer_step: int, consumed_groups: int,
+                     model_files: Optional[dict[str, bytes]], adapter: Optional[AdapterBase] = None) -> WeightManifest:
         rd = self.run_dir
         final = rd.weight_version_dir(version)
         if rd.weight_manifest(version).exists():
@@ -184,9 +220,10 @@ class FilesystemPublisher(WeightPublisher):
             shutil.rmtree(final)
         tmp.mkdir(parents=True)
         metadata = {"format": "pt", "param_version": str(version)}
-        size, digest = save_hashed(tensors, tmp / WEIGHT_TENSORS, metadata)
-        files = {WEIGHT_TENSORS: FileEntry(size, HASH_ALGORITHM, digest)}
-        for name, data in {WEIGHT_MODEL_CONFIG: model_config_json.encode(), **(model_files or {})}.items():
+        tensors_name, config_name = version_files(adapter)
+        size, digest = save_hashed(tensors, tmp / tensors_name, metadata)
+        files = {tensors_name: FileEntry(size, HASH_ALGORITHM, digest)}
+        for name, data in {config_name: model_config_json.encode(), **(model_files or {})}.items():
             rd.weight_file(version, name)  # a known file name (ValueError otherwise)
             h = HASHES[HASH_ALGORITHM]()
             size = write_hashed(tmp / name, data, h)
@@ -199,11 +236,13 @@ class FilesystemPublisher(WeightPublisher):
         manifest = WeightManifest(
             param_version=version, trainer_step=trainer_step, consumed_groups=consumed_groups, files=files,
             tensors=[TensorEntry(k, str(v.dtype).removeprefix("torch."), list(v.shape)) for k, v in tensors.items()],
-            total_bytes=sum(f.size_bytes for f in files.values()), published_s=time.time(), aliases=aliases)
+            total_bytes=sum(f.size_bytes for f in files.values()), published_s=time.time(), aliases=aliases,
+            adapter=adapter)
         write_json_atomic(rd.weight_manifest(version), manifest.to_json())  # the commit point
         return manifest
 
     def withdraw_after(self, version: int) -> list[int]:
+        self.folders.sweep()  # at the trainer's start: what a killed trainer left half-written or half-removed
         removed = []
         for v in self.published_versions():
             if v > version:
@@ -259,12 +298,26 @@ class FilesystemSubscriber(WeightSubscriber):
         self.folders.pin(self.reader, version, True)
         try:
             manifest, tensors = self._read_verified(version)
+            adapter = self.adapter_config(version, manifest)
         except BaseException:
             self.folders.pin(self.reader, version, False)
             raise
         return WeightVersion(version, manifest, self.run_dir.weight_version_dir(version), tensors, path="filesystem",
-                             transfer_s=time.monotonic() - t0, nbytes=manifest.total_bytes,
+                             transfer_s=time.monotonic() - t0, nbytes=manifest.total_bytes, adapter=adapter,
                              _release=lambda: self.folders.pin(self.reader, version, False))
+
+    def adapter_config(self, version: int, manifest: WeightManifest) -> Optional[dict]:
+        """peft's config of an adapter version, verified (None for full weights); WeightVersionBad (marked) if
+        it is damaged."""
+        if manifest.adapter is None:
+            return None
+        _, name = version_files(manifest.adapter)
+        try:
+            return read_adapter_config(self.run_dir.weight_file(version, name), manifest.files[name])
+        except (DamagedFile, FileNotFoundError, KeyError) as e:
+            reason = f"weight version {version}: {name} is damaged or missing ({e})"
+            self.folders.mark_bad(version, self.reader, reason)
+            raise WeightVersionBad(reason) from None
 
     def _read_verified(self, version: int) -> tuple[WeightManifest, dict[str, torch.Tensor]]:
         """The manifest and verified tensors of ``version``; WeightVersionGone / WeightVersionBad (marked)."""
@@ -290,22 +343,23 @@ class FilesystemSubscriber(WeightSubscriber):
     def _read(self, version: int, manifest: WeightManifest) -> dict[str, torch.Tensor]:
         """The verified tensors of ``version`` with tied aliases restored; DamagedFile if anything differs."""
         rd = self.run_dir
-        if not {WEIGHT_TENSORS, WEIGHT_MODEL_CONFIG} <= set(manifest.files):
-            raise DamagedFile(f"manifest lists {sorted(manifest.files)}, expected {WEIGHT_TENSORS} and "
-                              f"{WEIGHT_MODEL_CONFIG} among them")
+        tensors_name, config_name = version_files(manifest.adapter)
+        if not {tensors_name, config_name} <= set(manifest.files):
+            raise DamagedFile(f"manifest lists {sorted(manifest.files)}, expected {tensors_name} and "
+                              f"{config_name} among them")
         for name, entry in manifest.files.items():  # config.json and the tokenizer files: each verified
-            if name == WEIGHT_TENSORS:
+            if name == tensors_name:
                 continue
             try:
                 path = rd.weight_file(version, name)
             except ValueError as e:
                 raise DamagedFile(f"manifest lists an unknown file: {e}") from None
             check_file(path, entry.size_bytes, entry.hash_algorithm if self.verify else "", entry.hash_hex)
-        entry = manifest.files[WEIGHT_TENSORS]
-        state = load_verified(rd.weight_file(version, WEIGHT_TENSORS), entry.size_bytes, entry.hash_algorithm,
+        entry = manifest.files[tensors_name]
+        state = load_verified(rd.weight_file(version, tensors_name), entry.size_bytes, entry.hash_algorithm,
                               entry.hash_hex, verify=self.verify)
         for alias, stored in manifest.aliases.items():
             if stored not in state:
-                raise DamagedFile(f"alias {alias} -> {stored}, but {WEIGHT_TENSORS} has no {stored}")
+                raise DamagedFile(f"alias {alias} -> {stored}, but {tensors_name} has no {stored}")
             state[alias] = state[stored]
         return state

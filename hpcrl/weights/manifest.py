@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Optional
 
 from hpcrl.json_record import JsonRecord
 
@@ -47,6 +48,17 @@ class TensorEntry(JsonRecord):
 
 
 @dataclass
+class AdapterBase(JsonRecord):
+    """The base model a LoRA adapter version applies to (``WeightManifest.adapter``)."""
+
+    path: str
+    """The base model's folder, as the run's config names it (``model.path`` resolved)."""
+    hash: str
+    """``xxh3_128:<hex>`` of the base's weight files (``model.base_hash``, written at launch); a reader whose base
+    differs must not apply the adapter."""
+
+
+@dataclass
 class WeightManifest(JsonRecord):
     """``weights/vNNNNNN/manifest.json``. Written by the trainer (rank 0) last; read by rollout
     jobs before and while they load the version, and by the trainer's retention/withdraw."""
@@ -70,6 +82,10 @@ class WeightManifest(JsonRecord):
     """Unix time the manifest was written."""
     aliases: dict[str, str] = dataclasses.field(default_factory=dict)
     """Tied tensors stored once: name -> the stored name it shares storage with."""
+    adapter: Optional[AdapterBase] = None
+    """Set for a LoRA adapter version (``actor.lora_rank``): the folder holds ``adapter_model.safetensors`` and
+    ``adapter_config.json`` (peft's layout: tensors under peft's saved names) instead of ``model.safetensors``
+    and ``config.json``, to be applied to this base. None: full weights."""
 
 
 

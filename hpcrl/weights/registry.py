@@ -1,31 +1,24 @@
-"""The weight backends by ``weights.transport``, each imported only when chosen (a lazy factory outside
-the interface file). A new backend is one file with a publisher and a subscriber behind
-:mod:`hpcrl.weights.base`, one line here, and its name in :data:`hpcrl.config.names.WEIGHT_TRANSPORTS`."""
+"""The weight backend ``weights.transport`` names, imported only when chosen (a lazy factory outside the interface
+file). The registry is :data:`hpcrl.config.registries.WEIGHT_TRANSPORTS` (name -> publisher and subscriber classes),
+which the config checks names against: a new backend is one file with a publisher and a subscriber behind
+:mod:`hpcrl.weights.base` and one line in that registry."""
 from __future__ import annotations
 
-import importlib
 from typing import Optional
 
 from hpcrl.config import TimeoutsConfig, WeightsConfig
+from hpcrl.config.registries import WEIGHT_TRANSPORTS, resolve
 from hpcrl.run_dir import RunDir
 from hpcrl.weights.base import WeightPublisher, WeightSubscriber
-
-BACKENDS: dict[str, tuple[str, str, str]] = {
-    "filesystem": ("hpcrl.weights.filesystem", "FilesystemPublisher", "FilesystemSubscriber"),
-    "broadcast": ("hpcrl.weights.broadcast", "BroadcastPublisher", "BroadcastSubscriber"),
-    "auto": ("hpcrl.weights.broadcast", "BroadcastPublisher", "BroadcastSubscriber"),
-}
-"""``weights.transport`` -> (module, publisher class, subscriber class). ``broadcast`` and ``auto`` share a
-backend: ``broadcast`` fails where the broadcast cannot form, ``auto`` falls back to files."""
 
 
 def _backend(cfg: WeightsConfig, side: int):
     try:
-        module, *classes = BACKENDS[cfg.transport]
+        classes = WEIGHT_TRANSPORTS[cfg.transport]
     except KeyError:
-        raise ValueError(f"weights.transport={cfg.transport!r} has no backend; allowed: {sorted(BACKENDS)} "
+        raise ValueError(f"weights.transport={cfg.transport!r} has no backend; allowed: {sorted(WEIGHT_TRANSPORTS)} "
                          "(set weights.transport in the run's config)") from None
-    return getattr(importlib.import_module(module), classes[side])
+    return resolve(classes[side])
 
 
 def make_publisher(cfg: WeightsConfig, run_dir: RunDir, timeouts: Optional[TimeoutsConfig] = None) -> WeightPublisher:

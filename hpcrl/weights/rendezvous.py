@@ -36,6 +36,7 @@ import torch.distributed as dist
 from hpcrl.control.records import read_heartbeats
 from hpcrl.fsio import read_json, write_json_atomic
 from hpcrl.json_record import JsonRecord
+from hpcrl.process.pids import pid_running
 from hpcrl.run_dir import RunDir
 from hpcrl.weights.group import BroadcastFailed, BroadcastRefused, call_with_deadline
 from hpcrl.weights.wire import StoreKeys
@@ -120,16 +121,6 @@ def read_rendezvous(run_dir: RunDir) -> Optional[BroadcastRendezvous]:
         return None
 
 
-def _pid_runs(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
 def is_live(run_dir: RunDir, rdv: BroadcastRendezvous, heartbeat_interval_s: float) -> bool:
     """Whether the trainer process that wrote ``rdv`` still runs. Its heartbeat must come from that host and
     process (a restarted trainer beats with a new pid before it re-announces) and not have ended; on this host
@@ -139,7 +130,7 @@ def is_live(run_dir: RunDir, rdv: BroadcastRendezvous, heartbeat_interval_s: flo
     if beat is None or beat.ended or (beat.host, beat.pid) != (rdv.host, rdv.trainer_pid):
         return False
     if rdv.host == socket.gethostname():
-        return _pid_runs(rdv.trainer_pid)
+        return pid_running(rdv.trainer_pid)
     return beat.age_s(time.time()) <= 3 * heartbeat_interval_s + 1.0
 
 

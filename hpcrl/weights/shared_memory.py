@@ -24,6 +24,8 @@ from typing import Optional
 
 import torch
 
+from hpcrl.process.pids import pid_running
+
 log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
@@ -35,16 +37,6 @@ _swept = False
 _warned = False
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
 def sweep_stale(folder: Path = SHM_DIR) -> list[Path]:
     """Remove the buffer files of processes that no longer run (SIGKILLed jobs); the removed paths."""
     removed = []
@@ -53,7 +45,7 @@ def sweep_stale(folder: Path = SHM_DIR) -> list[Path]:
             pid = int(path.name[len(PREFIX):].split("-")[0])
         except ValueError:
             continue
-        if pid != os.getpid() and not _alive(pid):
+        if pid != os.getpid() and not pid_running(pid):
             try:
                 path.unlink()
                 removed.append(path)
