@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from hpcrl.control.records import LatestCheckpoint, read_latest_checkpoint
-from hpcrl.fsio import free_bytes, make_dirs, size_text, tree_bytes, wait_for_room, write_json_atomic
+from hpcrl.fsio import free_bytes, guarded, make_dirs, size_text, tree_bytes, wait_for_room, write_json_atomic
 from hpcrl.json_record import JsonRecord
 from hpcrl.run_dir import RunDir
 
@@ -63,9 +63,16 @@ def save(engine, run_dir: RunDir, state: TrainerState, keep: int, adapter_only: 
     tag = tag_for(state.step)
     need = _make_room(run_dir, keep)
     wait_for_room(f"checkpoint {tag}", run_dir.checkpoints, need)
-    make_dirs(run_dir.checkpoints / tag)
-    engine.save_checkpoint(str(run_dir.checkpoints), tag=tag, client_state={"hpcrl": state.to_json()},
-                           save_latest=False, exclude_frozen_parameters=adapter_only)
+    folder = run_dir.checkpoints / tag
+    make_dirs(folder)
+
+    def save_all() -> None:
+        engine.save_checkpoint(str(run_dir.checkpoints), tag=tag, client_state={"hpcrl": state.to_json()},
+                               save_latest=False, exclude_frozen_parameters=adapter_only)
+    if engine.world_size == 1:  # one rank: a failed save (DeepSpeed copies files of its own too) can be done again
+        guarded(f"checkpoint {tag}", folder, need, save_all, undo=lambda: shutil.rmtree(folder, ignore_errors=True))
+    else:  # several ranks save collectively: only each file's own write waits (SafeCheckpointEngine)
+        save_all()
     if engine.global_rank == 0:
         write_json_atomic(run_dir.latest_checkpoint, LatestCheckpoint(tag, state.step).to_json())
         for old in _tags(run_dir)[:-keep]:
