@@ -155,7 +155,8 @@ def make_run(root: Path, rng: random.Random, kind: str, max_kills: int = 3) -> R
                  f"rollout.seal_groups={rng.randint(1, 4)}", "rollout.seal_interval_s=0.5",
                  f"async_training.staleness_threshold={rng.choice([0.0, 0.0, 0.5])}",
                  "timeouts.wait_samples_s=90", "timeouts.wait_weights_s=90", "timeouts.heartbeat_interval_s=0.5",
-                 "timeouts.heartbeat_stale_s=5", *KIND_OVERRIDES.get(kind, [])]
+                 "timeouts.heartbeat_stale_s=5", "trainer.keep_consumed_shards=-1",  # the audit reads every shard
+                 *KIND_OVERRIDES.get(kind, [])]
     cfg = load_config(REPO / "configs" / "tiny.yaml", overrides)
     return prepare_run_dir(cfg, root, resume=False)
 

@@ -9,8 +9,8 @@
     hpcrl status RUN_DIR [--interval-s 5] [--once] # live view from the login node
     hpcrl summary RUN_DIR                          # per-version table of the staleness log
     hpcrl samples RUN_DIR [--version V] [--worst|--best] [-n K]   # prompts, responses, rewards, token versions
-    hpcrl export RUN_DIR [--version last|N] --out DIR             # a weight version as a Hugging Face folder
-    hpcrl plan CONFIG [key=value ...] --gpus N [--probe RUN]      # best trainer:rollout split and async knobs
+    hpcrl export RUN_DIR [--version last|N] --out DIR [--merge]   # a weight version as a Hugging Face folder
+    hpcrl plan CONFIG [key=value ...] --gpus N [--splits ..] [--staleness ..]  # best split and async knobs
     hpcrl doctor [--dir D] [--require cuda,vllm] [--json F]         # what this node offers a run
     hpcrl scale RUN_DIR --rollout-jobs N                          # grow or shrink a live run's rollout fleet
     hpcrl sbatch-lines CONFIG [key=value ...] --run-dir DIR       # prepare DIR, print the sbatch commands
@@ -22,6 +22,7 @@ command and option has help).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -159,10 +160,35 @@ def _follow(a, plan, cfg, kind, launch) -> int:
 
 
 def _cmd_plan(a) -> int:
-    from hpcrl.plan.sweep import plan_command
+    from hpcrl.plan.command import plan_command
+    from hpcrl.plan.sweep import SweepSpec, parse_floats, parse_partial, parse_splits
 
+    problems: list[str] = []
+
+    def attempt(fn, *args):
+        try:
+            return fn(*args)
+        except ValueError as e:
+            problems.append(str(e))
+            return None
+
+    staleness = attempt(parse_floats, a.staleness, "--staleness")
+    partial = attempt(parse_partial, a.partial)
+    splits = attempt(parse_splits, a.splits) if a.splits else None
+    for name, value, lo in (("--gpus", a.gpus, 2), ("--gpus-per-engine", a.gpus_per_engine, 1),
+                            ("--updates", a.updates, 3), ("--top", a.top, 1), ("--prompt-tokens", a.prompt_tokens, 1)):
+        if value is not None and value < lo:
+            problems.append(f"{name} must be >= {lo}, got {value}")
     try:
-        lines = plan_command(a.config, a.overrides, a.gpus, a.gpus_per_engine, a.updates, a.probe, a.top, a.all)
+        if problems:
+            raise ValueError("\n".join(problems))
+        gpe = a.gpus_per_engine
+        if gpe is None:
+            r = load_config(a.config, a.overrides).resources.rollout
+            gpe = max(1, r.nodes * r.gpus_per_node)
+        spec = SweepSpec(gpus=a.gpus, gpus_per_engine=gpe, updates=a.updates, staleness=staleness, partial=partial,
+                         splits=splits)
+        lines = plan_command(a.config, a.overrides, spec, a.probe, a.top, a.all, a.prompt_tokens, a.reference)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         return _problems("hpcrl plan", e)
     print("\n".join(lines))
@@ -174,9 +200,10 @@ def _cmd_sbatch_lines(a) -> int:
     from hpcrl.launcher.sbatch_lines import sbatch_lines, write_setup_files
     from hpcrl.run_dir import RunDir
 
-    try:
-        cfg = load_config(a.config, a.overrides)
-        rd = RunDir(a.run_dir) if a.dry_run else prepare_run_dir(cfg, Path(a.run_dir), resume=False)
+    try:  # stdout carries the sbatch lines only (submit.sh runs each): what the checks print goes to stderr
+        with contextlib.redirect_stdout(sys.stderr):
+            cfg = load_config(a.config, a.overrides)
+            rd = RunDir(a.run_dir) if a.dry_run else prepare_run_dir(cfg, Path(a.run_dir), resume=False)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         return _problems("hpcrl", e)
     if not a.dry_run:
@@ -190,18 +217,35 @@ def _cmd_sbatch_lines(a) -> int:
 # only when `report` runs
 
 def add_plan_command(sub) -> None:
-    """``hpcrl plan`` (hpcrl/plan/sweep.py)."""
-    pl = sub.add_parser("plan", help="predict step time, throughput, busy shares and lag for every trainer:rollout "
-                                      "split and async setting of a GPU budget (an event simulation, seconds)")
+    """``hpcrl plan`` (hpcrl/plan/command.py)."""
+    pl = sub.add_parser("plan", help="predict step time, throughput, busy shares and lag for trainer:rollout splits "
+                                      "and async settings of a GPU budget (an event simulation, seconds)",
+                        description="Predict, without running anything, the best trainer:rollout splits and async "
+                                    "settings of a GPU budget, next to the configuration the config asks for and the "
+                                    "synchronous colocated baseline (README: 'Sizing a run with hpcrl plan').")
     pl.add_argument("config", help="YAML config whose simulated: section holds the phase model (modelled seconds)")
     pl.add_argument("overrides", nargs="*", help="dotted overrides of the config, e.g. simulated.decode_base_s=0.03")
     pl.add_argument("--gpus", type=int, required=True, help="GPU budget: trainer GPUs + rollout engines' GPUs")
-    pl.add_argument("--gpus-per-engine", type=int, default=1, help="GPUs of one rollout job's engine (default 1)")
+    pl.add_argument("--gpus-per-engine", type=int, default=None,
+                    help="GPUs of one rollout job's engine (default: the config's resources.rollout GPUs, else 1)")
+    pl.add_argument("--splits", default=None, metavar="LIST|RANGE",
+                    help="trainer GPU counts to try: 8,16,32 or 8:64 or 8:64:8 (default: every count up to 64 GPUs, "
+                         "else 1, 2, 4 and whole nodes of 8)")
+    pl.add_argument("--staleness", default="0,0.5,1", metavar="LIST",
+                    help="staleness_threshold values to try, e.g. 0,0.1,0.3 (default 0,0.5,1; the config's own is "
+                         "always tried)")
+    pl.add_argument("--partial", default="both", choices=["both", "on", "off"],
+                    help="partial_rollout settings to try (default both; the config's own is always tried)")
+    pl.add_argument("--prompt-tokens", type=int, default=None, metavar="N",
+                    help="every prompt N tokens (default: data.source through the model's tokenizer)")
     pl.add_argument("--updates", type=int, default=32, help="local updates simulated per candidate (default 32)")
     pl.add_argument("--probe", default=None, metavar="RUN", help="measure the update model, weight switch and "
                     "response lengths from this run directory's logs")
     pl.add_argument("--top", type=int, default=10, help="rows shown, best first (default 10)")
-    pl.add_argument("--all", action="store_true", help="show every candidate, in sweep order")
+    pl.add_argument("--all", action="store_true", help="simulate every candidate (no search, no bound) and show "
+                                                       "them all")
+    pl.add_argument("--reference", action="store_true",
+                    help="predict with the slow reference simulation the fast one is tested against")
 
 
 RUN_DIR_HELP = "a run directory (--run-dir of `hpcrl run`)"
@@ -238,6 +282,8 @@ def add_analysis_commands(sub) -> None:
     ex.add_argument("run_dir", metavar="RUN_DIR", help=RUN_DIR_HELP)
     ex.add_argument("--version", default="last", help="weight version number, or last (default)")
     ex.add_argument("--out", required=True, metavar="DIR", help="a new folder")
+    ex.add_argument("--merge", action="store_true", help="a LoRA run: the base model with the adapter merged into "
+                                                        "its weights (default: the adapter folder)")
 
 
 def _cmd_summary(run_dir: str) -> int:
@@ -265,7 +311,7 @@ def run_analysis_command(a: argparse.Namespace) -> int:
     if a.cmd == "export":
         from hpcrl.analysis.export import export_main
 
-        return export_main(a.run_dir, a.out, a.version)
+        return export_main(a.run_dir, a.out, a.version, a.merge)
     if a.cmd == "status":
         from hpcrl.analysis.status import status_main
 

@@ -8,7 +8,8 @@ Layout (ARCHITECTURE.md, "The run directory")::
       base_model/                  builtin:tiny model + tokenizer               (launcher writes)
       sbatch/<role>.setup.sh       per-role setup lines for sbatch/*.sbatch     (launcher writes)
       samples/<writer>/shard-000042.h5, manifest.jsonl                          (one rollout job each)
-      weights/v000007/             config.json, model.safetensors, tokenizer files, manifest.json (trainer)
+      weights/v000007/             config.json, model.safetensors, tokenizer files, manifest.json (trainer);
+                                   LoRA runs: adapter_config.json, adapter_model.safetensors, manifest.json
       weights/v000008/             ... model.delta instead of model.safetensors: a delta version (trainer)
       weights/v000007/bad.json     the version is damaged: never loaded again     (rollout job)
       control/heartbeat/<job>.json, control/loading/<writer>.json, control/admission.json,
@@ -67,6 +68,11 @@ WEIGHT_DELTA = "model.delta"
 (``weights/delta.py``); a safetensors file of byte tensors, named so that no loader takes it for weights."""
 WEIGHT_MODEL_CONFIG = "config.json"
 """The HF model config of a weight version (so the folder loads as an HF model)."""
+WEIGHT_ADAPTER_TENSORS = "adapter_model.safetensors"
+"""The tensors of a LoRA adapter version (``actor.lora_rank``): peft's file name and layout, instead of
+:data:`WEIGHT_TENSORS`."""
+WEIGHT_ADAPTER_CONFIG = "adapter_config.json"
+"""peft's config of a LoRA adapter version, instead of :data:`WEIGHT_MODEL_CONFIG`."""
 WEIGHT_MODEL_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                       "added_tokens.json", "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt",
                       "tokenizer.model")
@@ -212,10 +218,13 @@ class RunDir:
 
     def weight_file(self, version: int, name: str) -> Path:
         """A file of version ``version`` (``name``: :data:`WEIGHT_TENSORS`, :data:`WEIGHT_DELTA`,
-        :data:`WEIGHT_MODEL_CONFIG` or one of :data:`WEIGHT_MODEL_FILES`); ValueError for any other name."""
-        if name not in (WEIGHT_TENSORS, WEIGHT_DELTA, WEIGHT_MODEL_CONFIG, *WEIGHT_MODEL_FILES):
+        :data:`WEIGHT_MODEL_CONFIG`, :data:`WEIGHT_ADAPTER_TENSORS`, :data:`WEIGHT_ADAPTER_CONFIG` or one of
+        :data:`WEIGHT_MODEL_FILES`); ValueError for any other name."""
+        if name not in (WEIGHT_TENSORS, WEIGHT_DELTA, WEIGHT_MODEL_CONFIG, WEIGHT_ADAPTER_TENSORS, WEIGHT_ADAPTER_CONFIG,
+                        *WEIGHT_MODEL_FILES):
             raise ValueError(f"{name!r} is not a weight file (expected {WEIGHT_TENSORS}, {WEIGHT_DELTA}, "
-                             f"{WEIGHT_MODEL_CONFIG} or one of {', '.join(WEIGHT_MODEL_FILES)})")
+                             f"{WEIGHT_MODEL_CONFIG}, {WEIGHT_ADAPTER_TENSORS}, {WEIGHT_ADAPTER_CONFIG} or one of "
+                             f"{', '.join(WEIGHT_MODEL_FILES)})")
         return self.weight_version_dir(version) / name
 
     def weight_bad_marker(self, version: int) -> Path:

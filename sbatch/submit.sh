@@ -33,6 +33,7 @@ fi
 mapfile -t LINES < <("$PYTHON" -m hpcrl sbatch-lines "$CONFIG" "$@" --run-dir "$RUN_DIR" --scripts "$HERE")
 if [ "${#LINES[@]}" -eq 0 ]; then echo "submit.sh: nothing to submit (see the error above)" >&2; exit 1; fi
 for line in "${LINES[@]}"; do
+  case "$line" in sbatch\ *) ;; *) echo "$line" >&2; continue;; esac  # only sbatch lines are run; a stray one is shown
   echo "+ $line" >&2
   job_id="$(eval "$line")"
   echo "$job_id"

@@ -300,7 +300,8 @@ def read_rollout_metrics(rd):
 
 
 LEARNING_UPDATES = 100
-BACKGROUND_RUNS = {"agent:learns": [*AGENT, f"rollout.total_rollout_steps={4 * LEARNING_UPDATES}"]}
+BACKGROUND_RUNS = {"agent:learns": [*AGENT, f"rollout.total_rollout_steps={4 * LEARNING_UPDATES}",
+                                     "trainer.keep_consumed_shards=-1"]}  # the test reads every shard
 """The README's agent run, started in the background when the session starts (conftest.BackgroundRuns)."""
 
 

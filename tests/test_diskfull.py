@@ -253,8 +253,8 @@ def test_a_trainer_killed_during_retention_leaves_no_version_folder_without_its_
 
 FILLS = {  # job -> (fault specs, what the job must then say it waits for)
     "trainer": [("checkpoint:2", "checkpoints (checkpoint step-"), ("publish:9", "weights/v"),
-                ("metrics_log:15", None)],
-    "rollout": [("seal_manifest:14", None), ("states_save:4", "in_flight/w000.json")],
+                ("metrics_log:14", None)],
+    "rollout": [("seal_manifest:12", None), ("states_save:4", "in_flight/w000.json")],
     "eval": [("eval_commit:2", "eval_samples.jsonl")],
 }
 """Each writer in turn: where the job fills the filesystem, and the path its next write must name. A short line
@@ -273,7 +273,7 @@ def waiting_lines(rd: RunDir) -> list[str]:
 def test_the_tiny_run_survives_its_filesystem_filling_up_at_each_writer_in_turn(tmp_path):
     fs = mount_tmpfs(tmp_path / "fs", "96m")
     try:
-        rd = make_run(fs, "rollout.total_rollout_steps=120", "trainer.checkpoint_every_updates=4",
+        rd = make_run(fs, "rollout.total_rollout_steps=96", "trainer.checkpoint_every_updates=4",
                       "async_training.staleness_threshold=0.5", "async_training.partial_rollout=true",
                       "eval.every_versions=4", "timeouts.disk_full_s=120", "timeouts.slow_write_s=1")
         env = {job: {"HPCRL_FAULT_POINT": ",".join(f"{spec}:fill={fs / f'filler-{i}'}" for i, (spec, _)
@@ -311,19 +311,19 @@ def test_the_tiny_run_survives_its_filesystem_filling_up_at_each_writer_in_turn(
 
 @pytest.mark.slow
 def test_a_run_whose_space_never_comes_back_ends_with_the_fatal_record_status_shows(tmp_path):
+    """The trainer's first checkpoint (a fresh start checkpoints at once) meets a full disk that stays full."""
     fs = mount_tmpfs(tmp_path / "fs", "96m")
     try:
-        rd = make_run(fs, "rollout.total_rollout_steps=80", "trainer.checkpoint_every_updates=4",
-                      "timeouts.disk_full_s=5", "eval.every_versions=0")
-        trainer = start_trainer(rd, env={"HPCRL_FAULT_POINT": f"checkpoint:2:fill={fs / 'filler'}"})
-        rollout = start_rollout(rd)
+        rd = make_run(fs, "timeouts.disk_full_s=3", "eval.every_versions=0")
+        trainer = start_trainer(rd, env={"HPCRL_FAULT_POINT": f"checkpoint:1:fill={fs / 'filler'}"})
         assert trainer.wait(300) == 1, trainer.tail()
-        rollout.wait(300)
+        assert rd.fatal.exists(), trainer.tail(60)
         record = json.loads(rd.fatal.read_text())
-        assert record["input"] == "disk" and record["message"].startswith("disk full at"), record
+        assert record["input"] == "disk" and record["message"].startswith(f"disk full at {rd.checkpoints}"), record
+        assert read_heartbeats(rd)["trainer"].state == "failed"
         out = subprocess.run([sys.executable, "-m", "hpcrl", "status", str(rd.root), "--once"], capture_output=True,
                              text=True, cwd=REPO, timeout=120)
-        assert "run stopped by an error a restart would repeat:" in out.stdout and "disk full at" in out.stdout
+        assert "run stopped by an error a restart would repeat: trainer: disk full at" in out.stdout, out.stdout
         assert "cannot go on: disk full at" in rd.job_log("trainer").read_text()
         assert "Traceback" not in trainer.tail(200)
     finally:

@@ -225,7 +225,7 @@ def test_every_job_lives_in_the_one_lifecycle():
 # Names that only RunDir may spell: file names of the run directory and job/writer names.
 RUN_DIR_LITERALS = re.compile(
     r"manifest\.jsonl?|config\.yaml|trainer_done\.json|admission\.(json|lock)|latest\.json|metrics\.jsonl|"
-    r"staleness\.jsonl|(?<!-)rollout-|trainer-rank|shard-|base_model|heartbeat/|loading/|\.setup\.sh|^secret$|"
+    r"staleness\.jsonl|(?<!-)rollout-|trainer-rank|shard-|base_model(?!_name_or_path)|heartbeat/|loading/|\.setup\.sh|^secret$|"
     r"(^|[^a-z])w\{|w%03d|:03d\}")
 
 

@@ -8,7 +8,8 @@ import pytest
 from hpcrl.config import load_config
 from hpcrl.config.simulated import SimulatedConfig
 from hpcrl.plan.pipeline import Knobs, predict, prompt_seed
-from hpcrl.plan.sweep import plan_command
+from hpcrl.plan.command import plan_command
+from hpcrl.plan.sweep import SweepSpec
 
 L = 100  # every response this long (empirical lengths of one value)
 
@@ -26,7 +27,7 @@ def _sim(tmp_path, **kw) -> SimulatedConfig:
 
 
 def _empirical(sim):
-    from hpcrl.plan.sweep import empirical_lengths
+    from hpcrl.plan.probe import empirical_lengths
     return empirical_lengths(sim.lengths)
 
 
@@ -85,8 +86,8 @@ def test_lengths_and_seeds_are_the_simulated_engines():
 
 
 def test_plan_prints_a_table_and_the_best_configurations():
-    lines = plan_command("configs/simulated.yaml", ["rollout.total_rollout_steps=64"], gpus=4, gpus_per_engine=1,
-                         updates=8, probe=None, top=5, show_all=False)
+    lines = plan_command("configs/simulated.yaml", ["rollout.total_rollout_steps=64"], SweepSpec(gpus=4, updates=8),
+                         top=5)
     text = "\n".join(lines)
     assert "trainer:engines" in text and "best (highest throughput first):" in text
     assert "resources.rollout_jobs=" in text and "resources.trainer.gpus_per_node=" in text
@@ -95,8 +96,7 @@ def test_plan_prints_a_table_and_the_best_configurations():
 
 def test_plan_refuses_a_budget_without_a_split():
     with pytest.raises(ValueError, match="no split"):
-        plan_command("configs/simulated.yaml", [], gpus=1, gpus_per_engine=1, updates=4, probe=None, top=5,
-                     show_all=False)
+        plan_command("configs/simulated.yaml", [], SweepSpec(gpus=1, updates=4), top=5)
 
 
 def test_config_file_parses():
@@ -105,7 +105,7 @@ def test_config_file_parses():
 
 def test_probe_fits_the_update_model_switch_and_lengths_from_a_runs_logs(tmp_path):
     from hpcrl.config import dump_config
-    from hpcrl.plan.sweep import probe_model
+    from hpcrl.plan.probe import probe_model
     from hpcrl.run_dir import RunDir
 
     rd = RunDir(tmp_path / "probe")

@@ -104,9 +104,8 @@ def test_the_admission_budget_is_computed_only_in_config_knobs():
 
 
 PLANNER_CANDIDATE = REPO / "hpcrl" / "plan"
-"""``hpcrl plan``'s candidate (``Knobs`` with the simulator's own fields: trainer GPUs, ``max_num_seqs``, lengths)
-computes its budget through :func:`hpcrl.config.knobs.admission_budget`; it is the one other ``Knobs`` allowed
-until the planner's rewrite lands (it then derives from the config's)."""
+"""``hpcrl plan``'s candidate (``hpcrl/plan/model.py: Knobs``) derives from the config's ``Knobs`` and adds the
+simulator's own fields (trainer GPUs, ``max_num_seqs``, lengths): the one other class named so."""
 
 
 def test_one_class_holds_the_async_knobs():

@@ -179,7 +179,8 @@ def test_a_tool_agent_preempted_in_the_middle_of_a_tool_call_continues_its_traje
     job preempts it meanwhile: on SIGTERM it saves the trajectory with its call pending, Slurm
     requeues it, and the requeued job calls the tool again and continues the trajectory where it stopped."""
     rd = tiny_run(*AGENT, "resources.rollout_preemptible.partition=scavenger", "rollout.total_rollout_steps=48",
-                  "async_training.staleness_threshold=1.0", "async_training.partial_rollout=true")
+                  "async_training.staleness_threshold=1.0", "async_training.partial_rollout=true",
+                  "trainer.keep_consumed_shards=-1")  # the test reads every shard w001 committed
     trainer = start_trainer(rd)
     monkeypatch.setenv(faults.ENV, "tool_call:2:sleep=300")  # the rollout job's environment, not the trainer's
     monkeypatch.setenv(faults.ONCE_ENV, str(rd.root / "tool-call-stalled"))  # not again in the requeued job

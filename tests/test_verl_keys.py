@@ -78,7 +78,7 @@ def test_units_that_differ_are_converted():
 
 
 @pytest.mark.parametrize("override, fragment", [
-    ("actor_rollout_ref.model.lora_rank=16", "no LoRA"),
+    ("actor_rollout_ref.model.exclude_modules=[lm_head]", "list the ones to adapt"),
     ("reward_model.enable=true", "no reward model"),
     ("actor_rollout_ref.rollout.name=sglang", "vllm or hf"),
     ("data.train_files=[a.parquet,b.parquet]", "concatenate the files into one"),

@@ -137,7 +137,7 @@ def test_a_damaged_delta_is_named_marked_and_the_trainer_then_writes_a_full_vers
         assert wv.version == 1
         assert_same(wv.tensors, sds[1])
     assert wt.is_bad(2) and not wt.is_bad(0)
-    assert f"weight version 2" in caplog.text
+    assert "weight version 2" in caplog.text
     # the trainer sees the marker and re-publishes its weights: full, a clean start for every reader
     assert wt.publish(3, sds[2], "{}", 3, 8).manifest.base is None
     assert_same(reader(wt, "w001").load(3).tensors, sds[2])
@@ -256,3 +256,24 @@ def test_hpcrl_eval_of_a_delta_folder_says_what_it_is_and_what_to_do(tmp_path, c
     assert cli_main(["eval", "--model", str(wt.run_dir.weight_version_dir(1))]) != 0
     err = capsys.readouterr().err
     assert "a delta weight version" in err and "hpcrl export" in err
+
+
+def test_lora_adapter_versions_are_always_written_whole(tmp_path):
+    """A LoRA run publishes its adapter alone (tiny): never a delta, and never held as a delta base."""
+    from hpcrl.run_dir import WEIGHT_ADAPTER_TENSORS
+    from hpcrl.weights.manifest import AdapterBase
+
+    wt = publisher(tmp_path)
+    base = AdapterBase(path="/models/base", hash="xxh3_128:" + "0" * 32)
+    sd = {"base_model.model.q_proj.lora_A.weight": torch.zeros(256, 64, dtype=torch.bfloat16)}
+    for v in range(3):
+        sd = {k: t.clone() for k, t in sd.items()}
+        sd["base_model.model.q_proj.lora_A.weight"][v, 0] = 1.0  # one value changes: a delta would be tiny
+        manifest = wt.publish(v, sd, json.dumps({"peft_type": "LORA", "r": 4}), trainer_step=v, consumed_groups=4 * v,
+                              adapter=base).manifest
+        assert manifest.base is None and manifest.adapter == base
+        assert set(manifest.files) == {WEIGHT_ADAPTER_TENSORS, "adapter_config.json"}
+    assert wt.deltas.base is None
+    with reader(wt).take(2) as wv:
+        assert_same(wv.tensors, sd)
+        assert wv.adapter["r"] == 4

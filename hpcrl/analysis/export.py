@@ -10,6 +10,9 @@ against its base and verified tensor by tensor as a rollout job does, and writte
 ``AutoTokenizer.from_pretrained(DIR)`` (which export checks against the run's tokenizer, and makes agree where it
 would pick another class from the model type: :mod:`hpcrl.analysis.export_tokenizer`) and vLLM (``LLM(model=DIR)``).
 
+A LoRA run's version (``actor.lora_rank``) is an adapter: export writes its adapter folder (peft's layout, with
+the base's tokenizer), or with ``--merge`` the base model with the adapter merged (``export_adapter.py``).
+
 A version published by an older hpcrl has no tokenizer files: they are taken from the run's model folder (the
 tokenizer does not change during training), and a ``generation_config.json`` is written from ``config.json``
 when there is none. Nothing in the run directory is changed.
@@ -24,8 +27,9 @@ from pathlib import Path
 from typing import Optional
 
 from hpcrl.analysis.export_tokenizer import AUTO_TOKENIZER, make_auto_tokenizer_load_it
+from hpcrl.analysis.export_adapter import BaseModelChanged, export_adapter
 from hpcrl.fsio import fsync_path, read_json
-from hpcrl.run_dir import WEIGHT_DELTA, WEIGHT_MODEL_CONFIG, WEIGHT_MODEL_FILES, WEIGHT_TENSORS, RunDir
+from hpcrl.run_dir import WEIGHT_ADAPTER_CONFIG, WEIGHT_DELTA, WEIGHT_MODEL_CONFIG, WEIGHT_MODEL_FILES, WEIGHT_TENSORS, RunDir
 from hpcrl.weights.delta_versions import DeltaReader
 from hpcrl.weights.manifest import WeightManifest
 from hpcrl.weights.safetensors_io import DamagedFile, check_file, save_hashed
@@ -66,8 +70,10 @@ def _manifest(rd: RunDir, version: int) -> WeightManifest:
     return WeightManifest.from_json(d, str(rd.weight_manifest(version)))
 
 
-def export(run_dir, out: os.PathLike | str, version: Optional[int] = None) -> Exported:
-    """Copy weight version ``version`` (None: the newest intact one) of ``run_dir`` to ``out`` (module docstring)."""
+def export(run_dir, out: os.PathLike | str, version: Optional[int] = None, merge: bool = False) -> Exported:
+    """Copy weight version ``version`` (None: the newest intact one) of ``run_dir`` to ``out`` (module docstring); a
+    LoRA run's version is written as its adapter folder, or with ``merge`` as the base model with the adapter merged
+    (``export_adapter.py``)."""
     rd, out = RunDir(run_dir), Path(out).expanduser().resolve()
     if not rd.config_path.is_file():
         raise ExportError(f"{rd.root} is not an hpcrl run directory (no config.yaml)")
@@ -78,21 +84,30 @@ def export(run_dir, out: os.PathLike | str, version: Optional[int] = None) -> Ex
     if out.exists() and any(out.iterdir()):
         raise ExportError(f"--out {out} exists and is not empty; choose a new folder")
     manifest = _manifest(rd, version)
+    if merge and manifest.adapter is None:
+        raise ExportError(f"weight version {version} holds full weights: --merge is for a LoRA run's adapter versions "
+                          "(actor.lora_rank); export it without --merge")
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     notes: list[str] = []
     try:
-        for name, entry in manifest.files.items():
-            if name == WEIGHT_DELTA:
-                continue
-            dst = tmp / name
-            shutil.copyfile(rd.weight_file(version, name), dst)
-            check_file(dst, entry.size_bytes, entry.hash_algorithm, entry.hash_hex)
-        if manifest.base is not None:
-            _rebuild(rd, version, manifest, tmp, notes)
-        _complete(rd, tmp, manifest, notes)
+        if manifest.adapter is not None:
+            notes += export_adapter(rd, version, manifest, tmp, merge)
+        else:
+            for name, entry in manifest.files.items():
+                if name == WEIGHT_DELTA:
+                    continue
+                dst = tmp / name
+                shutil.copyfile(rd.weight_file(version, name), dst)
+                check_file(dst, entry.size_bytes, entry.hash_algorithm, entry.hash_hex)
+            if manifest.base is not None:
+                _rebuild(rd, version, manifest, tmp, notes)
+            _complete(rd, tmp, manifest, notes)
         loader = make_auto_tokenizer_load_it(tmp, notes)
+    except BaseModelChanged as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ExportError(str(e)) from None
     except (FileNotFoundError, DamagedFile) as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise ExportError(f"weight version {version} changed while it was copied ({e}): it was deleted or damaged; "
@@ -131,13 +146,13 @@ def _complete(rd: RunDir, folder: Path, manifest: WeightManifest, notes: list[st
         notes.append(f"{GENERATION_CONFIG} written from {WEIGHT_MODEL_CONFIG} ({', '.join(gen) or 'no token ids'})")
 
 
-def export_main(run_dir: str, out: str, version: str = "last") -> int:
+def export_main(run_dir: str, out: str, version: str = "last", merge: bool = False) -> int:
     """``hpcrl export``: 0, or 2 with one line on stderr."""
     import sys
 
     try:
         v = None if version == "last" else int(version)
-        done = export(run_dir, out, v)
+        done = export(run_dir, out, v, merge)
     except ValueError as e:  # ExportError, or --version that is not a number
         print(f"hpcrl export: error: {e}", file=sys.stderr)
         return 2
@@ -145,6 +160,11 @@ def export_main(run_dir: str, out: str, version: str = "last") -> int:
           f"to {done.folder}: {', '.join(done.files)}")
     for note in done.notes:
         print(f"note: {note}")
+    if (done.folder / WEIGHT_ADAPTER_CONFIG).is_file():
+        print(f"load it with PeftModel.from_pretrained(base, '{done.folder}') or AutoModelForCausalLM.from_pretrained("
+              f"'{done.folder}') (peft installed) and {done.tokenizer_loader}.from_pretrained('{done.folder}'), or "
+              f"vLLM: LLM(model=BASE, enable_lora=True) and LoRARequest('adapter', 1, '{done.folder}')")
+        return 0
     print(f"load it with AutoModelForCausalLM.from_pretrained('{done.folder}') and "
           f"{done.tokenizer_loader}.from_pretrained('{done.folder}') (the run's tokenizer), or vLLM: "
           f"LLM(model='{done.folder}')")

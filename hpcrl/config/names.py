@@ -115,7 +115,7 @@ _PROFILE = "no profiler hooks: bench/ measures the exchanges, logs/*.jsonl time 
 _CKPT = "checkpoints hold model, optimizer and sample cursor in RUN/checkpoints (trainer.checkpoint_every_updates)"
 _BATCH_TOKENS = "micro-batches count groups (actor.ppo_micro_batch_size), not tokens"
 _ENGINE = "a vLLM engine option hpcrl does not set (the rollout.* fields list the ones it does)"
-_MODEL = "the model is model.path loaded as it is (no LoRA, remove-padding or kernel options)"
+_MODEL = "the model is model.path loaded as it is (no remove-padding or kernel options; LoRA: actor.lora_*)"
 _TP = "parallel training is DeepSpeed ZeRO data parallelism only (no tensor, pipeline or sequence parallelism)"
 
 VERL_KEYS: dict[str, str | VerlKey] = {
@@ -158,8 +158,16 @@ VERL_KEYS: dict[str, str | VerlKey] = {
     "data.mm_processor_kwargs": VerlKey(None, "text only", refuse=True),
     # ---- the model, the actor and its optimizer
     "actor_rollout_ref.model.path": "model.path",
-    "actor_rollout_ref.model.lora_rank": VerlKey(None, "no LoRA: every weight of the model is trained", refuse=True),
-    "actor_rollout_ref.model.lora.rank": VerlKey(None, "no LoRA: every weight of the model is trained", refuse=True),
+    "actor_rollout_ref.model.lora_rank": VerlKey("actor.lora_rank", "0: full fine-tuning (null here); > 0: a LoRA "
+                                                 "adapter of that rank"),
+    "actor_rollout_ref.model.lora.rank": VerlKey("actor.lora_rank", "0: full fine-tuning (null here); > 0: a LoRA "
+                                                 "adapter of that rank"),
+    "actor_rollout_ref.model.lora_alpha": "actor.lora_alpha",
+    "actor_rollout_ref.model.lora.alpha": "actor.lora_alpha",
+    "actor_rollout_ref.model.target_modules": "actor.lora_target_modules",
+    "actor_rollout_ref.model.lora.target_modules": "actor.lora_target_modules",
+    "actor_rollout_ref.model.exclude_modules": VerlKey(None, "the adapted modules are named in "
+                                                       "actor.lora_target_modules (list the ones to adapt)", refuse=True),
     "actor_rollout_ref.model.custom_chat_template": VerlKey(None, "the chat template is the tokenizer's (save it "
                                                             "into model.path)", refuse=True),
     "actor_rollout_ref.model.tokenizer_path": VerlKey(None, "the tokenizer is model.path's own", refuse=True),
@@ -171,16 +179,15 @@ VERL_KEYS: dict[str, str | VerlKey] = {
     "actor_rollout_ref.model.enable_gradient_checkpointing": VerlKey(None, _MODEL),
     "actor_rollout_ref.model.enable_activation_offload": VerlKey(None, _MODEL),
     "actor_rollout_ref.model.use_remove_padding": VerlKey(None, _MODEL),
-    "actor_rollout_ref.model.lora_alpha": VerlKey(None, _MODEL),
-    "actor_rollout_ref.model.target_modules": VerlKey(None, _MODEL),
-    "actor_rollout_ref.model.exclude_modules": VerlKey(None, _MODEL),
     "actor_rollout_ref.model.use_liger": VerlKey(None, _MODEL),
     "actor_rollout_ref.model.use_fused_kernels": VerlKey(None, _MODEL),
     "actor_rollout_ref.model.fused_kernel_options.*": VerlKey(None, _MODEL),
     "actor_rollout_ref.model.tiled_mlp.*": VerlKey(None, _MODEL),
     "actor_rollout_ref.model.mtp.*": VerlKey(None, _MODEL),
     "actor_rollout_ref.model.lora.*": VerlKey(None, _MODEL),
-    "actor_rollout_ref.model.lora_adapter_path": VerlKey(None, "no LoRA: every weight of the model is trained",
+    "actor_rollout_ref.model.lora_adapter_path": VerlKey(None, "training starts from a fresh adapter on model.path; "
+                                                         "to start from yours, merge it into the model first "
+                                                         "(peft's merge_and_unload) and point model.path at that",
                                                          refuse=True),
     "actor_rollout_ref.hybrid_engine": VerlKey(None, "the trainer and the rollout always run as separate jobs"),
     "actor_rollout_ref.nccl_timeout": VerlKey(None, "every wait has its own limit in timeouts.*"),

@@ -29,6 +29,7 @@ from hpcrl.config.combinations import check_algorithm_combinations
 from hpcrl.config.evaluation import EvalConfig
 from hpcrl.config.knobs import Knobs
 from hpcrl.config.names import SIMULATED_ENGINE
+from hpcrl.config.lora import check_lora_combination
 from hpcrl.config.resources import ResourcesConfig
 from hpcrl.config.runtime import LoggingConfig, TimeoutsConfig
 from hpcrl.config.simulated import SimulatedConfig, check_simulated_combination
@@ -107,6 +108,11 @@ class RunConfig:
         return a.compute_prox_log_prob or not a.use_rollout_log_probs
 
     @property
+    def lora(self) -> bool:
+        """The trainer trains a LoRA adapter and every weight version is one (``actor.lora_rank`` set)."""
+        return self.actor.lora_rank is not None
+
+    @property
     def needs_reference(self) -> bool:
         """A KL term needs the frozen reference model."""
         return self.algorithm.use_kl_in_reward or self.actor.use_kl_loss
@@ -121,6 +127,7 @@ class RunConfig:
             self._check_spans()
             check_algorithm_combinations(self)
             check_simulated_combination(self)
+            check_lora_combination(self)
             self._check_eval()
             if problems.errors:
                 problems.suggest_defaults(Schema.of(RunConfig).defaults)

@@ -13,6 +13,7 @@ from typing import Optional, Union
 from hpcrl.config import names, registries
 from hpcrl.config.algorithm import PolicyLossConfig
 from hpcrl.config.checks import check_choice, check_float, check_int, fail
+from hpcrl.config.lora import DEFAULT_TARGET_MODULES, validate_lora_fields
 
 @dataclass
 class ModelConfig:
@@ -27,12 +28,20 @@ class ModelConfig:
     a shipped config may hold a placeholder path."""
     seed: int = 0
     """Seed for building ``builtin:tiny`` (random init) and for the trainer."""
+    base_hash: Optional[str] = None
+    """LoRA runs (``actor.lora_rank``): the hash of the model folder's weight files (``xxh3_128:<hex>``), which the
+    launcher writes into the frozen config; every job checks that the folder still has it before it applies an
+    adapter version to it (an adapter means nothing on another base). Leave it null: a value given is checked
+    against the folder at launch."""
 
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
         if not isinstance(self.path, str) or not self.path.strip():
             fail("model.path", self.path, f"{' or '.join(names.BUILTIN_MODELS)} or a local HF model folder")
         check_int("model.seed", self.seed, 0)
+        if self.base_hash is not None and (not isinstance(self.base_hash, str) or ":" not in self.base_hash):
+            fail("model.base_hash", self.base_hash, "null (the launcher fills it in) or ALGORITHM:HEX",
+                 "leave model.base_hash out")
 
 
 @dataclass
@@ -181,6 +190,22 @@ class ActorConfig:
     temperature: float = 1.0
     """Logits are divided by this when computing log-probs; keep it equal to
     rollout.temperature so trainer and engine log-probs agree."""
+    lora_rank: Optional[int] = None
+    """null: full fine-tuning (every weight is trained and published). An integer >= 1: a LoRA adapter of this
+    rank is trained with peft on the frozen model (only the adapter is in the optimizer and the checkpoints),
+    every weight version is the adapter alone, and the engines apply it to the same base model (verl:
+    ``actor_rollout_ref.model.lora_rank``; its 0 is null here). The KL reference is the base model, the adapter
+    switched off (no second copy)."""
+    lora_alpha: float = 16.0
+    """LoRA scaling numerator: the adapter's update is scaled by lora_alpha / lora_rank (verl: ``lora_alpha``)."""
+    lora_target_modules: Union[list, str] = field(default_factory=lambda: list(DEFAULT_TARGET_MODULES))
+    """Names of the modules that get an adapter (the last part of the module's name): by default the attention
+    and MLP projections of Llama/Qwen-style layers, or ``all-linear`` (peft: every linear layer but the output
+    layer; verl: ``target_modules``). Each name must be a linear layer of the model (checked at launch)."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapter's input in the trainer's forward passes, which run in training mode (the
+    start-of-update log-probs too, when computed; the KL reference has the adapter off); 0 <= p < 1. The engines
+    never drop."""
 
     def bf16_on(self, cuda: bool) -> bool:
         """Whether the trainer trains in bf16, ``cuda`` saying whether it runs on a GPU (``auto``'s rule)."""
@@ -215,6 +240,7 @@ class ActorConfig:
         check_int("actor.zero_stage", self.zero_stage, 0, 3)
         check_choice("actor.bf16", self.bf16, (True, False, "auto"))
         check_float("actor.temperature", self.temperature, 0.0, lo_open=True)
+        validate_lora_fields(self)
 
 
 @dataclass

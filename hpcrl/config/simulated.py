@@ -39,6 +39,11 @@ class SimulatedConfig:
     prefill_per_token_s: float = 0.00002
     """Engine: prefill time per prompt token of a sequence entering the batch (a continuation re-reads
     its prompt and the tokens so far)."""
+    kv_cache_tokens: int = 0
+    """Engine: KV-cache capacity in tokens (0: no limit). A running sequence holds its prompt and the tokens it
+    has so far; a waiting one enters only if the next decoding step still fits, and when a step would not fit
+    the newest running sequence is preempted (vLLM's recompute: it waits at the head of the queue and pays
+    its prefill again). A real engine's capacity is in vLLM's start-up log ("GPU KV cache size: N tokens")."""
     weight_load_s: float = 1.0
     """Engine: the non-overlappable weight switch: a rollout job loading a new version sleeps this long
     (after the real files or broadcast arrived)."""
@@ -64,6 +69,18 @@ class SimulatedConfig:
     def decode_step_s(self, running: int) -> float:
         """Modelled seconds of one decoding step with ``running`` sequences in the batch."""
         return self.decode_base_s + self.decode_per_seq_s * running
+
+    def kv_admits(self, usage_tokens: int, running: int, context_tokens: int) -> bool:
+        """A sequence with ``context_tokens`` (prompt + tokens so far) may join ``running`` sequences holding
+        ``usage_tokens`` of KV cache: the next decoding step, one token each, still fits."""
+        return self.kv_cache_tokens <= 0 or usage_tokens + context_tokens + running + 1 <= self.kv_cache_tokens
+
+    def kv_steps_left(self, usage_tokens: int, running: int) -> Optional[int]:
+        """Decoding steps ``running`` sequences holding ``usage_tokens`` can take before the cache is full (None:
+        no limit); at 0 the newest running sequence is preempted."""
+        if self.kv_cache_tokens <= 0 or running == 0:
+            return None
+        return max(0, (self.kv_cache_tokens - usage_tokens) // running)
 
     def update_model_s(self, n_tokens: int) -> float:
         """Modelled seconds of one local update over ``n_tokens`` trained tokens."""
@@ -93,6 +110,7 @@ class SimulatedConfig:
         check_float("simulated.length_mean", self.length_mean, 1.0)
         check_float("simulated.length_sigma", self.length_sigma, 0.0)
         check_int("simulated.trainer_gpus", self.trainer_gpus, 1)
+        check_int("simulated.kv_cache_tokens", self.kv_cache_tokens, 0)
 
 
 def empirical_run(spec: str) -> Optional[Path]:
@@ -125,6 +143,11 @@ def check_simulated_combination(cfg) -> None:
     if cfg.trainer.simulated and not engine_sim:
         fail("trainer.simulated", True, f"false with rollout.engine={cfg.rollout.engine} (a simulated trainer "
              "would discard real samples)", "set rollout.engine=simulated, or trainer.simulated=false")
+    kv, longest = cfg.simulated.kv_cache_tokens, cfg.rollout.response_length + (cfg.data.max_prompt_length or 1)
+    if 0 < kv < longest + 1:
+        fail("simulated.kv_cache_tokens", kv, f"0 (no limit) or at least rollout.response_length + "
+             f"data.max_prompt_length + 1 = {longest + 1} (one whole sequence must fit, as vLLM refuses a "
+             "max_model_len its cache cannot hold)", f"set simulated.kv_cache_tokens={longest + 1} or more")
     if cfg.eval.engine == names.SIMULATED_ENGINE and not engine_sim:
         fail("eval.engine", cfg.eval.engine, "transformers, vllm or null with a real rollout engine",
              "set eval.engine=null (the rollout engine)")

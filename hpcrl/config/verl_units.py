@@ -179,6 +179,12 @@ def _one(value: Any, t, key: str) -> Made:
     return [], "1: nothing to do"
 
 
+def _lora_rank(value: Any, t, key: str) -> Made:
+    if value in (None, 0):
+        return [], "0: full fine-tuning (actor.lora_rank stays null)"
+    return [("actor.lora_rank", value)], f"actor.lora_rank={value!r} (a LoRA adapter is trained)"
+
+
 def _standalone_memory(value: Any, t, key: str) -> Made:
     if value is None:
         return [], f"rollout.gpu_memory_utilization stays {t.get('rollout.gpu_memory_utilization')}"
@@ -210,6 +216,8 @@ CONVERSIONS: dict[str, Callable[[Any, Any, str], Made]] = {
     "actor_rollout_ref.rollout.temperature": _temperature,
     "actor_rollout_ref.rollout.top_k": _top_k,
     "actor_rollout_ref.rollout.standalone_gpu_memory_utilization": _standalone_memory,
+    "actor_rollout_ref.model.lora_rank": _lora_rank,
+    "actor_rollout_ref.model.lora.rank": _lora_rank,
     "actor_rollout_ref.rollout.pipeline_model_parallel_size": _one,
     "actor_rollout_ref.rollout.expert_parallel_size": _one,
     "actor_rollout_ref.rollout.agent.default_agent_loop": _agent_loop,

@@ -29,6 +29,7 @@ from hpcrl.rollout.reward_fn import RewardScorer, load_reward
 from hpcrl.run_dir import RunDir
 from hpcrl.tiny.model import load_tokenizer
 from hpcrl.weights import WeightSubscriber, make_subscriber
+from hpcrl.weights.adapter import verify_base
 
 log = logging.getLogger("hpcrl.eval")
 
@@ -65,6 +66,7 @@ def start_evaluator(cfg: RunConfig, inputs: EvalInputs, model_dir: Path, closers
     """Start the evaluation's engine on ``model_dir`` (a start-up step of ``steps`` when given) and the evaluator
     around it; everything it starts is closed by ``closers`` (the engine's processes die with the job)."""
     name, t = engine_name(cfg), cfg.timeouts
+    verify_base(model_dir, cfg.model.base_hash)  # LoRA: the adapters apply to this base only
     runner = EngineRunner()
     closers.callback(runner.close)
     step = steps.step(f"starting the {name} engine", t.engine_start_s + 10) if steps else contextlib.nullcontext()

@@ -85,6 +85,8 @@ def plan_run(config: Optional[os.PathLike | str | RunConfig], run_dir: os.PathLi
     notes: list[str] = []
     with collecting():  # the config's problems, the executor's and the inputs' in one pass (one line each)
         cfg, given = _load(config, rd, overrides, resume, notes)
+        if resume and cfg.model.base_hash is None:  # written at launch (a LoRA run); checked again by prepare_run_dir
+            cfg.model.base_hash = rd.load_config().model.base_hash
         try:
             kind = resolve_executor(executor)
         except ValueError as e:

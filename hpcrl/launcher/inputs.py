@@ -13,7 +13,9 @@ line, instead of after ``resources.max_restarts`` resubmissions:
   parser accepts them, and the tokenizer's chat template can append tool responses;
 - **evaluation** (``eval.every_versions`` > 0): ``data.val_files`` read and tokenize like the data,
   the evaluation's reward scores a held-out row of each data source, its engine can run;
-- **GPUs**: with ``--executor local`` the jobs run here, so the GPUs asked for must be here.
+- **GPUs**: with ``--executor local`` the jobs run here, so the GPUs asked for must be here;
+- **LoRA** (``actor.lora_rank``): the target modules are linear layers of the model, and each engine can serve the
+  adapter (``lora_check.py``).
 
 Every problem is reported at once (one line each), so one round trip shows them all: in ``hpcrl run`` the
 same pass holds the config's problems too (:func:`hpcrl.config.checks.collecting`). What is allowed but almost
@@ -33,6 +35,7 @@ from hpcrl.config import ConfigError, RunConfig
 from hpcrl.config.checks import bad, collecting, report, reported
 from hpcrl.config.names import BUILTIN_MODELS
 from hpcrl.launcher.input_warnings import WARNING, another_task, rule_mismatch, unknown_tokens, unwritable_answers
+from hpcrl.launcher.lora_check import check_lora
 
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 """Files that count as a model's weights."""
@@ -222,6 +225,7 @@ def _check_inputs(cfg: RunConfig, kind: Optional[str]) -> InputsFound:
 
     _attempt(check_engine, cfg, skip=("rollout.engine", "rollout.device", "model.path"))
     _attempt(check_gpus, cfg, kind, skip=("resources.trainer.gpus_per_node", "resources.rollout.gpus_per_node"))
+    lines_lora = _attempt(check_lora, cfg, skip=("actor.lora_", "model.path")) or []
     tokenizer = _attempt(load_model_tokenizer, cfg, skip=("model.path",))
     rows = _attempt(_rows, cfg, skip=("data.", "rollout.response_length"))
     encoded = None
@@ -230,7 +234,7 @@ def _check_inputs(cfg: RunConfig, kind: Optional[str]) -> InputsFound:
             encoded = encode_rows(tokenizer, cfg.data, rows)
         except (ValueError, OSError) as e:
             report(ConfigError(f"config data.source: {e}"))
-    lines = [encoded[1].line(cfg.data, encoded[2])] if encoded else []
+    lines = ([encoded[1].line(cfg.data, encoded[2])] if encoded else []) + lines_lora
     warnings = unknown_tokens(cfg, tokenizer, encoded[0], "data.source") if encoded else []
     probe = None
     if rows:

@@ -2,8 +2,8 @@
 
 The config is validated (by :func:`hpcrl.config.load_config`), the model, data
 and reward are checked (:mod:`hpcrl.launcher.inputs`), the run directory is created, ``builtin:tiny`` is built into ``RUN/base_model``, the
-config is frozen into ``RUN/config.yaml`` and the broadcast secret is written
-(mode 0600). Nothing is submitted if any of this fails.
+config is frozen into ``RUN/config.yaml`` (a LoRA run's with the hash of its base model's weights) and the
+broadcast secret is written (mode 0600). Nothing is submitted if any of this fails.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from hpcrl.control.fatal import clear_fatal
 from hpcrl.control.records import clear_stop, read_trainer_done
 from hpcrl.launcher.inputs import check_inputs
 from hpcrl.run_dir import RunDir
+from hpcrl.weights.adapter import BaseModelChanged, base_model_hash, verify_base
 
 
 def prepare_run_dir(cfg: RunConfig, run_dir: Path, resume: bool, inputs_checked: bool = False,
@@ -38,6 +39,7 @@ def prepare_run_dir(cfg: RunConfig, run_dir: Path, resume: bool, inputs_checked:
         if changes:
             when = time.strftime("%Y-%m-%d %H:%M:%S")
             rd.freeze_config(cfg, tuple(f"{when} --resume {c}" for c in changes))
+        _check_base(cfg, rd)
         clear_fatal(rd)
         clear_stop(rd)
         done = read_trainer_done(rd)
@@ -53,6 +55,7 @@ def prepare_run_dir(cfg: RunConfig, run_dir: Path, resume: bool, inputs_checked:
         from hpcrl.tiny.model import build_tiny_model
 
         build_tiny_model(rd.base_model, seed=cfg.model.seed, head_dim=64 if cfg.model.path.endswith("-h64") else 32)
+    _check_base(cfg, rd)
     secret = rd.secret
     if not secret.exists():
         fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -60,3 +63,18 @@ def prepare_run_dir(cfg: RunConfig, run_dir: Path, resume: bool, inputs_checked:
             f.write(secrets.token_hex(32))
     rd.freeze_config(cfg)
     return rd
+
+
+def _check_base(cfg: RunConfig, rd: RunDir) -> None:
+    """A LoRA run names its base model by the hash of its weights (``model.base_hash``): written into the config here
+    at launch, checked against the folder on resume (and when the user gave one); ConfigError if they differ."""
+    if not cfg.lora:
+        return
+    folder = rd.model_dir(cfg.model.path)
+    if cfg.model.base_hash is None:
+        cfg.model.base_hash = base_model_hash(folder)
+        return
+    try:
+        verify_base(folder, cfg.model.base_hash)
+    except BaseModelChanged as e:
+        raise ConfigError(f"config model.base_hash: {e}") from None

@@ -4,10 +4,16 @@ It replays, without sleeping, what the jobs do (hpcrl/rollout/main.py, hpcrl/tra
 model of the ``simulated`` section:
 
 - each rollout job has one engine batch with the simulated engine's arithmetic (a decoding step is
-  ``decode_base_s + decode_per_seq_s * running``, prefill per prompt token, at most ``max_num_seqs``);
+  ``decode_base_s + decode_per_seq_s * running``, prefill per prompt token, at most ``max_num_seqs``, and with
+  ``kv_cache_tokens`` the KV-cache rule of ``SimulatedConfig.kv_admits``: the newest sequence is preempted
+  when a step would not fit);
 - a job starts a group (n sequences) while it has fewer than ``max_concurrent_groups`` in flight and the
-  shared admission budget allows (``started < consumed_groups(v) + B``, v the version it holds);
-- a finished group is committed at once; the trainer takes R committed groups in commit order, updates for
+  shared admission budget allows (``started < consumed_groups(v) + B``, v the version it holds); the group
+  generates prompt index ``started`` (the shared claim hands indices out in order); jobs acting at the same
+  instant take the budget in :class:`~hpcrl.plan.model.ServiceOrder`;
+- a finished group is committed at once, except while its job drains for a new version (no partial rollout),
+  which commits what it collected when the drain ends, as ``RolloutJob._drain`` does; the trainer takes R
+  committed groups in commit order, updates for
   ``update_model_s(tokens)``, publishes every K updates for ``publish_s`` (the version's ``consumed_groups`` =
   what it consumed);
 - a job that sees a newer version drains its groups (or, with partial rollout, aborts them and keeps their
@@ -16,6 +22,10 @@ model of the ``simulated`` section:
 Response lengths are drawn as the simulated engine draws them (the same seed per prompt index), so a
 simulated run and its prediction see the same lengths. Control-plane latencies (polling, file writes) are
 ``overhead_s`` per version at most; everything else is the model.
+
+This is the reference simulation: every event scans every engine (O(jobs x running) per event), which is
+slow at cluster sizes; ``hpcrl plan`` runs :mod:`hpcrl.plan.events`, which must agree with it
+(``tests/test_plan_fast.py``).
 """
 from __future__ import annotations
 
@@ -25,62 +35,10 @@ from typing import Optional
 
 import numpy as np
 
-from hpcrl.config.knobs import admission_budget
 from hpcrl.config.simulated import SimulatedConfig
+from hpcrl.plan.model import EPS_S, INF, Draws, Knobs, Prediction, ServiceOrder, draws_for, prompt_seed
 
-INF = float("inf")
-
-
-@dataclass
-class Knobs:
-    """The shape of one candidate run."""
-
-    rollout_jobs: int
-    trainer_gpus: int
-    staleness_threshold: float
-    partial_rollout: bool
-    require_batches: int = 1
-    trigger_parameter_sync_step: int = 1
-    ppo_mini_batch_size: int = 4
-    n: int = 8
-    max_concurrent_groups: int = 8
-    max_num_seqs: int = 256
-    response_length: int = 1024
-    prompt_tokens: int = 16
-
-    @property
-    def groups_per_update(self) -> int:
-        return self.ppo_mini_batch_size * self.require_batches
-
-    @property
-    def budget(self) -> int:
-        """B = floor((1 + s) * K * R), as RunConfig.admission_budget."""
-        return admission_budget(self.staleness_threshold, self.trigger_parameter_sync_step, self.groups_per_update)
-
-
-@dataclass
-class Prediction:
-    """What the simulation says about the steady part of a run (updates 2..N)."""
-
-    updates: int
-    window_s: float
-    tokens: int
-    trainer_busy: float
-    """Share of the window the trainer spends updating."""
-    rollout_busy: float
-    """Share of the window a rollout job's engine has sequences running (mean over jobs)."""
-    lag_mean: float
-    lag_max: int
-    group_latencies_s: list = field(default_factory=list)
-    """Each trained group's first start to its finish (what the budget-aware bound draws from)."""
-
-    @property
-    def step_s(self) -> float:
-        return self.window_s / max(self.updates, 1)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.window_s if self.window_s > 0 else 0.0
+__all__ = ["Knobs", "Prediction", "Pipeline", "predict", "prompt_seed"]
 
 
 @dataclass(eq=False)
@@ -89,6 +47,11 @@ class _Seq:
     length: int
     produced: int = 0
     prompt: int = 0
+
+    @property
+    def context(self) -> int:
+        """Tokens it holds in the KV cache (prompt + tokens so far)."""
+        return self.prompt + self.produced
 
 
 @dataclass(eq=False)
@@ -106,11 +69,12 @@ class _Batch:
 
     def __init__(self, sim: SimulatedConfig, max_num_seqs: int):
         self.sim, self.max_num_seqs = sim, max_num_seqs
-        self.running: list[_Seq] = []
+        self.running: list[_Seq] = []  # in admission order: the newest is preempted first
         self.waiting: deque[_Seq] = deque()
         self.prefill_due_s = 0.0
         self.mark_s = 0.0  # time the current stretch began
         self.busy_s = 0.0
+        self.usage = 0  # KV-cache tokens held by the running sequences
 
     def add(self, seq: _Seq, now: float) -> None:
         if not self.running:
@@ -120,25 +84,35 @@ class _Batch:
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_num_seqs:
-            s = self.waiting.popleft()
+            s = self.waiting[0]
+            if not self.sim.kv_admits(self.usage, len(self.running), s.context):
+                break
+            self.waiting.popleft()
             self.running.append(s)
-            self.prefill_due_s += self.sim.prefill_per_token_s * (s.prompt + s.produced)
+            self.usage += s.context
+            self.prefill_due_s += self.sim.prefill_per_token_s * s.context
+
+    def _k(self) -> int:
+        """Steps to the batch's next event: a sequence finishes, or the cache is full."""
+        k = min(s.length - s.produced for s in self.running)
+        left = self.sim.kv_steps_left(self.usage, len(self.running))
+        return k if left is None else min(k, left)
 
     def next_finish_s(self) -> float:
         if not self.running:
             return INF
-        k = min(s.length - s.produced for s in self.running)
-        return self.mark_s + self.prefill_due_s + k * self.sim.decode_step_s(len(self.running))
+        return self.mark_s + self.prefill_due_s + self._k() * self.sim.decode_step_s(len(self.running))
 
     def advance_to(self, t: float) -> list[_Seq]:
         """Run until ``t``; the sequences that finished."""
         done: list[_Seq] = []
-        while self.running and self.next_finish_s() <= t + 1e-12:
+        while self.running and self.next_finish_s() <= t + EPS_S:
             end = self.next_finish_s()
-            k = min(s.length - s.produced for s in self.running)
-            self._steps(k, end)
+            self._steps(self._k(), end)
             done += [s for s in self.running if s.produced >= s.length]
+            self.usage -= sum(s.context for s in self.running if s.produced >= s.length)
             self.running = [s for s in self.running if s.produced < s.length]
+            self._preempt()
             self._admit()
         if self.running and t > self.mark_s:
             avail = t - self.mark_s
@@ -150,9 +124,17 @@ class _Batch:
             self.busy_s += prefill
         return done
 
+    def _preempt(self) -> None:
+        """While the next step does not fit the cache, the newest running sequence waits again (recompute)."""
+        while self.running and self.sim.kv_steps_left(self.usage, len(self.running)) == 0:
+            s = self.running.pop()
+            self.usage -= s.context
+            self.waiting.appendleft(s)
+
     def _steps(self, k: int, end: float, prefill_done: bool = True, busy_s: Optional[float] = None) -> None:
         for s in self.running:
             s.produced += k
+        self.usage += k * len(self.running)
         self.busy_s += (end - self.mark_s) if busy_s is None else busy_s
         if prefill_done:
             self.prefill_due_s = 0.0
@@ -162,29 +144,25 @@ class _Batch:
         """Every sequence leaves with what it has (partial rollout)."""
         self.advance_to(now)
         out = self.running + list(self.waiting)
-        self.running, self.prefill_due_s = [], 0.0
+        self.running, self.prefill_due_s, self.usage = [], 0.0, 0
         self.waiting.clear()
         return out
-
-
-def prompt_seed(data_seed: int, prompt_index: int) -> int:
-    """The rollout job's group seed (hpcrl/rollout/agent_loop.py: group_seed; a test keeps them equal)."""
-    return (data_seed * 1_000_003 + prompt_index) % 2**63
 
 
 class _Job:
     """One rollout job: admission, drain or abort at a version switch, the load."""
 
-    def __init__(self, rank: int, k: Knobs, sim: SimulatedConfig, lengths, empirical):
-        self.rank, self.k, self.sim, self._lengths, self._empirical = rank, k, sim, lengths, empirical
+    def __init__(self, rank: int, k: Knobs, sim: SimulatedConfig, draws: Draws):
+        self.rank, self.k, self.sim, self.draws = rank, k, sim, draws
         self.batch = _Batch(sim, k.max_num_seqs)
         self.version, self.consumed_at = -1, 0
         self.in_flight: list[_Group] = []
         self.parked: list[_Seq] = []
         self.loading_until: Optional[float] = None
         self.target = 0
-        self.next_index = rank
         self.load_s = 0.0
+        self.draining = False  # a newer version is out, groups are in flight, no partial rollout
+        self.held: list[_Group] = []  # finished while draining: committed when the drain ends
 
     def start_load(self, now: float, version: int, consumed: int) -> None:
         self.loading_until, self.target, self._target_consumed = now + self.sim.weight_load_s, version, consumed
@@ -193,7 +171,7 @@ class _Job:
     def service(self, now: float, pipe: "Pipeline") -> None:
         """Finish a load, switch to a newer version, or admit groups."""
         if self.loading_until is not None:
-            if now + 1e-12 < self.loading_until:
+            if now + EPS_S < self.loading_until:
                 return
             self.loading_until, self.version, self.consumed_at = None, self.target, self._target_consumed
             for s in self.parked:
@@ -205,15 +183,18 @@ class _Job:
                 self.parked = self.batch.abort(now)
                 self.start_load(now, newest, consumed)
             elif not self.in_flight:
+                pipe.commit(self.held)  # the drain is over: what it collected is sealed, then the load
+                self.held, self.draining = [], False
                 self.start_load(now, newest, consumed)
+            else:
+                self.draining = not self.k.commit_while_draining
             return  # draining: no admission until the load
         while len(self.in_flight) < self.k.max_concurrent_groups and pipe.started < self.consumed_at + self.k.budget:
+            g = _Group(pipe.started, self.version, created_s=now)
             pipe.started += 1
-            g = _Group(self.next_index, self.version, created_s=now)
-            self.next_index += pipe.k.rollout_jobs
-            for i in range(self.k.n):
-                length = min(self._lengths(g.index, i), self.k.response_length)
-                g.seqs.append(_Seq(g, length, prompt=self.k.prompt_tokens))
+            prompt = self.draws.prompt(g.index)
+            for length in self.draws.responses(g.index):
+                g.seqs.append(_Seq(g, length, prompt=prompt))
                 self.batch.add(g.seqs[-1], now)
             g.open = self.k.n
             self.in_flight.append(g)
@@ -235,15 +216,13 @@ class _Job:
 class Pipeline:
     """The trainer and the rollout jobs of one candidate run, stepped event to event (module docstring)."""
 
-    def __init__(self, sim: SimulatedConfig, k: Knobs, data_seed: int = 0, empirical=None, overhead_s: float = 0.0):
+    def __init__(self, sim: SimulatedConfig, k: Knobs, data_seed: int = 0, empirical=None, overhead_s: float = 0.0,
+                 draws: Optional[Draws] = None):
         self.sim, self.k, self.overhead_s = sim, k, overhead_s
         self.trainer_sim = SimulatedConfig(**{**vars(sim), "trainer_gpus": k.trainer_gpus})
-
-        def lengths(index: int, i: int) -> int:
-            rng = np.random.default_rng([prompt_seed(data_seed, index), i])
-            return int(sim.draw_lengths(rng, 1, empirical)[0])
-
-        self.jobs = [_Job(r, k, sim, lengths, empirical) for r in range(k.rollout_jobs)]
+        draws = draws if draws is not None else draws_for(sim, k, data_seed, empirical)
+        self.jobs = [_Job(r, k, sim, draws) for r in range(k.rollout_jobs)]
+        self.order = ServiceOrder(k.rollout_jobs, data_seed)
         self.started = 0
         self.queue: deque[tuple[_Group, int]] = deque()  # committed groups, tokens
         self.published: list[tuple[float, int, int]] = [(0.0, 0, 0)]  # (available at, version, consumed)
@@ -254,16 +233,20 @@ class Pipeline:
         self.lags: list[int] = []
         self.latencies: list[float] = []  # of the groups of updates 2..N
 
+    def commit(self, groups: list[_Group]) -> None:
+        """Groups become visible to the trainer (their shard is sealed)."""
+        self.queue.extend((g, sum(s.length for s in g.seqs)) for g in groups)
+
     def newest(self, now: float) -> tuple[int, int]:
         """The newest version available at ``now`` and its consumed_groups."""
         for at, v, consumed in reversed(self.published):
-            if at <= now + 1e-12:
+            if at <= now + EPS_S:
                 return v, consumed
         return -1, 0
 
     def _trainer(self, now: float, total: int) -> None:
         k = self.k
-        if self.busy_until is not None and now + 1e-12 >= self.busy_until:
+        if self.busy_until is not None and now + EPS_S >= self.busy_until:
             self.busy_until = None
             self.step += 1
             self.consumed += k.groups_per_update
@@ -272,7 +255,7 @@ class Pipeline:
                 self.version += 1
                 self.published.append((now + self.sim.publish_s + self.overhead_s, self.version, self.consumed))
         if self._publishing_until is not None:  # the trainer publishes before it takes the next batch
-            if now + 1e-12 < self._publishing_until:
+            if now + EPS_S < self._publishing_until:
                 return
             self._publishing_until = None
         if self.busy_until is None and self.step < total and len(self.queue) >= k.groups_per_update:
@@ -302,28 +285,42 @@ class Pipeline:
                 raise RuntimeError(f"plan: {self.k} deadlocks (no event left at t={now:.1f}s)")
             now = t
             for job in self.jobs:
-                for g in job.advance_to(now):
+                done = job.advance_to(now)
+                for g in done:
                     g.finished_s = now
-                    self.queue.append((g, sum(s.length for s in g.seqs)))
+                if job.draining:
+                    job.held += done
+                else:
+                    self.commit(done)
             self._trainer(now, updates)
-            for job in self.jobs:
+            keys = self.order.key(self.newest(now)[0])
+            for job in sorted(self.jobs, key=lambda j: keys[j.rank]):
                 job.service(now, self)
             self._trainer(now, updates)
         return self._prediction(updates)
 
     def _prediction(self, updates: int) -> Prediction:
-        t0, t1 = self.update_ends[0][0], self.update_ends[updates - 1][0]
-        window = t1 - t0
-        busy_trainer = sum(u for _, _, u in self.update_ends[1:updates])
-        busy_rollout = float(np.mean([j.batch.busy_s for j in self.jobs])) * (updates - 1) / updates
-        return Prediction(updates=updates - 1, window_s=window, tokens=sum(tok for _, tok, _ in self.update_ends[1:updates]),
-                          trainer_busy=busy_trainer / window if window else 0.0,
-                          rollout_busy=min(1.0, busy_rollout / window) if window else 0.0,
-                          lag_mean=float(np.mean(self.lags)) if self.lags else 0.0, lag_max=max(self.lags, default=0),
-                          group_latencies_s=self.latencies[:(updates - 1) * self.k.groups_per_update])
+        return steady_prediction(self.update_ends, updates, [j.batch.busy_s for j in self.jobs], self.lags,
+                                 self.latencies, self.k)
+
+
+def steady_prediction(update_ends: list, updates: int, busy_s: list, lags: list, latencies: list,
+                      k: Knobs) -> Prediction:
+    """The prediction over updates 2..N from a simulation's record (both simulations)."""
+    t0, t1 = update_ends[0][0], update_ends[updates - 1][0]
+    window = t1 - t0
+    busy_trainer = sum(u for _, _, u in update_ends[1:updates])
+    busy_rollout = float(np.mean(busy_s)) * (updates - 1) / updates
+    return Prediction(updates=updates - 1, window_s=window, tokens=sum(tok for _, tok, _ in update_ends[1:updates]),
+                      trainer_busy=busy_trainer / window if window else 0.0,
+                      rollout_busy=min(1.0, busy_rollout / window) if window else 0.0,
+                      lag_mean=float(np.mean(lags)) if lags else 0.0, lag_max=max(lags, default=0),
+                      group_latencies_s=latencies[:(updates - 1) * k.groups_per_update],
+                      updates_per_version=k.trigger_parameter_sync_step)
 
 
 def predict(sim: SimulatedConfig, k: Knobs, updates: int, data_seed: int = 0, empirical=None,
-            overhead_s: float = 0.0) -> Prediction:
-    """The steady step time, throughput, busy shares and lag of ``updates`` local updates of run ``k``."""
-    return Pipeline(sim, k, data_seed, empirical, overhead_s).run(updates)
+            overhead_s: float = 0.0, draws: Optional[Draws] = None) -> Prediction:
+    """The steady step time, throughput, busy shares and lag of ``updates`` local updates of run ``k`` (the
+    reference simulation; :func:`hpcrl.plan.events.predict` is the fast one)."""
+    return Pipeline(sim, k, data_seed, empirical, overhead_s, draws).run(updates)

@@ -1,150 +1,248 @@
-"""``hpcrl plan CONFIG [key=value ...] --gpus N``: which trainer:rollout split and async knobs to ask for.
+"""The candidates of ``hpcrl plan`` and how they are searched.
 
-The phase model is the config's ``simulated`` section (plain numbers: a paper's table fits in it), or is
-measured from a probe run's logs (``--probe RUN``: the update time per token and the weight switch fitted
-from its metrics, its response lengths as the length distribution; the decode model stays the config's).
-For every split of ``--gpus`` into trainer GPUs and rollout engines (``--gpus-per-engine`` each) and every
-staleness / partial-rollout setting, :mod:`hpcrl.plan.pipeline` simulates the run's events (no sleeping;
-a few milliseconds each) and the best configurations are printed with the overrides and resources to
-launch them.
+A candidate is a split of ``--gpus`` into trainer GPUs and rollout engines (``--gpus-per-engine`` each) and an
+async setting (staleness_threshold, partial_rollout). The config's own setting is always one; ``--staleness``,
+``--partial`` and ``--splits`` choose the rest (:class:`SweepSpec`). Every candidate is predicted with the fast
+event simulation (:mod:`hpcrl.plan.events`), unless an upper bound shows it cannot be among the best:
+
+- **the trainer** updates for ``update_model_s(tokens)`` per update and publishes for ``publish_s`` every K, so
+  a run trains at most ``tokens / (update + publish / K)`` tokens per second;
+- **the engines** together run at most ``B * n`` sequences (the admission budget), each at most
+  ``min(max_num_seqs, max_concurrent_groups * n)``; a decoding step's tokens per second grow with the batch
+  and flatten (``m / (base + per_seq * m)`` is concave), so spreading them evenly is the most the fleet makes,
+  and each engine loses ``weight_load_s`` per version.
+
+``tokens`` is the mean of the candidates' own response lengths. The smaller bound, raised by
+:data:`BOUND_MARGIN`, is compared with the ``keep``-th best prediction so far, best bound first; once it is
+below, no remaining candidate can enter the best ``keep`` and the search stops (``--all`` simulates every one).
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
-import numpy as np
-
-from hpcrl import metric_names as M
-from hpcrl.config import RunConfig, load_config
-from hpcrl.config.simulated import SimulatedConfig, empirical_run, read_lengths
-from hpcrl.plan.pipeline import Knobs, Prediction, predict
-from hpcrl.run_dir import RunDir
-
-def empirical_lengths(spec: str):
-    """The lengths of ``simulated.lengths=empirical:RUN`` (None for a named distribution)."""
-    run = empirical_run(spec)
-    return read_lengths(RunDir(run).staleness, spec) if run is not None else None
-
+from hpcrl.config import RunConfig
+from hpcrl.config.simulated import SimulatedConfig
+from hpcrl.plan.events import predict
+from hpcrl.plan.model import Draws, Knobs, Prediction
 
 STALENESS = (0.0, 0.5, 1.0)
 PARTIAL = (False, True)
+BOUND_MARGIN = 0.05
+"""The bound uses the mean response length, not each window's: 5 % covers a window of long responses
+(``tests/test_plan_sweep.py`` checks the pruned search against the exhaustive one)."""
+EVERY_SPLIT_UP_TO = 64
+"""Budgets up to this many GPUs try every trainer size; larger ones whole nodes (and 1, 2, 4)."""
+GPUS_PER_NODE = 8
+"""A trainer past one node takes whole nodes of this many GPUs (the default splits, the printed resources)."""
 
 
 @dataclass
 class Candidate:
     knobs: Knobs
-    prediction: Prediction
+    prediction: Optional[Prediction] = None
+    bound_tokens_per_s: float = 0.0
 
     def overrides(self, gpus_per_engine: int) -> str:
-        """What to launch: the async knobs and the resources (a trainer over more than one node needs
-        resources.trainer.nodes too; a simulated run takes the trainer's GPUs as simulated.trainer_gpus)."""
+        """What to launch: the async knobs and the resources (a trainer past one node in whole nodes of
+        :data:`GPUS_PER_NODE`, one rank per GPU; a simulated run takes the trainer's GPUs as simulated.trainer_gpus)."""
         k = self.knobs
+        t = k.trainer_gpus
+        whole_nodes = t > GPUS_PER_NODE and t % GPUS_PER_NODE == 0
+        nodes, per_node = (t // GPUS_PER_NODE, GPUS_PER_NODE) if whole_nodes else (1, t)
         return (f"async_training.staleness_threshold={k.staleness_threshold:g} "
-                f"async_training.partial_rollout={str(k.partial_rollout).lower()} "
-                f"resources.trainer.gpus_per_node={k.trainer_gpus} resources.rollout_jobs={k.rollout_jobs} "
-                f"resources.rollout.gpus_per_node={gpus_per_engine} (simulated: simulated.trainer_gpus={k.trainer_gpus})")
+                f"async_training.partial_rollout={str(k.partial_rollout).lower()} resources.trainer.nodes={nodes} "
+                f"resources.trainer.tasks_per_node={per_node} resources.trainer.gpus_per_node={per_node} "
+                f"resources.rollout_jobs={k.rollout_jobs} resources.rollout.gpus_per_node={gpus_per_engine} "
+                f"(simulated: simulated.trainer_gpus={t})")
+
+    @property
+    def key(self) -> tuple:
+        k = self.knobs
+        return (k.trainer_gpus, k.rollout_jobs, k.staleness_threshold, k.partial_rollout)
+
+
+@dataclass
+class SweepSpec:
+    """What to try (``hpcrl plan``'s options)."""
+
+    gpus: int
+    gpus_per_engine: int = 1
+    updates: int = 32
+    staleness: tuple = STALENESS
+    partial: tuple = PARTIAL
+    splits: Optional[list] = None
+    """Trainer GPU counts to try; None: every one up to :data:`EVERY_SPLIT_UP_TO` GPUs, else 1, 2, 4 and whole
+    nodes of 8."""
+
+
+def parse_splits(text: str) -> list[int]:
+    """``--splits``: trainer GPU counts as a list (``8,16,32``), a range (``8:64``, every count) or a range with a
+    step (``8:64:8``), or several joined by commas; ValueError naming what is wrong."""
+    out: list[int] = []
+    for part in text.split(","):
+        bits = part.strip().split(":")
+        try:
+            nums = [int(b) for b in bits]
+        except ValueError:
+            raise ValueError(f"--splits {text}: {part!r} is not a number or a range START:STOP[:STEP] of "
+                             "trainer GPUs (e.g. 8,16,32 or 8:64:8)") from None
+        if len(nums) == 1:
+            out.append(nums[0])
+        elif len(nums) in (2, 3) and (len(nums) == 2 or nums[2] >= 1):
+            out += list(range(nums[0], nums[1] + 1, nums[2] if len(nums) == 3 else 1))
+        else:
+            raise ValueError(f"--splits {text}: {part!r} must be START:STOP or START:STOP:STEP with STEP >= 1")
+    if not out or min(out) < 1:
+        raise ValueError(f"--splits {text}: trainer GPU counts must be >= 1")
+    return sorted(set(out))
+
+
+def parse_floats(text: str, what: str) -> tuple:
+    """``--staleness 0,0.25,0.5``: the values, each >= 0."""
+    try:
+        vals = tuple(sorted({float(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        raise ValueError(f"{what} {text}: a comma-separated list of numbers, e.g. 0,0.25,0.5,1") from None
+    if not vals or min(vals) < 0:
+        raise ValueError(f"{what} {text}: values must be >= 0")
+    return vals
+
+
+def parse_partial(text: str) -> tuple:
+    """``--partial both|on|off``."""
+    table = {"both": (False, True), "on": (True,), "off": (False,)}
+    if text not in table:
+        raise ValueError(f"--partial {text}: one of both, on, off")
+    return table[text]
 
 
 def knobs_of(cfg: RunConfig, rollout_jobs: int, trainer_gpus: int, staleness: float, partial: bool,
              prompt_tokens: int = 16) -> Knobs:
-    """The knobs of ``cfg`` with a split and async setting replaced."""
-    return Knobs(rollout_jobs=rollout_jobs, trainer_gpus=trainer_gpus, staleness_threshold=staleness,
-                 partial_rollout=partial and staleness > 0, require_batches=cfg.async_training.require_batches,
-                 trigger_parameter_sync_step=cfg.async_training.trigger_parameter_sync_step,
-                 ppo_mini_batch_size=cfg.actor.ppo_mini_batch_size, n=cfg.rollout.n,
-                 max_concurrent_groups=cfg.rollout.max_concurrent_groups, max_num_seqs=cfg.rollout.max_num_seqs,
+    """The config's own knobs (``RunConfig.knobs``) with a split and async setting replaced."""
+    run = {f.name: getattr(cfg.knobs, f.name) for f in dataclasses.fields(cfg.knobs)}
+    run.update(rollout_jobs=rollout_jobs, staleness_threshold=staleness, partial_rollout=partial and staleness > 0)
+    return Knobs(**run, trainer_gpus=trainer_gpus, max_num_seqs=cfg.rollout.max_num_seqs,
                  response_length=cfg.rollout.response_length, prompt_tokens=prompt_tokens)
 
 
-def probe_model(sim: SimulatedConfig, run_dir: Path) -> tuple[SimulatedConfig, list[str]]:
-    """``sim`` with the update model, the weight switch and the lengths measured from ``run_dir``'s logs (in the
-    probe's modelled seconds: a simulated probe's wall times times its time_scale); what was fitted, in words."""
-    rd = RunDir(run_dir)
-    probe_cfg = rd.load_config()
-    scale = probe_cfg.simulated.time_scale if probe_cfg.is_simulated else 1.0
-    rows = [json.loads(x) for x in rd.metrics.read_text().splitlines() if x.strip()]
-    if len(rows) < 3:
-        raise ValueError(f"hpcrl plan --probe {run_dir}: {len(rows)} updates in logs/metrics.jsonl; at least 3 needed")
-    tokens = np.array([r[M.N_TOKENS] for r in rows], dtype=float)
-    secs = np.array([r[M.UPDATE_S] for r in rows], dtype=float) * scale
-    if np.ptp(tokens) > 0:
-        per_token, base = np.polyfit(tokens, secs, 1)
-    else:
-        per_token, base = 0.0, float(secs.mean())
-    gpus = probe_cfg.simulated.trainer_gpus if probe_cfg.trainer.simulated else max(1, probe_cfg.resources.trainer.gpus_per_node)
-    loads = [json.loads(x).get(M.LOAD_WEIGHTS_S, 0.0) for p in rd.rollout_metrics_logs().values()
-             for x in p.read_text().splitlines() if x.strip()]
-    out = dataclasses.replace(sim, update_base_s=max(0.0, float(base)), update_per_token_s=max(0.0, float(per_token)) * gpus,
-                              weight_load_s=float(np.median(loads)) * scale if loads else sim.weight_load_s,
-                              lengths=f"empirical:{run_dir}", time_scale=1.0)
-    notes = [f"probe {run_dir} ({len(rows)} updates, time x{scale:g}): update {out.update_base_s:.3f}s + "
-             f"{out.update_per_token_s:.2g}s/token on one GPU, weight switch {out.weight_load_s:.3f}s, "
-             f"lengths from its {len(empirical_lengths(out.lengths))} responses; decode model from the config"]
-    return out, notes
+def default_splits(gpus: int, gpus_per_engine: int) -> list[int]:
+    top = gpus - gpus_per_engine
+    if gpus <= EVERY_SPLIT_UP_TO:
+        return list(range(1, top + 1))
+    return sorted({t for t in (1, 2, 4) if t <= top} | set(range(GPUS_PER_NODE, top + 1, GPUS_PER_NODE)))
 
 
-def sweep(cfg: RunConfig, sim: SimulatedConfig, gpus: int, gpus_per_engine: int, updates: int,
-          staleness=STALENESS, partial=PARTIAL, prompt_tokens: int = 16) -> list[Candidate]:
-    """Every split of ``gpus`` (at least one trainer GPU and one engine) x staleness x partial, predicted."""
-    empirical = empirical_lengths(sim.lengths)
+def candidates(cfg: RunConfig, spec: SweepSpec, requested: Optional[Knobs] = None) -> list[Candidate]:
+    """Every split x staleness x partial of ``spec`` (the config's own async setting included), deduplicated
+    (partial rollout means nothing at s=0); ``requested`` too if given."""
+    a = cfg.async_training
+    settings = {(s, p and s > 0) for s in spec.staleness for p in spec.partial}
+    settings.add((a.staleness_threshold, a.partial_rollout and a.staleness_threshold > 0))
+    splits = spec.splits if spec.splits is not None else default_splits(spec.gpus, spec.gpus_per_engine)
     out, seen = [], set()
-    for trainer_gpus in range(1, gpus):
-        jobs = (gpus - trainer_gpus) // gpus_per_engine
+    for trainer_gpus in splits:
+        jobs = (spec.gpus - trainer_gpus) // spec.gpus_per_engine
         if jobs < 1:
             continue
-        for s in staleness:
-            for p in partial:
-                k = knobs_of(cfg, jobs, trainer_gpus, s, p, prompt_tokens)
-                key = (jobs, trainer_gpus, s, k.partial_rollout)
-                if key in seen:
-                    continue
-                seen.add(key)
-                out.append(Candidate(k, predict(sim, k, updates, cfg.data.seed, empirical)))
+        for s, p in sorted(settings):
+            c = Candidate(knobs_of(cfg, jobs, trainer_gpus, s, p))
+            if c.key not in seen:
+                seen.add(c.key)
+                out.append(c)
+    if requested is not None and (requested.trainer_gpus, requested.rollout_jobs, requested.staleness_threshold,
+                                  requested.partial_rollout) not in seen:
+        out.append(Candidate(requested))
     return out
 
 
-def table_rows(cands: list[Candidate]) -> list[list[str]]:
-    return [[f"{c.knobs.trainer_gpus}:{c.knobs.rollout_jobs}", f"{c.knobs.staleness_threshold:g}",
-             "yes" if c.knobs.partial_rollout else "no", f"{c.prediction.step_s:.1f}", f"{c.prediction.tokens_per_s:.0f}",
-             f"{c.prediction.trainer_busy:.2f}", f"{c.prediction.rollout_busy:.2f}", f"{c.prediction.lag_mean:.2f}",
-             f"{c.prediction.lag_max}"] for c in cands]
+def upper_bound(sim: SimulatedConfig, k: Knobs, mean_response: float) -> float:
+    """The most tokens per second candidate ``k`` can train (module docstring), before the margin."""
+    tokens = k.groups_per_update * k.n * mean_response
+    K = k.trigger_parameter_sync_step
+    trainer = dataclasses.replace(sim, trainer_gpus=k.trainer_gpus)
+    trainer_ub = tokens / (trainer.update_model_s(tokens) + sim.publish_s / K)
+    per_engine = min(k.max_num_seqs, k.max_concurrent_groups * k.n, k.budget * k.n / k.rollout_jobs)
+    fleet = k.rollout_jobs * per_engine / sim.decode_step_s(per_engine)
+    rollout_ub = tokens / (tokens / fleet + sim.weight_load_s / K)
+    return min(trainer_ub, rollout_ub)
 
 
-def table(header: list[str], rows: list[list[str]]) -> str:
-    """Right-aligned plain-text table with a dashed rule under the header."""
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    fmt = lambda r: "  ".join(str(x).rjust(w) for x, w in zip(r, widths))  # noqa: E731
-    return "\n".join([fmt(header), "  ".join("-" * w for w in widths)] + [fmt(r) for r in rows])
+COARSE = 8
+"""Splits per async setting in the first pass of the coarse-to-fine search."""
 
 
-HEADER = ["trainer:engines", "s", "partial", "step s", "tokens/s", "trainer busy", "rollout busy", "lag mean",
-          "lag max"]
+class _Search:
+    """Predictions made so far, and the rule that skips a candidate whose bound is below the best ``keep``."""
+
+    def __init__(self, sim, draws, updates, data_seed, keep, must, predict_fn):
+        self.sim, self.draws, self.updates, self.seed, self.keep, self.must = sim, draws, updates, data_seed, keep, must
+        self.predict_fn = predict_fn
+        self.best: list[float] = []  # predicted tokens/s, highest first
+        self.done: list[Candidate] = []
+        self.bounded = 0  # candidates skipped because their bound was below the best ``keep``
+
+    def evaluate(self, c: Candidate) -> Optional[float]:
+        """``c``'s tokens/s (predicted now if needed); None if its bound cannot reach the best ``keep``."""
+        if c.prediction is not None:
+            return c.prediction.tokens_per_s
+        if c.key not in self.must and len(self.best) >= self.keep and c.bound_tokens_per_s < self.best[self.keep - 1]:
+            self.bounded += 1
+            c.prediction = None
+            return None
+        c.prediction = self.predict_fn(self.sim, c.knobs, self.updates, self.seed, draws=self.draws)
+        self.done.append(c)
+        self.best = sorted(self.best + [c.prediction.tokens_per_s], reverse=True)
+        return c.prediction.tokens_per_s
 
 
-def plan_command(config: str, overrides: list[str], gpus: int, gpus_per_engine: int, updates: int,
-                 probe: Optional[str], top: int, show_all: bool) -> list[str]:
-    """The lines ``hpcrl plan`` prints."""
-    cfg = load_config(config, overrides)
-    sim, notes = cfg.simulated, []
-    if probe is not None:
-        sim, notes = probe_model(sim, Path(probe))
-    cands = sweep(cfg, sim, gpus, gpus_per_engine, updates)
-    if not cands:
-        raise ValueError(f"hpcrl plan: --gpus {gpus} leaves no split with one trainer GPU and one engine of "
-                         f"{gpus_per_engine} GPUs; raise --gpus or lower --gpus-per-engine")
-    best = sorted(cands, key=lambda c: -c.prediction.tokens_per_s)
-    lines = [*notes, f"phase model (modelled GPU seconds): decode step {sim.decode_base_s:g}s + {sim.decode_per_seq_s:g}s/seq, "
-             f"update {sim.update_base_s:g}s + {sim.update_per_token_s:g}s/token/GPU, weight switch {sim.weight_load_s:g}s, "
-             f"lengths {sim.lengths} (mean {sim.length_mean:g}) cut at {cfg.rollout.response_length}; R={cfg.groups_per_update} "
-             f"groups x n={cfg.rollout.n}, K={cfg.async_training.trigger_parameter_sync_step}; {gpus} GPUs, "
-             f"{gpus_per_engine} per engine; {updates} updates simulated per row", ""]
-    lines.append(table(HEADER, table_rows(cands if show_all else best[:top])))
-    lines += ["", "best (highest throughput first):"]
-    for c in best[:min(top, 3)]:
-        lines.append(f"  {c.prediction.tokens_per_s:.0f} tokens/s, step {c.prediction.step_s:.1f}s: "
-                     f"{c.overrides(gpus_per_engine)}")
-    return lines
+@dataclass
+class SearchResult:
+    predicted: list
+    """The candidates predicted, highest throughput first."""
+    bounded: int
+    """Candidates skipped because their upper bound was below the best ``keep``."""
+
+
+def search(sim: SimulatedConfig, cands: list[Candidate], draws: Draws, updates: int, data_seed: int, keep: int,
+           exhaustive: bool = False, must: tuple = (), predict_fn: Callable = predict) -> SearchResult:
+    """Predict the candidates (all with ``exhaustive``); the predicted ones, highest throughput first.
+
+    Per async setting, the splits are searched coarse to fine: :data:`COARSE` of them evenly spread, then the
+    neighbours of the best at half the spacing, until the spacing is one split. A candidate whose upper bound
+    is below the ``keep``-th best prediction so far is skipped; those whose key is in ``must`` never are."""
+    groups = updates * cands[0].knobs.groups_per_update if cands else 0
+    mean = draws.mean_response(max(groups, 1))
+    for c in cands:
+        c.bound_tokens_per_s = upper_bound(sim, c.knobs, mean) * (1 + BOUND_MARGIN)
+    run = _Search(sim, draws, updates, data_seed, len(cands) if exhaustive else keep, must, predict_fn)
+    if exhaustive:
+        for c in cands:
+            run.evaluate(c)
+        return SearchResult(sorted(run.done, key=lambda c: -c.prediction.tokens_per_s), 0)
+    settings: dict[tuple, list[Candidate]] = {}
+    for c in cands:
+        settings.setdefault((c.knobs.staleness_threshold, c.knobs.partial_rollout), []).append(c)
+    lines = sorted((sorted(v, key=lambda c: c.knobs.trainer_gpus) for v in settings.values()),
+                   key=lambda line: -max(c.bound_tokens_per_s for c in line))
+    for line in lines:
+        for i in sorted({round(x * (len(line) - 1) / max(COARSE - 1, 1)) for x in range(COARSE)}):
+            run.evaluate(line[i])
+    for line in lines:
+        step = max(1, (len(line) - 1) // max(COARSE - 1, 1))
+        while True:
+            scored = [(c.prediction.tokens_per_s, i) for i, c in enumerate(line) if c.prediction is not None]
+            if not scored:
+                break
+            i = max(scored)[1]
+            for j in (i - step, i + step):
+                if 0 <= j < len(line):
+                    run.evaluate(line[j])
+            if step == 1:
+                break
+            step = max(1, step // 2)
+    for c in cands:
+        if c.key in must:
+            run.evaluate(c)
+    return SearchResult(sorted(run.done, key=lambda c: -c.prediction.tokens_per_s), run.bounded)

@@ -69,6 +69,9 @@ class EngineOptions:
     max_num_seqs: int = 256
     top_k: int = -1
     """Sample among the k most likely tokens; -1 or 0 = all."""
+    lora_rank: int = 0
+    """The largest LoRA rank the engine serves (``actor.lora_rank``): its weight versions are adapters applied to
+    the base in ``model_dir``; 0: full-weight versions only."""
     simulated: Optional[Any] = None
     """The ``simulated`` section (:class:`hpcrl.config.simulated.SimulatedConfig`): the simulated engine's
     latency and length model; None for the other engines."""
@@ -96,8 +99,9 @@ class Engine(abc.ABC):
     async def load_weights(self, version: WeightVersion) -> str:
         """Adopt ``version`` (no generation is running): its verified tensors (valid only during the
         call), its pinned folder for engines that load files, its shared-memory buffer for engines whose
-        workers map one. Returns how the weights reached the engine (``state_dict``, ``folder``,
-        ``shared_memory``). Raises if the engine could not take them."""
+        workers map one; a LoRA adapter version (``version.adapter``) is applied to the engine's base model instead.
+        Returns how the weights reached the engine (``state_dict``, ``folder``, ``shared_memory``, ``adapter``).
+        Raises if the engine could not take them."""
 
     @property
     def receive_device(self) -> str:

@@ -39,6 +39,7 @@ from hpcrl.samples.skips import SkipLog
 from hpcrl.samples.writer import ShardWriter
 from hpcrl.tiny.model import load_tokenizer
 from hpcrl.weights import WeightSubscriber, make_subscriber
+from hpcrl.weights.adapter import verify_base
 
 log = logging.getLogger("hpcrl.rollout")
 
@@ -56,6 +57,7 @@ def engine_options(cfg: RunConfig, model_dir) -> EngineOptions:
                          gpu_memory_utilization=ro.gpu_memory_utilization, max_model_len=ro.max_model_len,
                          tensor_parallel_size=ro.tensor_parallel_size, data_parallel_size=ro.data_parallel_size,
                          enforce_eager=ro.enforce_eager, max_num_seqs=ro.max_num_seqs,
+                         lora_rank=cfg.actor.lora_rank or 0,
                          simulated=cfg.simulated if ro.engine == "simulated" else None)
 
 
@@ -114,6 +116,7 @@ def build_parts(cfg: RunConfig, run_dir: RunDir, writer: str, steps: StartupStep
             with fatal_inputs(run_dir, job, "building the agent loops", "agent"):
                 loops = make_loops(cfg.agent, tokenizer, rows)
         with fatal_inputs(run_dir, job, f"loading the model {mdir} into the {cfg.rollout.engine} engine", "model"):
+            verify_base(mdir, cfg.model.base_hash)  # LoRA: the adapters apply to this base only
             runner = EngineRunner()
             closers.callback(runner.close)
             with steps.step(f"starting the {cfg.rollout.engine} engine", t.engine_start_s + 10):  # its own limit first

@@ -3,10 +3,13 @@
 What it models is vLLM's continuous batching: at most ``rollout.max_num_seqs`` sequences run; each
 decoding step gives every running sequence one token and takes ``decode_base_s + decode_per_seq_s *
 running`` modelled seconds; a sequence entering the batch first costs ``prefill_per_token_s`` per token
-of its prompt. One scheduler task on the runner's loop advances the batch from event to event (the next
-sequence to finish, a new request, an abort), so a step costs no Python work: it sleeps
-``modelled / simulated.time_scale`` wall seconds. Response lengths are drawn per sequence from
-``simulated.lengths`` (EOS included), capped by the call's budget.
+of its prompt. With ``simulated.kv_cache_tokens`` the running sequences' prompts and tokens must fit the
+KV cache (``SimulatedConfig.kv_admits``): a step that would not fit preempts the newest running sequence,
+which waits at the head of the queue and pays its prefill again (vLLM's recompute). One scheduler task on
+the runner's loop advances the batch from event to event (the next sequence to finish, a new request, an
+abort), so a step costs no Python work: it sleeps ``modelled / simulated.time_scale`` wall seconds, and
+carries what a sleep overshoots into the next, so the batch keeps to its phase model under load. Response
+lengths are drawn per sequence from ``simulated.lengths`` (EOS included), capped by the call's budget.
 
 What it returns is real data: token ids of the model's vocabulary (no special token except a final EOS)
 and log-probs, both drawn from the call's seed, so a group is reproducible. :meth:`abort_all` hands back
@@ -89,6 +92,7 @@ class SimulatedEngine(Engine):
         self._waiting: deque[_Seq] = deque()
         self._running: list[_Seq] = []
         self._prefill_due_s = 0.0  # modelled prefill not yet slept
+        self._usage = 0  # KV-cache tokens the running sequences hold (prompt + tokens so far)
         self._wake: Optional[asyncio.Event] = None
         self._scheduler: Optional[asyncio.Task] = None
         self._aborting = False
@@ -173,9 +177,24 @@ class SimulatedEngine(Engine):
 
     def _admit(self) -> None:
         while self._waiting and len(self._running) < self.max_num_seqs:
-            s = self._waiting.popleft()
+            s = self._waiting[0]
+            context = len(s.prompt) + s.produced
+            if not self.sim.kv_admits(self._usage, len(self._running), context):
+                if not self._running:
+                    raise RuntimeError(f"simulated engine: one sequence of {context} tokens (+1) does not fit "
+                                       f"simulated.kv_cache_tokens={self.sim.kv_cache_tokens}; raise it")
+                break
+            self._waiting.popleft()
             self._running.append(s)
-            self._prefill_due_s += self.sim.prefill_per_token_s * (len(s.prompt) + s.produced)
+            self._usage += context
+            self._prefill_due_s += self.sim.prefill_per_token_s * context
+
+    def _preempt(self) -> None:
+        """While the next step does not fit the KV cache, the newest running sequence waits again (recompute)."""
+        while self._running and self.sim.kv_steps_left(self._usage, len(self._running)) == 0:
+            s = self._running.pop()
+            self._usage -= len(s.prompt) + s.produced
+            self._waiting.appendleft(s)
 
     async def _schedule(self) -> None:
         """Run the batch; a failure of the model fails every request in it (none waits forever)."""
@@ -186,49 +205,64 @@ class SimulatedEngine(Engine):
             for s in self._running + list(self._waiting):
                 if not s.done.done():
                     s.done.set_exception(e if isinstance(e, Exception) else RuntimeError("simulated engine stopped"))
-            self._running, self._prefill_due_s = [], 0.0
+            self._running, self._prefill_due_s, self._usage = [], 0.0, 0
             self._waiting.clear()
             raise
 
     async def _run_batch(self) -> None:
-        """Advance the batch event to event until nothing is running or waiting."""
-        carry_s = 0.0  # modelled time slept past the last whole step (an interruption mid-step)
+        """Advance the batch event to event until nothing is running or waiting.
+
+        The batch's modelled time is the loop's wall time times time_scale, counted from one mark to the next
+        (the sleeps, what they overshoot, and this loop's own work in between): what is not yet a whole step is
+        carried, so under load the batch keeps to its phase model instead of falling behind it."""
+        loop = asyncio.get_running_loop()
+        carry_s = 0.0  # modelled time passed and not yet spent on prefill or whole steps
+        mark = loop.time()
         while self._running or self._waiting:
             if self._aborting:
                 self._abort_now()
-                carry_s = 0.0
+                carry_s, mark = 0.0, loop.time()
                 continue
             self._admit()
             step = self.sim.decode_step_s(len(self._running))
             k = min(s.remaining for s in self._running)
-            planned = max(0.0, self._prefill_due_s + k * step - carry_s)
+            left = self.sim.kv_steps_left(self._usage, len(self._running))
+            k = k if left is None else min(k, left)
+            now = loop.time()
+            carry_s, mark = carry_s + (now - mark) * self.sim.time_scale, now
+            due = self._prefill_due_s + k * step
             self._wake.clear()
-            loop = asyncio.get_running_loop()
-            t0 = loop.time()
             try:
-                await asyncio.wait_for(self._wake.wait(), planned / self.sim.time_scale)
-                slept = (loop.time() - t0) * self.sim.time_scale + carry_s
+                await asyncio.wait_for(self._wake.wait(), max(0.0, due - carry_s) / self.sim.time_scale)
+                timed_out = False
             except asyncio.TimeoutError:
-                slept = planned + carry_s
+                timed_out = True
+            now = loop.time()
+            slept, mark = carry_s + (now - mark) * self.sim.time_scale, now
+            if timed_out:  # the whole stretch passed, even if the timer fired a hair early
+                slept = max(slept, due)
             prefill = min(self._prefill_due_s, slept)
             self._prefill_due_s -= prefill
             steps = min(k, int((slept - prefill) / step + 1e-9))
-            carry_s = slept - prefill - steps * step if steps < k else 0.0
+            carry_s = max(0.0, slept - prefill - steps * step)
             self.busy_model_s += prefill + steps * step
             self._advance(steps)
 
     def _advance(self, steps: int) -> None:
         for s in self._running:
             s.produced += steps
+        self._usage += steps * len(self._running)
         ended = [s for s in self._running if s.remaining == 0]
         self._running = [s for s in self._running if s.remaining > 0]
+        self._usage -= sum(len(s.prompt) + s.produced for s in ended)
         for s in ended:
             self._finish(s, aborted=False)
+        self._preempt()
 
     def _abort_now(self) -> None:
         """Every running and waiting sequence returns what it has (within the step the abort arrived in)."""
         self._aborting = False
         for s in self._running + list(self._waiting):
             self._finish(s, aborted=True)
-        self._running, self._prefill_due_s = [], 0.0
+        self._running, self._prefill_due_s, self._usage = [], 0.0, 0
         self._waiting.clear()

@@ -3,7 +3,8 @@
 It returns, for every sampled token, the log-prob under the distribution it was actually
 sampled from (after temperature and top-p): the behaviour policy of importance sampling.
 It runs on CPU (tests, laptops) or on a GPU (``rollout.device``, bf16 allowed) and is the
-numerical reference for the other engines; vLLM is the GPU path. Each group generates in
+numerical reference for the other engines; vLLM is the GPU path. In a LoRA run (``actor.lora_rank``) it holds the
+base model with peft's LoRA layers, and a weight version fills the adapter (``adapters.py``). Each group generates in
 a worker thread of the runner's loop; :meth:`abort_all` is seen between two decoding steps.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from hpcrl.rollout.adapters import PeftAdapter, check_kind
 from hpcrl.rollout.engine import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Engine, EngineOptions, Sample
 from hpcrl.weights.base import WeightVersion
 
@@ -57,8 +59,15 @@ class TransformersEngine(Engine):
             self.eos_id = self.eos_id[0]
         self.pad_id = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
         self._abort_epoch = 0  # bumped by abort_all; a generation started in an older epoch stops
+        self.lora_rank = opts.lora_rank
+        self.adapter = PeftAdapter(self.model) if opts.lora_rank else None
+        """A LoRA run: peft's layers in ``model``, filled by each adapter version."""
 
     async def load_weights(self, version: WeightVersion) -> str:
+        check_kind(version, self.lora_rank, "transformers")
+        if self.adapter is not None:
+            self.adapter.load(version)
+            return "adapter"
         self.model.load_state_dict(version.tensors, strict=True)  # copies into the parameters (device, dtype)
         return "state_dict"
 

@@ -21,6 +21,10 @@ fails the engine falls back to folders, logged),
   faster (``load_paths.py``). Otherwise, or if a mapped load fails (logged; folders from then on),
   ``reload_weights`` reads the version's folder (verified by the transport just before). A failed
   load raises; the job then stays on its old version (the caller reports a version only once loaded).
+- LoRA (``actor.lora_rank``): the engine serves the base model with ``enable_lora``; each adapter version is
+  added from its folder under a new adapter id (``add_lora``), every new request carries it, and the old one is
+  removed after the switch (``remove_lora``): ``LoRARequest``, ``add_lora``, ``remove_lora`` and the engine
+  arguments ``enable_lora``, ``max_lora_rank``, ``max_loras``, ``max_cpu_loras`` are in 0.25.0 and 0.32.0 alike.
 """
 from __future__ import annotations
 
@@ -34,6 +38,8 @@ from typing import Optional
 
 import numpy as np
 
+from hpcrl.config.lora import vllm_max_lora_rank
+from hpcrl.rollout.adapters import check_kind
 from hpcrl.rollout.engine import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Engine, EngineOptions, Sample
 from hpcrl.rollout.load_paths import FOLDER, MAPPED, LoadPaths
 from hpcrl.rollout.vllm_worker import WORKER_EXTENSION
@@ -84,16 +90,21 @@ class VLLMEngine(Engine):
 
         self._SamplingParams = SamplingParams
         share = memory_share(opts)
+        lora = {}
+        if opts.lora_rank:  # one adapter at a time; the CPU cache holds the old one until it is removed
+            lora = dict(enable_lora=True, max_lora_rank=vllm_max_lora_rank(opts.lora_rank), max_loras=1,
+                        max_cpu_loras=2)
         args = AsyncEngineArgs(model=str(opts.model_dir), skip_tokenizer_init=True, dtype=opts.dtype,
                                gpu_memory_utilization=share, max_model_len=opts.max_model_len,
                                tensor_parallel_size=opts.tensor_parallel_size,
                                data_parallel_size=opts.data_parallel_size, enforce_eager=opts.enforce_eager,
                                max_num_seqs=opts.max_num_seqs, seed=opts.seed,
-                               logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION)
+                               logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION, **lora)
         t0 = time.time()
         self.llm = AsyncLLM.from_engine_args(args)
-        log.info("vLLM engine up in %.1fs (dtype %s, memory share %.2f, tp %d, dp %d, eager %s)", time.time() - t0,
-                 opts.dtype, share, opts.tensor_parallel_size, opts.data_parallel_size, opts.enforce_eager)
+        log.info("vLLM engine up in %.1fs (dtype %s, memory share %.2f, tp %d, dp %d, eager %s%s)", time.time() - t0,
+                 opts.dtype, share, opts.tensor_parallel_size, opts.data_parallel_size, opts.enforce_eager,
+                 f", LoRA up to rank {lora['max_lora_rank']}" if lora else "")
         self.opts = opts
         self.eos_id = _eos_id(opts.model_dir)
         self._ids = itertools.count()
@@ -101,6 +112,8 @@ class VLLMEngine(Engine):
         self._mapped_ok = True  # False after a mapped load failed: folders only from then on
         self._paths = LoadPaths()
         self._mapped_logged = False
+        self._lora_ids = itertools.count(1)  # vLLM's adapter ids: a new one per load (a republished version too)
+        self._lora = None  # the LoRARequest every new request carries (a LoRA run, once an adapter is loaded)
 
     def _params(self, seed: int, max_tokens: Optional[int] = None, temperature: Optional[float] = None):
         # per-request seeds only on GPUs: vLLM's CPU build rewinds a request's generator when a
@@ -117,7 +130,7 @@ class VLLMEngine(Engine):
         """One request to its end (or abort): the last cumulative output is the whole response."""
         last = None
         async for out in self.llm.generate({"prompt_token_ids": list(prompt_ids)}, params,
-                                           request_id=f"hpcrl-{next(self._ids)}"):
+                                           request_id=f"hpcrl-{next(self._ids)}", lora_request=self._lora):
             last = out
         if last is None or not last.outputs:
             return Sample(np.zeros(0, np.int32), np.zeros(0, np.float32), FINISH_ABORT)
@@ -150,7 +163,10 @@ class VLLMEngine(Engine):
         """A version in a shared-memory buffer (a broadcast) is mapped by the workers, or reloaded from its folder,
         whichever this engine measured faster (:mod:`hpcrl.rollout.load_paths`); anything else from its folder (pinned
         until the version is released). A mapped load that fails falls back to the folder (folders from then on).
-        Returns the way it took."""
+        An adapter version is added from its folder (:meth:`_switch_adapter`). Returns the way it took."""
+        check_kind(version, self.opts.lora_rank, "vllm")
+        if version.adapter is not None:
+            return await self._switch_adapter(version)
         can_map = version.mapped is not None and self._mapped_ok
         if not can_map and version.folder is None:
             raise ValueError(f"weight version {version.version} has neither a folder nor a shared-memory buffer: "
@@ -169,6 +185,31 @@ class VLLMEngine(Engine):
         finally:
             await self.llm.resume_generation()
         return way
+
+    async def _switch_adapter(self, version: WeightVersion) -> str:
+        """Paused: add the version's adapter under a new id (vLLM reads the folder, peft's layout, at once), make it
+        the one new requests carry, remove the old one, reset the prefix cache (its blocks are keyed by adapter
+        id too; reset as for full weights), resume. Requests carried over by partial rollout are new requests
+        under the new adapter. A failed add leaves the old adapter in place."""
+        from vllm.lora.request import LoRARequest
+
+        if version.folder is None:
+            raise ValueError(f"weight version {version.version} is an adapter without a folder: vLLM adds adapters "
+                             "from their folder")
+        lora_id = next(self._lora_ids)
+        new = LoRARequest(f"hpcrl-v{version.version}-{lora_id}", lora_id, str(version.folder))
+        await self.llm.pause_generation(mode="wait")
+        try:
+            if not await self.llm.add_lora(new):
+                raise RuntimeError(f"vLLM did not add the adapter of weight version {version.version} "
+                                   f"({version.folder})")
+            old, self._lora = self._lora, new
+            if old is not None:
+                await self.llm.remove_lora(old.lora_int_id)
+            await self.llm.reset_prefix_cache()
+        finally:
+            await self.llm.resume_generation()
+        return "adapter"
 
     async def _load_mapped(self, mapped: MappedBuffer, can_fall_back: bool) -> bool:
         """The workers load the buffer ``mapped`` names; False (logged, folders from now on) if that failed."""

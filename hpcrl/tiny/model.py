@@ -66,6 +66,17 @@ def quiet_progress_bars() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
+def tiny_config(head_dim: int = 32, tokenizer=None):
+    """The tiny model's Qwen2Config (``head_dim`` 32 or 64)."""
+    from transformers import Qwen2Config
+
+    tokenizer = tokenizer or build_tokenizer()
+    return Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=128 // head_dim, num_key_value_heads=64 // head_dim, max_position_embeddings=128, tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+
+
 def build_tiny_model(out_dir: Path | str, seed: int = 0, head_dim: int = 32) -> Path:
     """Write tokenizer + random-init model to ``out_dir`` (an HF folder) and return it.
 
@@ -73,14 +84,11 @@ def build_tiny_model(out_dir: Path | str, seed: int = 0, head_dim: int = 32) -> 
     refuses head dim 32): every weight has the same shape and, for one seed, the same values."""
     if head_dim not in (32, 64):
         raise ValueError(f"head_dim {head_dim}: the tiny model has 32 or 64")
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     out_dir = Path(out_dir)
     tokenizer = build_tokenizer()
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=128 // head_dim, num_key_value_heads=64 // head_dim, max_position_embeddings=128, tie_word_embeddings=False,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    config = tiny_config(head_dim, tokenizer)
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
     tmp = out_dir.with_name(out_dir.name + ".tmp")

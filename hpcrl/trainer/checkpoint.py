@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from hpcrl.control.records import LatestCheckpoint, read_latest_checkpoint
-from hpcrl.fsio import free_bytes, make_dirs, size_text, tree_bytes, wait_for_room, write_json_atomic
+from hpcrl.fsio import free_bytes, guarded, make_dirs, size_text, tree_bytes, wait_for_room, write_json_atomic
 from hpcrl.json_record import JsonRecord
 from hpcrl.run_dir import RunDir
 
@@ -54,17 +54,25 @@ def tag_for(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def save(engine, run_dir: RunDir, state: TrainerState, keep: int) -> str:
+def save(engine, run_dir: RunDir, state: TrainerState, keep: int, adapter_only: bool = False) -> str:
     """Checkpoint ``state`` with the engine's model and optimizer as tag ``step-<step>``, then ``latest.json``, then
-    delete all but the newest ``keep``. A full disk is met before DeepSpeed writes anything: with less room free
+    delete all but the newest ``keep``; ``adapter_only`` (a LoRA run): without the frozen base weights (``model.path``
+    has them). A full disk is met before DeepSpeed writes anything: with less room free
     than the newest checkpoint took, the oldest one beyond the newest goes first, then the save waits for room
     (``fsio.wait_for_room``: timeouts.disk_full_s); each file is written through ``fsio.guarded``."""
     tag = tag_for(state.step)
     need = _make_room(run_dir, keep)
     wait_for_room(f"checkpoint {tag}", run_dir.checkpoints, need)
-    make_dirs(run_dir.checkpoints / tag)
-    engine.save_checkpoint(str(run_dir.checkpoints), tag=tag, client_state={"hpcrl": state.to_json()},
-                           save_latest=False)
+    folder = run_dir.checkpoints / tag
+    make_dirs(folder)
+
+    def save_all() -> None:
+        engine.save_checkpoint(str(run_dir.checkpoints), tag=tag, client_state={"hpcrl": state.to_json()},
+                               save_latest=False, exclude_frozen_parameters=adapter_only)
+    if engine.world_size == 1:  # one rank: a failed save (DeepSpeed copies files of its own too) can be done again
+        guarded(f"checkpoint {tag}", folder, need, save_all, undo=lambda: shutil.rmtree(folder, ignore_errors=True))
+    else:  # several ranks save collectively: only each file's own write waits (SafeCheckpointEngine)
+        save_all()
     if engine.global_rank == 0:
         write_json_atomic(run_dir.latest_checkpoint, LatestCheckpoint(tag, state.step).to_json())
         for old in _tags(run_dir)[:-keep]:
@@ -125,7 +133,9 @@ def sweep(run_dir: RunDir, latest: Optional[str]) -> list[str]:
     return removed
 
 
-def load_latest(engine, run_dir: RunDir) -> Optional[TrainerState]:
+def load_latest(engine, run_dir: RunDir, adapter_only: bool = False) -> Optional[TrainerState]:
+    """The newest checkpoint into ``engine``, and our state in it; None if there is none. ``adapter_only`` (a LoRA
+    run): the checkpoint has no frozen weights (loaded non-strictly; ``model.path`` has them)."""
     latest = read_latest_checkpoint(run_dir)
     if engine.global_rank == 0:
         sweep(run_dir, latest.tag if latest is not None else None)
@@ -133,7 +143,7 @@ def load_latest(engine, run_dir: RunDir) -> Optional[TrainerState]:
         return None
     tag = latest.tag
     path, client = engine.load_checkpoint(str(run_dir.checkpoints), tag=tag, load_optimizer_states=True,
-                                          load_lr_scheduler_states=True)
+                                          load_lr_scheduler_states=True, load_module_strict=not adapter_only)
     if path is None:
         raise RuntimeError(f"checkpoint {run_dir.checkpoints / tag} named by {run_dir.latest_checkpoint} "
                            "could not be loaded; remove latest.json to start over, or restore the folder")

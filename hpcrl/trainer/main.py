@@ -52,6 +52,7 @@ from hpcrl.trainer import checkpoint
 from hpcrl.trainer.batch import build_batch
 from hpcrl.trainer.distributed import init_distributed, rank_environment, rank_from_environment
 from hpcrl.trainer.gather import zero3_state_dict
+from hpcrl.trainer.lora import adapter_state_dict
 from hpcrl.trainer.models import POLICY_PREFIX, policy_state_dict
 from hpcrl.trainer.ops import prepare_ops
 from hpcrl.trainer.parts import LeadParts, TrainerParts, build_parts
@@ -262,8 +263,11 @@ class TrainerJob:
         return out
 
     def _gathered_state_dict(self) -> dict[str, torch.Tensor]:
-        """The policy's weights under the HF names (the value head stays in the trainer)."""
+        """The policy's weights under the HF names (the value head stays in the trainer); a LoRA run: the adapter's
+        alone, under peft's names."""
         engine = self.parts.engine
+        if self.cfg.lora:
+            return adapter_state_dict(engine.module, self.cfg.actor.zero_stage == 3, engine.global_rank)
         if self.cfg.actor.zero_stage == 3:  # a collective: one gather per layer, the tensors on rank 0 only
             state, gathers = zero3_state_dict(engine.module, engine.global_rank, POLICY_PREFIX)
             if not self._gathers_logged:
@@ -281,7 +285,7 @@ class TrainerJob:
         if self.parts.engine.global_rank == 0:
             weights = self.lead.weights
             published = weights.publish(version, state_dict, self.parts.model_config_json, self.state.step,
-                                        self.state.consumed_groups, self.parts.model_files)
+                                        self.state.consumed_groups, self.parts.model_files, self.parts.adapter_base)
             self._sync_stats = {M.PARAM_SYNC_GATHER_S: gather_s, **published.metrics()}
             if self.cfg.trainer.simulated:
                 self.parts.updater.after_publish()
@@ -306,7 +310,8 @@ class TrainerJob:
         faults.point("checkpoint")
         # every rank saves rank 0's record (only rank 0 reads samples and writes logs)
         state = checkpoint.TrainerState.from_json(share_json(self._boundary))
-        tag = checkpoint.save(self.parts.engine, self.run_dir, state, self.cfg.trainer.keep_checkpoints)
+        tag = checkpoint.save(self.parts.engine, self.run_dir, state, self.cfg.trainer.keep_checkpoints,
+                              adapter_only=self.cfg.lora)
         log.info("checkpoint %s (version %d, %d groups consumed)", tag, state.param_version, state.consumed_groups)
         if self.rank == 0:  # the shards wholly behind this checkpoint's cursor are never read again
             removed = delete_consumed(self.run_dir, state.cursor, self.cfg.trainer.keep_consumed_shards,

@@ -25,10 +25,13 @@ from hpcrl.samples.reader import SampleReader
 from hpcrl.samples.skips import SkipLog
 from hpcrl.trackers import open_trackers
 from hpcrl.trainer import checkpoint
+from hpcrl.trainer.lora import AdapterOff, adapter_config_json, wrap_policy
 from hpcrl.trainer.models import PolicyWithValueHead, load_reference
 from hpcrl.trainer.simulated_update import SimulatedUpdate
 from hpcrl.trainer.update import PolicyUpdate
 from hpcrl.weights import WeightPublisher, make_publisher
+from hpcrl.weights.adapter import base_model_hash, verify_base
+from hpcrl.weights.manifest import AdapterBase
 
 log = logging.getLogger("hpcrl.trainer")
 
@@ -57,17 +60,21 @@ class TrainerParts:
     engine: Any
     """The DeepSpeed engine around the policy (and value head)."""
     reference: Optional[torch.nn.Module]
-    """The frozen initial policy, when a KL term needs it."""
+    """The frozen initial policy, when a KL term needs it (a LoRA run: the policy with its adapter off)."""
     model_config_json: str
-    """The policy's ``config.json``, written with every published version."""
+    """The policy's ``config.json``, written with every published version (a LoRA run: peft's
+    ``adapter_config.json``)."""
     model_files: dict[str, bytes]
     """The model folder's tokenizer, chat template and generation config (:data:`WEIGHT_MODEL_FILES` it has),
-    written with every published version so that each is a complete Hugging Face folder."""
+    written with every published version so that each is a complete Hugging Face folder (none in a LoRA run: a
+    version is the adapter alone)."""
     pad_id: int
     micro_per_mini: int
     """Micro-batches (backward passes) per optimizer step on this rank."""
     updater: PolicyUpdate | SimulatedUpdate
     """The update's arithmetic (``trainer.simulated``: a sleep of the modelled time, nothing computed)."""
+    adapter_base: Optional[AdapterBase]
+    """A LoRA run: the base every published adapter version names (its path and weight hash); None: full weights."""
     lead: Optional[LeadParts]
     """Rank 0 only; None on the other ranks."""
 
@@ -86,9 +93,15 @@ def _deepspeed(cfg: RunConfig, run_dir: RunDir, rank: int, world: int):
 
     path = run_dir.model_dir(cfg.model.path)
     with fatal_inputs(run_dir, RunDir.trainer_job(rank), f"loading the model {path}", "model"):
+        verify_base(path, cfg.model.base_hash)  # LoRA: the adapters belong to this base
         policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    config_json = policy.config.to_json_string()
+    pad_id = policy.config.pad_token_id if policy.config.pad_token_id is not None else 0
+    if cfg.lora:  # only the adapter is trained (hpcrl/trainer/lora.py)
+        policy = wrap_policy(policy, cfg.actor, cfg.model.seed)
+        config_json = adapter_config_json(policy, str(path))
     model = PolicyWithValueHead(policy, value_head=cfg.algorithm.adv_estimator == "gae")
-    groups = [{"params": list(policy.parameters()), "lr": cfg.actor.lr}]
+    groups = [{"params": [p for p in policy.parameters() if p.requires_grad], "lr": cfg.actor.lr}]
     if model.value_head is not None:
         groups.append({"params": list(model.value_head.parameters()), "lr": cfg.critic.lr})
     optimizer = torch.optim.AdamW(groups, lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay)
@@ -104,8 +117,7 @@ def _deepspeed(cfg: RunConfig, run_dir: RunDir, rank: int, world: int):
     }
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     engine.checkpoint_engine = SafeCheckpointEngine()
-    pad_id = policy.config.pad_token_id if policy.config.pad_token_id is not None else 0
-    return engine, policy.config.to_json_string(), pad_id, micro_per_mini
+    return engine, config_json, pad_id, micro_per_mini
 
 
 def _lead(cfg: RunConfig, run_dir: RunDir, resumed: Optional[checkpoint.TrainerState]) -> LeadParts:
@@ -137,16 +149,34 @@ def build_parts(cfg: RunConfig, run_dir: RunDir, rank: int, world: int, steps: S
     torch.set_num_threads(cfg.trainer.torch_threads)
     with steps.step(f"loading the model {cfg.model.path} and initialising DeepSpeed"):
         engine, config_json, pad_id, micro_per_mini = _deepspeed(cfg, run_dir, rank, world)
-        reference = load_reference(run_dir.model_dir(cfg.model.path), engine.device) if cfg.needs_reference else None
+        reference = _reference(cfg, run_dir, engine) if cfg.needs_reference else None
     with steps.step("loading the newest checkpoint"):
-        resumed = checkpoint.load_latest(engine, run_dir)
+        resumed = checkpoint.load_latest(engine, run_dir, adapter_only=cfg.lora)
     with steps.step("bringing the run directory to the checkpoint"):
         lead = _lead(cfg, run_dir, resumed) if rank == 0 else None
     kl_coef = resumed.kl_coef if resumed is not None else None
     updater = (SimulatedUpdate(cfg.simulated) if cfg.trainer.simulated
                else PolicyUpdate(cfg, engine, micro_per_mini, reference, kl_coef, rank=rank, world=world))
-    return TrainerParts(engine, reference, config_json, model_files(run_dir.model_dir(cfg.model.path)), pad_id,
-                        micro_per_mini, updater, lead), resumed
+    files = {} if cfg.lora else model_files(run_dir.model_dir(cfg.model.path))  # an adapter version: the adapter only
+    return TrainerParts(engine, reference, config_json, files, pad_id, micro_per_mini, updater,
+                        _adapter_base(cfg, run_dir) if rank == 0 else None, lead), resumed
+
+
+def _adapter_base(cfg: RunConfig, run_dir: RunDir) -> Optional[AdapterBase]:
+    """The base a LoRA run's versions name: ``model.base_hash`` (the launcher writes it), else hashed here."""
+    if not cfg.lora:
+        return None
+    path = run_dir.model_dir(cfg.model.path)
+    if cfg.model.base_hash is None:
+        log.warning("model.base_hash is not in the run's config (a run not started by the launcher): hashing %s", path)
+    return AdapterBase(path=str(path), hash=cfg.model.base_hash or base_model_hash(path))
+
+
+def _reference(cfg: RunConfig, run_dir: RunDir, engine) -> torch.nn.Module:
+    """The KL reference: the base model; in a LoRA run the trainer's own model with the adapter off (no copy)."""
+    if cfg.lora:
+        return AdapterOff(engine.module)
+    return load_reference(run_dir.model_dir(cfg.model.path), engine.device)
 
 
 def model_files(folder) -> dict[str, bytes]:

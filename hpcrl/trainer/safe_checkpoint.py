@@ -13,11 +13,12 @@ from __future__ import annotations
 import enum
 import json
 import os
+import re
 from collections import OrderedDict
 
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from hpcrl.fsio import fsync_path, guarded
@@ -117,7 +118,13 @@ def save_tree(state, path: str) -> None:
     tmp = f"{path}.tmp"
 
     def write() -> None:
-        save_file(tensors, tmp, metadata={_TREE_KEY: json.dumps(tree)})
+        try:
+            save_file(tensors, tmp, metadata={_TREE_KEY: json.dumps(tree)})
+        except SafetensorError as e:  # a full disk comes back as "I/O error: ... (os error 28)": an OSError for guarded
+            code = re.search(r"os error (\d+)", str(e))
+            if code is None:
+                raise
+            raise OSError(int(code.group(1)), str(e)) from e
         fsync_path(tmp)
         os.replace(tmp, path)
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())

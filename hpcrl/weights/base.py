@@ -32,7 +32,7 @@ from typing import Callable, Optional
 import torch
 
 from hpcrl import metric_names as M
-from hpcrl.weights.manifest import WeightManifest
+from hpcrl.weights.manifest import AdapterBase, WeightManifest
 from hpcrl.weights.wire import Entry
 
 log = logging.getLogger(__name__)
@@ -79,13 +79,19 @@ class WeightVersion:
     nbytes: int
     mapped: Optional[MappedBuffer] = None
     """Set when the tensors lie in one shared-memory file (a broadcast received into ``/dev/shm``)."""
+    adapter: Optional[dict] = None
+    """A LoRA adapter version (``actor.lora_rank``): peft's adapter config (``adapter_config.json``, verified); the
+    tensors are then the adapter's under peft's saved names, and ``folder`` is in peft's layout
+    (``hpcrl/weights/adapter.py``). None: full weights."""
     _release: Optional[Callable[[], None]] = field(default=None, repr=False)
 
     @classmethod
-    def in_memory(cls, version: int, tensors: dict[str, torch.Tensor]) -> "WeightVersion":
-        """Tensors handed to an engine directly, with no folder or manifest behind them (tests, benchmarks)."""
+    def in_memory(cls, version: int, tensors: dict[str, torch.Tensor], adapter: Optional[dict] = None
+                  ) -> "WeightVersion":
+        """Tensors handed to an engine directly, with no folder or manifest behind them (tests, benchmarks);
+        ``adapter``: peft's config when they are a LoRA adapter's."""
         return cls(version, None, None, tensors, path="memory", transfer_s=0.0,
-                   nbytes=sum(t.numel() * t.element_size() for t in tensors.values()))
+                   nbytes=sum(t.numel() * t.element_size() for t in tensors.values()), adapter=adapter)
 
     def release(self) -> None:
         """Unpin the folder and give the buffers back; the tensors are invalid afterwards. Idempotent."""
@@ -142,10 +148,13 @@ class WeightPublisher(abc.ABC):
 
     @abc.abstractmethod
     def publish(self, version: int, state_dict: dict[str, torch.Tensor], model_config_json: str,
-                trainer_step: int, consumed_groups: int, model_files: Optional[dict[str, bytes]] = None) -> Published:
+                trainer_step: int, consumed_groups: int, model_files: Optional[dict[str, bytes]] = None,
+                adapter: Optional[AdapterBase] = None) -> Published:
         """Make ``version`` (HF-named ``state_dict`` plus the model's ``config.json`` and its other files:
         ``model_files``, tokenizer and generation config by name, so the version is a complete HF folder)
-        available; readers see it whole or not at all. FileExistsError if it is already published."""
+        available; readers see it whole or not at all. FileExistsError if it is already published.
+        ``adapter``: the version is a LoRA adapter of that base (``state_dict`` the adapter's tensors under peft's
+        names, ``model_config_json`` peft's adapter config; ``hpcrl/weights/adapter.py``)."""
 
     @abc.abstractmethod
     def withdraw_after(self, version: int) -> list[int]:

@@ -55,6 +55,7 @@ from hpcrl.weights.base import Published, WeightVersion
 from hpcrl.weights.delta_versions import DeltaWriter
 from hpcrl.weights.filesystem import FilesystemPublisher, FilesystemSubscriber, dedupe_tied, delta_writer
 from hpcrl.weights.group import BroadcastFailed, BroadcastRefused
+from hpcrl.weights.manifest import AdapterBase
 from hpcrl.weights.receiver import Receiver
 from hpcrl.fsio import wait_for
 from hpcrl.process import termination
@@ -106,12 +107,13 @@ class BroadcastPublisher(FilesystemPublisher):
                 self.run_dir, self.bucket_bytes, self.connect_s, self.broadcast_s, self.backend))
 
     def publish(self, version: int, state_dict: dict[str, torch.Tensor], model_config_json: str,
-                trainer_step: int, consumed_groups: int, model_files: Optional[dict[str, bytes]] = None) -> Published:
+                trainer_step: int, consumed_groups: int, model_files: Optional[dict[str, bytes]] = None,
+                adapter: Optional[AdapterBase] = None) -> Published:
         self.start()  # before the first version's files, if the trainer did not: a joiner finds it with v0
         t0 = time.monotonic()
-        tensors, aliases = dedupe_tied(state_dict)
+        tensors, aliases = dedupe_tied(state_dict)  # an adapter version: the adapter's tensors only
         manifest = self.write_version(version, tensors, aliases, model_config_json, trainer_step, consumed_groups,
-                                      model_files, originals=state_dict)
+                                      model_files, adapter, originals=state_dict)
         files_s = time.monotonic() - t0
         if self._sender is None:
             return Published(manifest, files_s)
@@ -220,6 +222,12 @@ class BroadcastSubscriber(FilesystemSubscriber):
             wv.transfer_s = time.monotonic() - t0  # the wait for a broadcast that did not come counts
             return wv
         self.folders.pin(self.reader, version, True)
+        try:
+            adapter = self.adapter_config(version, manifest)
+        except BaseException:
+            self.folders.pin(self.reader, version, False)
+            self._receiver.recycle(staged)
+            raise
 
         def release() -> None:
             self.folders.pin(self.reader, version, False)
@@ -228,7 +236,8 @@ class BroadcastSubscriber(FilesystemSubscriber):
         folder = self.run_dir.weight_version_dir(version) if manifest.base is None else None  # a delta's: no model
         return WeightVersion(version, manifest, folder, staged.state,
                              path="broadcast", transfer_s=time.monotonic() - t0 + staged.transfer_s,
-                             nbytes=staged.header.total_bytes, mapped=staged.mapped(), _release=release)
+                             nbytes=staged.header.total_bytes, mapped=staged.mapped(), adapter=adapter,
+                             _release=release)
 
     def close(self) -> None:
         """Stop the receiver thread and wait for it (bounded)."""

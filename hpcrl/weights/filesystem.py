@@ -44,11 +44,12 @@ from hpcrl.control.changes import bump
 from hpcrl.control.records import LoadingAnnouncement, live_jobs
 from hpcrl.fsio import fsync_path, guarded, read_json, write_json_atomic
 from hpcrl.process import faults
-from hpcrl.run_dir import WEIGHT_DELTA, WEIGHT_MODEL_CONFIG, WEIGHT_TENSORS, RunDir
+from hpcrl.run_dir import WEIGHT_DELTA, WEIGHT_TENSORS, RunDir
+from hpcrl.weights.adapter import read_adapter_config, version_files
 from hpcrl.weights.base import (Published, WeightPublisher, WeightSubscriber, WeightVersion, WeightVersionBad,
                                 WeightVersionGone)
 from hpcrl.weights.delta_versions import BaseUnusable, DeltaReader, DeltaWriter, Encoded, Rebuilt, frame_tensors
-from hpcrl.weights.manifest import BadVersionMarker, FileEntry, TensorEntry, WeightManifest
+from hpcrl.weights.manifest import AdapterBase, BadVersionMarker, FileEntry, TensorEntry, WeightManifest
 from hpcrl.weights.safetensors_io import (HASH_ALGORITHM, HASHES, DamagedFile, check_file, load_verified,
                                           save_hashed, write_hashed)
 
@@ -216,10 +217,11 @@ class FilesystemPublisher(WeightPublisher):
         return cls(run_dir, cfg.keep_versions, deltas=delta_writer(cfg))
 
     def publish(self, version: int, state_dict: dict[str, torch.Tensor], model_config_json: str,
-                trainer_step: int, consumed_groups: int, model_files: Optional[dict[str, bytes]] = None) -> Published:
+                trainer_step: int, consumed_groups: int, model_files: Optional[dict[str, bytes]] = None,
+                adapter: Optional[AdapterBase] = None) -> Published:
         t0 = time.monotonic()
         manifest = self.write_version(version, *dedupe_tied(state_dict), model_config_json, trainer_step,
-                                      consumed_groups, model_files, originals=state_dict)
+                                      consumed_groups, model_files, adapter, originals=state_dict)
         return Published(manifest, files_s=time.monotonic() - t0)
 
     def _encode(self, version: int, tensors: dict[str, torch.Tensor]) -> Optional[Encoded]:
@@ -243,28 +245,31 @@ class FilesystemPublisher(WeightPublisher):
     def write_version(self, version: int, tensors: dict[str, torch.Tensor], aliases: dict[str, str],
                       model_config_json: str, trainer_step: int, consumed_groups: int,
                       model_files: Optional[dict[str, bytes]] = None,
+                      adapter: Optional[AdapterBase] = None,
                       originals: Optional[dict[str, torch.Tensor]] = None) -> WeightManifest:
         """The files of ``version`` (``tensors`` stored once, ``aliases`` in the manifest; ``model_files``: the
-        tokenizer and generation files, by name), committed by the manifest written last. Every file is listed
-        and hashed in the manifest. ``originals``: the state dict ``tensors`` came from (a full version kept as
-        the base of deltas is copied where it is the caller's own storage). On a full disk the version's staging
-        folder is removed and the version written again once there is room (``fsio.guarded``)."""
+        tokenizer and generation files, by name; ``adapter``: a LoRA adapter version of that base, in peft's file
+        names, always written whole), committed by the manifest written last. Every file is listed and hashed in
+        the manifest. ``originals``: the state dict ``tensors`` came from (a full version kept as the base of
+        deltas is copied where it is the caller's own storage). On a full disk the version's staging folder is
+        removed and the version written again once there is room (``fsio.guarded``)."""
         final = self.run_dir.weight_version_dir(version)
         if self.run_dir.weight_manifest(version).exists():
             raise FileExistsError(f"weight version {version} already published at {final}")
-        encoded = self._encode(version, tensors)
+        encoded = self._encode(version, tensors) if adapter is None else None
         staging = self.run_dir.staging(final)
         nbytes = (encoded.delta_bytes if encoded is not None else
                   sum(t.numel() * t.element_size() for t in tensors.values()))
         return guarded(f"weight version {version}", staging, nbytes,
                        lambda: self._write_files(version, tensors, aliases, model_config_json, trainer_step,
-                                                 consumed_groups, model_files, encoded, originals),
+                                                 consumed_groups, model_files, encoded, originals, adapter),
                        undo=lambda: shutil.rmtree(staging, ignore_errors=True))
 
     def _write_files(self, version: int, tensors: dict[str, torch.Tensor], aliases: dict[str, str],
                      model_config_json: str, trainer_step: int, consumed_groups: int,
                      model_files: Optional[dict[str, bytes]], encoded: Optional[Encoded],
-                     originals: Optional[dict[str, torch.Tensor]]) -> WeightManifest:
+                     originals: Optional[dict[str, torch.Tensor]],
+                     adapter: Optional[AdapterBase] = None) -> WeightManifest:
         rd = self.run_dir
         final = rd.weight_version_dir(version)
         if rd.weight_manifest(version).exists():
@@ -275,9 +280,10 @@ class FilesystemPublisher(WeightPublisher):
             shutil.rmtree(final)
         tmp.mkdir(parents=True)
         metadata = {"format": "pt", "param_version": str(version)}
+        tensors_name, config_name = version_files(adapter)
         if encoded is None:
-            size, digest = save_hashed(tensors, tmp / WEIGHT_TENSORS, metadata)
-            files = {WEIGHT_TENSORS: FileEntry(size, HASH_ALGORITHM, digest)}
+            size, digest = save_hashed(tensors, tmp / tensors_name, metadata)
+            files = {tensors_name: FileEntry(size, HASH_ALGORITHM, digest)}
             entries = [TensorEntry(k, str(v.dtype).removeprefix("torch."), list(v.shape)) for k, v in tensors.items()]
         else:
             size, digest = save_hashed(frame_tensors(encoded), tmp / WEIGHT_DELTA,
@@ -285,7 +291,7 @@ class FilesystemPublisher(WeightPublisher):
             files = {WEIGHT_DELTA: FileEntry(size, HASH_ALGORITHM, digest)}
             entries = encoded.entries
             faults.point("delta_write")
-        for name, data in {WEIGHT_MODEL_CONFIG: model_config_json.encode(), **(model_files or {})}.items():
+        for name, data in {config_name: model_config_json.encode(), **(model_files or {})}.items():
             rd.weight_file(version, name)  # a known file name (ValueError otherwise)
             h = HASHES[HASH_ALGORITHM]()
             size = write_hashed(tmp / name, data, h)
@@ -298,10 +304,10 @@ class FilesystemPublisher(WeightPublisher):
         manifest = WeightManifest(
             param_version=version, trainer_step=trainer_step, consumed_groups=consumed_groups, files=files,
             tensors=entries, total_bytes=sum(f.size_bytes for f in files.values()), published_s=time.time(),
-            aliases=aliases, base=encoded.base if encoded is not None else None)
+            aliases=aliases, base=encoded.base if encoded is not None else None, adapter=adapter)
         write_json_atomic(rd.weight_manifest(version), manifest.to_json())  # the commit point
         bump(rd, f"weight version {version} published", "trainer")
-        if encoded is None and self.deltas is not None:
+        if encoded is None and adapter is None and self.deltas is not None:
             self.deltas.hold(version, tensors, originals or {}, files[WEIGHT_TENSORS])
         return manifest
 
@@ -384,6 +390,7 @@ class FilesystemSubscriber(WeightSubscriber):
         self.folders.pin(self.reader, version, True)
         try:
             manifest, tensors, rebuilt = self._read_verified(version)
+            adapter = self.adapter_config(version, manifest)
         except BaseException:
             self.folders.pin(self.reader, version, False)
             raise
@@ -396,10 +403,23 @@ class FilesystemSubscriber(WeightSubscriber):
         if rebuilt is None:
             return WeightVersion(version, manifest, self.run_dir.weight_version_dir(version), tensors,
                                  path="filesystem", transfer_s=time.monotonic() - t0, nbytes=manifest.total_bytes,
-                                 _release=release)
+                                 adapter=adapter, _release=release)
         # a delta's folder is not a model an engine could load: the rebuilt buffer is the only way in
         return WeightVersion(version, manifest, None, tensors, path="filesystem", transfer_s=time.monotonic() - t0,
                              nbytes=rebuilt.nbytes_read, mapped=rebuilt.mapped(manifest.aliases), _release=release)
+
+    def adapter_config(self, version: int, manifest: WeightManifest) -> Optional[dict]:
+        """peft's config of an adapter version, verified (None for full weights); WeightVersionBad (marked) if
+        it is damaged."""
+        if manifest.adapter is None:
+            return None
+        _, name = version_files(manifest.adapter)
+        try:
+            return read_adapter_config(self.run_dir.weight_file(version, name), manifest.files[name])
+        except (DamagedFile, FileNotFoundError, KeyError) as e:
+            reason = f"weight version {version}: {name} is damaged or missing ({e})"
+            self.folders.mark_bad(version, self.reader, reason)
+            raise WeightVersionBad(reason) from None
 
     def _read_verified(self, version: int) -> tuple[WeightManifest, dict[str, torch.Tensor], Optional[Rebuilt]]:
         """The manifest and verified tensors of ``version`` (and the rebuilt buffer of a delta version);
@@ -433,12 +453,14 @@ class FilesystemSubscriber(WeightSubscriber):
         """The verified tensors of ``version`` with tied aliases restored (and the buffer of a delta version);
         DamagedFile if anything differs, BaseUnusable if a delta's base cannot be used."""
         rd = self.run_dir
-        tensors_file = WEIGHT_TENSORS if manifest.base is None else WEIGHT_DELTA
-        if not {tensors_file, WEIGHT_MODEL_CONFIG} <= set(manifest.files):
-            raise DamagedFile(f"manifest lists {sorted(manifest.files)}, expected {tensors_file} and "
-                              f"{WEIGHT_MODEL_CONFIG} among them")
+        tensors_name, config_name = version_files(manifest.adapter)
+        if manifest.base is not None:
+            tensors_name = WEIGHT_DELTA
+        if not {tensors_name, config_name} <= set(manifest.files):
+            raise DamagedFile(f"manifest lists {sorted(manifest.files)}, expected {tensors_name} and "
+                              f"{config_name} among them")
         for name, entry in manifest.files.items():  # config.json and the tokenizer files: each verified
-            if name in (WEIGHT_TENSORS, WEIGHT_DELTA):
+            if name == tensors_name:
                 continue
             try:
                 path = rd.weight_file(version, name)
@@ -448,12 +470,12 @@ class FilesystemSubscriber(WeightSubscriber):
         if manifest.base is not None:
             rebuilt = self.deltas.read(version, manifest)
             return rebuilt.state, rebuilt
-        entry = manifest.files[WEIGHT_TENSORS]
-        state = load_verified(rd.weight_file(version, WEIGHT_TENSORS), entry.size_bytes, entry.hash_algorithm,
+        entry = manifest.files[tensors_name]
+        state = load_verified(rd.weight_file(version, tensors_name), entry.size_bytes, entry.hash_algorithm,
                               entry.hash_hex, verify=self.verify)
         self.deltas.took_full(version, manifest, state)
         for alias, stored in manifest.aliases.items():
             if stored not in state:
-                raise DamagedFile(f"alias {alias} -> {stored}, but {WEIGHT_TENSORS} has no {stored}")
+                raise DamagedFile(f"alias {alias} -> {stored}, but {tensors_name} has no {stored}")
             state[alias] = state[stored]
         return state, None

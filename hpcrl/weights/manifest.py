@@ -69,6 +69,17 @@ class DeltaBase(JsonRecord):
 
 
 @dataclass
+class AdapterBase(JsonRecord):
+    """The base model a LoRA adapter version applies to (``WeightManifest.adapter``)."""
+
+    path: str
+    """The base model's folder, as the run's config names it (``model.path`` resolved)."""
+    hash: str
+    """``xxh3_128:<hex>`` of the base's weight files (``model.base_hash``, written at launch); a reader whose base
+    differs must not apply the adapter."""
+
+
+@dataclass
 class WeightManifest(JsonRecord):
     """``weights/vNNNNNN/manifest.json``. Written by the trainer (rank 0) last; read by rollout
     jobs before and while they load the version, and by the trainer's retention/withdraw."""
@@ -100,6 +111,10 @@ class WeightManifest(JsonRecord):
     def base_version(self) -> Optional[int]:
         """The full version a delta version was written against; None for a full version."""
         return self.base.version if self.base is not None else None
+    adapter: Optional[AdapterBase] = None
+    """Set for a LoRA adapter version (``actor.lora_rank``): the folder holds ``adapter_model.safetensors`` and
+    ``adapter_config.json`` (peft's layout: tensors under peft's saved names) instead of ``model.safetensors``
+    and ``config.json``, to be applied to this base. None: full weights."""
 
 
 

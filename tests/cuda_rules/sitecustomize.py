@@ -11,6 +11,8 @@ class _AfterTorch(importlib.abc.MetaPathFinder):
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec("torch")
+        if spec is None or spec.loader is None:  # a Python without torch: nothing to enforce
+            return spec
         loader = spec.loader
         exec_module = loader.exec_module
 

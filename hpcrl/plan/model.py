@@ -1,0 +1,147 @@
+"""What both of ``hpcrl plan``'s simulations share: a candidate's knobs, what they predict, the response and prompt
+lengths per prompt index, and the order in which rollout jobs take the budget.
+
+Two simulations implement the same events (module docstring of :mod:`hpcrl.plan.pipeline`):
+:mod:`hpcrl.plan.pipeline` scans every engine at every event (the reference, kept as the test oracle) and
+:mod:`hpcrl.plan.events` keeps one heap of events and one heap of finishes per engine (what ``hpcrl plan``
+runs). ``tests/test_plan_fast.py`` holds them equal.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+import numpy as np
+
+from hpcrl.config.knobs import Knobs as RunKnobs
+from hpcrl.config.simulated import SimulatedConfig
+
+INF = float("inf")
+EPS_S = 1e-12
+"""Two event times closer than this are the same instant (both simulations)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Knobs(RunKnobs):
+    """One candidate run: a run's async knobs (:class:`hpcrl.config.knobs.Knobs`: s, K, R, partial rollout, n, the
+    rollout jobs and their ``max_concurrent_groups``) and what the simulation needs besides."""
+
+    trainer_gpus: int = 1
+    """GPUs of the trainer (the update's per-token time is divided by them)."""
+    max_num_seqs: int = 256
+    """Sequences an engine runs at once (``rollout.max_num_seqs``)."""
+    response_length: int = 1024
+    """The responses' cap (``rollout.response_length``)."""
+    prompt_tokens: int = 16
+    """Prompt length when no :class:`Draws` with the data's prompt lengths is given."""
+    commit_while_draining: bool = False
+    """A rollout job draining for a new version (no partial rollout) seals the groups that finish meanwhile only
+    when the drain ends (``RolloutJob._drain`` collects, ``_seal`` follows): False models that; True a job that
+    seals them as they finish (what that change would buy)."""
+
+    @property
+    def budget(self) -> int:
+        """B, the config's :func:`hpcrl.config.knobs.admission_budget`."""
+        return self.admission_budget
+
+
+@dataclass
+class Prediction:
+    """What the simulation says about the steady part of a run (updates 2..N)."""
+
+    updates: int
+    window_s: float
+    tokens: int
+    trainer_busy: float
+    """Share of the window the trainer spends updating."""
+    rollout_busy: float
+    """Share of the window a rollout job's engine has sequences running (mean over jobs)."""
+    lag_mean: float
+    lag_max: int
+    group_latencies_s: list = field(default_factory=list)
+    """Each trained group's first start to its finish (what the budget-aware bound draws from)."""
+    updates_per_version: int = 1
+    """K: a parameter-sync period is this many updates."""
+
+    @property
+    def step_s(self) -> float:
+        """Seconds per local update (R groups)."""
+        return self.window_s / max(self.updates, 1)
+
+    @property
+    def sync_period_s(self) -> float:
+        """Seconds per parameter-sync period (K updates: what other tools call a step)."""
+        return self.step_s * self.updates_per_version
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.window_s if self.window_s > 0 else 0.0
+
+
+def prompt_seed(data_seed: int, prompt_index: int) -> int:
+    """The rollout job's group seed (hpcrl/rollout/agent_loop.py: group_seed; a test keeps them equal)."""
+    return (data_seed * 1_000_003 + prompt_index) % 2**63
+
+
+class Draws:
+    """Per prompt index: the ``n`` response lengths (drawn as the simulated engine draws them, capped at
+    ``response_length``) and the prompt length. Prompt index ``i`` is the ``i``-th group the fleet starts (the
+    shared prompt claim hands indices out in order). Built once per sweep: every candidate reads the same."""
+
+    def __init__(self, sim: SimulatedConfig, n: int, response_length: int, data_seed: int = 0,
+                 empirical: Optional[np.ndarray] = None, prompts: Union[int, Sequence[int]] = 16):
+        self.sim, self.n, self.cap, self.data_seed, self.empirical = sim, n, response_length, data_seed, empirical
+        self._responses: list[list[int]] = []
+        self._prompt_const = prompts if isinstance(prompts, int) else None
+        self._prompt_rows = None if isinstance(prompts, int) else np.asarray(prompts, dtype=np.int64)
+        self._perms: dict[int, np.ndarray] = {}
+
+    def responses(self, index: int) -> list[int]:
+        """The capped response lengths of the group of prompt ``index``."""
+        while len(self._responses) <= index:
+            seed = prompt_seed(self.data_seed, len(self._responses))
+            self._responses.append([min(int(self.sim.draw_lengths(np.random.default_rng([seed, i]), 1,
+                                                                  self.empirical)[0]), self.cap)
+                                    for i in range(self.n)])
+        return self._responses[index]
+
+    def prompt(self, index: int) -> int:
+        """Prompt tokens of prompt ``index`` (the rollout's PromptStream order: a seeded permutation per epoch)."""
+        if self._prompt_const is not None:
+            return self._prompt_const
+        rows = len(self._prompt_rows)
+        epoch, pos = divmod(index, rows)
+        perm = self._perms.get(epoch)
+        if perm is None:
+            perm = self._perms[epoch] = np.random.default_rng([self.data_seed, epoch]).permutation(rows)
+        return int(self._prompt_rows[perm[pos]])
+
+    def mean_response(self, groups: int) -> float:
+        """Mean capped response length over the first ``groups`` groups."""
+        self.responses(groups - 1)
+        return float(np.mean(self._responses[:groups]))
+
+
+def draws_for(sim: SimulatedConfig, k: Knobs, data_seed: int = 0, empirical=None) -> Draws:
+    """The draws of one candidate with a constant prompt length (``k.prompt_tokens``)."""
+    return Draws(sim, k.n, k.response_length, data_seed, empirical, k.prompt_tokens)
+
+
+class ServiceOrder:
+    """The order in which rollout jobs that act at the same instant take the admission budget.
+
+    A real job notices a new weight version at its own poll and loads it; jobs that finish the load together
+    start groups one by one under the admission lock, each up to ``max_concurrent_groups``, in the order they got
+    there, which differs from version to version. Modelled as a seeded random order of the jobs per version."""
+
+    def __init__(self, jobs: int, data_seed: int = 0):
+        self.jobs, self.seed = jobs, data_seed
+        self._keys: dict[int, np.ndarray] = {}
+
+    def key(self, version: int) -> np.ndarray:
+        """``key[rank]``: jobs act in increasing key while ``version`` is the newest."""
+        keys = self._keys.get(version)
+        if keys is None:
+            rng = np.random.default_rng([self.seed, 7919, max(version, 0)])
+            keys = self._keys[version] = rng.permutation(self.jobs)
+        return keys

@@ -1,0 +1,48 @@
+"""``hpcrl plan --probe RUN``: the update model, the weight switch and the response lengths measured from a run's
+logs (the decode model stays the config's)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+
+from hpcrl import metric_names as M
+from hpcrl.config.simulated import SimulatedConfig, empirical_run, read_lengths
+from hpcrl.run_dir import RunDir
+
+
+def empirical_lengths(spec: str):
+    """The lengths of ``simulated.lengths=empirical:RUN`` (None for a named distribution)."""
+    run = empirical_run(spec)
+    return read_lengths(RunDir(run).staleness, spec) if run is not None else None
+
+
+def probe_model(sim: SimulatedConfig, run_dir: Path) -> tuple[SimulatedConfig, list[str]]:
+    """``sim`` with the update model, the weight switch and the lengths measured from ``run_dir``'s logs (in the
+    probe's modelled seconds: a simulated probe's wall times times its time_scale); what was fitted, in words."""
+    rd = RunDir(run_dir)
+    probe_cfg = rd.load_config()
+    scale = probe_cfg.simulated.time_scale if probe_cfg.is_simulated else 1.0
+    rows = [json.loads(x) for x in rd.metrics.read_text().splitlines() if x.strip()]
+    if len(rows) < 3:
+        raise ValueError(f"hpcrl plan --probe {run_dir}: {len(rows)} updates in logs/metrics.jsonl; at least 3 needed")
+    tokens = np.array([r[M.N_TOKENS] for r in rows], dtype=float)
+    secs = np.array([r[M.UPDATE_S] for r in rows], dtype=float) * scale
+    if np.ptp(tokens) > 0:
+        per_token, base = np.polyfit(tokens, secs, 1)
+    else:
+        per_token, base = 0.0, float(secs.mean())
+    res = probe_cfg.resources.trainer
+    gpus = probe_cfg.simulated.trainer_gpus if probe_cfg.trainer.simulated else max(1, res.gpus_per_node)
+    loads = [json.loads(x).get(M.LOAD_WEIGHTS_S, 0.0) for p in rd.rollout_metrics_logs().values()
+             for x in p.read_text().splitlines() if x.strip()]
+    out = dataclasses.replace(sim, update_base_s=max(0.0, float(base)),
+                              update_per_token_s=max(0.0, float(per_token)) * gpus,
+                              weight_load_s=float(np.median(loads)) * scale if loads else sim.weight_load_s,
+                              lengths=f"empirical:{run_dir}", time_scale=1.0)
+    notes = [f"probe {run_dir} ({len(rows)} updates, time x{scale:g}): update {out.update_base_s:.3f}s + "
+             f"{out.update_per_token_s:.2g}s/token on one GPU, weight switch {out.weight_load_s:.3f}s, "
+             f"lengths from its {len(empirical_lengths(out.lengths))} responses; decode model from the config"]
+    return out, notes
