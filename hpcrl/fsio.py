@@ -164,6 +164,26 @@ def make_dirs(path: os.PathLike | str) -> None:
 
 
 
+_FALLOC_FL_KEEP_SIZE = 1
+_libc_fallocate: Optional[Callable[..., int]] = None
+
+
+def allocate_ahead(fd: int, offset: int, nbytes: int) -> bool:
+    """Allocate ``nbytes`` of the open file ``fd`` from ``offset`` without changing its size (Linux
+    ``fallocate(FALLOC_FL_KEEP_SIZE)``): later appends into that range cannot meet a full disk. False where there is
+    no room, or the filesystem or platform cannot (the caller then appends as usual)."""
+    global _libc_fallocate
+    if _libc_fallocate is None:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if not hasattr(libc, "fallocate"):
+            return False
+        libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+        _libc_fallocate = libc.fallocate
+    return _libc_fallocate(fd, _FALLOC_FL_KEEP_SIZE, offset, nbytes) == 0
+
+
 def fsync_path(path: os.PathLike | str) -> None:
     """fsync a file, or a folder (which makes a rename or a new entry in it durable), by path."""
     fd = os.open(path, os.O_RDONLY)

@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 from typing import Callable, Optional
 
-from hpcrl.fsio import JsonlAppender, read_jsonl
+from hpcrl.fsio import JsonlAppender, allocate_ahead, read_jsonl
 from hpcrl.process import faults
 from hpcrl.metric_names import STALENESS_COLUMNS  # noqa: F401 (the staleness log's columns, re-exported)
 from hpcrl.run_dir import RunDir
@@ -148,13 +148,40 @@ class MetricsLog:
             self._trackers.close()
 
 
+class JobLogFile(logging.FileHandler):
+    """A job's log file (``RUN/logs/jobs/<job>.log``) that keeps :data:`ROOM_AHEAD_BYTES` allocated past its end
+    (:func:`hpcrl.fsio.allocate_ahead`), so that what a job says while the disk is full (that it waits for space, and
+    for what; its last error) lands in the log the user and ``hpcrl status`` read: without it a line lands only if it
+    fits the slack of the file's last page. The room is topped up once half of it is used; while the disk stays
+    full, at each line (one system call)."""
+
+    ROOM_AHEAD_BYTES = 64 << 10
+
+    def __init__(self, path: Path):
+        super().__init__(path)
+        self._room_until = 0  # the file offset up to which appends cannot meet a full disk
+        self._keep_room()
+
+    def _keep_room(self) -> None:
+        if self.stream is None:
+            return
+        end = self.stream.tell()
+        if allocate_ahead(self.stream.fileno(), end, self.ROOM_AHEAD_BYTES):
+            self._room_until = end + self.ROOM_AHEAD_BYTES
+
+    def emit(self, record: logging.LogRecord) -> None:
+        super().emit(record)
+        if self.stream is not None and self.stream.tell() > self._room_until - self.ROOM_AHEAD_BYTES // 2:
+            self._keep_room()
+
+
 def setup_logging(job: str, level: str = "INFO", log_file: Path | None = None) -> None:
     """``logging`` with the job name in every line (the version/step go in messages)."""
     fmt = f"%(asctime)s {job} %(levelname)s %(name)s: %(message)s"
     handlers: list[logging.Handler] = [logging.StreamHandler()]
     if log_file is not None:
         log_file.parent.mkdir(parents=True, exist_ok=True)
-        handlers.append(logging.FileHandler(log_file))
+        handlers.append(JobLogFile(log_file))
     logging.basicConfig(level=getattr(logging, level), format=fmt, handlers=handlers, force=True)
     for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "urllib3", "filelock", "matplotlib"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

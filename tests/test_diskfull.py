@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -112,6 +113,33 @@ def test_on_a_full_filesystem_a_log_waits_for_space_and_is_never_left_torn(small
     with pytest.raises(fsio.WriteFailed):
         fsio.write_bytes_atomic(small_fs / "r.json", b"z" * 50_000, wait=False)  # a heartbeat does not wait
     assert sorted(p.name for p in small_fs.iterdir()) == ["filler", "log.jsonl"], "no temporary file is left"
+
+
+@pytest.mark.parametrize("handler", ["job log", "plain FileHandler"])
+def test_a_job_log_still_takes_the_lines_said_while_the_disk_is_full(small_fs, handler):
+    """What a job says while it waits for space must reach its log: the line a user (and the suite) looks for.
+    The log's last page is full, so a plain FileHandler has no slack to put the line in and loses it."""
+    from hpcrl.logs import JobLogFile
+
+    path = small_fs / "trainer.log"
+    path.write_bytes(b"x" * 4095 + b"\n")  # the next line needs a new page
+    out = JobLogFile(path) if handler == "job log" else logging.FileHandler(path)
+    out.setFormatter(logging.Formatter("%(message)s"))
+    logger = logging.Logger("t")
+    logger.addHandler(out)
+    faults.fill(str(small_fs / "filler"))
+    lines = [f"No space left on device writing weights/v{v:06d}; waiting for space" for v in range(200)]
+    for line in lines:
+        logger.error(line)
+    try:
+        out.close()
+    except OSError:  # the plain handler's last flush meets the full disk too
+        pass
+    said = path.read_text().splitlines()[1:]
+    if handler == "plain FileHandler":
+        assert said != lines, "the plain handler had room after all: this test no longer shows the difference"
+    else:
+        assert said == lines, "lines said on a full disk were lost"
 
 
 def test_a_shard_commit_waits_for_space_and_commits_once(small_fs, policy, fault):
@@ -273,7 +301,7 @@ def waiting_lines(rd: RunDir) -> list[str]:
 def test_the_tiny_run_survives_its_filesystem_filling_up_at_each_writer_in_turn(tmp_path):
     fs = mount_tmpfs(tmp_path / "fs", "96m")
     try:
-        rd = make_run(fs, "rollout.total_rollout_steps=96", "trainer.checkpoint_every_updates=4",
+        rd = make_run(fs, "rollout.total_rollout_steps=64", "trainer.checkpoint_every_updates=4",
                       "async_training.staleness_threshold=0.5", "async_training.partial_rollout=true",
                       "eval.every_versions=4", "timeouts.disk_full_s=120", "timeouts.slow_write_s=1")
         env = {job: {"HPCRL_FAULT_POINT": ",".join(f"{spec}:fill={fs / f'filler-{i}'}" for i, (spec, _)
@@ -284,10 +312,11 @@ def test_the_tiny_run_survives_its_filesystem_filling_up_at_each_writer_in_turn(
                 Job(["eval-job", str(rd.root)], rd.root / "eval.out", env=env["eval"])]
         freed = []
         while any(j.proc.poll() is None for j in jobs[:2]):
-            for filler in fs.glob("filler-*"):
-                said = len(waiting_lines(rd))
-                wait_until(lambda: len(waiting_lines(rd)) > said, 60, f"a job to say it waits for space ({filler})",
-                           jobs=jobs[:2])
+            for filler in sorted(fs.glob("filler-*")):
+                # at least one more "waiting" line than fills freed (two jobs may fill at the same instant: then
+                # both lines are there before the first filler is looked at)
+                wait_until(lambda: len(waiting_lines(rd)) > len(freed), 60,
+                           f"a job to say it waits for space ({filler})", jobs=jobs[:2])
                 time.sleep(1.0)
                 filler.unlink()
                 freed.append(filler.name)
@@ -306,6 +335,7 @@ def test_the_tiny_run_survives_its_filesystem_filling_up_at_each_writer_in_turn(
         check_exactly_once(rd, 2)
         assert not rd.fatal.exists()
     finally:
+        shutil.copytree(fs / "run" / "logs", tmp_path / "logs", dirs_exist_ok=True)  # what the jobs said
         subprocess.run(["umount", "-l", str(fs)], check=False)
 
 

@@ -98,7 +98,9 @@ def test_a_fleet_grown_shrunk_killed_and_resumed_trains_on_every_prompt_once(tmp
     fleet = [x for x in _status(rd).splitlines() if x.startswith("fleet:")]
     assert fleet and "w002 (drained" in fleet[0], fleet  # hpcrl status names the writer that left and why
 
-    resumed = hpcrl.launch(None, run_dir=rd.root, executor="local", emit=lines.append, resume=True)
+    # resumed to train longer: on a fast machine the first 160 groups may all be trained before the stop lands
+    resumed = hpcrl.launch(None, run_dir=rd.root, executor="local", emit=lines.append, resume=True,
+                           overrides=["rollout.total_rollout_steps=200"])
     assert sorted(resumed.jobs) == ["rollout-w000", "rollout-w001", "trainer"], "the fleet as it was, w002 not"
     assert resumed.wait(timeout_s=400, poll_s=0.5), "\n".join(lines[-30:])
 

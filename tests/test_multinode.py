@@ -50,8 +50,14 @@ def cluster(tmp_path_factory):
     t0 = time.monotonic()
     subprocess.run(["bash", str(CLUSTER), "start", str(folder), "3"], check=True, timeout=300)
     print(f"three-node cluster up in {time.monotonic() - t0:.1f}s")
+    # the nodes are this machine: they share its build of DeepSpeed's ops (built by install.sh) as a cluster's
+    # identical nodes would with TORCH_EXTENSIONS_DIR set (each fake node would otherwise build it, ~45 s of
+    # compiling; tests/test_startup.py covers a node that builds its own)
+    from hpcrl.trainer.ops import node_extensions_dir
+
+    ops = os.environ.get("TORCH_EXTENSIONS_DIR") or str(node_extensions_dir())
     env = dict(os.environ, SLURM_CONF=str(folder / "slurm.conf"), HPCRL_PYTHON=sys.executable,
-               PYTHONPATH=str(REPO))
+               PYTHONPATH=str(REPO), TORCH_EXTENSIONS_DIR=ops)
     try:
         yield env
     finally:

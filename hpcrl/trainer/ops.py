@@ -54,14 +54,19 @@ def extensions_dir() -> Path:
     folder for this node and environment (set into the environment, so DeepSpeed uses it)."""
     if os.environ.get("TORCH_EXTENSIONS_DIR"):
         return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    folder = node_extensions_dir()
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(folder)
+    return folder
+
+
+def node_extensions_dir() -> Path:
+    """hpcrl's folder of built ops for this node and environment (module docstring, 1)."""
     import deepspeed
     import torch
 
     env = f"{sys.prefix}|{sys.version}|{torch.__version__}|{deepspeed.__version__}"
     key = f"{socket.gethostname()}-{hashlib.sha1(env.encode()).hexdigest()[:10]}"
-    folder = Path.home() / ".cache" / "hpcrl" / "torch_extensions" / key
-    os.environ["TORCH_EXTENSIONS_DIR"] = str(folder)
-    return folder
+    return Path.home() / ".cache" / "hpcrl" / "torch_extensions" / key
 
 
 def ops_to_build() -> list:
