@@ -222,7 +222,7 @@ def add_plan_command(sub) -> None:
                                       "and async settings of a GPU budget (an event simulation, seconds)",
                         description="Predict, without running anything, the best trainer:rollout splits and async "
                                     "settings of a GPU budget, next to the configuration the config asks for and the "
-                                    "synchronous colocated baseline (README: 'Sizing a run with hpcrl plan').")
+                                    "synchronous colocated baseline (docs/planner.md: 'Sizing a run with hpcrl plan').")
     pl.add_argument("config", help="YAML config whose simulated: section holds the phase model (modelled seconds)")
     pl.add_argument("overrides", nargs="*", help="dotted overrides of the config, e.g. simulated.decode_base_s=0.03")
     pl.add_argument("--gpus", type=int, required=True, help="GPU budget: trainer GPUs + rollout engines' GPUs")

@@ -1,7 +1,7 @@
 """Read one run directory for analysis: tolerant of runs in progress, crashed jobs,
 torn last rows and runs written by older hpcrl versions.
 
-Everything comes from files the jobs already write (README "Logs"):
+Everything comes from files the jobs already write (docs/analysis.md, "Logs"):
 
 ==============================  ==============================================
 file                            used for

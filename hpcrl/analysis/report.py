@@ -189,7 +189,7 @@ def _validation(x: _Section) -> None:
     doc.table(validation.validation_table(d))
     doc.para("score: the row's headline (mean over data sources of their core mean@N); the next columns: each data "
              "source's first core metric; published (s): the version's publish time since the run's first event. "
-             "Metrics as verl's `process_validation_metrics` (README, \"Validation\").")
+             "Metrics as verl's `process_validation_metrics` (docs/validation.md).")
     x.img("validation.png", "held-out validation curves against trainer step and wall time")
     skipped = validation.skipped_versions(d)
     if skipped:

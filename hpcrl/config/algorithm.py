@@ -2,7 +2,7 @@
 
 Part of the typed run config (:mod:`hpcrl.config.run` builds, validates and
 re-exports them); the equations behind each option are in
-``hpcrl/trainer/{advantages,losses,kl,offpolicy}.py`` and the README.
+``hpcrl/trainer/{advantages,losses,kl,offpolicy}.py`` and docs/algorithms.md.
 The loss options of the policy (clip ratios, ``loss_agg_mode``, KL loss, entropy)
 live in ``actor`` (:class:`hpcrl.config.ActorConfig`), as in verl.
 """
@@ -105,7 +105,7 @@ def is_bounds(spec: Union[str, float]) -> tuple[Optional[float], float]:
 class RolloutCorrectionConfig:
     """Off-policy correction between the engine's (behaviour, mu) and the trainer's proximal
     (pi_prox) log-probs, with verl 0.9.1's option strings and meaning; rho = pi_prox / mu.
-    Equations in ``hpcrl/trainer/offpolicy.py`` and the README."""
+    Equations in ``hpcrl/trainer/offpolicy.py`` and docs/algorithms.md."""
 
     rollout_is: Optional[str] = None
     """Truncated importance weights min(rho, C) on the policy loss: ``token``,
@@ -191,7 +191,7 @@ class RolloutCorrectionConfig:
             return fail(k + "rollout_rs", self.rollout_rs, "verl 0.9.1's options: " + ", ".join(names.RS_OPTIONS),
                         f"{retired[0]!r} is verl 0.6's name: use {names.RS_RETIRED[retired[0]]!r} with "
                         f"rollout_rs_threshold \"lower_upper\", whose bounds apply to 1/rho (old bounds [a, b] on rho "
-                        f"become \"1/b_1/a\"); see the README's rollout-correction table")
+                        f"become \"1/b_1/a\"); see the rollout-correction table in docs/algorithms.md")
         if not options or any(opt not in names.RS_OPTIONS for opt in options):
             return fail(k + "rollout_rs", self.rollout_rs,
                         "null or comma-separated options of " + ", ".join(names.RS_OPTIONS))
@@ -213,7 +213,7 @@ class RolloutCorrectionConfig:
 @dataclass
 class PolicyLossConfig:
     """``actor.policy_loss`` (verl's ``PolicyLossConfig``): which policy loss, and the knobs of
-    the covariance-based ones. Equations in ``hpcrl/trainer/policy_losses.py`` and the README."""
+    the covariance-based ones. Equations in ``hpcrl/trainer/policy_losses.py`` and docs/algorithms.md."""
 
     loss_mode: str = "vanilla"
     """``vanilla`` (PPO clip + dual clip), ``gspo`` (sequence-level geometric-mean ratio), ``cispo``
@@ -279,7 +279,7 @@ class AlgorithmConfig:
     ``rloo``, ``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``, ``opo``,
     ``grpo_passk``, ``gpg``, ``optimal_token_baseline``, ``tir_optimal_token_baseline``, ``gdpo``,
     ``remax`` (the rollout job adds one greedy response per prompt: its reward is the baseline).
-    Equations in ``hpcrl/trainer/advantages.py`` and the README."""
+    Equations in ``hpcrl/trainer/advantages.py`` and docs/algorithms.md."""
     norm_adv_by_std_in_grpo: bool = True
     """grpo, grpo_passk: divide by the group's reward std (+1e-6); false = Dr. GRPO (mean only)."""
     gamma: float = 1.0
@@ -302,7 +302,7 @@ class AlgorithmConfig:
     """PF-PPO's sampling weights."""
     gdpo_reward_keys: Optional[list] = None
     """gdpo: names of reward components to normalise separately (verl). Must be null: a shard holds
-    one reward per trajectory, so gdpo normalises that one (see the README)."""
+    one reward per trajectory, so gdpo normalises that one (see docs/algorithms.md)."""
     gdpo_reward_weights: Optional[list] = None
     """gdpo: a weight per reward component (null = equal). Must be null with gdpo_reward_keys null."""
 

@@ -45,7 +45,7 @@ BYPASS_LOSS_TYPES = ("ppo_clip", "reinforce")
 """``algorithm.rollout_correction.loss_type``: the loss of verl 0.9.1's bypass mode (hpcrl/trainer/update.py)."""
 
 RS_RETIRED = {"token": "token_k1", "sequence": "seq_sum_k1", "geometric": "seq_mean_k1"}
-"""verl 0.6's ``rollout_rs`` levels, refused with the 0.9.1 option that replaces each (the README
+"""verl 0.6's ``rollout_rs`` levels, refused with the 0.9.1 option that replaces each (docs/algorithms.md
 translates the bounds: 0.9.1's k1 bounds apply to 1/rho)."""
 
 BY_DATA_SOURCE = "by_data_source"
@@ -431,7 +431,7 @@ VERL_KEYS: dict[str, str | VerlKey] = {
     "distillation.*": VerlKey(None, "no distillation"),
 }
 """verl's config keys (0.9.1, its ``fully_async_policy`` included) as hpcrl reads them, in YAML files
-and ``key=value`` overrides alike (hpcrl/config/verl.py applies it; the README's table is this one).
+and ``key=value`` overrides alike (hpcrl/config/verl.py applies it; the table in docs/verl.md is this one).
 A plain string is the hpcrl key that takes the value as it is; a :class:`VerlKey` says more, or that
 the key has no meaning here. A key ending in ``.*`` covers every key under that prefix; an exact
 entry wins over it, a longer prefix over a shorter one. A key hpcrl also has (``rollout.n``,

@@ -276,7 +276,7 @@ def unknown_key_message(key: str, value: Any, schema: Schema) -> str:
             break
     known = schema.sections.get(section, [])
     allowed = (f"the keys of {section}: {', '.join(known)}" if section else f"the sections {', '.join(known)}") + \
-        ", or verl's names for them (README: Coming from verl)"
+        ", or verl's names for them (docs/verl.md)"
     near = difflib.get_close_matches(key, _candidates(schema), n=1, cutoff=0.75)
     if not near:  # the first unknown part, at its own level
         level = schema.sections.get(section, [])

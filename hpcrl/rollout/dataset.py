@@ -46,7 +46,7 @@ the only one it trains on), each with every training letter."""
 def toy_heldout_rows(answer_len: int) -> list[dict]:
     """The held-out split of the toy task (:data:`TOY_HELDOUT_PHRASINGS` x the letters; 24 prompts), with
     the same answer as its "repeat c". A random policy scores ~1/64 per position, a greedy random one 0;
-    the tiny default run's policy copies the letter in these phrasings too (README, "Validation")."""
+    the tiny default run's policy copies the letter in these phrasings too (docs/validation.md)."""
     return [{"prompt": p.format(c=c), "answer": " ".join([c] * answer_len)}
             for p in TOY_HELDOUT_PHRASINGS for c in TOY_LETTERS]
 

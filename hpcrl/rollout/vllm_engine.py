@@ -5,7 +5,7 @@ Only calls that vLLM 0.25.0 (the GPU machines lent here, torch 2.11) and 0.32.0 
 ``pause_generation(mode=...)``, ``resume_generation``, ``collective_rpc("reload_weights")`` (its
 ``weights_iterator`` form, through a ``worker_extension_cls``, is checked on 0.32 only; where it
 fails the engine falls back to folders, logged),
-``reset_prefix_cache``, ``shutdown`` (measured on both: the README's "Rollout engines").
+``reset_prefix_cache``, ``shutdown`` (measured on both: docs/configuration.md, "Rollout engines").
 
 - Each of the ``n`` responses of a group is its own request (seed ``seed + j`` on GPUs), so every
   request ends with its own output, partial ones after an abort included; vLLM batches them

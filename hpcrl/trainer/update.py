@@ -29,7 +29,7 @@
 
 Per-token versions are in ``batch.token_versions`` / ``batch.token_lag``; the
 built-in use is ``rollout_correction.max_token_lag``, and any other lag
-weighting is one line in :meth:`PolicyUpdate.prepare` (see the README).
+weighting is one line in :meth:`PolicyUpdate.prepare` (see docs/algorithms.md).
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ After one optimizer step at RL learning rates only a few per cent of the bf16 va
 So a version is written as, per tensor, the XOR of its raw bits with the base's (zero wherever nothing
 changed), compressed with zstd (level 1: the runs of zeros are what it removes, and level 1 already
 finds them). ``bench/bench_delta.py`` measured this against sparse indices + values on a 0.5B model's real
-updates (README, "Delta weight versions").
+updates (docs/weights-and-samples.md, "Delta weight versions").
 
 Why XOR and not a difference: it is exact for every dtype (no float rounding, NaN and -0.0 survive),
 needs no arithmetic in the tensor's dtype, and decoding is one pass that lands in the output buffer.
