@@ -50,13 +50,13 @@ def vllm_lora_run(folder: Path) -> list[str]:
             str(folder / "run"), "--executor", "local", "--timeout-min", "30"]
 
 
-BACKGROUND_RUNS = {"lora:tiny": LORA, "lora:full": []}
+BACKGROUND_RUNS = {"lora:tiny": LORA}
 if importlib.util.find_spec("vllm") is not None:
     BACKGROUND_RUNS["lora:vllm"] = BackgroundCommand.hpcrl_args(vllm_lora_run)
 
 
 def background_keys(item):
-    return {"test_lora_learns_the_tiny_task_as_full_fine_tuning_does": ("lora:tiny", "lora:full"),
+    return {"test_lora_learns_the_tiny_task_as_full_fine_tuning_does": ("lora:tiny",),
             "test_lora_through_vllm_serves_every_adapter_version_and_learns": ("lora:vllm",)}.get(item.originalname, ())
 
 
@@ -74,19 +74,23 @@ def test_the_lora_config_is_the_tiny_config_with_the_lora_overrides():
 
 
 def test_lora_learns_the_tiny_task_as_full_fine_tuning_does(background_runs):
+    """Full fine-tuning of the same task reaches a last fifth of 0.97-1.0 in these 300 updates (measured side by
+    side: docs/lora.md; tests/test_learning.py holds it to its own bound each session); LoRA must come within
+    0.2 of that, with versions that are the adapter alone."""
     lora = background_runs.finish("lora:tiny", trainer_s=900)
-    full = background_runs.finish("lora:full", trainer_s=900)
-    curves = {name: read_metrics(rd)["reward/mean"].to_numpy() for name, rd in (("lora", lora), ("full", full))}
-    (lora_first, lora_last), (full_first, full_last) = fifths(curves["lora"]), fifths(curves["full"])
-    print(f"300 updates, reward first/last fifth: LoRA rank 8 {lora_first:.3f} -> {lora_last:.3f}, "
-          f"full fine-tuning {full_first:.3f} -> {full_last:.3f}")
-    assert len(curves["lora"]) == len(curves["full"]) == 300
-    assert lora_last > lora_first + 0.5, "LoRA learns"
-    # measured: 0.950 vs 0.969 and 0.930 vs 0.997 (README "LoRA"); runs are not bit-reproducible (thread timing)
-    assert lora_last >= 0.8 and lora_last >= full_last - 0.15, "near full fine-tuning's level in the same updates"
     m = read_metrics(lora)
-    assert (m["weights/bytes"] < 200_000).all() and (read_metrics(full)["weights/bytes"] > 1_000_000).all(), \
-        "a version is the adapter alone"
+    lora_first, lora_last = fifths(m["reward/mean"].to_numpy())
+    print(f"300 updates, reward first/last fifth: LoRA rank 8 {lora_first:.3f} -> {lora_last:.3f}")
+    assert len(m) == 300
+    assert lora_last > lora_first + 0.5, "LoRA learns"
+    # measured: 0.950 and 0.930 against full fine-tuning's 0.969 and 0.997; runs are not bit-reproducible
+    assert lora_last >= 0.8, "near full fine-tuning's level in the same updates"
+    from transformers import AutoModelForCausalLM
+
+    from hpcrl.tiny.model import tiny_config
+
+    full_bytes = 4 * AutoModelForCausalLM.from_config(tiny_config()).num_parameters()
+    assert (m["weights/bytes"] < full_bytes / 4).all(), f"a version is the adapter alone (full model: {full_bytes} B)"
     assert max(m["actor/ratio_max"].max() - 1, 1 - m["actor/ratio_min"].min()) < 1e-3, \
         "at lag 0 the engine's adapter log-probs are the trainer's"
     check_exactly_once(lora, lora.load_config().rollout.max_concurrent_groups)
