@@ -1,11 +1,12 @@
 """The tiny default run, launched like a user would, learns; staleness stays in its bound."""
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import REPO, TINY, check_exactly_once, start_rollout, start_trainer
+from conftest import REPO, TINY, BackgroundCommand, check_exactly_once, start_rollout, start_trainer
 from hpcrl.eval_log import EVALUATED, JOB, read_eval_rows
 from hpcrl.logs import read_metrics, read_staleness
 from hpcrl.run_dir import RunDir
@@ -18,16 +19,29 @@ def fifths(values):
     return float(np.mean(values[:k])), float(np.mean(values[-k:]))
 
 
-def test_tiny_default_run_learns_through_the_launcher(tmp_path):
+def tiny_default_run(folder: Path) -> list[str]:
+    """The README's first command, `hpcrl run configs/tiny.yaml --executor local`."""
+    return ["run", str(TINY), "--run-dir", str(folder / "tiny"), "--executor", "local", "--timeout-min", "30"]
+
+
+BACKGROUND_RUNS = {"learning:tiny": BackgroundCommand.hpcrl_args(tiny_default_run)}
+"""Launched like a user's run in the background when the session starts (conftest.BackgroundRuns): what its test
+asserts does not depend on how fast it went."""
+
+
+def background_keys(item) -> tuple[str, ...]:
+    """The background runs a test item reads (none: it runs its own jobs)."""
+    return ("learning:tiny",) if item.originalname == "test_tiny_default_run_learns_through_the_launcher" else ()
+
+
+def test_tiny_default_run_learns_through_the_launcher(background_runs):
     """`hpcrl run configs/tiny.yaml` with submitit's local executor: reward rises, lag 0 at s=0; its evaluation job
     evaluates v0, every 20th version and the last on the held-out split, whose score rises too; the report draws
     the curve and `hpcrl status` shows the last score."""
-    run = tmp_path / "tiny"
-    out = subprocess.run([sys.executable, "-m", "hpcrl", "run", str(TINY), "--run-dir", str(run), "--executor", "local",
-                          "--timeout-min", "10"], capture_output=True, text=True, cwd=REPO, timeout=900)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    out = background_runs.launched("learning:tiny", timeout_s=900)
+    assert out.returncode == 0, out.stdout[-3000:]
     assert "run finished" in out.stdout and "v1 " in out.stdout  # one line per weight version
-    rd = RunDir(run)
+    rd = RunDir(Path(out.args[out.args.index("--run-dir") + 1]))
     m = read_metrics(rd)
     first, last = fifths(m["reward/mean"].to_numpy())
     print(f"reward first fifth {first:.3f}, last fifth {last:.3f}")
