@@ -8,6 +8,7 @@ bench/bench_zero3_gather.py).
 """
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -78,4 +79,10 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # the result is in the JSON; skip the interpreter's teardown, where a thread of the communication backend
+    # still aborted a rank whose work was done ("terminate called without an active exception") after the
+    # explicit destroy above, twice in whole-suite runs under load: that teardown is not what this test checks
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
