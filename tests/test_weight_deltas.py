@@ -144,15 +144,7 @@ def test_a_damaged_delta_is_named_marked_and_the_trainer_then_writes_a_full_vers
 
 
 def damage_delta(rd: RunDir, version: int, how: str) -> None:
-    f = rd.weight_file(version, WEIGHT_DELTA)
-    data = bytearray(f.read_bytes())
-    if how == "truncated":
-        del data[-10:]
-    elif how == "header":
-        data[10] ^= 0xFF
-    else:
-        data[-3] ^= 0x01
-    f.write_bytes(bytes(data))
+    damage_weights(rd, version, how, WEIGHT_DELTA)
 
 
 def test_a_base_that_no_longer_verifies_is_named_and_marked_and_nothing_wrong_is_loaded(tmp_path, caplog):

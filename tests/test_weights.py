@@ -80,9 +80,10 @@ def test_version_without_manifest_does_not_exist(tmp_path):
     assert wt.published_versions() == [0] and reader(wt).newest_usable() == 0
 
 
-def damage_weights(rd: RunDir, version: int, how: str) -> None:
-    """Damage version `version` as seen in the field: truncated file, flipped header or data bytes, bad manifest."""
-    f = rd.weight_file(version, WEIGHT_TENSORS)
+def damage_weights(rd: RunDir, version: int, how: str, name: str = WEIGHT_TENSORS) -> None:
+    """Damage version `version` as seen in the field: truncated file, flipped header or data bytes, bad manifest
+    (``name``: the version's tensor file, ``model.delta`` for a delta version)."""
+    f = rd.weight_file(version, name)
     data = bytearray(f.read_bytes())
     if how == "truncated":
         del data[-10:]
