@@ -19,6 +19,7 @@ from hpcrl.launcher.jobs import JobHandle
 from hpcrl.launcher.sbatch_lines import rollout_lines, sbatch_lines
 from hpcrl.launcher.scale_cmd import scale_command
 from hpcrl.launcher.submit import LauncherJobs, plan_jobs
+from hpcrl.process.pids import pid_running
 from hpcrl.run_dir import FLEET_LAUNCHER, FLEET_SCALE, RunDir
 
 
@@ -305,12 +306,40 @@ def launcher(tmp_path):
 
 
 def _end(handle: JobHandle) -> None:
-    """End a sleeping job (SIGTERM, as the launcher cancels) and wait for its end."""
+    """End a sleeping job (SIGTERM, as the launcher cancels) and wait for its end: a SIGTERM that reached submitit
+    before the job could act on it is followed by SIGKILL ``kill_wait_s`` later, as Slurm's KillWait does."""
     handle.cancel()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + handle.kill_wait_s + 30
     while not handle.done():
-        assert time.monotonic() < deadline, f"{handle.name} did not end within 30 s of SIGTERM"
+        assert time.monotonic() < deadline, f"{handle.name} did not end {handle.kill_wait_s + 30:.0f} s after SIGTERM"
         time.sleep(0.05)
+
+
+def test_a_local_job_that_ignores_sigterm_is_killed_with_what_it_started_after_the_kill_wait(tmp_path):
+    """``cancel`` of a local job is scancel's: SIGTERM, then SIGKILL to the job and its children once it still runs
+    ``kill_wait_s`` later. A job ignoring SIGTERM stands in for one whose SIGTERM came while submitit's wrapper
+    ignored it (CI: a sleeping job cancelled a moment after its submission ran on past 30 s)."""
+    import submitit
+
+    pidfile = tmp_path / "child.pid"
+    ex = submitit.LocalExecutor(folder=tmp_path / "submitit")
+    ex.update_parameters(timeout_min=5)
+    script = f"trap '' TERM; sleep 300 & echo $! > {pidfile}; wait"
+    handle = JobHandle("stubborn", ex.submit(os.execvp, "bash", ["bash", "-c", script]), "local", kill_wait_s=3)
+    deadline = time.monotonic() + 60
+    while not pidfile.exists() or not pidfile.read_text().strip():
+        assert time.monotonic() < deadline and not handle.done(), "the job never started its child"
+        time.sleep(0.05)
+    child = int(pidfile.read_text())
+    t0 = time.monotonic()
+    handle.cancel()
+    time.sleep(1.5)
+    assert not handle.done(), "SIGTERM is ignored: the job runs until the kill wait"
+    while not handle.done():
+        assert time.monotonic() - t0 < 3 + 30, "not killed after the kill wait"
+        time.sleep(0.05)
+    assert time.monotonic() - t0 >= 3
+    assert not pid_running(child), "the job's child was killed with it"
 
 
 def test_an_autoscale_decision_is_logged_with_its_numbers_whether_or_not_the_queue_lets_it_through(tmp_path, launcher):
