@@ -34,7 +34,7 @@ from test_partial import token_logprobs
 AGENT = ["data.source=builtin:toy_calc", "reward.name=toy_calc", "agent.default=tool_agent",
          "agent.tools=[{name: calculator}]", "agent.tool_parser=tiny", "agent.max_assistant_turns=2",
          "agent.max_user_turns=1", "rollout.response_length=16", "actor.lr=0.001"]
-"""configs/tiny-agent.yaml as overrides of configs/tiny.yaml (its first 100 updates: the test's run)."""
+"""configs/tiny-agent.yaml as overrides of configs/tiny.yaml (its first 130 updates: the test's run)."""
 
 
 def agent_cfg(*overrides):
@@ -299,7 +299,9 @@ def read_rollout_metrics(rd):
     return read_jsonl_frame(rd.rollout_metrics("w000"))
 
 
-LEARNING_UPDATES = 100
+LEARNING_UPDATES = 130
+"""Working calls came at updates 60-85 in the six runs of docs/configuration.md; one whole-suite run here was still
+on its way at update 100 (last 20: 0.380, 417 calls, 24 errors), so the test reads 30 updates more."""
 BACKGROUND_RUNS = {"agent:learns": [*AGENT, f"rollout.total_rollout_steps={4 * LEARNING_UPDATES}",
                                      "trainer.keep_consumed_shards=-1"]}  # the test reads every shard
 """The README's agent run, started in the background when the session starts (conftest.BackgroundRuns)."""
@@ -313,7 +315,7 @@ def background_keys(item) -> tuple[str, ...]:
 
 @pytest.mark.slow
 def test_the_multi_turn_toy_task_learns_working_calls_and_masks_only_tool_tokens(background_runs):
-    """The first 100 updates of the README's run (configs/tiny-agent.yaml runs 300): past failing calls (0.3)
+    """The first 130 updates of the README's run (configs/tiny-agent.yaml runs 300): past failing calls (0.3)
     to calls that work (0.6), which took 60-85 updates (to a mean of 0.55) in the six runs measured."""
     rd = background_runs.finish("agent:learns", trainer_s=400)
     reward = read_metrics(rd)["reward/mean"].to_numpy()
