@@ -49,6 +49,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from hpcrl.analysis.ceiling import ceiling  # noqa: E402
 from hpcrl.config import load_config  # noqa: E402
+from hpcrl.logs import read_staleness  # noqa: E402
 from hpcrl.config.registries import ENGINES  # noqa: E402
 
 MODES = {
@@ -75,7 +76,7 @@ def logs(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """(metrics, rollout rows of every writer, staleness) of a finished run."""
     lg = run_dir / "logs"
     ro = pd.concat([pd.read_json(p, lines=True) for p in sorted(lg.glob("rollout-*.jsonl"))])
-    return (pd.read_json(lg / "metrics.jsonl", lines=True), ro, pd.read_json(lg / "staleness.jsonl", lines=True))
+    return (pd.read_json(lg / "metrics.jsonl", lines=True), ro, read_staleness(run_dir))
 
 
 def common_overrides(a) -> tuple[Path, list[str]]:

@@ -46,6 +46,8 @@ from hpcrl.plan.events import Pipeline, predict  # noqa: E402
 from hpcrl.plan.model import Draws  # noqa: E402
 from hpcrl.plan.prompts import prompt_lengths  # noqa: E402
 from hpcrl.plan.sweep import knobs_of  # noqa: E402
+from hpcrl.fsio import read_jsonl  # noqa: E402
+from hpcrl.run_dir import RunDir  # noqa: E402
 
 CONFIG = REPO / "configs" / "simulated-28k.yaml"
 SPLITS = [(1, 3), (2, 2), (3, 1)]  # (trainer GPUs, rollout jobs)
@@ -76,7 +78,7 @@ def control_plane(rd: Path, cfg) -> dict:
     ro = [json.loads(x) for p in sorted((rd / "logs").glob("rollout-*.jsonl")) for x in p.read_text().splitlines()]
     load = np.mean([r[M.LOAD_WEIGHTS_S] * ts - sim.weight_load_s for r in ro])
     pause = np.mean([r.get("timing_s/pause", 0.0) * ts for r in ro])
-    st = [json.loads(x) for x in (rd / "logs" / "staleness.jsonl").read_text().splitlines()]
+    st = list(read_jsonl(RunDir(rd).staleness))
     last: dict = {}  # a group finishes with its last response
     for r in st:
         last[r["group_id"]] = max(last.get(r["group_id"], (0.0, 0.0)), (r["finished_s"], r["committed_s"]))
@@ -96,8 +98,7 @@ def engines_per_version(rd: Path, groups: int) -> float:
     """How many rollout jobs started groups under each weight version, mean over versions (the first ``groups``
     prompts: those the window trains on): how the jobs spread a version's budget."""
     used: dict[int, set] = {}
-    for line in (rd / "logs" / "staleness.jsonl").read_text().splitlines():
-        r = json.loads(line)
+    for r in read_jsonl(RunDir(rd).staleness):
         writer, index = r["group_id"].split("/")
         if int(index) < groups:
             used.setdefault(r["version_start"], set()).add(writer)

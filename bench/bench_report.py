@@ -26,9 +26,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import bench_parser, table  # noqa: E402
+from hpcrl.fsio import JsonlAppender, read_jsonl, read_log_bytes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-LOGS = ("staleness.jsonl", "metrics.jsonl", "rollout-w000.jsonl")
+LOGS = ("staleness.jsonl.gz", "metrics.jsonl", "rollout-w000.jsonl")
 
 
 def make_base_run(where: Path) -> Path:
@@ -65,16 +66,18 @@ def grow(base: Path, rows: int, where: Path) -> Path:
     """A run directory whose logs are copies of ``base``'s, ~``rows`` staleness rows long."""
     run = where / f"rows-{rows}"
     shutil.copytree(base, run, ignore=shutil.ignore_patterns("samples", "weights", "checkpoints", "base_model"))
-    logs = {name: [json.loads(x) for x in (base / "logs" / name).read_text().splitlines()] for name in LOGS}
-    st, m = logs["staleness.jsonl"], logs["metrics.jsonl"]
+    logs = {name: list(read_jsonl(base / "logs" / name)) for name in LOGS}
+    st, m = logs["staleness.jsonl.gz"], logs["metrics.jsonl"]
     span = {"versions": m[-1]["param_version"] + 1, "steps": m[-1]["step"], "groups": m[-1]["consumed_groups"],
             "prompts": max(int(r["group_id"].split("/")[1]) for r in st) + 1,
             "seconds": max(r["time_s"] for r in m) - min(r["created_s"] for r in st) + 1.0}
     copies = max(1, round(rows / len(st)))
     for name, base_rows in logs.items():
-        with open(run / "logs" / name, "w") as f:
-            for k in range(copies):
-                f.writelines(json.dumps(_shift(r, k, span)) + "\n" for r in base_rows)
+        (run / "logs" / name).unlink()
+        out = JsonlAppender(run / "logs" / name, fsync=False)  # the staleness log compressed, as the trainer writes it
+        for k in range(copies):
+            out.append_many([_shift(r, k, span) for r in base_rows])
+        out.close()
     done = json.loads((run / "control" / "trainer_done.json").read_text())
     done.update(trainer_step=copies * span["steps"], consumed_groups=copies * span["groups"],
                 param_version=copies * span["versions"])
@@ -90,10 +93,9 @@ def _measure(what: str, run: str, out: str, q) -> None:
     from hpcrl.analysis.status import status_main
 
     def raw():
-        for name in LOGS:
-            with open(Path(run) / "logs" / name, "rb") as f:
-                for line in f:
-                    json.loads(line)
+        for name in LOGS:  # the staleness log decompressed: part of the limit
+            for line in read_log_bytes(Path(run) / "logs" / name).splitlines():
+                json.loads(line)
 
     step = {"raw": raw, "load": lambda: load_run(run), "report": lambda: build_report([run], out),
             "status": lambda: status_main(Path(run), once=True, out=io.StringIO())}[what]
@@ -128,7 +130,7 @@ def main() -> None:
             mb = sum((run / "logs" / x).stat().st_size for x in LOGS) / 1e6
             raw_s, raw_mb = measure("raw", run, where / "out")
             res = {w: measure(w, run, where / f"out-{n}") for w in ("load", "status", "report")}
-            n_st = sum(1 for _ in open(run / "logs" / "staleness.jsonl"))
+            n_st = read_log_bytes(run / "logs" / "staleness.jsonl.gz").count(b"\n")
             rows.append([f"{n_st:,}", f"{mb:.0f}", f"{raw_s:.1f}",
                          *(f"{res[w][0]:.1f} ({res[w][0] / raw_s:.1f}x)" for w in ("load", "status", "report")),
                          f"{raw_mb:.0f} / {res['load'][1]:.0f} / {res['report'][1]:.0f}"])

@@ -1,5 +1,5 @@
 """The evaluation's records: ``logs/eval.jsonl`` (one :class:`EvalRow` per weight version) and
-``logs/eval_samples.jsonl`` (one :class:`EvalSample` per evaluated response), defined once here.
+``logs/eval_samples.jsonl.gz`` (one :class:`EvalSample` per evaluated response), defined once here.
 
 =========================  =============================  ===========================================
 file                       written by                     read by
@@ -7,13 +7,15 @@ file                       written by                     read by
 logs/eval.jsonl            evaluation job, ``hpcrl eval``  the evaluation job at restart (which versions
                                                           are done), ``hpcrl status``, ``hpcrl report``,
                                                           the launcher's follower
-logs/eval_samples.jsonl    the same                        ``hpcrl report`` (examples), users
+logs/eval_samples.jsonl.gz the same                        ``hpcrl report`` (examples), users
 =========================  =============================  ===========================================
 
 Both are append-only with one writer at a time (the evaluation job, or an offline ``hpcrl eval`` while
 no evaluation job is alive). A version's samples are appended first, then its row: **the row is the
 commit point**. It records the samples file's size after them (``samples_bytes``), so a restarted writer
-cuts the samples of a version whose row never came (:func:`committed_samples_bytes`). A version is
+cuts the samples of a version whose row never came (:func:`committed_samples_bytes`). The samples are
+compressed, a gzip member per version (responses are most of a run's evaluation bytes), so that size falls
+where a member ends; an older run's plain ``logs/eval_samples.jsonl`` is read and continued as it is. A version is
 *handled* once it has a row: ``evaluated``, ``skipped`` (the job was behind, or it was deleted before the
 job got to it; ``reason`` says which) or ``damaged`` (its files failed verification: marked bad, never
 evaluated).
@@ -65,7 +67,7 @@ class EvalRow(JsonRecord):
     n: int = 0
     """Responses per prompt."""
     samples: int = 0
-    """Rows this version added to ``logs/eval_samples.jsonl``."""
+    """Rows this version added to ``logs/eval_samples.jsonl.gz``."""
     score: Optional[float] = None
     """The headline: the mean over data sources of their core ``mean@n`` (:attr:`score_name`); None unless evaluated."""
     score_name: str = ""
@@ -79,7 +81,7 @@ class EvalRow(JsonRecord):
     model: str = ""
     """The model folder of an offline ``hpcrl eval --model`` (empty for weight versions)."""
     samples_bytes: int = 0
-    """Size of ``logs/eval_samples.jsonl`` after this version's samples (what a restarted writer keeps)."""
+    """Size of ``logs/eval_samples.jsonl.gz`` after this version's samples (what a restarted writer keeps)."""
 
     def check(self) -> None:
         """A known status and source."""
@@ -91,7 +93,7 @@ class EvalRow(JsonRecord):
 
 @dataclass
 class EvalSample(JsonRecord):
-    """One row of ``logs/eval_samples.jsonl``: one response to one held-out prompt."""
+    """One row of ``logs/eval_samples.jsonl.gz``: one response to one held-out prompt."""
 
     version: int
     """The weight version it was generated with (-1: a model folder)."""

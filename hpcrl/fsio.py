@@ -3,7 +3,9 @@
 Two patterns only (ARCHITECTURE.md, "Invariants"):
 - whole files: write ``x.tmp`` -> fsync -> ``os.replace(x.tmp, x)`` -> fsync the folder;
 - append-only logs: one JSON object per line, each ``write`` + ``fsync``; a reader
-  skips a last line without its newline (the writer died mid-line).
+  skips a last line without its newline (the writer died mid-line). A log named ``*.gz`` holds the same lines
+  compressed, one gzip member per append (``zcat`` and pandas read it as one file): a member cut short by a
+  killed writer reads as the lines it holds, the last one torn, as in a plain log.
 
 Every write also survives a misbehaving filesystem (:func:`guarded`): a write that fails leaves nothing torn
 (its temporary file removed, a log cut back to its last whole line); a full disk or quota (ENOSPC, EDQUOT) is
@@ -15,12 +17,14 @@ than ``slow_write_s`` (an fsync stalling under a metadata storm) is named in the
 from __future__ import annotations
 
 import errno
+import gzip
 import hashlib
 import json
 import logging
 import os
 import threading
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, TypeVar
@@ -281,23 +285,25 @@ def read_json(path: os.PathLike | str) -> Optional[Any]:
 
 
 class JsonlAppender:
-    """Append JSON lines durably (write + fsync per call) to one file.
+    """Append JSON lines durably (write + fsync per call) to one file; to a ``*.gz`` file as one gzip member per call.
 
     One writer per file. A crash can leave at most the last line incomplete, which :func:`read_jsonl` skips; a
     write that fails (a full disk: :func:`guarded` waits it out) is cut back to the last whole line before the
-    next try, so no torn line is ever followed by another.
+    next try, so no torn line is ever followed by another. A compressed log is appended to only where a member
+    ends: its one writer (the trainer) first truncates it to the size its checkpoint recorded.
     """
 
     def __init__(self, path: os.PathLike | str, fsync: bool = True):
         self.path = Path(path)
         make_dirs(self.path.parent)
         self._fsync = fsync
+        self._compressed = is_compressed(self.path)
         self._fd = guarded("a log", self.path, 0,
                            lambda: os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644))
         # A previous writer killed mid-line left a fragment: end it so our first
         # record starts on its own line (the fragment is then skipped as invalid).
         size = os.fstat(self._fd).st_size
-        if size > 0:
+        if size > 0 and not self._compressed:
             with open(self.path, "rb") as r:
                 r.seek(-1, os.SEEK_END)
                 if r.read(1) != b"\n":
@@ -308,9 +314,10 @@ class JsonlAppender:
         self.append_many([record])
 
     def append_many(self, records: list[dict]) -> None:
-        """Append records as lines with one write and one fsync."""
+        """Append records as lines with one write and one fsync (one gzip member)."""
         if records:
-            self._write(b"".join(json.dumps(r, sort_keys=True).encode() + b"\n" for r in records))
+            data = b"".join(json.dumps(r, sort_keys=True).encode() + b"\n" for r in records)
+            self._write(gzip.compress(data, compresslevel=6, mtime=0) if self._compressed else data)
 
     def _write(self, data: bytes) -> None:
         start = os.fstat(self._fd).st_size
@@ -329,15 +336,44 @@ class JsonlAppender:
         os.close(self._fd)
 
 
+def is_compressed(path: os.PathLike | str) -> bool:
+    """Whether a log holds its lines gzip-compressed (its name ends in ``.gz``)."""
+    return Path(path).suffix == ".gz"
+
+
+DAMAGED = b"<damaged compressed data: the rest of the log cannot be read>"
+"""Where the members of a compressed log stop making sense, its lines end with this torn one (readers report it)."""
+
+
+def read_log_bytes(path: os.PathLike | str) -> bytes:
+    """A log's lines as bytes: the file, or a ``*.gz`` log's members decompressed in order (a member cut short
+    gives what it holds; damaged data ends the lines with :data:`DAMAGED`). FileNotFoundError if missing."""
+    data = Path(path).read_bytes()
+    if not is_compressed(path):
+        return data
+    out: list[bytes] = []
+    while data:
+        member = zlib.decompressobj(wbits=31)
+        try:
+            out.append(member.decompress(data))
+        except zlib.error:
+            lines = b"".join(out)
+            return lines + (b"" if lines.endswith(b"\n") or not lines else b"\n") + DAMAGED
+        if not member.eof:
+            break
+        data = member.unused_data
+    return b"".join(out)
+
+
 def read_jsonl(path: os.PathLike | str, on_bad_line: Optional[Callable[[int, str], None]] = None) -> Iterator[dict]:
-    """Yield the complete JSON lines of ``path``; a torn or invalid line is skipped
+    """Yield the complete JSON lines of ``path`` (a ``*.gz`` log decompressed); a torn or invalid line is skipped
     (and reported through ``on_bad_line(lineno, text)``)."""
     try:
-        f = open(path, "rb")
+        lines = read_log_bytes(path).splitlines(keepends=True) if is_compressed(path) else open(path, "rb")
     except FileNotFoundError:
         return
-    with f:
-        for lineno, raw in enumerate(f, 1):
+    try:
+        for lineno, raw in enumerate(lines, 1):
             if not raw.endswith(b"\n"):
                 if on_bad_line:
                     on_bad_line(lineno, raw.decode(errors="replace"))
@@ -347,12 +383,17 @@ def read_jsonl(path: os.PathLike | str, on_bad_line: Optional[Callable[[int, str
             except json.JSONDecodeError:
                 if on_bad_line:
                     on_bad_line(lineno, raw.decode(errors="replace"))
+    finally:
+        if not isinstance(lines, list):
+            lines.close()
 
 
 class JsonlTail:
-    """Complete lines appended to a JSONL file since the last call (tolerant of torn last lines)."""
+    """Complete lines appended to a JSONL file since the last call (tolerant of torn last lines); plain logs only."""
 
     def __init__(self, path: Path):
+        if is_compressed(path):
+            raise ValueError(f"{path}: a compressed log is read whole (read_jsonl), not followed")
         self.path = path
         self.offset = 0
         self.rows: list[dict] = []

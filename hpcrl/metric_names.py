@@ -2,7 +2,7 @@
 
 The jobs write these names (``logs/metrics.jsonl`` from the trainer, one row per
 local update; ``logs/rollout-<writer>.jsonl`` from each rollout job, one row per
-weight version; ``logs/staleness.jsonl`` from the trainer, one row per consumed
+weight version; ``logs/staleness.jsonl.gz`` from the trainer, one row per consumed
 trajectory); the launcher's follower, ``hpcrl status`` and ``hpcrl report`` read
 them. verl's ``fully_async_policy`` names are kept where they exist, so dashboards
 built for verl read ours. The per-update algorithm metrics (``actor/*``,
@@ -155,7 +155,7 @@ VAL_RESPONSE_LENGTH = "response_length/mean"
 VAL_CLIP_RATIO = "response_length/clip_ratio"
 """+ ``val-aux/<data_source>/``: share of responses cut at the response length."""
 
-# ---- logs/staleness.jsonl, one row per consumed trajectory -----------------------------
+# ---- logs/staleness.jsonl.gz, one row per consumed trajectory -----------------------------
 STALENESS_COLUMNS = [
     "sample_id",        # "<writer>/<prompt_index>/<j>": trajectory j of that group
     "group_id",         # "<writer>/<prompt_index>"

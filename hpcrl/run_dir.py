@@ -22,12 +22,12 @@ Layout (ARCHITECTURE.md, "The run directory")::
       control/scale.json           the fleet size asked for by hpcrl scale      (hpcrl scale)
       control/broadcast.json       host/port/epoch of the weight broadcast      (trainer)
       checkpoints/<tag>/, checkpoints/latest.json                               (trainer)
-      logs/metrics.jsonl, logs/staleness.jsonl, logs/rollout-<writer>.jsonl, logs/jobs/<job>.log,
+      logs/metrics.jsonl, logs/staleness.jsonl.gz, logs/rollout-<writer>.jsonl, logs/jobs/<job>.log,
       logs/tensorboard/, logs/wandb/  (logging.backends)                        (trainer)
       logs/fleet/launcher.jsonl, logs/fleet/scale.jsonl, logs/fleet/<writer>.jsonl  the fleet's history
                                    (control/fleet_log.py)       (launcher, hpcrl scale, each rollout job)
       logs/tensorboard/eval/, logs/eval/wandb/  the same for the evaluation job        (evaluation job)
-      logs/eval.jsonl, logs/eval_samples.jsonl  one row per evaluated version,
+      logs/eval.jsonl, logs/eval_samples.jsonl.gz  one row per evaluated version,
                                    one per evaluated response                   (evaluation job)
 
 Names: rollout job ``w`` of a run (``w`` a number the launcher gives it: ``0..rollout_jobs-1`` at launch,
@@ -342,9 +342,15 @@ class RunDir:
     def metrics(self) -> Path:
         return self.logs / "metrics.jsonl"
 
+    def _compressed_log(self, name: str) -> Path:
+        """``logs/<name>.gz``; ``logs/<name>``, plain, where an older hpcrl wrote that (it is read and continued)."""
+        plain = self.logs / name
+        return plain if plain.exists() else self.logs / f"{name}.gz"
+
     @property
     def staleness(self) -> Path:
-        return self.logs / "staleness.jsonl"
+        """``logs/staleness.jsonl.gz`` (``hpcrl/logs.py``): one row per consumed trajectory, compressed."""
+        return self._compressed_log("staleness.jsonl")
 
     def rollout_metrics(self, writer: str) -> Path:
         """``logs/rollout-<writer>.jsonl``: one row per weight version of that writer."""
@@ -412,8 +418,8 @@ class RunDir:
 
     @property
     def eval_samples(self) -> Path:
-        """``logs/eval_samples.jsonl``: one row per evaluated response (prompt, response, score)."""
-        return self.logs / "eval_samples.jsonl"
+        """``logs/eval_samples.jsonl.gz``: one row per evaluated response (prompt, response, score), compressed."""
+        return self._compressed_log("eval_samples.jsonl")
 
     def job_log(self, job: str) -> Path:
         """The Python log of one job (rank): ``logs/jobs/<job>.log``."""

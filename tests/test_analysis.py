@@ -8,6 +8,7 @@ report states under its tables.
 from __future__ import annotations
 
 import contextlib
+import gzip
 import io
 import json
 import math
@@ -15,6 +16,7 @@ import re
 import shutil
 import subprocess
 import sys
+import zlib
 from collections import defaultdict
 from pathlib import Path
 from typing import Optional
@@ -37,10 +39,28 @@ COMPARE_PLOTS = ["compare_reward.png", "compare_lag.png", "compare_idle.png", "c
 
 # ---------------------------------------------------------------- raw logs, read independently
 
+def log_bytes(path: Path) -> bytes:
+    """A log's lines, read here without hpcrl's readers: a ``*.gz`` log is gzip members, the last maybe cut short."""
+    data, out = path.read_bytes(), b""
+    while path.suffix == ".gz" and data:
+        member = zlib.decompressobj(wbits=31)
+        out += member.decompress(data)
+        if not member.eof:
+            break
+        data = member.unused_data
+    return out if path.suffix == ".gz" else data
+
+
+def staleness_log(root: Path) -> Path:
+    """The staleness log: compressed, or plain where the test made an older hpcrl's run."""
+    plain = root / "logs" / "staleness.jsonl"
+    return plain if plain.exists() else root / "logs" / "staleness.jsonl.gz"
+
+
 def jsonl(path: Path) -> list[dict]:
     rows = []
     if path.exists():
-        for line in path.read_bytes().split(b"\n"):
+        for line in log_bytes(path).split(b"\n"):
             try:
                 rows.append(json.loads(line))
             except ValueError:
@@ -50,7 +70,7 @@ def jsonl(path: Path) -> list[dict]:
 
 class Raw:
     def __init__(self, root: Path):
-        self.st = jsonl(root / "logs" / "staleness.jsonl")
+        self.st = jsonl(staleness_log(root))
         self.m = jsonl(root / "logs" / "metrics.jsonl")
         self.ro = [r for p in sorted((root / "logs").glob("rollout-*.jsonl")) for r in jsonl(p)]
         self.trained = [r for r in self.st if not r["dropped"]]
@@ -415,9 +435,13 @@ def test_status_and_report_on_a_run_killed_mid_way(tmp_path):
         assert (out / "killed" / p).read_bytes()[:4] == b"\x89PNG"
 
 
-def _rewrite(path: Path, change) -> None:
-    rows = jsonl(path)
-    path.write_text("".join(json.dumps(change(r)) + "\n" for r in rows))
+def _rewrite(path: Path, change, to: Optional[Path] = None) -> None:
+    """Rewrite a log's rows through ``change`` (into ``to``, plain, the original removed, if given)."""
+    text = "".join(json.dumps(change(r)) + "\n" for r in jsonl(path)).encode()
+    if to is not None:
+        path.unlink()
+        path = to
+    path.write_bytes(gzip.compress(text) if path.suffix == ".gz" else text)
 
 
 @pytest.mark.slow
@@ -427,7 +451,8 @@ def test_run_from_an_older_hpcrl_gets_a_clear_message(runs, tmp_path):
     cfg = old / "config.yaml"
     cfg.write_text(cfg.read_text().replace("rollout:\n", "rollout:\n  retired_knob: 3\n", 1))
     drop = lambda keys: lambda r: {k: v for k, v in r.items() if k not in keys}  # noqa: E731
-    _rewrite(old / "logs" / "staleness.jsonl", drop({"created_s", "finished_s", "dropped"}))
+    _rewrite(old / "logs" / "staleness.jsonl.gz", drop({"created_s", "finished_s", "dropped"}),  # plain, as it was
+             to=old / "logs" / "staleness.jsonl")
     _rewrite(old / "logs" / "metrics.jsonl", drop({"timing_s/param_sync"}))
     res = cli("report", str(old), "--out", str(tmp_path / "report"))
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stdout + res.stderr
@@ -448,7 +473,7 @@ def test_dropped_samples_are_counted_by_reason(runs, tmp_path):
     and count 4 groups of damaged shards, as the trainer would have logged them."""
     d = tmp_path / "drops"
     shutil.copytree(runs["s05"], d, ignore=shutil.ignore_patterns("checkpoints", "weights", "samples", "base_model"))
-    _rewrite(d / "logs" / "staleness.jsonl", lambda r: {**r, "dropped": "max_staleness" if r["trainer_step"] == 3 else ""})
+    _rewrite(d / "logs" / "staleness.jsonl.gz", lambda r: {**r, "dropped": "max_staleness" if r["trainer_step"] == 3 else ""})
     _rewrite(d / "logs" / "metrics.jsonl", lambda r: {**r, "fully_async/count/corrupt_groups_skipped": 4 * (r["step"] >= 10)})
     res = cli("report", str(d), "--out", str(tmp_path / "report"))
     assert res.returncode == 0, res.stdout + res.stderr
@@ -457,7 +482,7 @@ def test_dropped_samples_are_counted_by_reason(runs, tmp_path):
     raw = Raw(d)
     marked = [r for r in raw.st if r["dropped"]]
     assert drops[0] == {"reason": "max_staleness", "groups": str(len({r["group_id"] for r in marked})),
-                        "trajectories": str(len(marked)), "source": "logs/staleness.jsonl (dropped)"}
+                        "trajectories": str(len(marked)), "source": "logs/staleness.jsonl.gz (dropped)"}
     assert drops[1]["reason"] == "corrupt shard" and drops[1]["groups"] == "4"
     (lag,) = tables[("Details", "Lag")]
     assert sum(int(r["groups"]) for r in lag) == len(raw.groups)  # dropped groups are not in the lag table

@@ -2,6 +2,7 @@
 log's crash safety, greedy decoding, the toy task's held-out split, the launcher's plan."""
 from __future__ import annotations
 
+import gzip
 import json
 import time
 
@@ -111,16 +112,17 @@ def _samples(v: int, n: int = 3) -> list[EvalSample]:
                        ground_truth="g", reward=1.0) for i in range(n)]
 
 
-def test_a_restarted_writer_cuts_samples_without_a_row_and_a_torn_row(tmp_path):
-    rows, samples = tmp_path / "eval.jsonl", tmp_path / "eval_samples.jsonl"
+@pytest.mark.parametrize("samples_name", ["eval_samples.jsonl.gz", "eval_samples.jsonl"])  # an older run's: plain
+def test_a_restarted_writer_cuts_samples_without_a_row_and_a_torn_row(tmp_path, samples_name):
+    rows, samples = tmp_path / "eval.jsonl", tmp_path / samples_name
     w = EvalLogWriter(rows, samples)
     w.commit(_row(0), _samples(0))
     w.commit(_row(20, SKIPPED))
     committed = samples.stat().st_size
     w.close()
-    with open(samples, "a") as f:  # killed between the samples of v40 and its row ...
-        f.writelines(json.dumps(s.to_json()) + "\n" for s in _samples(40))
-        f.write('{"version": 40, "pro')
+    lost = "".join(json.dumps(s.to_json()) + "\n" for s in _samples(40)) + '{"version": 40, "pro'
+    with open(samples, "ab") as f:  # killed between the samples of v40 and its row (the last member cut short) ...
+        f.write(gzip.compress(lost.encode())[:-9] if samples_name.endswith(".gz") else lost.encode())
     with open(rows, "a") as f:  # ... or in the middle of the row
         f.write('{"version": 40, "status": "evalu')
     w = EvalLogWriter(rows, samples)

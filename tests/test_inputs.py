@@ -1,4 +1,5 @@
 """Inputs users bring: prompt files, run directories, torn logs; failures reported, not hidden."""
+import gzip
 import json
 import re
 import subprocess
@@ -10,7 +11,8 @@ import pytest
 from conftest import REPO, TINY
 from hpcrl.config import ConfigError, DataConfig, load_config
 from hpcrl.launcher.prepare import prepare_run_dir
-from hpcrl.logs import read_staleness
+from hpcrl.fsio import JsonlAppender, read_jsonl
+from hpcrl.logs import read_jsonl_frame, read_staleness
 from hpcrl.rollout.dataset import PromptStream, load_rows
 
 
@@ -54,11 +56,47 @@ def test_run_dir_is_not_reused_by_accident(tmp_path):
 
 
 def test_torn_last_row_of_the_staleness_log_is_skipped(tmp_path):
+    """A trainer killed mid-append: the compressed log's last member is cut short (read as far as it goes, its
+    torn line skipped and named); an older run's plain log ends in half a line."""
     rd = prepare_run_dir(load_config(TINY), tmp_path / "run", resume=False)
-    row = {"sample_id": "w000/0/0", "lag": 0}
-    rd.staleness.write_text(json.dumps(row) + "\n" + '{"sample_id": "w000/0/1", "la')
-    st = read_staleness(rd)
-    assert list(st.sample_id) == ["w000/0/0"]
+    rows = [{"sample_id": f"w000/0/{j}", "lag": 0, "writer": "w000" * 20} for j in range(40)]
+    assert rd.staleness.name == "staleness.jsonl.gz"
+    JsonlAppender(rd.staleness).append_many(rows[:20])
+    second = gzip.compress(b"".join(json.dumps(r).encode() + b"\n" for r in rows[20:]), mtime=0)
+    with open(rd.staleness, "ab") as f:
+        f.write(second[:len(second) // 2])
+    bad = []
+    frame = read_jsonl_frame(rd.staleness, on_bad_line=lambda n, text: bad.append(n))
+    assert list(frame.sample_id[:20]) == [r["sample_id"] for r in rows[:20]] and 20 <= len(frame) < 40
+    assert bad == [len(frame) + 1], "the torn line is reported, after the rows the cut member still gave"
+    assert list(read_staleness(rd).sample_id) == list(frame.sample_id)
+
+    rd.staleness.unlink()
+    legacy = rd.logs / "staleness.jsonl"
+    legacy.write_text(json.dumps(rows[0]) + "\n" + '{"sample_id": "w000/0/1", "la')
+    assert rd.staleness == legacy
+    assert list(read_staleness(rd).sample_id) == ["w000/0/0"]
+
+
+def test_the_staleness_log_is_compressed_per_append_and_damage_stops_the_read_with_a_note(tmp_path):
+    """One gzip member per append (zcat and pandas read it whole), a fraction of the plain size; bytes that are not
+    gzip in the middle end the read there, with a torn line the readers report (never a traceback)."""
+    path = tmp_path / "staleness.jsonl.gz"
+    rows = [{"sample_id": f"w000/{i}/{j}", "group_id": f"w000/{i}", "writer": "w000", "lag": i % 3,
+             "reward": 0.5, "n_tokens": 8} for i in range(50) for j in range(8)]
+    out = JsonlAppender(path)
+    for i in range(50):
+        out.append_many(rows[8 * i:8 * i + 8])
+    out.close()
+    plain = sum(len(json.dumps(r, sort_keys=True)) + 1 for r in rows)
+    assert path.stat().st_size < plain / 4
+    assert pd.read_json(path, lines=True).sample_id.tolist() == [r["sample_id"] for r in rows]
+    assert list(read_jsonl(path)) == [json.loads(json.dumps(r, sort_keys=True)) for r in rows]
+    with open(path, "ab") as f:
+        f.write(b"not gzip\n")
+    bad = []
+    assert len(list(read_jsonl(path, on_bad_line=lambda n, text: bad.append(text)))) == len(rows)
+    assert bad and "damaged compressed data" in bad[0]
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ import pytest
 
 from hpcrl.config import load_config
 from hpcrl.config.simulated import SimulatedConfig
+from hpcrl.fsio import JsonlAppender
 from hpcrl.plan.pipeline import Knobs, predict, prompt_seed
 from hpcrl.plan.command import plan_command
 from hpcrl.plan.sweep import SweepSpec
@@ -116,7 +117,7 @@ def test_probe_fits_the_update_model_switch_and_lengths_from_a_runs_logs(tmp_pat
     rd.metrics.write_text("".join(json.dumps({"n_tokens": n, "timing_s/update": (3.0 + 0.001 * n) / 10}) + "\n"
                                   for n in (1000, 2000, 4000, 8000)))
     rd.rollout_metrics("w000").write_text("".join(json.dumps({"timing_s/load_weights": 0.05}) + "\n" for _ in range(3)))
-    rd.staleness.write_text("".join(json.dumps({"n_tokens": n}) + "\n" for n in (10, 20, 30)))
+    JsonlAppender(rd.staleness).append_many([{"n_tokens": n} for n in (10, 20, 30)])
     sim, notes = probe_model(SimulatedConfig(), rd.root)
     assert sim.update_base_s == pytest.approx(3.0) and sim.update_per_token_s == pytest.approx(0.002)
     assert sim.weight_load_s == pytest.approx(0.5) and sim.time_scale == 1.0

@@ -6,13 +6,13 @@ Everything comes from files the jobs already write (docs/analysis.md, "Logs"):
 ==============================  ==============================================
 file                            used for
 ==============================  ==============================================
-logs/staleness.jsonl            lag, partial spans, group life times, reward per
+logs/staleness.jsonl.gz         lag, partial spans, group life times, reward per
                                 generating version, drops (column ``dropped``)
 logs/metrics.jsonl              trainer timings (wait/update/sync), idle ratio,
                                 throughput, reward over time, drop counters
 logs/rollout-<writer>.jsonl     rollout idle ratio, load time, throughput per version
 logs/eval.jsonl                 validation curves and scores (the evaluation job, ``hpcrl eval``)
-logs/eval_samples.jsonl         example responses of the last evaluated version
+logs/eval_samples.jsonl.gz      example responses of the last evaluated version
 control/heartbeat/*.json        job states (status view, "crashed?" notes)
 control/trainer_done.json       the run finished
 config.yaml                     the knobs (s, K, R, B) and the lag bound
@@ -258,8 +258,9 @@ def load_run(path: os.PathLike | str, name: Optional[str] = None) -> RunData:
     if st.empty and m.empty and ro.empty and evals.empty:
         raise RunFormatError(f"{root}: nothing to analyse yet: {rd.staleness.name}, {rd.metrics.name} and "
                              f"rollout-*.jsonl in {rd.logs} are empty or missing (has the trainer made its first update?)")
+    read_from = {**LOG_PATHS, "staleness": str(rd.staleness.relative_to(root))}  # an older run's is plain
     for name_, cols in missing.items():
-        notes.append(f"{LOG_PATHS[name_]} lacks column(s) {', '.join(cols)}: it was written by an older hpcrl "
+        notes.append(f"{read_from[name_]} lacks column(s) {', '.join(cols)}: it was written by an older hpcrl "
                      "version; the sections that need them are left out.")
     if not m.empty and "step" in m and m["step"].notna().all():
         m = m.sort_values("step", kind="stable").reset_index(drop=True)

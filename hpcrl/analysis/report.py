@@ -196,7 +196,7 @@ def _validation(x: _Section) -> None:
         doc.bullets([f"v{v} {status}: {reason}" for v, status, reason in skipped])
     ex = validation.examples(d)
     if not ex.empty:
-        doc.para("Responses of the last evaluated version (logs/eval_samples.jsonl):")
+        doc.para("Responses of the last evaluated version (logs/eval_samples.jsonl.gz):")
         doc.table(ex)
 
 

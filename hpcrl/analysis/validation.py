@@ -1,7 +1,7 @@
 """Held-out validation in the report: curves, the table of evaluated versions, best and last, examples.
 
 From ``logs/eval.jsonl`` (:attr:`RunData.evals`, one row per evaluated version) and, for the examples,
-``logs/eval_samples.jsonl``. Curves plot verl's ``val-core`` metrics (``<key>/mean@N`` first, then ``best@N``
+``logs/eval_samples.jsonl.gz``. Curves plot verl's ``val-core`` metrics (``<key>/mean@N`` first, then ``best@N``
 and ``maj@N``) against the trainer step of the version and against wall time (the version's publish time
 since the run's first event), one line per data source; several runs are overlaid, one colour per run.
 """

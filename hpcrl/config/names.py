@@ -351,7 +351,7 @@ VERL_KEYS: dict[str, str | VerlKey] = {
     "trainer.log_val_generations": VerlKey(None, "`hpcrl samples RUN` prints sampled responses; "
                                            "logging.show_samples shows one under the version lines"),
     "trainer.rollout_data_dir": VerlKey(None, "every sample is kept in RUN/samples (read with `hpcrl samples RUN`)"),
-    "trainer.validation_data_dir": VerlKey(None, "every validation response goes to RUN/logs/eval_samples.jsonl"),
+    "trainer.validation_data_dir": VerlKey(None, "every validation response goes to RUN/logs/eval_samples.jsonl.gz"),
     "trainer.test_freq": "eval.every_versions",
     "trainer.val_before_train": "eval.before_training",
     "actor_rollout_ref.rollout.val_kwargs.n": "eval.n",

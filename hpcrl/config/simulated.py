@@ -9,7 +9,6 @@ numbers. Refused with a real model: a simulated run trains on nothing real.
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,7 +49,8 @@ class SimulatedConfig:
     lengths: str = "lognormal"
     """Response lengths (tokens, EOS included), capped by ``rollout.response_length``: ``geometric`` (mean
     ``length_mean``), ``lognormal`` (mean ``length_mean``, log-space sigma ``length_sigma``: a long tail),
-    or ``empirical:RUN`` (drawn from the ``n_tokens`` of a real run directory's ``logs/staleness.jsonl``)."""
+    or ``empirical:RUN`` (drawn from the ``n_tokens`` of a real run directory's staleness log,
+    ``logs/staleness.jsonl.gz``)."""
     length_mean: float = 256.0
     """Mean response length in tokens before the cap (geometric, lognormal)."""
     length_sigma: float = 1.0
@@ -87,7 +87,7 @@ class SimulatedConfig:
         return self.update_base_s + self.update_per_token_s * n_tokens / self.trainer_gpus
 
     def draw_lengths(self, rng: np.random.Generator, count: int, empirical: Optional[np.ndarray] = None) -> np.ndarray:
-        """``count`` response lengths (>= 1 token, before any cap); ``empirical``: :func:`read_lengths`."""
+        """``count`` response lengths (>= 1 token, before any cap); ``empirical``: ``hpcrl.logs.read_lengths``."""
         if empirical is not None:
             return rng.choice(empirical, size=count).astype(np.int64)
         if self.lengths == "geometric":
@@ -116,18 +116,6 @@ class SimulatedConfig:
 def empirical_run(spec: str) -> Optional[Path]:
     """The run directory of ``simulated.lengths=empirical:RUN``; None for a named distribution."""
     return Path(spec[len(EMPIRICAL_PREFIX):]).expanduser() if spec.startswith(EMPIRICAL_PREFIX) else None
-
-
-def read_lengths(staleness_log: Path, spec: str) -> np.ndarray:
-    """Every ``n_tokens`` of a run's staleness log (``RunDir.staleness`` of :func:`empirical_run`): the response
-    lengths ``empirical:RUN`` draws from."""
-    if not staleness_log.is_file():
-        raise FileNotFoundError(f"simulated.lengths={spec}: {staleness_log} does not exist; point it at a finished "
-                                "run directory, or use geometric / lognormal")
-    lengths = [int(json.loads(line)["n_tokens"]) for line in staleness_log.read_text().splitlines() if line.strip()]
-    if not lengths:
-        raise ValueError(f"simulated.lengths={spec}: {staleness_log} has no rows")
-    return np.maximum(1, np.asarray(lengths, dtype=np.int64))
 
 
 def check_simulated_combination(cfg) -> None:

@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--versions", default="last", help="with a run: comma-separated versions, 'last' = the newest "
                                                       "(default last)")
     p.add_argument("--data", nargs="+", metavar="FILE", help="held-out prompt files (default: data.val_files)")
-    p.add_argument("--out", metavar="DIR", help="write DIR/logs/eval.jsonl and eval_samples.jsonl (default: the "
+    p.add_argument("--out", metavar="DIR", help="write DIR/logs/eval.jsonl and eval_samples.jsonl.gz (default: the "
                                                 "run's logs; with --model ./hpcrl-eval-<folder>)")
     for flag, key in FLAGS.items():
         p.add_argument("--" + flag.replace("_", "-"), type=str if flag == "engine" else

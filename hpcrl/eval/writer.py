@@ -1,4 +1,4 @@
-"""The one writer of ``logs/eval.jsonl`` and ``logs/eval_samples.jsonl`` (the records: ``hpcrl/eval_log.py``).
+"""The one writer of ``logs/eval.jsonl`` and ``logs/eval_samples.jsonl.gz`` (the records: ``hpcrl/eval_log.py``).
 
 At open it recovers what a killed predecessor left: a torn last row is cut, and samples appended after the
 last row (a version whose row never came) are cut back to that row's ``samples_bytes``; so the version is

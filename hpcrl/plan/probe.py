@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 
 from hpcrl import metric_names as M
-from hpcrl.config.simulated import SimulatedConfig, empirical_run, read_lengths
+from hpcrl.config.simulated import SimulatedConfig, empirical_run
+from hpcrl.logs import read_lengths
 from hpcrl.run_dir import RunDir
 
 

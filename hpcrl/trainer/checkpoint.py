@@ -41,7 +41,7 @@ class TrainerState(JsonRecord):
     metrics_bytes: int = 0
     """Size of logs/metrics.jsonl at this checkpoint (rolled back to on resume)."""
     staleness_bytes: int = 0
-    """Size of logs/staleness.jsonl at this checkpoint."""
+    """Size of the staleness log (``RunDir.staleness``) at this checkpoint."""
     counters: dict = field(default_factory=dict)
     """Cumulative metric counters (stale samples processed, dropped, ...)."""
     kl_coef: Optional[float] = None
