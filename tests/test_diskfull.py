@@ -164,6 +164,33 @@ def test_a_shard_commit_waits_for_space_and_commits_once(small_fs, policy, fault
     assert sorted(p.name for p in rd.writer_dir("w000").glob("shard-*")) == [line.shard, RunDir.shard_name(1)]
 
 
+def test_an_evaluation_commit_waits_for_space_and_its_two_logs_stay_consistent(small_fs, policy):
+    """The evaluation's writer (compressed samples, then the row: the commit point) on a full filesystem: the
+    version's samples wait for space, then the row; a restarted writer finds both whole. The responses are random
+    hex, so their compressed member (~5 KB) cannot hide in the slack of the file's last page."""
+    from hpcrl.eval.writer import EvalLogWriter
+    from hpcrl.eval_log import EvalRow, EvalSample, read_eval_rows, read_eval_samples
+
+    rows, samples = small_fs / "eval.jsonl", small_fs / "eval_samples.jsonl.gz"
+
+    def version(v: int) -> list[EvalSample]:
+        return [EvalSample(version=v, prompt_id=f"0:{i}", data_source="d", index=i, prompt="p",
+                           response=os.urandom(120).hex(), ground_truth="g", reward=1.0) for i in range(40)]
+    writer = EvalLogWriter(rows, samples)
+    writer.commit(EvalRow(version=0, status="evaluated", score=0.5), version(0))
+    faults.fill(str(small_fs / "filler"))
+    free_later(small_fs / "filler", 1.5)
+    t0 = time.monotonic()
+    writer.commit(EvalRow(version=20, status="evaluated", score=0.7), version(20))
+    assert time.monotonic() - t0 >= 1.4, "the commit met the full disk and waited"
+    writer.close()
+    again = EvalLogWriter(rows, samples)  # what a restarted evaluation job finds
+    assert [r.version for r in again.rows] == [0, 20] and again.rows[-1].samples_bytes == samples.stat().st_size
+    again.close()
+    assert [s.version for s in read_eval_samples(samples)] == [0] * 40 + [20] * 40
+    assert [r.samples for r in read_eval_rows(rows)] == [40, 40]
+
+
 def test_consumed_shards_behind_the_checkpointed_cursor_are_removed_but_the_newest(tmp_path):
     from test_samples import make_group
 
@@ -283,11 +310,12 @@ FILLS = {  # job -> (fault specs, what the job must then say it waits for)
     "trainer": [("checkpoint:2", "checkpoints (checkpoint step-"), ("publish:9", "weights/v"),
                 ("metrics_log:14", None)],
     "rollout": [("seal_manifest:12", None), ("states_save:4", "in_flight/w000.json")],
-    "eval": [("eval_commit:2", "eval_samples.jsonl")],
+    "eval": [("eval_commit:2", None)],
 }
 """Each writer in turn: where the job fills the filesystem, and the path its next write must name. A short line
 appended to a log may still fit in the slack of the file's last page on a full filesystem (a metrics row, a
-manifest line): then another write meets the full disk first (the unit tests above fail those appends exactly)."""
+manifest line, the evaluation's compressed samples and its row): then another write meets the full disk first (the
+unit tests above fail those appends exactly; test_an_evaluation_commit_waits_... the evaluation's commit)."""
 
 
 def waiting_lines(rd: RunDir) -> list[str]:
