@@ -169,23 +169,45 @@ def make_dirs(path: os.PathLike | str) -> None:
 
 
 _FALLOC_FL_KEEP_SIZE = 1
+_FALLOC_FL_PUNCH_HOLE = 2
 _libc_fallocate: Optional[Callable[..., int]] = None
 
 
-def allocate_ahead(fd: int, offset: int, nbytes: int) -> bool:
-    """Allocate ``nbytes`` of the open file ``fd`` from ``offset`` without changing its size (Linux
-    ``fallocate(FALLOC_FL_KEEP_SIZE)``): later appends into that range cannot meet a full disk. False where there is
-    no room, or the filesystem or platform cannot (the caller then appends as usual)."""
+def _fallocate() -> Optional[Callable[..., int]]:
+    """libc's ``fallocate`` (None where there is none)."""
     global _libc_fallocate
     if _libc_fallocate is None:
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
         if not hasattr(libc, "fallocate"):
-            return False
+            return None
         libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
         _libc_fallocate = libc.fallocate
-    return _libc_fallocate(fd, _FALLOC_FL_KEEP_SIZE, offset, nbytes) == 0
+    return _libc_fallocate
+
+
+def allocate_ahead(fd: int, offset: int, nbytes: int) -> bool:
+    """Allocate ``nbytes`` of the open file ``fd`` from ``offset`` without changing its size (Linux
+    ``fallocate(FALLOC_FL_KEEP_SIZE)``): later appends into that range cannot meet a full disk. False where there is
+    no room, or the filesystem or platform cannot (the caller then appends as usual)."""
+    fallocate = _fallocate()
+    return fallocate is not None and fallocate(fd, _FALLOC_FL_KEEP_SIZE, offset, nbytes) == 0
+
+
+def release_head(path: os.PathLike | str, nbytes: int) -> bool:
+    """Give the filesystem back the first ``nbytes`` of a log (Linux ``fallocate(FALLOC_FL_PUNCH_HOLE)``): they read
+    as zeros from then on, and the file's size and every offset into it stay as they were, so an offset a record
+    holds stays true. The retention of a compressed log whose head is no longer wanted: its readers skip the zeros
+    (a gzip member never starts with one). False where the filesystem or platform cannot."""
+    fallocate = _fallocate()
+    if fallocate is None or nbytes <= 0:
+        return False
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        return fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, 0, nbytes) == 0
+    finally:
+        os.close(fd)
 
 
 def fsync_path(path: os.PathLike | str) -> None:
@@ -346,11 +368,13 @@ DAMAGED = b"<damaged compressed data: the rest of the log cannot be read>"
 
 
 def read_log_bytes(path: os.PathLike | str) -> bytes:
-    """A log's lines as bytes: the file, or a ``*.gz`` log's members decompressed in order (a member cut short
-    gives what it holds; damaged data ends the lines with :data:`DAMAGED`). FileNotFoundError if missing."""
+    """A log's lines as bytes: the file, or a ``*.gz`` log's members decompressed in order (a head released by
+    :func:`release_head` skipped; a member cut short gives what it holds; damaged data ends the lines with
+    :data:`DAMAGED`). FileNotFoundError if missing."""
     data = Path(path).read_bytes()
     if not is_compressed(path):
         return data
+    data = data.lstrip(b"\0")  # the head :func:`release_head` gave back
     out: list[bytes] = []
     while data:
         member = zlib.decompressobj(wbits=31)

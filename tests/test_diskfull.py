@@ -191,6 +191,39 @@ def test_an_evaluation_commit_waits_for_space_and_its_two_logs_stay_consistent(s
     assert [r.samples for r in read_eval_rows(rows)] == [40, 40]
 
 
+def test_the_evaluation_keeps_the_responses_of_its_newest_versions_and_gives_back_the_rest(small_fs):
+    """``eval.keep_samples_versions``: the samples file's head before the newest K versions with samples is released
+    (a hole: the file's size and the offsets the rows hold stay); rows and metrics stay; a restarted writer goes on."""
+    from hpcrl.eval.writer import EvalLogWriter
+    from hpcrl.eval_log import EvalRow, EvalSample, read_eval_rows, read_eval_samples
+
+    rows, samples = small_fs / "eval.jsonl", small_fs / "eval_samples.jsonl.gz"
+
+    def commit(writer: EvalLogWriter, v: int, status: str = "evaluated") -> None:
+        got = [EvalSample(version=v, prompt_id=f"0:{i}", data_source="d", index=i, prompt="p",
+                          response=os.urandom(120).hex(), ground_truth="g", reward=1.0) for i in range(40)]
+        writer.commit(EvalRow(version=v, status=status, score=0.5 if status == "evaluated" else None),
+                      got if status == "evaluated" else [])
+
+    writer = EvalLogWriter(rows, samples, keep_samples_versions=2)
+    for v in (0, 20, 40, 60):
+        commit(writer, v)
+    commit(writer, 70, "skipped")
+    commit(writer, 80)
+    writer.close()
+    assert [r.version for r in read_eval_rows(rows)] == [0, 20, 40, 60, 70, 80], "every row stays"
+    assert sorted({s.version for s in read_eval_samples(samples)}) == [60, 80]
+    size, used = samples.stat().st_size, samples.stat().st_blocks * 512
+    assert size == read_eval_rows(rows)[-1].samples_bytes, "offsets stay true"
+    head = read_eval_rows(rows)[2].samples_bytes  # where v60's samples start
+    assert size - used >= head - 4096, f"the head ({head} bytes) was given back: {used} of {size} bytes allocated"
+    again = EvalLogWriter(rows, samples, keep_samples_versions=2)  # a restarted evaluation job
+    commit(again, 100)
+    again.close()
+    assert sorted({s.version for s in read_eval_samples(samples)}) == [80, 100]
+    assert len(read_eval_samples(samples, 100)) == 40 and read_eval_samples(samples, 20) == []
+
+
 def test_consumed_shards_behind_the_checkpointed_cursor_are_removed_but_the_newest(tmp_path):
     from test_samples import make_group
 

@@ -76,6 +76,10 @@ class EvalConfig:
     memory share, ...) are ``rollout.*``'s."""
     concurrent_prompts: int = 8
     """Prompts generated at once (vLLM batches their requests; each is one thread)."""
+    keep_samples_versions: int = 10
+    """Keep the responses (``logs/eval_samples.jsonl.gz``) of this many newest evaluated versions; older ones
+    are released from the file's head (their rows and metrics in ``logs/eval.jsonl`` stay). -1 keeps all. Where
+    the filesystem cannot release part of a file (no ``fallocate`` hole punching), all are kept (one log line)."""
     reward: EvalRewardConfig = field(default_factory=EvalRewardConfig)
     """The evaluation's reward; the training reward unless set."""
 
@@ -100,6 +104,8 @@ class EvalConfig:
         if self.engine is not None:
             check_choice("eval.engine", self.engine, registries.ENGINES)
         check_int("eval.concurrent_prompts", self.concurrent_prompts, 1)
+        if self.keep_samples_versions != -1:
+            check_int("eval.keep_samples_versions", self.keep_samples_versions, 1)
         self.reward.validate()
         if self.do_sample and self.temperature <= 0:
             fail("eval.temperature", self.temperature, "a number > 0 with eval.do_sample=true",

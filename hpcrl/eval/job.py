@@ -97,7 +97,7 @@ class EvalJob:
         self.weights = eval_subscriber(cfg, rd, EVAL_JOB)
         self.closers.callback(self.weights.close)
         with self.startup.step("reading logs/eval.jsonl"):
-            self.writer = EvalLogWriter(rd.eval_log, rd.eval_samples)
+            self.writer = EvalLogWriter(rd.eval_log, rd.eval_samples, cfg.eval.keep_samples_versions)
         for row in self.writer.rows:
             if row.source == JOB:
                 self.handled[row.version] = row.published_s

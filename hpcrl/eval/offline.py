@@ -134,7 +134,7 @@ def _evaluate_run(a: argparse.Namespace, emit: Callable[[str], None]) -> int:
         heartbeat = HeartbeatThread(rd, EVAL_OFFLINE_JOB, "eval", cfg.timeouts.heartbeat_interval_s).start()
         closers.callback(heartbeat.stop, "done")  # its pins count only while it beats
         evaluator = start_evaluator(cfg, inputs, base, closers, OFFLINE)  # the engine starts on the base model
-        writer = EvalLogWriter(dest.eval_log, dest.eval_samples)
+        writer = EvalLogWriter(dest.eval_log, dest.eval_samples, cfg.eval.keep_samples_versions)
         closers.callback(writer.close)
         failed = 0
         for v in versions:
@@ -188,7 +188,7 @@ def _evaluate_model(a: argparse.Namespace, emit: Callable[[str], None]) -> int:
         for line in inputs.lines:
             emit(line)
         evaluator = start_evaluator(cfg, inputs, folder, closers, OFFLINE)
-        writer = EvalLogWriter(dest.eval_log, dest.eval_samples)
+        writer = EvalLogWriter(dest.eval_log, dest.eval_samples, cfg.eval.keep_samples_versions)
         closers.callback(writer.close)
         row = EvalRow(version=-1, status=EVALUATED, source=OFFLINE, started_s=time.time(), n=cfg.eval.n,
                       prompts=len(inputs.rows), sampling=sampling(cfg), model=str(folder))

@@ -4,6 +4,10 @@ At open it recovers what a killed predecessor left: a torn last row is cut, and 
 last row (a version whose row never came) are cut back to that row's ``samples_bytes``; so the version is
 evaluated again, whole, and nothing is counted twice. :meth:`EvalLogWriter.commit` appends a version's
 samples, then its row (the commit point), both inside ``termination.deferred``: SIGTERM cannot split them.
+
+Retention (``eval.keep_samples_versions``): after each commit, the samples of all but the newest K versions that
+have samples are released from the head of the (compressed) samples file (``fsio.release_head``: a hole, so the
+offsets the rows hold stay true); their rows and metrics stay.
 """
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ import time
 from pathlib import Path
 
 from hpcrl.eval_log import EvalRow, EvalSample, committed_samples_bytes, read_eval_rows
-from hpcrl.fsio import JsonlAppender, truncate_torn_tail
+from hpcrl.fsio import JsonlAppender, is_compressed, release_head, truncate_torn_tail
 from hpcrl.logs import log_size, truncate_to
 from hpcrl.process import faults, termination
 
@@ -22,8 +26,11 @@ log = logging.getLogger(__name__)
 class EvalLogWriter:
     """Appends evaluated versions to an eval log and its samples log (module docstring)."""
 
-    def __init__(self, rows_path: Path, samples_path: Path):
+    def __init__(self, rows_path: Path, samples_path: Path, keep_samples_versions: int = -1):
         self.rows_path, self.samples_path = rows_path, samples_path
+        self.keep_samples_versions = keep_samples_versions
+        self._released = 0  # the samples file's head given back so far (bytes)
+        self._cannot_release = False
         cut = truncate_torn_tail(rows_path)
         if cut:
             log.warning("%s: cut %d bytes of a row torn by a killed writer", rows_path, cut)
@@ -51,7 +58,29 @@ class EvalLogWriter:
             row.finished_s = time.time()
             self._rows.append(row.to_json())
         self.rows.append(row)
+        self._release_old_samples()
         return row
+
+    def _release_old_samples(self) -> None:
+        """Give back the samples of all but the newest ``keep_samples_versions`` versions with samples (module
+        docstring); a filesystem that cannot is said once, and everything is kept."""
+        if self.keep_samples_versions < 0 or self._cannot_release or not is_compressed(self.samples_path):
+            return
+        with_samples = [i for i, r in enumerate(self.rows) if r.samples > 0]
+        if len(with_samples) <= self.keep_samples_versions:
+            return
+        first_kept = with_samples[-self.keep_samples_versions]
+        head = self.rows[first_kept - 1].samples_bytes if first_kept > 0 else 0
+        if head <= self._released:
+            return
+        if release_head(self.samples_path, head):
+            self._released = head
+            log.debug("%s: released the samples before v%d (%d bytes)", self.samples_path,
+                      self.rows[first_kept].version, head)
+        else:
+            self._cannot_release = True
+            log.warning("%s: this filesystem cannot release the head of a file (fallocate hole punching): the "
+                        "responses of every evaluated version are kept (eval.keep_samples_versions)", self.samples_path)
 
     def close(self) -> None:
         """Close both files."""
