@@ -43,13 +43,27 @@ def test_a_watch_reports_each_bump_once_and_backs_off_while_nothing_changes(tmp_
         time.sleep(0.01)
         seen.append(w.changed("loop"))
     assert not any(seen) and w.interval_s == 0.08
-    assert stats.n <= 8, f"{stats.n} stats in 0.4 s: the interval did not back off"
+    assert stats.n <= 16, f"{stats.n} stats in 0.4 s: the interval did not back off (40 without)"
     bump(rd, "weight version 1 published", "trainer")
     time.sleep(0.09)
     assert w.changed("loop") and w.interval_s == 0.01, "a change is seen within max_s, then the polls are fast again"
     time.sleep(0.02)
     assert not w.changed("loop")
     assert rd.changes.read_text().count("\n") == 1 and "weight version 1" in rd.changes.read_text()
+
+
+def test_a_poll_sleeps_a_quarter_of_its_wait_so_it_sees_a_change_at_most_a_quarter_late(tmp_path):
+    assert [changes.backoff_s(w, 0.05, 0.5) for w in (0.0, 0.1, 1.0, 2.0, 60.0)] == [0.05, 0.05, 0.25, 0.5, 0.5]
+    rd = RunDir(tmp_path).create()
+    w = ChangeWatch(rd, min_s=0.01, max_s=10.0, rescan_s=60)
+    assert w.changed("loop")
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 0.6:  # nothing changes
+        assert not w.changed("loop")
+        time.sleep(0.005)
+    waited = time.monotonic() - t0
+    assert w.interval_s <= waited / 4 + 1e-9, "the next look is a quarter of the wait away at most (doubling: all of it)"
+    assert w.interval_s >= 0.1, "but it did back off"
 
 
 def test_every_writer_of_what_pollers_wait_for_bumps(tmp_path):

@@ -30,8 +30,9 @@ class TimeoutsConfig:
     poll_interval_s: float = 0.05
     """Sleep between polls of the run directory, right after something changed."""
     poll_max_s: float = 0.5
-    """While nothing changes, a job's polls of the run directory back off from ``poll_interval_s`` to this
-    (``control/changes.py``; the trainer's look for new samples too): a change is seen at most this late.
+    """While nothing changes, a job's polls of the run directory back off from ``poll_interval_s`` to this, each
+    sleeping a quarter of the time waited so far (``control/changes.py``; the trainer's look for new samples too):
+    a change is seen at most this late, and at most a quarter of the wait late.
     Lower reacts faster and costs the filesystem's metadata server more operations per second."""
     wait_log_interval_s: float = 10.0
     """A job that waits for the other one logs what it waits for this often."""

@@ -12,10 +12,11 @@ when it grew.
   counter to read-modify-write, no lock, and two writers racing on a filesystem without atomic appends
   (NFS) still grow it. Nothing parses it but people (``tail control/changes.jsonl`` shows the run's
   changes).
-- A poller stats it at most every ``interval``: ``timeouts.poll_interval_s`` after a change, doubling
-  while nothing changes up to ``timeouts.poll_max_s`` (so a change is seen at most that late), and it
-  reports a change every :data:`RESCAN_S` anyway: a writer killed between its change and its bump, or one
-  that does not bump (an older hpcrl), delays a reaction by that much at most, never forever.
+- A poller stats it at most every ``interval``: ``timeouts.poll_interval_s`` after a change, then a quarter of
+  the time since the last change (:func:`backoff_s`) up to ``timeouts.poll_max_s`` (so a change is seen at most
+  that late, and at most a quarter of the wait late), and it reports a change every :data:`RESCAN_S` anyway: a
+  writer killed between its change and its bump, or one that does not bump (an older hpcrl), delays a reaction
+  by that much at most, never forever.
 - Order: the poller takes the file's stamp *before* it looks at the rest, and writers bump *after* their
   change, so a change is never missed: if the bump comes after the stamp, the next stat sees it.
 """
@@ -34,6 +35,19 @@ log = logging.getLogger(__name__)
 
 RESCAN_S = 10.0
 """A watch reports a change at least this often, whatever the file says (module docstring)."""
+
+LATE_SHARE = 0.25
+"""A poll that has waited ``w`` seconds sleeps ``w * LATE_SHARE`` before its next look (:func:`backoff_s`)."""
+
+
+def backoff_s(waited_s: float, min_s: float, max_s: float) -> float:
+    """Seconds until the next look of a poll that has waited ``waited_s`` since it last saw a change: a quarter of
+    that, within ``[min_s, max_s]``. So what it waits for is seen at most a quarter of the wait late (or ``min_s``,
+    or ``max_s``), where doubling the sleep would see it up to a whole wait late (a tiny run's updates took twice as
+    long). Past ``4 * max_s`` of waiting it looks every ``max_s``, as doubling does, so a long wait costs the
+    metadata server about the same: with the defaults (0.05 s, 0.5 s) a wait of 60 s looks 131 times (doubling: 123),
+    one of 2 s 15 times (doubling: 7)."""
+    return min(max(waited_s * LATE_SHARE, min_s), max_s)
 
 
 def bump(run_dir: RunDir, what: str, by: str = "") -> None:
@@ -57,8 +71,8 @@ def bump(run_dir: RunDir, what: str, by: str = "") -> None:
 class ChangeWatch:
     """A job's view of ``control/changes.jsonl``, shared by the parts of its loop that wait for something (each
     names itself: ``stop``, ``weights``, ...). It stats the file at most every interval, which backs off from
-    ``min_s`` to ``max_s`` while nothing changes; a growth, or :data:`RESCAN_S` passing, is reported once to each
-    part (:meth:`changed`), so one stat serves them all."""
+    ``min_s`` to ``max_s`` while nothing changes (:func:`backoff_s`); a growth, or :data:`RESCAN_S` passing, is
+    reported once to each part (:meth:`changed`), so one stat serves them all."""
 
     def __init__(self, run_dir: RunDir, min_s: float, max_s: float, rescan_s: float = RESCAN_S):
         self.path = run_dir.changes
@@ -66,6 +80,7 @@ class ChangeWatch:
         self.interval_s = min_s
         self._stamp: Optional[tuple[int, int]] = None
         self._next_s = 0.0  # monotonic time of the next stat
+        self._quiet_since = time.monotonic()  # monotonic time of the last change seen
         self._rescan_at = 0.0  # monotonic time of the next report whatever the file says
         self._parts: set[str] = set()  # every part that asked
         self._due: set[str] = set()  # the parts not told of the last change yet
@@ -84,7 +99,9 @@ class ChangeWatch:
         stamp = self._read_stamp()
         moved = stamp != self._stamp
         self._stamp = stamp
-        self.interval_s = self.min_s if moved else min(2 * self.interval_s, self.max_s)
+        if moved:
+            self._quiet_since = now
+        self.interval_s = backoff_s(now - self._quiet_since, self.min_s, self.max_s)
         self._next_s = now + self.interval_s
         if moved or now >= self._rescan_at:
             self._rescan_at = now + self.rescan_s

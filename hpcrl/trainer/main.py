@@ -37,7 +37,7 @@ from typing import Optional
 import torch
 
 from hpcrl import metric_names as M
-from hpcrl.control.changes import ChangeWatch, bump
+from hpcrl.control.changes import ChangeWatch, backoff_s, bump
 from hpcrl.control.job import Stop, StopWatch, job_main
 from hpcrl.control.records import HeartbeatState, HeartbeatThread, JobStats, TrainerDone, describe_heartbeats
 from hpcrl.control.startup import StartupSteps
@@ -172,8 +172,7 @@ class TrainerJob:
         kept, dropped = self._taken
         self._taken = ([], [])
         t0 = time.monotonic()
-        last_log = t0
-        sleep_s = cfg.timeouts.poll_interval_s
+        last_log = quiet_since = t0
         while len(kept) < need:
             if self.watch.check() is not None:
                 return self._stop_status(), [], dropped, time.monotonic() - t0
@@ -182,7 +181,9 @@ class TrainerJob:
                 return REPUBLISH, [], [], time.monotonic() - t0
             lines = self.lead.reader.lines_seen
             self.lead.reader.poll()
-            sleep_s = self._poll_pause(sleep_s, found=self.lead.reader.lines_seen > lines)
+            if self.lead.reader.lines_seen > lines:
+                quiet_since = time.monotonic()
+            sleep_s = self._poll_pause(time.monotonic() - quiet_since)
             self._count_skipped()
             for g in self.lead.reader.take(need - len(kept)):
                 lag = self.state.param_version - g.version_start  # the version this update starts from
@@ -203,13 +204,14 @@ class TrainerJob:
         self.heartbeat.update(state=HeartbeatState.TRAINING)
         return BATCH, kept, dropped, time.monotonic() - t0
 
-    def _poll_pause(self, last_s: float, found: bool) -> float:
-        """Rank 0: seconds until the next look for samples. Each look stats every writer's manifest, so looks are
-        at least ``writers / TRAINER_STATS_PER_S`` apart (0.38 s for 768 writers, 0.05 s up to 100); from there they
-        back off while nothing is committed, up to :data:`SAMPLE_LOOK_MAX_S`."""
+    def _poll_pause(self, quiet_s: float) -> float:
+        """Rank 0: seconds until the next look for samples, ``quiet_s`` after the last look that found some. Each
+        look stats every writer's manifest, so looks are at least ``writers / TRAINER_STATS_PER_S`` apart (0.38 s
+        for 768 writers, 0.05 s up to 100); from there they back off while nothing is committed
+        (``control.changes.backoff_s``), up to :data:`SAMPLE_LOOK_MAX_S`."""
         t = self.cfg.timeouts
         floor_s = min(max(t.poll_interval_s, self.lead.reader.writers_seen / TRAINER_STATS_PER_S), t.poll_max_s)
-        return floor_s if found else min(max(2 * last_s, floor_s), max(floor_s, min(SAMPLE_LOOK_MAX_S, t.poll_max_s)))
+        return backoff_s(quiet_s, floor_s, max(floor_s, min(SAMPLE_LOOK_MAX_S, t.poll_max_s)))
 
     def _stop_status(self) -> int:
         """Rank 0: the status that tells every rank why the run stops (the watch has a reason)."""
