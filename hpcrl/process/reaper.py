@@ -1,6 +1,6 @@
 """A watchdog that kills the processes an engine started when the job that owns them dies.
 
-vLLM's AsyncLLM runs its engine core (and, on CPU, a worker) as child processes. A rollout
+vLLM's AsyncLLM runs its engine core (and, with tensor parallelism, its workers) as child processes. A rollout
 job that exits normally shuts them down; one killed with SIGKILL leaves them running,
 re-parented to init and holding the GPU's memory (seen here: the ``VLLM::EngineCore`` of a
 SIGKILLed rollout job was still alive minutes later). Under Slurm the job's cgroup is killed

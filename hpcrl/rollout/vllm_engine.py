@@ -61,6 +61,18 @@ def memory_share(opts: EngineOptions) -> float:
     return GPU_MEMORY_SHARE if opts.device == "cuda" else CPU_MEMORY_SHARE
 
 
+def model_in_the_engine_core(opts: EngineOptions) -> None:
+    """On CPU with one worker (tensor and data parallel 1): vLLM's engine core process runs the model itself, as it
+    does on a GPU with one worker, instead of starting a worker process beside it. vLLM's CPU build starts that
+    worker unless ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (an OpenMP concern of a model in the *calling* process;
+    ``AsyncLLM`` always runs its engine core in a process of its own): each start then imports vLLM and torch in
+    two processes instead of three (an engine start of the tiny model: 10 CPU-s less; vLLM's log-probs, weight
+    loads from shared memory and aborts are unchanged: tests/test_vllm.py). Set in this process's environment before
+    vLLM reads its config; GPUs are left alone."""
+    if opts.device == "cpu" and opts.tensor_parallel_size == 1 and opts.data_parallel_size == 1:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+
 def _cuda_initialized() -> bool:
     import torch
 
@@ -84,6 +96,7 @@ class VLLMEngine(Engine):
             # in forked subprocess"): start it with spawn instead
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
             log.info("CUDA is initialised in this process: vLLM's workers start with spawn")
+        model_in_the_engine_core(opts)
         from vllm import SamplingParams
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
