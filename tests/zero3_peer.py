@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hpcrl.trainer.distributed import init_distributed  # noqa: E402
 from hpcrl.trainer.gather import zero3_state_dict  # noqa: E402
 from hpcrl.trainer.models import POLICY_PREFIX, PolicyWithValueHead, policy_state_dict  # noqa: E402
+from hpcrl.trainer.ops import prepare_ops  # noqa: E402
 
 
 def main() -> int:
@@ -30,6 +31,7 @@ def main() -> int:
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--repeats", type=int, default=1)
     a = p.parse_args()
+    prepare_ops(600.0)  # as the trainer does: the node's built ops (a fresh build in torch's own folder costs 30 CPU-s)
     init_distributed(120.0, 120.0, 10.0)  # collective timeout, rendezvous deadline, wait log interval
     import deepspeed
     import torch.distributed as dist
