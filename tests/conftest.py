@@ -28,6 +28,12 @@ cuda_rules.install()
 
 from hpcrl.config import load_config  # noqa: E402
 from hpcrl.launcher.prepare import prepare_run_dir  # noqa: E402
+from hpcrl.trainer.ops import node_extensions_dir  # noqa: E402
+
+# DeepSpeed's built ops in the folder the trainer uses (install.sh builds it), for every process of the session: the
+# peers and in-process tests that start DeepSpeed themselves would otherwise build them into torch's own folder
+# (30 CPU-s on a fresh CI machine). A test of the build itself sets its own (tests/test_startup.py).
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(node_extensions_dir()))
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny.yaml"
