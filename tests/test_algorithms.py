@@ -84,6 +84,10 @@ RARE = {  # name: (overrides, K, require_batches, ppo_epochs)
 }
 
 
+RARE_STEPS = 96
+"""Groups each of them generates: 12 updates (4 versions) at K=3 and 2 batches per update, 24 (12) at K=2."""
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(RARE))
 def test_less_travelled_paths_run_end_to_end(tiny_run, name):
@@ -91,7 +95,7 @@ def test_less_travelled_paths_run_end_to_end(tiny_run, name):
     proximal or recomputed log-probs with importance weights, and the reference model
     (KL loss) or the value head (GAE): short runs that must finish with sane metrics."""
     overrides, K, rb, epochs = RARE[name]
-    rd = tiny_run("rollout.total_rollout_steps=144", "actor.bf16=true", f"actor.ppo_epochs={epochs}",
+    rd = tiny_run(f"rollout.total_rollout_steps={RARE_STEPS}", "actor.bf16=true", f"actor.ppo_epochs={epochs}",
                   "actor.ppo_micro_batch_size=2", "async_training.staleness_threshold=1.0",
                   f"async_training.trigger_parameter_sync_step={K}", f"async_training.require_batches={rb}",
                   *overrides)
@@ -100,7 +104,7 @@ def test_less_travelled_paths_run_end_to_end(tiny_run, name):
     assert trainer.wait(300) == 0, trainer.tail()
     assert rollout.wait(120) == 0, rollout.tail()
     m = read_metrics(rd)
-    updates = 144 // (4 * rb)
+    updates = RARE_STEPS // (4 * rb)
     assert m.step.tolist() == list(range(1, updates + 1))
     assert m.param_version.tolist() == [(s - 1) // K for s in range(1, updates + 1)], "a new version every K updates"
     assert m["actor/optimizer_steps"].iloc[-1] == updates * epochs * rb, "ppo_epochs * require_batches steps per update"
