@@ -173,7 +173,11 @@ def test_verl_format_run_learns_through_the_launcher(background_runs):
     print(f"verl-format run: reward first fifth {first:.3f}, last fifth {last:.3f} ({len(r)} updates)")
     assert last > first + 0.25, f"reward did not rise: {first:.3f} -> {last:.3f}"
     rows = [json.loads(x) for x in (run / "logs" / "rollout-w000.jsonl").read_text().splitlines()]
-    assert all("reward/errors" in x and "reward_extra/exact" in x for x in rows)
+    assert all("reward/errors" in x for x in rows)
+    # the reward's extras are averages over what was scored: a version row with no trajectory has none (the rollout
+    # job can load the last version and write its row before it sees the trainer's end)
+    assert all("reward_extra/exact" in x for x in rows if x["trajectories"] > 0)
+    assert sum(x["trajectories"] > 0 for x in rows) >= len(rows) - 1
     # the same metric names, read back by TensorBoard's and W&B's own libraries
     tb = tensorboard_scalars(RunDir(run).tensorboard, "reward/mean")
     assert [s for s, _ in tb] == list(m["step"]) and np.allclose([v for _, v in tb], m["reward/mean"])
