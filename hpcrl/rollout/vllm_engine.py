@@ -64,11 +64,12 @@ def memory_share(opts: EngineOptions) -> float:
 def model_in_the_engine_core(opts: EngineOptions) -> None:
     """On CPU with one worker (tensor and data parallel 1): vLLM's engine core process runs the model itself, as it
     does on a GPU with one worker, instead of starting a worker process beside it. vLLM's CPU build starts that
-    worker unless ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (an OpenMP concern of a model in the *calling* process;
-    ``AsyncLLM`` always runs its engine core in a process of its own): each start then imports vLLM and torch in
-    two processes instead of three (an engine start of the tiny model: 10 CPU-s less; vLLM's log-probs, weight
-    loads from shared memory and aborts are unchanged: tests/test_vllm.py). Set in this process's environment before
-    vLLM reads its config; GPUs are left alone."""
+    worker unless ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (its comment: OpenMP's environment is set correctly only by
+    that worker process; ``AsyncLLM`` runs its engine core in a process of its own either way): each start imports
+    vLLM and torch in two processes instead of three (test_vllm's five engine tests: 10 CPU-s less; vLLM's log-probs,
+    weight loads from shared memory, aborts and LoRA adapters are unchanged: tests/test_vllm.py,
+    tests/test_lora_vllm.py; CPU generation throughput in this mode is not measured). Set in this process's
+    environment before vLLM reads its config; GPUs are left alone."""
     if opts.device == "cpu" and opts.tensor_parallel_size == 1 and opts.data_parallel_size == 1:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
