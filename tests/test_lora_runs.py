@@ -1,7 +1,8 @@
 """LoRA runs end to end (trainer + rollout jobs, real processes): the tiny task learns with a rank-8 adapter to the
-level full fine-tuning reaches in the same 300 updates (both runs in the background: ``conftest.BackgroundRuns``),
-with the transformers engine and with vLLM; and a run whose trainer and rollout job are SIGKILLed while an adapter
-version is published and being loaded resumes from the adapter checkpoint with every group trained on once."""
+level full fine-tuning reaches in the same 300 updates (transformers engine); vLLM serves every adapter version as
+the trainer computes it (a short launched run, both in the background: ``conftest.BackgroundRuns``); and a run whose
+trainer and rollout job are SIGKILLed while an adapter version is published and being loaded resumes from the adapter
+checkpoint with every group trained on once."""
 import importlib.util
 import signal
 import subprocess
@@ -17,16 +18,19 @@ from conftest import REPO, TINY, BackgroundCommand, check_exactly_once, start_ro
 from hpcrl.eval_log import EVALUATED, read_eval_rows
 from hpcrl.fsio import read_json, read_jsonl
 from hpcrl.logs import read_metrics
-from hpcrl.run_dir import RunDir
+from hpcrl.run_dir import EVAL_JOB, RunDir
 
 pytestmark = pytest.mark.slow
 
 LORA = ["actor.lora_rank=8", "actor.lora_alpha=16",
         "actor.lora_target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head]"]
 """configs/tiny-lora.yaml as overrides of configs/tiny.yaml (checked below)."""
-VLLM_UPDATES = 200
-"""At 160 updates seven runs' last fifths read 0.67-0.94 but one 0.26 (it stayed at 0.1-0.2 for 100 updates before
-it rose; a slower start than the others' 50-80): the adapter escapes the random base's plateau at a random time."""
+VLLM_UPDATES = 40
+"""The vLLM LoRA run checks serving, not learning: at lag 0 its PPO ratio is 1, so the engine samples from exactly
+the trainer's adapter policy, whose learning the transformers run holds to 0.8. Learning through vLLM was measured
+at 160 updates (docs/lora.md: 0.84, 0.72, 0.94; one run in eight stayed at 0.1-0.2 for 100 updates): on CPU, vLLM's
+LoRA path generates ~300 tokens/s against ~1,260 without an adapter, and a learning run cost the suite 190-280 CPU-s,
+against ~60 for these 40 updates."""
 
 
 def sharp_base(folder: Path) -> Path:
@@ -59,7 +63,7 @@ if importlib.util.find_spec("vllm") is not None:
 
 def background_keys(item):
     return {"test_lora_learns_the_tiny_task_as_full_fine_tuning_does": ("lora:tiny",),
-            "test_lora_through_vllm_serves_every_adapter_version_and_learns": ("lora:vllm",)}.get(item.originalname, ())
+            "test_lora_through_vllm_serves_every_adapter_version_as_the_trainer_computes_it": ("lora:vllm",)}.get(item.originalname, ())
 
 
 def fifths(values):
@@ -104,27 +108,25 @@ def test_lora_learns_the_tiny_task_as_full_fine_tuning_does(background_runs):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
-def test_lora_through_vllm_serves_every_adapter_version_and_learns(background_runs):
-    """Launched like a user's run; the same adapter and base through the transformers engine reached 0.96 in 300
-    updates (README, "LoRA")."""
+def test_lora_through_vllm_serves_every_adapter_version_as_the_trainer_computes_it(background_runs):
+    """Launched like a user's run: every adapter version reaches vLLM's engine (the rollout job's and the evaluation
+    job's), and at lag 0 vLLM's log-probs under the adapter are the trainer's (the PPO ratio is 1)."""
     out = background_runs.launched("lora:vllm", timeout_s=900)
     assert out.returncode == 0, out.stdout[-3000:]
     assert "LoRA: rank 8, alpha 16 on 14 layers" in out.stdout, "the launch check says what is trained"
     rd = RunDir(Path(out.args[out.args.index("--run-dir") + 1]))
     m = read_metrics(rd)
     ro = pd.read_json(rd.rollout_metrics("w000"), lines=True)
-    first, last = fifths(m["reward/mean"].to_numpy())
     ratio = max(m["actor/ratio_max"].max() - 1, 1 - m["actor/ratio_min"].min())
-    print(f"vLLM LoRA run, {VLLM_UPDATES} updates: reward first fifth {first:.3f}, last fifth {last:.3f}; "
-          f"|ratio - 1| <= {ratio:.1e}")
+    print(f"vLLM LoRA run, {VLLM_UPDATES} updates: |ratio - 1| <= {ratio:.1e}")
     assert len(m) == VLLM_UPDATES and set(range(VLLM_UPDATES)) <= set(ro.param_version), \
         "every version reached the engine"
     assert "into the engine's adapter" in rd.job_log(RunDir.rollout_job("w000")).read_text()
     assert ratio < 1e-3, "at lag 0 vLLM's log-probs under the adapter are the trainer's: the PPO ratio is 1"
-    assert last > first + 0.4, "LoRA through vLLM learns"
+    assert m["actor/grad_norm"].gt(0).mean() > 0.8, "the adapter trains (0: every sample of an update scored alike)"
     rows = read_eval_rows(rd.eval_log)  # the evaluation job (vLLM too) scores the adapter versions
     assert [(r.version, r.status) for r in rows] == [(v, EVALUATED) for v in (0, VLLM_UPDATES // 2, VLLM_UPDATES)]
-    assert rows[-1].score > rows[0].score + 0.2, [(r.version, r.score) for r in rows]
+    assert all(r.sampling["engine"] == "vllm" for r in rows) and "LoRA up to rank 8" in rd.job_log(EVAL_JOB).read_text()
     check_exactly_once(rd, rd.load_config().rollout.max_concurrent_groups)
 
 
