@@ -86,16 +86,15 @@ def run_bare(opts, prompts, n: int, repeats: int) -> list[float]:
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from hpcrl.rollout.vllm_engine import memory_share, model_in_the_engine_core
+    from hpcrl.rollout.vllm_engine import memory_args, model_in_the_engine_core
 
     model_in_the_engine_core(opts)  # the same processes as our engine: the ratio compares the driving, not them
 
     async def main():
         llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
             model=str(opts.model_dir), skip_tokenizer_init=True, dtype=opts.dtype,
-            gpu_memory_utilization=memory_share(opts),
-            max_model_len=opts.max_model_len, enforce_eager=opts.enforce_eager, max_num_seqs=opts.max_num_seqs,
-            logprobs_mode="processed_logprobs", seed=0))
+            max_model_len=opts.max_model_len, **memory_args(opts), enforce_eager=opts.enforce_eager,
+            max_num_seqs=opts.max_num_seqs, logprobs_mode="processed_logprobs", seed=0))
 
         async def one(i, p):
             sp = SamplingParams(n=n, temperature=opts.temperature, top_p=opts.top_p, max_tokens=opts.max_new_tokens,

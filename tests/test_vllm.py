@@ -4,6 +4,7 @@ what it then generates with, abort hands back partial responses, and the tiny ta
 through the launcher. One engine is shared by the module's direct tests (~25 s to start)."""
 import importlib.util
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -53,6 +54,24 @@ def vllm_engine(models):
     yield runner, engine
     engine.close()
     runner.close()
+
+
+def test_on_cpu_the_kv_cache_holds_what_the_engine_can_have_in_flight(models):
+    """No configured share on CPU: KV_HEADROOM x max_num_seqs x max_model_len tokens (the tiny model: 2 layers,
+    1 KV head of 64, float32: 1 KiB a token), not a tenth of the host's memory; a configured share or a GPU: the
+    share alone, as before."""
+    from hpcrl.rollout.vllm_engine import KV_HEADROOM, memory_args
+
+    opts = EngineOptions(models[0], max_new_tokens=8, temperature=1.0, top_p=1.0, device="cpu", dtype="float32",
+                         max_model_len=128, max_num_seqs=64)
+    assert memory_args(opts) == {"gpu_memory_utilization": 0.1, "kv_cache_memory_bytes": KV_HEADROOM * 64 * 128 * 1024}
+    opts.max_model_len = None  # the model's own limit (128) and bfloat16: half the bytes
+    opts.dtype = "bfloat16"
+    assert memory_args(opts)["kv_cache_memory_bytes"] == KV_HEADROOM * 64 * 128 * 512
+    opts.gpu_memory_utilization = 0.2
+    assert memory_args(opts) == {"gpu_memory_utilization": 0.2}
+    opts.gpu_memory_utilization, opts.device = None, "cuda"
+    assert memory_args(opts) == {"gpu_memory_utilization": 0.5}
 
 
 def greedy_hf(model_dir, prompt, max_tokens):
@@ -230,6 +249,7 @@ def test_the_tiny_task_learns_with_vllm_through_the_launcher(tmp_path):
     assert set(range(100)) <= set(ro.param_version), "every version the trainer trained with reached the engine"
     job_log = rd.job_log(RunDir.rollout_job("w000")).read_text()
     assert "vLLM engine up" in job_log and "load broadcast weight versions from shared memory" in job_log
+    assert re.search(r"vLLM engine up in [0-9.]+s \(dtype float32, KV cache \d+ MiB", job_log), "sized to what it holds"
     assert "from its folder" not in job_log, "no mapped load fell back to the files"
     paths = ro["weights/path"].tolist()
     assert paths.count("broadcast") >= len(paths) - 2, paths

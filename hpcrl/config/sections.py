@@ -261,7 +261,9 @@ class RolloutConfig:
     weights != 1 at lag 0)."""
     gpu_memory_utilization: Optional[float] = None
     """vLLM: share of the GPU's memory for weights and KV cache (on CPU: share of host memory for
-    the KV cache). null = 0.5 on cuda (room for a trainer on the same GPU is the user's call), 0.1 on cpu."""
+    the KV cache). null = 0.5 on cuda (room for a trainer on the same GPU is the user's call); on cpu a KV cache of
+    twice what the engine can hold in flight (``max_num_seqs`` x ``max_model_len`` tokens), at most 0.1 of host
+    memory."""
     max_model_len: Optional[int] = None
     """vLLM: longest prompt + response (null = the model's own limit)."""
     tensor_parallel_size: int = 1

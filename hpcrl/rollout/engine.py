@@ -60,8 +60,9 @@ class EngineOptions:
     dtype: str
     """``float32``, ``bfloat16`` or ``float16``."""
     seed: int = 0
-    gpu_memory_utilization: float = 0.5
-    """vLLM: share of GPU memory (on CPU: of host memory for the KV cache)."""
+    gpu_memory_utilization: Optional[float] = None
+    """vLLM: share of GPU memory (on CPU: of host memory for the KV cache); None: the device's default
+    (``rollout.gpu_memory_utilization``: :func:`hpcrl.rollout.vllm_engine.memory_args`)."""
     max_model_len: Optional[int] = None
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
