@@ -143,7 +143,8 @@ class BackgroundRuns:
     kernel gives a nice-19 process ~1.5% of a core another process wants). Their tests run last
     (``pytest_collection_modifyitems``), so most runs have finished by then. A test module takes part by defining
     ``BACKGROUND_RUNS`` (run key -> overrides of a trainer + rollout pair, or a :class:`BackgroundCommand`; the
-    commands start first, they are the longest) and
+    commands start first, then the pairs with the most updates: a long run started last kept the suite's last
+    minutes at one busy core) and
     ``background_keys(item)`` (the keys of the runs a test item reads; none: it is not one of them).
 
     Every run directory is prepared before the first test (``prepare_run_dir`` seeds torch's global generator, so
@@ -154,7 +155,8 @@ class BackgroundRuns:
         self.width = width
         self._env = dict(os.environ)
         self._ready = {key: self._prepare(folder.joinpath(*key.split(":")), run) for key, run in runs.items()}
-        self._pending = sorted(runs, key=lambda key: not isinstance(runs[key], BackgroundCommand))
+        self._pending = sorted(runs, key=lambda key: (0, 0) if isinstance(runs[key], BackgroundCommand) else
+                               (1, -self._ready[key].load_config().total_updates))
         self.started: dict[str, tuple] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
