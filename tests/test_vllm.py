@@ -6,8 +6,6 @@ import importlib.util
 import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -17,7 +15,7 @@ import pandas as pd
 import pytest
 import torch
 
-from conftest import REPO, TINY, check_exactly_once
+from conftest import TINY, BackgroundCommand, check_exactly_once
 from hpcrl.config import WeightsConfig
 from hpcrl.control.records import HeartbeatThread
 from hpcrl.eval_log import EVALUATED, read_eval_rows
@@ -225,17 +223,32 @@ def test_abort_returns_the_partial_responses_and_the_engine_serves_again(vllm_en
     assert all(s.finish_reason != FINISH_ABORT and len(s.response_ids) for s in again)
 
 
-def test_the_tiny_task_learns_with_vllm_through_the_launcher(tmp_path):
+def vllm_learning_run(folder: Path) -> list[str]:
+    """`hpcrl run configs/tiny.yaml rollout.engine=vllm weights.transport=broadcast`, with the broadcast's limits of
+    a starved background run (bench/gpu_check.sh's are the same)."""
+    return ["run", str(TINY), "model.path=builtin:tiny-h64", "rollout.engine=vllm", "weights.transport=broadcast",
+            "rollout.total_rollout_steps=400", "actor.lr=0.003", "timeouts.broadcast_connect_s=120",
+            "timeouts.broadcast_s=1200", "timeouts.engine_start_s=1800",
+            "--run-dir", str(folder / "vllm"), "--executor", "local", "--timeout-min", "30"]
+
+
+BACKGROUND_RUNS = {"vllm:learns": BackgroundCommand.hpcrl_args(vllm_learning_run)}
+"""Launched like a user's run in the background when the session starts (conftest.BackgroundRuns): what its test
+asserts does not depend on how fast it went."""
+
+
+def background_keys(item) -> tuple[str, ...]:
+    """The background runs a test item reads (none: it runs its own jobs)."""
+    return ("vllm:learns",) if item.originalname == "test_the_tiny_task_learns_with_vllm_through_the_launcher" else ()
+
+
+def test_the_tiny_task_learns_with_vllm_through_the_launcher(background_runs):
     """`hpcrl run configs/tiny.yaml rollout.engine=vllm weights.transport=broadcast` on CPU: weights reach
     vLLM every version (by broadcast, mapped by its worker from shared memory), the PPO ratio at lag 0 is 1
     (vLLM's log-probs are the trainer's), the reward rises."""
-    run = tmp_path / "vllm"
-    out = subprocess.run([sys.executable, "-m", "hpcrl", "run", str(TINY), "model.path=builtin:tiny-h64",
-                          "rollout.engine=vllm", "weights.transport=broadcast", "rollout.total_rollout_steps=400",
-                          "actor.lr=0.003",
-                          "--run-dir", str(run), "--executor", "local", "--timeout-min", "10"],
-                         capture_output=True, text=True, cwd=REPO, timeout=900)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    out = background_runs.launched("vllm:learns", timeout_s=900)
+    assert out.returncode == 0, out.stdout[-3000:]
+    run = Path(out.args[out.args.index("--run-dir") + 1])
     rd = RunDir(run)
     m = read_metrics(rd)
     reward = m["reward/mean"].to_numpy()
