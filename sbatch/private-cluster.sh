@@ -97,8 +97,8 @@ CONF
 # memory (sbatch's default) is never started by preemption here: an owner job gives --mem.
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
-# the schedulers run every 5 s, not every 60 and 30 s: a preemption (by the backfill scheduler) takes seconds
-SchedulerParameters=sched_interval=5,bf_interval=5
+# the schedulers run every second, not every 60 and 30 s: a preemption (by the backfill scheduler) takes seconds
+SchedulerParameters=sched_interval=1,bf_interval=1
 # scavenger capacity (resources.rollout_preemptible.partition=scavenger): any job may use it until the owner
 # needs its cores back: an owner job that does not fit beside the running jobs requeues as many scavenger jobs as
 # it needs (what a higher-priority user does to preemptible capacity); jobs of debug are never preempted

@@ -3,13 +3,13 @@ generation config listed and hashed in its manifest, verified by readers like co
 ``hpcrl export RUN --out DIR`` writes one that AutoModelForCausalLM, AutoTokenizer and vLLM load as is."""
 import importlib.util
 import json
-import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO, make_run
+from conftest import BackgroundCommand, make_run
 from hpcrl.cli import main as cli_main
 from hpcrl.config import WeightsConfig
 from hpcrl.run_dir import RunDir
@@ -135,15 +135,30 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (./install.sh --test)")
-def test_vllm_loads_the_export_as_is(tmp_path):
-    base = llama_model(tmp_path / "base")
-    rd, _ = publish_trained(tmp_path, base)
-    out = tmp_path / "exported"
+def exported_and_loaded_by_vllm(folder: Path) -> list[str]:
+    """A trained run's last version exported as it is (``hpcrl export``), and the command that loads the export
+    with vLLM's own ``LLM`` class in a process of its own."""
+    base = llama_model(folder / "base")
+    rd, _ = publish_trained(folder, base)
+    out = folder / "exported"
     assert cli_main(["export", str(rd.root), "--out", str(out)]) == 0
-    (tmp_path / "load.py").write_text(VLLM_LOAD)
-    proc = subprocess.run([sys.executable, str(tmp_path / "load.py"), str(out)], capture_output=True, text=True,
-                          timeout=600, cwd=REPO, env={**__import__("os").environ, "VLLM_USE_FLASHINFER_SAMPLER": "0"})
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    (folder / "load.py").write_text(VLLM_LOAD)
+    return ["env", "VLLM_USE_FLASHINFER_SAMPLER=0", sys.executable, str(folder / "load.py"), str(out)]
+
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+BACKGROUND_RUNS = {"export:vllm": BackgroundCommand(exported_and_loaded_by_vllm)} if HAS_VLLM else {}
+"""vLLM's load of the export, in the background when the session starts (conftest.BackgroundRuns)."""
+
+
+def background_keys(item) -> tuple[str, ...]:
+    """The background run a test item reads (none without vLLM: the test is skipped)."""
+    return ("export:vllm",) if item.originalname == "test_vllm_loads_the_export_as_is" and HAS_VLLM else ()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (./install.sh --test)")
+def test_vllm_loads_the_export_as_is(background_runs):
+    proc = background_runs.launched("export:vllm", timeout_s=900)
+    assert proc.returncode == 0, proc.stdout[-5000:]
     assert "IDS [39, 5] TOKENS 4" in proc.stdout, proc.stdout[-2000:]

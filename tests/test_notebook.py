@@ -3,24 +3,37 @@ open, and the script that compares runs; both executed on a tiny run so they nev
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TINY
+from conftest import REPO, TINY, BackgroundCommand
 from hpcrl.eval_log import EVALUATED, read_eval_rows
-from test_users import hpcrl
 
 pytestmark = pytest.mark.slow
 NOTEBOOK = REPO / "analysis" / "runs.ipynb"
 
 
+def tiny_launch(folder: Path) -> list[str]:
+    """`hpcrl run configs/tiny.yaml` for 20 updates at s=0.5, launched like a user's."""
+    return ["run", str(TINY), "rollout.total_rollout_steps=80", "async_training.staleness_threshold=0.5",
+            "--run-dir", str(folder / "tiny"), "--executor", "local", "--timeout-min", "30"]
+
+
+BACKGROUND_RUNS = {"nb:tiny": BackgroundCommand.hpcrl_args(tiny_launch)}
+"""The run both tests read, in the background when the session starts (conftest.BackgroundRuns)."""
+
+
+def background_keys(item) -> tuple[str, ...]:
+    """The background run a test item reads: the tiny run, for every test that takes it."""
+    return ("nb:tiny",) if "tiny_run" in item.fixturenames else ()
+
+
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    run = tmp_path_factory.mktemp("nb") / "tiny"
-    out = hpcrl("run", TINY, "rollout.total_rollout_steps=80", "async_training.staleness_threshold=0.5",
-                "--run-dir", run, "--executor", "local", timeout=400)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return run
+def tiny_run(background_runs):
+    out = background_runs.launched("nb:tiny", timeout_s=900)
+    assert out.returncode == 0, out.stdout[-3000:]
+    return Path(out.args[out.args.index("--run-dir") + 1])
 
 
 def test_the_notebook_runs_end_to_end_and_writes_its_figures(tiny_run, tmp_path, monkeypatch):
