@@ -143,7 +143,7 @@ class BackgroundRuns:
     kernel gives a nice-19 process ~1.5% of a core another process wants). Their tests run last
     (``pytest_collection_modifyitems``), so most runs have finished by then. A test module takes part by defining
     ``BACKGROUND_RUNS`` (run key -> overrides of a trainer + rollout pair, or a :class:`BackgroundCommand`; the
-    commands start first, then the pairs with the most updates: a long run started last kept the suite's last
+    commands start first, then the pairs in :meth:`_pair_order`: a long run started last kept the suite's last
     minutes at one busy core) and
     ``background_keys(item)`` (the keys of the runs a test item reads; none: it is not one of them).
 
@@ -155,13 +155,19 @@ class BackgroundRuns:
         self.width = width
         self._env = dict(os.environ)
         self._ready = {key: self._prepare(folder.joinpath(*key.split(":")), run) for key, run in runs.items()}
-        self._pending = sorted(runs, key=lambda key: (0, 0) if isinstance(runs[key], BackgroundCommand) else
-                               (1, -self._ready[key].load_config().total_updates))
+        self._pending = sorted(runs, key=lambda key: (0, False, 0) if isinstance(runs[key], BackgroundCommand) else
+                               self._pair_order(self._ready[key].load_config()))
         self.started: dict[str, tuple] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._keep_width_going, name="background-runs", daemon=True)
         self._thread.start()
+
+    @staticmethod
+    def _pair_order(cfg) -> tuple:
+        """Pairs with a vLLM engine first (an engine start costs a starved run ~20-40 CPU-s: partial rollout's 30
+        vLLM updates, started last, ran alone for the suite's last ~100 s), then those with the most updates."""
+        return 1, cfg.rollout.engine != "vllm", -cfg.total_updates
 
     @staticmethod
     def _prepare(folder: Path, run: list[str] | BackgroundCommand):

@@ -442,8 +442,8 @@ def test_trainer_sigkilled_mid_broadcast_leaves_the_rollout_on_files(tiny_run, c
 @pytest.mark.slow
 def broadcast_launch(folder: Path) -> list[str]:
     """`hpcrl run configs/tiny.yaml weights.transport=broadcast` for 12 updates, with the broadcast's limits of a
-    starved background run (bench/gpu_check.sh's are the same)."""
-    return ["run", str(TINY), "weights.transport=broadcast", "rollout.total_rollout_steps=48",
+    starved background run (bench/gpu_check.sh's are the same) and no evaluation job (not asserted here)."""
+    return ["run", str(TINY), "weights.transport=broadcast", "rollout.total_rollout_steps=48", "eval.every_versions=0",
             "timeouts.broadcast_connect_s=120", "timeouts.broadcast_s=1200", "--run-dir", str(folder / "run"),
             "--executor", "local", "--timeout-min", "30"]
 

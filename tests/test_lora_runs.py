@@ -25,12 +25,13 @@ pytestmark = pytest.mark.slow
 LORA = ["actor.lora_rank=8", "actor.lora_alpha=16",
         "actor.lora_target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head]"]
 """configs/tiny-lora.yaml as overrides of configs/tiny.yaml (checked below)."""
-VLLM_UPDATES = 40
+VLLM_UPDATES = 20
 """The vLLM LoRA run checks serving, not learning: at lag 0 its PPO ratio is 1, so the engine samples from exactly
 the trainer's adapter policy, whose learning the transformers run holds to 0.8. Learning through vLLM was measured
 at 160 updates (docs/lora.md: 0.84, 0.72, 0.94; one run in eight stayed at 0.1-0.2 for 100 updates): on CPU, vLLM's
 LoRA path generates ~300 tokens/s against ~1,260 without an adapter, and a learning run cost the suite 190-280 CPU-s,
-against ~60 for these 40 updates."""
+against ~110 for 40 updates in the background (two vLLM engines start, the rollout job's and the evaluation
+job's)."""
 
 
 def sharp_base(folder: Path) -> Path:
@@ -63,7 +64,8 @@ if importlib.util.find_spec("vllm") is not None:
 
 def background_keys(item):
     return {"test_lora_learns_the_tiny_task_as_full_fine_tuning_does": ("lora:tiny",),
-            "test_lora_through_vllm_serves_every_adapter_version_as_the_trainer_computes_it": ("lora:vllm",)}.get(item.originalname, ())
+            "test_lora_through_vllm_serves_every_adapter_version_as_the_trainer_computes_it": ("lora:vllm",)
+            }.get(item.originalname, ())
 
 
 def fifths(values):
