@@ -25,20 +25,13 @@ ctld_port="${HPCRL_SLURMCTLD_PORT:-7817}"
 preempt="${HPCRL_PRIVATE_PREEMPT:-0}"
 slurmd_port="${HPCRL_SLURMD_PORT:-7818}"
 
+# shellcheck source=sbatch/private-common.sh
+. "$(dirname "$0")/private-common.sh"
+
 need_root() {
   if [ "$(id -u)" -ne 0 ]; then
     echo "$0: must run as root (it starts slurmd and munged)" >&2; exit 1
   fi
-}
-
-install_packages() {
-  if command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v sbatch >/dev/null \
-     && command -v munged >/dev/null; then
-    return
-  fi
-  echo "private-cluster: installing slurmctld slurmd slurm-client munge (Debian packages)" >&2
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurmctld slurmd slurm-client munge >/dev/null
 }
 
 write_conf() {
@@ -106,17 +99,6 @@ PartitionName=scavenger Nodes=ALL MaxTime=INFINITE State=UP OverSubscribe=NO Pri
 PartitionName=owner Nodes=ALL MaxTime=INFINITE State=UP OverSubscribe=NO PriorityTier=20 PreemptMode=OFF
 CONF
   fi
-}
-
-start_munge() {
-  if pgrep -x munged >/dev/null; then return; fi
-  mkdir -p /etc/munge /var/lib/munge /var/log/munge /run/munge
-  if [ ! -s /etc/munge/munge.key ]; then
-    dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 status=none
-  fi
-  chown -R munge:munge /etc/munge /var/lib/munge /var/log/munge /run/munge
-  chmod 0400 /etc/munge/munge.key
-  su -s /bin/sh munge -c /usr/sbin/munged
 }
 
 wait_idle() {

@@ -2,7 +2,8 @@
 # A private multi-node Slurm cluster on one machine, for tests (runs as root): N "nodes", each a slurmd in
 # its own network namespace with its own host name, address and /etc/hosts, and one slurmctld here.
 #
-#   sbatch/private-multinode.sh start DIR [N]   # N nodes (default 3): hpcrl-n1 .. hpcrl-nN
+#   sbatch/private-multinode.sh start DIR [N]   # N nodes (default 3): hpcrl-n1 .. hpcrl-nN; installs the packages
+#                                               # if missing (private-common.sh)
 #   sbatch/private-multinode.sh stop DIR        # stop the daemons, remove the namespaces and the bridge
 #   sbatch/private-multinode.sh env DIR         # print `export SLURM_CONF=...` for your shell
 #
@@ -24,6 +25,9 @@ ctld_port="${HPCRL_MN_SLURMCTLD_PORT:-7827}"; slurmd_port="${HPCRL_MN_SLURMD_POR
 BR=hpcrlbr0; NET=10.232.0
 
 node_ip() { echo "$NET.$((10 + $1))"; }
+
+# shellcheck source=sbatch/private-common.sh
+. "$(dirname "$0")/private-common.sh"
 
 need_root() { [ "$(id -u)" -eq 0 ] || { echo "$0: must run as root (namespaces, slurmd, munged)" >&2; exit 1; }; }
 
@@ -95,15 +99,6 @@ CONF
   echo "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4" >> "$conf"
 }
 
-start_munge() {
-  if pgrep -x munged >/dev/null; then return; fi
-  mkdir -p /etc/munge /var/lib/munge /var/log/munge /run/munge
-  [ -s /etc/munge/munge.key ] || dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 status=none
-  chown -R munge:munge /etc/munge /var/lib/munge /var/log/munge /run/munge
-  chmod 0400 /etc/munge/munge.key
-  su -s /bin/sh munge -c /usr/sbin/munged
-}
-
 wait_pid() {  # wait_pid FILE WHAT: the daemon wrote its pid file and runs, else say where its log is
   for _ in $(seq 1 40); do
     [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null && return 0
@@ -147,9 +142,7 @@ stop_all() {
 case "$cmd" in
   start)
     need_root
-    for c in slurmctld slurmd sbatch munged ip unshare nsenter; do
-      command -v "$c" >/dev/null || { echo "private-multinode: $c not found (apt-get install slurmctld slurmd slurm-client munge iproute2 util-linux)" >&2; exit 1; }
-    done
+    install_packages ip unshare nsenter
     stop_all   # leftovers of an earlier start from DIR
     network_up
     write_files
