@@ -29,11 +29,13 @@ NODES = ("hpcrl-n1", "hpcrl-n2", "hpcrl-n3")
 
 
 def _skip_reason() -> str | None:
+    """Why the cluster cannot start here (None: it can). Missing packages are no reason: the script installs them
+    as sbatch/private-cluster.sh does (on a fresh CI machine this module runs before the Slurm tests that used to
+    install them, and was skipped)."""
     if os.geteuid() != 0:
         return "the multi-node cluster needs root (namespaces, slurmd, munged); CI runs as root"
-    missing = [c for c in ("slurmctld", "slurmd", "sbatch", "munged", "ip", "unshare", "nsenter") if not shutil.which(c)]
-    if missing:
-        return f"not installed: {', '.join(missing)} (apt-get install slurmctld slurmd slurm-client munge)"
+    if not shutil.which("ip"):
+        return None  # iproute2 comes with the packages; a machine that refuses namespaces fails the start, loudly
     probe = subprocess.run(["ip", "netns", "add", "hpcrl-probe"], capture_output=True, text=True)
     if probe.returncode != 0:
         return f"network namespaces are not allowed here: ip netns add: {probe.stderr.strip()}"
