@@ -75,7 +75,10 @@ def test_a_fleet_grown_shrunk_killed_and_resumed_trains_on_every_prompt_once(tmp
     from hpcrl.launcher.scale_cmd import scale_command
 
     lines: list[str] = []
-    run = hpcrl.launch(TINY, run_dir=tmp_path / "run", executor="local", emit=lines.append, overrides=SIMULATED)
+    # long enough to be stopped by the test, not to finish: with 160 steps a whole-suite run here trained the last
+    # 16 updates while the killed w001 was resubmitted (~6 s), which then found the trainer done, never generating
+    run = hpcrl.launch(TINY, run_dir=tmp_path / "run", executor="local", emit=lines.append,
+                       overrides=[*SIMULATED, "rollout.total_rollout_steps=800"])
     rd, cfg = run.rd, run.cfg
     result: dict = {}
     follower = threading.Thread(target=lambda: result.setdefault("ok", run.wait(timeout_s=400, poll_s=0.5)),
@@ -98,9 +101,10 @@ def test_a_fleet_grown_shrunk_killed_and_resumed_trains_on_every_prompt_once(tmp
     fleet = [x for x in _status(rd).splitlines() if x.startswith("fleet:")]
     assert fleet and "w002 (drained" in fleet[0], fleet  # hpcrl status names the writer that left and why
 
-    # resumed to train longer: on a fast machine the first 160 groups may all be trained before the stop lands
+    # resumed for 10 updates past where the stop left it
+    steps = cfg.groups_per_update * (len(list(read_jsonl(rd.metrics))) + 10)
     resumed = hpcrl.launch(None, run_dir=rd.root, executor="local", emit=lines.append, resume=True,
-                           overrides=["rollout.total_rollout_steps=200"])
+                           overrides=[f"rollout.total_rollout_steps={steps}"])
     assert sorted(resumed.jobs) == ["rollout-w000", "rollout-w001", "trainer"], "the fleet as it was, w002 not"
     assert resumed.wait(timeout_s=400, poll_s=0.5), "\n".join(lines[-30:])
 
