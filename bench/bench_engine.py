@@ -86,9 +86,9 @@ def run_bare(opts, prompts, n: int, repeats: int) -> list[float]:
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from hpcrl.rollout.vllm_engine import memory_args, model_in_the_engine_core
+    from hpcrl.rollout.vllm_engine import engine_core_environment, memory_args
 
-    model_in_the_engine_core(opts)  # the same processes as our engine: the ratio compares the driving, not them
+    engine_core_environment(opts)  # the same processes as our engine: the ratio compares the driving, not them
 
     async def main():
         llm = AsyncLLM.from_engine_args(AsyncEngineArgs(

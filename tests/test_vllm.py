@@ -72,6 +72,24 @@ def test_on_cpu_the_kv_cache_holds_what_the_engine_can_have_in_flight(models):
     assert memory_args(opts) == {"gpu_memory_utilization": 0.5}
 
 
+OMP_WAIT_POLICY_AT_START = os.environ.get("OMP_WAIT_POLICY")
+
+
+def test_on_cpu_the_engine_core_runs_with_passive_openmp_threads(vllm_engine):
+    """vllm_engine.engine_core_environment: the engine core process (a child of this one) starts with
+    OMP_WAIT_POLICY=PASSIVE unless the user set a policy, so its OpenMP threads do not spin between decode steps
+    on the cores of the jobs beside it."""
+    from hpcrl.process.reaper import descendants
+
+    cores = [p for p, _ in descendants(os.getpid())
+             if "EngineCore" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")]
+    assert cores, "the engine core runs in a process of its own"
+    for pid in cores:
+        environ = Path(f"/proc/{pid}/environ").read_text(errors="replace").split("\0")
+        env = dict(x.split("=", 1) for x in environ if "=" in x)
+        assert env.get("OMP_WAIT_POLICY") == (OMP_WAIT_POLICY_AT_START or "PASSIVE"), env.get("OMP_WAIT_POLICY")
+
+
 def greedy_hf(model_dir, prompt, max_tokens):
     model = load_reference(model_dir)
     out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
