@@ -14,9 +14,7 @@ install_packages() {
   for c in slurmctld slurmd sbatch munged "$@"; do
     command -v "$c" >/dev/null || missing+=("${PRIVATE_PACKAGE[$c]:?no package known for the command $c}")
   done
-  [ "${#missing[@]}" -eq 0 ] && return
-  # one package per name, in the order first needed
-  read -r -a missing <<< "$(printf '%s\n' "${missing[@]}" | awk '!seen[$0]++' | tr '\n' ' ')"
+  [ "${#missing[@]}" -eq 0 ] && return  # a package named twice (util-linux) is fine for apt-get
   command -v apt-get >/dev/null || {
     echo "$0: missing ${missing[*]} and there is no apt-get here: install them with your package manager" >&2
     exit 1
