@@ -152,6 +152,39 @@ def test_the_sweep_ends_other_attempts_only(tmp_path, monkeypatch, caplog):
             p.kill()
 
 
+def test_vllm_sockets_go_to_a_folder_of_the_process_that_is_removed_once_it_is_gone(tmp_path, monkeypatch, caplog):
+    """rollout/vllm_sockets.py: vLLM's socket files go to <tmp>/hpcrl-vllm-<pid>/; the folders of processes that
+    no longer run are removed by the next engine start, those of running ones are kept; a VLLM_RPC_BASE_PATH the
+    user set is kept (the engine itself: test_vllm.py's SIGKILL test)."""
+    import tempfile
+
+    from hpcrl.rollout import vllm_sockets
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(vllm_sockets.atexit, "register", lambda *a, **k: None)  # not this test process's exit
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        for pid in (gone.pid, running.pid):
+            (tmp_path / f"hpcrl-vllm-{pid}").mkdir()
+            (tmp_path / f"hpcrl-vllm-{pid}" / "0b1c-socket").touch()
+        monkeypatch.setenv("VLLM_RPC_BASE_PATH", "/scratch/mine")
+        assert vllm_sockets.use_own_socket_folder() is None and os.environ["VLLM_RPC_BASE_PATH"] == "/scratch/mine"
+        assert (tmp_path / f"hpcrl-vllm-{gone.pid}").exists(), "nothing is swept where the user chose the folder"
+        monkeypatch.delenv("VLLM_RPC_BASE_PATH")
+        caplog.set_level("INFO")
+        own = vllm_sockets.use_own_socket_folder()
+        assert own == tmp_path / f"hpcrl-vllm-{os.getpid()}" and own.is_dir()
+        assert os.environ["VLLM_RPC_BASE_PATH"] == str(own)
+        assert not (tmp_path / f"hpcrl-vllm-{gone.pid}").exists(), "a gone process's folder is removed"
+        assert (tmp_path / f"hpcrl-vllm-{running.pid}" / "0b1c-socket").exists(), "a running one's is kept"
+        assert "removed 1 vLLM socket folder(s)" in caplog.text
+        assert vllm_sockets.use_own_socket_folder() == own, "a second engine of the process shares its folder"
+    finally:
+        running.kill()
+
+
 def test_the_interface_is_the_route_to_the_master(veth, monkeypatch, caplog):
     assert interface_to(veth) == ("hpcrlt0", "10.231.7.1")
     assert interface_to("127.0.0.1") == ("lo", "127.0.0.1")

@@ -6,6 +6,7 @@ import importlib.util
 import os
 import re
 import signal
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -292,7 +293,8 @@ def test_the_tiny_task_learns_with_vllm_through_the_launcher(background_runs):
 
 def test_a_sigkilled_vllm_rollout_leaves_no_engine_behind_and_its_successor_goes_on(tiny_run):
     """vLLM's engine core is a child process: SIGKILL of the rollout job must not leave it holding
-    the GPU (process/reaper.py); the restarted job recovers and the run ends exactly-once."""
+    the GPU (process/reaper.py), nor its socket files in the node's /tmp once the next engine starts
+    (rollout/vllm_sockets.py); the restarted job recovers and the run ends exactly-once."""
     from conftest import start_rollout, start_trainer, wait_until
     from hpcrl.process.reaper import descendants
     from hpcrl.fsio import read_jsonl
@@ -305,11 +307,16 @@ def test_a_sigkilled_vllm_rollout_leaves_no_engine_behind_and_its_successor_goes
     wait_until(lambda: updates() >= 10, 300, "10 updates", jobs=(trainer, rollout))
     engine = [p for p, _ in descendants(rollout.proc.pid)]
     assert any("EngineCore" in Path(f"/proc/{p}/cmdline").read_text(errors="replace") for p in engine)
+    sockets = Path(tempfile.gettempdir()) / f"hpcrl-vllm-{rollout.proc.pid}"  # rollout/vllm_sockets.py
+    assert any(sockets.iterdir()), f"vLLM's sockets are in {sockets}"
     rollout.kill(signal.SIGKILL)
     wait_until(lambda: not any(Path(f"/proc/{p}").exists() for p in engine), 10,
                f"the engine's processes {engine} to be gone after the job's SIGKILL")
+    assert sockets.exists(), "a killed job cannot remove its own socket folder"
     rollout2 = start_rollout(rd)
+    wait_until(lambda: not sockets.exists(), 300, f"the next engine start to remove {sockets}", jobs=(rollout2,))
     assert trainer.wait(600) == 0, trainer.tail()
     assert rollout2.wait(200) == 0, rollout2.tail()
+    assert not (sockets.parent / f"hpcrl-vllm-{rollout2.proc.pid}").exists(), "removed at the job's own exit"
     assert updates() == cfg.total_updates
     check_exactly_once(rd, cfg.rollout.max_concurrent_groups)

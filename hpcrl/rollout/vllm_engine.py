@@ -43,6 +43,7 @@ from hpcrl.config.lora import vllm_max_lora_rank
 from hpcrl.rollout.adapters import check_kind
 from hpcrl.rollout.engine import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Engine, EngineOptions, Sample
 from hpcrl.rollout.load_paths import FOLDER, MAPPED, LoadPaths
+from hpcrl.rollout.vllm_sockets import use_own_socket_folder
 from hpcrl.rollout.vllm_worker import WORKER_EXTENSION
 from hpcrl.weights.base import MappedBuffer, WeightVersion
 
@@ -121,6 +122,10 @@ def engine_core_environment(opts: EngineOptions) -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+def _already_shut_down(timeout: Optional[float] = None) -> None:
+    """What ``AsyncLLM.shutdown`` becomes once :meth:`VLLMEngine.close` has called it."""
+
+
 def _cuda_initialized() -> bool:
     import torch
 
@@ -143,6 +148,7 @@ class VLLMEngine(Engine):
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
             log.info("CUDA is initialised in this process: vLLM's workers start with spawn")
         engine_core_environment(opts)
+        use_own_socket_folder()
         from vllm import SamplingParams
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -293,3 +299,6 @@ class VLLMEngine(Engine):
         if not self._closed:
             self._closed = True
             self.llm.shutdown()
+            # AsyncLLM.__del__ shuts it down again at the interpreter's exit, when vLLM's module globals are already
+            # None: "TypeError: 'NoneType' object is not callable" ended every vLLM job's log. Once is enough.
+            self.llm.shutdown = _already_shut_down
