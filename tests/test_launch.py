@@ -152,14 +152,16 @@ def test_the_sweep_ends_other_attempts_only(tmp_path, monkeypatch, caplog):
             p.kill()
 
 
-def test_vllm_sockets_go_to_a_folder_of_the_process_that_is_removed_once_it_is_gone(tmp_path, monkeypatch, caplog):
+def test_vllm_sockets_go_to_a_folder_of_the_process_that_is_removed_once_it_is_gone(monkeypatch, caplog):
     """rollout/vllm_sockets.py: vLLM's socket files go to <tmp>/hpcrl-vllm-<pid>/; the folders of processes that
     no longer run are removed by the next engine start, those of running ones are kept; a VLLM_RPC_BASE_PATH the
     user set is kept (the engine itself: test_vllm.py's SIGKILL test)."""
+    import shutil
     import tempfile
 
     from hpcrl.rollout import vllm_sockets
 
+    tmp_path = Path(tempfile.mkdtemp(prefix="hv", dir="/tmp"))  # short: a socket's path must fit in 107 bytes
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setattr(vllm_sockets.atexit, "register", lambda *a, **k: None)  # not this test process's exit
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -181,8 +183,13 @@ def test_vllm_sockets_go_to_a_folder_of_the_process_that_is_removed_once_it_is_g
         assert (tmp_path / f"hpcrl-vllm-{running.pid}" / "0b1c-socket").exists(), "a running one's is kept"
         assert "removed 1 vLLM socket folder(s)" in caplog.text
         assert vllm_sockets.use_own_socket_folder() == own, "a second engine of the process shares its folder"
+        monkeypatch.delenv("VLLM_RPC_BASE_PATH")
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / ("x" * 60)))
+        assert vllm_sockets.use_own_socket_folder() is None, "no folder that makes a socket's path too long"
+        assert "longer than a socket's 107 bytes" in caplog.text and "VLLM_RPC_BASE_PATH" not in os.environ
     finally:
         running.kill()
+        shutil.rmtree(tmp_path)
 
 
 def test_the_interface_is_the_route_to_the_master(veth, monkeypatch, caplog):

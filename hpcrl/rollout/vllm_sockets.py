@@ -25,12 +25,15 @@ log = logging.getLogger("hpcrl.rollout")
 
 ENV = "VLLM_RPC_BASE_PATH"
 PREFIX = "hpcrl-vllm-"
+SOCKET_PATH_MAX = 107
+"""The longest path a Unix socket can be bound at (108 bytes with the final NUL, Linux); vLLM's socket names are
+UUIDs (36 characters) in ``VLLM_RPC_BASE_PATH``."""
 
 
 def use_own_socket_folder() -> Optional[Path]:
     """Point vLLM's sockets at this process's own folder (made now, removed at exit) after removing the folders of
-    processes that no longer run; the folder, or None where the user set ``VLLM_RPC_BASE_PATH`` or the folder
-    cannot be made (vLLM's default then, logged)."""
+    processes that no longer run; the folder, or None where the user set ``VLLM_RPC_BASE_PATH``, or the folder
+    cannot be made or would make the socket paths too long (vLLM's default then, logged)."""
     current = os.environ.get(ENV)
     if current and not Path(current).name.startswith(PREFIX):
         return None
@@ -38,6 +41,11 @@ def use_own_socket_folder() -> Optional[Path]:
     folder = base / f"{PREFIX}{os.getpid()}"
     if current == str(folder):
         return folder
+    os.environ.pop(ENV, None)  # another process's folder, inherited from an hpcrl process: not this one's
+    if len(os.fsencode(folder)) + 1 + 36 > SOCKET_PATH_MAX:  # a long $TMPDIR: vLLM's default is 20 bytes shorter
+        log.warning("vLLM's sockets stay in %s: %s would make their paths longer than a socket's %d bytes", base,
+                    folder, SOCKET_PATH_MAX)
+        return None
     sweep_gone(base)
     try:
         folder.mkdir(mode=0o700, exist_ok=True)
