@@ -87,8 +87,10 @@ def run_bare(opts, prompts, n: int, repeats: int) -> list[float]:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from hpcrl.rollout.vllm_engine import engine_core_environment, memory_args
+    from hpcrl.rollout.vllm_sockets import use_own_socket_folder
 
     engine_core_environment(opts)  # the same processes as our engine: the ratio compares the driving, not them
+    use_own_socket_folder()  # and no socket files left in /tmp
 
     async def main():
         llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
