@@ -12,7 +12,7 @@ A pid is *running* when the kernel knows it and the process has not ended:
 
 A pid means something only on the host that wrote it: callers compare the host first (a heartbeat's ``host``).
 Used by the start-up sweep of leftovers, the reclaim of a gone writer's claims, the broadcast's rendezvous, the
-sweep of shared-memory buffers and ``hpcrl status``.
+sweep of shared-memory buffers and vLLM's socket folders (:func:`left_by_gone_processes`) and ``hpcrl status``.
 """
 from __future__ import annotations
 
@@ -41,3 +41,17 @@ def _ended(pid: int) -> bool:
         return Path("/proc/self/stat").exists()
     except (OSError, IndexError):
         return False
+
+
+def left_by_gone_processes(folder: Path, prefix: str) -> list[Path]:
+    """The entries of ``folder`` named ``<prefix><pid>`` or ``<prefix><pid>-...`` whose process is not this one and
+    no longer runs: what a killed process left behind (shared-memory weight buffers, vLLM's socket folders)."""
+    gone = []
+    for path in folder.glob(f"{prefix}*"):
+        try:
+            pid = int(path.name[len(prefix):].split("-")[0])
+        except ValueError:
+            continue
+        if pid != os.getpid() and not pid_running(pid):
+            gone.append(path)
+    return gone

@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-from hpcrl.process.pids import pid_running
+from hpcrl.process.pids import left_by_gone_processes
 
 log = logging.getLogger("hpcrl.rollout")
 
@@ -60,15 +60,10 @@ def use_own_socket_folder() -> Optional[Path]:
 def sweep_gone(base: Path) -> list[Path]:
     """Remove the socket folders in ``base`` of processes that no longer run; the removed folders."""
     removed = []
-    for path in base.glob(f"{PREFIX}*"):
-        try:
-            pid = int(path.name[len(PREFIX):])
-        except ValueError:
-            continue
-        if pid != os.getpid() and not pid_running(pid):
-            shutil.rmtree(path, ignore_errors=True)
-            if not path.exists():
-                removed.append(path)
+    for path in left_by_gone_processes(base, PREFIX):
+        shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():
+            removed.append(path)
     if removed:
         log.info("removed %d vLLM socket folder(s) left in %s by killed processes", len(removed), base)
     return removed

@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from hpcrl.process.pids import pid_running
+from hpcrl.process.pids import left_by_gone_processes
 
 log = logging.getLogger(__name__)
 
@@ -40,17 +40,12 @@ _warned = False
 def sweep_stale(folder: Path = SHM_DIR) -> list[Path]:
     """Remove the buffer files of processes that no longer run (SIGKILLed jobs); the removed paths."""
     removed = []
-    for path in folder.glob(f"{PREFIX}*"):
+    for path in left_by_gone_processes(folder, PREFIX):
         try:
-            pid = int(path.name[len(PREFIX):].split("-")[0])
-        except ValueError:
-            continue
-        if pid != os.getpid() and not pid_running(pid):
-            try:
-                path.unlink()
-                removed.append(path)
-            except OSError:
-                pass
+            path.unlink()
+            removed.append(path)
+        except OSError:
+            pass
     if removed:
         log.info("removed %d weight buffer(s) left in %s by killed jobs", len(removed), folder)
     return removed
