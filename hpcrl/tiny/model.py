@@ -12,8 +12,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-import torch
-
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 WORDS = ["repeat", "copy", "say", "=", ":", "?", "yes", "no", "the", "an", "and", "is", "of", "to", "in", "it",
          "!", ".", ",", "+", "-", "*", "(", ")", "[", "]"]
@@ -84,6 +82,7 @@ def build_tiny_model(out_dir: Path | str, seed: int = 0, head_dim: int = 32) -> 
     refuses head dim 32): every weight has the same shape and, for one seed, the same values."""
     if head_dim not in (32, 64):
         raise ValueError(f"head_dim {head_dim}: the tiny model has 32 or 64")
+    import torch
     from transformers import Qwen2ForCausalLM
 
     out_dir = Path(out_dir)
@@ -110,10 +109,12 @@ def load_tokenizer(model_dir: Path | str):
     """
     import json
 
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
     cfg_path = Path(model_dir) / "tokenizer_config.json"
     cls = json.loads(cfg_path.read_text()).get("tokenizer_class") if cfg_path.is_file() else None
     if cls in ("TokenizersBackend", "PreTrainedTokenizerFast") and (Path(model_dir) / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+
         return PreTrainedTokenizerFast.from_pretrained(model_dir)
+    from transformers import AutoTokenizer  # imports torch and transformers' model registry: ~4 CPU-s more
+
     return AutoTokenizer.from_pretrained(model_dir)
