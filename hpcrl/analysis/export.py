@@ -32,7 +32,8 @@ from hpcrl.fsio import fsync_path, read_json
 from hpcrl.run_dir import WEIGHT_ADAPTER_CONFIG, WEIGHT_DELTA, WEIGHT_MODEL_CONFIG, WEIGHT_MODEL_FILES, WEIGHT_TENSORS, RunDir
 from hpcrl.weights.delta_versions import DeltaReader
 from hpcrl.weights.manifest import WeightManifest
-from hpcrl.weights.safetensors_io import DamagedFile, check_file, save_hashed
+from hpcrl.weights.file_hash import DamagedFile, check_file
+from hpcrl.weights.safetensors_io import save_hashed
 
 GENERATION_CONFIG = "generation_config.json"
 

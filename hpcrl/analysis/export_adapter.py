@@ -20,7 +20,7 @@ from pathlib import Path
 from hpcrl.run_dir import WEIGHT_MODEL_FILES, RunDir
 from hpcrl.weights.adapter import BaseModelChanged, verify_base
 from hpcrl.weights.manifest import WeightManifest
-from hpcrl.weights.safetensors_io import check_file
+from hpcrl.weights.file_hash import check_file
 
 
 def copy_adapter(rd: RunDir, version: int, manifest: WeightManifest, folder: Path) -> None:

@@ -16,7 +16,6 @@ from hpcrl.config import RewardConfig, RunConfig
 from hpcrl.rollout.data import encode_rows
 from hpcrl.rollout.dataset import load_rows
 from hpcrl.rollout.engine import EngineOptions
-from hpcrl.rollout.parts import engine_options
 
 
 def response_length(cfg: RunConfig) -> int:
@@ -45,6 +44,8 @@ def sampling(cfg: RunConfig) -> dict:
 def eval_engine_options(cfg: RunConfig, model_dir) -> EngineOptions:
     """``rollout.*``'s engine options with the evaluation's sampling: greedy (temperature 0) unless
     ``eval.do_sample``."""
+    from hpcrl.rollout.parts import engine_options  # the job's parts (torch): not for the launcher's checks
+
     e = cfg.eval
     greedy = not e.do_sample
     return dataclasses.replace(engine_options(cfg, model_dir), max_new_tokens=response_length(cfg),

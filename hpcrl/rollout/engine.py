@@ -18,11 +18,12 @@ import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Optional
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional
 
 import numpy as np
 
-from hpcrl.weights.base import WeightVersion
+if TYPE_CHECKING:  # the launcher imports this interface to check agent loops, without torch
+    from hpcrl.weights.base import WeightVersion
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,20 @@
 """Weights between jobs, by role: a publisher (trainer) and a subscriber (every reader), one file per
-backend (:mod:`hpcrl.weights.base` is the interface, :mod:`hpcrl.weights.registry` builds one)."""
-from hpcrl.weights.base import (Published, WeightPublisher, WeightSubscriber, WeightVersion, WeightVersionBad,
-                                WeightVersionGone)
-from hpcrl.weights.registry import make_publisher, make_subscriber
+backend (:mod:`hpcrl.weights.base` is the interface, :mod:`hpcrl.weights.registry` builds one).
 
-__all__ = ["Published", "WeightPublisher", "WeightSubscriber", "WeightVersion", "WeightVersionBad",
-           "WeightVersionGone", "make_publisher", "make_subscriber"]
+These names are imported on first use: the launcher reads the torch-free modules of this package (adapter,
+manifest, file_hash) on a login node, where importing torch, which publishers and subscribers need, costs seconds."""
+from __future__ import annotations
+
+import importlib
+
+_MODULE_OF = {"Published": "base", "WeightPublisher": "base", "WeightSubscriber": "base", "WeightVersion": "base",
+              "WeightVersionBad": "base", "WeightVersionGone": "base", "make_publisher": "registry",
+              "make_subscriber": "registry"}
+
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_MODULE_OF[name]}"), name)

@@ -24,7 +24,7 @@ from typing import Optional
 
 from hpcrl.run_dir import WEIGHT_ADAPTER_CONFIG, WEIGHT_ADAPTER_TENSORS, WEIGHT_MODEL_CONFIG, WEIGHT_TENSORS
 from hpcrl.weights.manifest import AdapterBase, FileEntry
-from hpcrl.weights.safetensors_io import CHUNK_BYTES, HASH_ALGORITHM, HASHES, DamagedFile, check_file
+from hpcrl.weights.file_hash import CHUNK_BYTES, HASH_ALGORITHM, HASHES, DamagedFile, check_file
 
 BASE_WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 """The files of a model folder that hold its weights (what the base hash covers)."""

@@ -33,7 +33,8 @@ from hpcrl.run_dir import WEIGHT_DELTA, WEIGHT_TENSORS, RunDir
 from hpcrl.weights.base import MappedBuffer
 from hpcrl.weights.delta import CODEC, DeltaMismatch, decode_into, encode, parallel, tensor_hash
 from hpcrl.weights.manifest import DeltaBase, FileEntry, TensorEntry, WeightManifest
-from hpcrl.weights.safetensors_io import DamagedFile, load_verified
+from hpcrl.weights.file_hash import DamagedFile
+from hpcrl.weights.safetensors_io import load_verified
 from hpcrl.weights.shared_memory import receive_buffer
 from hpcrl.weights.wire import ALIGN_BYTES, DTYPES, Entry, views
 

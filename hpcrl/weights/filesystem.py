@@ -50,8 +50,8 @@ from hpcrl.weights.base import (Published, WeightPublisher, WeightSubscriber, We
                                 WeightVersionGone)
 from hpcrl.weights.delta_versions import BaseUnusable, DeltaReader, DeltaWriter, Encoded, Rebuilt, frame_tensors
 from hpcrl.weights.manifest import AdapterBase, BadVersionMarker, FileEntry, TensorEntry, WeightManifest
-from hpcrl.weights.safetensors_io import (HASH_ALGORITHM, HASHES, DamagedFile, check_file, load_verified,
-                                          save_hashed, write_hashed)
+from hpcrl.weights.file_hash import HASH_ALGORITHM, HASHES, DamagedFile, check_file, write_hashed
+from hpcrl.weights.safetensors_io import load_verified, save_hashed
 
 log = logging.getLogger(__name__)
 

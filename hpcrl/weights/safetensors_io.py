@@ -16,26 +16,20 @@ every tensor's offset is aligned for its dtype.
 Hash: xxh3_128 (``xxhash``): ~12 GB/s on one core here vs ~1.2 GB/s for sha256. It
 detects torn and flipped bytes, which is what it is for; it is not a defence against
 someone who can write the run directory (nothing is: they can rewrite the manifest too).
+
+The hashes, the file check and the hashed write that need no torch are in :mod:`hpcrl.weights.file_hash`.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import mmap
 import os
 import warnings
 from pathlib import Path
-from typing import Callable
 
 import torch
-import xxhash
 
-HASH_ALGORITHM = "xxh3_128"
-"""What the trainer writes into :attr:`FileEntry.hash_algorithm`."""
-HASHES: dict[str, Callable] = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
-"""Algorithms a reader can verify."""
-CHUNK_BYTES = 1 << 20
-"""Write and hash granularity: small enough that the hash reads what the write just touched."""
+from hpcrl.weights.file_hash import CHUNK_BYTES, HASH_ALGORITHM, HASHES, DamagedFile
 
 _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -43,25 +37,9 @@ _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", tor
 _TORCH_DTYPES = {v: k for k, v in _DTYPES.items()}
 
 
-class DamagedFile(Exception):
-    """A weight file is not what its manifest says (size, hash) or not a safetensors file."""
-
-
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor, without a copy."""
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
-
-
-def write_hashed(path: Path, data: bytes | memoryview, f_hash) -> int:
-    """Write ``data`` to ``path`` in chunks, feeding each to ``f_hash``; fsync; return the size."""
-    mv = memoryview(data)
-    with open(path, "wb", buffering=0) as f:
-        for i in range(0, len(mv), CHUNK_BYTES):
-            chunk = mv[i:i + CHUNK_BYTES]
-            f_hash.update(chunk)
-            f.write(chunk)
-        os.fsync(f.fileno())
-    return len(mv)
 
 
 def save_hashed(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> tuple[int, str]:
@@ -93,17 +71,6 @@ def save_hashed(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str
         size = f.tell()
         os.fsync(f.fileno())
     return size, h.hexdigest()
-
-
-def check_file(path: Path, size_bytes: int, hash_algorithm: str, hash_hex: str) -> None:
-    """Verify a small file's size and hash (``config.json``); DamagedFile if it differs."""
-    if hash_algorithm and hash_algorithm not in HASHES:
-        raise DamagedFile(f"{path.name}: unknown hash {hash_algorithm!r} in the manifest (known: {sorted(HASHES)})")
-    data = path.read_bytes()
-    if len(data) != size_bytes:
-        raise DamagedFile(f"{path.name}: {len(data)} bytes, manifest says {size_bytes} (torn file)")
-    if hash_algorithm and HASHES[hash_algorithm](data).hexdigest() != hash_hex:
-        raise DamagedFile(f"{path.name}: {hash_algorithm} differs from the manifest (damaged bytes)")
 
 
 def load_verified(path: Path, size_bytes: int, hash_algorithm: str, hash_hex: str,
