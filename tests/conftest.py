@@ -29,6 +29,7 @@ cuda_rules.install()
 from hpcrl.config import load_config  # noqa: E402
 from hpcrl.launcher.prepare import prepare_run_dir  # noqa: E402
 from hpcrl.trainer.ops import node_extensions_dir  # noqa: E402
+from preloaded import Preloaded  # noqa: E402
 
 # DeepSpeed's built ops in the folder the trainer uses (install.sh builds it), for every process of the session: the
 # peers and in-process tests that start DeepSpeed themselves would otherwise build them into torch's own folder
@@ -62,8 +63,13 @@ class Job:
         cmd = [sys.executable, str(WRAPPER)] if wrapped else [sys.executable, "-m", "hpcrl"]
         if program is not None:  # ARGS are a whole command line of their own
             cmd = list(program)
-        self.proc = subprocess.Popen([*prefix, *cmd, *args], stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     cwd=REPO, start_new_session=new_session)
+        argv = [*cmd, *args]
+        server = _preloaded()
+        self.proc = server.start(argv, env, REPO, log_path, new_session, prefix == LOWEST_PRIORITY) if (
+            server is not None and server.forkable(argv, env, prefix, LOWEST_PRIORITY)) else None
+        if self.proc is None:  # cold: a command the preloaded server must not fork
+            self.proc = subprocess.Popen([*prefix, *argv], stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                         cwd=REPO, start_new_session=new_session)
         if killed_after_the_test:
             _JOBS.append(self)
 
@@ -82,6 +88,15 @@ class Job:
     def tail(self, n: int = 40) -> str:
         self._log.flush()
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+
+_PRELOADED: list = []
+
+
+def _preloaded() -> Preloaded | None:
+    """The session's preloaded server (tests/preloaded.py; fixture ``preloaded``), None outside a session or with
+    ``HPCRL_TEST_COLD_JOBS=1``."""
+    return _PRELOADED[0] if _PRELOADED else None
 
 
 def start_trainer(rd, **kw) -> Job:
@@ -247,7 +262,21 @@ def pytest_collection_modifyitems(session, config, items):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def background_runs(request, tmp_path_factory):
+def preloaded(tmp_path_factory):
+    """The session's :class:`~preloaded.Preloaded` server, started first, with the session's environment: it
+    imports while the first tests run, and forks the jobs tests start."""
+    if os.environ.get("HPCRL_TEST_COLD_JOBS") == "1":
+        yield None
+        return
+    server = Preloaded(tmp_path_factory.mktemp("preloaded"))
+    _PRELOADED.append(server)
+    yield server
+    _PRELOADED.clear()
+    server.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def background_runs(request, tmp_path_factory, preloaded):
     """The session's :class:`BackgroundRuns`, started before the first test (None when no test reads one)."""
     runs = {key: item.module.BACKGROUND_RUNS[key] for item in request.session.items
             for key in _reads_background_runs(item)}  # in the order their tests run

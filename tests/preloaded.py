@@ -1,0 +1,274 @@
+"""The jobs a test starts, forked from one interpreter that has already imported torch, transformers and DeepSpeed.
+
+Each job a test starts (``conftest.Job``: ``python -m hpcrl trainer RUN``, ...) is a real process killed with real
+signals, but importing its libraries is most of a tiny job's CPU (~4 of ~6.5 CPU-s) and the suite starts ~170 of
+them on two cores. So this module runs one server per test session (``python tests/preloaded.py SOCKET``) that
+imports those libraries once (:data:`PRELOAD`) and forks a job per request; the child then runs the job's command
+line as ``python`` would (``runpy``: ``-m MODULE`` or a script, ``sys.argv``, the working directory and the
+environment of the request, stdout and stderr to the job's log), and the server reports its exit status as
+``subprocess.Popen`` would (a negative signal number when a signal ended it).
+
+A job is forked only when that cannot change what it does (:meth:`Preloaded.start` returns None otherwise and
+conftest starts it cold): its command line is this Python's own (``python -m MODULE`` or ``python SCRIPT``), its
+environment equals the server's except variables no preloaded library reads (:data:`FREE_ENV_PREFIXES`), and its
+prefix is nothing or the background runs' lowest priority (done in the child). hpcrl's own modules are never
+preloaded: each job imports them itself, as a cold one does. A cold start is still what every launcher run
+(submitit's jobs), every Slurm test and ``tests/test_startup.py`` exercise. ``HPCRL_TEST_COLD_JOBS=1`` starts every
+job cold (to see whether a failure is this module's).
+"""
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+PRELOAD = ("numpy", "yaml", "h5py", "safetensors.torch", "torch", "torch.distributed", "transformers",
+           "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto",
+           "transformers.models.qwen2.modeling_qwen2", "transformers.generation.utils", "deepspeed",
+           "deepspeed.runtime.engine", "deepspeed.runtime.zero.stage3", "deepspeed.ops.op_builder")
+"""What a trainer, rollout or evaluation job imports that costs (hpcrl's own modules are not among them)."""
+FREE_ENV_PREFIXES = ("HPCRL_", "TEST_", "PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")
+"""Variables in which a job's environment may differ from the server's: read by hpcrl, the tests' wrappers and
+pytest, or (the cache folder that torch sets in the test process once inductor's caches are used) only when used."""
+READY_S = 180.0
+"""How long a test waits for the server to finish its imports before it starts its jobs cold."""
+
+
+def _comparable(env: dict) -> dict:
+    return {k: v for k, v in env.items() if not k.startswith(FREE_ENV_PREFIXES) and k != "PYTHONUNBUFFERED"}
+
+
+# --- the server (its own process) ---------------------------------------------------------------------------------
+
+def _lowest_priority() -> None:
+    """What ``conftest.LOWEST_PRIORITY`` does as a prefix: autogroup nice 19, idle I/O class, nice 19."""
+    try:
+        Path("/proc/self/autogroup").write_text("19")
+    except OSError:
+        pass
+    subprocess.run(["ionice", "-c", "3", "-p", str(os.getpid())], check=False)
+    os.nice(19)
+
+
+def _run_child(request: dict) -> None:
+    """In the forked child: become the job the request describes, then exit as ``python`` would."""
+    import atexit
+    import runpy
+    import traceback
+
+    log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    if request["new_session"]:
+        os.setsid()
+    if request["lowest_priority"]:
+        _lowest_priority()
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    import numpy
+
+    numpy.random.seed()  # numpy's global generator from fresh entropy, as in a new process (Python's reseeds itself)
+    argv = request["argv"]
+    if argv[1] == "-m":
+        sys.argv, sys.path[0] = [argv[2], *argv[3:]], request["cwd"]
+    else:
+        sys.argv, sys.path[0] = argv[1:], str(Path(argv[1]).resolve().parent)
+    code = 0
+    try:
+        if argv[1] == "-m":
+            runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(argv[1], run_name="__main__")
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except KeyboardInterrupt:  # as python: the traceback, then killed by SIGINT
+        traceback.print_exc()
+        code = -signal.SIGINT
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    threading._shutdown()  # non-daemon threads are joined, then the atexit handlers run, as at a normal exit
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code & 0xFF)
+
+
+def _read_line(conn: socket.socket) -> bytes:
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = conn.recv(65536)
+        if not chunk:
+            raise ConnectionError("the client went away")
+        data += chunk
+    return data
+
+
+def serve(path: str) -> None:
+    """Import :data:`PRELOAD`, then fork one job per connection: the request (one JSON line) in, the child's pid
+    out, and its exit status once it has ended. Single-threaded (a fork of a threaded process is unsafe): the
+    children's ends are noticed through SIGCHLD written to a pipe that ``select`` watches with the listener."""
+    import importlib
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    if threading.active_count() != 1:  # (numpy's OpenBLAS starts a native pool: it stops and restarts it at fork)
+        raise SystemExit(f"preloaded: the imports started threads {threading.enumerate()}; forking is unsafe")
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path + ".tmp")
+    listener.listen(64)
+    os.rename(path + ".tmp", path)  # the socket appears once it accepts
+    children: dict[int, socket.socket] = {}
+    while True:
+        ready, _, _ = select.select([listener, wake_r], [], [])
+        if wake_r in ready:
+            try:
+                while os.read(wake_r, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+            _reap(children)
+        if listener in ready:
+            conn, _ = listener.accept()
+            request = json.loads(_read_line(conn))
+            pid = os.fork()
+            if pid == 0:
+                signal.set_wakeup_fd(-1)
+                for sig in (signal.SIGCHLD, signal.SIGTERM):
+                    signal.signal(sig, signal.SIG_DFL)
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                for s in (listener, conn, *children.values()):
+                    s.close()
+                os.close(wake_r)
+                os.close(wake_w)
+                _run_child(request)
+            children[pid] = conn
+            conn.sendall(f"{pid}\n".encode())
+
+
+def _reap(children: dict[int, socket.socket]) -> None:
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn = children.pop(pid, None)
+        if conn is not None:
+            try:
+                conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+            except OSError:
+                pass  # the test that started it has gone
+            conn.close()
+
+
+# --- the client (in the test session) ------------------------------------------------------------------------------
+
+class ForkedJob:
+    """A forked job as ``subprocess.Popen`` shows one: ``pid``, ``args``, ``returncode``, ``poll``, ``wait``,
+    ``send_signal``, ``kill``."""
+
+    def __init__(self, conn: socket.socket, args: list[str]):
+        self._conn, self.args, self.returncode = conn, args, None
+        self.pid = int(_read_line(conn))
+
+    def poll(self):
+        if self.returncode is None and select.select([self._conn], [], [], 0)[0]:
+            self._receive()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            if not select.select([self._conn], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self._receive()
+        return self.returncode
+
+    def _receive(self) -> None:
+        line = _read_line(self._conn)
+        self.returncode = int(line)
+        self._conn.close()
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class Preloaded:
+    """The session's server, started at the first job (in the background: a test does not wait for it unless it
+    starts a job); :meth:`start` forks a job or returns None (start it cold)."""
+
+    def __init__(self, folder: Path):
+        self.path = str(folder / "preloaded.sock")
+        self._env = dict(os.environ)
+        self.log = folder / "preloaded.out"
+        self.proc = subprocess.Popen([sys.executable, "-u", __file__, self.path], stdout=open(self.log, "ab"),
+                                     stderr=subprocess.STDOUT, env=self._env)
+        self._usable: bool | None = None
+        self._lock = threading.Lock()
+
+    def forkable(self, argv: list[str], env: dict, prefix: tuple[str, ...], lowest: tuple[str, ...]) -> bool:
+        return (os.environ.get("HPCRL_TEST_COLD_JOBS") != "1" and prefix in ((), lowest) and len(argv) >= 2
+                and argv[0] == sys.executable and (argv[1] == "-m" and len(argv) >= 3 or argv[1].endswith(".py"))
+                and _comparable(env) == _comparable(self._env))
+
+    def _ready(self) -> bool:
+        """Wait (at most :data:`READY_S`) for the server's socket; False (and a line saying why) if it died."""
+        with self._lock:
+            if self._usable is None:
+                end = time.monotonic() + READY_S
+                while not os.path.exists(self.path) and self.proc.poll() is None and time.monotonic() < end:
+                    time.sleep(0.05)
+                self._usable = os.path.exists(self.path)
+                if not self._usable:
+                    print(f"preloaded: no server ({self.log}: {self.log.read_text(errors='replace')[-2000:]}); "
+                          "jobs start cold", file=sys.stderr)
+            return self._usable
+
+    def start(self, argv: list[str], env: dict, cwd: Path, log: Path, new_session: bool, lowest_priority: bool):
+        if not self._ready():
+            return None
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(self.path)
+        request = {"argv": argv, "env": env, "cwd": str(cwd), "log": str(log), "new_session": new_session,
+                   "lowest_priority": lowest_priority}
+        conn.sendall((json.dumps(request) + "\n").encode())
+        return ForkedJob(conn, argv)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
