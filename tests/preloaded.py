@@ -12,7 +12,9 @@ A job is forked only when that cannot change what it does (:meth:`Preloaded.star
 conftest starts it cold): its command line is this Python's own (``python -m MODULE`` or ``python SCRIPT``), its
 environment equals the server's except variables no preloaded library reads (:data:`FREE_ENV_PREFIXES`), and its
 prefix is nothing or the background runs' lowest priority (done in the child). hpcrl's own modules are never
-preloaded: each job imports them itself, as a cold one does. A cold start is still what every launcher run
+preloaded: each job imports them itself, as a cold one does. ``/proc/PID/cmdline`` shows the job's command line
+(:func:`_show_command_line`); ``/proc/PID/environ`` shows the server's environment, which equals the job's but for
+the free variables (hpcrl reads it for a job's mark and Slurm's and submitit's job ids, none of them free). A cold start is still what every launcher run
 (submitit's jobs), every Slurm test and ``tests/test_startup.py`` exercise. ``HPCRL_TEST_COLD_JOBS=1`` starts every
 job cold (to see whether a failure is this module's).
 """
@@ -37,6 +39,8 @@ PRELOAD = ("numpy", "yaml", "h5py", "safetensors.torch", "torch", "torch.distrib
 FREE_ENV_PREFIXES = ("HPCRL_", "TEST_", "PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")
 """Variables in which a job's environment may differ from the server's: read by hpcrl, the tests' wrappers and
 pytest, or (the cache folder that torch sets in the test process once inductor's caches are used) only when used."""
+ARGV_ROOM = 4096
+"""Bytes of the server's command line that a job's is written over (:func:`_show_command_line`)."""
 READY_S = 180.0
 """How long a test waits for the server to finish its imports before it starts its jobs cold."""
 
@@ -57,6 +61,19 @@ def _lowest_priority() -> None:
     os.nice(19)
 
 
+def _show_command_line(argv: list[str]) -> None:
+    """Make ``/proc/self/cmdline`` the job's (``ps``, and the leftover sweep that finds an earlier attempt by its
+    command line, see it as a cold job's) by writing it over the server's own, which :data:`ARGV_ROOM` made long
+    enough; the rest of that space reads as empty arguments. A longer command line keeps the server's."""
+    import ctypes
+
+    fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (fields 48 and 49 of proc(5))
+    data = b"".join(a.encode() + b"\0" for a in argv)
+    if len(data) <= end - start:
+        ctypes.memmove(start, data.ljust(end - start, b"\0"), end - start)
+
+
 def _run_child(request: dict) -> None:
     """In the forked child: become the job the request describes, then exit as ``python`` would."""
     import atexit
@@ -67,6 +84,7 @@ def _run_child(request: dict) -> None:
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(log)
+    _show_command_line(request["argv"])
     if request["new_session"]:
         os.setsid()
     if request["lowest_priority"]:
@@ -231,7 +249,8 @@ class Preloaded:
         self.path = str(folder / "preloaded.sock")
         self._env = dict(os.environ)
         self.log = folder / "preloaded.out"
-        self.proc = subprocess.Popen([sys.executable, "-u", __file__, self.path], stdout=open(self.log, "ab"),
+        room = "-" * ARGV_ROOM  # the space a job's command line is written into
+        self.proc = subprocess.Popen([sys.executable, "-u", __file__, self.path, room], stdout=open(self.log, "ab"),
                                      stderr=subprocess.STDOUT, env=self._env)
         self._usable: bool | None = None
         self._lock = threading.Lock()
