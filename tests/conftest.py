@@ -12,9 +12,10 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import pytest
 
@@ -66,7 +67,7 @@ class Job:
         argv = [*cmd, *args]
         server = _preloaded()
         self.proc = server.start(argv, env, REPO, log_path, new_session, prefix == LOWEST_PRIORITY) if (
-            server is not None and server.forkable(argv, env, prefix, LOWEST_PRIORITY)) else None
+            server is not None and not server.why_cold(argv, env, prefix, LOWEST_PRIORITY)) else None
         if self.proc is None:  # cold: a command the preloaded server must not fork
             self.proc = subprocess.Popen([*prefix, *argv], stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                          cwd=REPO, start_new_session=new_session)
@@ -97,6 +98,19 @@ def _preloaded() -> Preloaded | None:
     """The session's preloaded server (tests/preloaded.py; fixture ``preloaded``), None outside a session or with
     ``HPCRL_TEST_COLD_JOBS=1``."""
     return _PRELOADED[0] if _PRELOADED else None
+
+
+@contextmanager
+def environment_restored() -> Iterator[None]:
+    """The test process's environment as it was, once the block ends: an engine made in the test process (vLLM's
+    CPU platform sets LD_PRELOAD, OMP_WAIT_POLICY, ... for its engine core) must not change the environment of
+    later tests' jobs (nor make them start cold: tests/preloaded.py)."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def start_trainer(rd, **kw) -> Job:
@@ -251,6 +265,15 @@ class BackgroundRuns:
                 job.kill()
 
 
+def pytest_terminal_summary(terminalreporter):
+    """How many of the session's jobs were forked by the preloaded server, and why the others started cold."""
+    if _PRELOADED_SUMMARY:
+        terminalreporter.write_line(_PRELOADED_SUMMARY[0])
+
+
+_PRELOADED_SUMMARY: list[str] = []
+
+
 def _reads_background_runs(item) -> tuple[str, ...]:
     module = getattr(item, "module", None)
     return tuple(module.background_keys(item)) if hasattr(module, "background_keys") else ()
@@ -272,6 +295,7 @@ def preloaded(tmp_path_factory):
     _PRELOADED.append(server)
     yield server
     _PRELOADED.clear()
+    _PRELOADED_SUMMARY.append(server.summary())
     server.close()
 
 

@@ -8,15 +8,17 @@ line as ``python`` would (``runpy``: ``-m MODULE`` or a script, ``sys.argv``, th
 environment of the request, stdout and stderr to the job's log), and the server reports its exit status as
 ``subprocess.Popen`` would (a negative signal number when a signal ended it).
 
-A job is forked only when that cannot change what it does (:meth:`Preloaded.start` returns None otherwise and
-conftest starts it cold): its command line is this Python's own (``python -m MODULE`` or ``python SCRIPT``), its
-environment equals the server's except variables no preloaded library reads (:data:`FREE_ENV_PREFIXES`), and its
-prefix is nothing or the background runs' lowest priority (done in the child). hpcrl's own modules are never
-preloaded: each job imports them itself, as a cold one does. ``/proc/PID/cmdline`` shows the job's command line
-(:func:`_show_command_line`); ``/proc/PID/environ`` shows the server's environment, which equals the job's but for
-the free variables (hpcrl reads it for a job's mark and Slurm's and submitit's job ids, none of them free). A cold start is still what every launcher run
-(submitit's jobs), every Slurm test and ``tests/test_startup.py`` exercise. ``HPCRL_TEST_COLD_JOBS=1`` starts every
-job cold (to see whether a failure is this module's).
+A job is forked only when that cannot change what it does (:meth:`Preloaded.why_cold`; conftest starts it cold
+otherwise): its command line is this Python's own (``python -m MODULE`` or ``python SCRIPT``), its environment equals
+the server's except variables no preloaded library reads (:data:`FREE_ENV_PREFIXES`), and its prefix is nothing or
+the background runs' lowest priority (done in the child). hpcrl's own modules are never preloaded: each job imports
+them itself, as a cold one does. ``/proc/PID/cmdline`` shows the job's command line (:func:`_show_command_line`);
+``/proc/PID/environ`` shows the server's environment, which equals the job's but for the free variables (hpcrl
+reads it for a job's mark and Slurm's and submitit's job ids, none of them free). A cold start is still what every
+launcher run (submitit's jobs), every Slurm test and ``tests/test_startup.py`` exercise. The session's last lines
+say how many jobs were forked and why the others started cold (an engine made in the test process changes its
+environment: ``conftest.environment_restored``). ``HPCRL_TEST_COLD_JOBS=1`` starts every job cold (to see whether
+a failure is this module's).
 """
 from __future__ import annotations
 
@@ -253,12 +255,30 @@ class Preloaded:
         self.proc = subprocess.Popen([sys.executable, "-u", __file__, self.path, room], stdout=open(self.log, "ab"),
                                      stderr=subprocess.STDOUT, env=self._env)
         self._usable: bool | None = None
+        self.started: dict[str, int] = {}
+        """Jobs by why they started cold ('': forked)."""
         self._lock = threading.Lock()
 
-    def forkable(self, argv: list[str], env: dict, prefix: tuple[str, ...], lowest: tuple[str, ...]) -> bool:
-        return (os.environ.get("HPCRL_TEST_COLD_JOBS") != "1" and prefix in ((), lowest) and len(argv) >= 2
-                and argv[0] == sys.executable and (argv[1] == "-m" and len(argv) >= 3 or argv[1].endswith(".py"))
-                and _comparable(env) == _comparable(self._env))
+    def why_cold(self, argv: list[str], env: dict, prefix: tuple[str, ...], lowest: tuple[str, ...]) -> str:
+        """Why the job must start cold ('' if it can be forked); counted for :meth:`summary`."""
+        why = ""
+        if prefix not in ((), lowest):
+            why = "a prefix"
+        elif not (len(argv) >= 2 and argv[0] == sys.executable
+                  and (argv[1] == "-m" and len(argv) >= 3 or argv[1].endswith(".py"))):
+            why = "another program"
+        else:
+            mine, theirs = _comparable(self._env), _comparable(env)
+            differ = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+            why = f"environment differs in {', '.join(differ)}" if differ else ""
+        self.started[why] = self.started.get(why, 0) + 1
+        return why
+
+    def summary(self) -> str:
+        """One line: how many jobs were forked and why the others started cold."""
+        cold = sorted(((n, why) for why, n in self.started.items() if why), reverse=True)
+        return (f"preloaded jobs: {self.started.get('', 0)} forked, {sum(n for n, _ in cold)} cold"
+                + "".join(f"; {n}: {why}" for n, why in cold))
 
     def _ready(self) -> bool:
         """Wait (at most :data:`READY_S`) for the server's socket; False (and a line saying why) if it died."""

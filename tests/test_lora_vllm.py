@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import environment_restored
 from hpcrl.config import WeightsConfig
 from hpcrl.config.lora import DEFAULT_TARGET_MODULES
 from hpcrl.rollout.engine import FINISH_ABORT, EngineOptions, EngineRunner
@@ -57,10 +58,11 @@ def setup(tmp_path_factory):
     opts = EngineOptions(base, max_new_tokens=8, temperature=TEMPERATURE, top_p=1.0, device="cpu", dtype="float32",
                          max_model_len=128, max_num_seqs=64, lora_rank=8,
                          gpu_memory_utilization=None)
-    engine = make_engine("vllm", opts, runner, timeout_s=600)
-    yield runner, engine, make_subscriber(WeightsConfig(), rd, "w000"), peft_models
-    engine.close()
-    runner.close()
+    with environment_restored():
+        engine = make_engine("vllm", opts, runner, timeout_s=600)
+        yield runner, engine, make_subscriber(WeightsConfig(), rd, "w000"), peft_models
+        engine.close()
+        runner.close()
 
 
 def load(setup, version):

@@ -16,7 +16,7 @@ import pandas as pd
 import pytest
 import torch
 
-from conftest import TINY, BackgroundCommand, check_exactly_once
+from conftest import TINY, BackgroundCommand, check_exactly_once, environment_restored
 from hpcrl.config import WeightsConfig
 from hpcrl.control.records import HeartbeatThread
 from hpcrl.eval_log import EVALUATED, read_eval_rows
@@ -49,10 +49,11 @@ def vllm_engine(models):
     runner = EngineRunner()
     opts = EngineOptions(models[0], max_new_tokens=8, temperature=TEMPERATURE, top_p=1.0, device="cpu",
                          dtype="float32", max_model_len=128, max_num_seqs=64)
-    engine = make_engine("vllm", opts, runner, timeout_s=600)
-    yield runner, engine
-    engine.close()
-    runner.close()
+    with environment_restored():
+        engine = make_engine("vllm", opts, runner, timeout_s=600)
+        yield runner, engine
+        engine.close()
+        runner.close()
 
 
 def test_on_cpu_the_kv_cache_holds_what_the_engine_can_have_in_flight(models):
