@@ -267,7 +267,7 @@ class BackgroundRuns:
 
 def pytest_terminal_summary(terminalreporter):
     """How many of the session's jobs were forked by the preloaded server, and why the others started cold."""
-    if _PRELOADED_SUMMARY:
+    if _PRELOADED_SUMMARY and _PRELOADED_SUMMARY[0]:
         terminalreporter.write_line(_PRELOADED_SUMMARY[0])
 
 

@@ -216,24 +216,39 @@ class ForkedJob:
 
     def __init__(self, conn: socket.socket, args: list[str]):
         self._conn, self.args, self.returncode = conn, args, None
-        self.pid = int(_read_line(conn))
+        self._got = b""  # what the server sent past the last whole line (its pid and status may come in one read)
+        self.pid = int(self._line(None))
+
+    def _line(self, timeout: float | None) -> bytes | None:
+        """The server's next line, waiting at most ``timeout`` s (None: for ever); None if none came in time."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self._got:
+            if not select.select([self._conn], [], [], None if end is None else max(end - time.monotonic(), 0))[0]:
+                return None
+            chunk = self._conn.recv(4096)
+            if not chunk:
+                raise ConnectionError(f"the preloaded server went away while {self.args} ran")
+            self._got += chunk
+        line, self._got = self._got.split(b"\n", 1)
+        return line
+
+    def _status(self, timeout: float | None) -> bool:
+        if self.returncode is None:
+            line = self._line(timeout)
+            if line is None:
+                return False
+            self.returncode = int(line)
+            self._conn.close()
+        return True
 
     def poll(self):
-        if self.returncode is None and select.select([self._conn], [], [], 0)[0]:
-            self._receive()
+        self._status(0)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        if self.returncode is None:
-            if not select.select([self._conn], [], [], timeout)[0]:
-                raise subprocess.TimeoutExpired(self.args, timeout)
-            self._receive()
+        if not self._status(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout)
         return self.returncode
-
-    def _receive(self) -> None:
-        line = _read_line(self._conn)
-        self.returncode = int(line)
-        self._conn.close()
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
@@ -275,7 +290,9 @@ class Preloaded:
         return why
 
     def summary(self) -> str:
-        """One line: how many jobs were forked and why the others started cold."""
+        """One line: how many jobs were forked and why the others started cold ('' if no test started one)."""
+        if not self.started:
+            return ""
         cold = sorted(((n, why) for why, n in self.started.items() if why), reverse=True)
         return (f"preloaded jobs: {self.started.get('', 0)} forked, {sum(n for n, _ in cold)} cold"
                 + "".join(f"; {n}: {why}" for n, why in cold))
