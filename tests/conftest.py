@@ -29,6 +29,7 @@ cuda_rules.install()
 
 from hpcrl.config import load_config  # noqa: E402
 from hpcrl.launcher.prepare import prepare_run_dir  # noqa: E402
+from hpcrl.launcher.submit import JOB_PYTHON_ENV  # noqa: E402
 from hpcrl.trainer.ops import node_extensions_dir  # noqa: E402
 from preloaded import Preloaded  # noqa: E402
 
@@ -66,8 +67,8 @@ class Job:
             cmd = list(program)
         argv = [*cmd, *args]
         server = _preloaded()
-        self.proc = server.start(argv, env, REPO, log_path, new_session, prefix == LOWEST_PRIORITY) if (
-            server is not None and not server.why_cold(argv, env, prefix, LOWEST_PRIORITY)) else None
+        self.proc = server.start(argv, env, REPO, log_path, new_session, prefix == LOWEST_PRIORITY,
+                                 prefixed=prefix not in ((), LOWEST_PRIORITY)) if server is not None else None
         if self.proc is None:  # cold: a command the preloaded server must not fork
             self.proc = subprocess.Popen([*prefix, *argv], stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                          cwd=REPO, start_new_session=new_session)
@@ -293,10 +294,12 @@ def preloaded(tmp_path_factory):
         return
     server = Preloaded(tmp_path_factory.mktemp("preloaded"))
     _PRELOADED.append(server)
-    yield server
+    with environment_restored():
+        os.environ[JOB_PYTHON_ENV] = str(server.python)  # the jobs a launcher starts are forked too
+        yield server
     _PRELOADED.clear()
-    _PRELOADED_SUMMARY.append(server.summary())
     server.close()
+    _PRELOADED_SUMMARY.append(server.summary())
 
 
 @pytest.fixture(scope="session", autouse=True)

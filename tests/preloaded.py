@@ -38,17 +38,38 @@ PRELOAD = ("numpy", "yaml", "h5py", "safetensors.torch", "torch", "torch.distrib
            "transformers.models.qwen2.modeling_qwen2", "transformers.generation.utils", "deepspeed",
            "deepspeed.runtime.engine", "deepspeed.runtime.zero.stage3", "deepspeed.ops.op_builder")
 """What a trainer, rollout or evaluation job imports that costs (hpcrl's own modules are not among them)."""
-FREE_ENV_PREFIXES = ("HPCRL_", "TEST_", "PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")
-"""Variables in which a job's environment may differ from the server's: read by hpcrl, the tests' wrappers and
-pytest, or (the cache folder that torch sets in the test process once inductor's caches are used) only when used."""
+FREE_ENV_PREFIXES = ("HPCRL_", "TEST_", "PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "SUBMITIT_", "COLUMNS",
+                     "LINES")
+"""Variables in which a job's environment may differ from the server's: read by hpcrl, the tests' wrappers, pytest
+and submitit (none of them preloaded), or only when used: the cache folder that torch sets in the test process once
+inductor's caches are used, the terminal's size (GNU readline puts it into the environment of a process that
+imports it, as the test process does: a launcher started with that environment passes it on to its jobs).
+``CUDA_VISIBLE_DEVICES`` (submitit's local jobs set it) too where the server sees no CUDA device: no value can make
+one appear."""
+FORWARDED = (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2,
+             signal.SIGALRM)
+"""The signals :func:`as_python` passes on to the job it stands for."""
 ARGV_ROOM = 4096
 """Bytes of the server's command line that a job's is written over (:func:`_show_command_line`)."""
 READY_S = 180.0
 """How long a test waits for the server to finish its imports before it starts its jobs cold."""
 
 
-def _comparable(env: dict) -> dict:
-    return {k: v for k, v in env.items() if not k.startswith(FREE_ENV_PREFIXES) and k != "PYTHONUNBUFFERED"}
+def why_cold(argv: list[str], env: dict, server_env: dict, cuda: bool) -> str:
+    """Why the server must not fork ``argv`` with ``env`` ('' if it may): not this Python's ``[-u] -m MODULE`` or
+    ``[-u] SCRIPT.py`` (the server's own output is unbuffered, as ``-u`` makes it), or an environment that differs
+    from the server's (``server_env``) in more than the free variables (``cuda``: the server sees a CUDA device)."""
+    args = argv[2:] if argv[1:2] == ["-u"] else argv[1:]
+    if not (argv[:1] == [sys.executable] and args and (args[0] == "-m" and len(args) >= 2 or args[0].endswith(".py"))):
+        return "another program"
+
+    def comparable(e: dict) -> dict:
+        return {k: v for k, v in e.items() if not k.startswith(FREE_ENV_PREFIXES) and k != "PYTHONUNBUFFERED"
+                and (cuda or k != "CUDA_VISIBLE_DEVICES")}
+
+    mine, theirs = comparable(server_env), comparable(env)
+    differ = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+    return f"environment differs in {', '.join(differ)}" if differ else ""
 
 
 # --- the server (its own process) ---------------------------------------------------------------------------------
@@ -76,28 +97,38 @@ def _show_command_line(argv: list[str]) -> None:
         ctypes.memmove(start, data.ljust(end - start, b"\0"), end - start)
 
 
-def _run_child(request: dict) -> None:
-    """In the forked child: become the job the request describes, then exit as ``python`` would."""
+def _run_child(request: dict, fds: list[int]) -> None:
+    """In the forked child: become the job the request describes, then exit as ``python`` would. ``fds``: the
+    caller's stdin, stdout and stderr (:func:`as_python`), else its output goes to the request's log."""
     import atexit
     import runpy
     import traceback
 
-    log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(log)
+    if fds:
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+        for fd in set(fds) - {0, 1, 2}:
+            os.close(fd)
+    else:
+        log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
     _show_command_line(request["argv"])
     if request["new_session"]:
         os.setsid()
     if request["lowest_priority"]:
         _lowest_priority()
+    for sig in request.get("ignored", ()):  # the caller's ignored and blocked signals, as an exec keeps them
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_SETMASK, request.get("blocked", ()))
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
     import numpy
 
     numpy.random.seed()  # numpy's global generator from fresh entropy, as in a new process (Python's reseeds itself)
-    argv = request["argv"]
+    argv = [a for i, a in enumerate(request["argv"]) if not (i == 1 and a == "-u")]  # (the server is unbuffered)
     if argv[1] == "-m":
         sys.argv, sys.path[0] = [argv[2], *argv[3:]], request["cwd"]
     else:
@@ -127,32 +158,51 @@ def _run_child(request: dict) -> None:
             stream.flush()
         except (OSError, ValueError):
             pass
+    _exit_as(code)
+
+
+def _exit_as(code: int) -> None:
+    """Exit with ``code`` as ``Popen`` reports it: a negative one by that signal."""
     if code < 0:
         signal.signal(-code, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {-code})
         os.kill(os.getpid(), -code)
+        time.sleep(1)  # (a stopping signal: it does not end the process)
+        code = 128 - code
     os._exit(code & 0xFF)
 
 
-def _read_line(conn: socket.socket) -> bytes:
-    data = b""
-    while not data.endswith(b"\n"):
-        chunk = conn.recv(65536)
+def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:
+    """One JSON line, and the file descriptors that came with its first bytes."""
+    data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+    while data and not data.endswith(b"\n"):
+        chunk = conn.recv(1 << 16)
         if not chunk:
-            raise ConnectionError("the client went away")
+            break
         data += chunk
-    return data
+    if not data.endswith(b"\n"):
+        for fd in fds:
+            os.close(fd)
+        raise ConnectionError("the client went away")
+    return json.loads(data), list(fds)
 
 
 def serve(path: str) -> None:
-    """Import :data:`PRELOAD`, then fork one job per connection: the request (one JSON line) in, the child's pid
-    out, and its exit status once it has ended. Single-threaded (a fork of a threaded process is unsafe): the
-    children's ends are noticed through SIGCHLD written to a pipe that ``select`` watches with the listener."""
+    """Import :data:`PRELOAD`, then fork one job per connection: the request (one JSON line, with the caller's
+    stdin, stdout and stderr from :func:`as_python`) in, the child's pid out (or ``cold WHY``: :func:`why_cold`),
+    and its exit status once it has ended. A ``tied`` job is SIGKILLed when its caller's connection closes before
+    it ended (the caller was killed). Each decision is a line of ``PATH.started`` (:meth:`Preloaded.summary`).
+    Single-threaded (a fork of a threaded process is unsafe): the children's ends are noticed through SIGCHLD
+    written to a pipe that ``select`` watches with the listener and the tied connections."""
     import importlib
 
     for name in PRELOAD:
         importlib.import_module(name)
     if threading.active_count() != 1:  # (numpy's OpenBLAS starts a native pool: it stops and restarts it at fork)
         raise SystemExit(f"preloaded: the imports started threads {threading.enumerate()}; forking is unsafe")
+    import torch
+
+    server_env, cuda = dict(os.environ), torch.cuda.is_available()  # (DeepSpeed's import has already asked)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
@@ -164,18 +214,34 @@ def serve(path: str) -> None:
     listener.listen(64)
     os.rename(path + ".tmp", path)  # the socket appears once it accepts
     children: dict[int, socket.socket] = {}
-    while True:
-        ready, _, _ = select.select([listener, wake_r], [], [])
-        if wake_r in ready:
-            try:
-                while os.read(wake_r, 4096):
+    tied: dict[socket.socket, int] = {}
+    with open(path + ".started", "a", buffering=1) as started:
+        while True:
+            ready, _, _ = select.select([listener, wake_r, *tied], [], [])
+            if wake_r in ready:
+                try:
+                    while os.read(wake_r, 4096):
+                        pass
+                except BlockingIOError:
                     pass
-            except BlockingIOError:
-                pass
-            _reap(children)
-        if listener in ready:
+                _reap(children, tied)
+            for conn in [c for c in ready if c in tied]:
+                if not conn.recv(1):  # its caller is gone: the job goes too
+                    os.kill(tied.pop(conn), signal.SIGKILL)
+            if listener not in ready:
+                continue
             conn, _ = listener.accept()
-            request = json.loads(_read_line(conn))
+            try:
+                request, fds = _read_request(conn)
+            except (ConnectionError, ValueError):
+                conn.close()
+                continue
+            why = why_cold(request["argv"], request["env"], server_env, cuda)
+            started.write(f"{why or 'forked'}\n")
+            if why:
+                conn.sendall(f"cold {why}\n".encode())
+                conn.close()
+                continue
             pid = os.fork()
             if pid == 0:
                 signal.set_wakeup_fd(-1)
@@ -186,12 +252,16 @@ def serve(path: str) -> None:
                     s.close()
                 os.close(wake_r)
                 os.close(wake_w)
-                _run_child(request)
+                _run_child(request, fds)
+            for fd in fds:
+                os.close(fd)
             children[pid] = conn
+            if request.get("tied"):
+                tied[conn] = pid
             conn.sendall(f"{pid}\n".encode())
 
 
-def _reap(children: dict[int, socket.socket]) -> None:
+def _reap(children: dict[int, socket.socket], tied: dict[socket.socket, int]) -> None:
     while children:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -201,6 +271,7 @@ def _reap(children: dict[int, socket.socket]) -> None:
             return
         conn = children.pop(pid, None)
         if conn is not None:
+            tied.pop(conn, None)
             try:
                 conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
             except OSError:
@@ -208,16 +279,30 @@ def _reap(children: dict[int, socket.socket]) -> None:
             conn.close()
 
 
-# --- the client (in the test session) ------------------------------------------------------------------------------
+# --- the clients: a test's job (conftest.Job), and a ``python`` that a launcher's job runs -------------------------
 
 class ForkedJob:
     """A forked job as ``subprocess.Popen`` shows one: ``pid``, ``args``, ``returncode``, ``poll``, ``wait``,
     ``send_signal``, ``kill``."""
 
-    def __init__(self, conn: socket.socket, args: list[str]):
-        self._conn, self.args, self.returncode = conn, args, None
+    def __init__(self, conn: socket.socket, args: list[str], pid: int):
+        self._conn, self.args, self.returncode, self.pid = conn, args, None, pid
         self._got = b""  # what the server sent past the last whole line (its pid and status may come in one read)
-        self.pid = int(self._line(None))
+
+    @classmethod
+    def start(cls, path: str, request: dict, fds: list[int] = ()) -> ForkedJob | str:
+        """Send ``request`` (and ``fds``) to the server at ``path``: the forked job, or why it must start cold."""
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(path)
+        data = (json.dumps(request) + "\n").encode()
+        socket.send_fds(conn, [data], list(fds)) if fds else conn.sendall(data)
+        job = cls(conn, request["argv"], 0)
+        first = job._line(None).decode()
+        if first.startswith("cold "):
+            conn.close()
+            return first[5:]
+        job.pid = int(first)
+        return job
 
     def _line(self, timeout: float | None) -> bytes | None:
         """The server's next line, waiting at most ``timeout`` s (None: for ever); None if none came in time."""
@@ -258,9 +343,60 @@ class ForkedJob:
         self.send_signal(signal.SIGKILL)
 
 
+def _wait_for_server(path: str, server_pid: int) -> bool:
+    """The server's socket exists, waiting (at most :data:`READY_S`) while the server still imports."""
+    end = time.monotonic() + READY_S
+    while not os.path.exists(path) and os.path.exists(f"/proc/{server_pid}") and time.monotonic() < end:
+        time.sleep(0.05)
+    return os.path.exists(path)
+
+
+def as_python(path: str, server_pid: int, args: list[str]) -> None:
+    """``python ARGS`` for the jobs a launcher starts (``HPCRL_PYTHON`` in the tests, :meth:`Preloaded.python`):
+    the server forks the job when :func:`why_cold` allows, with this process's stdin, stdout, stderr, working
+    directory, environment, blocked and ignored signals and priority; this process stays its stand-in for whoever
+    started it (submitit's controller): the signals it gets go on to the job, the job's exit status becomes its
+    own, and if it is SIGKILLed the server SIGKILLs the job. Otherwise this Python runs ARGS itself (``exec``)."""
+    argv, pending = [sys.executable, *args], []
+    ignored = [s for s in FORWARDED if signal.getsignal(s) == signal.SIG_IGN]
+    for sig in set(FORWARDED) - set(ignored):  # (a signal before the job's pid is known is passed on after)
+        signal.signal(sig, lambda signum, frame: pending.append(signum))
+    lowest = Path("/proc/self/autogroup").read_text().split()[-1] == "19" if os.path.exists(
+        "/proc/self/autogroup") else os.getpriority(os.PRIO_PROCESS, 0) == 19
+    request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "tied": True, "new_session": lowest,
+               "lowest_priority": lowest, "ignored": ignored,
+               "blocked": sorted(signal.pthread_sigmask(signal.SIG_BLOCK, []))}
+    try:
+        job = ForkedJob.start(path, request, [0, 1, 2]) if _wait_for_server(path, server_pid) else "no server"
+    except (OSError, ConnectionError) as e:
+        job = f"no server ({e})"
+    if isinstance(job, str):
+        for sig in set(FORWARDED) - set(ignored):
+            signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)
+        os.execv(sys.executable, argv)
+
+    def forward(signum, frame):
+        try:
+            os.kill(job.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    for sig in set(FORWARDED) - set(ignored):
+        signal.signal(sig, forward)
+    for sig in pending:
+        forward(sig, None)
+    try:
+        code = job.wait()
+    except ConnectionError as e:
+        print(f"preloaded: {e}", file=sys.stderr)
+        code = 1
+    _exit_as(code)
+
+
 class Preloaded:
     """The session's server, started at the first job (in the background: a test does not wait for it unless it
-    starts a job); :meth:`start` forks a job or returns None (start it cold)."""
+    starts a job); :meth:`start` forks a job or returns None (start it cold); :attr:`python` is a ``python`` whose
+    jobs the server forks (:func:`as_python`)."""
 
     def __init__(self, folder: Path):
         self.path = str(folder / "preloaded.sock")
@@ -270,55 +406,51 @@ class Preloaded:
         self.proc = subprocess.Popen([sys.executable, "-u", __file__, self.path, room], stdout=open(self.log, "ab"),
                                      stderr=subprocess.STDOUT, env=self._env)
         self._usable: bool | None = None
-        self.started: dict[str, int] = {}
-        """Jobs by why they started cold ('': forked)."""
+        self._prefixed = 0
+        """Jobs started cold for their prefix (the server counts the rest)."""
         self._lock = threading.Lock()
-
-    def why_cold(self, argv: list[str], env: dict, prefix: tuple[str, ...], lowest: tuple[str, ...]) -> str:
-        """Why the job must start cold ('' if it can be forked); counted for :meth:`summary`."""
-        why = ""
-        if prefix not in ((), lowest):
-            why = "a prefix"
-        elif not (len(argv) >= 2 and argv[0] == sys.executable
-                  and (argv[1] == "-m" and len(argv) >= 3 or argv[1].endswith(".py"))):
-            why = "another program"
-        else:
-            mine, theirs = _comparable(self._env), _comparable(env)
-            differ = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
-            why = f"environment differs in {', '.join(differ)}" if differ else ""
-        self.started[why] = self.started.get(why, 0) + 1
-        return why
+        self.python = folder / "python"
+        self.python.write_text(f"#!/bin/sh\nexec {sys.executable} -S {__file__} --python {self.path} "
+                               f"{self.proc.pid} \"$@\"\n")
+        self.python.chmod(0o755)
 
     def summary(self) -> str:
         """One line: how many jobs were forked and why the others started cold ('' if no test started one)."""
-        if not self.started:
+        try:
+            lines = Path(self.path + ".started").read_text().splitlines()
+        except OSError:
+            lines = []
+        counts = {why: lines.count(why) for why in set(lines)}
+        if self._prefixed:
+            counts["a prefix"] = self._prefixed
+        if not counts:
             return ""
-        cold = sorted(((n, why) for why, n in self.started.items() if why), reverse=True)
-        return (f"preloaded jobs: {self.started.get('', 0)} forked, {sum(n for n, _ in cold)} cold"
+        cold = sorted(((n, why) for why, n in counts.items() if why != "forked"), reverse=True)
+        return (f"preloaded jobs: {counts.get('forked', 0)} forked, {sum(n for n, _ in cold)} cold"
                 + "".join(f"; {n}: {why}" for n, why in cold))
 
     def _ready(self) -> bool:
         """Wait (at most :data:`READY_S`) for the server's socket; False (and a line saying why) if it died."""
         with self._lock:
             if self._usable is None:
-                end = time.monotonic() + READY_S
-                while not os.path.exists(self.path) and self.proc.poll() is None and time.monotonic() < end:
-                    time.sleep(0.05)
-                self._usable = os.path.exists(self.path)
+                self._usable = _wait_for_server(self.path, self.proc.pid)
                 if not self._usable:
                     print(f"preloaded: no server ({self.log}: {self.log.read_text(errors='replace')[-2000:]}); "
                           "jobs start cold", file=sys.stderr)
             return self._usable
 
-    def start(self, argv: list[str], env: dict, cwd: Path, log: Path, new_session: bool, lowest_priority: bool):
+    def start(self, argv: list[str], env: dict, cwd: Path, log: Path, new_session: bool, lowest_priority: bool,
+              prefixed: bool) -> ForkedJob | None:
+        """The job forked, or None: start it cold (``prefixed``: it runs under a prefix the server cannot apply)."""
+        if prefixed:
+            self._prefixed += 1
+            return None
         if not self._ready():
             return None
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        conn.connect(self.path)
         request = {"argv": argv, "env": env, "cwd": str(cwd), "log": str(log), "new_session": new_session,
                    "lowest_priority": lowest_priority}
-        conn.sendall((json.dumps(request) + "\n").encode())
-        return ForkedJob(conn, argv)
+        job = ForkedJob.start(self.path, request)
+        return None if isinstance(job, str) else job
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -327,4 +459,7 @@ class Preloaded:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    if sys.argv[1] == "--python":
+        as_python(sys.argv[2], int(sys.argv[3]), sys.argv[4:])
+    else:
+        serve(sys.argv[1])

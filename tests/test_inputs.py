@@ -116,6 +116,19 @@ def test_a_model_the_jobs_cannot_load_stops_the_run_at_once(tmp_path):
     assert "resubmitting" not in out.stdout and "Traceback" not in out.stdout + out.stderr
 
 
+def test_a_jobs_python_that_is_not_there_is_reported_with_the_config_in_one_pass(tmp_path):
+    """HPCRL_PYTHON (the Python the jobs run, here and on Slurm) must be an executable file: else every job and
+    every restart would fail to start."""
+    out = subprocess.run([sys.executable, "-m", "hpcrl", "run", str(TINY), "rollout.n=0", "--dry-run", "--run-dir",
+                          str(tmp_path / "run"), "--executor", "local"], capture_output=True, text=True, cwd=REPO,
+                         timeout=120, env=dict(__import__("os").environ, HPCRL_PYTHON=str(tmp_path / "no" / "python")))
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert f"hpcrl: error: environment HPCRL_PYTHON: got '{tmp_path / 'no' / 'python'}'; allowed: an executable " \
+           "file" in out.stderr and "config rollout.n: got 0" in out.stderr, out.stderr
+    assert "2 problems, found in one pass; nothing was created or submitted" in out.stderr, out.stderr
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.slow
 def test_python_api_launch_status_wait(tmp_path):
     import hpcrl

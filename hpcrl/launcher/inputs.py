@@ -14,6 +14,7 @@ line, instead of after ``resources.max_restarts`` resubmissions:
 - **evaluation** (``eval.every_versions`` > 0): ``data.val_files`` read and tokenize like the data,
   the evaluation's reward scores a held-out row of each data source, its engine can run;
 - **GPUs**: with ``--executor local`` the jobs run here, so the GPUs asked for must be here;
+- **the jobs' Python**: ``HPCRL_PYTHON``, when set, is an executable file (``submit.JOB_PYTHON_ENV``);
 - **LoRA** (``actor.lora_rank``): the target modules are linear layers of the model, and each engine can serve the
   adapter (``lora_check.py``).
 
@@ -27,6 +28,7 @@ checked at launch (and by ``--dry-run``), not when a config file is parsed.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -36,6 +38,7 @@ from hpcrl.config.checks import bad, collecting, report, reported
 from hpcrl.config.names import BUILTIN_MODELS
 from hpcrl.launcher.input_warnings import WARNING, another_task, rule_mismatch, unknown_tokens, unwritable_answers
 from hpcrl.launcher.lora_check import check_lora
+from hpcrl.launcher.submit import JOB_PYTHON_ENV
 
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 """Files that count as a model's weights."""
@@ -157,6 +160,16 @@ def check_gpus(cfg: RunConfig, kind: Optional[str]) -> None:
                   "or --executor slurm")
 
 
+def check_job_python() -> None:
+    """``HPCRL_PYTHON`` (the Python the jobs run, when set) is an executable file: else every job would fail to
+    start, each restart again."""
+    python = os.environ.get(JOB_PYTHON_ENV)
+    if python and not (os.path.isfile(python) and os.access(python, os.X_OK)):
+        report(ConfigError(f"environment {JOB_PYTHON_ENV}: got {python!r}; allowed: an executable file, the Python "
+                           "the jobs run; fix: point it at the Python that has hpcrl installed (.venv/bin/python), "
+                           "or unset it (the jobs then run the launcher's own Python)"))
+
+
 def _one_line(e: BaseException) -> str:
     text = str(e).strip()
     return text if text.startswith(("config ", "override ")) else f"config {text}"
@@ -225,6 +238,7 @@ def _check_inputs(cfg: RunConfig, kind: Optional[str]) -> InputsFound:
 
     _attempt(check_engine, cfg, skip=("rollout.engine", "rollout.device", "model.path"))
     _attempt(check_gpus, cfg, kind, skip=("resources.trainer.gpus_per_node", "resources.rollout.gpus_per_node"))
+    check_job_python()
     lines_lora = _attempt(check_lora, cfg, skip=("actor.lora_", "model.path")) or []
     tokenizer = _attempt(load_model_tokenizer, cfg, skip=("model.path",))
     rows = _attempt(_rows, cfg, skip=("data.", "rollout.response_length"))

@@ -50,6 +50,17 @@ def resolve_executor(name: str) -> str:
     return name
 
 
+JOB_PYTHON_ENV = "HPCRL_PYTHON"
+"""When set, the Python every job runs (a path: another environment's interpreter, or a script that starts one in a
+container), local or on Slurm; else the launcher's own. The sbatch scripts read the same variable."""
+
+
+def job_python() -> str | None:
+    """The ``python`` command submitit starts the jobs with (None: the launcher's own, ``sys.executable``)."""
+    python = os.environ.get(JOB_PYTHON_ENV)
+    return shlex.quote(python) if python else None
+
+
 def submitit_folder(rd: RunDir) -> Path:
     """submitit's private folder for this run, outside the run directory (its pickles stay there)."""
     digest = hashlib.sha256(str(rd.root).encode()).hexdigest()[:8]
@@ -111,7 +122,8 @@ def slurm_parameters(job: PlannedJob) -> dict:
 def _executor(kind: str, folder: Path, job: PlannedJob):
     import submitit
 
-    ex = submitit.AutoExecutor(folder=folder / job.name, cluster=kind)
+    python = job_python()
+    ex = submitit.AutoExecutor(folder=folder / job.name, cluster=kind, **({f"{kind}_python": python} if python else {}))
     r = job.resources
     # gpus_per_node through submitit's generic parameter: Slurm gets --gpus-per-node, the local
     # executor sets CUDA_VISIBLE_DEVICES from it (without it a local job sees no GPU)
