@@ -63,6 +63,7 @@ from hpcrl.analysis.exactly_once import audit  # noqa: E402
 from hpcrl.config import load_config  # noqa: E402
 from hpcrl.fsio import read_json, read_jsonl  # noqa: E402
 from hpcrl.launcher.prepare import prepare_run_dir  # noqa: E402
+from hpcrl.launcher.submit import JOB_PYTHON_ENV  # noqa: E402
 from hpcrl.logs import read_staleness  # noqa: E402
 from hpcrl.run_dir import RunDir  # noqa: E402
 
@@ -79,12 +80,13 @@ class Proc:
     def __init__(self, role: str, rd: RunDir, fault: str | None):
         self.role, self.fault = role, fault
         args = ["trainer", str(rd.root)] if role == "trainer" else ["rollout", str(rd.root), "--writer-rank", "0"]
-        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
+        env = dict(os.environ, PYTHONUNBUFFERED="1")  # (``-m hpcrl`` in REPO: this checkout's hpcrl)
         env.pop("HPCRL_FAULT_POINT", None)
         if fault:
             env["HPCRL_FAULT_POINT"] = fault
         out = open(rd.root / f"{role}.out", "ab")
-        self.p = subprocess.Popen([sys.executable, "-m", "hpcrl", *args], stdout=out, stderr=subprocess.STDOUT,
+        python = os.environ.get(JOB_PYTHON_ENV) or sys.executable  # the Python the jobs run, as hpcrl run starts them
+        self.p = subprocess.Popen([python, "-m", "hpcrl", *args], stdout=out, stderr=subprocess.STDOUT,
                                   env=env, cwd=REPO)
         out.close()
 

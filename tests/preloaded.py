@@ -97,9 +97,10 @@ def _show_command_line(argv: list[str]) -> None:
         ctypes.memmove(start, data.ljust(end - start, b"\0"), end - start)
 
 
-def _run_child(request: dict, fds: list[int]) -> None:
+def _run_child(request: dict, fds: list[int], set_by_imports: dict) -> None:
     """In the forked child: become the job the request describes, then exit as ``python`` would. ``fds``: the
-    caller's stdin, stdout and stderr (:func:`as_python`), else its output goes to the request's log."""
+    caller's stdin, stdout and stderr (:func:`as_python`), else its output goes to the request's log;
+    ``set_by_imports``: the variables the preloaded imports set where unset (a cold job's own imports set them)."""
     import atexit
     import runpy
     import traceback
@@ -124,7 +125,7 @@ def _run_child(request: dict, fds: list[int]) -> None:
     signal.pthread_sigmask(signal.SIG_SETMASK, request.get("blocked", ()))
     os.chdir(request["cwd"])
     os.environ.clear()
-    os.environ.update(request["env"])
+    os.environ.update({**set_by_imports, **request["env"]})
     import numpy
 
     numpy.random.seed()  # numpy's global generator from fresh entropy, as in a new process (Python's reseeds itself)
@@ -196,13 +197,15 @@ def serve(path: str) -> None:
     written to a pipe that ``select`` watches with the listener and the tied connections."""
     import importlib
 
+    server_env = dict(os.environ)
     for name in PRELOAD:
         importlib.import_module(name)
     if threading.active_count() != 1:  # (numpy's OpenBLAS starts a native pool: it stops and restarts it at fork)
         raise SystemExit(f"preloaded: the imports started threads {threading.enumerate()}; forking is unsafe")
     import torch
 
-    server_env, cuda = dict(os.environ), torch.cuda.is_available()  # (DeepSpeed's import has already asked)
+    cuda = torch.cuda.is_available()  # (DeepSpeed's import has already asked)
+    set_by_imports = {k: v for k, v in os.environ.items() if server_env.get(k) != v}
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
@@ -252,7 +255,7 @@ def serve(path: str) -> None:
                     s.close()
                 os.close(wake_r)
                 os.close(wake_w)
-                _run_child(request, fds)
+                _run_child(request, fds, set_by_imports)
             for fd in fds:
                 os.close(fd)
             children[pid] = conn

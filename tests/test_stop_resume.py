@@ -10,10 +10,11 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TINY, check_exactly_once
+from conftest import REPO, TINY, BackgroundCommand, check_exactly_once
 from hpcrl.control.records import read_latest_checkpoint
 from hpcrl.logs import read_metrics
 from hpcrl.run_dir import RunDir
@@ -106,13 +107,28 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 '''
 
 
-def test_reward_errors_show_on_the_console_in_status_and_in_the_report(tmp_path):
-    src = verl_parquet(tmp_path / "train.parquet", n=60)
-    (tmp_path / "r.py").write_text(RAISES_ON_A_THIRD)
-    run = tmp_path / "run"
-    out = hpcrl("run", TINY, f"data.source={src}", f"reward.path={tmp_path / 'r.py'}", "rollout.total_rollout_steps=48",
-                "eval.every_versions=0", "--run-dir", run, "--executor", "local", timeout=300)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+def reward_errors_launch(folder: Path) -> list[str]:
+    """A run on verl-format rows whose reward raises on a third of them, launched like a user's."""
+    src = verl_parquet(folder / "train.parquet", n=60)
+    (folder / "r.py").write_text(RAISES_ON_A_THIRD)
+    return ["run", str(TINY), f"data.source={src}", f"reward.path={folder / 'r.py'}", "rollout.total_rollout_steps=48",
+            "eval.every_versions=0", "--run-dir", str(folder / "run"), "--executor", "local"]
+
+
+BACKGROUND_RUNS = {"stop_resume:reward_errors": BackgroundCommand.hpcrl_args(reward_errors_launch)}
+"""In the background when the session starts (conftest.BackgroundRuns): its test reads the finished run."""
+
+
+def background_keys(item) -> tuple[str, ...]:
+    """The background run a test item reads (none: it runs its own)."""
+    reads = item.originalname == "test_reward_errors_show_on_the_console_in_status_and_in_the_report"
+    return ("stop_resume:reward_errors",) if reads else ()
+
+
+def test_reward_errors_show_on_the_console_in_status_and_in_the_report(background_runs):
+    out = background_runs.launched("stop_resume:reward_errors", timeout_s=600)
+    assert out.returncode == 0, out.stdout[-3000:]
+    run = Path(out.args[out.args.index("--run-dir") + 1])
     console = [line for line in version_lines(out.stdout) if "reward errors" in line]
     assert console and "(first: w000/" in console[0] and "ValueError: row" in console[0], out.stdout[-3000:]
     rows = [json.loads(x) for x in (run / "logs" / "rollout-w000.jsonl").read_text().splitlines()]
