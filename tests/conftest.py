@@ -114,6 +114,12 @@ def environment_restored() -> Iterator[None]:
         os.environ.update(saved)
 
 
+def python() -> str:
+    """The Python for a command a test starts itself (``python -m hpcrl run ...``): the session's ``HPCRL_PYTHON``,
+    whose command the preloaded server forks where that cannot change it (``preloaded.as_python``), else this one."""
+    return os.environ.get(JOB_PYTHON_ENV) or sys.executable
+
+
 def start_trainer(rd, **kw) -> Job:
     return Job(["trainer", str(rd.root)], rd.root / "trainer.out", **kw)
 

@@ -15,7 +15,6 @@ import math
 import re
 import shutil
 import subprocess
-import sys
 import zlib
 from collections import defaultdict
 from pathlib import Path
@@ -25,7 +24,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import REPO, make_run, start_rollout, start_trainer, wait_until
+from conftest import REPO, make_run, python, start_rollout, start_trainer, wait_until
 from hpcrl.analysis.recommend import HIGH, recommend
 from hpcrl.analysis.status import status_main
 from hpcrl.fsio import JsonlTail
@@ -151,7 +150,7 @@ def assert_row_matches(row: dict, expected: dict) -> None:
 
 def run_cli(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
     """The real command in its own process."""
-    return subprocess.run([sys.executable, "-m", "hpcrl", *args], capture_output=True, text=True, cwd=REPO,
+    return subprocess.run([python(), "-m", "hpcrl", *args], capture_output=True, text=True, cwd=REPO,
                           timeout=timeout_s)
 
 

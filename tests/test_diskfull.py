@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, Job, check_exactly_once, make_run, start_rollout, start_trainer, wait_until
+from conftest import REPO, Job, check_exactly_once, make_run, python, start_rollout, start_trainer, wait_until
 from hpcrl import fsio
 from hpcrl.control.job import DiskRoom, Stop, run
 from hpcrl.control.records import HeartbeatState, HeartbeatThread, read_heartbeats
@@ -412,7 +412,7 @@ def test_a_run_whose_space_never_comes_back_ends_with_the_fatal_record_status_sh
         record = json.loads(rd.fatal.read_text())
         assert record["input"] == "disk" and record["message"].startswith(f"disk full at {rd.checkpoints}"), record
         assert read_heartbeats(rd)["trainer"].state == "failed"
-        out = subprocess.run([sys.executable, "-m", "hpcrl", "status", str(rd.root), "--once"], capture_output=True,
+        out = subprocess.run([python(), "-m", "hpcrl", "status", str(rd.root), "--once"], capture_output=True,
                              text=True, cwd=REPO, timeout=120)
         assert "run stopped by an error a restart would repeat: trainer: disk full at" in out.stdout, out.stdout
         assert "cannot go on: disk full at" in rd.job_log("trainer").read_text()

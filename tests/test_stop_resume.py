@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TINY, BackgroundCommand, check_exactly_once
+from conftest import REPO, TINY, BackgroundCommand, check_exactly_once, python
 from hpcrl.control.records import read_latest_checkpoint
 from hpcrl.logs import read_metrics
 from hpcrl.run_dir import RunDir
@@ -32,7 +32,7 @@ def test_ctrl_c_at_a_random_moment_loses_no_update(tmp_path):
     stop_after = random.Random(seed).randint(3, 40)
     print(f"seed {seed}: Ctrl-C after {stop_after} updates")
     run, rd = tmp_path / "run", RunDir(tmp_path / "run")
-    proc = subprocess.Popen([sys.executable, "-m", "hpcrl", "run", str(TINY), "rollout.total_rollout_steps=240",
+    proc = subprocess.Popen([python(), "-m", "hpcrl", "run", str(TINY), "rollout.total_rollout_steps=240",
                              "--run-dir", str(run), "--executor", "local"], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:

@@ -2,14 +2,13 @@
 before anything is submitted (in one line), and the metrics reach TensorBoard and W&B."""
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 
-from conftest import REPO, TINY, BackgroundCommand
+from conftest import REPO, TINY, BackgroundCommand, python
 from hpcrl.cli import main as cli_main
 from hpcrl.config import DataConfig, load_config
 from hpcrl.rollout.data import PromptEncoder
@@ -35,7 +34,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 
 def hpcrl(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "hpcrl", *map(str, args)], capture_output=True, text=True, cwd=REPO,
+    return subprocess.run([python(), "-m", "hpcrl", *map(str, args)], capture_output=True, text=True, cwd=REPO,
                           timeout=timeout)
 
 
@@ -291,7 +290,7 @@ def test_dry_run_on_an_existing_run_reports_the_conflict(tmp_path, capsys):
 
 
 def test_dry_run_into_a_closed_pipe_ends_quietly(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "hpcrl", "run", str(TINY), "--run-dir", str(tmp_path / "r"),
+    proc = subprocess.Popen([python(), "-m", "hpcrl", "run", str(TINY), "--run-dir", str(tmp_path / "r"),
                              "--dry-run"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.close()  # like `| head -1` once head has exited
     err = proc.communicate(timeout=120)[1].decode()
