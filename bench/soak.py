@@ -63,7 +63,7 @@ from hpcrl.analysis.exactly_once import audit  # noqa: E402
 from hpcrl.config import load_config  # noqa: E402
 from hpcrl.fsio import read_json, read_jsonl  # noqa: E402
 from hpcrl.launcher.prepare import prepare_run_dir  # noqa: E402
-from hpcrl.launcher.submit import JOB_PYTHON_ENV  # noqa: E402
+from hpcrl.launcher.submit import job_python  # noqa: E402
 from hpcrl.logs import read_staleness  # noqa: E402
 from hpcrl.run_dir import RunDir  # noqa: E402
 
@@ -85,8 +85,7 @@ class Proc:
         if fault:
             env["HPCRL_FAULT_POINT"] = fault
         out = open(rd.root / f"{role}.out", "ab")
-        python = os.environ.get(JOB_PYTHON_ENV) or sys.executable  # the Python the jobs run, as hpcrl run starts them
-        self.p = subprocess.Popen([python, "-m", "hpcrl", *args], stdout=out, stderr=subprocess.STDOUT,
+        self.p = subprocess.Popen([job_python(), "-m", "hpcrl", *args], stdout=out, stderr=subprocess.STDOUT,
                                   env=env, cwd=REPO)
         out.close()
 

@@ -198,6 +198,7 @@ def _cmd_plan(a) -> int:
 def _cmd_sbatch_lines(a) -> int:
     from hpcrl.launcher.prepare import prepare_run_dir
     from hpcrl.launcher.sbatch_lines import sbatch_lines, write_setup_files
+    from hpcrl.launcher.submit import job_python
     from hpcrl.run_dir import RunDir
 
     try:  # stdout carries the sbatch lines only (submit.sh runs each): what the checks print goes to stderr
@@ -208,7 +209,7 @@ def _cmd_sbatch_lines(a) -> int:
         return _problems("hpcrl", e)
     if not a.dry_run:
         write_setup_files(cfg, rd)
-    for line in sbatch_lines(cfg, rd, Path(a.scripts).resolve(), a.python or sys.executable):
+    for line in sbatch_lines(cfg, rd, Path(a.scripts).resolve(), a.python or job_python()):
         print(line)
     return 0
 
@@ -384,7 +385,7 @@ def _parser() -> argparse.ArgumentParser:
     sl.add_argument("--run-dir", required=True, help="run directory to prepare on the shared filesystem (a new one)")
     sl.add_argument("--scripts", default=str(Path(__file__).resolve().parents[1] / "sbatch"),
                     help="folder holding trainer.sbatch, rollout.sbatch and eval.sbatch")
-    sl.add_argument("--python", default=None, help="python the jobs run (default: this one)")
+    sl.add_argument("--python", default=None, help="python the jobs run (default: HPCRL_PYTHON, else this one)")
     sl.add_argument("--dry-run", action="store_true", help="print the lines; create and submit nothing")
     t = sub.add_parser("trainer", help="run the trainer job in this process")
     t.add_argument("run_dir", metavar="RUN_DIR", help=JOB_RUN_DIR_HELP)

@@ -29,7 +29,7 @@ cuda_rules.install()
 
 from hpcrl.config import load_config  # noqa: E402
 from hpcrl.launcher.prepare import prepare_run_dir  # noqa: E402
-from hpcrl.launcher.submit import JOB_PYTHON_ENV  # noqa: E402
+from hpcrl.launcher.submit import JOB_PYTHON_ENV, job_python  # noqa: E402
 from hpcrl.trainer.ops import node_extensions_dir  # noqa: E402
 from preloaded import Preloaded  # noqa: E402
 
@@ -115,9 +115,9 @@ def environment_restored() -> Iterator[None]:
 
 
 def python() -> str:
-    """The Python for a command a test starts itself (``python -m hpcrl run ...``): the session's ``HPCRL_PYTHON``,
-    whose command the preloaded server forks where that cannot change it (``preloaded.as_python``), else this one."""
-    return os.environ.get(JOB_PYTHON_ENV) or sys.executable
+    """The Python for a command a test starts itself (``python -m hpcrl run ...``): what the jobs run, in the session
+    ``HPCRL_PYTHON``, whose command the preloaded server forks where that cannot change it (``preloaded.as_python``)."""
+    return job_python()
 
 
 def start_trainer(rd, **kw) -> Job:

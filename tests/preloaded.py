@@ -361,8 +361,10 @@ def as_python(path: str, server_pid: int, args: list[str]) -> None:
     started it (submitit's controller): the signals it gets go on to the job, the job's exit status becomes its
     own, and if it is SIGKILLed the server SIGKILLs the job. Otherwise this Python runs ARGS itself (``exec``)."""
     argv, pending = [sys.executable, *args], []
+    # every signal is passed on, one ignored here too: the job ignores it as well (an exec keeps it ignored) unless it
+    # handles it itself (a launcher under a shell that ignores Ctrl-C); one before the job's pid is known, once it is
     ignored = [s for s in FORWARDED if signal.getsignal(s) == signal.SIG_IGN]
-    for sig in set(FORWARDED) - set(ignored):  # (a signal before the job's pid is known is passed on after)
+    for sig in FORWARDED:
         signal.signal(sig, lambda signum, frame: pending.append(signum))
     lowest = Path("/proc/self/autogroup").read_text().split()[-1] == "19" if os.path.exists(
         "/proc/self/autogroup") else os.getpriority(os.PRIO_PROCESS, 0) == 19
@@ -374,8 +376,8 @@ def as_python(path: str, server_pid: int, args: list[str]) -> None:
     except (OSError, ConnectionError) as e:
         job = f"no server ({e})"
     if isinstance(job, str):
-        for sig in set(FORWARDED) - set(ignored):
-            signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)
+        for sig in FORWARDED:
+            signal.signal(sig, signal.SIG_IGN if sig in ignored else signal.SIG_DFL)
         os.execv(sys.executable, argv)
 
     def forward(signum, frame):
@@ -384,7 +386,7 @@ def as_python(path: str, server_pid: int, args: list[str]) -> None:
         except ProcessLookupError:
             pass
 
-    for sig in set(FORWARDED) - set(ignored):
+    for sig in FORWARDED:
         signal.signal(sig, forward)
     for sig in pending:
         forward(sig, None)

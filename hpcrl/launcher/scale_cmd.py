@@ -24,6 +24,7 @@ from hpcrl.control.fleet_log import SCALE_REQUESTED, FleetLog
 from hpcrl.control.records import read_trainer_done
 from hpcrl.launcher.fleet import Fleet, StartError, Submitted, active_writers
 from hpcrl.launcher.sbatch_lines import SCRIPTS, rollout_arrays, rollout_lines
+from hpcrl.launcher.submit import job_python
 from hpcrl.run_dir import FLEET_SCALE, RunDir
 
 SBATCH_TIMEOUT_S = 60.0
@@ -44,7 +45,7 @@ class SbatchArrays:
 
     def start(self, writer_ids: list[int]) -> Iterator[Submitted]:
         """Submit the arrays of ``writer_ids``; StartError (with the lines to submit by hand) without sbatch."""
-        lines = rollout_lines(self.cfg, self.rd, self.scripts, sys.executable, writer_ids)
+        lines = rollout_lines(self.cfg, self.rd, self.scripts, job_python(), writer_ids)
         if shutil.which("sbatch") is None:
             raise StartError("sbatch is not on PATH: submit the new rollout jobs with\n" + "\n".join(lines))
         for ids, line in zip(rollout_arrays(self.cfg, writer_ids), lines):

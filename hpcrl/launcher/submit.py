@@ -21,6 +21,7 @@ import os
 import shlex
 import shutil
 import signal
+import sys
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -55,10 +56,9 @@ JOB_PYTHON_ENV = "HPCRL_PYTHON"
 container), local or on Slurm; else the launcher's own. The sbatch scripts read the same variable."""
 
 
-def job_python() -> str | None:
-    """The ``python`` command submitit starts the jobs with (None: the launcher's own, ``sys.executable``)."""
-    python = os.environ.get(JOB_PYTHON_ENV)
-    return shlex.quote(python) if python else None
+def job_python() -> str:
+    """The Python the jobs run: ``HPCRL_PYTHON`` when set, else this one."""
+    return os.environ.get(JOB_PYTHON_ENV) or sys.executable
 
 
 def submitit_folder(rd: RunDir) -> Path:
@@ -122,8 +122,7 @@ def slurm_parameters(job: PlannedJob) -> dict:
 def _executor(kind: str, folder: Path, job: PlannedJob):
     import submitit
 
-    python = job_python()
-    ex = submitit.AutoExecutor(folder=folder / job.name, cluster=kind, **({f"{kind}_python": python} if python else {}))
+    ex = submitit.AutoExecutor(folder=folder / job.name, cluster=kind, **{f"{kind}_python": shlex.quote(job_python())})
     r = job.resources
     # gpus_per_node through submitit's generic parameter: Slurm gets --gpus-per-node, the local
     # executor sets CUDA_VISIBLE_DEVICES from it (without it a local job sees no GPU)

@@ -1,0 +1,59 @@
+"""The session's stand-in ``python`` (tests/preloaded.py ``as_python``, the suite's ``HPCRL_PYTHON``) behaves as the
+real one towards whoever started it: the signals it gets reach the job, the job's exit status is its own, and the
+job does not outlive it."""
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import wait_until
+
+JOB = '''
+import os, signal, sys, time
+signal.signal(signal.SIGINT, lambda signum, frame: sys.exit(7))  # handled, although ignored where it started
+print(os.getpid(), flush=True)
+time.sleep(60)
+'''
+
+
+@pytest.fixture
+def stand_in(preloaded, tmp_path):
+    if preloaded is None:
+        pytest.skip("HPCRL_TEST_COLD_JOBS=1: no preloaded server")
+    (tmp_path / "job.py").write_text(JOB)
+    return lambda **kw: subprocess.Popen([str(preloaded.python), str(tmp_path / "job.py")], stdout=subprocess.PIPE,
+                                         text=True, **kw)
+
+
+def _job_pid(proc) -> int:
+    pid = int(proc.stdout.readline())
+    assert pid != proc.pid, "the job is forked by the server, not run by the stand-in"
+    assert Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[1].endswith(b"job.py"), "ps shows the job's own"
+    return pid
+
+
+def test_a_signal_ignored_where_the_stand_in_started_reaches_a_job_that_handles_it(stand_in):
+    proc = stand_in(preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # a shell's `cmd &`
+    _job_pid(proc)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(30) == 7
+
+
+def test_the_job_s_death_by_a_signal_is_the_stand_in_s_and_a_killed_stand_in_takes_its_job_along(stand_in):
+    proc = stand_in()
+    _job_pid(proc)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == -signal.SIGTERM
+    proc = stand_in()
+    pid = _job_pid(proc)
+    proc.kill()
+    assert proc.wait(30) == -signal.SIGKILL
+    wait_until(lambda: _ended(pid), 10, f"the job {pid} of a SIGKILLed stand-in to be SIGKILLed by the server")
+
+
+def _ended(pid: int) -> bool:
+    try:
+        return b"(zombie)" in Path(f"/proc/{pid}/status").read_bytes()
+    except OSError:
+        return True
