@@ -86,6 +86,23 @@ def _lowest_priority() -> None:
     os.nice(19)
 
 
+def autogroup_nice(text: str) -> int | None:
+    """The nice value in ``/proc/self/autogroup``'s text (``/autogroup-2035 nice 19``); None where the kernel gives
+    none: the file is empty where the process is not in an autogroup (CI's container) and absent without them."""
+    words = text.split()
+    return int(words[2]) if len(words) == 3 and words[1] == "nice" else None
+
+
+def _niced_19() -> bool:
+    """This process was started as :data:`conftest.LOWEST_PRIORITY` starts one: its autogroup's nice is 19, or,
+    where it has no autogroup, its own."""
+    try:
+        nice = autogroup_nice(Path("/proc/self/autogroup").read_text())
+    except OSError:
+        nice = None
+    return (os.getpriority(os.PRIO_PROCESS, 0) if nice is None else nice) == 19
+
+
 def _show_command_line(argv: list[str]) -> None:
     """Make ``/proc/self/cmdline`` the job's (``ps``, and the leftover sweep that finds an earlier attempt by its
     command line, see it as a cold job's) by writing it over the server's own, which :data:`ARGV_ROOM` made long
@@ -368,8 +385,7 @@ def as_python(path: str, server_pid: int, args: list[str]) -> None:
     ignored = [s for s in FORWARDED if signal.getsignal(s) == signal.SIG_IGN]
     for sig in FORWARDED:
         signal.signal(sig, lambda signum, frame: pending.append(signum))
-    lowest = Path("/proc/self/autogroup").read_text().split()[-1] == "19" if os.path.exists(
-        "/proc/self/autogroup") else os.getpriority(os.PRIO_PROCESS, 0) == 19
+    lowest = _niced_19()
     request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "tied": True, "new_session": lowest,
                "lowest_priority": lowest, "ignored": ignored,
                "blocked": sorted(signal.pthread_sigmask(signal.SIG_BLOCK, []))}
