@@ -12,10 +12,9 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import pytest
 
@@ -30,6 +29,7 @@ cuda_rules.install()
 from hpcrl.config import load_config  # noqa: E402
 from hpcrl.launcher.prepare import prepare_run_dir  # noqa: E402
 from hpcrl.launcher.submit import JOB_PYTHON_ENV, job_python  # noqa: E402
+from hpcrl.process.environment import environment_restored  # noqa: E402
 from hpcrl.trainer.ops import node_extensions_dir  # noqa: E402
 from preloaded import Preloaded  # noqa: E402
 
@@ -99,19 +99,6 @@ def _preloaded() -> Preloaded | None:
     """The session's preloaded server (tests/preloaded.py; fixture ``preloaded``), None outside a session or with
     ``HPCRL_TEST_COLD_JOBS=1``."""
     return _PRELOADED[0] if _PRELOADED else None
-
-
-@contextmanager
-def environment_restored() -> Iterator[None]:
-    """The test process's environment as it was, once the block ends: an engine made in the test process (vLLM's
-    CPU platform sets LD_PRELOAD, OMP_WAIT_POLICY, ... for its engine core) must not change the environment of
-    later tests' jobs (nor make them start cold: tests/preloaded.py)."""
-    saved = dict(os.environ)
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 def python() -> str:

@@ -19,7 +19,7 @@ commands a test starts itself run the session's ``HPCRL_PYTHON``, a stand-in ``p
 command the server forks the same way. A cold start is still what every Slurm test and ``tests/test_startup.py``
 exercise. The session's last lines
 say how many jobs were forked and why the others started cold (an engine made in the test process changes its
-environment: ``conftest.environment_restored``). ``HPCRL_TEST_COLD_JOBS=1`` starts every job cold (to see whether
+environment: ``hpcrl/process/environment.py``). ``HPCRL_TEST_COLD_JOBS=1`` starts every job cold (to see whether
 a failure is this module's).
 """
 from __future__ import annotations

@@ -16,7 +16,8 @@ import pandas as pd
 import pytest
 import torch
 
-from conftest import TINY, BackgroundCommand, check_exactly_once, environment_restored
+from conftest import TINY, BackgroundCommand, check_exactly_once
+from hpcrl.process.environment import environment_restored
 from hpcrl.config import WeightsConfig
 from hpcrl.control.records import HeartbeatThread
 from hpcrl.eval_log import EVALUATED, read_eval_rows

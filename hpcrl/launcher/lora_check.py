@@ -20,6 +20,7 @@ from hpcrl.config import ConfigError, RunConfig
 from hpcrl.config.checks import bad
 from hpcrl.config.lora import ALL_LINEAR
 from hpcrl.config.names import BUILTIN_MODELS
+from hpcrl.process.environment import environment_restored
 
 OUTPUT_LAYER = "lm_head"
 """The output layer, which peft's ``all-linear`` leaves out."""
@@ -67,7 +68,8 @@ def check_vllm_serves(cfg: RunConfig, key: str, adapted: dict[str, tuple[int, in
     device = cfg.rollout.device
     if device == "cuda" or (device == "auto" and cfg.resources.rollout.gpus_per_node > 0):
         return  # vLLM's CUDA builds serve LoRA; this login node may have no GPU to ask
-    why = _vllm_cannot_serve_lora()
+    with environment_restored():  # importing vLLM changes the environment the jobs are submitted with
+        why = _vllm_cannot_serve_lora()
     if why:
         raise ConfigError(f"config {key}: got 'vllm' with actor.lora_rank={cfg.actor.lora_rank}; this vLLM build "
                           f"cannot serve LoRA adapters ({why}); fix: {key}=transformers (applies the adapter with "
