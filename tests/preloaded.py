@@ -144,7 +144,11 @@ def _run_child(request: dict, fds: list[int], set_by_imports: dict) -> None:
     signal.pthread_sigmask(signal.SIG_SETMASK, request.get("blocked", ()))
     os.chdir(request["cwd"])
     os.environ.clear()
-    os.environ.update({**set_by_imports, **request["env"]})
+    # the job's own variables first, in its order, then what the imports set, as a cold job's own imports add them:
+    # a process vLLM spawns finds its command line (setproctitle: VLLM::EngineCore) by walking back from its first
+    # environment string, and finds nothing once vLLM has set that variable again (TORCHINDUCTOR_CACHE_DIR was first)
+    os.environ.update(request["env"])
+    os.environ.update({k: v for k, v in set_by_imports.items() if k not in request["env"]})
     import numpy
 
     numpy.random.seed()  # numpy's global generator from fresh entropy, as in a new process (Python's reseeds itself)
