@@ -2,7 +2,9 @@
 (peft's layout, hashed, verified, marked bad when damaged), the base model's hash, the transformers engine applying
 an adapter exactly as peft does, and ``hpcrl export`` of an adapter (its folder, and merged). The trainer's side and
 the learning runs are in ``test_lora_runs.py``."""
+import importlib.util
 import json
+import subprocess
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ from hpcrl.tiny.model import build_tiny_model
 from hpcrl.weights import WeightVersion, WeightVersionBad, make_publisher, make_subscriber
 from hpcrl.weights.adapter import BaseModelChanged, base_model_hash, verify_base
 from hpcrl.weights.manifest import AdapterBase
-from conftest import TINY
+from conftest import REPO, TINY, python
 
 PROMPTS = [[30, 5], [31, 7, 8, 9]]
 
@@ -289,3 +291,32 @@ def test_export_writes_the_adapter_folder_or_the_merged_model_and_both_load_in_t
     make_publisher(cfg_of().weights, full).publish(0, dict(model.state_dict()), model.config.to_json_string(), 0, 0)
     with pytest.raises(ExportError, match="holds full weights: --merge is for a LoRA run"):
         export(full.root, tmp_path / "nope", merge=True)
+
+
+CHECK_IN_A_FRESH_PROCESS = """
+import json, os, sys
+from hpcrl.config import load_config
+from hpcrl.launcher.lora_check import check_lora
+before = dict(os.environ)
+cfg = load_config(sys.argv[1], ["actor.lora_rank=8", "model.path=builtin:tiny-h64", "rollout.engine=vllm",
+                                "rollout.device=cpu"])
+lines = check_lora(cfg)
+assert "vllm" in sys.modules, "the check imported vLLM"
+print(json.dumps({"lines": lines, "changed": sorted(k for k in before.keys() | os.environ.keys()
+                                                  if before.get(k) != os.environ.get(k))}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_the_launch_check_that_imports_vllm_leaves_the_jobs_environment_as_it_was(tmp_path):
+    """(Not in test_lora_vllm.py: while its module's engine is up, the test process has vLLM's variables.) Importing
+    vLLM sets LD_LIBRARY_PATH (with an empty entry: the working directory), TORCHINDUCTOR_COMPILE_THREADS
+    and more in the importing process's environment; the launcher's LoRA check imports it, and every job the launcher
+    then submitted inherited them. In a fresh process (vLLM not yet imported) the environment is unchanged after it."""
+    (tmp_path / "check.py").write_text(CHECK_IN_A_FRESH_PROCESS)
+    res = subprocess.run([python(), str(tmp_path / "check.py"), str(TINY)], capture_output=True, text=True,
+                         cwd=REPO, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["lines"][0].startswith("LoRA: rank 8") and out["changed"] == [], out

@@ -179,32 +179,3 @@ def test_a_vllm_build_without_lora_kernels_is_refused_at_launch_in_one_line(monk
     assert "\n" not in msg
     assert "fix: rollout.engine=transformers" in msg
 
-
-CHECK_IN_A_FRESH_PROCESS = """
-import json, os, sys
-from hpcrl.config import load_config
-from hpcrl.launcher.lora_check import check_lora
-before = dict(os.environ)
-cfg = load_config(sys.argv[1], ["actor.lora_rank=8", "model.path=builtin:tiny-h64", "rollout.engine=vllm",
-                                "rollout.device=cpu"])
-lines = check_lora(cfg)
-assert "vllm" in sys.modules, "the check imported vLLM"
-print(json.dumps({"lines": lines, "changed": sorted(k for k in before.keys() | os.environ.keys()
-                                                  if before.get(k) != os.environ.get(k))}))
-"""
-
-
-def test_the_launch_check_that_imports_vllm_leaves_the_jobs_environment_as_it_was(tmp_path):
-    """Importing vLLM sets LD_LIBRARY_PATH (with an empty entry: the working directory), TORCHINDUCTOR_COMPILE_THREADS
-    and more in the importing process's environment; the launcher's LoRA check imports it, and every job the launcher
-    then submitted inherited them. In a fresh process (vLLM not yet imported) the environment is unchanged after it."""
-    import subprocess
-
-    from conftest import REPO, TINY, python
-
-    (tmp_path / "check.py").write_text(CHECK_IN_A_FRESH_PROCESS)
-    res = subprocess.run([python(), str(tmp_path / "check.py"), str(TINY)], capture_output=True, text=True,
-                         cwd=REPO, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    out = json.loads(res.stdout.strip().splitlines()[-1])
-    assert out["lines"][0].startswith("LoRA: rank 8") and out["changed"] == [], out
