@@ -274,10 +274,8 @@ def _reads_background_runs(item) -> tuple[str, ...]:
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """The tests marked ``waits`` go first, while the background runs are there to take the core they leave idle
-    (run late, after the background had ended, such tests left one of CI's two cores idle for minutes); the tests
-    that read background runs go last. A stable sort: the rest keep their order."""
-    items.sort(key=lambda item: 2 if _reads_background_runs(item) else 0 if item.get_closest_marker("waits") else 1)
+    """The tests that read background runs go last (a stable sort: the rest keep their order)."""
+    items.sort(key=lambda item: bool(_reads_background_runs(item)))
 
 
 @pytest.fixture(scope="session", autouse=True)

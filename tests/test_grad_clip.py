@@ -5,8 +5,6 @@ Runs in a subprocess: DeepSpeed's process group must not leak into the test proc
 import subprocess
 import sys
 
-import pytest
-
 from conftest import REPO
 
 SCRIPT = r"""
@@ -32,7 +30,6 @@ for stage in (0, 2):
 """
 
 
-@pytest.mark.waits  # one core: conftest runs it first
 def test_grad_norm_is_logged_before_clipping_and_the_step_uses_the_clipped_gradient():
     import socket
 

@@ -46,7 +46,6 @@ def error_lines(rd: RunDir, job: str = "trainer-rank1") -> list[str]:
     return [l for l in rd.job_log(job).read_text().splitlines() if " ERROR " in l]
 
 
-@pytest.mark.waits  # waits on a rank's deadline: conftest runs it first
 @pytest.mark.parametrize("case", ["unresolvable", "no scontrol"])
 def test_a_master_that_cannot_be_found_ends_the_rank_in_one_line(tiny_run, tmp_path, case):
     rd = tiny_run()
@@ -71,7 +70,6 @@ def test_a_master_name_on_the_loopback_is_refused_on_another_node():
     assert master_address([HERE], here=HERE)  # one node: its own loopback serves
 
 
-@pytest.mark.waits  # waits on a rank's deadline: conftest runs it first
 def test_a_rank_that_never_arrives_is_named_within_the_deadline():
     """World of 3: rank 1 arrives, rank 2 never does; rank 0 names rank 2 (and where 1 came from), rank 1
     names the master it waited for, both within the deadline."""
@@ -96,7 +94,6 @@ def test_a_rank_that_never_arrives_is_named_within_the_deadline():
     assert all(s < deadline_s + 2.0 for _, s in out.values()), out
 
 
-@pytest.mark.waits  # waits on a rank's deadline: conftest runs it first
 def test_the_trainer_names_a_missing_rank_and_sweeps_an_earlier_attempt(tiny_run, tmp_path):
     """The real trainer as rank 0 of 2 with no rank 1: one line naming rank 1 within timeouts.rendezvous_s.
     At its start it ends a leftover of an earlier attempt of the trainer (a process running ``hpcrl trainer

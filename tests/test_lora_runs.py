@@ -136,7 +136,6 @@ def n_updates(rd) -> int:
     return sum(1 for _ in read_jsonl(rd.metrics))
 
 
-@pytest.mark.waits  # one core most of the time: conftest runs it first
 def test_trainer_and_rollout_sigkilled_at_an_adapter_version_resume_from_the_adapter_checkpoint(tiny_run):
     """The rollout job SIGKILLs itself as it hands adapter version 25 to its engine (a fault point); the trainer,
     which has just published it, is SIGKILLed at once. Both start again: the trainer resumes from its adapter

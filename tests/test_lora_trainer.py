@@ -75,7 +75,6 @@ for stage in (0, 3):
 """
 
 
-@pytest.mark.waits  # one core: conftest runs it first
 def test_the_trainer_trains_the_adapter_alone_and_resumes_it_exactly(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

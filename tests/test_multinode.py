@@ -27,8 +27,6 @@ from hpcrl.run_dir import RunDir
 CLUSTER = REPO / "sbatch" / "private-multinode.sh"
 NODES = ("hpcrl-n1", "hpcrl-n2", "hpcrl-n3")
 
-pytestmark = pytest.mark.waits  # on Slurm: conftest runs these first
-
 
 def _skip_reason() -> str | None:
     """Why the cluster cannot start here (None: it can). Missing packages are no reason: the script installs them

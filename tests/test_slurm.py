@@ -21,7 +21,7 @@ from hpcrl.logs import read_metrics, read_staleness
 from hpcrl.run_dir import RunDir
 from test_learning import fifths
 
-pytestmark = [pytest.mark.slow, pytest.mark.waits]  # on Slurm: conftest runs these first
+pytestmark = pytest.mark.slow
 
 CLUSTER = REPO / "sbatch" / "private-cluster.sh"
 

@@ -37,7 +37,7 @@ from test_agent import AGENT
 from test_elastic import SIMULATED, check_fleet_run
 from test_slurm import private_cluster, squeue_ids
 
-pytestmark = [pytest.mark.slow, pytest.mark.waits]  # on Slurm: conftest runs these first
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import soak  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.waits]  # the trials wait on their deadlines: conftest runs these first
+pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("kind, seed", [("instants", 3)])

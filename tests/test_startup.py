@@ -20,7 +20,6 @@ def beat(rd: RunDir, job: str) -> dict:
     return json.loads(rd.heartbeat(job).read_text())
 
 
-@pytest.mark.waits  # waits on a start-up deadline: conftest runs it first
 @pytest.mark.parametrize("role", ["trainer", "rollout"])
 def test_a_start_up_step_past_its_deadline_ends_the_job_in_one_line_naming_it(tiny_run, role):
     """The fault hook makes a start-up step sleep (the trainer: joining its ranks; the rollout job: loading its

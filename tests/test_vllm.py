@@ -293,7 +293,6 @@ def test_the_tiny_task_learns_with_vllm_through_the_launcher(background_runs):
     assert "vLLM engine up" in rd.job_log(EVAL_JOB).read_text()
 
 
-@pytest.mark.waits  # two vLLM start-ups, one core each: conftest runs it first
 def test_a_sigkilled_vllm_rollout_leaves_no_engine_behind_and_its_successor_goes_on(tiny_run):
     """vLLM's engine core is a child process: SIGKILL of the rollout job must not leave it holding
     the GPU (process/reaper.py), nor its socket files in the node's /tmp once the next engine starts

@@ -16,8 +16,6 @@ from hpcrl.logs import read_staleness
 from test_weight_deltas import damage_delta
 from test_weights import damage_weights
 
-pytestmark = pytest.mark.waits  # each mostly waits on a job's weight deadline with one core idle: conftest runs these first
-
 
 def n_updates(rd) -> int:
     return sum(1 for _ in read_jsonl(rd.metrics))
