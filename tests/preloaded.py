@@ -11,16 +11,16 @@ environment of the request, stdout and stderr to the job's log), and the server 
 A job is forked only when that cannot change what it does (:func:`why_cold`, asked by the server; conftest or the
 stand-in starts it cold otherwise): its command line is this Python's own (``python [-u] -m MODULE`` or ``python
 [-u] SCRIPT``), its environment equals the server's except variables no preloaded library reads
-(:data:`FREE_ENV_PREFIXES`), and its prefix is nothing or the background runs' lowest priority (done in the child). hpcrl's own modules are never preloaded: each job imports
-them itself, as a cold one does. ``/proc/PID/cmdline`` shows the job's command line (:func:`_show_command_line`);
-``/proc/PID/environ`` shows the server's environment, which equals the job's but for the free variables (hpcrl
-reads it for a job's mark and Slurm's and submitit's job ids, none of them free). The jobs a launcher starts and the
-commands a test starts itself run the session's ``HPCRL_PYTHON``, a stand-in ``python`` (:func:`as_python`) whose
-command the server forks the same way. A cold start is still what every Slurm test and ``tests/test_startup.py``
-exercise. The session's last lines
-say how many jobs were forked and why the others started cold (an engine made in the test process changes its
-environment: ``hpcrl/process/environment.py``). ``HPCRL_TEST_COLD_JOBS=1`` starts every job cold (to see whether
-a failure is this module's).
+(:data:`FREE_ENV_PREFIXES`), and its prefix is nothing or the background runs' lowest priority (done in the child).
+hpcrl's own modules are never preloaded: each job imports them itself, as a cold one does. ``/proc/PID/cmdline``
+shows the job's command line (:func:`_show_command_line`); ``/proc/PID/environ`` shows the server's environment,
+which equals the job's but for the free variables (hpcrl reads it for a job's mark and Slurm's and submitit's job
+ids, none of them free). The jobs a launcher starts and the commands a test starts itself run the session's
+``HPCRL_PYTHON``, a stand-in ``python`` (:func:`as_python`) whose command the server forks the same way. A cold
+start is still what every Slurm test and ``tests/test_startup.py`` exercise. The session's last lines say how many
+jobs were forked and why the others started cold (an engine made in the test process changes its environment:
+``hpcrl/process/environment.py``). ``HPCRL_TEST_COLD_JOBS=1`` starts every job cold (to see whether a failure is
+this module's).
 """
 from __future__ import annotations
 

@@ -178,4 +178,3 @@ def test_a_vllm_build_without_lora_kernels_is_refused_at_launch_in_one_line(monk
                           f"LoRA adapters (vllm {vllm.__version__} has no LoRA kernels for its cpu platform)")
     assert "\n" not in msg
     assert "fix: rollout.engine=transformers" in msg
-

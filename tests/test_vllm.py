@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from conftest import TINY, BackgroundCommand, check_exactly_once
-from hpcrl.process.environment import environment_restored
 from hpcrl.config import WeightsConfig
 from hpcrl.control.records import HeartbeatThread
 from hpcrl.eval_log import EVALUATED, read_eval_rows
 from hpcrl.logs import read_metrics
+from hpcrl.process.environment import environment_restored
 from hpcrl.rollout.engine import FINISH_ABORT, EngineOptions, EngineRunner
 from hpcrl.rollout.engines import make_engine
 from hpcrl.rollout.load_paths import LoadPaths
