@@ -10,7 +10,7 @@ import pytest
 
 from conftest import make_run
 from hpcrl.control.admission import Admission, read_claims
-from hpcrl.control.fleet import drain_requested, read_scale_request, request_drain, request_scale
+from hpcrl.control.fleet import acknowledge_scale, drain_requested, read_scale_request, request_drain, request_scale
 from hpcrl.control.fleet_log import FleetLog, read_fleet_events
 from hpcrl.control.records import Heartbeat
 from hpcrl.fsio import write_json_atomic
@@ -37,6 +37,28 @@ def test_a_fresh_run_has_the_writers_it_always_had_and_a_grown_one_never_reuses_
     request_drain(rd, "w001", "test")
     assert fleet_ids(rd, 2) == [0, 2] and fleet_ids(rd, 4) == [0, 2, 3, 4], "w001 drained: never run again"
     assert "--array=3,5" in rollout_lines(rd.load_config(), rd, tmp_path, "python", [3, 5])[0]
+
+
+def test_scale_logs_the_fleet_it_found_before_a_launcher_could_apply_the_request(tmp_path, monkeypatch):
+    """A launcher may grow the fleet as soon as the request is written (the whole suite caught one within the
+    command's own next line): ``scale_requested`` holds the size the command found, not one half applied."""
+    import hpcrl.launcher.scale_cmd as scale_cmd
+
+    rd = make_run(tmp_path, "resources.rollout_jobs=1")
+    _beat(rd, "w000")
+    written = scale_cmd.request_scale
+
+    def applied_at_once(rd_, n, by):  # what a launcher's poll does between the request and the next line
+        req = written(rd_, n, by)
+        rd_.writer_dir("w001").mkdir(parents=True)
+        _beat(rd_, "w001")
+        acknowledge_scale(rd_, req)
+        return req
+
+    monkeypatch.setattr(scale_cmd, "request_scale", applied_at_once)
+    assert scale_command(str(rd.root), 3, wait_s=5, scripts=None) == 0
+    (ev,) = [e for e in read_fleet_events(rd) if e.event == "scale_requested"]
+    assert (ev.from_jobs, ev.to_jobs) == (1, 3)
 
 
 def test_a_resume_with_a_smaller_fleet_retires_the_newest_writers_and_hands_back_their_prompts(tmp_path):

@@ -78,9 +78,10 @@ def scale_command(run_dir: str, n: int, wait_s: float, scripts: str | None) -> i
         print(f"hpcrl scale: error: the run in {rd.root} has finished; nothing to scale", file=sys.stderr)
         return 2
     by = f"hpcrl scale --rollout-jobs {n}"
+    before = len(active_writers(rd, rd.load_config()))  # counted first: a launcher may apply the request at once
     req = request_scale(rd, n, by)
     log = FleetLog(rd, FLEET_SCALE)
-    log.record(SCALE_REQUESTED, by=by, from_jobs=len(active_writers(rd, rd.load_config())), to_jobs=n)
+    log.record(SCALE_REQUESTED, by=by, from_jobs=before, to_jobs=n)
     deadline = time.monotonic() + wait_s
     print(f"asked for {n} rollout job(s) ({rd.scale_request}); waiting up to {wait_s:.0f}s for the launcher")
     while time.monotonic() < deadline:
