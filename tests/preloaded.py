@@ -41,13 +41,16 @@ PRELOAD = ("numpy", "yaml", "h5py", "safetensors.torch", "torch", "torch.distrib
            "deepspeed.runtime.engine", "deepspeed.runtime.zero.stage3", "deepspeed.ops.op_builder")
 """What a trainer, rollout or evaluation job imports that costs (hpcrl's own modules are not among them)."""
 FREE_ENV_PREFIXES = ("HPCRL_", "TEST_", "PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "SUBMITIT_", "COLUMNS",
-                     "LINES")
-"""Variables in which a job's environment may differ from the server's: read by hpcrl, the tests' wrappers, pytest
-and submitit (none of them preloaded), or only when used: the cache folder that torch sets in the test process once
-inductor's caches are used, the terminal's size (GNU readline puts it into the environment of a process that
-imports it, as the test process does: a launcher started with that environment passes it on to its jobs).
-``CUDA_VISIBLE_DEVICES`` (submitit's local jobs set it) too where the server sees no CUDA device: no value can make
-one appear."""
+                     "LINES", "GPU_CHECK_")
+"""Variables in which a job's environment may differ from the server's: read by hpcrl, the tests' wrappers, pytest,
+submitit and ``bench/gpu_check.sh`` (none of them preloaded), or only when used: the cache folder that torch sets in
+the test process once inductor's caches are used, the terminal's size (GNU readline puts it into the environment of
+a process that imports it, as the test process does: a launcher started with that environment passes it on to its
+jobs). ``CUDA_VISIBLE_DEVICES`` (submitit's local jobs set it) too where the server sees no CUDA device: no value can
+make one appear; and ``PYTHONPATH`` when none of its folders holds a preloaded package (:func:`_shadows_preloaded`):
+the child puts its folders on ``sys.path`` where a cold start would."""
+FREE_ENV_NAMES = ("SHLVL", "_")
+"""Set by every shell for the programs it starts (its depth, the program's path); read by no library."""
 FORWARDED = (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2,
              signal.SIGALRM)
 """The signals :func:`as_python` passes on to the job it stands for."""
@@ -67,11 +70,31 @@ def why_cold(argv: list[str], env: dict, server_env: dict, cuda: bool) -> str:
 
     def comparable(e: dict) -> dict:
         return {k: v for k, v in e.items() if not k.startswith(FREE_ENV_PREFIXES) and k != "PYTHONUNBUFFERED"
-                and (cuda or k != "CUDA_VISIBLE_DEVICES")}
+                and k not in FREE_ENV_NAMES and (cuda or k != "CUDA_VISIBLE_DEVICES")
+                and (k != "PYTHONPATH" or _shadows_preloaded(v))}
 
     mine, theirs = comparable(server_env), comparable(env)
     differ = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
     return f"environment differs in {', '.join(differ)}" if differ else ""
+
+
+def _shadows_preloaded(pythonpath: str) -> bool:
+    """A folder of ``pythonpath`` holds a package or module of the same name as a preloaded one (the job would import
+    another copy of it)."""
+    tops = {name.split(".")[0] for name in PRELOAD}
+    return any(Path(folder, top).exists() or Path(folder, f"{top}.py").exists()
+               for folder in pythonpath.split(os.pathsep) if folder for top in tops)
+
+
+def _python_path(job_env: dict, server_env: dict) -> list[str]:
+    """``sys.path`` as a cold start with ``job_env`` would have it after its first entry: the server's, its own
+    ``PYTHONPATH`` folders in place of the server's (the interpreter puts them right after the script's folder)."""
+    def folders(env: dict) -> list[str]:
+        return [os.path.abspath(f) for f in env.get("PYTHONPATH", "").split(os.pathsep) if f]
+
+    theirs = folders(server_env)
+    rest = sys.path[1 + len(theirs):] if sys.path[1:1 + len(theirs)] == theirs else sys.path[1:]
+    return [*folders(job_env), *rest]
 
 
 # --- the server (its own process) ---------------------------------------------------------------------------------
@@ -116,10 +139,11 @@ def _show_command_line(argv: list[str]) -> None:
         ctypes.memmove(start, data.ljust(end - start, b"\0"), end - start)
 
 
-def _run_child(request: dict, fds: list[int], set_by_imports: dict) -> None:
+def _run_child(request: dict, fds: list[int], set_by_imports: dict, server_env: dict) -> None:
     """In the forked child: become the job the request describes, then exit as ``python`` would. ``fds``: the
     caller's stdin, stdout and stderr (:func:`as_python`), else its output goes to the request's log;
-    ``set_by_imports``: the variables the preloaded imports set where unset (a cold job's own imports set them)."""
+    ``set_by_imports``: the variables the preloaded imports set where unset (a cold job's own imports set them);
+    ``server_env``: the server's own environment (its ``PYTHONPATH`` folders make way for the job's)."""
     import atexit
     import runpy
     import traceback
@@ -153,6 +177,7 @@ def _run_child(request: dict, fds: list[int], set_by_imports: dict) -> None:
 
     numpy.random.seed()  # numpy's global generator from fresh entropy, as in a new process (Python's reseeds itself)
     argv = [a for i, a in enumerate(request["argv"]) if not (i == 1 and a == "-u")]  # (the server is unbuffered)
+    sys.path[1:] = _python_path(request["env"], server_env)
     if argv[1] == "-m":
         sys.argv, sys.path[0] = [argv[2], *argv[3:]], request["cwd"]
     else:
@@ -264,7 +289,9 @@ def serve(path: str) -> None:
                 continue
             why = why_cold(request["argv"], request["env"], server_env, cuda)
             started.write(f"{why or 'forked'}\n")
-            if why:
+            if why:  # the caller's stdin, stdout and stderr are not kept: its reader would wait for their end forever
+                for fd in fds:
+                    os.close(fd)
                 conn.sendall(f"cold {why}\n".encode())
                 conn.close()
                 continue
@@ -278,7 +305,7 @@ def serve(path: str) -> None:
                     s.close()
                 os.close(wake_r)
                 os.close(wake_w)
-                _run_child(request, fds, set_by_imports)
+                _run_child(request, fds, set_by_imports, server_env)
             for fd in fds:
                 os.close(fd)
             children[pid] = conn

@@ -66,3 +66,41 @@ def test_the_autogroup_file_is_read_as_the_kernel_writes_it_also_empty():
     assert autogroup_nice("/autogroup-2035 nice 19\n") == 19
     assert autogroup_nice("/autogroup-7 nice -5\n") == -5
     assert autogroup_nice("") is None
+
+
+PATHS = '''
+import os, sys
+import extra_module  # from the job's own PYTHONPATH
+print(os.getpid(), flush=True)
+print(repr(sys.path[1:]), flush=True)
+'''
+
+
+def test_a_job_with_its_own_pythonpath_and_shell_variables_is_forked_with_the_sys_path_a_cold_start_has(
+        preloaded, tmp_path):
+    """What ``bench/gpu_check.sh`` starts: its PYTHONPATH, a shell's SHLVL and ``_``, its GPU_CHECK_ settings; a
+    PYTHONPATH folder holding a preloaded package (another torch) starts the job cold."""
+    if preloaded is None:
+        pytest.skip("HPCRL_TEST_COLD_JOBS=1: no preloaded server")
+    import os
+    import sys
+
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    (extra / "extra_module.py").write_text("")
+    (tmp_path / "job.py").write_text(PATHS)
+    env = dict(os.environ, PYTHONPATH=f"{extra}{os.pathsep}{os.environ.get('PYTHONPATH', '')}".rstrip(os.pathsep),
+               SHLVL="3", _="/usr/bin/env", GPU_CHECK_E2E_UPDATES="6")
+    decisions = Path(preloaded.path + ".started")  # the server's line per request: forked, or why cold
+    forked = subprocess.run([str(preloaded.python), str(tmp_path / "job.py")], env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert forked.returncode == 0 and decisions.read_text().splitlines()[-1] == "forked", forked.stderr
+    cold = subprocess.run([sys.executable, str(tmp_path / "job.py")], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert cold.returncode == 0, cold.stderr
+    assert forked.stdout.splitlines()[1] == cold.stdout.splitlines()[1], "sys.path as a cold start's"
+    (extra / "torch").mkdir()
+    shadowed = subprocess.run([str(preloaded.python), str(tmp_path / "job.py")], env=env, capture_output=True,
+                              text=True, timeout=120)  # (the server kept the caller's pipes open: no end)
+    assert shadowed.returncode == 0, shadowed.stderr
+    assert decisions.read_text().splitlines()[-1] == "environment differs in PYTHONPATH"
