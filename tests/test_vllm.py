@@ -78,6 +78,40 @@ def test_on_cpu_the_kv_cache_holds_what_the_engine_can_have_in_flight(models):
 OMP_WAIT_POLICY_AT_START = os.environ.get("OMP_WAIT_POLICY")
 
 
+# Before the module's engine (vllm_engine) is made: its vLLM import changes this process's environment until the
+# module ends, and the jobs a test starts then start cold.
+def test_a_sigkilled_vllm_rollout_leaves_no_engine_behind_and_its_successor_goes_on(tiny_run):
+    """vLLM's engine core is a child process: SIGKILL of the rollout job must not leave it holding
+    the GPU (process/reaper.py), nor its socket files in the node's /tmp once the next engine starts
+    (rollout/vllm_sockets.py); the restarted job recovers and the run ends exactly-once."""
+    from conftest import start_rollout, start_trainer, wait_until
+    from hpcrl.process.reaper import descendants
+    from hpcrl.fsio import read_jsonl
+
+    rd = tiny_run("model.path=builtin:tiny-h64", "rollout.engine=vllm", "rollout.total_rollout_steps=96",
+                  "async_training.staleness_threshold=0.5", "rollout.max_concurrent_groups=3")
+    cfg = rd.load_config()
+    trainer, rollout = start_trainer(rd), start_rollout(rd)
+    updates = lambda: sum(1 for _ in read_jsonl(rd.metrics)) if rd.metrics.exists() else 0  # noqa: E731
+    wait_until(lambda: updates() >= 10, 300, "10 updates", jobs=(trainer, rollout))
+    engine = [p for p, _ in descendants(rollout.proc.pid)]
+    assert any("EngineCore" in Path(f"/proc/{p}/cmdline").read_text(errors="replace") for p in engine)
+    sockets = Path(tempfile.gettempdir()) / f"hpcrl-vllm-{rollout.proc.pid}"  # rollout/vllm_sockets.py
+    assert any(sockets.iterdir()), f"vLLM's sockets are in {sockets}"
+    rollout.kill(signal.SIGKILL)
+    wait_until(lambda: not any(Path(f"/proc/{p}").exists() for p in engine), 10,
+               f"the engine's processes {engine} to be gone after the job's SIGKILL")
+    assert sockets.exists(), "a killed job cannot remove its own socket folder"
+    rollout2 = start_rollout(rd)
+    wait_until(lambda: not sockets.exists(), 300, f"the next engine start to remove {sockets}", jobs=(rollout2,))
+    assert trainer.wait(600) == 0, trainer.tail()
+    assert rollout2.wait(200) == 0, rollout2.tail()
+    assert not (sockets.parent / f"hpcrl-vllm-{rollout2.proc.pid}").exists(), "removed at the job's own exit"
+    assert updates() == cfg.total_updates
+    check_exactly_once(rd, cfg.rollout.max_concurrent_groups)
+
+
+
 def test_on_cpu_the_engine_core_runs_with_passive_openmp_threads(vllm_engine):
     """vllm_engine.engine_core_environment: the engine core process (a child of this one) starts with
     OMP_WAIT_POLICY=PASSIVE unless the user set a policy, so its OpenMP threads do not spin between decode steps
@@ -291,34 +325,3 @@ def test_the_tiny_task_learns_with_vllm_through_the_launcher(background_runs):
     evals = [r for r in read_eval_rows(rd.eval_log) if r.status == EVALUATED]  # tiny.yaml validates: on vLLM too
     assert [r.version for r in evals] == list(range(0, 101, 20)) and evals[0].sampling["engine"] == "vllm", evals
     assert "vLLM engine up" in rd.job_log(EVAL_JOB).read_text()
-
-
-def test_a_sigkilled_vllm_rollout_leaves_no_engine_behind_and_its_successor_goes_on(tiny_run):
-    """vLLM's engine core is a child process: SIGKILL of the rollout job must not leave it holding
-    the GPU (process/reaper.py), nor its socket files in the node's /tmp once the next engine starts
-    (rollout/vllm_sockets.py); the restarted job recovers and the run ends exactly-once."""
-    from conftest import start_rollout, start_trainer, wait_until
-    from hpcrl.process.reaper import descendants
-    from hpcrl.fsio import read_jsonl
-
-    rd = tiny_run("model.path=builtin:tiny-h64", "rollout.engine=vllm", "rollout.total_rollout_steps=96",
-                  "async_training.staleness_threshold=0.5", "rollout.max_concurrent_groups=3")
-    cfg = rd.load_config()
-    trainer, rollout = start_trainer(rd), start_rollout(rd)
-    updates = lambda: sum(1 for _ in read_jsonl(rd.metrics)) if rd.metrics.exists() else 0  # noqa: E731
-    wait_until(lambda: updates() >= 10, 300, "10 updates", jobs=(trainer, rollout))
-    engine = [p for p, _ in descendants(rollout.proc.pid)]
-    assert any("EngineCore" in Path(f"/proc/{p}/cmdline").read_text(errors="replace") for p in engine)
-    sockets = Path(tempfile.gettempdir()) / f"hpcrl-vllm-{rollout.proc.pid}"  # rollout/vllm_sockets.py
-    assert any(sockets.iterdir()), f"vLLM's sockets are in {sockets}"
-    rollout.kill(signal.SIGKILL)
-    wait_until(lambda: not any(Path(f"/proc/{p}").exists() for p in engine), 10,
-               f"the engine's processes {engine} to be gone after the job's SIGKILL")
-    assert sockets.exists(), "a killed job cannot remove its own socket folder"
-    rollout2 = start_rollout(rd)
-    wait_until(lambda: not sockets.exists(), 300, f"the next engine start to remove {sockets}", jobs=(rollout2,))
-    assert trainer.wait(600) == 0, trainer.tail()
-    assert rollout2.wait(200) == 0, rollout2.tail()
-    assert not (sockets.parent / f"hpcrl-vllm-{rollout2.proc.pid}").exists(), "removed at the job's own exit"
-    assert updates() == cfg.total_updates
-    check_exactly_once(rd, cfg.rollout.max_concurrent_groups)
