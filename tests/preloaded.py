@@ -47,8 +47,8 @@ submitit and ``bench/gpu_check.sh`` (none of them preloaded), or only when used:
 the test process once inductor's caches are used, the terminal's size (GNU readline puts it into the environment of
 a process that imports it, as the test process does: a launcher started with that environment passes it on to its
 jobs). ``CUDA_VISIBLE_DEVICES`` (submitit's local jobs set it) too where the server sees no CUDA device: no value can
-make one appear; and ``PYTHONPATH`` when none of its folders holds a preloaded package (:func:`_shadows_preloaded`):
-the child puts its folders on ``sys.path`` where a cold start would."""
+make one appear; and ``PYTHONPATH`` when none of its folders holds a preloaded package and its ``sitecustomize`` is
+the server's (:func:`_shadows_preloaded`): the child puts its folders on ``sys.path`` where a cold start would."""
 FREE_ENV_NAMES = ("SHLVL", "_")
 """Set by every shell for the programs it starts (its depth, the program's path); read by no library."""
 FORWARDED = (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2,
@@ -71,19 +71,28 @@ def why_cold(argv: list[str], env: dict, server_env: dict, cuda: bool) -> str:
     def comparable(e: dict) -> dict:
         return {k: v for k, v in e.items() if not k.startswith(FREE_ENV_PREFIXES) and k != "PYTHONUNBUFFERED"
                 and k not in FREE_ENV_NAMES and (cuda or k != "CUDA_VISIBLE_DEVICES")
-                and (k != "PYTHONPATH" or _shadows_preloaded(v))}
+                and (k != "PYTHONPATH" or _shadows_preloaded(v, server_env.get("PYTHONPATH", "")))}
 
     mine, theirs = comparable(server_env), comparable(env)
     differ = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
     return f"environment differs in {', '.join(differ)}" if differ else ""
 
 
-def _shadows_preloaded(pythonpath: str) -> bool:
+def _shadows_preloaded(pythonpath: str, server_pythonpath: str) -> bool:
     """A folder of ``pythonpath`` holds a package or module of the same name as a preloaded one (the job would import
-    another copy of it)."""
+    another copy of it), or the ``sitecustomize`` that Python runs at start-up (the server ran the first one on
+    ``server_pythonpath``: the tests' CUDA rules) is another one there."""
+    def folders(path: str) -> list[str]:
+        return [os.path.abspath(f) for f in path.split(os.pathsep) if f]
+
+    def sitecustomize(path: str) -> str:
+        return next((str(Path(f, "sitecustomize.py")) for f in folders(path) if Path(f, "sitecustomize.py").exists()),
+                    "")
+
     tops = {name.split(".")[0] for name in PRELOAD}
-    return any(Path(folder, top).exists() or Path(folder, f"{top}.py").exists()
-               for folder in pythonpath.split(os.pathsep) if folder for top in tops)
+    return (any(Path(folder, top).exists() or Path(folder, f"{top}.py").exists()
+                for folder in folders(pythonpath) for top in tops)
+            or sitecustomize(pythonpath) != sitecustomize(server_pythonpath))
 
 
 def _python_path(job_env: dict, server_env: dict) -> list[str]:

@@ -79,7 +79,8 @@ print(repr(sys.path[1:]), flush=True)
 def test_a_job_with_its_own_pythonpath_and_shell_variables_is_forked_with_the_sys_path_a_cold_start_has(
         preloaded, tmp_path):
     """What ``bench/gpu_check.sh`` starts: its PYTHONPATH, a shell's SHLVL and ``_``, its GPU_CHECK_ settings; a
-    PYTHONPATH folder holding a preloaded package (another torch) starts the job cold."""
+    PYTHONPATH without the session's sitecustomize, or with a folder holding a preloaded package (another torch),
+    starts the job cold."""
     if preloaded is None:
         pytest.skip("HPCRL_TEST_COLD_JOBS=1: no preloaded server")
     import os
@@ -99,8 +100,11 @@ def test_a_job_with_its_own_pythonpath_and_shell_variables_is_forked_with_the_sy
                           timeout=120)
     assert cold.returncode == 0, cold.stderr
     assert forked.stdout.splitlines()[1] == cold.stdout.splitlines()[1], "sys.path as a cold start's"
-    (extra / "torch").mkdir()
-    shadowed = subprocess.run([str(preloaded.python), str(tmp_path / "job.py")], env=env, capture_output=True,
+    without_rules = dict(env, PYTHONPATH=str(extra))  # not the session's sitecustomize (CUDA's rules)
+    for cold_env, other_torch in ((without_rules, False), (env, True)):
+        if other_torch:
+            (extra / "torch").mkdir()
+        cold = subprocess.run([str(preloaded.python), str(tmp_path / "job.py")], env=cold_env, capture_output=True,
                               text=True, timeout=120)  # (the server kept the caller's pipes open: no end)
-    assert shadowed.returncode == 0, shadowed.stderr
-    assert decisions.read_text().splitlines()[-1] == "environment differs in PYTHONPATH"
+        assert cold.returncode == 0, cold.stderr
+        assert decisions.read_text().splitlines()[-1] == "environment differs in PYTHONPATH"
