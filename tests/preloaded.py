@@ -78,32 +78,31 @@ def why_cold(argv: list[str], env: dict, server_env: dict, cuda: bool) -> str:
     return f"environment differs in {', '.join(differ)}" if differ else ""
 
 
+def _folders(pythonpath: str) -> list[str]:
+    """The folders of a ``PYTHONPATH`` value, absolute, as the interpreter puts them on ``sys.path``."""
+    return [os.path.abspath(f) for f in pythonpath.split(os.pathsep) if f]
+
+
 def _shadows_preloaded(pythonpath: str, server_pythonpath: str) -> bool:
     """A folder of ``pythonpath`` holds a package or module of the same name as a preloaded one (the job would import
     another copy of it), or the ``sitecustomize`` that Python runs at start-up (the server ran the first one on
     ``server_pythonpath``: the tests' CUDA rules) is another one there."""
-    def folders(path: str) -> list[str]:
-        return [os.path.abspath(f) for f in path.split(os.pathsep) if f]
-
     def sitecustomize(path: str) -> str:
-        return next((str(Path(f, "sitecustomize.py")) for f in folders(path) if Path(f, "sitecustomize.py").exists()),
+        return next((str(Path(f, "sitecustomize.py")) for f in _folders(path) if Path(f, "sitecustomize.py").exists()),
                     "")
 
     tops = {name.split(".")[0] for name in PRELOAD}
     return (any(Path(folder, top).exists() or Path(folder, f"{top}.py").exists()
-                for folder in folders(pythonpath) for top in tops)
+                for folder in _folders(pythonpath) for top in tops)
             or sitecustomize(pythonpath) != sitecustomize(server_pythonpath))
 
 
 def _python_path(job_env: dict, server_env: dict) -> list[str]:
     """``sys.path`` as a cold start with ``job_env`` would have it after its first entry: the server's, its own
     ``PYTHONPATH`` folders in place of the server's (the interpreter puts them right after the script's folder)."""
-    def folders(env: dict) -> list[str]:
-        return [os.path.abspath(f) for f in env.get("PYTHONPATH", "").split(os.pathsep) if f]
-
-    theirs = folders(server_env)
+    theirs = _folders(server_env.get("PYTHONPATH", ""))
     rest = sys.path[1 + len(theirs):] if sys.path[1:1 + len(theirs)] == theirs else sys.path[1:]
-    return [*folders(job_env), *rest]
+    return [*_folders(job_env.get("PYTHONPATH", "")), *rest]
 
 
 # --- the server (its own process) ---------------------------------------------------------------------------------
