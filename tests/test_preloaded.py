@@ -1,8 +1,10 @@
 """The session's stand-in ``python`` (tests/preloaded.py ``as_python``, the suite's ``HPCRL_PYTHON``) behaves as the
 real one towards whoever started it: the signals it gets reach the job, the job's exit status is its own, and the
 job does not outlive it."""
+import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -69,9 +71,8 @@ def test_the_autogroup_file_is_read_as_the_kernel_writes_it_also_empty():
 
 
 PATHS = '''
-import os, sys
+import sys
 import extra_module  # from the job's own PYTHONPATH
-print(os.getpid(), flush=True)
 print(repr(sys.path[1:]), flush=True)
 '''
 
@@ -83,9 +84,6 @@ def test_a_job_with_its_own_pythonpath_and_shell_variables_is_forked_with_the_sy
     starts the job cold."""
     if preloaded is None:
         pytest.skip("HPCRL_TEST_COLD_JOBS=1: no preloaded server")
-    import os
-    import sys
-
     extra = tmp_path / "extra"
     extra.mkdir()
     (extra / "extra_module.py").write_text("")
@@ -93,18 +91,17 @@ def test_a_job_with_its_own_pythonpath_and_shell_variables_is_forked_with_the_sy
     env = dict(os.environ, PYTHONPATH=f"{extra}{os.pathsep}{os.environ.get('PYTHONPATH', '')}".rstrip(os.pathsep),
                SHLVL="3", _="/usr/bin/env", GPU_CHECK_E2E_UPDATES="6")
     decisions = Path(preloaded.path + ".started")  # the server's line per request: forked, or why cold
-    forked = subprocess.run([str(preloaded.python), str(tmp_path / "job.py")], env=env, capture_output=True,
-                            text=True, timeout=120)
-    assert forked.returncode == 0 and decisions.read_text().splitlines()[-1] == "forked", forked.stderr
-    cold = subprocess.run([sys.executable, str(tmp_path / "job.py")], env=env, capture_output=True, text=True,
-                          timeout=120)
-    assert cold.returncode == 0, cold.stderr
-    assert forked.stdout.splitlines()[1] == cold.stdout.splitlines()[1], "sys.path as a cold start's"
-    without_rules = dict(env, PYTHONPATH=str(extra))  # not the session's sitecustomize (CUDA's rules)
-    for cold_env, other_torch in ((without_rules, False), (env, True)):
-        if other_torch:
-            (extra / "torch").mkdir()
-        cold = subprocess.run([str(preloaded.python), str(tmp_path / "job.py")], env=cold_env, capture_output=True,
-                              text=True, timeout=120)  # (the server kept the caller's pipes open: no end)
-        assert cold.returncode == 0, cold.stderr
-        assert decisions.read_text().splitlines()[-1] == "environment differs in PYTHONPATH"
+
+    def job(env: dict, python: str = str(preloaded.python)) -> tuple[str, str]:
+        """The job's output, and the server's decision (timeout: the server kept the caller's pipes open once)."""
+        out = subprocess.run([python, str(tmp_path / "job.py")], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return out.stdout, decisions.read_text().splitlines()[-1]
+
+    forked, decision = job(env)
+    assert decision == "forked"
+    assert forked == job(env, sys.executable)[0], "sys.path as a cold start's"
+    assert job(dict(env, PYTHONPATH=str(extra)))[1] == "environment differs in PYTHONPATH", "not the session's " \
+        "sitecustomize (CUDA's rules)"
+    (extra / "torch").mkdir()
+    assert job(env)[1] == "environment differs in PYTHONPATH", "another torch on the path"
