@@ -4,9 +4,11 @@ A job that cannot start because of its *inputs* (the model folder, the tokenizer
 reward file, the prompt file), or whose run directory's filesystem stayed full, fails the same way on every
 resubmission. Such a job writes
 ``control/fatal.json`` (:attr:`hpcrl.run_dir.RunDir.fatal`) with a one-line message before
-it exits; the launcher's follower reads it, prints the line, cancels the other jobs and
-exits non-zero instead of spending ``resources.max_restarts``. Crashes of any other kind
-(a node failure, an out-of-memory kill, a bug) are still resubmitted.
+it exits; every other job of the run stops at its next safe point when it sees the record (``control/job.py``:
+the trainer checkpoints, a rollout job seals its groups, as for a stop request), whether a launcher follows the run
+or not; the launcher's follower reads it, prints the line, waits for the jobs to end (cancelling what is still
+starting or left after ``timeouts.stop_s``) and exits non-zero instead of spending ``resources.max_restarts``.
+Crashes of any other kind (a node failure, an out-of-memory kill, a bug) are still resubmitted.
 
 Writer: any job (the first one wins; later ones keep it). Readers: the launcher's
 follower and ``hpcrl status``, and ``hpcrl run --resume`` (which input failed decides which keys may
@@ -19,6 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
+from hpcrl.control.changes import bump
 from hpcrl.fsio import read_json, write_json_atomic
 from hpcrl.json_record import JsonRecord
 from hpcrl.run_dir import RunDir
@@ -53,6 +56,7 @@ def write_fatal(run_dir: RunDir, job: str, message: str, failed_input: str = "")
         run_dir.control.mkdir(parents=True, exist_ok=True)
         write_json_atomic(run_dir.fatal, FatalRecord(job, " ".join(message.split()), time.time(),
                                                      failed_input).to_json())
+        bump(run_dir, "fatal", job)  # the other jobs' stop watches look now
 
 
 def read_fatal(run_dir: RunDir) -> Optional[str]:

@@ -22,8 +22,9 @@
   that requeued before saying ``preempted`` would read as a stale, still-working job.
 
 Why a job ends (one type, :class:`Stop`): its work is over (``done``), USR2 or a Slurm preemption's SIGTERM
-(``preempted``: save, requeue), the launcher's stop request (``stopped``: Ctrl-C; save; a ``--resume`` continues),
-or a drain request for a rollout writer (``drained``: finish, hand back, leave for good). :class:`StopWatch` is
+(``preempted``: save, requeue), the launcher's stop request or another job's fatal record (``stopped``: Ctrl-C, or
+an input no restart can fix, ``control/fatal.py``; save; a ``--resume`` continues), or a drain request for a rollout
+writer (``drained``: finish, hand back, leave for good). :class:`StopWatch` is
 how a loop asks, between two units of work: SIGTERM first (it raises), then USR2, then the run directory's records:
 when ``control/changes.jsonl`` grew (``control/changes.py``: every writer of a stop, drain or done record appends
 to it), or, for a job without one, at most every :data:`POLL_S`. Any other exception is a failure: logged with its trace into the
@@ -46,7 +47,7 @@ from typing import Callable, Optional, Protocol
 
 from hpcrl import fsio
 from hpcrl.control.changes import ChangeWatch
-from hpcrl.control.fatal import write_fatal
+from hpcrl.control.fatal import read_fatal, write_fatal
 from hpcrl.control.fleet import drain_requested
 from hpcrl.control.records import HeartbeatState, stop_requested
 from hpcrl.logs import setup_logging
@@ -72,7 +73,8 @@ class Stop(str, enum.Enum):
     PREEMPTED = HeartbeatState.PREEMPTED.value
     """USR2 (a preemption or the time limit ahead), or the SIGTERM of a Slurm preemption: save, then requeue."""
     STOPPED = HeartbeatState.STOPPED.value
-    """The launcher asked the run to stop (``control/stop.json``, Ctrl-C): save; a ``--resume`` continues."""
+    """The launcher asked the run to stop (``control/stop.json``, Ctrl-C), or a job recorded an error no restart can
+    fix (``control/fatal.json``): save; a ``--resume`` continues."""
     DRAINED = HeartbeatState.DRAINED.value
     """A rollout writer asked to leave the fleet (``control/drain/<writer>.json``): finish, hand back, leave."""
 
@@ -108,6 +110,8 @@ class StopWatch:
         self._looked_s = 0.0
         self.seen: Optional[Stop] = None
         """The reason found (kept: a stop is not taken back)."""
+        self._fatal: Optional[str] = None
+        """The other job's fatal error, when that is what stopped this one."""
 
     def check(self) -> Optional[Stop]:
         """SIGTERM raises SystemExit; else the reason to end now, or None. The reason is said once."""
@@ -141,6 +145,9 @@ class StopWatch:
             return Stop.DONE
         if stop_requested(self.run_dir):
             return Stop.STOPPED
+        self._fatal = read_fatal(self.run_dir)
+        if self._fatal is not None:
+            return Stop.STOPPED
         if self.writer is not None and drain_requested(self.run_dir, self.writer):
             return Stop.DRAINED
         return None
@@ -149,7 +156,8 @@ class StopWatch:
         """What asked the job to end, in words."""
         return {Stop.PREEMPTED: "USR2",  # a preemption, or the time limit ahead (submitit's --signal)
                 Stop.DONE: "the trainer is done",
-                Stop.STOPPED: f"stop requested by the launcher ({self.run_dir.stop_request})",
+                Stop.STOPPED: (f"the run stopped on an error no restart can fix ({self._fatal})" if self._fatal
+                               else f"stop requested by the launcher ({self.run_dir.stop_request})"),
                 Stop.DRAINED: f"asked to leave the fleet ({self.run_dir.drain_request(self.writer or '')})"}[reason]
 
 
