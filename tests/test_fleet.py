@@ -364,6 +364,64 @@ def test_a_local_job_that_ignores_sigterm_is_killed_with_what_it_started_after_t
     assert not pid_running(child), "the job's child was killed with it"
 
 
+def test_a_launcher_stopped_by_a_fatal_record_returns_only_when_every_job_is_gone(tmp_path):
+    """A job's fatal record stops the run: the follower gives the jobs ``timeouts.stop_s`` to stop by themselves
+    (the trainer here stops on seeing the record), cancels at once a job still starting (nothing to save), and
+    returns only once every job is gone, SIGKILLing one that ignored its SIGTERM after the kill wait. CI once had an
+    evaluation job, cancelled as it started, outlive ``hpcrl run`` for 600 s holding its output open."""
+    import submitit
+
+    from hpcrl.control.fatal import write_fatal
+    from hpcrl.launcher.follow import RunFollower
+    from hpcrl.launcher.progress import Console
+
+    rd = make_run(tmp_path, "timeouts.stop_s=20")
+    cfg = rd.load_config()
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    scripts = {  # what each job's process does instead of the job
+        "trainer": f"echo $$ > {pids}/trainer; while [ ! -e {rd.fatal} ]; do sleep 0.1; done; touch {tmp_path}/saved",
+        "rollout-w000": f"echo $$ > {pids}/rollout-w000; exit 1",  # the job that recorded the error
+        "eval": f"trap '' TERM; echo $$ > {pids}/eval; sleep 300",  # its SIGTERM came before its handler
+    }
+
+    def submit(rd: RunDir, kind: str, planned) -> JobHandle:
+        ex = submitit.LocalExecutor(folder=tmp_path / "submitit" / planned.name)
+        ex.update_parameters(timeout_min=5)
+        return JobHandle(planned.name, ex.submit(os.execvp, "bash", ["bash", "-c", scripts[planned.name]]), "local",
+                         kill_wait_s=3)
+
+    lines: list[str] = []
+    jobs = LauncherJobs(cfg, rd, "local", submit=submit)
+    fleet = Fleet(rd, cfg, FleetLog(rd, FLEET_LAUNCHER), lines.append, jobs)
+    jobs.submit_all(plan_jobs(cfg, rd), fleet.log, "test")
+    assert set(jobs.handles) == set(scripts)
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(pids.iterdir())) < 3:
+            assert time.monotonic() < deadline, f"the jobs did not start: {list(pids.iterdir())}"
+            time.sleep(0.05)
+        write_json_atomic(rd.heartbeat("trainer"), Heartbeat("trainer", "trainer", "h", 1, time.time(),
+                                                             state="waiting_samples").to_json())
+        write_fatal(rd, "rollout-w000", "loading the model failed: ValueError: no model_type", "model")
+        follower = RunFollower(rd, cfg, jobs, fleet, Console(rd, cfg, lines.append, False), lines.append)
+        t0 = time.monotonic()
+        assert follower.follow(timeout_s=120, poll_s=0.05) == 1
+        took = time.monotonic() - t0
+        said = "\n".join(lines)
+        assert all(h.done() for h in jobs.handles.values()), said
+        for name in scripts:
+            assert not pid_running(int((pids / name).read_text())), f"{name} outlived the launcher:\n{said}"
+        assert (tmp_path / "saved").exists(), "the trainer stopped by itself on the record"
+        assert "run stopped: rollout-w000: loading the model failed" in said
+        assert "eval: no heartbeat yet; nothing to save, cancelled" in said
+        assert "trainer: no heartbeat" not in said and "still running" not in said, said
+        assert 3 <= took < 20, f"the stubborn job is killed after the kill wait (3 s), not at stop_s: {took:.1f}s"
+    finally:
+        for handle in jobs.handles.values():
+            _end(handle)
+
+
 def test_an_autoscale_decision_is_logged_with_its_numbers_whether_or_not_the_queue_lets_it_through(tmp_path, launcher):
     from hpcrl.fsio import JsonlAppender
     from hpcrl.launcher.autoscale import Autoscaler

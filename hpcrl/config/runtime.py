@@ -60,9 +60,11 @@ class TimeoutsConfig:
     """After its engine failed to load a (verified) version, a rollout job stays on its version and
     tries that one again after this long (a newer version is tried at once)."""
     stop_s: float = 300.0
-    """Ctrl-C (or SIGTERM) to ``hpcrl run``: the launcher asks the jobs to stop, the trainer checkpoints its
-    last completed update (so a resume redoes nothing) and the rollout jobs seal their complete groups;
-    after this long it cancels what is left. A second Ctrl-C cancels at once."""
+    """Ctrl-C (or SIGTERM) to ``hpcrl run``, or a job's error no restart can fix (``control/fatal.json``): the jobs
+    stop by themselves, the trainer checkpoints its last completed update (so a resume redoes nothing) and the
+    rollout jobs seal their complete groups; a job still starting is cancelled at once. After this long the
+    launcher cancels what is left and waits for it to end (SIGKILL 30 s after a SIGTERM it ignored). A second
+    Ctrl-C cancels at once."""
     disk_full_s: float = 300.0
     """A job whose write to the run directory meets a full disk or quota (ENOSPC, EDQUOT) says so in one line
     (which path, how many bytes, how much is free) and waits for space with back-off this long, then ends with

@@ -24,7 +24,7 @@ from hpcrl.config import ConfigError, RunConfig, given_keys, load_config
 from hpcrl.config.checks import collecting, report
 from hpcrl.control.fatal import read_fatal_record
 from hpcrl.control.fleet_log import FleetLog
-from hpcrl.control.records import HeartbeatState, read_heartbeats, read_trainer_done, request_stop
+from hpcrl.control.records import read_heartbeats, read_trainer_done, request_stop
 from hpcrl.launcher.autoscale import Autoscaler
 from hpcrl.launcher.fleet import Fleet
 from hpcrl.launcher.follow import RunFollower
@@ -167,26 +167,12 @@ class RunHandle:
     def stop(self, wait_s: float, by: str = "hpcrl run: Ctrl-C") -> bool:
         """Ask every job to stop at its next safe point (``control/stop.json``): the trainer finishes its update and
         checkpoints it, a rollout job seals its complete groups, so a resume redoes nothing. A job still queued
-        or starting has nothing to save and is cancelled at once; after ``wait_s`` whatever is left is cancelled.
-        True when every job stopped by itself."""
+        or starting has nothing to save and is cancelled at once; after ``wait_s`` whatever is left is cancelled
+        and waited for (``LauncherJobs.end_all``). True when every job stopped by itself."""
         request_stop(self.rd, by)
-        end = time.monotonic() + wait_s
-        cancelled: set[str] = set()
-        while not all(j.done() for j in self.jobs.values()):
-            beats = read_heartbeats(self.rd)
-            for name, job in self.jobs.items():
-                beat = beats.get(name)
-                if name not in cancelled and not job.done() and (beat is None or beat.state == HeartbeatState.STARTING):
-                    self.console.say(f"{name}: {'no heartbeat yet' if beat is None else 'starting: ' + beat.step}"
-                                       "; nothing to save, cancelled")
-                    job.cancel()
-                    cancelled.add(name)
-            if time.monotonic() > end:
-                self.launched.cancel_all()
-                return False
-            time.sleep(0.5)
+        clean = self.launched.end_all(wait_s, self.console.say)
         self.console.close()
-        return not cancelled
+        return clean
 
     def cancel(self, wait_s: float = 0.0) -> bool:
         """Cancel every job of the run that is still queued or running; wait up to ``wait_s``

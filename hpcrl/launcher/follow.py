@@ -176,7 +176,7 @@ class RunFollower:
             self.emit(f"job {name} ({handle.job_id}) ended before the trainer finished and its restart budget "
                       f"(resources.max_restarts={self.cfg.resources.max_restarts}) is spent: cancelling the run")
             self.emit(job_failure_report(self.rd, handle))
-            self.cancel_all()
+            self.end_all(0.0)
             return 1
         return None
 
@@ -229,7 +229,7 @@ class RunFollower:
             if fatal is not None:
                 self.console.close()
                 self.emit(f"run stopped: {fatal} (a restart would fail the same way; {self._fix_hint()})")
-                self.cancel_all()
+                self.end_all(self.cfg.timeouts.stop_s)  # each job stops by itself on the fatal record
                 return 1
             if stop_requested(self.rd):  # Run.stop() from another thread (Ctrl-C in `hpcrl run` ends follow first)
                 self.emit(f"run stopped on request ({self.rd.stop_request}); continue it with --resume")
@@ -244,7 +244,7 @@ class RunFollower:
             if time.monotonic() > deadline:
                 self.emit(f"gave up after {timeout_s:.0f}s waiting for the trainer to finish "
                           f"(no {self.rd.trainer_done}); cancelling the run")
-                self.cancel_all()
+                self.end_all(0.0)
                 return 1
             time.sleep(poll_s)
 
@@ -265,23 +265,17 @@ class RunFollower:
                     return self._give_up_eval(handle)
             elif time.monotonic() > deadline:
                 self.emit("gave up waiting for the evaluation job (the follow deadline passed); cancelling it")
-                handle.cancel()
+                self.end_all(0.0, [EVAL_JOB])
                 return
             self._warn_stale_heartbeats()
             time.sleep(poll_s)
 
     def _finish_rollouts(self, grace_s: float = 60.0) -> None:
-        """Rollout jobs stop on their own once trainer_done exists; give them a moment. (The evaluation job
-        is waited for by :meth:`_finish_eval`.)"""
-        jobs = {n: j for n, j in self.jobs.handles.items() if n != EVAL_JOB}
-        end = time.monotonic() + grace_s
-        while time.monotonic() < end and not all(j.done() for j in jobs.values()):
-            time.sleep(0.5)
-        for name, job in jobs.items():
-            if not job.done():
-                log.warning("job %s still running %ds after the trainer finished; cancelling it", name, grace_s)
-                job.cancel()
+        """Rollout jobs stop on their own once trainer_done exists; give them ``grace_s``, then cancel. (The
+        evaluation job is waited for by :meth:`_finish_eval`.)"""
+        self.jobs.end_all(grace_s, log.info, [n for n in self.jobs.handles if n != EVAL_JOB])
 
-    def cancel_all(self) -> None:
-        """Cancel every job still queued or running."""
-        self.jobs.cancel_all()
+    def end_all(self, grace_s: float, names: Optional[list[str]] = None) -> None:
+        """End the jobs (``LauncherJobs.end_all``: ``grace_s`` to stop by themselves, then cancelled) and wait
+        until they are gone: a launcher that gives up leaves no job running behind it."""
+        self.jobs.end_all(grace_s, self.emit, names)

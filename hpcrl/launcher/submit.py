@@ -23,18 +23,25 @@ import shutil
 import signal
 import sys
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator, Optional
 
 from hpcrl.config import JobResources, RunConfig
 from hpcrl.control.fleet_log import SUBMITTED, FleetLog
+from hpcrl.control.records import HeartbeatState, read_heartbeats
 from hpcrl.launcher.fleet import StartError, Submitted, fleet_ids
-from hpcrl.launcher.jobs import JobHandle
+from hpcrl.launcher.jobs import KILL_WAIT_S, JobHandle
 from hpcrl.launcher.sbatch_lines import slurm_options
 from hpcrl.process.leftovers import MARK_ENV, job_mark
 from hpcrl.run_dir import EVAL_JOB, RunDir
+
+
+GONE_MARGIN_S = 30.0
+"""Seconds past :data:`~hpcrl.launcher.jobs.KILL_WAIT_S` that :meth:`LauncherJobs.end_all` waits for a cancelled job
+to be gone (a Slurm epilog, a slow ``squeue``) before it names the jobs still there and returns."""
 
 
 def resolve_executor(name: str) -> str:
@@ -236,3 +243,59 @@ class LauncherJobs:
         for handle in list(self.handles.values()):
             if not handle.done():
                 handle.cancel()
+
+    def end_all(self, grace_s: float, say: Callable[[str], None], names: Optional[Iterable[str]] = None) -> bool:
+        """End the jobs ``names`` (default: every job followed) and wait until they are gone, so that none outlives
+        the launcher that gives up on it. A job ends by itself at its next safe point once the run directory says
+        so (a stop request, the trainer's end, a fatal record: ``control/job.py``); one with no heartbeat yet or
+        still starting has nothing to save and is cancelled at once, the others get ``grace_s``. Whatever is left
+        then is cancelled (SIGTERM / scancel) and waited for: a local job still running :data:`KILL_WAIT_S` later is
+        SIGKILLed (``JobHandle.done``), Slurm does the same after its KillWait. The jobs still there
+        :data:`GONE_MARGIN_S` after that are named, with their ids, and left. True when every job ended by
+        itself."""
+        jobs = {n: self.handles[n] for n in (list(self.handles) if names is None else names) if n in self.handles}
+        cancelled: set[str] = set()
+        if grace_s > 0:
+            left = self._wait_gone(jobs, grace_s, say, cancelled)
+            if left:
+                say(f"{', '.join(left)} still running {grace_s:.0f}s after being asked to stop: cancelled")
+        else:
+            left = [n for n, job in jobs.items() if not job.done()]
+        ended_alone = not left and not cancelled
+        if left:
+            for name in left:
+                jobs[name].cancel()
+            left = self._wait_gone({n: jobs[n] for n in left}, KILL_WAIT_S + GONE_MARGIN_S, say)
+        if left:
+            say(f"{', '.join(f'{n} ({jobs[n].job_id})' for n in left)} still not gone "
+                f"{KILL_WAIT_S + GONE_MARGIN_S:.0f}s after the cancel; end them by hand "
+                f"({'scancel JOB_ID' if self.kind == 'slurm' else 'kill -9 their processes'})")
+        return ended_alone
+
+    def _wait_gone(self, jobs: dict[str, JobHandle], wait_s: float, say: Callable[[str], None],
+                   cancelled: Optional[set[str]] = None) -> list[str]:
+        """Wait up to ``wait_s`` until every job in ``jobs`` is gone, saying once which it waits for; the jobs
+        still there. With ``cancelled``: cancel each job with no heartbeat yet or still starting (nothing to save),
+        said, and add it. A job found gone is not asked again (on Slurm each question is an ``squeue``)."""
+        end = time.monotonic() + wait_s
+        left = [n for n, job in jobs.items() if not job.done()]
+        if left:
+            say(f"waiting up to {wait_s:.0f}s for {', '.join(left)} to end")
+        while left and time.monotonic() < end:
+            if cancelled is not None:
+                self._cancel_unstarted({n: jobs[n] for n in left}, cancelled, say)
+            time.sleep(0.5 if self.kind == "local" else 2.0)
+            left = [n for n in left if not jobs[n].done()]
+        return left
+
+    def _cancel_unstarted(self, jobs: dict[str, JobHandle], cancelled: set[str], say: Callable[[str], None]) -> None:
+        """Cancel the jobs with no heartbeat yet or still starting, each said once; add them to ``cancelled``."""
+        beats = read_heartbeats(self.rd)
+        for name, job in jobs.items():
+            beat = beats.get(name)
+            if name in cancelled or (beat is not None and beat.state != HeartbeatState.STARTING):
+                continue
+            say(f"{name}: {'no heartbeat yet' if beat is None else 'starting: ' + beat.step}; nothing to save, "
+                "cancelled")
+            job.cancel()
+            cancelled.add(name)
