@@ -60,6 +60,28 @@ def test_status_shows_a_starting_job_with_its_step_and_how_long(tiny_run):
     assert "starting" in line and "step: building DeepSpeed's ops (42s)" in line, line
 
 
+@pytest.mark.parametrize("state", ["failed", "stopped"])
+def test_status_shows_the_step_a_job_ended_in_and_how_long_it_took_not_the_time_since(tiny_run, state):
+    """A job that failed while loading its model (or was cancelled then) ended 3 s into that step; an hour later
+    ``hpcrl status`` still says 3 s, not an hour."""
+    from hpcrl.cli import main
+
+    rd = tiny_run()
+    rd.heartbeats.mkdir(parents=True, exist_ok=True)
+    ended = time.time() - 3600
+    write_json_atomic(rd.heartbeat("rollout-w000"), Heartbeat(
+        job="rollout-w000", role="rollout", host="elsewhere", pid=1, time_s=ended, state=state,
+        step="starting the transformers engine", step_started_s=ended - 3).to_json())
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        main(["status", str(rd.root), "--once"])
+    line = next(x for x in out.getvalue().splitlines() if x.startswith("rollout-w000 "))
+    assert state in line and line.endswith("ended in: starting the transformers engine (3s)"), line
+
+
 def _ops_folder() -> Path:
     """The node's extensions folder the jobs of the suite use (what ``install.sh`` builds into)."""
     out = subprocess.run([sys.executable, "-c", "from hpcrl.trainer.ops import extensions_dir; "

@@ -69,7 +69,7 @@ class JobView:
     step: str = ""
     """The start-up step it is in (or failed in), from its heartbeat."""
     step_s: float = 0.0
-    """Seconds since that step began."""
+    """Seconds in that step: until now, or, for a job that ended in it, until its last beat."""
     stats: JobStats = field(default_factory=JobStats)
     """The heartbeat's counters."""
 
@@ -105,8 +105,9 @@ class StatusView:
     def jobs(self, now: float) -> list[JobView]:
         out = []
         for job, h in read_heartbeats(self.rd).items():
+            until = h.time_s if has_ended(h.state) else now
             v = JobView(job, h.state, h.param_version, h.age_s(now), h.host, h.pid, step=h.step,
-                        step_s=now - h.step_started_s if h.step else 0.0, stats=h.stats)
+                        step_s=until - h.step_started_s if h.step else 0.0, stats=h.stats)
             if not has_ended(v.state):
                 if _process_gone(v.host, v.pid):
                     v.flag = "GONE"
@@ -200,8 +201,8 @@ class StatusView:
                     f", {tps:.0f} tokens/s" if not math.isnan(tps) else "")
             state = j.state + (f" {j.flag}" if j.flag else "")
             idle_s = "-" if math.isnan(idle) else f"{idle:.2f}"
-            if j.step:  # starting (or failed while starting): the step says what it does, and for how long
-                detail = f"{'in' if j.state == 'failed' else 'step'}: {j.step} ({j.step_s:.0f}s)"
+            if j.step:  # starting, or ended while starting: the step it is (was) in, and for how long
+                detail = f"{'ended in' if has_ended(j.state) else 'step'}: {j.step} ({j.step_s:.0f}s)"
             lines.append(f"{j.job:<14}{state:<22}{'v' + str(j.version):>8}  {age:>12}  {idle_s:>5}  {detail}")
             if j.flag == "GONE":
                 lines.append(f"{'':14}process {j.pid} is not running on {j.host} (killed or crashed)")
