@@ -60,7 +60,8 @@ def test_another_jobs_fatal_record_stops_a_job_at_its_next_safe_point_saying_why
     took = time.monotonic() - written[0]
     assert job.shut_down == [HeartbeatState.STOPPED] and read_heartbeats(rd)["trainer"].state == "stopped"
     assert ("the run stopped on an error no restart can fix (rollout-w000: loading the model failed: ValueError: "
-            "no model_type): checkpointing the last completed update") in caplog.text
+            f"no model_type; to go on, fix it, then `hpcrl run --resume --run-dir {rd.root}`, or remove {rd.fatal} "
+            "before submitting the sbatch scripts again): checkpointing the last completed update") in caplog.text
     assert took < RESCAN_S / 2, f"seen {took:.1f}s after the record: the bump was missed"
 
 

@@ -156,7 +156,9 @@ class StopWatch:
         """What asked the job to end, in words."""
         return {Stop.PREEMPTED: "USR2",  # a preemption, or the time limit ahead (submitit's --signal)
                 Stop.DONE: "the trainer is done",
-                Stop.STOPPED: (f"the run stopped on an error no restart can fix ({self._fatal})" if self._fatal
+                Stop.STOPPED: (f"the run stopped on an error no restart can fix ({self._fatal}; to go on, fix it, then "
+                               f"`hpcrl run --resume --run-dir {self.run_dir.root}`, or remove {self.run_dir.fatal} "
+                               "before submitting the sbatch scripts again)" if self._fatal
                                else f"stop requested by the launcher ({self.run_dir.stop_request})"),
                 Stop.DRAINED: f"asked to leave the fleet ({self.run_dir.drain_request(self.writer or '')})"}[reason]
 
