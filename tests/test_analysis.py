@@ -500,6 +500,22 @@ def test_not_a_run_directory_and_a_run_not_started(tmp_path):
     assert res.returncode == 0 and "no heartbeat yet" in res.stdout and "0/300 updates" in res.stdout
 
 
+def test_a_run_stopped_before_its_first_update_says_why_in_report_and_samples(tmp_path):
+    """A run whose model could not be loaded has nothing to report and no sample: both commands name the error
+    that stopped it, not only that the logs are empty."""
+    from hpcrl.analysis.samples import format_samples
+    from hpcrl.control.fatal import write_fatal
+
+    rd = make_run(tmp_path)
+    assert format_samples(rd) == f"no group committed yet in {rd.samples}"
+    write_fatal(rd, "rollout-w000", "loading the model failed: ValueError: no model_type", "model")
+    res = cli("report", str(rd.root), "--out", str(tmp_path / "r"))
+    assert res.returncode == 2 and ("(the run stopped before its first update, on an error no restart can fix: "
+                                    "rollout-w000: loading the model failed: ValueError: no model_type)") in res.stderr
+    assert format_samples(rd) == (f"no group committed yet in {rd.samples}; the run stopped on an error no restart "
+                                  "can fix: rollout-w000: loading the model failed: ValueError: no model_type")
+
+
 def test_tail_reader_waits_for_a_torn_line_and_rereads_a_rolled_back_log(tmp_path):
     p = tmp_path / "log.jsonl"
     tail = JsonlTail(p)

@@ -40,6 +40,7 @@ import yaml
 
 from hpcrl.config import ConfigError, RunConfig, config_from_dict
 from hpcrl.config.knobs import Knobs
+from hpcrl.control.fatal import read_fatal
 from hpcrl.control.records import Heartbeat, TrainerDone, read_heartbeats, read_trainer_done
 from hpcrl.eval_log import EVALUATED, JOB, read_eval_rows
 from hpcrl.logs import read_jsonl_frame
@@ -256,8 +257,11 @@ def load_run(path: os.PathLike | str, name: Optional[str] = None) -> RunData:
                 missing)
     eval_rows, evals = read_evals(rd)
     if st.empty and m.empty and ro.empty and evals.empty:
+        fatal = read_fatal(rd)
         raise RunFormatError(f"{root}: nothing to analyse yet: {rd.staleness.name}, {rd.metrics.name} and "
-                             f"rollout-*.jsonl in {rd.logs} are empty or missing (has the trainer made its first update?)")
+                             f"rollout-*.jsonl in {rd.logs} are empty or missing " + (
+                                 f"(the run stopped before its first update, on an error no restart can fix: {fatal})"
+                                 if fatal else "(has the trainer made its first update?)"))
     read_from = {**LOG_PATHS, "staleness": str(rd.staleness.relative_to(root))}  # an older run's is plain
     for name_, cols in missing.items():
         notes.append(f"{read_from[name_]} lacks column(s) {', '.join(cols)}: it was written by an older hpcrl "

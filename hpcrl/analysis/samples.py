@@ -21,6 +21,7 @@ from typing import Optional
 
 import numpy as np
 
+from hpcrl.control.fatal import read_fatal
 from hpcrl.run_dir import RunDir
 from hpcrl.samples.reader import ShardCorrupt, read_shard
 from hpcrl.samples.schema import ShardManifestLine
@@ -107,7 +108,11 @@ def format_samples(run_dir, version: Optional[int] = None, order: str = "newest"
     rd = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
     want, found, notes = read_samples(rd, version)
     if not found:
-        return f"no trajectory sampled with version {want} in {rd.samples}" + "".join(f"\nnote: {x}" for x in notes)
+        fatal = read_fatal(rd)
+        why = ((f"no group committed yet in {rd.samples}" if want < 0 else
+                f"no trajectory sampled with version {want} in {rd.samples}")
+               + (f"; the run stopped on an error no restart can fix: {fatal}" if fatal else ""))
+        return why + "".join(f"\nnote: {x}" for x in notes)
     if order in ("worst", "best"):
         found.sort(key=lambda s: s.reward, reverse=order == "best")
     tok = _tokenizer(rd)
