@@ -422,6 +422,73 @@ def test_a_launcher_stopped_by_a_fatal_record_returns_only_when_every_job_is_gon
             _end(handle)
 
 
+FAKE_SLURM = r"""#!{python}
+import json, sys
+from pathlib import Path
+folder = Path({folder!r})
+with open(folder / "calls", "a") as f:
+    f.write(" ".join(sys.argv[1:]) + "\n")
+slurm = json.loads((folder / "slurm.json").read_text())
+if Path(sys.argv[0]).name == "squeue":
+    if slurm.get("down"):
+        sys.exit("slurm_load_jobs error: Unable to contact slurm controller (connect failure)")
+    ids = sys.argv[sys.argv.index("-j") + 1].split(",")
+    print("\n".join(f"{{i}} {{slurm['queue'][i]}}" for i in ids if i in slurm["queue"]))
+elif sys.argv[-1] in slurm["ended"]:
+    print(f"JobId={{sys.argv[-1]}} JobName=x JobState={{slurm['ended'][sys.argv[-1]]}} Reason=None")
+else:
+    sys.exit("slurm_load_jobs error: Invalid job id specified")
+"""
+
+
+def test_a_launchers_slurm_jobs_are_asked_about_in_one_squeue_and_an_ended_one_never_again(tmp_path, monkeypatch):
+    """A launcher following many Slurm jobs asks ``squeue`` once per refresh for all of them (it asked once per
+    job per poll: 768 calls a second for a 1,024-GPU fleet), ``scontrol`` once for a job that left the queue, and
+    never again about a job that ended; while the controller does not answer, no running job reads as ended."""
+    import sys
+    from types import SimpleNamespace
+
+    from hpcrl.launcher.jobs import SlurmQueue
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("squeue", "scontrol"):
+        (bin_dir / name).write_text(FAKE_SLURM.format(python=sys.executable, folder=str(tmp_path)))
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    ids = [str(i) for i in range(101, 106)]
+    slurm = {"queue": {i: "RUNNING" for i in ids}, "ended": {}}
+    (tmp_path / "slurm.json").write_text(json.dumps(slurm))
+
+    def calls() -> list[str]:
+        return (tmp_path / "calls").read_text().splitlines() if (tmp_path / "calls").exists() else []
+
+    queue = SlurmQueue(refresh_s=3600)
+    handles = []
+    for i in ids:
+        handle = JobHandle(f"rollout-w{i}", SimpleNamespace(job_id=i), "slurm")
+        handle.queue = queue
+        queue.add(i)
+        handles.append(handle)
+    assert not any(h.done() for h in handles) and not any(h.done() for h in handles)
+    assert calls() == ["-h -j 101,102,103,104,105 -o %i %T"], "one squeue for all five, then its answer is reused"
+
+    slurm["queue"].pop("103")
+    slurm["ended"]["103"] = "CANCELLED"
+    (tmp_path / "slurm.json").write_text(json.dumps(slurm))
+    queue.refresh_s = 0.0
+    assert [h.done() for h in handles] == [False, False, True, False, False]
+    assert handles[2].state() == "CANCELLED"
+    asked = calls()
+    assert asked.count("show job 103") == 1, asked
+    assert all("103" not in c for c in asked[asked.index("show job 103") + 1:]), "an ended job is not asked again"
+
+    slurm["down"] = True
+    (tmp_path / "slurm.json").write_text(json.dumps(slurm))
+    assert [h.done() for h in handles] == [False, False, True, False, False], "no answer is not an end"
+    assert handles[0].state() == "UNREACHABLE"
+
+
 def test_an_autoscale_decision_is_logged_with_its_numbers_whether_or_not_the_queue_lets_it_through(tmp_path, launcher):
     from hpcrl.fsio import JsonlAppender
     from hpcrl.launcher.autoscale import Autoscaler

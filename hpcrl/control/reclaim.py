@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import subprocess
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -40,6 +39,7 @@ from hpcrl.control.claims import ClaimBook
 from hpcrl.control.records import Heartbeat
 from hpcrl.fsio import read_json
 from hpcrl.process.pids import pid_running
+from hpcrl.process.squeue import squeue_states
 from hpcrl.run_dir import RunDir
 
 log = logging.getLogger(__name__)
@@ -60,21 +60,10 @@ ENDED_SLURM_STATES = frozenset({"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "
 
 
 def slurm_state(job: str, timeout_s: float = SQUEUE_TIMEOUT_S) -> tuple[Optional[str], str]:
-    """``squeue -h -j JOB -o %T``: ``(state, "")``, with state None when Slurm no longer knows the job, or
-    ``(None, error)`` when Slurm could not tell (no ``squeue``, no answer within ``timeout_s``, another error)."""
-    try:
-        out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True,
-                             timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return None, f"squeue gave no answer in {timeout_s:g} s"
-    except OSError as e:  # not installed, not executable
-        return None, f"squeue could not run ({e})"
-    if out.returncode == 0:
-        words = out.stdout.split()
-        return (words[0] if words else None), ""
-    if "invalid job id" in out.stderr.lower():  # the controller forgot it (MinJobAge after its end)
-        return None, ""
-    return None, f"squeue exited {out.returncode}: {out.stderr.strip()[-200:]}"
+    """``(state, "")``, with state None when Slurm no longer knows the job, or ``(None, error)`` when Slurm could
+    not tell (``process/squeue.py``)."""
+    states, error = squeue_states([job], timeout_s)
+    return (None, error) if states is None else (states.get(job), "")
 
 
 @dataclass

@@ -16,14 +16,17 @@ within a second of its submission ran on.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Optional
 
 from hpcrl.process.reaper import descendants
+from hpcrl.process.squeue import squeue_states
 
 log = logging.getLogger(__name__)
 
@@ -35,19 +38,86 @@ KILL_WAIT_S = 30.0
 """Seconds from a local job's SIGTERM to its SIGKILL: Slurm's default ``KillWait``."""
 
 
-def slurm_state(job_id: str) -> Optional[str]:
-    """The job's state from squeue, else scontrol; None if Slurm no longer knows it."""
+QUEUE_REFRESH_S = 2.0
+"""How old a launcher's view of the Slurm queue may be: its jobs are asked about together at most this often."""
+SLURM_TIMEOUT_S = 30.0
+"""Deadline of one ``squeue`` or ``scontrol`` call; past it the jobs asked about read ``UNREACHABLE``."""
+UNREACHABLE = "UNREACHABLE"
+"""The state of a job while Slurm does not answer (not ended: it is asked again)."""
+
+
+class SlurmQueue:
+    """What Slurm says of a launcher's jobs, asked for all of them at once: one ``squeue -h -j ID,ID,... -o "%i %T"``
+    at most every ``refresh_s``, where asking job by job cost a launcher following 768 rollout jobs 768 ``squeue``
+    calls per poll of its run (seconds to minutes of a busy controller's time, every second). A job the queue no
+    longer lists is asked once with ``scontrol show job`` (it ended less than ``MinJobAge`` ago, or the controller
+    forgot it), and its end is final: Slurm keeps a requeued job in the queue (``REQUEUED``, then ``PENDING``), so a
+    job that left it does not come back. While Slurm does not answer, the jobs read :data:`UNREACHABLE` (logged) and
+    are asked again at the next refresh. Thread-safe (``Run.stop`` may ask while the follower does)."""
+
+    def __init__(self, refresh_s: float = QUEUE_REFRESH_S):
+        self.refresh_s = refresh_s
+        self._lock = threading.Lock()
+        self._states: dict[str, str] = {}
+        """The last answer for each job still in the queue (or not yet asked about)."""
+        self._ended: dict[str, Optional[str]] = {}
+        """The jobs that left the queue, with their end state (None: Slurm no longer knows the job)."""
+        self._asked_s = -math.inf
+
+    def add(self, job_id: str) -> None:
+        """Ask about ``job_id`` too from the next refresh on (which comes at the next question)."""
+        with self._lock:
+            if job_id not in self._ended:
+                self._states.setdefault(job_id, UNREACHABLE)
+                self._asked_s = -math.inf
+
+    def state(self, job_id: str) -> Optional[str]:
+        """The job's state (``PENDING``, ``RUNNING``, ``COMPLETED``, ..., :data:`UNREACHABLE`); None when Slurm no
+        longer knows it."""
+        with self._lock:
+            if job_id in self._ended:
+                return self._ended[job_id]
+            if job_id not in self._states or time.monotonic() - self._asked_s >= self.refresh_s:
+                self._states.setdefault(job_id, UNREACHABLE)
+                self._refresh()
+            return self._ended[job_id] if job_id in self._ended else self._states[job_id]
+
+    def _refresh(self) -> None:
+        """One ``squeue`` for every job in the queue; ``scontrol`` for each one it no longer lists."""
+        self._asked_s = time.monotonic()
+        ids = sorted(self._states)
+        listed = _squeue(ids)
+        if listed is None:
+            self._states = dict.fromkeys(ids, UNREACHABLE)
+            return
+        for job_id in ids:
+            state = listed.get(job_id) or _scontrol_state(job_id)
+            if state in ACTIVE_STATES or state == UNREACHABLE:
+                self._states[job_id] = state
+            else:
+                del self._states[job_id]
+                self._ended[job_id] = state
+
+
+def _squeue(job_ids: list[str]) -> Optional[dict[str, str]]:
+    """``{job id: state}`` of the jobs the queue lists (None: Slurm did not answer, logged)."""
+    states, error = squeue_states(job_ids, SLURM_TIMEOUT_S)
+    if states is None:
+        log.warning("could not ask Slurm about jobs %s: %s", ",".join(job_ids), error)
+    return states
+
+
+def _scontrol_state(job_id: str) -> Optional[str]:
+    """``scontrol show job``'s JobState for a job the queue no longer lists; None when Slurm forgot the job."""
     try:
-        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=30)
-        if out.returncode == 0 and out.stdout.strip():
-            return out.stdout.split()[0]
-        out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, timeout=30)
-        for token in out.stdout.split():
-            if token.startswith("JobState="):
-                return token.split("=", 1)[1]
+        out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True,
+                             timeout=SLURM_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as e:
-        log.warning("could not query Slurm for job %s: %s", job_id, e)
-        return "UNREACHABLE"
+        log.warning("could not ask Slurm about job %s: %s", job_id, e)
+        return UNREACHABLE
+    for token in out.stdout.split():
+        if token.startswith("JobState="):
+            return token.split("=", 1)[1]
     return None
 
 
@@ -59,6 +129,8 @@ class JobHandle:
         self.job = job  # a submitit Job
         self.kind = kind
         self.kill_wait_s = kill_wait_s
+        self.queue = SlurmQueue()
+        """Where a Slurm job's state is asked (a launcher shares one among all its jobs: ``LauncherJobs``)."""
         self._cancelled_at: Optional[float] = None  # a local job: when its SIGTERM was sent
         self._killed = False
 
@@ -69,7 +141,7 @@ class JobHandle:
     def state(self) -> str:
         if self.kind == "local":
             return "FINISHED" if self.job.done() else "RUNNING"
-        return slurm_state(self.job_id) or "GONE"
+        return self.queue.state(self.job_id) or "GONE"
 
     def done(self) -> bool:
         if self.kind == "local":
@@ -78,7 +150,7 @@ class JobHandle:
             self._kill_after_kill_wait()
             return False
         st = self.state()
-        return st not in ACTIVE_STATES and st != "UNREACHABLE"
+        return st not in ACTIVE_STATES and st != UNREACHABLE
 
     def cancel(self) -> None:
         try:

@@ -33,7 +33,7 @@ from hpcrl.config import JobResources, RunConfig
 from hpcrl.control.fleet_log import SUBMITTED, FleetLog
 from hpcrl.control.records import HeartbeatState, read_heartbeats
 from hpcrl.launcher.fleet import StartError, Submitted, fleet_ids
-from hpcrl.launcher.jobs import KILL_WAIT_S, JobHandle
+from hpcrl.launcher.jobs import KILL_WAIT_S, JobHandle, SlurmQueue
 from hpcrl.launcher.sbatch_lines import slurm_options
 from hpcrl.process.leftovers import MARK_ENV, job_mark
 from hpcrl.run_dir import EVAL_JOB, RunDir
@@ -193,6 +193,8 @@ class LauncherJobs:
         """The jobs followed now (a rollout job that left the fleet, an evaluation job given up: no more)."""
         self.restarts: dict[str, int] = {}
         self._submit = submit
+        self.queue = SlurmQueue()
+        """Every Slurm job of this launcher is asked about in one ``squeue`` (``launcher/jobs.py``)."""
 
     def submit_all(self, planned: list[PlannedJob], log: FleetLog, by: str) -> None:
         """Submit every planned job, each a ``submitted`` event in ``log``. If one submission fails, the jobs
@@ -209,14 +211,20 @@ class LauncherJobs:
     def submit(self, planned: PlannedJob) -> JobHandle:
         """Submit one planned job and follow it."""
         self.planned[planned.name] = planned
-        self.handles[planned.name] = self._submit(self.rd, self.kind, planned)
-        return self.handles[planned.name]
+        return self._follow(planned.name, self._submit(self.rd, self.kind, planned))
 
     def resubmit(self, name: str) -> JobHandle:
         """Submit job ``name`` again, as planned (a restart)."""
         self.restarts[name] = self.restarts.get(name, 0) + 1
-        self.handles[name] = self._submit(self.rd, self.kind, self.planned[name])
-        return self.handles[name]
+        return self._follow(name, self._submit(self.rd, self.kind, self.planned[name]))
+
+    def _follow(self, name: str, handle: JobHandle) -> JobHandle:
+        """Follow ``handle`` as job ``name``, its state asked in this launcher's one ``squeue``."""
+        handle.queue = self.queue
+        if handle.kind == "slurm":
+            self.queue.add(handle.job_id)
+        self.handles[name] = handle
+        return handle
 
     def start(self, writer_ids: list[int]) -> Iterator[Submitted]:
         """New writers' rollout jobs, one submitit job each (the fleet's ``Starter``); StartError when the
