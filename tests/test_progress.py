@@ -61,6 +61,39 @@ def test_problems_and_samples_on_the_version_lines(tmp_path):
     assert "prompts filtered" not in lines[3] and "sample" in lines[4], lines
 
 
+def test_a_large_fleets_idle_ratios_are_summed_up_and_its_logs_not_read_every_poll(tmp_path, monkeypatch):
+    """Up to four rollout jobs a version line shows each one's idle ratio; a fleet of 768 would have printed 768
+    numbers per line and read 768 logs every poll: above four the line shows their mean, min and max, and the logs
+    are read every ``jobs / ROLLOUT_LOGS_PER_S`` seconds (every one of them still at the end)."""
+    from hpcrl.launcher import progress
+
+    monkeypatch.setattr(progress, "ROLLOUT_LOGS_PER_S", 1 / 60)  # each log read again a minute later
+    rd = make_run(tmp_path, "logging.show_samples=0")
+    writers = [f"w{i:03d}" for i in range(6)]
+    for i, w in enumerate(writers[:2]):
+        append(rd.rollout_metrics(w), [{"writer": w, "param_version": 0, "rollouter/idle_ratio": 0.1 * (i + 1)}])
+    lines = []
+    console = Console(rd, rd.load_config(), lines.append, resume=False)
+    append(rd.metrics, [metrics_row(1, 1000.0)])
+    console.poll()
+    assert "idle trainer 0.10 rollout 0.10/0.20  tokens/s" in lines[-1], lines[-1]
+    for i, w in enumerate(writers[2:], start=2):
+        append(rd.rollout_metrics(w), [{"writer": w, "param_version": 0, "rollouter/idle_ratio": 0.1 * (i + 1)}])
+    append(rd.metrics, [metrics_row(2, 1001.0)])
+    console.poll()
+    assert "rollout 0.10/0.20  tokens/s" in lines[-1], "read at the first poll; the next read is not due yet"
+    console._rollout_due_s = 0.0  # due now
+    append(rd.metrics, [metrics_row(3, 1002.0)])
+    console.poll()
+    assert "idle trainer 0.10 rollout 0.35 (mean of 6, 0.10-0.60)  tokens/s" in lines[-1], lines[-1]
+    append(rd.rollout_metrics("w005"), [{"writer": "w005", "param_version": 1, "rollouter/idle_ratio": 0.0,
+                                         "reward/errors": 4}])
+    append(rd.metrics, [metrics_row(4, 1003.0)])
+    console.close()
+    assert lines[-1].startswith("v4 ") and "rollout 0.25 (mean of 6, 0.00-0.50)" in lines[-1], lines[-1]
+    assert "reward errors 4" in lines[-1], "the last line reads every log"
+
+
 def test_the_first_start_says_what_each_job_waits_for(tmp_path):
     rd = make_run(tmp_path)
     lines = []

@@ -77,6 +77,8 @@ class RunFollower:
         self.emit = emit
         """Lines for the user (above the bar, when there is one)."""
         self._warned: dict[str, float] = {}
+        self._beats_due_s = 0.0
+        """When the heartbeats are read next for stale ones (:meth:`_warn_stale_heartbeats`)."""
         self._evals = JsonlTail(rd.eval_log)
         self._evals_seen = len(self._evals.poll()) if resume else 0
         self._started_s = time.monotonic()
@@ -108,8 +110,8 @@ class RunFollower:
                     "start a new --run-dir)")
         return f"fix it, then `{resume}` (with KEY=VALUE for what changed)"
 
-    def _print_new_versions(self) -> None:
-        self.console.poll()
+    def _print_new_versions(self, every_log: bool = False) -> None:
+        self.console.poll(every_log)
 
     def _print_new_evals(self) -> Optional[EvalRow]:
         """One line per new row of the evaluation job in ``logs/eval.jsonl``; the newest evaluated one so far."""
@@ -194,7 +196,13 @@ class RunFollower:
         acknowledge_scale(self.rd, req)
 
     def _warn_stale_heartbeats(self) -> None:
+        """Warn of a job whose heartbeat is older than ``timeouts.heartbeat_stale_s`` (once a minute per job). The
+        heartbeats (one file per job) are read every quarter of that at most: a fleet of 768 is not 768 files read
+        every poll, and a stale beat is said at most a quarter of its threshold late."""
         now = time.time()
+        if now < self._beats_due_s:
+            return
+        self._beats_due_s = now + self.cfg.timeouts.heartbeat_stale_s / 4
         for job, beat in read_heartbeats(self.rd).items():
             age = beat.age_s(now)
             if not beat.ended and age > self.cfg.timeouts.heartbeat_stale_s and self._warned.get(job, 0) < now - 60:
@@ -214,7 +222,7 @@ class RunFollower:
             done = read_trainer_done(self.rd)
             if done is not None:
                 self._finish_rollouts()
-                self._print_new_versions()
+                self._print_new_versions(every_log=True)
                 self._finish_eval(done.param_version, deadline, poll_s)
                 last = self._print_new_evals()
                 self.console.close()
