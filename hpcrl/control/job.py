@@ -23,8 +23,9 @@
 
 Why a job ends (one type, :class:`Stop`): its work is over (``done``), USR2 or a Slurm preemption's SIGTERM
 (``preempted``: save, requeue), the launcher's stop request or another job's fatal record (``stopped``: Ctrl-C, or
-an input no restart can fix, ``control/fatal.py``; save; a ``--resume`` continues), or a drain request for a rollout
-writer (``drained``: finish, hand back, leave for good). :class:`StopWatch` is
+an input no restart can fix, ``control/fatal.py``; save; a ``--resume`` continues: after a full disk's record the
+save does not wait for space again), or a drain request for a rollout writer (``drained``: finish, hand back, leave
+for good). :class:`StopWatch` is
 how a loop asks, between two units of work: SIGTERM first (it raises), then USR2, then the run directory's records:
 when ``control/changes.jsonl`` grew (``control/changes.py``: every writer of a stop, drain or done record appends
 to it), or, for a job without one, at most every :data:`POLL_S`. Any other exception is a failure: logged with its trace into the
@@ -47,7 +48,7 @@ from typing import Callable, Optional, Protocol
 
 from hpcrl import fsio
 from hpcrl.control.changes import ChangeWatch
-from hpcrl.control.fatal import read_fatal, write_fatal
+from hpcrl.control.fatal import read_fatal, read_fatal_record, write_fatal
 from hpcrl.control.fleet import drain_requested
 from hpcrl.control.records import HeartbeatState, stop_requested
 from hpcrl.logs import setup_logging
@@ -147,6 +148,9 @@ class StopWatch:
             return Stop.STOPPED
         self._fatal = read_fatal(self.run_dir)
         if self._fatal is not None:
+            record = read_fatal_record(self.run_dir)
+            if record is not None and record.input == "disk":  # it stayed full past disk_full_s: save what fits now
+                fsio.POLICY.full_wait_s = 0.0
             return Stop.STOPPED
         if self.writer is not None and drain_requested(self.run_dir, self.writer):
             return Stop.DRAINED
