@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, Job, check_exactly_once, make_run, python, start_rollout, start_trainer, wait_until
+from test_job_life import WaitingJob
 from hpcrl import fsio
 from hpcrl.control.job import DiskRoom, Stop, run
 from hpcrl.control.records import HeartbeatState, HeartbeatThread, read_heartbeats
@@ -291,35 +292,20 @@ def test_a_job_whose_disk_stays_full_gives_back_its_room_and_leaves_the_fatal_re
     assert re.search(r"disk: run directory .* free of 8\.0 MiB on its filesystem", text)
 
 
-class SavingJob:
+class SavingJob(WaitingJob):
     """A job that waits for a reason to end, then saves more than the disk holds (as the trainer's stop checkpoints)."""
 
-    def __init__(self, rd: RunDir):
-        from hpcrl.control.job import StopWatch
-
-        self.name, self.requeues, self.rd = "trainer", False, rd
-        self.heartbeat = HeartbeatThread(rd, "trainer", "trainer", 0.2)
-        self.watch = StopWatch(rd, None, {Stop.STOPPED: "checkpointing"})
-
-    def start(self) -> None:
-        pass
-
     def loop(self) -> Stop:
-        deadline = time.monotonic() + 60
-        while (reason := self.watch.check()) is None:
-            assert time.monotonic() < deadline, "no reason to end in 60 s"
-            time.sleep(0.01)
+        reason = super().loop()
         fsio.write_json_atomic(self.rd.root / "checkpoint.json", {"pad": "z" * 2_000_000})
         return reason
-
-    def shutdown(self, final_state: HeartbeatState) -> None:
-        pass
 
 
 def test_a_job_stopped_by_another_jobs_full_disk_saves_without_waiting_for_space_again(small_fs, monkeypatch):
     """The rollout job's write waited ``timeouts.disk_full_s`` for space and recorded the full disk; the trainer,
     stopped by that record, must not wait that long again for its own save: it fails at once, as failed."""
     from hpcrl.control.fatal import write_fatal
+    from hpcrl.control.job import StopWatch
 
     monkeypatch.setattr(fsio, "POLICY", fsio.DiskPolicy(full_wait_s=60.0, backoff_max_s=0.5))
     rd = RunDir(small_fs / "run").create()
@@ -329,7 +315,7 @@ def test_a_job_stopped_by_another_jobs_full_disk_saves_without_waiting_for_space
     faults.fill(str(small_fs / "filler"))
     t0 = time.monotonic()
     with pytest.raises(SystemExit) as exit_info:
-        run(SavingJob(rd), room)
+        run(SavingJob(rd, StopWatch(rd, None, {Stop.STOPPED: "checkpointing"})), room)
     assert exit_info.value.code == 1 and time.monotonic() - t0 < 20, f"waited {time.monotonic() - t0:.0f}s for space"
     assert read_heartbeats(rd)["trainer"].state == "failed"
     assert json.loads(rd.fatal.read_text())["job"] == "rollout-w000", "the first record is kept"

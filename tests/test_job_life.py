@@ -19,7 +19,7 @@ class WaitingJob:
     def __init__(self, rd: RunDir, watch: StopWatch):
         self.name, self.requeues = "trainer", False
         self.heartbeat = HeartbeatThread(rd, "trainer", "trainer", 0.2)
-        self.watch = watch
+        self.rd, self.watch = rd, watch
         self.shut_down: list[HeartbeatState] = []
 
     def start(self) -> None:
