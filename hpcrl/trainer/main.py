@@ -260,7 +260,7 @@ class TrainerJob:
     def _update(self, groups: list[Group], version_seen: int) -> dict:
         """Train on the groups; lag is measured against ``version_seen``, the version this update starts from."""
         updater = self.parts.updater
-        out = updater.run(build_batch(groups, self.parts.pad_id, version_seen))
+        out = updater.run(build_batch(groups, self.parts.layout.pad_id, version_seen))
         self.state.kl_coef = updater.kl_coef
         return out
 
