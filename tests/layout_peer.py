@@ -6,7 +6,8 @@ engine, the reference, the update) run one update of one mini-batch on groups of
 with the new layouts; the gradient of that mini-batch is read at DeepSpeed's step (all-reduced over the ranks).
 The oracle is the padded whole-logits path (tests/padded_reference.py) on a copy of the model taken before the
 update, in one micro-batch of the whole mini-batch, through the same loss code. Rank 0 writes
-``OUT_DIR/SETTING.json``: the largest differences of the precomputed fields, the loss and the gradients.
+``OUT_DIR/SETTING.json``: the largest differences of the precomputed fields, the loss and the gradients. The
+setting ``zero`` runs one update under ZeRO 0, 2 and 3 with offload instead (:func:`zero_stages`).
 """
 from __future__ import annotations
 
@@ -168,6 +169,46 @@ def one_setting(out: Path, name: str, overrides: list[str], rank: int, world: in
     print(f"{name} rank {rank}: grad diff {max(diffs.values()):.2e} (scale {scale:.2e}), fields {fields}", flush=True)
 
 
+ZERO_STAGES = {0: [], 2: ["actor.offload_optimizer=true"], 3: ["actor.offload_param=true", "actor.offload_optimizer=true"]}
+"""The ZeRO check's stages: the same update under ZeRO 0, ZeRO-2 with optimizer offload and ZeRO-3 (the model
+partitioned as it loads) with parameter and optimizer offload and the reference as a ZeRO-3 engine of its own."""
+
+
+def zero_stages(out: Path, rank: int, world: int) -> None:
+    """The update of ``seqmean+kl/tokens12-skewed`` (stand-ins, a reference) under each of :data:`ZERO_STAGES`:
+    rank 0 writes ``zero.json`` with each stage's gradient norm, policy loss and weights' largest difference from
+    ZeRO 0's after the step (DeepSpeed holds no whole gradient to compare under ZeRO 2-3)."""
+    from conftest import make_run
+    from hpcrl.control.startup import StartupSteps
+    from hpcrl.run_dir import RunDir
+    from hpcrl.trainer.batch import build_batch
+    from hpcrl.trainer.gather import zero3_state_dict
+    from hpcrl.trainer.parts import build_parts
+
+    got = {}
+    for stage, extra in ZERO_STAGES.items():
+        folder = out / f"zero{stage}"
+        if rank == 0:
+            make_run(folder, *BASE, *ALGOS["seqmean+kl"], *PACKINGS["tokens12-skewed"], f"actor.zero_stage={stage}",
+                     *extra, name="run")
+        dist.barrier()
+        rd = RunDir(folder / "run")
+        torch.manual_seed(0)
+        parts, _ = build_parts(rd.load_config(), rd, rank, world, StartupSteps(_Beat(), "trainer", 300))
+        stats = parts.updater.run(build_batch(mixed_groups(64, skewed=True), parts.layout.pad_id, 0))
+        module = parts.engine.module
+        weights = zero3_state_dict(module, rank, "")[0] if stage == 3 else module.state_dict()
+        got[stage] = (stats["actor/grad_norm"], stats["actor/pg_loss"], {k: v.detach().float().clone()
+                                                                        for k, v in weights.items()})
+        if parts.lead is not None:
+            parts.lead.close()
+    if rank == 0:
+        base = got[0][2]
+        (out / "zero.json").write_text(json.dumps({str(st): {
+            "grad_norm": g, "pg_loss": pg, "weights_max_diff": max(float((w[k] - v).abs().max()) for k, v in base.items())}
+            for st, (g, pg, w) in got.items()}))
+
+
 def main(out: str, *names: str) -> int:
     logging.basicConfig(level=logging.WARNING)
     from hpcrl.trainer.distributed import init_distributed
@@ -176,7 +217,10 @@ def main(out: str, *names: str) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     table = settings()
     for name in names or table:
-        one_setting(Path(out), name, table[name], rank, world)
+        if name == "zero":
+            zero_stages(Path(out), rank, world)
+        else:
+            one_setting(Path(out), name, table[name], rank, world)
     dist.destroy_process_group()
     return 0
 

@@ -50,9 +50,11 @@ settings."""
 
 @pytest.mark.slow
 def test_every_packing_gives_the_padded_paths_update_on_two_ranks(tmp_path):
+    """Also: the same update under ZeRO-2 with optimizer offload and ZeRO-3 with both offloads (the policy and the
+    reference partitioned as they load) has ZeRO 0's gradient norm and weights."""
     port = free_port()
     env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=str(REPO))
-    procs = [subprocess.Popen([sys.executable, str(REPO / "tests" / "layout_peer.py"), str(tmp_path), *CHECKED],
+    procs = [subprocess.Popen([sys.executable, str(REPO / "tests" / "layout_peer.py"), str(tmp_path), *CHECKED, "zero"],
                               env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, cwd=REPO) for r in range(2)]
     logs = [p.communicate(timeout=600)[0].decode() for p in procs]
@@ -67,3 +69,8 @@ def test_every_packing_gives_the_padded_paths_update_on_two_ranks(tmp_path):
         assert all(d <= 1e-6 for d in got["fields"].values()), (name, got["fields"])
         assert abs(got["loss_oracle"]) > 0, name
     assert stand_ins > 0, "a rank short of rows ran a stand-in in some setting (and the gradient still equals)"
+    zero = json.loads((tmp_path / "zero.json").read_text())
+    for stage in ("2", "3"):  # ZeRO-2 with optimizer offload, ZeRO-3 partitioned at load with both offloads
+        assert abs(zero[stage]["grad_norm"] - zero["0"]["grad_norm"]) <= 1e-6 * zero["0"]["grad_norm"], zero
+        assert zero[stage]["pg_loss"] == pytest.approx(zero["0"]["pg_loss"], abs=1e-7), zero
+        assert zero[stage]["weights_max_diff"] <= 1e-5, zero
