@@ -40,7 +40,7 @@ class ActorConfig:
     ``ppo_max_token_len_per_gpu`` (no activations are kept for a backward)."""
     use_remove_padding: bool = True
     """Run the model on the rows of a micro-batch packed back to back, never padded (verl's
-    ``model.use_remove_padding``): with a kernel that reads sequence boundaries from position ids
+    ``actor_rollout_ref.model.use_remove_padding``): with a kernel that reads sequence boundaries from position ids
     (``flash_attention_2``/``_3``, ``flex_attention``) one packed forward; with ``sdpa``/``eager`` packs of up to 512
     tokens and longer rows alone (their masks are quadratic in the pack). false: rows padded to the
     micro-batch's longest (hpcrl/trainer/forward.py)."""
@@ -54,9 +54,9 @@ class ActorConfig:
     this / (4 bytes x vocabulary); about three such blocks are alive at the peak). Checkpointed: the backward
     recomputes a chunk instead of keeping it (hpcrl/trainer/logprobs.py)."""
     gradient_checkpointing: bool = False
-    """Activation checkpointing of the model's layers (verl's ``model.enable_gradient_checkpointing``): each
-    layer's activations are recomputed in the backward pass instead of kept, about one layer input per token
-    and layer instead of ~12-20 hidden-sized tensors, for ~1/3 more compute."""
+    """Activation checkpointing of the model's layers (verl's ``actor_rollout_ref.model.enable_gradient_checkpointing``):
+    each layer's activations are recomputed in the backward pass instead of kept: per token and layer about three
+    hidden-sized numbers instead of ~30 (hpcrl/plan/memory.py), for ~1/3 more compute."""
     offload_param: bool = False
     """ZeRO-3 parameter offload: the policy's parameters live in CPU memory and come to the GPU layer by layer
     (DeepSpeed ``offload_param``; verl's ``fsdp_config.param_offload``). Needs ``zero_stage: 3``."""
