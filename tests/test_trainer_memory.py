@@ -13,7 +13,7 @@ import torch
 
 from conftest import REPO
 from hpcrl.config import ConfigError, load_config
-from hpcrl.plan.memory import GIB, ModelShape, layer_bytes_per_token, memory_lines, predict, update_working_bytes
+from hpcrl.plan.memory import ModelShape, layer_bytes_per_token, memory_lines, predict, update_working_bytes
 from hpcrl.trainer import memory
 
 SHAPE_7B = REPO / "configs" / "shapes" / "qwen2.5-7b.json"
