@@ -134,7 +134,11 @@ def _follow(a, plan, cfg, kind, launch) -> int:
         raise
     print(f"submitted ({kind}): " + ", ".join(f"{n}={j.job_id}" for n, j in run.jobs.items()) + f"; run dir {run.rd.root}",
           flush=True)
-    if cfg.is_simulated:
+    if cfg.is_sizing_probe:
+        print("SIZING PROBE: the simulated engine feeds the real trainer random responses of the model's vocabulary "
+              f"at simulated.lengths ({cfg.simulated.lengths}); the trainer's memory (perf/*) and update seconds are "
+              "real, nothing learns; then: hpcrl plan CONFIG --probe RUN", flush=True)
+    elif cfg.is_simulated:
         print(f"SIMULATED run ({'engine and trainer' if cfg.trainer.simulated else 'engine'}): GPU time is modelled "
               f"and slept (simulated.time_scale {cfg.simulated.time_scale:g}); nothing real is generated or trained",
               flush=True)

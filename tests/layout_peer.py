@@ -12,6 +12,7 @@ setting ``zero`` runs one update under ZeRO 0, 2 and 3 with offload instead (:fu
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import sys
@@ -33,6 +34,10 @@ PACKINGS = {
     "tokens40-chunk1": ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=40",
                         "actor.log_prob_max_token_len_per_gpu=30", "actor.logprob_chunk_mib=0.0001"],
     "tokens12-skewed": ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=12"],
+    "sp2-tokens30": ["actor.ulysses_sequence_parallel_size=2", "resources.trainer.tasks_per_node=2", "actor.use_dynamic_bsz=true",
+                     "actor.ppo_max_token_len_per_gpu=30"],
+    "sp2-rows1-ckpt": ["actor.ulysses_sequence_parallel_size=2", "resources.trainer.tasks_per_node=2", "actor.ppo_micro_batch_size=1",
+                       "actor.gradient_checkpointing=true", "actor.logprob_chunk_mib=0.0001"],
     "tokens400-ckpt": ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=400",
                        "actor.gradient_checkpointing=true", "actor.logprob_chunk_mib=0.01"],
 }
@@ -111,23 +116,30 @@ def oracle(cfg, model, reference, layout, groups):
     from hpcrl.trainer.batch import build_batch
     from hpcrl.trainer.losses import agg_counts
 
-    real = update.run_model
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    real, attention = update.run_model, ALL_ATTENTION_FUNCTIONS["sdpa"]
     update.run_model = padded_run_model
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa_attention_forward  # the oracle runs whole, without Ulysses
     try:
         one = copy.deepcopy(cfg)
         one.actor.use_dynamic_bsz = False
         one.actor.ppo_micro_batch_size = one.actor.ppo_mini_batch_size
-        upd = update.PolicyUpdate(one, _Shim(model), layout, reference=reference)
+        one.actor.ulysses_sequence_parallel_size = 1
+        upd = update.PolicyUpdate(one, _Shim(model), dataclasses.replace(layout, sp=1), reference=reference)
         batch = build_batch(groups, layout.pad_id, 0)
         upd.prepare(batch)
         loss, _ = upd._micro_loss(batch, agg_counts(batch.loss_mask), agg_counts(batch.adv_mask))
         loss.backward()
     finally:
-        update.run_model = real
+        update.run_model, ALL_ATTENTION_FUNCTIONS["sdpa"] = real, attention
     return batch, float(loss), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def one_setting(out: Path, name: str, overrides: list[str], rank: int, world: int) -> None:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     from conftest import make_run
     from hpcrl.control.startup import StartupSteps
     from hpcrl.run_dir import RunDir
@@ -145,6 +157,7 @@ def one_setting(out: Path, name: str, overrides: list[str], rank: int, world: in
     parts, _ = build_parts(cfg, rd, rank, world, StartupSteps(_Beat(), "trainer", 300))
     engine = parts.engine
     model = copy.deepcopy(engine.module)
+    model.value_head is None or model.value_head.requires_grad_(True)
     reference = (AdapterOff(model) if cfg.lora else parts.reference) if parts.reference is not None else None
     groups = mixed_groups(engine.module.policy.config.vocab_size, skewed=name.endswith("skewed"))
     seen = grads_at_step(engine)
@@ -165,7 +178,8 @@ def one_setting(out: Path, name: str, overrides: list[str], rank: int, world: in
     if rank == 0:
         (out / f"{name.replace('/', '_')}.json").write_text(json.dumps({
             "fields": fields, "grad_max_diff": max(diffs.values()), "grad_scale": scale, "n_grads": len(diffs),
-            "missing": sorted(set(grads) - set(seen)), "stand_ins": stand_ins, "pg_loss_new": stats["actor/pg_loss"], "loss_oracle": loss}))
+            "missing": sorted(set(grads) - set(seen)), "stand_ins": stand_ins,
+            "ulysses": ALL_ATTENTION_FUNCTIONS["sdpa"].__name__ == "uattn_wrapper", "sp": parts.layout.sp, "pg_loss_new": stats["actor/pg_loss"], "loss_oracle": loss}))
     print(f"{name} rank {rank}: grad diff {max(diffs.values()):.2e} (scale {scale:.2e}), fields {fields}", flush=True)
 
 

@@ -57,7 +57,7 @@ def test_exponent_floats_without_a_dot_are_floats(tmp_path):
     (["async_training.staleness_threshold=-1"], "a number >= 0"),
     (["rollout.n=zero"], "rollout.n"),
     (["actor.zero_stage=4"], "[0, 3]"),
-    (["actor.ppo_micro_batch_size=3"], "a multiple of trainer ranks"),
+    (["actor.ppo_micro_batch_size=3"], "a multiple of data-parallel trainer ranks"),
     (["rollout.total_rollout_steps=2"], "at least R"),
     (["rollout.temperature=0.7"], "equal to rollout.temperature"),
     (["data.source=/data/prompts.csv"], "a .jsonl/.parquet file"),

@@ -149,8 +149,9 @@ def test_sequences_of_different_lengths_finish_one_by_one(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, key, fix", [
-    (["rollout.engine=simulated", "eval.every_versions=0", "model.path=/models/qwen"], "model.path",
-     "set model.path=builtin:tiny"),
+    (["rollout.engine=simulated", "trainer.simulated=true", "eval.every_versions=0", "model.path=/models/qwen"],
+     "model.path", "set model.path=builtin:tiny"),
+    (["rollout.engine=simulated", "model.path=/models/qwen"], "eval.every_versions", "set eval.every_versions=0"),
     (["trainer.simulated=true", "eval.every_versions=0"], "trainer.simulated", "set rollout.engine=simulated"),
     (["rollout.engine=simulated"], "eval.every_versions", "set eval.every_versions=0"),
     (["eval.engine=simulated"], "eval.engine", "set eval.engine=null"),
@@ -162,6 +163,15 @@ def test_a_simulated_part_never_meets_a_real_one(overrides, key, fix):
         load_config("configs/tiny.yaml", overrides)
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith(f"config {key}:") and "allowed:" in msg and fix in msg
+
+
+def test_the_simulated_engine_with_a_real_model_and_trainer_is_the_sizing_probe():
+    from hpcrl.config import load_config
+
+    probe = load_config("configs/tiny.yaml", ["rollout.engine=simulated", "eval.every_versions=0",
+                                              "model.path=/models/qwen"])
+    assert probe.is_sizing_probe and probe.is_simulated
+    assert not load_config("configs/tiny.yaml", ["rollout.engine=simulated", "eval.every_versions=0"]).is_sizing_probe
 
 
 def test_the_simulated_engine_module_imports_no_torch_itself():

@@ -1,8 +1,8 @@
 """The trainer's long-sequence layout (token-budget micro-batches balanced over ranks, padding-free packs, log-probs
-from the hidden states in chunks, checkpointed layers) changes how the work is cut, never the update: on groups of
-mixed lengths with tool tokens, the precomputed log-probs, values and score norms and the mini-batch's gradient
-equal the padded whole-logits path's (tests/padded_reference.py) to 1e-6 in fp32, for every packing, on two real
-DeepSpeed ranks (gloo). The packing rules themselves are checked without a model."""
+from the hidden states in chunks, checkpointed layers, Ulysses sequence parallelism) changes how the work is cut,
+never the update: on groups of mixed lengths with tool tokens, the precomputed log-probs, values and score norms and
+the mini-batch's gradient equal the padded whole-logits path's (tests/padded_reference.py) to 1e-6 in fp32, for
+every packing, on two real DeepSpeed ranks (gloo). The packing rules themselves are checked without a model."""
 from __future__ import annotations
 
 import json
@@ -43,26 +43,36 @@ def test_ranks_with_fewer_rows_than_micro_batches_get_stand_ins():
     assert by_rows == [[[0, 1, 2, 3], [4, 5, 6, 7]], [[8, 9, 10, 11], [12, 13, 14, 15]]]
 
 
-CHECKED = [f"{a}/{p}" for i, a in enumerate(ALGOS) for j, p in enumerate(PACKINGS) if (i + j) % 2 == 0]
-"""Every estimator and loss setting with two or three of the five packings, every packing with two or three
-settings."""
+def two_ranks(out, names: list[str]) -> None:
+    """tests/layout_peer.py on two gloo ranks for ``names``."""
+    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), PYTHONPATH=str(REPO))
+    procs = [subprocess.Popen([sys.executable, str(REPO / "tests" / "layout_peer.py"), str(out), *names],
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, cwd=REPO) for r in range(2)]
+    logs = [p.communicate(timeout=600)[0].decode() for p in procs]
+    assert all(p.returncode == 0 for p in procs), logs[0][-3000:] + logs[1][-3000:]
+
+
+CHECKED = [f"{a}/{p}" for i, a in enumerate(ALGOS) for j, p in enumerate(PACKINGS)
+           if (i + j) % 3 == 0 and not p.startswith("sp2")] + [
+    "gae/sp2-tokens30", "seqmean+kl/sp2-tokens30", "dapo/sp2-rows1-ckpt", "lora+kl/sp2-rows1-ckpt"]
+"""Every estimator and loss setting with one to three of the five packings without sequence parallelism, every
+packing with two or three settings; sequence parallelism (size 2 over the two ranks) with the value head, the
+reference, the entropy bonus's gradient and LoRA."""
 
 
 @pytest.mark.slow
 def test_every_packing_gives_the_padded_paths_update_on_two_ranks(tmp_path):
     """Also: the same update under ZeRO-2 with optimizer offload and ZeRO-3 with both offloads (the policy and the
     reference partitioned as they load) has ZeRO 0's gradient norm and weights."""
-    port = free_port()
-    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=str(REPO))
-    procs = [subprocess.Popen([sys.executable, str(REPO / "tests" / "layout_peer.py"), str(tmp_path), *CHECKED, "zero"],
-                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, cwd=REPO) for r in range(2)]
-    logs = [p.communicate(timeout=600)[0].decode() for p in procs]
-    assert all(p.returncode == 0 for p in procs), logs[0][-3000:] + logs[1][-3000:]
+    # sequence parallelism changes transformers' attention for the whole process: its settings run in a pair of their own
+    for names in ([n for n in CHECKED if "/sp" not in n] + ["zero"], [n for n in CHECKED if "/sp" in n]):
+        two_ranks(tmp_path, names)
     stand_ins = 0
     for name in CHECKED:
         got = json.loads((tmp_path / f"{name.replace('/', '_')}.json").read_text())
         stand_ins += got["stand_ins"]
+        assert got["ulysses"] == (got["sp"] == 2) == ("/sp2" in name), (name, "Ulysses attention exactly when sp=2")
         tol = 1e-6 * max(1.0, got["grad_scale"])
         assert not got["missing"], (name, got["missing"])
         assert got["grad_max_diff"] <= tol, (name, got)

@@ -29,7 +29,7 @@ from hpcrl.config.checks import ConfigError, bad, collecting, fail, report, repo
 from hpcrl.config.combinations import check_algorithm_combinations
 from hpcrl.config.evaluation import EvalConfig
 from hpcrl.config.knobs import Knobs
-from hpcrl.config.names import SIMULATED_ENGINE
+from hpcrl.config.names import BUILTIN_MODELS, SIMULATED_ENGINE
 from hpcrl.config.lora import check_lora_combination
 from hpcrl.config.resources import ResourcesConfig
 from hpcrl.config.runtime import LoggingConfig, TimeoutsConfig
@@ -141,11 +141,22 @@ class RunConfig:
                 "actor.ppo_mini_batch_size", "async_training.require_batches"):
             fail("rollout.total_rollout_steps", self.rollout.total_rollout_steps,
                  f"at least R = actor.ppo_mini_batch_size * async_training.require_batches = {self.groups_per_update}")
-        sizes = ("actor.ppo_mini_batch_size", "actor.ppo_micro_batch_size", "resources.trainer.")
-        if not reported(*sizes) and actor.ppo_mini_batch_size % (world * actor.ppo_micro_batch_size):
+        sp = actor.ulysses_sequence_parallel_size
+        if world % sp and not reported("actor.ulysses_sequence_parallel_size", "resources.trainer."):
+            fail("actor.ulysses_sequence_parallel_size", sp, f"a divisor of the trainer's ranks ({world})",
+                 "each sequence-parallel group is sp whole ranks")
+        dp = max(1, world // sp)  # data-parallel ranks: each sequence-parallel group counts once
+        sizes = ("actor.ppo_mini_batch_size", "actor.ppo_micro_batch_size", "resources.trainer.", "actor.ulysses")
+        if not reported(*sizes) and not actor.use_dynamic_bsz and actor.ppo_mini_batch_size % (
+                dp * actor.ppo_micro_batch_size):
             fail("actor.ppo_mini_batch_size", actor.ppo_mini_batch_size,
-                 f"a multiple of trainer ranks ({world}) * actor.ppo_micro_batch_size ({actor.ppo_micro_batch_size})",
-                 "each rank takes an equal share of a mini-batch")
+                 f"a multiple of data-parallel trainer ranks ({dp}) * actor.ppo_micro_batch_size "
+                 f"({actor.ppo_micro_batch_size})", "each rank takes an equal share of a mini-batch (or set "
+                 "actor.use_dynamic_bsz=true: micro-batches by tokens, shares balanced by tokens)")
+        if sp > 1 and (not actor.use_remove_padding or actor.attn_implementation == "eager"):
+            fail("actor.ulysses_sequence_parallel_size", sp, "1 with actor.use_remove_padding=false or "
+                 "actor.attn_implementation=eager (Ulysses splits one packed sequence and drops attention masks)",
+                 "set actor.use_remove_padding=true and actor.attn_implementation=auto")
         gpus = self.resources.rollout.gpus_per_node
         if ro.device == "cuda" and gpus == 0:
             fail("rollout.device", ro.device, "cpu or auto while resources.rollout.gpus_per_node is 0",
@@ -180,6 +191,12 @@ class RunConfig:
     def is_simulated(self) -> bool:
         """The engine (and maybe the trainer) only sleeps: every log line and the report say so."""
         return self.rollout.engine == SIMULATED_ENGINE or self.trainer.simulated
+
+    @property
+    def is_sizing_probe(self) -> bool:
+        """The simulated engine feeds the real trainer on a real model (config/simulated.py)."""
+        return self.rollout.engine == SIMULATED_ENGINE and not self.trainer.simulated \
+            and self.model.path not in BUILTIN_MODELS
 
     def to_dict(self) -> dict:
         """Plain dict of every field (what ``config.yaml`` holds)."""

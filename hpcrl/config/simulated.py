@@ -5,7 +5,10 @@ while the GPU work is replaced by sleeps whose lengths come from this section: a
 decode model for the engine (hpcrl/rollout/simulated_engine.py) and a per-token update model for the
 trainer (hpcrl/trainer/simulated_update.py). Every time here is in *modelled* seconds (what the GPU
 would take); the jobs sleep ``modelled / time_scale`` wall seconds. ``hpcrl plan`` reads the same
-numbers. Refused with a real model: a simulated run trains on nothing real.
+numbers. A simulated trainer is refused with a real model (it trains on nothing real); the simulated engine with
+a real model and the real trainer is the **sizing probe** (``RunConfig.is_sizing_probe``): random responses of the
+model's vocabulary at these lengths, so that the trainer's memory and seconds per token on the real model are
+measured before an allocation is spent (``hpcrl plan --probe RUN`` reads them; docs/long-responses.md).
 """
 from __future__ import annotations
 
@@ -119,15 +122,16 @@ def empirical_run(spec: str) -> Optional[Path]:
 
 
 def check_simulated_combination(cfg) -> None:
-    """A simulated part never meets a real one by accident (``cfg`` a RunConfig): a simulated engine or trainer
-    needs a built-in tiny model, and a simulated trainer needs the simulated engine."""
+    """A simulated part never meets a real one by accident (``cfg`` a RunConfig): a simulated trainer needs a built-in
+    tiny model and the simulated engine; the simulated engine with a real model feeds the real trainer (the sizing
+    probe: its responses are random tokens of the model's vocabulary, its trainer's memory and seconds real), and
+    nothing evaluates it."""
     engine_sim = cfg.rollout.engine == names.SIMULATED_ENGINE
-    if (engine_sim or cfg.trainer.simulated) and cfg.model.path not in names.BUILTIN_MODELS:
-        what = "rollout.engine=simulated" if engine_sim else "trainer.simulated=true"
-        fail("model.path", cfg.model.path, f"{' or '.join(names.BUILTIN_MODELS)} with {what} (a simulated "
-             "run models GPU time and trains on nothing real)",
-             "set model.path=builtin:tiny, or use rollout.engine=transformers|vllm and trainer.simulated=false "
-             "for a real run")
+    if cfg.trainer.simulated and cfg.model.path not in names.BUILTIN_MODELS:
+        fail("model.path", cfg.model.path, f"{' or '.join(names.BUILTIN_MODELS)} with trainer.simulated=true (a "
+             "simulated trainer models GPU time and trains on nothing real; with a real model, trainer.simulated="
+             "false and rollout.engine=simulated make the sizing probe: docs/long-responses.md)",
+             "set model.path=builtin:tiny, or trainer.simulated=false")
     if cfg.trainer.simulated and not engine_sim:
         fail("trainer.simulated", True, f"false with rollout.engine={cfg.rollout.engine} (a simulated trainer "
              "would discard real samples)", "set rollout.engine=simulated, or trainer.simulated=false")

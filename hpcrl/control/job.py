@@ -276,7 +276,8 @@ def job_main(run_dir: str, job: str, command: tuple[str, ...], build: Callable[[
     rd = RunDir(run_dir)
     cfg = rd.load_config()
     name = log_name or job
-    setup_logging(f"{name} [simulated]" if cfg.is_simulated else name, cfg.logging.level, rd.job_log(name))
+    tag = " [sizing probe]" if cfg.is_sizing_probe else " [simulated]" if cfg.is_simulated else ""
+    setup_logging(name + tag, cfg.logging.level, rd.job_log(name))
     fsio.POLICY.full_wait_s, fsio.POLICY.slow_write_s = cfg.timeouts.disk_full_s, cfg.timeouts.slow_write_s
     mark_job(rd.root, job)
     sweep_leftovers(rd.root, job, command)

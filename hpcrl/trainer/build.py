@@ -11,6 +11,8 @@ What ``actor.*`` turns into, in one place:
 - **ZeRO** (``actor.zero_stage``) with ``offload_param`` / ``offload_optimizer``; under ZeRO-3 the model is
   partitioned as it loads (transformers' DeepSpeed integration: no rank ever holds all of it), and the
   reference is a ZeRO-3 engine of its own (partitioned, offloaded like the policy, no optimizer);
+- **sequence parallelism** (``actor.ulysses_sequence_parallel_size``): DeepSpeed's Ulysses registered for the
+  attention kernel, its parallel state given to ``deepspeed.initialize`` (:mod:`hpcrl.trainer.sequence_parallel`);
 - **gradient accumulation** is set per micro-batch by the update (:mod:`hpcrl.trainer.update`: the number of
   micro-batches of a mini-batch varies with a token budget), so the DeepSpeed config says 1 and never scales.
 
@@ -83,7 +85,8 @@ def checkpoint_layers(model) -> None:
 def layout_of(actor, model_config, attn: str) -> Layout:
     """How micro-batches reach this model (:class:`hpcrl.trainer.forward.Layout`)."""
     pad_id = model_config.pad_token_id if model_config.pad_token_id is not None else 0
-    return Layout(actor.use_remove_padding, attn, pad_id, chunk_rows(actor.logprob_chunk_mib, model_config.vocab_size))
+    return Layout(actor.use_remove_padding, attn, pad_id, chunk_rows(actor.logprob_chunk_mib, model_config.vocab_size),
+                  actor.ulysses_sequence_parallel_size)
 
 
 def frozen_engine(module: torch.nn.Module, actor, cuda: bool) -> torch.nn.Module:

@@ -78,9 +78,25 @@ def _targets(micro: Batch, rows: list[int]) -> torch.Tensor:
     return torch.cat([micro.targets[b, :int(micro.resp_lens[b])] for b in rows])
 
 
-def packs_of(micro: Batch, *, remove_padding: bool, attn: str, pad_id: int, device) -> list[Pack]:
-    """The micro-batch's rows as forwards (module docstring), in row order."""
+def _to_multiple(pack: Pack, sp: int, pad_id: int) -> Pack:
+    """``pack`` with pad tokens at its end up to a multiple of ``sp`` positions (their positions continuing)."""
+    n = pack.input_ids.shape[1]
+    extra = -n % sp
+    if not extra:
+        return pack
+    last = pack.position_ids[:, -1:]
+    more = last + torch.arange(1, extra + 1, device=last.device)
+    return Pack(torch.cat([pack.input_ids, pack.input_ids.new_full((1, extra), pad_id)], 1),
+                torch.cat([pack.position_ids, more], 1), None, pack.picks, pack.targets)
+
+
+def packs_of(micro: Batch, *, remove_padding: bool, attn: str, pad_id: int, device, sp: int = 1) -> list[Pack]:
+    """The micro-batch's rows as forwards (module docstring), in row order; with sequence parallelism (sp > 1) each
+    pack padded to a multiple of sp, and one row per pack unless the kernel keeps packed rows apart."""
     rows = list(range(len(micro)))
+    if sp > 1:
+        packs = [_packed(micro, rows, device)] if attn in VARLEN_KERNELS else [_packed(micro, [b], device) for b in rows]
+        return [_to_multiple(p, sp, pad_id) for p in packs]
     if not remove_padding:
         return [_padded(micro, rows, pad_id, device)]
     if attn in VARLEN_KERNELS:
@@ -116,6 +132,8 @@ class Layout:
     pad_id: int
     chunk_rows: int
     """Rows of logits per chunk (:func:`hpcrl.trainer.logprobs.chunk_rows`)."""
+    sp: int = 1
+    """``actor.ulysses_sequence_parallel_size``: ranks a pack is split over (hpcrl/trainer/sequence_parallel.py)."""
 
 
 def run_model(module, micro: Batch, temperature: float, layout: Layout, device, extra: Optional[str] = None,
@@ -123,9 +141,10 @@ def run_model(module, micro: Batch, temperature: float, layout: Layout, device, 
     """``(logp, extra, values)`` of the micro-batch's response tokens, each ``[b, L]`` (zero past a row's
     response; extra and values may be None). ``module`` is a DeepSpeed engine around a
     :class:`~hpcrl.trainer.models.PolicyWithValueHead`, or such a module itself (the reference)."""
-    outs = [module(pack, temperature=temperature, chunk_rows=layout.chunk_rows, extra=extra, extra_grad=extra_grad)
+    outs = [module(pack, temperature=temperature, chunk_rows=layout.chunk_rows, extra=extra, extra_grad=extra_grad,
+                   sp=layout.sp)
             for pack in packs_of(micro, remove_padding=layout.remove_padding, attn=layout.attn,
-                                 pad_id=layout.pad_id, device=device)]
+                                 pad_id=layout.pad_id, device=device, sp=layout.sp)]
     width = micro.targets.shape[1]
 
     def put(i: int) -> Optional[torch.Tensor]:

@@ -91,8 +91,10 @@ def token_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.T
         p, m = checkpoint(_chunk, *args, use_reentrant=False) if grad else _chunk(*args)
         picked.append(p)
         more.append(m)
-    if not picked:  # no response token at all (an empty micro-batch's stand-in row has one)
-        empty = hidden.new_zeros(0, dtype=torch.float32)
-        return empty, (empty if extra else None)
+    if not picked:  # no response position here (a sequence-parallel rank's slice of prompt): the output layer is
+        # still called, on nothing, as on the other ranks (under ZeRO-3 it gathers its weights with a collective)
+        # (with a gradient where the other ranks' have one: the sequence-parallel gather's backward is a collective)
+        empty = head(hidden[:0]).float().sum(-1)
+        return empty, (None if extra is None else empty if extra == "entropy" and extra_grad else empty.detach())
     logp = torch.cat(picked)
     return logp, (torch.cat(more) if extra else None)

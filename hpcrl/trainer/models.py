@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hpcrl.trainer import sequence_parallel
 from hpcrl.trainer.logprobs import logit_transform, token_logprobs
 
 POLICY_PREFIX = "policy."
@@ -45,13 +46,20 @@ class PolicyWithValueHead(nn.Module):
             nn.init.zeros_(self.value_head.bias)
         self._transform = logit_transform(policy.config)
 
-    def forward(self, pack, temperature: float, chunk_rows: int, extra=None, extra_grad: bool = False):
-        hidden = self.policy.get_decoder()(input_ids=pack.input_ids, position_ids=pack.position_ids,
-                                           attention_mask=pack.attention_mask, use_cache=False).last_hidden_state
-        picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, pack.picks)
-        logp, more = token_logprobs(self.policy.get_output_embeddings(), picked, pack.targets, temperature,
+    def forward(self, pack, temperature: float, chunk_rows: int, extra=None, extra_grad: bool = False, sp: int = 1):
+        picks, targets, counts, ids, positions = pack.picks, pack.targets, None, pack.input_ids, pack.position_ids
+        if sp > 1:  # this rank's slice of the pack (hpcrl/trainer/sequence_parallel.py)
+            ids, positions, picks, mine, counts = sequence_parallel.shard(pack, sp)
+            targets = targets[mine]
+        hidden = self.policy.get_decoder()(input_ids=ids, position_ids=positions, attention_mask=pack.attention_mask,
+                                           use_cache=False).last_hidden_state
+        picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, picks)
+        logp, more = token_logprobs(self.policy.get_output_embeddings(), picked, targets, temperature,
                                     rows=chunk_rows, extra=extra, extra_grad=extra_grad, transform=self._transform)
         values = self.value_head(picked).squeeze(-1).float() if self.value_head is not None else None
+        if counts is not None:
+            logp, more, values = (None if t is None else sequence_parallel.gather(t, counts)
+                                  for t in (logp, more, values))
         return logp, more, values
 
 

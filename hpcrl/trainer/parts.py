@@ -24,7 +24,7 @@ from hpcrl.run_dir import WEIGHT_MODEL_FILES, RunDir
 from hpcrl.samples.reader import SampleReader
 from hpcrl.samples.skips import SkipLog
 from hpcrl.trackers import open_trackers
-from hpcrl.trainer import build, checkpoint
+from hpcrl.trainer import build, checkpoint, sequence_parallel
 from hpcrl.trainer.forward import Layout
 from hpcrl.trainer.lora import AdapterOff, adapter_config_json, wrap_policy
 from hpcrl.trainer.models import PolicyWithValueHead
@@ -102,6 +102,7 @@ def _deepspeed(cfg: RunConfig, run_dir: RunDir, rank: int, world: int):
                                        config if actor.zero_stage == 3 else None)
     config_json = policy.config.to_json_string()
     layout = build.layout_of(actor, policy.config, attn)
+    mpu = sequence_parallel.register(policy, attn, actor.ulysses_sequence_parallel_size)
     if actor.gradient_checkpointing:
         build.checkpoint_layers(policy)
     if cfg.lora:  # only the adapter is trained (hpcrl/trainer/lora.py)
@@ -112,14 +113,15 @@ def _deepspeed(cfg: RunConfig, run_dir: RunDir, rank: int, world: int):
     if model.value_head is not None:
         groups.append({"params": list(model.value_head.parameters()), "lr": cfg.critic.lr})
     optimizer = torch.optim.AdamW(groups, lr=actor.lr, weight_decay=actor.weight_decay)
-    ds, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    ds, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu)
     ds.checkpoint_engine = SafeCheckpointEngine()
     log.info("trainer model: %s, attention %s, %s micro-batches%s%s, ZeRO %d%s", build.training_dtype(actor, cuda),
              attn, f"{actor.ppo_max_token_len_per_gpu}-token" if actor.use_dynamic_bsz else
              f"{actor.ppo_micro_batch_size}-group", " packed" if actor.use_remove_padding else " padded",
              ", checkpointed layers" if actor.gradient_checkpointing else "", actor.zero_stage,
              "".join(f", {k} offloaded" for k, on in (("parameters", actor.offload_param),
-                                                      ("optimizer", actor.offload_optimizer)) if on))
+                                                      ("optimizer", actor.offload_optimizer)) if on)
+             + (f", sequences over {layout.sp} ranks (Ulysses)" if layout.sp > 1 else ""))
     return ds, config_json, layout
 
 

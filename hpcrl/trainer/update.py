@@ -96,12 +96,17 @@ class PolicyUpdate:
         return stats
 
     # ---- steps 1-5
+    def _mine(self, batch: Batch, budget_tokens) -> list[list[int]]:
+        """This rank's micro-batches of ``batch``'s rows: by tokens (``budget_tokens`` per GPU) with
+        ``actor.use_dynamic_bsz``, else ``actor.ppo_micro_batch_size`` groups each (hpcrl/trainer/packing.py); the
+        ranks of a sequence-parallel group share theirs (sequence_parallel.py)."""
+        return self._plan(batch, budget_tokens)[self.rank // self.layout.sp]
+
     def _plan(self, batch: Batch, budget_tokens) -> list[list[list[int]]]:
-        """Per rank, its micro-batches of ``batch``'s rows: by tokens (``budget_tokens``) with
-        ``actor.use_dynamic_bsz``, else ``actor.ppo_micro_batch_size`` groups each (hpcrl/trainer/packing.py)."""
-        actor = self.cfg.actor
-        return micro_batches(batch.seq_lens.tolist(), self.world,
-                             budget_tokens=budget_tokens if actor.use_dynamic_bsz else None,
+        """Per data-parallel rank (world / sp of them), its micro-batches (:meth:`_mine`)."""
+        actor, sp = self.cfg.actor, self.layout.sp
+        return micro_batches(batch.seq_lens.tolist(), self.world // sp,
+                             budget_tokens=budget_tokens * sp if actor.use_dynamic_bsz else None,
                              rows_per_micro=actor.ppo_micro_batch_size * self.cfg.rollout.n)
 
     def _micro(self, batch: Batch, rows: list[int]) -> Batch:
@@ -122,7 +127,7 @@ class PolicyUpdate:
         wanted = {"prox": cfg.uses_prox_log_prob, "values": est == "gae", "w": est in TOKEN_BASELINES,
                   "ref": self.reference is not None}
         out = {k: torch.zeros(batch.targets.shape) for k, want in wanted.items() if want}
-        for rows in self._plan(batch, cfg.actor.log_prob_token_budget)[self.rank]:
+        for rows in self._mine(batch, cfg.actor.log_prob_token_budget):
             micro = self._micro(batch, rows)
             got = {}
             if need_trainer:
@@ -135,9 +140,10 @@ class PolicyUpdate:
             for k, v in got.items():
                 if k in out and rows:
                     out[k][rows, :v.shape[1]] = v.float().cpu()
-        if self.world > 1:  # every rank filled its own rows, zeros elsewhere
+        if self.world > 1:  # every rank filled its own rows, zeros elsewhere (the sp ranks of a group the same ones)
             for t in out.values():
                 torch.distributed.all_reduce(t)
+                t /= self.layout.sp
         batch.prox_logp, batch.old_values = out.get("prox"), out.get("values")
         batch.w_token, batch.ref_logp = out.get("w"), out.get("ref")
 
@@ -243,13 +249,16 @@ class PolicyUpdate:
             for m0 in range(0, len(batch), rows_per_mini):
                 mini = batch.rows(slice(m0, m0 + rows_per_mini))
                 counts, critic_counts = agg_counts(mini.loss_mask), agg_counts(mini.adv_mask)
-                mine = self._plan(mini, cfg.actor.ppo_max_token_len_per_gpu)[self.rank]
+                mine = self._mine(mini, cfg.actor.ppo_max_token_len_per_gpu)
                 for u, rows in enumerate(mine):
                     self.engine.set_gradient_accumulation_boundary(u == len(mine) - 1)
                     loss, s = self._micro_loss(self._micro(mini, rows), counts, critic_counts)
-                    # DeepSpeed averages gradients over ranks: undo it, so that the micro losses of all ranks,
-                    # normalised by the whole mini-batch's counts, add up to the mini-batch loss.
-                    self.engine.backward(loss * self.world, scale_wrt_gas=False)
+                    # DeepSpeed averages gradients over the data-parallel ranks: undo it, so that the micro losses
+                    # of all ranks, normalised by the whole mini-batch's counts, add up to the mini-batch loss. A
+                    # sequence-parallel group computes each micro loss whole on each of its sp ranks, and the
+                    # gather of its log-probs sums their gradients: 1/sp each.
+                    sp = self.layout.sp
+                    self.engine.backward(loss * (self.world // sp) / sp, scale_wrt_gas=False)
                     grad_norm = step_with_grad_norm(self.engine, grad_norm)
                     if not rows:
                         continue  # a stand-in: nothing of it is a metric
