@@ -291,6 +291,14 @@ class RewardScorer:
                     self._counts[k] += 1
         return reward, result_fields(result)
 
+    def note(self, values: dict[str, float]) -> None:
+        """Count ``values`` with the function's own extra metrics (``reward_extra/<key>`` means), e.g. the overlong
+        penalty that ``rollout/shaping.py`` adds."""
+        with self._lock:
+            for k, v in values.items():
+                self._sums[k] += v
+                self._counts[k] += 1
+
     def pop_metrics(self) -> dict[str, Any]:
         """``reward/errors`` (and the first one, ``reward/first_error``) and ``reward_extra/<key>`` means since
         the last call (one version's row)."""
