@@ -23,6 +23,12 @@ from hpcrl.config.checks import check_choice, check_float, check_int, fail, repo
 SEQ_METRICS = ("seq_reward", "seq_final_reward")
 """``filter_groups.metric`` values read from the trajectory's reward (verl: the sum of its token scores, the
 overlong penalty included; ``seq_final_reward`` adds the KL penalty of ``use_kl_in_reward``)."""
+OVERLONG_REWARD = "overlong_reward"
+"""verl's name of the overlong penalty in a result's extra info (logged as ``reward_extra/overlong_reward``)."""
+OVERLONG = "overlong"
+"""verl's name of the flag ``overlong_reward < 0`` (logged as ``reward_extra/overlong``: the share in the buffer)."""
+OVERLONG_METRICS = (OVERLONG_REWARD, OVERLONG)
+"""The metrics the overlong buffer adds to every result when ``reward.overlong_buffer.log``."""
 SCORE_METRICS = ("acc", "score")
 """``filter_groups.metric`` values of the reward function's own result, before the overlong penalty (verl's DAPO
 reward manager: a number is recorded as ``acc``; a dict's keys as they are, ``score`` among them)."""
@@ -121,3 +127,21 @@ def check_dapo_combination(cfg) -> None:
         fail("algorithm.filter_groups.metric", fg.metric, "acc, score or seq_reward with "
              "algorithm.use_kl_in_reward=true (its KL penalty is computed inside the update, after the groups "
              "are chosen)", "filter on seq_reward (the same value without the KL penalty)")
+
+
+def check_filter_metric(cfg, offered: set[str]) -> None:
+    """At launch, once the reward was called on a real row of each data source (``offered``: the metrics every
+    result has, :class:`hpcrl.rollout.reward_fn.RewardProbe`): a ``filter_groups.metric`` no result offers would be
+    missing from every trajectory, and no group would ever be dropped (reported before anything is submitted)."""
+    fg, ob = cfg.algorithm.filter_groups, cfg.reward.overlong_buffer
+    if not fg.enable or fg.metric is None or fg.reads_reward or fg.metric in offered:
+        return
+    if fg.metric in OVERLONG_METRICS:
+        if not (ob.enable and ob.log):
+            fail("algorithm.filter_groups.metric", fg.metric, f"{fg.metric} only with reward.overlong_buffer.enable "
+                 "and .log (the overlong penalty is that metric)", "turn the buffer and its log on, or filter on acc")
+        return
+    fail("algorithm.filter_groups.metric", fg.metric, f"a metric your reward's results offer: "
+         f"{', '.join(sorted(offered | set(SEQ_METRICS))) or ', '.join(SEQ_METRICS)} (its result on the first row of "
+         "each data source)", "name one of them (a number result offers acc and score), or return the metric in "
+         "your reward's dict")

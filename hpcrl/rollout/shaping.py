@@ -23,12 +23,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from hpcrl.config.dapo import SCORE_METRICS
-
-OVERLONG_REWARD = "overlong_reward"
-"""verl's name of the penalty in the reward's extra info (logged ``reward_extra/overlong_reward``)."""
-OVERLONG = "overlong"
-"""verl's name of the flag ``overlong_reward < 0`` (logged ``reward_extra/overlong``: the share inside the buffer)."""
+from hpcrl.config.dapo import OVERLONG, OVERLONG_REWARD, SCORE_METRICS
 
 
 def overlong_penalty(response_tokens: int, max_resp_len: int, buffer_len: int, penalty_factor: float) -> float:
