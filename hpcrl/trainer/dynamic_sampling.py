@@ -79,19 +79,25 @@ class DynamicSampling:
         """``train/num_gen_batches``: batches of R groups an update has taken (kept and dropped)."""
         return math.ceil(taken / self.groups_per_update)
 
+    def room(self, taken: int) -> int:
+        """How many more groups one update may take after ``taken`` before the bound is checked (no limit: a
+        large number), so that the check falls exactly after ``max_num_gen_batches`` batches."""
+        if not self.enabled or self.max_batches <= 0:
+            return 2**31
+        return max(self.max_batches * self.groups_per_update - taken, 0)
+
     def exhausted(self, taken: int, kept: int, step: int) -> Optional[str]:
-        """The one line that stops the run when an update has taken ``max_num_gen_batches`` batches and still has
-        fewer than R groups that vary; None while it may go on (and always with no limit)."""
-        if not self.enabled or self.max_batches <= 0 or kept >= self.groups_per_update:
+        """The one line that stops the run when an update has taken ``max_num_gen_batches`` batches of R groups and
+        still has fewer than R that vary (verl: the check after each generated batch); None while it may go on (and
+        always with no limit)."""
+        R = self.groups_per_update
+        if not self.enabled or self.max_batches <= 0 or kept >= R or taken < self.max_batches * R:
             return None
-        batches = self.gen_batches(taken)
-        if batches < self.max_batches:
-            return None
-        return (f"dynamic sampling (algorithm.filter_groups, metric {self.metric}) took {taken} groups = {batches} "
-                f"batches of R={self.groups_per_update} for update {step + 1} and only {kept} had a {self.metric} "
-                f"that varies: the other groups' responses all scored alike, so the data and reward no longer fill an "
-                f"update; check the reward (does it ever differ between responses?) and how hard the data is, or "
-                f"raise algorithm.filter_groups.max_num_gen_batches ({self.max_batches}; 0: no limit)")
+        return (f"dynamic sampling (algorithm.filter_groups, metric {self.metric}) took {taken} groups = "
+                f"{self.gen_batches(taken)} batches of R={R} for update {step + 1} and only {kept} of them varied in "
+                f"{self.metric}: in every other group all responses scored alike, so the data and reward no longer "
+                f"fill an update; check the reward (does it ever differ between responses?) and how hard the data is, "
+                f"or raise algorithm.filter_groups.max_num_gen_batches ({self.max_batches}; 0: no limit)")
 
     def give_back(self, dropped_groups: int) -> None:
         """Record that ``dropped_groups`` groups were dropped so far (completed updates' and the current one's):

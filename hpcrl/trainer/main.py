@@ -198,7 +198,8 @@ class TrainerJob:
                 quiet_since = time.monotonic()
             sleep_s = self._poll_pause(time.monotonic() - quiet_since)
             self._count_skipped()
-            self._sort_taken(self.lead.reader.take(need - len(kept)), kept, dropped)
+            room = self.sampling.room(len(kept) + _count(dropped))
+            self._sort_taken(self.lead.reader.take(min(need - len(kept), room)), kept, dropped)
             cause = self.sampling.exhausted(len(kept) + _count(dropped), len(kept), self.state.step)
             if cause is not None:
                 log.error("stopping the run: %s", cause)
