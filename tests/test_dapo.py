@@ -239,7 +239,7 @@ def test_dynamic_sampling_trains_only_groups_that_vary_exactly_once_and_learns_n
     """s=0 with groups dropped all along: no deadlock (each dropped group's place is given back), the exactly-once
     audit holds with the dropped groups consumed and not trained, every trained group's acc varies, and the reward
     of the responses generated climbs at least as fast per update as the same run's without dynamic sampling."""
-    rd = background_runs.finish("dapo:filter_groups", trainer_s=600)
+    rd = background_runs.finish("dapo:filter_groups", trainer_s=900)
     m, st = read_metrics(rd), read_staleness(rd)
     cfg = rd.load_config()
     audit = check_exactly_once(rd, cfg.rollout.max_concurrent_groups)
