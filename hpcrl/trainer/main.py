@@ -185,7 +185,7 @@ class TrainerJob:
         kept, dropped = self._taken
         self._taken = ([], {})
         t0 = time.monotonic()
-        last_log = quiet_since = t0
+        last_log = quiet_since = taken_since = t0
         while len(kept) < need:
             if self.watch.check() is not None:
                 return self._stop_status(), [], dropped, time.monotonic() - t0
@@ -199,7 +199,10 @@ class TrainerJob:
             sleep_s = self._poll_pause(time.monotonic() - quiet_since)
             self._count_skipped()
             room = self.sampling.room(len(kept) + _count(dropped))
-            self._sort_taken(self.lead.reader.take(min(need - len(kept), room)), kept, dropped)
+            taken = self.lead.reader.take(min(need - len(kept), room))
+            if taken:  # a group dropped is progress too: the wait is for the next group (timeouts.wait_samples_s)
+                taken_since = time.monotonic()
+            self._sort_taken(taken, kept, dropped)
             cause = self.sampling.exhausted(len(kept) + _count(dropped), len(kept), self.state.step)
             if cause is not None:
                 log.error("stopping the run: %s", cause)
@@ -209,9 +212,10 @@ class TrainerJob:
             if len(kept) >= need:
                 break
             waited = time.monotonic() - t0
-            if waited > cfg.timeouts.wait_samples_s:
+            if time.monotonic() - taken_since > cfg.timeouts.wait_samples_s:
                 raise TimeoutError(f"trainer: waited {waited:.0f}s for committed groups in {self.run_dir.samples} "
-                                   f"(have {len(kept)}/{need}; {describe_heartbeats(self.run_dir, 'rollout')})")
+                                   f"(have {len(kept)}/{need}, none new for {time.monotonic() - taken_since:.0f}s; "
+                                   f"{describe_heartbeats(self.run_dir, 'rollout')})")
             if time.monotonic() - last_log > cfg.timeouts.wait_log_interval_s:
                 log.info("waiting %.0fs for committed groups (%d/%d) in %s; %s", waited, len(kept), need,
                          self.run_dir.samples, describe_heartbeats(self.run_dir, "rollout"))
