@@ -42,6 +42,16 @@ log = logging.getLogger(__name__)
 
 DROPPED = "filter_groups"
 """The staleness log's ``dropped`` value of a group dynamic sampling dropped."""
+MAX_STALENESS = "max_staleness"
+"""The same for a group older than ``async_training.max_staleness``."""
+
+Dropped = dict[str, list[Group]]
+"""The groups an update took and does not train on, by reason (the staleness log's ``dropped``)."""
+
+
+def count_dropped(dropped: Dropped) -> int:
+    """How many groups ``dropped`` holds, every reason."""
+    return sum(len(groups) for groups in dropped.values())
 
 
 def metric_values(g: Group, reads_reward: bool) -> list[float]:

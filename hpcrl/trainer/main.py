@@ -53,7 +53,8 @@ from hpcrl.samples.schema import Group
 from hpcrl.trainer import checkpoint
 from hpcrl.trainer.batch import build_batch
 from hpcrl.trainer.distributed import init_distributed, rank_environment, rank_from_environment
-from hpcrl.trainer.dynamic_sampling import DROPPED as DROPPED_NO_SPREAD, DynamicSampling
+from hpcrl.trainer.dynamic_sampling import (DROPPED as DROPPED_NO_SPREAD, MAX_STALENESS, Dropped, DynamicSampling,
+                                            count_dropped)
 from hpcrl.trainer.gather import zero3_state_dict
 from hpcrl.trainer.lora import adapter_state_dict
 from hpcrl.trainer.models import POLICY_PREFIX, policy_state_dict
@@ -62,11 +63,6 @@ from hpcrl.trainer.parts import LeadParts, TrainerParts, build_parts
 from hpcrl.trainer.share import ABORT, BATCH, PREEMPT, REPUBLISH, STOP, share_groups, share_json
 
 log = logging.getLogger("hpcrl.trainer")
-
-Dropped = dict[str, list[Group]]
-"""Groups taken and not trained on, by reason (the staleness log's ``dropped``): ``max_staleness``,
-``filter_groups``."""
-MAX_STALENESS = "max_staleness"
 
 TRAINER_STATS_PER_S = 2000
 """The trainer's look for new samples stats every writer's manifest; its looks are spaced so that this many stats
@@ -198,12 +194,12 @@ class TrainerJob:
                 quiet_since = time.monotonic()
             sleep_s = self._poll_pause(time.monotonic() - quiet_since)
             self._count_skipped()
-            room = self.sampling.room(len(kept) + _count(dropped))
+            room = self.sampling.room(len(kept) + count_dropped(dropped))
             taken = self.lead.reader.take(min(need - len(kept), room))
             if taken:  # a group dropped is progress too: the wait is for the next group (timeouts.wait_samples_s)
                 taken_since = time.monotonic()
             self._sort_taken(taken, kept, dropped)
-            cause = self.sampling.exhausted(len(kept) + _count(dropped), len(kept), self.state.step)
+            cause = self.sampling.exhausted(len(kept) + count_dropped(dropped), len(kept), self.state.step)
             if cause is not None:
                 log.error("stopping the run: %s", cause)
                 write_fatal(self.run_dir, RunDir.trainer_job(), cause, "data")
@@ -391,7 +387,7 @@ class TrainerJob:
                M.TRAINER_IDLE_RATIO: wait_s / max(total_s, 1e-9), M.WAIT_SAMPLES_S: wait_s,
                M.UPDATE_S: update_s, M.PARAM_SYNC_S: sync_s, **self._sync_row(sync_s),
                M.TOKENS_PER_S: upd[M.N_TOKENS] / max(total_s, 1e-9), M.TIME_S: now,
-               M.NUM_GEN_BATCHES: self.sampling.gen_batches(len(kept) + _count(dropped))}
+               M.NUM_GEN_BATCHES: self.sampling.gen_batches(len(kept) + count_dropped(dropped))}
         self.lead.metrics.write(row)
         self.heartbeat.update(stats=JobStats(step=st.step, consumed_groups=st.consumed_groups,
                                              reward_mean=upd[M.REWARD_MEAN], idle_ratio=row[M.TRAINER_IDLE_RATIO]))
@@ -435,7 +431,7 @@ class TrainerJob:
         t0 = time.monotonic()
         upd = self._update(kept, version_seen)
         self.state.step += 1
-        self.state.consumed_groups += len(kept) + _count(dropped)
+        self.state.consumed_groups += len(kept) + count_dropped(dropped)
         c = self.state.counters
         c[M.DROPPED_FILTER_GROUPS] = c.get(M.DROPPED_FILTER_GROUPS, 0) + len(dropped.get(DROPPED_NO_SPREAD, ()))
         return upd, time.monotonic() - t0
@@ -471,10 +467,6 @@ class TrainerJob:
             bump(self.run_dir, "trainer done", "trainer")
             log.info("done: %d updates, version %d, %d groups consumed", self.state.step, self.state.param_version,
                      self.state.consumed_groups)
-
-
-def _count(dropped: Dropped) -> int:
-    return sum(len(groups) for groups in dropped.values())
 
 
 def trainer_main(run_dir: str) -> None:
