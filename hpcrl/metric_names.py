@@ -76,7 +76,12 @@ DROPPED_MAX_STALENESS = "fully_async/count/dropped_max_staleness"
 """Groups dropped because their lag exceeded async_training.max_staleness."""
 CORRUPT_GROUPS_SKIPPED = "fully_async/count/corrupt_groups_skipped"
 """Groups of shards the trainer skipped as damaged (their prompts are regenerated)."""
-COUNTERS = (STALE_SAMPLES, STALE_TRAJECTORIES, DROPPED_MAX_STALENESS, CORRUPT_GROUPS_SKIPPED)
+DROPPED_FILTER_GROUPS = "fully_async/count/dropped_filter_groups"
+"""Groups dropped by dynamic sampling (algorithm.filter_groups: their metric had no spread); consumed, not trained.
+(verl's fully_async counts them as ``filtered_samples_count`` on the rollout side.)"""
+NUM_GEN_BATCHES = "train/num_gen_batches"
+"""verl's DAPO metric: batches of R groups the update took, kept and dropped (1 when nothing was dropped)."""
+COUNTERS = (STALE_SAMPLES, STALE_TRAJECTORIES, DROPPED_MAX_STALENESS, CORRUPT_GROUPS_SKIPPED, DROPPED_FILTER_GROUPS)
 """Every counter; a reader takes 0 for a counter a row lacks."""
 
 METRICS_COLUMNS = (STEP, PARAM_VERSION, CONSUMED_GROUPS, TIME_S, WAIT_SAMPLES_S, UPDATE_S, PARAM_SYNC_S,

@@ -14,6 +14,7 @@ Layout (ARCHITECTURE.md, "The run directory")::
       weights/v000007/bad.json     the version is damaged: never loaded again     (rollout job)
       control/heartbeat/<job>.json, control/loading/<writer>.json, control/admission.json,
       control/skipped_shards.jsonl, ...
+      control/filtered_groups.json groups dynamic sampling dropped: budget given back  (trainer)
       control/fatal.json           an error no restart can fix                  (any job)
       control/changes.jsonl        grows by a line after each change pollers wait for (control/changes.py)
       control/in_flight/<writer>.json  partial groups for the job's successor    (rollout job)
@@ -296,6 +297,12 @@ class RunDir:
         """Shards the trainer will never train on (``samples/skips.py``): their budget is returned
         and their prompts regenerated."""
         return self.control / "skipped_shards.jsonl"
+
+    @property
+    def filtered_groups(self) -> Path:
+        """Groups the trainer's dynamic sampling dropped (``algorithm.filter_groups``): their admission budget is
+        given back (``control/records.py``: :class:`FilteredGroups`)."""
+        return self.control / "filtered_groups.json"
 
     @property
     def fatal(self) -> Path:

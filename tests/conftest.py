@@ -331,7 +331,7 @@ def check_exactly_once(rd, max_in_flight: int) -> dict:
     assert a.consumed_groups > 0
     assert not a.problems(), f"exactly-once violated: {a.problems()}"
     return {"consumed_groups": a.consumed_groups, "unconsumed_after_cursor": a.unconsumed_after_cursor,
-            "skipped_groups": a.skipped_groups}
+            "skipped_groups": a.skipped_groups, "not_trained": a.not_trained}
 
 
 @pytest.fixture

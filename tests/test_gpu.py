@@ -28,12 +28,12 @@ on_gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), rea
 def test_the_update_step_runs_every_part_as_the_trainer_builds_it(tmp_path, device):
     """tests/update_step_peer.py: the trainer's process group, parts (bf16 on a GPU by default) and one update per
     setting (critic, reference and KL, importance weights and rejection, bypass mode, a token baseline, PF-PPO,
-    remax), each leaving finite metrics and moved weights."""
+    remax, DAPO's overlong filtering), each leaving finite metrics and moved weights."""
     out = subprocess.run([sys.executable, str(REPO / "tests" / "update_step_peer.py"), str(tmp_path), device],
                          capture_output=True, text=True, cwd=REPO, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     done = [line.split()[0] for line in out.stdout.splitlines() if " ok " in line]
-    assert done == ["grpo", "gae+pf_ppo", "kl+correction", "token_baseline+bypass", "remax"], out.stdout
+    assert done == ["grpo", "gae+pf_ppo", "kl+correction", "token_baseline+bypass", "remax", "dapo"], out.stdout
 
 
 @pytest.fixture(scope="module")

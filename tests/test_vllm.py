@@ -28,7 +28,8 @@ from hpcrl.rollout.load_paths import LoadPaths
 from hpcrl.run_dir import EVAL_JOB, RunDir
 from hpcrl.samples.schema import Group, Trajectory
 from hpcrl.tiny.model import build_tiny_model
-from hpcrl.trainer.batch import build_batch, forward
+from hpcrl.trainer.batch import build_batch
+from hpcrl.trainer.forward import logprobs_of
 from hpcrl.trainer.models import load_reference
 from hpcrl.weights import make_publisher, make_subscriber
 
@@ -146,8 +147,8 @@ def test_vllm_log_probs_are_the_trainers_at_the_sampling_temperature(vllm_engine
     batch = build_batch(groups, pad_id=0, trainer_version=0)
     m = batch.mask > 0
     with torch.no_grad():
-        logp_t, _, _ = forward(load_reference(models[0]), batch, TEMPERATURE)
-        logp_1, _, _ = forward(load_reference(models[0]), batch, 1.0)
+        logp_t, _, _ = logprobs_of(load_reference(models[0]), batch, TEMPERATURE)
+        logp_1, _, _ = logprobs_of(load_reference(models[0]), batch, 1.0)
     diff = (logp_t[m] - batch.behav_logp[m]).abs().max().item()
     print(f"vLLM vs trainer log-probs at T={TEMPERATURE}: max |diff| {diff:.2e}")
     # fp32 on both sides: measured 1e-6; 1e-4 leaves room for other CPUs' kernels

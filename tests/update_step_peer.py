@@ -33,13 +33,16 @@ SETTINGS = {
                               "algorithm.rollout_correction.bypass_mode=true",
                               "algorithm.rollout_correction.rollout_is=token"],
     "remax": ["algorithm.adv_estimator=remax", "actor.policy_loss.loss_mode=clip_cov"],
+    "dapo": ["actor.clip_ratio_high=0.28", "actor.clip_ratio_c=10.0", "actor.overlong_filter=true"],
 }
 """Settings that reach every part of the update: the critic, a reference, importance weights and rejection,
-bypass mode, a token baseline, PF-PPO's resampling, remax's baselines."""
+bypass mode, a token baseline, PF-PPO's resampling, remax's baselines, DAPO's overlong filtering (truncated
+responses masked out of the loss)."""
 
 
-def groups_on(device: str, model_dir: Path, n: int, with_baseline: bool):
-    """Four groups of ``n`` sampled by the transformers engine on ``device``."""
+def groups_on(device: str, model_dir: Path, n: int, with_baseline: bool, with_truncation: bool = False):
+    """Four groups of ``n`` sampled by the transformers engine on ``device`` (``with_truncation``: each response
+    says whether it hit the 6-token limit, as a run with actor.overlong_filter records it)."""
     from hpcrl.rollout.engine import EngineOptions
     from hpcrl.rollout.transformers_engine import TransformersEngine
     from hpcrl.samples.schema import Group, Trajectory
@@ -51,7 +54,8 @@ def groups_on(device: str, model_dir: Path, n: int, with_baseline: bool):
         prompt = [3 + g, 7, 9]
         samples = eng.generate_sync(prompt, n, seed=g)
         trajs = [Trajectory(prompt_ids=prompt, response_ids=s.response_ids, response_mask=s.response_ids * 0 + 1,
-                            logprobs=s.logprobs, token_versions=s.response_ids * 0, reward=float(j % 2))
+                            logprobs=s.logprobs, token_versions=s.response_ids * 0, reward=float(j % 2),
+                            truncated=len(s.response_ids) >= 6 if with_truncation else None)
                  for j, s in enumerate(samples)]
         groups.append(Group(writer="w000", prompt_index=g, trajectories=trajs, created_s=0.0, finished_s=0.0,
                             reward_baseline=0.5 if with_baseline else None))
@@ -81,7 +85,8 @@ def one_update(folder: Path, device: str, name: str, overrides: list[str]) -> No
     assert engine.device.type == device, engine.device
     assert engine.bfloat16_enabled() == (device == "cuda"), "actor.bf16: auto is bf16 on a GPU only"
     before = [p.detach().float().clone() for p in engine.module.parameters()]
-    batch = build_batch(groups_on(device, rd.model_dir(cfg.model.path), 4, "remax" in name), parts.layout.pad_id, 0)
+    batch = build_batch(groups_on(device, rd.model_dir(cfg.model.path), 4, "remax" in name, "dapo" in name),
+                        parts.layout.pad_id, 0)
     stats = parts.updater.run(batch)
     bad = {k: v for k, v in stats.items() if isinstance(v, float) and not math.isfinite(v)}
     assert not bad, f"{name}: non-finite metrics {bad}"

@@ -6,7 +6,8 @@ campaign (``bench/soak.py``). What "exactly once" means (issue #14):
 - no prompt index is committed twice in shards the trainer did not skip, and none
   is consumed (a staleness-log group) twice;
 - every group committed before the trainer's final cursor was consumed, none after,
-  and none from a shard recorded in ``control/skipped_shards.jsonl``;
+  and none from a shard recorded in ``control/skipped_shards.jsonl``; a consumed group is trained on or
+  dropped (``max_staleness``, ``filter_groups``: consumed, not trained), never both;
 - no prompt index is committed by two writers;
 - no prompt index was lost: each one below the claim book's ``next_prompt`` (``control/claims.py``) is
   committed in a shard that was not skipped, still open in some writer's claims (in flight when the run
@@ -36,8 +37,12 @@ class Audit:
     consumed_not_before_cursor: list[str] = field(default_factory=list)
     before_cursor_not_consumed: list[str] = field(default_factory=list)
     consumed_from_skipped_shards: list[str] = field(default_factory=list)
+    trained_and_dropped: list[str] = field(default_factory=list)
+    """Groups with rows both trained on and dropped."""
     trainer_done: bool = False
     consumed_groups: int = 0
+    not_trained: dict[str, int] = field(default_factory=dict)
+    """Consumed groups not trained on, by the reason the staleness log gives (``max_staleness``, ``filter_groups``)."""
     unconsumed_after_cursor: int = 0
     skipped_groups: int = 0
 
@@ -56,6 +61,10 @@ def audit(rd: RunDir, max_in_flight: int) -> Audit:
     a.consumed_twice = sorted(set(st.sample_id[st.sample_id.duplicated()]))[:20]
     consumed = set(st.group_id.dropna())
     a.consumed_groups = len(consumed)
+    dropped = st[st.dropped.fillna("") != ""] if "dropped" in st else st.iloc[:0]
+    a.not_trained = {str(r): int(rows.group_id.nunique()) for r, rows in dropped.groupby("dropped")}
+    trained = set(st.group_id[st.dropped.fillna("") == ""]) if "dropped" in st else consumed
+    a.trained_and_dropped = sorted(trained & set(dropped.group_id))[:20]
     done = read_trainer_done(rd)
     a.trainer_done = done is not None
     cursor = done.cursor if done is not None else {}

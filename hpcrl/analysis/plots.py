@@ -359,7 +359,8 @@ def drops(data: RunData, out: Path) -> Path:
         if d.empty and corrupt.iloc[-1] == 0:
             ms = data.knobs.max_staleness if data.knobs else None
             empty_note(a, "No samples were dropped: no group exceeded async_training.max_staleness "
-                          f"({'off' if ms is None else ms})\nand no shard was damaged.")
+                          f"({'off' if ms is None else ms}),\nnone lacked spread (algorithm.filter_groups) and no "
+                          "shard was damaged.")
     a.set_xlabel("trainer update (step)")
     a.set_ylabel("groups dropped (cumulative)")
     fig.suptitle(f"Samples dropped and why - {label(data)}")

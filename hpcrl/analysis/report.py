@@ -205,8 +205,9 @@ def _drops(x: _Section) -> None:
     dt = tables.drops_table(d)
     if dt.empty:
         ms = d.knobs.max_staleness if d.knobs else None
-        doc.para(f"None: no group was dropped for staleness (`max_staleness` {'off' if ms is None else ms}) and no "
-                 "shard was damaged (`fully_async/count/corrupt_groups_skipped` 0).")
+        doc.para(f"None: no group was dropped for staleness (`max_staleness` {'off' if ms is None else ms}) or for "
+                 "lack of spread (`algorithm.filter_groups`), and no shard was damaged "
+                 "(`fully_async/count/corrupt_groups_skipped` 0).")
     else:
         doc.table(dt)
     x.img("drops.png", "samples dropped and why")

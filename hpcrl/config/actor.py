@@ -92,6 +92,11 @@ class ActorConfig:
     loss_scale_factor: Optional[int] = None
     """seq-mean-token-sum-norm divides the seq-mean-token-sum loss by this constant (null =
     rollout.response_length, verl's default: its padded response length)."""
+    overlong_filter: bool = False
+    """DAPO's overlong filtering: the tokens of a truncated response (one that hit rollout.response_length,
+    finish reason ``length``) are masked out of the actor's losses (policy, entropy, KL); its reward still counts
+    in its group's baseline, and advantages and the critic see it as before. verl has no such key (its DAPO recipe
+    shapes the reward instead: reward.overlong_buffer); SkyRL's is generator.apply_overlong_filtering."""
     entropy_coeff: float = 0.0
     """Entropy bonus: loss -= entropy_coeff * agg(entropy of the tempered distribution)."""
     tau_pos: float = 1.0
@@ -173,6 +178,7 @@ class ActorConfig:
         check_choice("actor.loss_agg_mode", self.loss_agg_mode, names.LOSS_AGG_MODES)
         if self.loss_scale_factor is not None:
             check_int("actor.loss_scale_factor", self.loss_scale_factor, 1)
+        check_choice("actor.overlong_filter", self.overlong_filter, (True, False))
         check_float("actor.entropy_coeff", self.entropy_coeff, 0.0)
         check_float("actor.tau_pos", self.tau_pos, 0.0, lo_open=True)
         check_float("actor.tau_neg", self.tau_neg, 0.0, lo_open=True)

@@ -14,6 +14,7 @@ from typing import Optional, Union
 
 from hpcrl.config import names, registries
 from hpcrl.config.checks import check_choice, check_float, check_int, check_optional_choice, fail
+from hpcrl.config.dapo import FilterGroupsConfig
 
 
 @dataclass
@@ -305,6 +306,9 @@ class AlgorithmConfig:
     one reward per trajectory, so gdpo normalises that one (see docs/algorithms.md)."""
     gdpo_reward_weights: Optional[list] = None
     """gdpo: a weight per reward component (null = equal). Must be null with gdpo_reward_keys null."""
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    """DAPO's dynamic sampling: groups whose metric does not vary are dropped before an update (verl's keys;
+    hpcrl/config/dapo.py)."""
 
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
@@ -318,6 +322,7 @@ class AlgorithmConfig:
         self.rollout_correction.validate()
         check_choice("algorithm.use_pf_ppo", self.use_pf_ppo, (True, False))
         self.pf_ppo.validate()
+        self.filter_groups.validate()
         if self.gdpo_reward_keys is not None:
             fail("algorithm.gdpo_reward_keys", self.gdpo_reward_keys,
                  "null (a shard holds one reward per trajectory; per-component rewards need a shard field)",

@@ -410,10 +410,6 @@ VERL_KEYS: dict[str, str | VerlKey] = {
                                                      "(actor.ulysses_sequence_parallel_size)"),
     "critic.grad_clip": VerlKey(None, "the critic's gradients are clipped with the actor's (actor.grad_clip)"),
     "critic.profiler.*": VerlKey(None, _PROFILE),
-    # ---- algorithm keys verl has and hpcrl does not
-    "algorithm.filter_groups.enable": VerlKey(None, "no dynamic sampling (DAPO's filter_groups): every committed "
-                                              "group is trained on exactly once", refuse=True),
-    "algorithm.filter_groups.*": VerlKey(None, "no dynamic sampling (DAPO's filter_groups)"),
     # ---- rewards
     "custom_reward_function.path": "reward.path",
     "custom_reward_function.name": "reward.function",
@@ -423,6 +419,15 @@ VERL_KEYS: dict[str, str | VerlKey] = {
     "reward.custom_reward_function.reward_kwargs": "reward.kwargs",
     "reward_model.reward_manager": VerlKey("reward.name", "naive: one call per response, the scorer chosen by "
                                            "data_source (reward.name=by_data_source) unless reward.path is set"),
+    "reward_model.overlong_buffer.*": VerlKey("reward.overlong_buffer.*", "DAPO's overlong reward shaping, added to "
+                                              "the score in the rollout job (recipe/dapo's keys)"),
+    "custom_reward_function.overlong_buffer.*": VerlKey("reward.overlong_buffer.*", "DAPO's overlong reward "
+                                                        "shaping (recipe/dapo's early 32B script's keys)"),
+    "reward_model.reward_kwargs.overlong_buffer_cfg.*": VerlKey("reward.overlong_buffer.*", "DAPO's overlong reward "
+                                                               "shaping (the DAPO reward manager's keys, as verl's "
+                                                               "fully_async scripts pass them)"),
+    "reward_model.reward_kwargs.max_resp_len": VerlKey("reward.overlong_buffer.max_resp_len", "the limit of the "
+                                                       "overlong buffer (rollout.response_length when not given)"),
     "reward.reward_manager.name": VerlKey("reward.name", "naive: one call per response, the scorer chosen by "
                                           "data_source (reward.name=by_data_source) unless reward.path is set"),
     "reward.reward_manager.*": VerlKey(None, "the naive reward manager: one call per response in the rollout job"),

@@ -27,6 +27,7 @@ from hpcrl.config.actor import ActorConfig
 from hpcrl.config.algorithm import AlgorithmConfig, CriticConfig
 from hpcrl.config.checks import ConfigError, bad, collecting, fail, report, reported
 from hpcrl.config.combinations import check_algorithm_combinations
+from hpcrl.config.dapo import check_dapo_combination
 from hpcrl.config.evaluation import EvalConfig
 from hpcrl.config.knobs import Knobs
 from hpcrl.config.names import BUILTIN_MODELS, SIMULATED_ENGINE
@@ -127,6 +128,7 @@ class RunConfig:
                 getattr(self, f.name).validate()
             self._check_spans()
             check_algorithm_combinations(self)
+            check_dapo_combination(self)
             check_simulated_combination(self)
             check_lora_combination(self)
             self._check_eval()

@@ -12,6 +12,7 @@ from typing import Optional, Union
 
 from hpcrl.config import names, registries
 from hpcrl.config.checks import check_choice, check_float, check_int, fail
+from hpcrl.config.dapo import OverlongBufferConfig
 
 @dataclass
 class ModelConfig:
@@ -121,6 +122,9 @@ class RewardConfig:
     kwargs: dict = field(default_factory=dict)
     """More keyword arguments for every call (verl: custom_reward_function.reward_kwargs), e.g.
     ``{method: flexible}`` for verl's gsm8k scorer; each must be a parameter of the function."""
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    """DAPO's soft overlong punishment, added to the score in the rollout job (verl's DAPO reward manager;
+    hpcrl/config/dapo.py)."""
 
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
@@ -132,6 +136,7 @@ class RewardConfig:
         for k in self.kwargs:
             if not isinstance(k, str) or not k.isidentifier():
                 fail("reward.kwargs", k, "keyword names (Python identifiers)")
+        self.overlong_buffer.validate()
 
 
 @dataclass

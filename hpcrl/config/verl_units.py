@@ -158,12 +158,14 @@ def _concurrent_samples(value: Any, t, key: str) -> Made:
 
 
 def _reward_manager(value: Any, t, key: str) -> Made:
-    if value not in (None, "naive"):
-        raise bad(key, value, "naive (hpcrl calls the reward once per response)",
-                  "use the naive manager with your function in custom_reward_function.path")
+    if value not in (None, "naive", "dapo"):
+        raise bad(key, value, "naive or dapo (hpcrl calls the reward once per response; dapo adds the overlong "
+                  "buffer of reward.overlong_buffer)", "use the naive manager with your function in "
+                  "custom_reward_function.path")
+    dapo = "; dapo: the overlong penalty when reward.overlong_buffer.enable" if value == "dapo" else ""
     if "reward.name" in t.values:
-        return [], f"reward.name stays {t.get('reward.name')!r}"
-    return [("reward.name", "by_data_source")], "reward.name=by_data_source unless reward.path is set"
+        return [], f"reward.name stays {t.get('reward.name')!r}{dapo}"
+    return [("reward.name", "by_data_source")], f"reward.name=by_data_source unless reward.path is set{dapo}"
 
 
 def _agent_loop(value: Any, t, key: str) -> Made:

@@ -5,7 +5,7 @@ ARCHITECTURE.md "Admission budget with skips": per weight version the fleet may 
 committed but not yet consumed). Counting from the start of the run this is one
 inequality, checked before each group starts::
 
-    started_total - skipped_total  <  consumed_groups(v) + B
+    started_total - skipped_total - filtered_total  <  consumed_groups(v) + B
 
 where ``v`` is the version the asking job generates with,
 ``consumed_groups(v)`` is written by the trainer into v's weight manifest
@@ -13,6 +13,10 @@ where ``v`` is the version the asking job generates with,
 groups of shards the trainer skipped as damaged (``control/skipped_shards.jsonl``,
 see ``samples/skips.py``): they were started and will never be consumed, so the
 budget they held is given back, and their writer generates their prompts again.
+``filtered_total`` counts the groups dynamic sampling dropped (``algorithm.filter_groups``: no spread, consumed
+and never trained; ``control/filtered_groups.json``, :func:`given_back`): their places are given back as soon as
+the trainer drops them, and ``consumed_groups(v)`` leaves them out, so the rule is the one above applied to the
+groups that vary, and every update still gets R of them (docs/algorithms.md, "DAPO").
 
 ``started_total`` is the sum of per-writer counters in ``control/admission.json``
 (:class:`AdmissionRecord`),
@@ -51,7 +55,7 @@ from hpcrl.control.changes import bump
 from hpcrl.control.claims import ClaimBook
 from hpcrl.control.fleet_log import ENDED, JOINED, FleetLog, slurm_job_id
 from hpcrl.control.reclaim import GoneWriters, same_beat
-from hpcrl.control.records import HeartbeatState
+from hpcrl.control.records import HeartbeatState, read_filtered_groups
 from hpcrl.fsio import read_json, read_jsonl, write_json_atomic
 from hpcrl.json_record import JsonRecord
 from hpcrl.run_dir import RunDir
@@ -155,6 +159,12 @@ def release_writer(run_dir: RunDir, writer: str, why: str) -> int:
     return _release(run_dir, writer, why) or 0
 
 
+def given_back(run_dir: RunDir) -> int:
+    """Groups whose admission places were given back beyond the skipped shards': those the trainer's dynamic sampling
+    dropped (:class:`~hpcrl.control.records.FilteredGroups`; 0 without dynamic sampling)."""
+    return read_filtered_groups(run_dir)
+
+
 def read_claims(run_dir: RunDir) -> Optional[ClaimBook]:
     """The claim book as last written, without the lock (for status and the audit); None before any writer
     joined or for a record of an hpcrl before claims."""
@@ -243,9 +253,10 @@ class Admission:
         Every few seconds the claims of gone writers are reclaimed first (:meth:`reclaim_gone_writers`)."""
         self.reclaim_gone_writers()
         self.skips.poll()  # only grows: a record read late gives less budget, never more
+        back = given_back(self.run_dir)  # before the lock: whenever read, each group it counts was dropped
         with _locked(self.run_dir):
             state = self._read()
-            if state.started_total - self.skips.skipped_groups() >= consumed_groups_at_version + self.budget:
+            if state.started_total - self.skips.skipped_groups() - back >= consumed_groups_at_version + self.budget:
                 return None
             index = claims.claim(state.prompts, self.writer, self.lease, own)
             state.started[self.writer] = state.started.get(self.writer, 0) + 1

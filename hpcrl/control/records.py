@@ -183,6 +183,33 @@ class TrainerDone(JsonRecord):
 
 
 @dataclass
+class FilteredGroups(JsonRecord):
+    """``control/filtered_groups.json``: how many committed groups the trainer's dynamic sampling
+    (``algorithm.filter_groups``) has found without spread: dropped (consumed, never trained), so the rollout fleet's
+    admission gives back the places they held (``control/admission.py``). Written by trainer rank 0 (tmp -> rename)
+    whenever it drops one and at its start; read by every rollout job before it starts a group.
+
+    The count is the trainer's: after a restart it falls back to its checkpoint's and climbs again as the same
+    groups are dropped again, so it never counts a group that was not dropped, and it may lag behind (less budget
+    for a moment, never more)."""
+
+    groups: int
+    """Groups dropped so far: those of completed updates (the checkpointed counter) plus those of the update the
+    trainer is gathering."""
+    time_s: float
+
+
+def read_filtered_groups(run_dir: RunDir) -> int:
+    """:class:`FilteredGroups`' count; 0 before the trainer wrote one (or for a damaged record: less budget, never
+    more)."""
+    try:
+        d = read_json(run_dir.filtered_groups)
+        return FilteredGroups.from_json(d).groups if d is not None else 0
+    except (ValueError, OSError):
+        return 0
+
+
+@dataclass
 class LatestCheckpoint(JsonRecord):
     """``checkpoints/latest.json``: the newest complete checkpoint. Written by trainer rank 0 after every
     rank saved it; read by the trainer at resume and by the launcher (``--resume`` says where it starts)."""

@@ -37,6 +37,7 @@ from typing import Optional
 
 from hpcrl.config import ConfigError, RunConfig
 from hpcrl.config.checks import bad, collecting, report, reported
+from hpcrl.config.dapo import check_filter_metric
 from hpcrl.config.names import BUILTIN_MODELS
 from hpcrl.launcher.input_warnings import WARNING, another_task, rule_mismatch, unknown_tokens, unwritable_answers
 from hpcrl.launcher.lora_check import check_lora
@@ -266,6 +267,7 @@ def _check_inputs(cfg: RunConfig, kind: Optional[str]) -> InputsFound:
         _attempt(load_reward, cfg.reward, skip=("reward.",))
     if isinstance(probe, RewardProbe):
         lines.append(probe.line)
+        _attempt(check_filter_metric, cfg, probe.metrics, skip=("algorithm.filter_groups.", "reward."))
         warnings += unwritable_answers(cfg, probe, "reward")
         warnings += rule_mismatch(cfg.reward, rows, "reward.name", "data.source")
     if encoded:

@@ -31,9 +31,11 @@ SAFE = ("resources.", "timeouts.", "logging.", "rollout.total_rollout_steps", "d
 AFTER_FAILED_INPUT = {
     "reward": ("reward.",),
     "data": ("data.source", "data.prompt_key", "data.answer_key", "data.apply_chat_template", "data.max_prompt_length",
-             "data.truncation"),
+             "data.truncation", "algorithm.filter_groups.max_num_gen_batches"),
 }
-"""Keys that may change when the run stopped because that input failed (``control/fatal.json``)."""
+"""Keys that may change when the run stopped because that input failed (``control/fatal.json``). Dynamic
+sampling's stop (``trainer/dynamic_sampling.py``: the data no longer yields groups that vary) is a data failure:
+its bound may change then too."""
 
 REASONS = (
     ("model.", "this run's checkpoints and weight versions belong to the model it started from; another model "

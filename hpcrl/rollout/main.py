@@ -49,6 +49,7 @@ from hpcrl.fsio import wait_for
 from hpcrl.process import faults, termination
 from hpcrl.process.preemption import PreemptionFlag
 from hpcrl.rollout.agent_loop import GroupContext, group_seed, run_group
+from hpcrl.rollout.engine import FINISH_LENGTH
 from hpcrl.rollout.gate import EngineGate
 from hpcrl.rollout.loops import loop_name
 from hpcrl.rollout.parts import RolloutParts, build_parts
@@ -135,12 +136,16 @@ class RolloutJob:
         for j, t in enumerate(trajs):
             sample_id = f"{self.writer}/{prompt_index}/{'greedy' if t.greedy else j}"
             text = p.tokenizer.decode(t.tokens, skip_special_tokens=True)
-            reward = p.scorer.score(sample_id, row, text, loop.reward_info(t))
+            shaped = p.shaping.shape(*p.scorer.score_full(sample_id, row, text, loop.reward_info(t)), len(t.tokens))
+            reward = shaped.reward
             if t.greedy:
                 reward_baseline = reward
                 continue
+            p.scorer.note(shaped.logged)
+            truncated = t.finish_reason == FINISH_LENGTH if self.cfg.actor.overlong_filter else None
             out.append(Trajectory(prompt_ids=prompt_ids, response_ids=t.tokens, response_mask=t.mask,
-                                  logprobs=t.logprobs, token_versions=t.versions, reward=reward))
+                                  logprobs=t.logprobs, token_versions=t.versions, reward=reward,
+                                  truncated=truncated, filter_metric=shaped.metric))
             sample = sample or sample_columns(sample_id, row["prompt"], text, reward)
         group = Group(writer=self.writer, prompt_index=prompt_index, trajectories=out, created_s=created,
                       finished_s=time.time(), reward_baseline=reward_baseline)

@@ -34,6 +34,7 @@ from hpcrl.rollout.engines import make_engine
 from hpcrl.rollout.loops import make_loops
 from hpcrl.rollout.resume import InFlightStates
 from hpcrl.rollout.reward_fn import RewardScorer, load_reward
+from hpcrl.rollout.shaping import RewardShaping
 from hpcrl.run_dir import RunDir
 from hpcrl.samples.skips import SkipLog
 from hpcrl.samples.writer import ShardWriter
@@ -71,6 +72,8 @@ class RolloutParts:
     prompt_counts: PromptCounts
     """What max_prompt_length did to the prompt file (rows filtered or truncated)."""
     scorer: RewardScorer
+    shaping: RewardShaping
+    """DAPO's overlong penalty and the value dynamic sampling filters on, applied to each score."""
     loops: dict[str, AgentLoop]
     """The agent loops the rows name."""
     runner: EngineRunner
@@ -132,7 +135,8 @@ def build_parts(cfg: RunConfig, run_dir: RunDir, writer: str, steps: StartupStep
                                  skips=SkipLog(run_dir), commit_guard=admission.committing)
             held = admission.join(shards.committed_groups, shards.committed_prompt_indices, shards.skipped_at_start)
         parts = RolloutParts(
-            tokenizer=tokenizer, stream=PromptStream(rows, cfg.data.seed), prompt_counts=counts, scorer=scorer, loops=loops, runner=runner,
+            tokenizer=tokenizer, stream=PromptStream(rows, cfg.data.seed), prompt_counts=counts, scorer=scorer,
+            shaping=RewardShaping(cfg), loops=loops, runner=runner,
             engine=engine, weights=weights, shards=shards, admission=admission,
             positions=ClaimedPrompts(held),
             states=InFlightStates(run_dir.in_flight_states(writer), cfg.async_training.partial_rollout, held),

@@ -187,6 +187,9 @@ class RewardProbe:
     unwritable: list[str] = field(default_factory=list)
     """One phrase per data source whose right answer scores less as the model's tokenizer writes it (the model
     can never write it: e.g. ``####`` and the numbers are unknown words of the tiny tokenizer)."""
+    metrics: set[str] = field(default_factory=set)
+    """The metrics every data source's result offers (verl's DAPO manager's names: ``acc`` and ``score`` for a
+    number, a dict's keys), what ``algorithm.filter_groups.metric`` may name besides the reward."""
 
 
 def rule_of(cfg: RewardConfig, data_source: str) -> Optional[str]:
@@ -209,10 +212,11 @@ def probe_reward(cfg: RewardConfig, rows: list[dict], tokenizer=None) -> RewardP
     first: dict[str, dict] = {}
     for row in rows:
         first.setdefault(row["data_source"], row)
-    scores, unwritable, zero = [], [], False
+    scores, unwritable, zero, metrics = [], [], False, None
     for source, row in first.items():
         response = right_answer(rule_of(cfg, source), row["answer"])
-        score, extra = _probe_one(fn, row, response)
+        score, extra, keys = _probe_one(fn, row, response)
+        metrics = keys if metrics is None else metrics & keys
         shown = f"{source or '(no data_source)'} {response[:30]!r} -> {score:g}"
         if tokenizer is not None:
             ids = tokenizer(response, add_special_tokens=False)["input_ids"]
@@ -235,12 +239,18 @@ def probe_reward(cfg: RewardConfig, rows: list[dict], tokenizer=None) -> RewardP
     elif zero:
         line += ("; a 0 here: the rule does not take the ground truth alone as a right answer (it needs more, as "
                  "toy_calc needs the agent's tool calls, or it was written for other rows)")
-    return RewardProbe(line, unwritable)
+    return RewardProbe(line, unwritable, metrics or set())
 
 
-def _probe_one(fn: BoundReward, row: dict, response: str) -> tuple[float, dict[str, float]]:
+def _probe_one(fn: BoundReward, row: dict, response: str) -> tuple[float, dict[str, float], set[str]]:
+    """(score, numeric extras, the metrics the result offers: ``acc`` and ``score`` for a number, a dict's keys
+    whose values are numbers or booleans)."""
     try:
-        return split_result(fn(row["data_source"], response, row["answer"], row["extra_info"]))
+        result = fn(row["data_source"], response, row["answer"], row["extra_info"])
+        score, extra = split_result(result)
+        if not isinstance(result, dict):
+            return score, extra, {"acc", "score"}
+        return score, extra, {k for k, v in result_fields(result).items() if isinstance(v, (bool, int, float))}
     except Exception as e:  # noqa: BLE001 - reported in one line, before submission
         raise RewardLoadError(f"{fn.where} failed on the first row of data_source {row['data_source']!r} (its "
                               f"ground truth {response[:40]!r} as the response): {type(e).__name__}: {e}") from None
@@ -290,6 +300,14 @@ class RewardScorer:
                     self._sums[k] += v
                     self._counts[k] += 1
         return reward, result_fields(result)
+
+    def note(self, values: dict[str, float]) -> None:
+        """Count ``values`` with the function's own extra metrics (``reward_extra/<key>`` means), e.g. the overlong
+        penalty that ``rollout/shaping.py`` adds."""
+        with self._lock:
+            for k, v in values.items():
+                self._sums[k] += v
+                self._counts[k] += 1
 
     def pop_metrics(self) -> dict[str, Any]:
         """``reward/errors`` (and the first one, ``reward/first_error``) and ``reward_extra/<key>`` means since

@@ -24,6 +24,13 @@ group/created_s       float64  G       unix time generation of the group started
 group/finished_s      float64  G       unix time the group was complete (reward too)
 group/reward_baseline float32  G       *optional*: the reward of one greedy response to
                                        the prompt (``adv_estimator=remax`` only)
+traj/truncated        int8     T       *optional*: 1 = the response hit
+                                       rollout.response_length (finish reason
+                                       ``length``) (``actor.overlong_filter`` only)
+traj/filter_metric    float32  T       *optional*: the value of
+                                       ``algorithm.filter_groups.metric`` (NaN:
+                                       the result lacks it), when that is not the
+                                       reward itself (dynamic sampling only)
 ====================  =======  ======  ==========================================
 
 Optional datasets (:data:`OPTIONAL_DTYPES`) are written only by runs that need them, and
@@ -61,6 +68,10 @@ class Trajectory:
     logprobs: np.ndarray
     token_versions: np.ndarray
     reward: float
+    truncated: Optional[bool] = None
+    """The response hit rollout.response_length (None: the run records none; ``traj/truncated``)."""
+    filter_metric: Optional[float] = None
+    """``algorithm.filter_groups.metric``'s value (None: the run records none; ``traj/filter_metric``)."""
 
     def __post_init__(self) -> None:
         self.prompt_ids = np.asarray(self.prompt_ids, dtype=np.int32)
@@ -153,8 +164,13 @@ DATASET_DTYPES: dict[str, type] = {
 
 OPTIONAL_DTYPES: dict[str, type] = {
     "group/reward_baseline": np.float32,
+    "traj/truncated": np.int8,
+    "traj/filter_metric": np.float32,
 }
-"""Datasets a shard may lack (module docstring): each is one value per group."""
+"""Datasets a shard may lack (module docstring): one value per group (``group/``) or per trajectory (``traj/``)."""
+
+_TRAJ_OPTIONAL = {"traj/truncated": ("truncated", np.int8), "traj/filter_metric": ("filter_metric", np.float32)}
+"""The per-trajectory optional datasets and the :class:`Trajectory` field each holds."""
 
 
 def groups_to_arrays(groups: list[Group]) -> dict[str, np.ndarray]:
@@ -170,6 +186,11 @@ def groups_to_arrays(groups: list[Group]) -> dict[str, np.ndarray]:
     assert all(with_baseline) or not any(with_baseline), "a shard's groups all have a reward baseline or none"
     optional = ({"group/reward_baseline": np.array([g.reward_baseline for g in groups], dtype=np.float32)}
                 if groups and all(with_baseline) else {})
+    for name, (attr, dt) in _TRAJ_OPTIONAL.items():
+        given = [getattr(t, attr) is not None for t in trajs]
+        assert all(given) or not any(given), f"a shard's trajectories all have {attr} or none"
+        if trajs and all(given):
+            optional[name] = np.array([getattr(t, attr) for t in trajs], dtype=dt)
     return {
         "traj/prompt_tokens": cat("prompt_ids", np.int32),
         "traj/prompt_offsets": offsets([len(t.prompt_ids) for t in trajs]),
@@ -218,10 +239,12 @@ def arrays_to_groups(a: dict[str, np.ndarray], writer: str) -> list[Group]:
         if a[name].dtype != np.dtype(dt) or a[name].ndim != 1:
             raise ShardFormatError(f"dataset {name} has dtype {a[name].dtype} shape {a[name].shape}, expected 1-D {np.dtype(dt)}")
     for name, dt in OPTIONAL_DTYPES.items():
-        if name in a and (a[name].dtype != np.dtype(dt) or a[name].shape != a["group/prompt_index"].shape):
+        per, rows = ("group", "group/prompt_index") if name.startswith("group/") else ("trajectory", "traj/reward")
+        if name in a and (a[name].dtype != np.dtype(dt) or a[name].shape != a[rows].shape):
             raise ShardFormatError(f"dataset {name} has dtype {a[name].dtype} shape {a[name].shape}, expected "
-                                   f"{np.dtype(dt)} with one value per group")
+                                   f"{np.dtype(dt)} with one value per {per}")
     baselines = a.get("group/reward_baseline")
+    truncated, metric = a.get("traj/truncated"), a.get("traj/filter_metric")
     g_off = a["group/traj_offsets"]
     n_groups = len(a["group/prompt_index"])
     n_traj = len(a["traj/reward"])
@@ -249,7 +272,9 @@ def arrays_to_groups(a: dict[str, np.ndarray], writer: str) -> list[Group]:
             trajs.append(Trajectory(
                 prompt_ids=a["traj/prompt_tokens"][ps:pe], response_ids=a["traj/response_tokens"][rs:re_],
                 response_mask=a["traj/response_mask"][rs:re_], logprobs=a["traj/logprobs"][rs:re_],
-                token_versions=a["traj/token_versions"][rs:re_], reward=float(a["traj/reward"][t])))
+                token_versions=a["traj/token_versions"][rs:re_], reward=float(a["traj/reward"][t]),
+                truncated=None if truncated is None else bool(truncated[t]),
+                filter_metric=None if metric is None else float(metric[t])))
         groups.append(Group(writer=writer, prompt_index=int(a["group/prompt_index"][g]), trajectories=trajs,
                             created_s=float(a["group/created_s"][g]), finished_s=float(a["group/finished_s"][g]), row=g,
                             reward_baseline=None if baselines is None else float(baselines[g])))

@@ -42,6 +42,8 @@ class Batch:
     token_lag: torch.Tensor       # [B, L] trainer version at consumption - token version (>= 0)
     rewards: torch.Tensor         # [B] trajectory scores from the reward function
     group_index: torch.Tensor     # [B] which group (prompt) of this batch each trajectory belongs to
+    truncated: Optional[torch.Tensor] = None  # [B] 1 = the response hit rollout.response_length
+                                              # (traj/truncated; None if a trajectory has none)
     # ---- computed by the trainer before the update (PolicyUpdate.prepare)
     logp_old: Optional[torch.Tensor] = None     # [B, L] PPO anchor: prox_logp if computed, else behav_logp
     prox_logp: Optional[torch.Tensor] = None    # [B, L] trainer log-probs at the start of the update
@@ -131,9 +133,12 @@ def build_batch(groups: list[Group], pad_id: int, trainer_version: int) -> Batch
     baselines = None
     if all(g.reward_baseline is not None for g in groups):
         baselines = torch.tensor([g.reward_baseline for g in groups for _ in g.trajectories], dtype=torch.float32)
+    truncated = None
+    if all(t.truncated is not None for t in trajs):
+        truncated = torch.tensor([float(t.truncated) for t in trajs], dtype=torch.float32)
     prompt_lens = torch.tensor([len(p) for p in seqs], dtype=torch.long)
     return Batch(tokens, offsets, prompt_lens, targets, mask, behav, versions, trainer_version - versions,
-                 rewards, group_index, reward_baselines=baselines)
+                 rewards, group_index, truncated=truncated, reward_baselines=baselines)
 
 
 def stand_in(like: Batch, pad_id: int) -> Batch:

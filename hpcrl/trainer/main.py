@@ -3,7 +3,8 @@
 One local update (:meth:`TrainerJob.run`):
 
 1. **take** ``R = ppo_mini_batch_size * require_batches`` groups in commit order
-   (groups over ``max_staleness`` are dropped, counted and replaced);
+   (groups over ``max_staleness`` are dropped, counted and replaced; with ``algorithm.filter_groups`` so are
+   groups whose metric has no spread, their admission places given back: ``dynamic_sampling.py``);
 2. **update** (:class:`hpcrl.trainer.update.PolicyUpdate`): proximal / reference
    log-probs and values under the weights at the start of the update,
    off-policy corrections, advantages (``algorithm.adv_estimator``), then
@@ -38,6 +39,7 @@ import torch
 
 from hpcrl import metric_names as M
 from hpcrl.control.changes import ChangeWatch, backoff_s, bump
+from hpcrl.control.fatal import write_fatal
 from hpcrl.control.job import Stop, StopWatch, job_main
 from hpcrl.control.records import HeartbeatState, HeartbeatThread, JobStats, TrainerDone, describe_heartbeats
 from hpcrl.control.startup import StartupSteps
@@ -51,6 +53,8 @@ from hpcrl.samples.schema import Group
 from hpcrl.trainer import checkpoint, memory
 from hpcrl.trainer.batch import build_batch
 from hpcrl.trainer.distributed import init_distributed, rank_environment, rank_from_environment
+from hpcrl.trainer.dynamic_sampling import (DROPPED as DROPPED_NO_SPREAD, MAX_STALENESS, Dropped, DynamicSampling,
+                                            count_dropped)
 from hpcrl.trainer.gather import zero3_state_dict
 from hpcrl.trainer.lora import adapter_state_dict
 from hpcrl.trainer.models import POLICY_PREFIX, policy_state_dict
@@ -117,7 +121,9 @@ class TrainerJob:
         """The state right after the last completed update: what a checkpoint taken now holds."""
         self._last_checkpoint_step = 0
         self._sync_stats: dict = {}  # metrics of the last publish (gather, files, broadcast)
-        self._taken: tuple[list[Group], list[Group]] = ([], [])  # kept/dropped while a republish interrupts
+        self._taken: tuple[list[Group], Dropped] = ([], {})  # kept/dropped while a republish interrupts
+        self.sampling = DynamicSampling(self.cfg, run_dir)
+        """``algorithm.filter_groups``: which taken groups may enter an update, and the bound on how many it takes."""
         self._gathers_logged = False
         self._shards_removed: dict[str, int] = {}  # writer -> manifest lines whose consumed shards are removed
 
@@ -159,42 +165,53 @@ class TrainerJob:
             self._last_checkpoint_step = self.state.step
             if resumed is None:
                 self._checkpoint()
+        if self.rank == 0:  # a resumed count may be below the record's: those groups are dropped again
+            self.sampling.give_back(self.state.counters.get(M.DROPPED_FILTER_GROUPS, 0))
         self.heartbeat.update(state=HeartbeatState.WAITING_SAMPLES, step="", step_started_s=0.0)
         self.heartbeat.write()  # out of start-up now: the launcher's Ctrl-C waits for a checkpoint from here on
 
     # ---- steps
-    def _take_groups(self) -> tuple[int, list[Group], list[Group], float]:
-        """Rank 0: (BATCH, R groups to train on, those dropped for staleness, seconds waited);
-        (PREEMPT, ...) if USR2 arrived meanwhile; (REPUBLISH, ...) if a rollout job marked our
-        newest weight version damaged (the groups taken so far wait in ``self._taken``)."""
+    def _take_groups(self) -> tuple[int, list[Group], Dropped, float]:
+        """Rank 0: (BATCH, R groups to train on, those dropped (for staleness, for no spread), seconds waited);
+        (PREEMPT or STOP, ...) if USR2 or a stop arrived meanwhile, or dynamic sampling took its last batch in vain
+        (recorded as fatal); (REPUBLISH, ...) if a rollout job marked our newest weight version damaged (the groups
+        taken so far wait in ``self._taken``)."""
         cfg = self.cfg
         need = cfg.groups_per_update
         kept, dropped = self._taken
-        self._taken = ([], [])
+        self._taken = ([], {})
         t0 = time.monotonic()
-        last_log = quiet_since = t0
+        last_log = quiet_since = taken_since = t0
         while len(kept) < need:
             if self.watch.check() is not None:
                 return self._stop_status(), [], dropped, time.monotonic() - t0
             if self._newest_weights_bad():
                 self._taken = (kept, dropped)
-                return REPUBLISH, [], [], time.monotonic() - t0
+                return REPUBLISH, [], {}, time.monotonic() - t0
             lines = self.lead.reader.lines_seen
             self.lead.reader.poll()
             if self.lead.reader.lines_seen > lines:
                 quiet_since = time.monotonic()
             sleep_s = self._poll_pause(time.monotonic() - quiet_since)
             self._count_skipped()
-            for g in self.lead.reader.take(need - len(kept)):
-                lag = self.state.param_version - g.version_start  # the version this update starts from
-                max_st = cfg.async_training.max_staleness
-                (dropped if max_st is not None and lag > max_st else kept).append(g)
+            room = self.sampling.room(len(kept) + count_dropped(dropped))
+            taken = self.lead.reader.take(min(need - len(kept), room))
+            if taken:  # a group dropped is progress too: the wait is for the next group (timeouts.wait_samples_s)
+                taken_since = time.monotonic()
+            self._sort_taken(taken, kept, dropped)
+            cause = self.sampling.exhausted(len(kept) + count_dropped(dropped), len(kept), self.state.step)
+            if cause is not None:
+                log.error("stopping the run: %s", cause)
+                write_fatal(self.run_dir, RunDir.trainer_job(), cause, "data")
+                self.watch.check()  # says why the trainer stops, as for any fatal record
+                return STOP, [], dropped, time.monotonic() - t0
             if len(kept) >= need:
                 break
             waited = time.monotonic() - t0
-            if waited > cfg.timeouts.wait_samples_s:
+            if time.monotonic() - taken_since > cfg.timeouts.wait_samples_s:
                 raise TimeoutError(f"trainer: waited {waited:.0f}s for committed groups in {self.run_dir.samples} "
-                                   f"(have {len(kept)}/{need}; {describe_heartbeats(self.run_dir, 'rollout')})")
+                                   f"(have {len(kept)}/{need}, none new for {time.monotonic() - taken_since:.0f}s; "
+                                   f"{describe_heartbeats(self.run_dir, 'rollout')})")
             if time.monotonic() - last_log > cfg.timeouts.wait_log_interval_s:
                 log.info("waiting %.0fs for committed groups (%d/%d) in %s; %s", waited, len(kept), need,
                          self.run_dir.samples, describe_heartbeats(self.run_dir, "rollout"))
@@ -203,6 +220,23 @@ class TrainerJob:
             time.sleep(sleep_s)
         self.heartbeat.update(state=HeartbeatState.TRAINING)
         return BATCH, kept, dropped, time.monotonic() - t0
+
+    def _sort_taken(self, groups: list[Group], kept: list[Group], dropped: Dropped) -> None:
+        """Rank 0: each group taken goes to ``kept`` or to ``dropped`` under its reason: older than ``max_staleness``
+        (lag against the version this update starts from), or without spread (dynamic sampling: its admission
+        place is given back at once)."""
+        max_st = self.cfg.async_training.max_staleness
+        filtered = len(dropped.get(DROPPED_NO_SPREAD, ()))
+        for g in groups:
+            if max_st is not None and self.state.param_version - g.version_start > max_st:
+                dropped.setdefault(MAX_STALENESS, []).append(g)
+            elif not self.sampling.keeps(g):
+                dropped.setdefault(DROPPED_NO_SPREAD, []).append(g)
+            else:
+                kept.append(g)
+        if len(dropped.get(DROPPED_NO_SPREAD, ())) > filtered:
+            self.sampling.give_back(self.state.counters.get(M.DROPPED_FILTER_GROUPS, 0)
+                                    + len(dropped[DROPPED_NO_SPREAD]))
 
     def _poll_pause(self, quiet_s: float) -> float:
         """Rank 0: seconds until the next look for samples, ``quiet_s`` after the last look that found some. Each
@@ -230,17 +264,17 @@ class TrainerJob:
                   self.run_dir.weight_bad_marker(self.state.param_version), self.state.param_version + 1)
         return True
 
-    def _next_batch(self) -> tuple[int, list[Group], list[Group], float]:
+    def _next_batch(self) -> tuple[int, list[Group], Dropped, float]:
         """Every rank: (status, groups to train on, dropped groups, seconds waited); rank 0 reads."""
         if self.rank != 0:
             status, kept = share_groups(BATCH, None)
             if status == ABORT:
                 raise RuntimeError("trainer rank 0 failed; this rank stops too (see rank 0's log)")
-            return status, kept, [], 0.0
+            return status, kept, {}, 0.0
         if self.watch.check() is not None:
             status = self._stop_status()
             share_groups(status, None)
-            return status, [], [], 0.0
+            return status, [], {}, 0.0
         try:
             status, kept, dropped, wait_s = self._take_groups()
         except BaseException:
@@ -287,8 +321,9 @@ class TrainerJob:
         gather_s = time.monotonic() - t0
         if self.parts.engine.global_rank == 0:
             weights = self.lead.weights
+            budget_base = self.state.consumed_groups - self.state.counters.get(M.DROPPED_FILTER_GROUPS, 0)
             published = weights.publish(version, state_dict, self.parts.model_config_json, self.state.step,
-                                        self.state.consumed_groups, self.parts.model_files, self.parts.adapter_base)
+                                        budget_base, self.parts.model_files, self.parts.adapter_base)
             self._sync_stats = {M.PARAM_SYNC_GATHER_S: gather_s, **published.metrics()}
             if self.cfg.trainer.simulated:
                 self.parts.updater.after_publish()
@@ -329,21 +364,21 @@ class TrainerJob:
             return self._sync_stats
         return {k: (0.0 if isinstance(v, (int, float)) else "none") for k, v in self._sync_stats.items()}
 
-    def _log_update(self, kept: list[Group], dropped: list[Group], upd: dict, wait_s: float, update_s: float,
+    def _log_update(self, kept: list[Group], dropped: Dropped, upd: dict, wait_s: float, update_s: float,
                     sync_s: float, version_seen: int) -> dict:
         """Staleness rows (lag against the version the trainer had when it took the groups) and one metrics row."""
         st, c = self.state, self.state.counters
         now = time.time()
         self.lead.staleness.write_groups(kept, version_seen, st.step, now)
-        if dropped:
-            self.lead.staleness.write_groups(dropped, version_seen, st.step, now, dropped="max_staleness")
+        for reason, groups in dropped.items():
+            self.lead.staleness.write_groups(groups, version_seen, st.step, now, dropped=reason)
         lags = [version_seen - g.version_start for g in kept]
         spans = [g.version_end - g.version_start for g in kept]
         stale = [g for g in kept if version_seen - g.version_start > 0]
         c[M.STALE_SAMPLES] = c.get(M.STALE_SAMPLES, 0) + len(stale)
         c[M.STALE_TRAJECTORIES] = (
             c.get(M.STALE_TRAJECTORIES, 0) + sum(len(g.trajectories) for g in stale))
-        c[M.DROPPED_MAX_STALENESS] = c.get(M.DROPPED_MAX_STALENESS, 0) + len(dropped)
+        c[M.DROPPED_MAX_STALENESS] = c.get(M.DROPPED_MAX_STALENESS, 0) + len(dropped.get(MAX_STALENESS, ()))
         total_s = wait_s + update_s + sync_s
         for name in M.COUNTERS:  # every counter in every row, 0 until something is counted
             c.setdefault(name, 0)
@@ -352,7 +387,8 @@ class TrainerJob:
                M.PARTIAL_RATIO: sum(s > 0 for s in spans) / len(spans), M.MAX_PARTIAL_SPAN: max(spans),
                M.TRAINER_IDLE_RATIO: wait_s / max(total_s, 1e-9), M.WAIT_SAMPLES_S: wait_s,
                M.UPDATE_S: update_s, M.PARAM_SYNC_S: sync_s, **self._sync_row(sync_s),
-               M.TOKENS_PER_S: upd[M.N_TOKENS] / max(total_s, 1e-9), M.TIME_S: now}
+               M.TOKENS_PER_S: upd[M.N_TOKENS] / max(total_s, 1e-9), M.TIME_S: now,
+               M.NUM_GEN_BATCHES: self.sampling.gen_batches(len(kept) + count_dropped(dropped))}
         self.lead.metrics.write(row)
         self.heartbeat.update(stats=JobStats(step=st.step, consumed_groups=st.consumed_groups,
                                              reward_mean=upd[M.REWARD_MEAN], idle_ratio=row[M.TRAINER_IDLE_RATIO]))
@@ -390,12 +426,15 @@ class TrainerJob:
         self._finish()
         return Stop.DONE
 
-    def _train_step(self, kept: list[Group], dropped: list[Group], version_seen: int) -> tuple[dict, float]:
-        """One local update on ``kept``; the dropped groups count as consumed too."""
+    def _train_step(self, kept: list[Group], dropped: Dropped, version_seen: int) -> tuple[dict, float]:
+        """One local update on ``kept``; the dropped groups count as consumed too (those without spread also in
+        their own counter, before the publish that follows: its budget base leaves them out)."""
         t0 = time.monotonic()
         upd = self._update(kept, version_seen)
         self.state.step += 1
-        self.state.consumed_groups += len(kept) + len(dropped)
+        self.state.consumed_groups += len(kept) + count_dropped(dropped)
+        c = self.state.counters
+        c[M.DROPPED_FILTER_GROUPS] = c.get(M.DROPPED_FILTER_GROUPS, 0) + len(dropped.get(DROPPED_NO_SPREAD, ()))
         return upd, time.monotonic() - t0
 
     def _publish_due(self) -> bool:
@@ -403,7 +442,7 @@ class TrainerJob:
         K = self.cfg.async_training.trigger_parameter_sync_step
         return self.state.step % K == 0 or self.state.step == self.cfg.total_updates
 
-    def _log_step(self, kept: list[Group], dropped: list[Group], upd: dict, wait_s: float, update_s: float,
+    def _log_step(self, kept: list[Group], dropped: Dropped, upd: dict, wait_s: float, update_s: float,
                   sync_s: float, version_seen: int, published: bool) -> None:
         """Rank 0: the staleness and metrics rows, and a log line per published version."""
         row = self._log_update(kept, dropped, upd, wait_s, update_s, sync_s, version_seen)

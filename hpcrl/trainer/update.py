@@ -14,6 +14,8 @@
    (:mod:`hpcrl.trainer.offpolicy`) -> ``is_weights``, ``loss_mask``, and ``adv_mask``
    (= ``loss_mask`` with ``rollout_correction.mask_before_advantages``, else the response mask);
    in ``bypass_mode`` only the lag mask here: weights and rejection come per micro-batch in step 6;
+   with ``actor.overlong_filter`` (DAPO's overlong filtering) the truncated responses then leave ``loss_mask``
+   only: their rewards still make their groups' baselines, advantages and the critic see them;
 4. **rewards**: the score on each trajectory's last model token, minus
    beta * KL(anchor || reference) per token with ``use_kl_in_reward``
    (then the KL controller updates beta);
@@ -50,6 +52,19 @@ from hpcrl.trainer.policy_losses import LossParams, policy_loss
 
 TOKEN_BASELINES = ("optimal_token_baseline", "tir_optimal_token_baseline")
 """Estimators that need the trainer's score norms w_t from the start-of-update forward pass."""
+TRUNCATED_SHARE = "response_length/clip_ratio"
+"""verl's name of the share of responses that hit the length limit (here: of the update's, overlong filtering on)."""
+
+
+def overlong_filter(batch: Batch) -> tuple[torch.Tensor, float]:
+    """DAPO's overlong filtering: ``loss_mask`` without the tokens of truncated responses, and their share. A new
+    tensor: ``adv_mask`` (which may be the same one) keeps them."""
+    if batch.truncated is None:
+        raise ValueError("actor.overlong_filter needs traj/truncated, whether each response hit "
+                         "rollout.response_length: a group of this batch has none (its shard was written by a rollout "
+                         "job without overlong filtering)")
+    keep = (1.0 - batch.truncated).to(batch.loss_mask.dtype).unsqueeze(-1)
+    return batch.loss_mask * keep, float(batch.truncated.mean())
 
 
 def step_with_grad_norm(engine, last_norm: float) -> float:
@@ -160,6 +175,8 @@ class PolicyUpdate:
             rollout_rs_threshold=rc.rollout_rs_threshold, rollout_token_veto_threshold=rc.rollout_token_veto_threshold,
             max_token_lag=rc.max_token_lag)
         batch.adv_mask = batch.loss_mask if rc.mask_before_advantages else batch.mask
+        if self.cfg.actor.overlong_filter:
+            batch.loss_mask, stats[TRUNCATED_SHARE] = overlong_filter(batch)
         token_rewards = place_scores(batch.rewards, batch.mask)
         if alg.use_kl_in_reward:
             token_rewards, kl_stats = apply_kl_in_reward(token_rewards, batch.logp_old, batch.ref_logp, batch.mask,

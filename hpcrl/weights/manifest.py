@@ -91,7 +91,9 @@ class WeightManifest(JsonRecord):
     """Local updates the trainer had made when it published this version."""
     consumed_groups: int
     """Groups the trainer had consumed (trained or dropped) when it published this
-    version. The rollout fleet's admission budget for this version is counted from here."""
+    version, less those its dynamic sampling dropped (``algorithm.filter_groups``: their places are given back as
+    they drop, ``control/filtered_groups.json``). The rollout fleet's admission budget for this version is counted
+    from here."""
     files: dict[str, FileEntry]
     """File name (``model.safetensors`` or ``model.delta``, ``config.json``, ...) -> size and hash; a reader
     verifies every one before the version is used."""
