@@ -126,6 +126,9 @@ def _removed_note(rd: RunDir, found: Found) -> str:
     except (OSError, ValueError):
         keep = None
     left = f"; the oldest version still on disk is v{found.oldest}" if found.oldest is not None else ""
+    if keep is not None and keep < 0:
+        return (f"{found.removed} shard files listed in the manifests are not on disk, although "
+                f"trainer.keep_consumed_shards=-1 keeps every one: something else removed them{left}")
     return (f"{found.removed} shard files listed in the manifests were removed: the trainer removes the shards behind "
             f"its checkpoint and keeps the newest trainer.keep_consumed_shards={keep if keep is not None else '?'} "
             f"per writer (-1 keeps every one, for a run whose old samples you want to read){left}")
