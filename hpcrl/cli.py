@@ -40,7 +40,7 @@ def _cmd_run(a) -> int:
     from hpcrl.launcher.input_warnings import WARNING
 
     try:
-        plan = plan_run(a.config, a.run_dir, a.executor, a.overrides, a.resume)
+        plan = plan_run(a.config, a.run_dir, a.executor, a.overrides, a.resume, dry_run=a.dry_run)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         return _problems("hpcrl", e)
     cfg, kind = plan.cfg, plan.kind
@@ -60,6 +60,8 @@ def _cmd_run(a) -> int:
             print(f"# --resume changes {change}")
         for job in plan.jobs:
             print("would submit " + job.describe())
+        if kind == "slurm":
+            _print_sbatch_lines(cfg, plan.rd)
         print("# resolved config:")
         print(dump_config(cfg), end="")
         _print_warnings(warnings)
@@ -75,6 +77,17 @@ def _cmd_run(a) -> int:
     finally:
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)
+
+
+def _print_sbatch_lines(cfg, rd) -> None:
+    """The same jobs as plain sbatch commands (what ``sbatch/submit.sh CONFIG RUN_DIR`` submits once it has
+    prepared RUN_DIR), for a dry run of ``--executor slurm``, with Slurm on PATH or not."""
+    from hpcrl.launcher.sbatch_lines import SCRIPTS, sbatch_lines
+    from hpcrl.launcher.submit import job_python
+
+    print("# the same jobs with plain sbatch (sbatch/submit.sh CONFIG RUN_DIR prepares RUN_DIR, then runs these):")
+    for line in sbatch_lines(cfg, rd, SCRIPTS, job_python()):
+        print(line)
 
 
 def _problems(prog: str, e: BaseException) -> int:
