@@ -516,6 +516,26 @@ def test_a_run_stopped_before_its_first_update_says_why_in_report_and_samples(tm
                                   "can fix: rollout-w000: loading the model failed: ValueError: no model_type", False)
 
 
+@pytest.mark.slow
+def test_the_zoomed_plots_name_the_versions_they_show(runs, tmp_path, monkeypatch):
+    """The timeline's zoom said "5 weight versions" and showed 7 version lines (its margins catch more)."""
+    from hpcrl.analysis import plots
+    from hpcrl.analysis.load import load_run
+
+    figures = []
+    monkeypatch.setattr(plots, "save", lambda fig, out: figures.append(fig) or out)
+    data = load_run(runs["s0"])
+    plots.timeline(data, tmp_path / "timeline.png")
+    plots.throughput(data, tmp_path / "throughput.png")
+    zoom = figures[0].axes[1]
+    labels = [t.get_text() for t in zoom.texts if re.fullmatch(r"v\d+", t.get_text())]
+    said = re.match(r"(\d+) weight versions published \(v(\d+)-v(\d+)\) in the middle of the run", zoom.get_title())
+    assert said and int(said.group(1)) == len(labels), (zoom.get_title(), labels)
+    assert (labels[0], labels[-1]) == (f"v{said.group(2)}", f"v{said.group(3)}"), labels
+    queue = next(a for a in figures[1].axes if a.get_title().startswith("Queue between"))
+    assert said.group(0) in queue.get_title(), queue.get_title()
+
+
 def test_samples_of_a_version_whose_shards_retention_removed_says_so_once_and_exits_1(tmp_path):
     """The trainer removes consumed shards behind its checkpoint (``trainer.keep_consumed_shards``): ``hpcrl samples``
     of an old version said "No trajectory ..." then one "file listed in the manifest is missing" note per shard, and
