@@ -174,7 +174,7 @@ def _follow(a, plan, cfg, kind, launch) -> int:
 
 def _cmd_plan(a) -> int:
     from hpcrl.plan.command import plan_command
-    from hpcrl.plan.sweep import SweepSpec, parse_floats, parse_partial, parse_splits
+    from hpcrl.plan.sweep import GPUS_PER_NODE, SweepSpec, parse_floats, parse_partial, parse_splits
 
     problems: list[str] = []
 
@@ -189,18 +189,20 @@ def _cmd_plan(a) -> int:
     partial = attempt(parse_partial, a.partial)
     splits = attempt(parse_splits, a.splits) if a.splits else None
     for name, value, lo in (("--gpus", a.gpus, 2), ("--gpus-per-engine", a.gpus_per_engine, 1),
+                            ("--gpus-per-node", a.gpus_per_node, 1),
                             ("--updates", a.updates, 3), ("--top", a.top, 1), ("--prompt-tokens", a.prompt_tokens, 1)):
         if value is not None and value < lo:
             problems.append(f"{name} must be >= {lo}, got {value}")
     try:
         if problems:
             raise ValueError("\n".join(problems))
-        gpe = a.gpus_per_engine
-        if gpe is None:
-            r = load_config(a.config, a.overrides).resources.rollout
-            gpe = max(1, r.nodes * r.gpus_per_node)
+        gpe, node = a.gpus_per_engine, a.gpus_per_node
+        if gpe is None or node is None:
+            r = load_config(a.config, a.overrides).resources
+            gpe = gpe or max(1, r.rollout.nodes * r.rollout.gpus_per_node)
+            node = node or max(r.trainer.gpus_per_node, r.rollout.gpus_per_node, r.eval.gpus_per_node) or GPUS_PER_NODE
         spec = SweepSpec(gpus=a.gpus, gpus_per_engine=gpe, updates=a.updates, staleness=staleness, partial=partial,
-                         splits=splits)
+                         splits=splits, gpus_per_node=node)
         lines = plan_command(a.config, a.overrides, spec, a.probe, a.top, a.all, a.prompt_tokens, a.reference)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         return _problems("hpcrl plan", e)
@@ -242,6 +244,9 @@ def add_plan_command(sub) -> None:
     pl.add_argument("--gpus", type=int, required=True, help="GPU budget: trainer GPUs + rollout engines' GPUs")
     pl.add_argument("--gpus-per-engine", type=int, default=None,
                     help="GPUs of one rollout job's engine (default: the config's resources.rollout GPUs, else 1)")
+    pl.add_argument("--gpus-per-node", type=int, default=None, metavar="N",
+                    help="GPUs of one node: a trainer past one node is advised in whole nodes, an engine fits in one "
+                         "(default: the largest resources.*.gpus_per_node of the config, else 8)")
     pl.add_argument("--splits", default=None, metavar="LIST|RANGE",
                     help="trainer GPU counts to try: 8,16,32 or 8:64 or 8:64:8 (default: every count up to 64 GPUs, "
                          "else 1, 2, 4 and whole nodes of 8)")
