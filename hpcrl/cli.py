@@ -1,9 +1,6 @@
 """The ``hpcrl`` command.
 
     hpcrl run CONFIG [key=value ...] --run-dir DIR [--executor local|slurm|auto] [--dry-run] [--resume]
-    hpcrl trainer RUN_DIR                 # job entry points (used by sbatch/ scripts)
-    hpcrl rollout RUN_DIR --writer-rank W
-    hpcrl eval-job RUN_DIR
     hpcrl eval RUN_DIR [--versions 0,20,last] [--data FILE] [--n 8 ...] | hpcrl eval --model HF_FOLDER --data FILE
     hpcrl report RUN_DIR [RUN_DIR ...] [--out DIR] # offline report (default: RUN_DIR/report)
     hpcrl status RUN_DIR [--interval-s 5] [--once] # live view from the login node
@@ -13,8 +10,14 @@
     hpcrl plan CONFIG [key=value ...] --gpus N [--splits ..] [--staleness ..]  # best split and async knobs
     hpcrl doctor [--dir D] [--require cuda,vllm] [--json F]         # what this node offers a run
     hpcrl scale RUN_DIR --rollout-jobs N                          # grow or shrink a live run's rollout fleet
+
+internal, listed last by ``hpcrl --help`` (the scripts and the jobs run them):
+
     hpcrl sbatch-lines CONFIG [key=value ...] --run-dir DIR       # prepare DIR, print the sbatch commands
     hpcrl build-ops [--timeout-s 1800]                            # build DeepSpeed's JIT ops for this node now
+    hpcrl trainer RUN_DIR                                         # job entry points (hpcrl run, sbatch/ scripts)
+    hpcrl rollout RUN_DIR --writer-rank W
+    hpcrl eval-job RUN_DIR
 
 ``hpcrl --help`` lists them and ``hpcrl COMMAND --help`` explains each option (tests/test_cli_help.py: every
 command and option has help).
@@ -237,8 +240,13 @@ def add_plan_command(sub) -> None:
     pl = sub.add_parser("plan", help="predict step time, throughput, busy shares and lag for trainer:rollout splits "
                                       "and async settings of a GPU budget (an event simulation, seconds)",
                         description="Predict, without running anything, the best trainer:rollout splits and async "
-                                    "settings of a GPU budget, next to the configuration the config asks for and the "
-                                    "synchronous colocated baseline (docs/planner.md: 'Sizing a run with hpcrl plan').")
+                                    "settings of a GPU budget, in shapes whole nodes can give, next to the "
+                                    "configuration the config asks for and the synchronous colocated baseline "
+                                    "(docs/planner.md: 'Sizing a run with hpcrl plan'). The phase model is the "
+                                    "config's simulated: section; a config without one is predicted with hpcrl's "
+                                    "built-in numbers, and a note says so. The prompt lengths come from data.source "
+                                    "through the model's tokenizer: where those cannot be read here (a placeholder "
+                                    "model.path, as in the shipped GPU configs), pass --prompt-tokens.")
     pl.add_argument("config", help="YAML config whose simulated: section holds the phase model (modelled seconds)")
     pl.add_argument("overrides", nargs="*", help="dotted overrides of the config, e.g. simulated.decode_base_s=0.03")
     pl.add_argument("--gpus", type=int, required=True, help="GPU budget: trainer GPUs + rollout engines' GPUs")
@@ -256,7 +264,8 @@ def add_plan_command(sub) -> None:
     pl.add_argument("--partial", default="both", choices=["both", "on", "off"],
                     help="partial_rollout settings to try (default both; the config's own is always tried)")
     pl.add_argument("--prompt-tokens", type=int, default=None, metavar="N",
-                    help="every prompt N tokens (default: data.source through the model's tokenizer)")
+                    help="every prompt N tokens (default: data.source through the model's tokenizer; needed where "
+                         "the model or the data cannot be read here)")
     pl.add_argument("--updates", type=int, default=32, help="local updates simulated per candidate (default 32)")
     pl.add_argument("--probe", default=None, metavar="RUN", help="measure the update model, weight switch and "
                     "response lengths from this run directory's logs")
@@ -289,7 +298,10 @@ def add_analysis_commands(sub) -> None:
     sa = sub.add_parser("samples", help="what the model writes: prompts, responses, rewards and per-token versions "
                                         "decoded from the shards",
                         description="Decode committed samples of one weight version (default: the newest) with the "
-                                    "run's tokenizer.")
+                                    "run's tokenizer. The trainer removes the shards behind its checkpoint but the "
+                                    "newest trainer.keep_consumed_shards (8) per writer, so the samples of old "
+                                    "versions go (set it to -1 to keep them); a note says how many shards are gone. "
+                                    "Exit 0: shown; 1: no trajectory of that version; 2: not a run directory.")
     sa.add_argument("run_dir", metavar="RUN_DIR", help=RUN_DIR_HELP)
     sa.add_argument("--version", type=int, default=None, help="weight version that sampled them (default: newest)")
     order = sa.add_mutually_exclusive_group()
@@ -375,18 +387,28 @@ def _cmd_build_ops(timeout_s: float) -> int:
     return 0
 
 
-def _parser() -> argparse.ArgumentParser:
-    """Every command and its arguments."""
-    p = argparse.ArgumentParser(prog="hpcrl", description="asynchronous RL post-training on Slurm")
-    p.add_argument("--version", action="version", version=f"hpcrl {__version__}")
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND",
-                           help="what to do; `hpcrl COMMAND --help` explains its options")
-    r = sub.add_parser("run", help="launch a run (trainer + rollout jobs) and follow it")
+RUN_DESCRIPTION = (
+    "Check everything before anything is created (the config, the model, data and reward, the GPUs, the run "
+    "directory: every problem in one pass), prepare RUN_DIR, submit the trainer, the rollout jobs and the evaluation "
+    "job, and follow them until the trainer finishes. Every config key, its default and meaning: "
+    "docs/config-reference.md. Ctrl-C (or SIGTERM) asks the jobs to stop at their next safe point: the trainer "
+    "checkpoints its last update, so `hpcrl run --resume --run-dir RUN_DIR` redoes nothing; a second Ctrl-C cancels "
+    "at once. Exit 0: finished (or a dry run); 1: a job failed for good or --timeout-min passed; 2: bad input, "
+    "nothing created or submitted; 130: stopped by Ctrl-C.")
+INTERNAL = "internal ({}): "
+"""How the help of a command users rarely type begins (the jobs' entry points, the scripts' helpers)."""
+
+
+def _add_run_command(sub) -> None:
+    r = sub.add_parser("run", help="launch a run (trainer + rollout jobs) and follow it", description=RUN_DESCRIPTION)
     r.add_argument("config", nargs="?", help="YAML config, e.g. configs/tiny.yaml (omit with --resume)")
     r.add_argument("overrides", nargs="*", help="dotted overrides, e.g. async_training.staleness_threshold=0.5")
     r.add_argument("--run-dir", required=True, help="run directory on the shared filesystem")
-    r.add_argument("--executor", default="auto", help="local, slurm or auto (slurm when srun is on PATH)")
-    r.add_argument("--dry-run", action="store_true", help="check the config and print what would be submitted")
+    r.add_argument("--executor", default="auto", help="local (processes here), slurm (sbatch through submitit) or auto "
+                                                      "(default: slurm when srun is on PATH, else local)")
+    r.add_argument("--dry-run", action="store_true", help="check everything and print what would be submitted (with "
+                                                          "--executor slurm also its sbatch lines, even where Slurm "
+                                                          "is missing)")
     r.add_argument("--resume", action="store_true", help="continue the run already in --run-dir")
     r.add_argument("--timeout-min", type=float, default=None,
                    help="give up following after this long (default: resources.trainer.timeout_min)")
@@ -395,39 +417,55 @@ def _parser() -> argparse.ArgumentParser:
     sc.add_argument("run_dir", metavar="RUN_DIR", help="the live run's directory (--run-dir of `hpcrl run`)")
     sc.add_argument("--rollout-jobs", type=int, required=True, help="the number of rollout jobs from now on")
     sc.add_argument("--wait-s", type=float, default=30.0,
-                    help="how long to wait for the launcher following the run before acting here")
+                    help="how long to wait for the launcher following the run before acting here (default 30)")
     sc.add_argument("--scripts", default=None, help="folder holding rollout.sbatch (runs launched with sbatch)")
-    sl = sub.add_parser("sbatch-lines", help="prepare RUN_DIR and print the sbatch commands (used by sbatch/submit.sh)")
+
+
+def _add_internal_commands(sub) -> None:
+    """The commands the scripts and the jobs run (listed last, each marked internal)."""
+    sl = sub.add_parser("sbatch-lines", help=INTERNAL.format("sbatch/submit.sh runs it") + "prepare RUN_DIR and print "
+                        "the sbatch commands")
     sl.add_argument("config", help="YAML config, e.g. configs/tiny.yaml")
     sl.add_argument("overrides", nargs="*", help="dotted overrides, e.g. async_training.staleness_threshold=0.5")
     sl.add_argument("--run-dir", required=True, help="run directory to prepare on the shared filesystem (a new one)")
     sl.add_argument("--scripts", default=str(Path(__file__).resolve().parents[1] / "sbatch"),
-                    help="folder holding trainer.sbatch, rollout.sbatch and eval.sbatch")
+                    help="folder holding trainer.sbatch, rollout.sbatch and eval.sbatch (default: the repository's "
+                         "sbatch/)")
     sl.add_argument("--python", default=None, help="python the jobs run (default: HPCRL_PYTHON, else this one)")
     sl.add_argument("--dry-run", action="store_true", help="print the lines; create and submit nothing")
-    t = sub.add_parser("trainer", help="run the trainer job in this process")
+    bo = sub.add_parser("build-ops", help=INTERNAL.format("install.sh runs it") + "build DeepSpeed's JIT ops for this "
+                        "node now, so that no trainer's start waits for the compiler")
+    bo.add_argument("--timeout-s", type=float, default=1800.0, help="give up building after this long (default 1800)")
+    job = INTERNAL.format("a job's entry point, which hpcrl run and the sbatch scripts start")
+    t = sub.add_parser("trainer", help=job + "run the trainer job in this process")
     t.add_argument("run_dir", metavar="RUN_DIR", help=JOB_RUN_DIR_HELP)
-    ro = sub.add_parser("rollout", help="run one rollout job in this process")
+    ro = sub.add_parser("rollout", help=job + "run one rollout job in this process")
     ro.add_argument("run_dir", metavar="RUN_DIR", help=JOB_RUN_DIR_HELP)
     ro.add_argument("--writer-rank", type=int, default=0, help="this job's writer number (w000 is 0; default 0)")
-    ej = sub.add_parser("eval-job", help="run the evaluation job in this process")
+    ej = sub.add_parser("eval-job", help=job + "run the evaluation job in this process")
     ej.add_argument("run_dir", metavar="RUN_DIR", help=JOB_RUN_DIR_HELP)
+
+
+def _parser() -> argparse.ArgumentParser:
+    """Every command and its arguments: the user's first, the internal ones last."""
+    p = argparse.ArgumentParser(prog="hpcrl", description="asynchronous RL post-training on Slurm")
+    p.add_argument("--version", action="version", version=f"hpcrl {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND",
+                           help="what to do; `hpcrl COMMAND --help` explains its options")
+    _add_run_command(sub)
     from hpcrl.eval.offline import add_arguments as add_eval_arguments
 
     add_eval_arguments(sub.add_parser(
         "eval", help="evaluate a run's weight versions, or a model folder, on held-out prompts (verl's metrics)",
         description="Evaluate weight versions of RUN (or --model HF_FOLDER) on held-out prompts with the evaluation "
                     "job's code; rows go to RUN/logs/eval.jsonl (marked offline) or --out DIR."))
-    bo = sub.add_parser("build-ops", help="build DeepSpeed's JIT ops for this node now, so that a trainer's first "
-                                          "start does not wait for the compiler (install.sh runs it)")
-    bo.add_argument("--timeout-s", type=float, default=1800.0, help="give up building after this long (default 1800)")
-
     add_plan_command(sub)
     from hpcrl.doctor.command import add_arguments as add_doctor_arguments
 
     add_doctor_arguments(sub.add_parser("doctor", help="check what this node offers a run (CUDA, vLLM, gloo, /dev/shm, "
                                                        "the shared filesystem); exit 1 if a required check fails"))
     add_analysis_commands(sub)
+    _add_internal_commands(sub)
     for action in sub._choices_actions:  # `hpcrl X --help` opens with what X does, as `hpcrl --help` lists it
         parser = sub.choices[action.dest]
         parser.description = parser.description or action.help[0].upper() + action.help[1:] + "."
