@@ -99,7 +99,7 @@ def occupied_message(rd: RunDir, cfg: RunConfig) -> str:
     except (OSError, ValueError):
         differ = None
     if differ is None:
-        return f"{head} (its config.yaml does not load); choose another --run-dir"
+        return f"{head} ({rd.config_path} does not load); choose another --run-dir"
     if not differ:
         return f"{head} of this same config; pass --resume to continue it, or choose another --run-dir"
     shown = ", ".join(c.line() for c in differ[:4]) + (f" (+{len(differ) - 4} more)" if len(differ) > 4 else "")
