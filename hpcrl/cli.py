@@ -207,7 +207,8 @@ def _cmd_plan(a) -> int:
             node = node or max(r.trainer.gpus_per_node, r.rollout.gpus_per_node, r.eval.gpus_per_node) or GPUS_PER_NODE
         spec = SweepSpec(gpus=a.gpus, gpus_per_engine=gpe, updates=a.updates, staleness=staleness, partial=partial,
                          splits=splits, gpus_per_node=node)
-        lines = plan_command(a.config, a.overrides, spec, a.probe, a.top, a.all, a.prompt_tokens, a.reference)
+        lines = plan_command(a.config, a.overrides, spec, a.probe, a.top, a.all, a.prompt_tokens, a.reference,
+                             a.model_config)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         return _problems("hpcrl plan", e)
     print("\n".join(lines))
@@ -267,6 +268,9 @@ def add_plan_command(sub) -> None:
     pl.add_argument("--updates", type=int, default=32, help="local updates simulated per candidate (default 32)")
     pl.add_argument("--probe", default=None, metavar="RUN", help="measure the update model, weight switch and "
                     "response lengths from this run directory's logs")
+    pl.add_argument("--model-config", default=None, metavar="FILE",
+                    help="a model's config.json for the trainer's memory prediction when model.path is not here "
+                         "(default: model.path's; configs/shapes/ has some)")
     pl.add_argument("--top", type=int, default=10, help="rows shown, best first (default 10)")
     pl.add_argument("--all", action="store_true", help="simulate every candidate (no search, no bound) and show "
                                                        "them all")

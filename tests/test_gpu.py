@@ -16,7 +16,8 @@ from conftest import REPO
 from hpcrl.rollout.engine import EngineOptions, EngineRunner
 from hpcrl.samples.schema import Group, Trajectory
 from hpcrl.tiny.model import build_tiny_model
-from hpcrl.trainer.batch import build_batch, forward
+from hpcrl.trainer.batch import build_batch
+from hpcrl.trainer.forward import logprobs_of
 from hpcrl.trainer.models import load_reference
 
 NO_GPU = "no CUDA device: torch.cuda.is_available() is False (these run on a GPU node: bench/gpu_check.sh)"
@@ -68,9 +69,8 @@ def test_an_engine_on_cuda_samples_with_the_trainers_log_probs_and_takes_a_new_v
     engine = make_engine(name, opts, runner, timeout_s=600)
     try:
         batch = build_batch(sampled(engine, runner, [[30, 5], [31, 7, 8, 9]]), pad_id=0, trainer_version=0)
-        batch = batch.to("cuda")
         with torch.no_grad():
-            logp, _, _ = forward(load_reference(model_dir, "cuda"), batch, 0.7)
+            logp = logprobs_of(load_reference(model_dir, "cuda"), batch, 0.7)[0].cpu()
         m = batch.mask > 0
         diff = float((logp[m] - batch.behav_logp[m]).abs().max())
         assert diff < (0.1 if dtype == "bfloat16" else 1e-3), f"{name} {dtype}: max |engine - trainer| {diff}"
@@ -78,10 +78,10 @@ def test_an_engine_on_cuda_samples_with_the_trainers_log_probs_and_takes_a_new_v
         state = {k: v.to("cuda") for k, v in load_reference(other).state_dict().items()}
         version = WeightVersion(1, None, other, state, "memory", 0.0, 0)
         runner.call(lambda: engine.load_weights(version), 300, "load_weights")
-        batch = build_batch(sampled(engine, runner, [[30, 5]]), pad_id=0, trainer_version=1).to("cuda")
+        batch = build_batch(sampled(engine, runner, [[30, 5]]), pad_id=0, trainer_version=1)
         with torch.no_grad():
-            new = forward(load_reference(other, "cuda"), batch, 0.7)[0]
-            old = forward(load_reference(model_dir, "cuda"), batch, 0.7)[0]
+            new = logprobs_of(load_reference(other, "cuda"), batch, 0.7)[0].cpu()
+            old = logprobs_of(load_reference(model_dir, "cuda"), batch, 0.7)[0].cpu()
         m = batch.mask > 0
         assert float((new[m] - batch.behav_logp[m]).abs().max()) < float((old[m] - batch.behav_logp[m]).abs().max())
     finally:

@@ -11,7 +11,8 @@ from hpcrl.rollout.engine import EngineOptions
 from hpcrl.rollout.transformers_engine import TransformersEngine
 from hpcrl.samples.schema import Group, Trajectory
 from hpcrl.tiny.model import build_tiny_model
-from hpcrl.trainer.batch import build_batch, forward
+from hpcrl.trainer.batch import build_batch
+from hpcrl.trainer.forward import logprobs_of
 from hpcrl.trainer.models import PolicyWithValueHead, load_reference, policy_state_dict
 from hpcrl.trainer.offpolicy import correct
 
@@ -39,7 +40,7 @@ def test_trainer_log_probs_match_the_engine_log_probs(tiny, temperature):
     batch = build_batch(groups, pad_id=0, trainer_version=3)
     model = PolicyWithValueHead(load_reference(tiny), value_head=True)
     with torch.no_grad():
-        logp, ent, values = forward(model, batch, temperature, entropy=True)
+        logp, ent, values = logprobs_of(model, batch, temperature, extra="entropy")
     m = batch.mask > 0
     assert torch.allclose(logp[m], batch.behav_logp[m], atol=1e-4), "same weights: pi_prox = mu token by token"
     _, _, s = correct(batch.mask, prox_logp=logp, behav_logp=batch.behav_logp)
@@ -48,7 +49,7 @@ def test_trainer_log_probs_match_the_engine_log_probs(tiny, temperature):
     assert values.shape == logp.shape == ent.shape == batch.mask.shape
     # the plain HF model (the reference path) gives the same log-probs
     with torch.no_grad():
-        ref_logp, _, ref_values = forward(load_reference(tiny), batch, temperature)
+        ref_logp, _, ref_values = logprobs_of(load_reference(tiny), batch, temperature)
     assert ref_values is None and torch.allclose(ref_logp[m], logp[m], atol=1e-5)
 
 

@@ -84,7 +84,7 @@ def test_units_that_differ_are_converted():
     ("data.train_files=[a.parquet,b.parquet]", "concatenate the files into one"),
     ("data.train_batch_size=6", "multiple of actor.ppo_mini_batch_size=4"),
     ("trainer.logger=[console,mlflow]", "drop mlflow"),
-    ("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2", "DeepSpeed ZeRO data parallelism only"),
+    ("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2", "no tensor or pipeline parallelism"),
     ("actor_rollout_ref.rollout.top_k=50", "no top-k"),
     ("data.reward_fn_key=source", "rename your column to data_source"),
     ("~data.seed", "nothing to delete"),
@@ -97,10 +97,30 @@ def test_keys_that_cannot_be_honoured_are_refused_with_the_reason(override, frag
 
 def test_keys_without_meaning_here_are_accepted_with_what_hpcrl_does_instead():
     notes = []
-    load_config(TINY, ["actor_rollout_ref.actor.fsdp_config.param_offload=true", "ray_kwargs.ray_init.num_cpus=8",
+    load_config(TINY, ["actor_rollout_ref.actor.fsdp_config.reshard_after_forward=true", "ray_kwargs.ray_init.num_cpus=8",
                        "actor_rollout_ref.model.lora_rank=0", "reward_model.enable=false"], notes=notes)
-    assert any("fsdp_config.param_offload: not used here: the trainer shards with DeepSpeed ZeRO" in n for n in notes)
+    assert any("fsdp_config.reshard_after_forward: not used here: the trainer shards with DeepSpeed ZeRO" in n
+               for n in notes)
     assert any("ray_kwargs.ray_init.num_cpus: not used here: hpcrl runs no Ray" in n for n in notes)
+
+
+def test_verls_memory_keys_set_the_trainers_layout_and_offload():
+    """verl's padding-free, token-budget, checkpointing, sequence-parallel and offload keys are read as hpcrl's; an
+    offload ZeRO cannot give with the stage set is refused with the fix."""
+    cfg = load_config(TINY, ["actor_rollout_ref.model.use_remove_padding=false",
+                             "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+                             "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                             "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=8192",
+                             "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=20000",
+                             "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1",
+                             "actor.zero_stage=3", "actor_rollout_ref.actor.fsdp_config.param_offload=true",
+                             "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"])
+    a = cfg.actor
+    assert (a.use_remove_padding, a.gradient_checkpointing, a.use_dynamic_bsz) == (False, True, True)
+    assert (a.ppo_max_token_len_per_gpu, a.log_prob_token_budget) == (8192, 20000)
+    assert a.offload_param and a.offload_optimizer
+    with pytest.raises(ConfigError, match="only with actor.zero_stage: 3.*fix: set actor.zero_stage=3"):
+        load_config(TINY, ["actor_rollout_ref.actor.fsdp_config.param_offload=true"])
 
 
 def test_unknown_keys_are_all_reported_with_the_nearest_hpcrl_or_verl_key():

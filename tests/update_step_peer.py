@@ -81,7 +81,7 @@ def one_update(folder: Path, device: str, name: str, overrides: list[str]) -> No
     assert engine.device.type == device, engine.device
     assert engine.bfloat16_enabled() == (device == "cuda"), "actor.bf16: auto is bf16 on a GPU only"
     before = [p.detach().float().clone() for p in engine.module.parameters()]
-    batch = build_batch(groups_on(device, rd.model_dir(cfg.model.path), 4, "remax" in name), parts.pad_id, 0)
+    batch = build_batch(groups_on(device, rd.model_dir(cfg.model.path), 4, "remax" in name), parts.layout.pad_id, 0)
     stats = parts.updater.run(batch)
     bad = {k: v for k, v in stats.items() if isinstance(v, float) and not math.isfinite(v)}
     assert not bad, f"{name}: non-finite metrics {bad}"

@@ -192,7 +192,7 @@ class StatusView:
                     j.version = max(j.version, int(_num(last.get("param_version"), -1)) + int(published))
                 idle = _recent_trainer_idle(m)
                 detail = (f"update {last.get('step', 0)}, {last.get('consumed_groups', 0)} groups consumed"
-                          if last else "no update logged yet")
+                          + _memory_detail(last) if last else "no update logged yet")
             else:
                 rows = ro.get(writer, [])
                 idle = _num(rows[-1].get(M.ROLLOUT_IDLE_RATIO)) if rows else math.nan
@@ -270,6 +270,14 @@ def _eval_detail(j: JobView) -> str:
     if st.evaluating_now is not None:
         return f"{last}; evaluating v{st.evaluating_now} ({st.prompts_done or 0}/{st.prompts or 0} prompts)"
     return last
+
+
+def _memory_detail(row: dict) -> str:
+    """The last update's peak memory (verl's perf/* metrics): GPU where it ran on one, else the host's."""
+    gpu, host = _num(row.get(M.MAX_MEMORY_ALLOCATED_GB), 0.0), _num(row.get(M.CPU_MEMORY_USED_GB), math.nan)
+    if gpu > 0:
+        return f", peak {gpu:.1f} GiB GPU ({_num(row.get(M.MAX_MEMORY_RESERVED_GB), 0.0):.1f} reserved)"
+    return "" if math.isnan(host) else f", peak {host:.1f} GiB host"
 
 
 def _num(value, default: float = math.nan) -> float:

@@ -275,9 +275,16 @@ def summary_row(data: RunData) -> dict:
         "idle trainer": trainer_idle(m) if n else math.nan,
         "idle rollout": rollout_idle(data.rollout) if len(data.rollout) else math.nan,
         "tokens/s": float(m["n_tokens"].sum() / total) if n and total > 0 else math.nan,
+        "peak GPU (GiB)": _peak(m, M.MAX_MEMORY_ALLOCATED_GB),
+        "peak host (GiB)": _peak(m, M.CPU_MEMORY_USED_GB),
         "dropped groups": int(dropped),
         **{k: v for k, v in best_and_last(data).items() if not k.endswith(" v")},
     }
+
+
+def _peak(m: pd.DataFrame, column: str) -> float:
+    """The largest value of a memory column over the updates (NaN for a run that logged none)."""
+    return float(m[column].max()) if len(m) and column in m else math.nan
 
 
 COLUMN_DEFINITIONS = {
@@ -285,6 +292,8 @@ COLUMN_DEFINITIONS = {
     "step (s)": "mean trainer seconds per local update (wait for samples + update + weight sync)",
     "gen (s/group)": "mean seconds from a group's start to its last response (created_s -> finished_s)",
     "update (s)": "mean `timing_s/update`",
+    "peak GPU (GiB)": "largest `perf/max_memory_allocated_gb` of an update (trainer rank 0; 0 on a CPU)",
+    "peak host (GiB)": "largest `perf/cpu_memory_used_gb` of an update: the trainer process's resident peak",
     "sync (s)": "mean `timing_s/param_sync` of the updates that published a version",
     "total (s)": "first event in the logs to the last update",
     "final reward": "mean `reward/mean` over the last tenth of the updates",

@@ -10,8 +10,9 @@ module             what it holds
 ``registries``     name -> implementation ("module:attribute") of engines, loops, parsers, weight transports,
                    rewards and policy losses: the config checks names against them, the jobs import from them
 ``checks``         ConfigError and the check helpers (key, what is allowed, fix)
-``sections``       model, data, reward, actor, rollout, agent, async_training, trainer,
-                   weights
+``sections``       model, data, reward, rollout, agent, async_training, trainer, weights
+``actor``          actor: optimizer, PPO loss, and how the trainer fits long responses (token budgets,
+                   packing, chunked log-probs, checkpointing, offload, sequence parallelism)
 ``runtime``        timeouts, logging (what may change on a live run)
 ``verl``           verl's config keys read as hpcrl's (the table is ``names.VERL_KEYS``)
 ``verl_units``     verl's values whose units differ, converted (micro-batches, GPUs, epochs)
@@ -26,6 +27,7 @@ module             what it holds
 
 This package imports nothing from the jobs (``tests/test_layers.py``).
 """
+from hpcrl.config.actor import ActorConfig
 from hpcrl.config.algorithm import (AlgorithmConfig, CriticConfig, KLControlConfig, PolicyLossConfig,
                                     RolloutCorrectionConfig)
 from hpcrl.config.checks import ConfigError
@@ -33,7 +35,7 @@ from hpcrl.config.evaluation import EvalConfig, EvalRewardConfig
 from hpcrl.config.resources import JobResources, ResourcesConfig
 from hpcrl.config.run import RunConfig, config_from_dict, dump_config, given_keys, load_config, parse_override
 from hpcrl.config.runtime import LoggingConfig, TimeoutsConfig
-from hpcrl.config.sections import (ActorConfig, AgentConfig, AsyncConfig, DataConfig, ModelConfig, RewardConfig,
+from hpcrl.config.sections import (AgentConfig, AsyncConfig, DataConfig, ModelConfig, RewardConfig,
                                    RolloutConfig, TrainerConfig, WeightsConfig)
 
 __all__ = [

@@ -83,6 +83,9 @@ RENAMED_KEYS = {
 }
 """Keys that were renamed (units in the name): the old key is refused with the new one and how to convert."""
 
+ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+"""``actor.attn_implementation`` (transformers' names; ``auto``: hpcrl/trainer/parts.py picks)."""
+
 KL_CTRL_TYPES = ("fixed", "adaptive")
 """``algorithm.kl_ctrl.type`` (hpcrl/trainer/kl.py)."""
 
@@ -116,10 +119,13 @@ _SHARDING = "the trainer shards with DeepSpeed ZeRO (actor.zero_stage 0-3; FSDP'
 _RAY = "hpcrl runs no Ray: the trainer and each rollout job are Slurm jobs (resources.*)"
 _PROFILE = "no profiler hooks: bench/ measures the exchanges, logs/*.jsonl time every step"
 _CKPT = "checkpoints hold model, optimizer and sample cursor in RUN/checkpoints (trainer.checkpoint_every_updates)"
-_BATCH_TOKENS = "micro-batches count groups (actor.ppo_micro_batch_size), not tokens"
+_CRITIC_BATCHES = ("the critic (a value head on the policy) trains on the actor's micro-batches (actor.use_dynamic_bsz, "
+                   "actor.ppo_max_token_len_per_gpu)")
 _ENGINE = "a vLLM engine option hpcrl does not set (the rollout.* fields list the ones it does)"
-_MODEL = "the model is model.path loaded as it is (no remove-padding or kernel options; LoRA: actor.lora_*)"
-_TP = "parallel training is DeepSpeed ZeRO data parallelism only (no tensor, pipeline or sequence parallelism)"
+_MODEL = "the model is model.path loaded as it is (no kernel options; LoRA: actor.lora_*)"
+_TP = ("parallel training is DeepSpeed ZeRO data parallelism with Ulysses sequence parallelism "
+       "(actor.ulysses_sequence_parallel_size); no tensor or pipeline parallelism")
+_CHUNKS = "log-probs and entropy always come from the hidden states a chunk at a time (actor.logprob_chunk_mib)"
 _OPTIM_KEYS = ("optimizer", "optimizer_impl", "lr", "lr_warmup_steps_ratio", "lr_warmup_ratio", "total_training_steps",
                "weight_decay", "lr_warmup_steps", "betas", "clip_grad", "grad_clip", "max_grad_norm", "min_lr_ratio",
                "num_cycles", "lr_scheduler_type", "warmup_style", "override_optimizer_config", "lr_warmup_init",
@@ -186,9 +192,9 @@ VERL_KEYS: dict[str, str | VerlKey] = {
     "actor_rollout_ref.model.trust_remote_code": VerlKey(None, _MODEL),
     "actor_rollout_ref.model.external_lib": VerlKey(None, _MODEL),
     "actor_rollout_ref.model.override_config": VerlKey(None, _MODEL),
-    "actor_rollout_ref.model.enable_gradient_checkpointing": VerlKey(None, _MODEL),
+    "actor_rollout_ref.model.enable_gradient_checkpointing": "actor.gradient_checkpointing",
     "actor_rollout_ref.model.enable_activation_offload": VerlKey(None, _MODEL),
-    "actor_rollout_ref.model.use_remove_padding": VerlKey(None, _MODEL),
+    "actor_rollout_ref.model.use_remove_padding": "actor.use_remove_padding",
     "actor_rollout_ref.model.use_liger": VerlKey(None, _MODEL),
     "actor_rollout_ref.model.use_fused_kernels": VerlKey(None, _MODEL),
     "actor_rollout_ref.model.fused_kernel_options.*": VerlKey(None, _MODEL),
@@ -201,6 +207,10 @@ VERL_KEYS: dict[str, str | VerlKey] = {
                                                          refuse=True),
     "actor_rollout_ref.hybrid_engine": VerlKey(None, "the trainer and the rollout always run as separate jobs"),
     "actor_rollout_ref.nccl_timeout": VerlKey(None, "every wait has its own limit in timeouts.*"),
+    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": "actor.log_prob_max_token_len_per_gpu",
+    "actor_rollout_ref.ref.log_prob_use_dynamic_bsz": VerlKey(None, "the reference's passes follow actor.use_dynamic_bsz"),
+    "actor_rollout_ref.ref.fsdp_config.param_offload": VerlKey(None, "the reference follows actor.offload_param (a "
+                                                               "ZeRO-3 engine of its own under actor.zero_stage=3)"),
     "actor_rollout_ref.ref.*": VerlKey(None, "the reference policy is model.path, loaded in the trainer when a KL "
                                        "term needs it (actor.use_kl_loss, algorithm.use_kl_in_reward)"),
     "actor_rollout_ref.actor.optim.lr": "actor.lr",
@@ -214,11 +224,15 @@ VERL_KEYS: dict[str, str | VerlKey] = {
                                                             "are read as groups of rollout.n per rank"),
     "actor_rollout_ref.actor.use_rollout_log_probs": "async_training.use_rollout_log_probs",
     "actor_rollout_ref.actor.strategy": VerlKey(None, _SHARDING),
+    "actor_rollout_ref.actor.fsdp_config.param_offload": VerlKey("actor.offload_param", "DeepSpeed's ZeRO-3 parameter "
+                                                                 "offload (needs actor.zero_stage=3)"),
+    "actor_rollout_ref.actor.fsdp_config.optimizer_offload": VerlKey("actor.offload_optimizer", "DeepSpeed's ZeRO "
+                                                                     "optimizer offload (needs actor.zero_stage >= 1)"),
     "actor_rollout_ref.actor.fsdp_config.*": VerlKey(None, _SHARDING),
     "actor_rollout_ref.actor.megatron.*": VerlKey(None, _TP),
-    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": VerlKey(None, _TP),
-    "actor_rollout_ref.actor.use_dynamic_bsz": VerlKey(None, _BATCH_TOKENS),
-    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": VerlKey(None, _BATCH_TOKENS),
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": "actor.ulysses_sequence_parallel_size",
+    "actor_rollout_ref.actor.use_dynamic_bsz": "actor.use_dynamic_bsz",
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": "actor.ppo_max_token_len_per_gpu",
     "actor_rollout_ref.actor.rollout_n": VerlKey(None, "rollout.n is the group size"),
     "actor_rollout_ref.actor.checkpoint.*": VerlKey(None, _CKPT),
     "actor_rollout_ref.actor.profiler.*": VerlKey(None, _PROFILE),
@@ -230,13 +244,14 @@ VERL_KEYS: dict[str, str | VerlKey] = {
                                                                 "needs"),
     "actor_rollout_ref.actor.use_torch_compile": VerlKey(None, "eager PyTorch under DeepSpeed"),
     "actor_rollout_ref.actor.use_fused_kernels": VerlKey(None, "eager PyTorch under DeepSpeed"),
-    "actor_rollout_ref.actor.use_remove_padding": VerlKey(None, "batches are padded per micro-batch"),
-    "actor_rollout_ref.actor.pad_to_length": VerlKey(None, "batches are padded per micro-batch"),
+    "actor_rollout_ref.actor.use_remove_padding": "actor.use_remove_padding",
+    "actor_rollout_ref.actor.pad_to_length": VerlKey(None, "rows are packed (actor.use_remove_padding) or padded to "
+                                                     "their micro-batch's longest"),
     "actor_rollout_ref.actor.use_prefix_grouper": VerlKey(None, "each trajectory is a full sequence", refuse=True),
     "actor_rollout_ref.actor.freeze_vision_tower": VerlKey(None, "text only"),
-    "actor_rollout_ref.actor.entropy_from_logits_with_chunking": VerlKey(None, "entropy is computed in one pass"),
-    "actor_rollout_ref.actor.entropy_from_logits_chunk_size": VerlKey(None, "entropy is computed in one pass"),
-    "actor_rollout_ref.actor.entropy_checkpointing": VerlKey(None, "entropy is computed in one pass"),
+    "actor_rollout_ref.actor.entropy_from_logits_with_chunking": VerlKey(None, _CHUNKS),
+    "actor_rollout_ref.actor.entropy_from_logits_chunk_size": VerlKey(None, _CHUNKS + ", set in MiB of logits"),
+    "actor_rollout_ref.actor.entropy_checkpointing": VerlKey(None, _CHUNKS + ", each checkpointed"),
     "actor_rollout_ref.actor.*": "actor.*",
     # ---- the rollout engine
     "actor_rollout_ref.rollout.name": VerlKey("rollout.engine", "vllm -> vllm, hf -> transformers"),
@@ -308,8 +323,9 @@ VERL_KEYS: dict[str, str | VerlKey] = {
     "actor_rollout_ref.rollout.layered_summon": VerlKey(None, _ENGINE),
     "actor_rollout_ref.rollout.log_prob_micro_batch_size": VerlKey(None, _ENGINE),
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": VerlKey(None, _ENGINE),
-    "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz": VerlKey(None, _ENGINE),
-    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": VerlKey(None, _ENGINE),
+    "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz": VerlKey(None, "the trainer's no-grad passes follow "
+                                                                  "actor.use_dynamic_bsz"),
+    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": "actor.log_prob_max_token_len_per_gpu",
     "actor_rollout_ref.rollout.disable_log_stats": VerlKey(None, _ENGINE),
     "actor_rollout_ref.rollout.multi_stage_wake_up": VerlKey(None, _ENGINE),
     "actor_rollout_ref.rollout.router_config_path": VerlKey(None, _ENGINE),
@@ -393,15 +409,16 @@ VERL_KEYS: dict[str, str | VerlKey] = {
     "critic.ppo_micro_batch_size_per_gpu": VerlKey(None, "the critic trains on the actor's micro-batches"),
     "critic.forward_micro_batch_size": VerlKey(None, "the critic trains on the actor's micro-batches"),
     "critic.forward_micro_batch_size_per_gpu": VerlKey(None, "the critic trains on the actor's micro-batches"),
-    "critic.use_dynamic_bsz": VerlKey(None, _BATCH_TOKENS),
-    "critic.ppo_max_token_len_per_gpu": VerlKey(None, _BATCH_TOKENS),
-    "critic.forward_max_token_len_per_gpu": VerlKey(None, _BATCH_TOKENS),
+    "critic.use_dynamic_bsz": VerlKey(None, _CRITIC_BATCHES),
+    "critic.ppo_max_token_len_per_gpu": VerlKey(None, _CRITIC_BATCHES),
+    "critic.forward_max_token_len_per_gpu": VerlKey(None, _CRITIC_BATCHES),
     "critic.ppo_epochs": VerlKey(None, "the critic makes actor.ppo_epochs passes with the actor"),
     "critic.shuffle": VerlKey(None, "each update's groups are used in commit order"),
     "critic.data_loader_seed": VerlKey(None, "the trainer's seed is model.seed"),
     "critic.loss_agg_mode": VerlKey(None, "the value loss is averaged over response tokens"),
     "critic.loss_scale_factor": VerlKey(None, "the value loss is averaged over response tokens"),
-    "critic.ulysses_sequence_parallel_size": VerlKey(None, _TP),
+    "critic.ulysses_sequence_parallel_size": VerlKey(None, "the value head shares the actor's sequence parallelism "
+                                                     "(actor.ulysses_sequence_parallel_size)"),
     "critic.grad_clip": VerlKey(None, "the critic's gradients are clipped with the actor's (actor.grad_clip)"),
     "critic.profiler.*": VerlKey(None, _PROFILE),
     # ---- algorithm keys verl has and hpcrl does not

@@ -5,7 +5,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
-from hpcrl.config.checks import check_int, fail
+from hpcrl.config.checks import check_float, check_int, fail
 
 @dataclass
 class JobResources:
@@ -21,6 +21,11 @@ class JobResources:
     """GPUs per node (0 on CPU)."""
     mem_gb: int = 4
     """Memory per node in GB."""
+    gpu_memory_gib: Optional[float] = None
+    """Memory of one GPU of this job's nodes, GiB (80 for an H100 SXM, 141 for an H200; null: not known). For the
+    trainer, ``hpcrl run`` (and its dry run) and ``hpcrl plan`` predict the peak per GPU from the config and the
+    model's config.json and refuse a config that cannot fit, naming the largest term and the settings that would
+    make it fit (hpcrl/plan/memory.py; docs/long-responses.md)."""
     timeout_min: int = 60
     """Wall-clock limit in minutes (Slurm --time). The job gets USR2 90 s before it."""
     partition: Optional[str] = None
@@ -45,6 +50,8 @@ class JobResources:
         for name in ("nodes", "tasks_per_node", "cpus_per_task", "mem_gb", "timeout_min"):
             check_int(f"{prefix}.{name}", getattr(self, name), 1)
         check_int(f"{prefix}.gpus_per_node", self.gpus_per_node, 0)
+        if self.gpu_memory_gib is not None:
+            check_float(f"{prefix}.gpu_memory_gib", self.gpu_memory_gib, 0.0, lo_open=True)
         for name in ("partition", "account", "qos", "constraint"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v or any(c.isspace() for c in v)):

@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 import yaml
 
+from hpcrl.config.actor import ActorConfig
 from hpcrl.config.algorithm import AlgorithmConfig, CriticConfig
 from hpcrl.config.checks import ConfigError, bad, collecting, fail, report, reported
 from hpcrl.config.combinations import check_algorithm_combinations
@@ -33,7 +34,7 @@ from hpcrl.config.lora import check_lora_combination
 from hpcrl.config.resources import ResourcesConfig
 from hpcrl.config.runtime import LoggingConfig, TimeoutsConfig
 from hpcrl.config.simulated import SimulatedConfig, check_simulated_combination
-from hpcrl.config.sections import (ActorConfig, AgentConfig, AsyncConfig, DataConfig, ModelConfig, RewardConfig,
+from hpcrl.config.sections import (AgentConfig, AsyncConfig, DataConfig, ModelConfig, RewardConfig,
                                    RolloutConfig, TrainerConfig, WeightsConfig)
 from hpcrl.config.verl import Schema, translate, unknown_key_message
 

@@ -1,5 +1,5 @@
-"""Config sections of the jobs: model, data, reward, actor, rollout, agent, async knobs,
-trainer, weights. One dataclass each, a docstring under every field, one default per field;
+"""Config sections of the jobs: model, data, reward, rollout, agent, async knobs,
+trainer, weights (the actor's is :mod:`hpcrl.config.actor`). One dataclass each, a docstring under every field, one default per field;
 ``validate()`` names the key, what is allowed and the fix. Built and cross-checked by
 :mod:`hpcrl.config.run`; the algorithm sections are in :mod:`hpcrl.config.algorithm`, the job
 sizes in :mod:`hpcrl.config.resources`, timeouts and logging in :mod:`hpcrl.config.runtime`.
@@ -11,9 +11,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from hpcrl.config import names, registries
-from hpcrl.config.algorithm import PolicyLossConfig
 from hpcrl.config.checks import check_choice, check_float, check_int, fail
-from hpcrl.config.lora import DEFAULT_TARGET_MODULES, validate_lora_fields
 
 @dataclass
 class ModelConfig:
@@ -135,113 +133,6 @@ class RewardConfig:
         for k in self.kwargs:
             if not isinstance(k, str) or not k.isidentifier():
                 fail("reward.kwargs", k, "keyword names (Python identifiers)")
-
-
-@dataclass
-class ActorConfig:
-    """``actor``: the policy's optimizer, PPO loss and DeepSpeed settings (verl's names)."""
-
-    ppo_mini_batch_size: int = 4
-    """Groups (prompts) per optimizer step (verl: ppo_mini_batch_size)."""
-    ppo_micro_batch_size: int = 4
-    """Groups per forward/backward on each trainer rank; gradient accumulation covers
-    the rest of the rank's share of the mini-batch."""
-    ppo_epochs: int = 1
-    """Passes over each local batch of R groups."""
-    lr: float = 1e-3
-    """Adam learning rate."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    clip_ratio: float = 0.2
-    """PPO clip epsilon: the ratio is clipped to [1 - clip_ratio, 1 + clip_ratio]."""
-    clip_ratio_low: Optional[float] = None
-    """Lower clip epsilon (null = clip_ratio): the ratio is clipped below at 1 - clip_ratio_low."""
-    clip_ratio_high: Optional[float] = None
-    """Upper clip epsilon (null = clip_ratio; DAPO's clip-higher uses e.g. 0.28)."""
-    clip_ratio_c: Optional[float] = 3.0
-    """Dual-clip bound c > 1: for tokens with negative advantage the loss is at most
-    -A * c (null = plain PPO clip)."""
-    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
-    """Which policy loss (``loss_mode``) and its knobs (verl's ``actor.policy_loss``)."""
-    loss_agg_mode: str = "token-mean"
-    """How per-token losses become one number: ``token-mean``, ``token-sum``, ``seq-mean-token-sum``,
-    ``seq-mean-token-mean``, ``seq-mean-token-sum-norm`` (over the mini-batch; see hpcrl/trainer/losses.py)."""
-    loss_scale_factor: Optional[int] = None
-    """seq-mean-token-sum-norm divides the seq-mean-token-sum loss by this constant (null =
-    rollout.response_length, verl's default: its padded response length)."""
-    entropy_coeff: float = 0.0
-    """Entropy bonus: loss -= entropy_coeff * agg(entropy of the tempered distribution)."""
-    tau_pos: float = 1.0
-    """sapo: temperature of the gate on tokens with A > 0 (verl's actor.tau_pos)."""
-    tau_neg: float = 1.05
-    """sapo: temperature of the gate on tokens with A <= 0 (verl's actor.tau_neg)."""
-    use_kl_loss: bool = False
-    """Add kl_loss_coef * agg(KL(pi_theta || reference)) to the loss (needs the reference model)."""
-    kl_loss_coef: float = 0.001
-    """Weight of the KL loss term."""
-    kl_loss_type: str = "low_var_kl"
-    """KL estimator of the loss term: ``kl``/``k1``, ``mse``/``k2``, ``low_var_kl``/``k3``, ``abs``."""
-    grad_clip: float = 1.0
-    """Max global gradient norm (0 disables clipping)."""
-    zero_stage: int = 0
-    """DeepSpeed ZeRO stage, 0..3."""
-    bf16: Union[bool, str] = "auto"
-    """Train in bf16 (DeepSpeed bf16 mode, fp32 master weights): ``auto`` (bf16 where the trainer runs on a
-    GPU, fp32 on CPU), ``true`` or ``false``. fp16 is refused on CPU by DeepSpeed."""
-    temperature: float = 1.0
-    """Logits are divided by this when computing log-probs; keep it equal to
-    rollout.temperature so trainer and engine log-probs agree."""
-    lora_rank: Optional[int] = None
-    """null: full fine-tuning (every weight is trained and published). An integer >= 1: a LoRA adapter of this
-    rank is trained with peft on the frozen model (only the adapter is in the optimizer and the checkpoints),
-    every weight version is the adapter alone, and the engines apply it to the same base model (verl:
-    ``actor_rollout_ref.model.lora_rank``; its 0 is null here). The KL reference is the base model, the adapter
-    switched off (no second copy)."""
-    lora_alpha: float = 16.0
-    """LoRA scaling numerator: the adapter's update is scaled by lora_alpha / lora_rank (verl: ``lora_alpha``)."""
-    lora_target_modules: Union[list, str] = field(default_factory=lambda: list(DEFAULT_TARGET_MODULES))
-    """Names of the modules that get an adapter (the last part of the module's name): by default the attention
-    and MLP projections of Llama/Qwen-style layers, or ``all-linear`` (peft: every linear layer but the output
-    layer; verl: ``target_modules``). Each name must be a linear layer of the model (checked at launch)."""
-    lora_dropout: float = 0.0
-    """Dropout on the adapter's input in the trainer's forward passes, which run in training mode (the
-    start-of-update log-probs too, when computed; the KL reference has the adapter off); 0 <= p < 1. The engines
-    never drop."""
-
-    def bf16_on(self, cuda: bool) -> bool:
-        """Whether the trainer trains in bf16, ``cuda`` saying whether it runs on a GPU (``auto``'s rule)."""
-        return cuda if self.bf16 == "auto" else bool(self.bf16)
-
-    def validate(self) -> None:
-        """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
-        check_int("actor.ppo_mini_batch_size", self.ppo_mini_batch_size, 1)
-        check_int("actor.ppo_micro_batch_size", self.ppo_micro_batch_size, 1)
-        check_int("actor.ppo_epochs", self.ppo_epochs, 1)
-        check_float("actor.lr", self.lr, 0.0, lo_open=True)
-        check_float("actor.weight_decay", self.weight_decay, 0.0)
-        check_float("actor.clip_ratio", self.clip_ratio, 0.0, 1.0, lo_open=True)
-        if self.clip_ratio_low is not None:
-            check_float("actor.clip_ratio_low", self.clip_ratio_low, 0.0, 1.0, lo_open=True)
-        if self.clip_ratio_high is not None:
-            check_float("actor.clip_ratio_high", self.clip_ratio_high, 0.0, lo_open=True)
-        if self.clip_ratio_c is not None and (isinstance(self.clip_ratio_c, bool) or self.clip_ratio_c <= 1.0):
-            fail("actor.clip_ratio_c", self.clip_ratio_c, "a number > 1 or null",
-                  "use e.g. 3.0 for dual-clip PPO, or null to turn it off")
-        self.policy_loss.validate()
-        check_choice("actor.loss_agg_mode", self.loss_agg_mode, names.LOSS_AGG_MODES)
-        if self.loss_scale_factor is not None:
-            check_int("actor.loss_scale_factor", self.loss_scale_factor, 1)
-        check_float("actor.entropy_coeff", self.entropy_coeff, 0.0)
-        check_float("actor.tau_pos", self.tau_pos, 0.0, lo_open=True)
-        check_float("actor.tau_neg", self.tau_neg, 0.0, lo_open=True)
-        check_choice("actor.use_kl_loss", self.use_kl_loss, (True, False))
-        check_float("actor.kl_loss_coef", self.kl_loss_coef, 0.0)
-        check_choice("actor.kl_loss_type", self.kl_loss_type, names.KL_ESTIMATORS)
-        check_float("actor.grad_clip", self.grad_clip, 0.0)
-        check_int("actor.zero_stage", self.zero_stage, 0, 3)
-        check_choice("actor.bf16", self.bf16, (True, False, "auto"))
-        check_float("actor.temperature", self.temperature, 0.0, lo_open=True)
-        validate_lora_fields(self)
 
 
 @dataclass

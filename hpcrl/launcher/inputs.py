@@ -16,7 +16,9 @@ line, instead of after ``resources.max_restarts`` resubmissions:
 - **GPUs**: with ``--executor local`` the jobs run here, so the GPUs asked for must be here;
 - **the jobs' Python**: ``HPCRL_PYTHON``, when set, is an executable file (``submit.JOB_PYTHON_ENV``);
 - **LoRA** (``actor.lora_rank``): the target modules are linear layers of the model, and each engine can serve the
-  adapter (``lora_check.py``).
+  adapter (``lora_check.py``);
+- **the trainer's GPU memory**: its predicted peak per GPU fits ``resources.trainer.gpu_memory_gib``
+  (``hpcrl/plan/memory.py``).
 
 Every problem is reported at once (one line each), so one round trip shows them all: in ``hpcrl run`` the
 same pass holds the config's problems too (:func:`hpcrl.config.checks.collecting`). What is allowed but almost
@@ -38,6 +40,7 @@ from hpcrl.config.checks import bad, collecting, report, reported
 from hpcrl.config.names import BUILTIN_DATA, BUILTIN_MODELS
 from hpcrl.launcher.input_warnings import WARNING, another_task, rule_mismatch, unknown_tokens, unwritable_answers
 from hpcrl.launcher.lora_check import check_lora
+from hpcrl.plan.memory import memory_lines
 from hpcrl.launcher.submit import JOB_PYTHON_ENV
 
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
@@ -205,6 +208,11 @@ EVAL_KEYS = ("eval.every_versions", "eval.engine", "eval.reward.", "eval.max_pro
 """What :func:`check_eval` reads: it is skipped while one of them is reported wrong."""
 
 
+MEMORY_KEYS = ("actor.", "model.path", "resources.trainer.", "rollout.response_length", "rollout.n",
+               "data.max_prompt_length")
+"""What :func:`hpcrl.plan.memory.memory_lines` reads."""
+
+
 def _attempt(fn, *args, skip: tuple[str, ...] = ()):
     """``fn(*args)``, or None with its problem reported (and not called at all when a key it reads, one of
     ``skip``, is already reported wrong: it would say the same again)."""
@@ -265,6 +273,7 @@ def _check_inputs(cfg: RunConfig, kind: Optional[str]) -> InputsFound:
     _attempt(check_gpus, cfg, kind, skip=("resources.trainer.gpus_per_node", "resources.rollout.gpus_per_node"))
     check_job_python()
     lines_lora = _attempt(check_lora, cfg, skip=("actor.lora_", "model.path")) or []
+    lines_lora += _attempt(memory_lines, cfg, skip=MEMORY_KEYS) or []
     tokenizer = _attempt(load_model_tokenizer, cfg, skip=("model.path",))
     rows = _attempt(_rows, cfg, skip=("data.", "rollout.response_length"))
     encoded = None

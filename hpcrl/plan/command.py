@@ -14,10 +14,11 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from hpcrl.config import RunConfig, given_keys, load_config
+from hpcrl.config import ConfigError, RunConfig, given_keys, load_config
 from hpcrl.plan import pipeline
 from hpcrl.plan.baseline import sync_baseline
 from hpcrl.plan.events import predict
+from hpcrl.plan.memory import ModelShape, memory_lines, model_shape
 from hpcrl.plan.model import Draws, Knobs, Prediction
 from hpcrl.plan.probe import empirical_lengths, probe_model
 from hpcrl.plan.prompts import prompt_lengths
@@ -101,14 +102,27 @@ def defaults_note(config: str, overrides: list[str], probe: Optional[str]) -> li
             f"them{'' if not probe else ' and --probe does not measure them'}); {fix}"]
 
 
+def trainer_memory(cfg: RunConfig, model_config: Optional[str]) -> tuple[Optional[ModelShape], list[str]]:
+    """The model's shape (``--model-config FILE``, else ``model.path``'s config.json) and the trainer's predicted
+    memory per GPU at the config's own trainer size: ConfigError when it cannot fit
+    ``resources.trainer.gpu_memory_gib`` (hpcrl/plan/memory.py)."""
+    shape = ModelShape.of_file(Path(model_config)) if model_config else model_shape(cfg)
+    if shape is None:
+        return None, [f"trainer memory not predicted: model.path ({cfg.model.path}) has no config.json here; pass "
+                      "--model-config FILE (a model's config.json, e.g. configs/shapes/qwen2.5-7b.json)"]
+    return shape, memory_lines(cfg, shape)
+
+
 def plan_command(config: str, overrides: list[str], spec: SweepSpec, probe: Optional[str] = None, top: int = 10,
-                 show_all: bool = False, prompt_tokens: Optional[int] = None, reference: bool = False) -> list[str]:
-    """The lines ``hpcrl plan`` prints."""
+                 show_all: bool = False, prompt_tokens: Optional[int] = None, reference: bool = False,
+                 model_config: Optional[str] = None) -> list[str]:
+    """The lines ``hpcrl plan`` prints; ConfigError when the config's trainer cannot fit its GPUs."""
     t0 = time.monotonic()
     cfg = load_config(config, overrides)
     unshaped = unshaped_splits(spec)
     if unshaped:
         raise ValueError(unshaped)
+    shape, memory = trainer_memory(cfg, model_config)
     sim, notes = cfg.simulated, defaults_note(config, overrides, probe)
     if probe is not None:
         sim, probed = probe_model(sim, Path(probe))
@@ -154,9 +168,17 @@ def plan_command(config: str, overrides: list[str], spec: SweepSpec, probe: Opti
               "generate then train, on-policy)", requested_line, "", "best (highest throughput first):"]
     for c in done[:BEST_SHOWN]:
         p = c.prediction
+        launch = c.overrides(spec.gpus_per_engine, spec.gpus_per_node)
         lines.append(f"  {p.tokens_per_s:.0f} tokens/s ({p.tokens_per_s / sync.tokens_per_s:.2f}x synchronous), "
-                     f"{p.step_s:.1f}s/update, {p.sync_period_s:.1f}s/sync: {c.overrides(spec.gpus_per_engine, spec.gpus_per_node)}")
+                     f"{p.step_s:.1f}s/update, {p.sync_period_s:.1f}s/sync: {launch}")
     note = spread_note(done[0].knobs)
     if note:
         lines += ["", note]
+    lines += ["", *memory]
+    best_gpus = done[0].knobs.trainer_gpus
+    if shape is not None and best_gpus != cfg.resources.trainer.world_size and cfg.resources.trainer.gpus_per_node:
+        try:
+            lines += [f"at the best split ({best_gpus} trainer GPUs): " + x for x in memory_lines(cfg, shape, best_gpus)]
+        except ConfigError as e:
+            lines.append(f"at the best split ({best_gpus} trainer GPUs) the trainer would not fit: {e}")
     return lines

@@ -83,14 +83,14 @@ def adapter_state_dict(module: nn.Module, zero3: bool, rank: int) -> dict[str, t
 
 class AdapterOff(nn.Module):
     """The KL reference of a LoRA run: the trainer's own model with the adapter switched off (the base model).
-    Called like a Hugging Face causal LM (``forward(input_ids, attention_mask).logits``); no gradient flows (the
-    caller runs it under ``no_grad``). Not a submodule of anything: it holds the engine's module by reference."""
+    Called like the policy (:class:`hpcrl.trainer.models.PolicyWithValueHead`); no gradient flows (the caller runs
+    it under ``no_grad``). Not a submodule of anything: it holds the engine's module by reference."""
 
     def __init__(self, module: nn.Module):
         super().__init__()
         self.__dict__["_module"] = module  # not registered: its parameters are the policy's
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
-        model = peft_model(self._module)
-        with model.disable_adapter():
-            return model(input_ids=input_ids, attention_mask=attention_mask)
+    def forward(self, pack, **kwargs):
+        with peft_model(self._module).disable_adapter():
+            logp, more, _ = self._module(pack, **kwargs)
+        return logp, more, None

@@ -48,7 +48,7 @@ from hpcrl.process.preemption import PreemptionFlag
 from hpcrl.run_dir import RunDir
 from hpcrl.samples.reader import delete_consumed
 from hpcrl.samples.schema import Group
-from hpcrl.trainer import checkpoint
+from hpcrl.trainer import checkpoint, memory
 from hpcrl.trainer.batch import build_batch
 from hpcrl.trainer.distributed import init_distributed, rank_environment, rank_from_environment
 from hpcrl.trainer.gather import zero3_state_dict
@@ -260,9 +260,10 @@ class TrainerJob:
     def _update(self, groups: list[Group], version_seen: int) -> dict:
         """Train on the groups; lag is measured against ``version_seen``, the version this update starts from."""
         updater = self.parts.updater
-        out = updater.run(build_batch(groups, self.parts.pad_id, version_seen))
+        memory.reset_peaks()
+        out = updater.run(build_batch(groups, self.parts.layout.pad_id, version_seen))
         self.state.kl_coef = updater.kl_coef
-        return out
+        return {**out, **memory.peaks()}
 
     def _gathered_state_dict(self) -> dict[str, torch.Tensor]:
         """The policy's weights under the HF names (the value head stays in the trainer); a LoRA run: the adapter's

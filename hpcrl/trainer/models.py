@@ -24,11 +24,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hpcrl.trainer.logprobs import logit_transform, token_logprobs
+
 POLICY_PREFIX = "policy."
 
 
 class PolicyWithValueHead(nn.Module):
-    """``forward`` returns the logits and (when there is a head) values at ``gather_pos`` only."""
+    """``forward`` runs the policy's decoder on one :class:`~hpcrl.trainer.forward.Pack` and returns, for the
+    positions that predict response tokens only: the tempered log-probs of the sampled tokens (from the hidden
+    states, a chunk of rows at a time: :mod:`hpcrl.trainer.logprobs`), the extra number per token asked for
+    (entropy or score norm), and the values (with a value head). The whole logits never exist."""
 
     def __init__(self, policy: nn.Module, value_head: bool):
         super().__init__()
@@ -38,18 +43,16 @@ class PolicyWithValueHead(nn.Module):
             self.value_head = nn.Linear(policy.config.hidden_size, 1)
             nn.init.zeros_(self.value_head.weight)
             nn.init.zeros_(self.value_head.bias)
+        self._transform = logit_transform(policy.config)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, gather_pos: torch.Tensor):
-        out = self.policy(input_ids=input_ids, attention_mask=attention_mask,
-                          output_hidden_states=self.value_head is not None)
-        idx = gather_pos.unsqueeze(-1)
-        logits = out.logits.gather(1, idx.expand(-1, -1, out.logits.shape[-1]))
-        values = None
-        if self.value_head is not None:
-            hidden = out.hidden_states[-1]
-            hidden = hidden.gather(1, idx.expand(-1, -1, hidden.shape[-1]))
-            values = self.value_head(hidden).squeeze(-1).float()
-        return logits, values
+    def forward(self, pack, temperature: float, chunk_rows: int, extra=None, extra_grad: bool = False):
+        hidden = self.policy.get_decoder()(input_ids=pack.input_ids, position_ids=pack.position_ids,
+                                           attention_mask=pack.attention_mask, use_cache=False).last_hidden_state
+        picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, pack.picks)
+        logp, more = token_logprobs(self.policy.get_output_embeddings(), picked, pack.targets, temperature,
+                                    rows=chunk_rows, extra=extra, extra_grad=extra_grad, transform=self._transform)
+        values = self.value_head(picked).squeeze(-1).float() if self.value_head is not None else None
+        return logp, more, values
 
 
 def policy_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -57,10 +60,11 @@ def policy_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Te
     return {k[len(POLICY_PREFIX):]: v for k, v in state_dict.items() if k.startswith(POLICY_PREFIX)}
 
 
-def load_reference(path, device: str = "cpu") -> nn.Module:
-    """A frozen copy of the base model: the reference policy of the KL terms."""
+def load_reference(path, device="cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A frozen copy of the base model in ``dtype`` (the trainer's training dtype): the reference policy of the
+    KL terms (the trainer runs it inside a :class:`PolicyWithValueHead` without a head)."""
     from transformers import AutoModelForCausalLM
 
-    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     ref.requires_grad_(False)
     return ref

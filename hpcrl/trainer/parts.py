@@ -24,9 +24,10 @@ from hpcrl.run_dir import WEIGHT_MODEL_FILES, RunDir
 from hpcrl.samples.reader import SampleReader
 from hpcrl.samples.skips import SkipLog
 from hpcrl.trackers import open_trackers
-from hpcrl.trainer import checkpoint
+from hpcrl.trainer import build, checkpoint
+from hpcrl.trainer.forward import Layout
 from hpcrl.trainer.lora import AdapterOff, adapter_config_json, wrap_policy
-from hpcrl.trainer.models import PolicyWithValueHead, load_reference
+from hpcrl.trainer.models import PolicyWithValueHead
 from hpcrl.trainer.simulated_update import SimulatedUpdate
 from hpcrl.trainer.update import PolicyUpdate
 from hpcrl.weights import WeightPublisher, make_publisher
@@ -68,9 +69,9 @@ class TrainerParts:
     """The model folder's tokenizer, chat template and generation config (:data:`WEIGHT_MODEL_FILES` it has),
     written with every published version so that each is a complete Hugging Face folder (none in a LoRA run: a
     version is the adapter alone)."""
-    pad_id: int
-    micro_per_mini: int
-    """Micro-batches (backward passes) per optimizer step on this rank."""
+    layout: Layout
+    """How micro-batches reach the model: packing, attention kernel, pad id, log-prob chunk
+    (``hpcrl/trainer/forward.py``)."""
     updater: PolicyUpdate | SimulatedUpdate
     """The update's arithmetic (``trainer.simulated``: a sleep of the modelled time, nothing computed)."""
     adapter_base: Optional[AdapterBase]
@@ -85,39 +86,41 @@ class TrainerParts:
 
 
 def _deepspeed(cfg: RunConfig, run_dir: RunDir, rank: int, world: int):
-    """The policy (and value head) under DeepSpeed; its config.json, pad id and micro-batches per step."""
+    """The policy (and value head) under DeepSpeed (hpcrl/trainer/build.py); its config.json, pad id and the layout
+    of its micro-batches."""
     import deepspeed
-    from transformers import AutoModelForCausalLM
 
     from hpcrl.trainer.safe_checkpoint import SafeCheckpointEngine
 
+    actor, cuda = cfg.actor, torch.cuda.is_available()
+    config = build.ds_config(actor, cuda)
+    attn = build.attention_kernel(actor, cuda)
     path = run_dir.model_dir(cfg.model.path)
     with fatal_inputs(run_dir, RunDir.trainer_job(rank), f"loading the model {path}", "model"):
         verify_base(path, cfg.model.base_hash)  # LoRA: the adapters belong to this base
-        policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        policy = build.load_causal_lm(path, build.training_dtype(actor, cuda), attn,
+                                       config if actor.zero_stage == 3 else None)
     config_json = policy.config.to_json_string()
-    pad_id = policy.config.pad_token_id if policy.config.pad_token_id is not None else 0
+    layout = build.layout_of(actor, policy.config, attn)
+    if actor.gradient_checkpointing:
+        build.checkpoint_layers(policy)
     if cfg.lora:  # only the adapter is trained (hpcrl/trainer/lora.py)
-        policy = wrap_policy(policy, cfg.actor, cfg.model.seed)
+        policy = wrap_policy(policy, actor, cfg.model.seed)
         config_json = adapter_config_json(policy, str(path))
     model = PolicyWithValueHead(policy, value_head=cfg.algorithm.adv_estimator == "gae")
-    groups = [{"params": [p for p in policy.parameters() if p.requires_grad], "lr": cfg.actor.lr}]
+    groups = [{"params": [p for p in policy.parameters() if p.requires_grad], "lr": actor.lr}]
     if model.value_head is not None:
         groups.append({"params": list(model.value_head.parameters()), "lr": cfg.critic.lr})
-    optimizer = torch.optim.AdamW(groups, lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay)
-    micro_per_mini = cfg.actor.ppo_mini_batch_size // world // cfg.actor.ppo_micro_batch_size
-    ds_config = {
-        "train_micro_batch_size_per_gpu": 1,  # one "micro step" = one backward of ppo_micro_batch_size groups
-        "gradient_accumulation_steps": micro_per_mini,
-        "gradient_clipping": cfg.actor.grad_clip,
-        "zero_optimization": {"stage": cfg.actor.zero_stage},
-        "zero_allow_untested_optimizer": True,  # a plain torch AdamW: no JIT-compiled fused_adam on CPU
-        "bf16": {"enabled": cfg.actor.bf16_on(torch.cuda.is_available())},
-        "steps_per_print": 10**9,
-    }
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
-    engine.checkpoint_engine = SafeCheckpointEngine()
-    return engine, config_json, pad_id, micro_per_mini
+    optimizer = torch.optim.AdamW(groups, lr=actor.lr, weight_decay=actor.weight_decay)
+    ds, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    ds.checkpoint_engine = SafeCheckpointEngine()
+    log.info("trainer model: %s, attention %s, %s micro-batches%s%s, ZeRO %d%s", build.training_dtype(actor, cuda),
+             attn, f"{actor.ppo_max_token_len_per_gpu}-token" if actor.use_dynamic_bsz else
+             f"{actor.ppo_micro_batch_size}-group", " packed" if actor.use_remove_padding else " padded",
+             ", checkpointed layers" if actor.gradient_checkpointing else "", actor.zero_stage,
+             "".join(f", {k} offloaded" for k, on in (("parameters", actor.offload_param),
+                                                      ("optimizer", actor.offload_optimizer)) if on))
+    return ds, config_json, layout
 
 
 def _lead(cfg: RunConfig, run_dir: RunDir, resumed: Optional[checkpoint.TrainerState]) -> LeadParts:
@@ -148,17 +151,17 @@ def build_parts(cfg: RunConfig, run_dir: RunDir, rank: int, world: int, steps: S
     torch.manual_seed(cfg.model.seed)
     torch.set_num_threads(cfg.trainer.torch_threads)
     with steps.step(f"loading the model {cfg.model.path} and initialising DeepSpeed"):
-        engine, config_json, pad_id, micro_per_mini = _deepspeed(cfg, run_dir, rank, world)
-        reference = _reference(cfg, run_dir, engine) if cfg.needs_reference else None
+        ds, config_json, layout = _deepspeed(cfg, run_dir, rank, world)
+        reference = _reference(cfg, run_dir, ds) if cfg.needs_reference else None
     with steps.step("loading the newest checkpoint"):
-        resumed = checkpoint.load_latest(engine, run_dir, adapter_only=cfg.lora)
+        resumed = checkpoint.load_latest(ds, run_dir, adapter_only=cfg.lora)
     with steps.step("bringing the run directory to the checkpoint"):
         lead = _lead(cfg, run_dir, resumed) if rank == 0 else None
     kl_coef = resumed.kl_coef if resumed is not None else None
     updater = (SimulatedUpdate(cfg.simulated) if cfg.trainer.simulated
-               else PolicyUpdate(cfg, engine, micro_per_mini, reference, kl_coef, rank=rank, world=world))
+               else PolicyUpdate(cfg, ds, layout, reference, kl_coef, rank=rank, world=world))
     files = {} if cfg.lora else model_files(run_dir.model_dir(cfg.model.path))  # an adapter version: the adapter only
-    return TrainerParts(engine, reference, config_json, files, pad_id, micro_per_mini, updater,
+    return TrainerParts(ds, reference, config_json, files, layout, updater,
                         _adapter_base(cfg, run_dir) if rank == 0 else None, lead), resumed
 
 
@@ -172,11 +175,16 @@ def _adapter_base(cfg: RunConfig, run_dir: RunDir) -> Optional[AdapterBase]:
     return AdapterBase(path=str(path), hash=cfg.model.base_hash or base_model_hash(path))
 
 
-def _reference(cfg: RunConfig, run_dir: RunDir, engine) -> torch.nn.Module:
-    """The KL reference: the base model; in a LoRA run the trainer's own model with the adapter off (no copy)."""
+def _reference(cfg: RunConfig, run_dir: RunDir, policy_engine) -> torch.nn.Module:
+    """The KL reference, run like the policy (no value head): the base model in the training dtype, under ZeRO-3 a
+    partitioned engine of its own; in a LoRA run the trainer's own model with the adapter off (no copy)."""
     if cfg.lora:
-        return AdapterOff(engine.module)
-    return load_reference(run_dir.model_dir(cfg.model.path), engine.device)
+        return AdapterOff(policy_engine.module)
+    cuda = torch.cuda.is_available()
+    base = build.load_causal_lm(run_dir.model_dir(cfg.model.path), build.training_dtype(cfg.actor, cuda),
+                                 build.attention_kernel(cfg.actor, cuda),
+                                 build.ds_config(cfg.actor, cuda) if cfg.actor.zero_stage == 3 else None)
+    return build.frozen_engine(PolicyWithValueHead(base.to(policy_engine.device), value_head=False), cfg.actor, cuda)
 
 
 def model_files(folder) -> dict[str, bytes]:

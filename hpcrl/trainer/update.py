@@ -3,7 +3,8 @@
 :meth:`PolicyUpdate.run` does, in order:
 
 1. **precompute** under ``no_grad``, with the weights at the start of this
-   update (before its first optimizer step), in micro-batch chunks:
+   update (before its first optimizer step), each rank its share of the rows in chunks of
+   ``actor.log_prob_max_token_len_per_gpu`` tokens (or of ``ppo_micro_batch_size`` groups), summed across ranks:
    the proximal log-probs ``prox_logp`` (when ``compute_prox_log_prob`` or
    ``use_rollout_log_probs=false``), the critic's ``old_values`` (gae), and the
    frozen reference model's ``ref_logp`` (when a KL term is on);
@@ -18,9 +19,11 @@
    (then the KL controller updates beta);
 5. **advantages** (and returns) with ``algorithm.adv_estimator`` over ``adv_mask``; with
    ``use_pf_ppo`` the batch's rows are then resampled by their scores (:mod:`hpcrl.trainer.pf_ppo`);
-6. **train**: ``ppo_epochs`` passes over ``require_batches`` mini-batches; per
-   micro-batch: policy loss (``actor.policy_loss.loss_mode``, IS weights) - entropy
-   bonus + KL loss + value loss (over ``adv_mask``), ``engine.backward``; DeepSpeed
+6. **train**: ``ppo_epochs`` passes over ``require_batches`` mini-batches; each rank runs its micro-batches of
+   each (by tokens with ``actor.use_dynamic_bsz``, else by groups: :mod:`hpcrl.trainer.packing`; the rows packed
+   without padding for the model: :mod:`hpcrl.trainer.forward`); per micro-batch: policy loss
+   (``actor.policy_loss.loss_mode``, IS weights) - entropy bonus + KL loss + value loss (over ``adv_mask``),
+   ``engine.backward``; DeepSpeed
    steps (and clips the gradient norm) once per mini-batch. In ``bypass_mode`` (verl 0.9.1) the
    micro-batch's IS weights and rejection mask are computed first from pi_theta / mu (detached, the
    current weights), as verl's bypass loss does: ``loss_type=ppo_clip`` is vanilla PPO on the
@@ -37,9 +40,11 @@ import torch
 
 from hpcrl.trainer import offpolicy
 from hpcrl.trainer.advantages import compute_advantages, masked_mean, place_scores
-from hpcrl.trainer.batch import Batch, forward
+from hpcrl.trainer.batch import Batch, stand_in
+from hpcrl.trainer.forward import Layout, run_model
 from hpcrl.trainer.kl import apply_kl_in_reward, kl_estimate, make_controller
 from hpcrl.trainer.losses import agg_counts, agg_loss, value_loss
+from hpcrl.trainer.packing import micro_batches
 from hpcrl.trainer.pf_ppo import pf_ppo_indices
 from hpcrl.trainer.policy_losses import LossParams, policy_loss
 
@@ -65,10 +70,10 @@ def step_with_grad_norm(engine, last_norm: float) -> float:
 class PolicyUpdate:
     """One local update as named steps (see the module docstring): log-probs, corrections, advantages, optimizer steps."""
 
-    def __init__(self, cfg, engine, micro_per_mini: int, reference=None, kl_coef=None, rank: int = 0, world: int = 1):
+    def __init__(self, cfg, engine, layout: Layout, reference=None, kl_coef=None, rank: int = 0, world: int = 1):
         self.cfg = cfg
         self.engine = engine
-        self.micro_per_mini = micro_per_mini
+        self.layout = layout
         self.rank, self.world = rank, world
         self.reference = reference
         self.kl_ctrl = make_controller(cfg.algorithm.kl_ctrl)
@@ -80,7 +85,7 @@ class PolicyUpdate:
         return self.kl_ctrl.value
 
     def run(self, batch: Batch) -> dict:
-        batch = batch.to(self.engine.device)
+        """One local update on ``batch`` (kept on the CPU: each micro-batch goes to the device on its own)."""
         # of the batch as sampled (PF-PPO resamples its rows in prepare)
         sampled = {"reward/mean": float(batch.rewards.mean()),
                    "reward/std": float(batch.rewards.std()) if len(batch) > 1 else 0.0,
@@ -91,31 +96,50 @@ class PolicyUpdate:
         return stats
 
     # ---- steps 1-5
+    def _plan(self, batch: Batch, budget_tokens) -> list[list[list[int]]]:
+        """Per rank, its micro-batches of ``batch``'s rows: by tokens (``budget_tokens``) with
+        ``actor.use_dynamic_bsz``, else ``actor.ppo_micro_batch_size`` groups each (hpcrl/trainer/packing.py)."""
+        actor = self.cfg.actor
+        return micro_batches(batch.seq_lens.tolist(), self.world,
+                             budget_tokens=budget_tokens if actor.use_dynamic_bsz else None,
+                             rows_per_micro=actor.ppo_micro_batch_size * self.cfg.rollout.n)
+
+    def _micro(self, batch: Batch, rows: list[int]) -> Batch:
+        """The rows on this rank's device; no rows: a stand-in whose masks are 0 (packing.py: every rank runs as
+        many micro-batches as the others)."""
+        micro = batch.select(rows) if rows else stand_in(batch, self.layout.pad_id)
+        return micro.to(self.engine.device)
+
     @torch.no_grad()
     def _precompute(self, batch: Batch) -> None:
+        """Step 1 on every rank: each computes its share of the rows (``actor.log_prob_max_token_len_per_gpu``
+        tokens per forward, or micro-batches of groups) and the shares are summed across ranks."""
         cfg = self.cfg
         est = cfg.algorithm.adv_estimator
         need_trainer = cfg.uses_prox_log_prob or est == "gae" or est in TOKEN_BASELINES
-        rows = cfg.actor.ppo_micro_batch_size * cfg.rollout.n
-        prox, values, ref, w_token = [], [], [], []
-        for r0 in range(0, len(batch), rows):
-            chunk = batch.slice(slice(r0, r0 + rows))
+        if not need_trainer and self.reference is None:
+            return
+        wanted = {"prox": cfg.uses_prox_log_prob, "values": est == "gae", "w": est in TOKEN_BASELINES,
+                  "ref": self.reference is not None}
+        out = {k: torch.zeros(batch.targets.shape) for k, want in wanted.items() if want}
+        for rows in self._plan(batch, cfg.actor.log_prob_token_budget)[self.rank]:
+            micro = self._micro(batch, rows)
+            got = {}
             if need_trainer:
-                logp, w, v = forward(self.engine.module, chunk, cfg.actor.temperature,
-                                     score_norm=est in TOKEN_BASELINES)
-                prox.append(logp.float())
-                values.append(v)
-                w_token.append(w)
+                extra = "score_norm" if est in TOKEN_BASELINES else None
+                got["prox"], got["w"], got["values"] = run_model(self.engine.module, micro, cfg.actor.temperature,
+                                                                 self.layout, self.engine.device, extra=extra)
             if self.reference is not None:
-                ref.append(forward(self.reference, chunk, cfg.actor.temperature)[0].float())
-        if cfg.uses_prox_log_prob:
-            batch.prox_logp = torch.cat(prox)
-        if est == "gae":
-            batch.old_values = torch.cat(values).float()
-        if est in TOKEN_BASELINES:
-            batch.w_token = torch.cat(w_token)
-        if self.reference is not None:
-            batch.ref_logp = torch.cat(ref)
+                got["ref"] = run_model(self.reference, micro, cfg.actor.temperature, self.layout,
+                                       self.engine.device)[0]
+            for k, v in got.items():
+                if k in out and rows:
+                    out[k][rows, :v.shape[1]] = v.float().cpu()
+        if self.world > 1:  # every rank filled its own rows, zeros elsewhere
+            for t in out.values():
+                torch.distributed.all_reduce(t)
+        batch.prox_logp, batch.old_values = out.get("prox"), out.get("values")
+        batch.w_token, batch.ref_logp = out.get("w"), out.get("ref")
 
     def prepare(self, batch: Batch) -> dict:
         alg = self.cfg.algorithm
@@ -143,7 +167,7 @@ class PolicyUpdate:
         if alg.use_pf_ppo:
             rows = pf_ppo_indices(batch.rewards, alg.pf_ppo.reweight_method, alg.pf_ppo.weight_pow,
                                   seed=self.cfg.model.seed * 1_000_003 + int(self.engine.global_steps))
-            for name, value in vars(batch.slice(rows)).items():
+            for name, value in vars(batch.select(rows)).items():
                 setattr(batch, name, value)
         m = batch.adv_mask
         stats["critic/advantages/mean"] = float(masked_mean(batch.advantages, m))
@@ -180,7 +204,8 @@ class PolicyUpdate:
     def _micro_loss(self, micro: Batch, counts: tuple[int, int], critic_counts: tuple[int, int]
                     ) -> tuple[torch.Tensor, dict]:
         cfg, actor = self.cfg, self.cfg.actor
-        logp, entropy, values = forward(self.engine, micro, actor.temperature, entropy=True)
+        logp, entropy, values = run_model(self.engine, micro, actor.temperature, self.layout, self.engine.device,
+                                          extra="entropy", extra_grad=actor.entropy_coeff > 0)
         mode, lm = actor.loss_agg_mode, micro.loss_mask
         # seq-mean-token-sum-norm's constant: verl's padded response length unless set
         horizon = actor.loss_scale_factor if actor.loss_scale_factor is not None else cfg.rollout.response_length
@@ -207,27 +232,27 @@ class PolicyUpdate:
         return total, {"shares": shares, "means": stats}
 
     def train(self, batch: Batch) -> dict:
+        """Step 6: ``ppo_epochs`` passes over the mini-batches; each rank runs its micro-batches of each
+        (packing.py), and DeepSpeed steps once per mini-batch (the boundary is set at its last micro-batch)."""
         cfg = self.cfg
         rows_per_mini = cfg.actor.ppo_mini_batch_size * cfg.rollout.n
-        rows_per_rank = rows_per_mini // self.world
-        rows_per_micro = cfg.actor.ppo_micro_batch_size * cfg.rollout.n
         sums: dict[str, float] = {}
         means: dict[str, list[float]] = {}
         n_minis, grad_norm = 0, 0.0
         for _ in range(cfg.actor.ppo_epochs):
             for m0 in range(0, len(batch), rows_per_mini):
-                mini = batch.slice(slice(m0, m0 + rows_per_mini))
+                mini = batch.rows(slice(m0, m0 + rows_per_mini))
                 counts, critic_counts = agg_counts(mini.loss_mask), agg_counts(mini.adv_mask)
-                # each trainer rank trains on its equal share of the mini-batch
-                mine = mini.slice(slice(self.rank * rows_per_rank, (self.rank + 1) * rows_per_rank))
-                for u0 in range(0, len(mine), rows_per_micro):
-                    micro = mine.slice(slice(u0, u0 + rows_per_micro))
-                    loss, s = self._micro_loss(micro, counts, critic_counts)
-                    # DeepSpeed divides by gradient_accumulation_steps and averages over ranks; undo
-                    # both: the micro losses of all ranks, normalised by the whole mini-batch's
-                    # counts, add up to the mini-batch loss.
-                    self.engine.backward(loss * self.micro_per_mini * self.world)
+                mine = self._plan(mini, cfg.actor.ppo_max_token_len_per_gpu)[self.rank]
+                for u, rows in enumerate(mine):
+                    self.engine.set_gradient_accumulation_boundary(u == len(mine) - 1)
+                    loss, s = self._micro_loss(self._micro(mini, rows), counts, critic_counts)
+                    # DeepSpeed averages gradients over ranks: undo it, so that the micro losses of all ranks,
+                    # normalised by the whole mini-batch's counts, add up to the mini-batch loss.
+                    self.engine.backward(loss * self.world, scale_wrt_gas=False)
                     grad_norm = step_with_grad_norm(self.engine, grad_norm)
+                    if not rows:
+                        continue  # a stand-in: nothing of it is a metric
                     for k, v in s["shares"].items():
                         sums[k] = sums.get(k, 0.0) + v
                     for k, v in s["means"].items():

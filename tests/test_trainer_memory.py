@@ -1,0 +1,121 @@
+"""Will the trainer fit, before anything is submitted: the memory prediction (hpcrl/plan/memory.py) against a
+measured peak, its terms against ZeRO, offload, checkpointing and sequence parallelism, and the one-line refusal of
+verl's 7B / 28K recipe on an 80 GB GPU with the settings that make it fit; and the peaks every update logs."""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import shutil
+
+import pytest
+import torch
+
+from conftest import REPO
+from hpcrl.config import ConfigError, load_config
+from hpcrl.plan.memory import ModelShape, layer_bytes_per_token, memory_lines, predict, update_working_bytes
+from hpcrl.trainer import memory
+
+SHAPE_7B = REPO / "configs" / "shapes" / "qwen2.5-7b.json"
+RECIPE = REPO / "configs" / "plan-7b-math-28k.yaml"
+
+
+@pytest.fixture
+def model_7b(tmp_path):
+    """A folder whose config.json is Qwen2.5-7B's (the prediction reads nothing else)."""
+    shutil.copy(SHAPE_7B, tmp_path / "config.json")
+    return tmp_path
+
+
+def test_the_7b_shape_has_its_parameters():
+    assert ModelShape.of_file(SHAPE_7B).total_params == pytest.approx(7.62e9, rel=0.01)
+
+
+def test_verls_28k_recipe_is_refused_on_an_80gb_gpu_with_the_settings_that_fit_and_accepted_with_them(model_7b):
+    cfg = load_config(RECIPE, [f"model.path={model_7b}", "resources.trainer.gpu_memory_gib=80"])
+    with pytest.raises(ConfigError) as e:
+        memory_lines(cfg)
+    line = str(e.value)
+    assert "\n" not in line and line.startswith("config resources.trainer.gpu_memory_gib: got 80")
+    assert "largest term: activations and logits" in line
+    fix = line.split("fix: add ")[1].split(" (predicted")[0]
+    assert fix == "actor.gradient_checkpointing=true actor.use_dynamic_bsz=true actor.ppo_max_token_len_per_gpu=16384"
+    fixed = load_config(RECIPE, [f"model.path={model_7b}", "resources.trainer.gpu_memory_gib=80", *fix.split()])
+    [ok] = memory_lines(fixed)
+    assert "fits 71 of the 80 GiB" in ok, ok
+    unknown = load_config(RECIPE, [f"model.path={model_7b}"])
+    assert "not checked: set resources.trainer.gpu_memory_gib" in memory_lines(unknown)[0]
+
+
+def test_the_terms_follow_zero_offload_checkpointing_and_sequence_parallelism(model_7b):
+    shape = ModelShape.of_folder(model_7b)
+    base = ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=8192", f"model.path={model_7b}"]
+    t = lambda *o, world=32: predict(load_config(RECIPE, base + list(o)), shape, world)  # noqa: E731
+    z2, z3 = t("actor.zero_stage=2"), t("actor.zero_stage=3")
+    assert z3.parameters < z2.parameters / 4 and t("actor.zero_stage=3", world=64).parameters < z3.parameters
+    off = t("actor.zero_stage=3", "actor.offload_param=true", "actor.offload_optimizer=true")
+    assert off.optimizer == 0 and off.parameters < z3.parameters
+    ckpt = t("actor.gradient_checkpointing=true")
+    assert ckpt.activations < z3.activations / 3
+    sp = t("actor.gradient_checkpointing=true", "actor.ulysses_sequence_parallel_size=4")
+    assert sp.activations < ckpt.activations / 2, "a 29.7K-token row spread over 4 GPUs"
+    kl = t("actor.use_kl_loss=true")
+    assert kl.reference == kl.parameters
+
+
+MEASURE = r"""
+import gc, json, sys, torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+from hpcrl.trainer import memory
+torch.set_num_threads(2)
+layers, ckpt = int(sys.argv[1]), sys.argv[2] == "1"
+model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=512, intermediate_size=2048, num_hidden_layers=layers,
+                                     num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096))
+if ckpt:
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+model.train()
+ids = torch.randint(0, 64, (1, 2048), generator=torch.Generator().manual_seed(0))
+model.model(input_ids=ids[:, :8], use_cache=False).last_hidden_state.sum().backward()  # the gradients exist
+gc.collect()
+before = memory.current_gib()
+memory.reset_peaks()
+model.model(input_ids=ids, use_cache=False).last_hidden_state.sum().backward()
+print(json.dumps((memory.host_peak_gib() - before) * 2**30))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_activation_term_is_within_a_quarter_of_a_measured_peak(checkpointing):
+    """A Qwen2 of two and four layers (hidden 512, MLP 2048) trained on 2,048 tokens in fp32, each in a fresh
+    process (the allocator keeps what an earlier step freed): the measured peak above the model and its gradients
+    against the prediction's activation term (no logits here), and the per-layer slope against the per-layer term."""
+    import subprocess
+    import sys
+
+    shape = ModelShape(vocab=64, hidden=512, intermediate=2048, layers=2, heads=8, kv_heads=2, params=0)
+    measured = {}
+    for layers in (2, 4):
+        out = subprocess.run([sys.executable, "-c", MEASURE, str(layers), str(int(checkpointing))], cwd=REPO,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        measured[layers] = float(out.stdout.strip().splitlines()[-1])
+        want = update_working_bytes(dataclasses.replace(shape, layers=layers), tokens=2048, rows=1,
+                                    response_tokens=0, checkpointing=checkpointing, dtype_bytes=4, chunk_mib=1.0)
+        assert abs(want - measured[layers]) <= 0.25 * measured[layers], (layers, want / 2**20, measured[layers] / 2**20)
+    slope = (measured[4] - measured[2]) / 2 / 2048
+    per_layer = 3 * 512 * 4 if checkpointing else layer_bytes_per_token(shape, 4)
+    assert abs(per_layer - slope) <= 0.5 * slope, (per_layer, slope)
+
+
+def test_peaks_are_reset_per_update():
+    memory.reset_peaks()
+    big = torch.ones(64 * 2**20 // 4)  # 64 MiB
+    peak = memory.peaks()["perf/cpu_memory_used_gb"]
+    del big
+    gc.collect()
+    memory.reset_peaks()
+    assert memory.peaks()["perf/cpu_memory_used_gb"] < peak - 0.04
+    assert set(memory.peaks()) == {"perf/max_memory_allocated_gb", "perf/max_memory_reserved_gb",
+                                   "perf/cpu_memory_used_gb"}
+    json.dumps(memory.peaks())
