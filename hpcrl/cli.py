@@ -1,9 +1,6 @@
 """The ``hpcrl`` command.
 
     hpcrl run CONFIG [key=value ...] --run-dir DIR [--executor local|slurm|auto] [--dry-run] [--resume]
-    hpcrl trainer RUN_DIR                 # job entry points (used by sbatch/ scripts)
-    hpcrl rollout RUN_DIR --writer-rank W
-    hpcrl eval-job RUN_DIR
     hpcrl eval RUN_DIR [--versions 0,20,last] [--data FILE] [--n 8 ...] | hpcrl eval --model HF_FOLDER --data FILE
     hpcrl report RUN_DIR [RUN_DIR ...] [--out DIR] # offline report (default: RUN_DIR/report)
     hpcrl status RUN_DIR [--interval-s 5] [--once] # live view from the login node
@@ -13,8 +10,14 @@
     hpcrl plan CONFIG [key=value ...] --gpus N [--splits ..] [--staleness ..]  # best split and async knobs
     hpcrl doctor [--dir D] [--require cuda,vllm] [--json F]         # what this node offers a run
     hpcrl scale RUN_DIR --rollout-jobs N                          # grow or shrink a live run's rollout fleet
+
+internal, listed last by ``hpcrl --help`` (the scripts and the jobs run them):
+
     hpcrl sbatch-lines CONFIG [key=value ...] --run-dir DIR       # prepare DIR, print the sbatch commands
     hpcrl build-ops [--timeout-s 1800]                            # build DeepSpeed's JIT ops for this node now
+    hpcrl trainer RUN_DIR                                         # job entry points (hpcrl run, sbatch/ scripts)
+    hpcrl rollout RUN_DIR --writer-rank W
+    hpcrl eval-job RUN_DIR
 
 ``hpcrl --help`` lists them and ``hpcrl COMMAND --help`` explains each option (tests/test_cli_help.py: every
 command and option has help).
@@ -32,6 +35,7 @@ import time
 from pathlib import Path
 
 from hpcrl import __version__
+from hpcrl.analysis.commands import add_analysis_commands, run_analysis_command
 from hpcrl.config import ConfigError, dump_config, load_config
 
 
@@ -40,7 +44,7 @@ def _cmd_run(a) -> int:
     from hpcrl.launcher.input_warnings import WARNING
 
     try:
-        plan = plan_run(a.config, a.run_dir, a.executor, a.overrides, a.resume)
+        plan = plan_run(a.config, a.run_dir, a.executor, a.overrides, a.resume, dry_run=a.dry_run)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         return _problems("hpcrl", e)
     cfg, kind = plan.cfg, plan.kind
@@ -60,6 +64,8 @@ def _cmd_run(a) -> int:
             print(f"# --resume changes {change}")
         for job in plan.jobs:
             print("would submit " + job.describe())
+        if kind == "slurm":
+            _print_sbatch_lines(cfg, plan.rd)
         print("# resolved config:")
         print(dump_config(cfg), end="")
         _print_warnings(warnings)
@@ -75,6 +81,17 @@ def _cmd_run(a) -> int:
     finally:
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)
+
+
+def _print_sbatch_lines(cfg, rd) -> None:
+    """The same jobs as plain sbatch commands (what ``sbatch/submit.sh CONFIG RUN_DIR`` submits once it has
+    prepared RUN_DIR), for a dry run of ``--executor slurm``, with Slurm on PATH or not."""
+    from hpcrl.launcher.sbatch_lines import SCRIPTS, sbatch_lines
+    from hpcrl.launcher.submit import job_python
+
+    print("# the same jobs with plain sbatch (sbatch/submit.sh CONFIG RUN_DIR prepares RUN_DIR, then runs these):")
+    for line in sbatch_lines(cfg, rd, SCRIPTS, job_python()):
+        print(line)
 
 
 def _problems(prog: str, e: BaseException) -> int:
@@ -165,7 +182,7 @@ def _follow(a, plan, cfg, kind, launch) -> int:
 
 def _cmd_plan(a) -> int:
     from hpcrl.plan.command import plan_command
-    from hpcrl.plan.sweep import SweepSpec, parse_floats, parse_partial, parse_splits
+    from hpcrl.plan.sweep import GPUS_PER_NODE, SweepSpec, parse_floats, parse_partial, parse_splits
 
     problems: list[str] = []
 
@@ -180,18 +197,20 @@ def _cmd_plan(a) -> int:
     partial = attempt(parse_partial, a.partial)
     splits = attempt(parse_splits, a.splits) if a.splits else None
     for name, value, lo in (("--gpus", a.gpus, 2), ("--gpus-per-engine", a.gpus_per_engine, 1),
+                            ("--gpus-per-node", a.gpus_per_node, 1),
                             ("--updates", a.updates, 3), ("--top", a.top, 1), ("--prompt-tokens", a.prompt_tokens, 1)):
         if value is not None and value < lo:
             problems.append(f"{name} must be >= {lo}, got {value}")
     try:
         if problems:
             raise ValueError("\n".join(problems))
-        gpe = a.gpus_per_engine
-        if gpe is None:
-            r = load_config(a.config, a.overrides).resources.rollout
-            gpe = max(1, r.nodes * r.gpus_per_node)
+        gpe, node = a.gpus_per_engine, a.gpus_per_node
+        if gpe is None or node is None:
+            r = load_config(a.config, a.overrides).resources
+            gpe = gpe or max(1, r.rollout.nodes * r.rollout.gpus_per_node)
+            node = node or max(r.trainer.gpus_per_node, r.rollout.gpus_per_node, r.eval.gpus_per_node) or GPUS_PER_NODE
         spec = SweepSpec(gpus=a.gpus, gpus_per_engine=gpe, updates=a.updates, staleness=staleness, partial=partial,
-                         splits=splits)
+                         splits=splits, gpus_per_node=node)
         lines = plan_command(a.config, a.overrides, spec, a.probe, a.top, a.all, a.prompt_tokens, a.reference,
                              a.model_config)
     except (ConfigError, ValueError, FileNotFoundError) as e:
@@ -219,21 +238,26 @@ def _cmd_sbatch_lines(a) -> int:
     return 0
 
 
-# ---- report and status: their output is this command's output; pandas and matplotlib load
-# only when `report` runs
-
 def add_plan_command(sub) -> None:
     """``hpcrl plan`` (hpcrl/plan/command.py)."""
     pl = sub.add_parser("plan", help="predict step time, throughput, busy shares and lag for trainer:rollout splits "
                                       "and async settings of a GPU budget (an event simulation, seconds)",
                         description="Predict, without running anything, the best trainer:rollout splits and async "
-                                    "settings of a GPU budget, next to the configuration the config asks for and the "
-                                    "synchronous colocated baseline (docs/planner.md: 'Sizing a run with hpcrl plan').")
+                                    "settings of a GPU budget, in shapes whole nodes can give, next to the "
+                                    "configuration the config asks for and the synchronous colocated baseline "
+                                    "(docs/planner.md: 'Sizing a run with hpcrl plan'). The phase model is the "
+                                    "config's simulated: section; a config without one is predicted with hpcrl's "
+                                    "built-in numbers, and a note says so. The prompt lengths come from data.source "
+                                    "through the model's tokenizer: where those cannot be read here (a placeholder "
+                                    "model.path, as in the shipped GPU configs), pass --prompt-tokens.")
     pl.add_argument("config", help="YAML config whose simulated: section holds the phase model (modelled seconds)")
     pl.add_argument("overrides", nargs="*", help="dotted overrides of the config, e.g. simulated.decode_base_s=0.03")
     pl.add_argument("--gpus", type=int, required=True, help="GPU budget: trainer GPUs + rollout engines' GPUs")
     pl.add_argument("--gpus-per-engine", type=int, default=None,
                     help="GPUs of one rollout job's engine (default: the config's resources.rollout GPUs, else 1)")
+    pl.add_argument("--gpus-per-node", type=int, default=None, metavar="N",
+                    help="GPUs of one node: a trainer past one node is advised in whole nodes, an engine fits in one "
+                         "(default: the largest resources.*.gpus_per_node of the config, else 8)")
     pl.add_argument("--splits", default=None, metavar="LIST|RANGE",
                     help="trainer GPU counts to try: 8,16,32 or 8:64 or 8:64:8 (default: every count up to 64 GPUs, "
                          "else 1, 2, 4 and whole nodes of 8)")
@@ -243,7 +267,8 @@ def add_plan_command(sub) -> None:
     pl.add_argument("--partial", default="both", choices=["both", "on", "off"],
                     help="partial_rollout settings to try (default both; the config's own is always tried)")
     pl.add_argument("--prompt-tokens", type=int, default=None, metavar="N",
-                    help="every prompt N tokens (default: data.source through the model's tokenizer)")
+                    help="every prompt N tokens (default: data.source through the model's tokenizer; needed where "
+                         "the model or the data cannot be read here)")
     pl.add_argument("--updates", type=int, default=32, help="local updates simulated per candidate (default 32)")
     pl.add_argument("--probe", default=None, metavar="RUN", help="measure the update model, weight switch and "
                     "response lengths from this run directory's logs")
@@ -257,101 +282,7 @@ def add_plan_command(sub) -> None:
                     help="predict with the slow reference simulation the fast one is tested against")
 
 
-RUN_DIR_HELP = "a run directory (--run-dir of `hpcrl run`)"
 JOB_RUN_DIR_HELP = "the run directory prepared by `hpcrl run` or `hpcrl sbatch-lines` (the sbatch scripts pass it)"
-
-
-def add_analysis_commands(sub) -> None:
-    rp = sub.add_parser("report", help="offline staleness report of one or more runs (Markdown + HTML + PNG)",
-                        description="Read run directories (only) and write DIR/report.md, DIR/report.html and PNG "
-                                    "plots; several runs get a side-by-side table and overlaid curves.")
-    rp.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (--run-dir of `hpcrl run`)")
-    rp.add_argument("--out", default=None, metavar="DIR",
-                    help="folder for report.md, report.html and the plots (default: RUN_DIR/report of the first run)")
-    st = sub.add_parser("status", help="live plain-text view of a run (login node, ssh)",
-                        description="Refresh a plain-text view of the run's jobs until the trainer finishes. "
-                                    "Exit 0 finished (or running, with --once), 1 stopped unfinished, 2 not a run.")
-    st.add_argument("run_dir", metavar="RUN_DIR", help=RUN_DIR_HELP)
-    st.add_argument("--interval-s", type=float, default=5.0, help="seconds between views (default 5)")
-    st.add_argument("--once", action="store_true", help="print one view and exit")
-    sm = sub.add_parser("summary", help="per-version table of a run's staleness log in the terminal")
-    sm.add_argument("run_dir", metavar="RUN_DIR", help=RUN_DIR_HELP)
-    sa = sub.add_parser("samples", help="what the model writes: prompts, responses, rewards and per-token versions "
-                                        "decoded from the shards",
-                        description="Decode committed samples of one weight version (default: the newest) with the "
-                                    "run's tokenizer.")
-    sa.add_argument("run_dir", metavar="RUN_DIR", help=RUN_DIR_HELP)
-    sa.add_argument("--version", type=int, default=None, help="weight version that sampled them (default: newest)")
-    order = sa.add_mutually_exclusive_group()
-    order.add_argument("--worst", action="store_true", help="lowest reward first")
-    order.add_argument("--best", action="store_true", help="highest reward first")
-    sa.add_argument("-n", type=int, default=4, help="how many (default 4)")
-    ex = sub.add_parser("export", help="write a published weight version as a Hugging Face folder (model, tokenizer, "
-                                       "generation config) that transformers and vLLM load as is")
-    ex.add_argument("run_dir", metavar="RUN_DIR", help=RUN_DIR_HELP)
-    ex.add_argument("--version", default="last", help="weight version number, or last (default)")
-    ex.add_argument("--out", required=True, metavar="DIR", help="a new folder")
-    ex.add_argument("--merge", action="store_true", help="a LoRA run: the base model with the adapter merged into "
-                                                        "its weights (default: the adapter folder)")
-
-
-def _cmd_summary(run_dir: str) -> int:
-    from hpcrl.analysis.tables import per_version_summary
-    from hpcrl.logs import read_staleness
-
-    st = read_staleness(run_dir)
-    table = per_version_summary(st)
-    if table.empty:
-        print("no consumed trajectories yet")
-        return 0
-    print(table.to_string(float_format=lambda x: f"{x:.3f}"))
-    print(f"\n{len(st)} trajectories, lag histogram (trajectories): {st.lag.value_counts().sort_index().to_dict()}")
-    return 0
-
-
-def run_analysis_command(a: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    if a.cmd == "summary":
-        return _cmd_summary(a.run_dir)
-    if a.cmd == "samples":
-        from hpcrl.analysis.samples import samples_main
-
-        return samples_main(a.run_dir, a.version, "worst" if a.worst else "best" if a.best else "newest", a.n)
-    if a.cmd == "export":
-        from hpcrl.analysis.export import export_main
-
-        return export_main(a.run_dir, a.out, a.version, a.merge)
-    if a.cmd == "status":
-        from hpcrl.analysis.status import status_main
-
-        if a.interval_s <= 0:
-            print(f"hpcrl status: error: --interval-s must be > 0, got {a.interval_s}", file=sys.stderr)
-            return 2
-        try:
-            return status_main(a.run_dir, a.interval_s, a.once)
-        except KeyboardInterrupt:
-            return 130
-    from hpcrl.analysis.glance import glance
-    from hpcrl.analysis.load import RunFormatError
-    from hpcrl.analysis.report import build_report
-
-    from hpcrl.run_dir import RunDir
-
-    try:
-        rep = build_report(a.run_dirs, a.out or RunDir(a.run_dirs[0]).report)
-    except RunFormatError as e:
-        print(f"hpcrl report: error: {e}", file=sys.stderr)
-        return 2
-    for d in rep.runs:
-        for line in glance(d):
-            print(f"{d.name}: {line}")
-        for note in d.notes:
-            print(f"{d.name}: note: {note}")
-    print(f"report: {rep.markdown} and {rep.html} ({len(rep.plots)} plots; the numbers and the reasoning behind "
-          "these lines are there)")
-    for failure in rep.failed_plots:
-        print(f"hpcrl report: plot failed: {failure}", file=sys.stderr)
-    return 1 if rep.failed_plots else 0
 
 
 def _cmd_build_ops(timeout_s: float) -> int:
@@ -365,18 +296,28 @@ def _cmd_build_ops(timeout_s: float) -> int:
     return 0
 
 
-def _parser() -> argparse.ArgumentParser:
-    """Every command and its arguments."""
-    p = argparse.ArgumentParser(prog="hpcrl", description="asynchronous RL post-training on Slurm")
-    p.add_argument("--version", action="version", version=f"hpcrl {__version__}")
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND",
-                           help="what to do; `hpcrl COMMAND --help` explains its options")
-    r = sub.add_parser("run", help="launch a run (trainer + rollout jobs) and follow it")
+RUN_DESCRIPTION = (
+    "Check everything before anything is created (the config, the model, data and reward, the GPUs, the run "
+    "directory: every problem in one pass), prepare RUN_DIR, submit the trainer, the rollout jobs and the evaluation "
+    "job, and follow them until the trainer finishes. Every config key, its default and meaning: "
+    "docs/config-reference.md. Ctrl-C (or SIGTERM) asks the jobs to stop at their next safe point: the trainer "
+    "checkpoints its last update, so `hpcrl run --resume --run-dir RUN_DIR` redoes nothing; a second Ctrl-C cancels "
+    "at once. Exit 0: finished (or a dry run); 1: a job failed for good or --timeout-min passed; 2: bad input, "
+    "nothing created or submitted; 130: stopped by Ctrl-C.")
+INTERNAL = "internal ({}): "
+"""How the help of a command users rarely type begins (the jobs' entry points, the scripts' helpers)."""
+
+
+def _add_run_command(sub) -> None:
+    r = sub.add_parser("run", help="launch a run (trainer + rollout jobs) and follow it", description=RUN_DESCRIPTION)
     r.add_argument("config", nargs="?", help="YAML config, e.g. configs/tiny.yaml (omit with --resume)")
     r.add_argument("overrides", nargs="*", help="dotted overrides, e.g. async_training.staleness_threshold=0.5")
     r.add_argument("--run-dir", required=True, help="run directory on the shared filesystem")
-    r.add_argument("--executor", default="auto", help="local, slurm or auto (slurm when srun is on PATH)")
-    r.add_argument("--dry-run", action="store_true", help="check the config and print what would be submitted")
+    r.add_argument("--executor", default="auto", help="local (processes here), slurm (sbatch through submitit) or auto "
+                                                      "(default: slurm when srun is on PATH, else local)")
+    r.add_argument("--dry-run", action="store_true", help="check everything and print what would be submitted (with "
+                                                          "--executor slurm also its sbatch lines, even where Slurm "
+                                                          "is missing)")
     r.add_argument("--resume", action="store_true", help="continue the run already in --run-dir")
     r.add_argument("--timeout-min", type=float, default=None,
                    help="give up following after this long (default: resources.trainer.timeout_min)")
@@ -385,39 +326,55 @@ def _parser() -> argparse.ArgumentParser:
     sc.add_argument("run_dir", metavar="RUN_DIR", help="the live run's directory (--run-dir of `hpcrl run`)")
     sc.add_argument("--rollout-jobs", type=int, required=True, help="the number of rollout jobs from now on")
     sc.add_argument("--wait-s", type=float, default=30.0,
-                    help="how long to wait for the launcher following the run before acting here")
+                    help="how long to wait for the launcher following the run before acting here (default 30)")
     sc.add_argument("--scripts", default=None, help="folder holding rollout.sbatch (runs launched with sbatch)")
-    sl = sub.add_parser("sbatch-lines", help="prepare RUN_DIR and print the sbatch commands (used by sbatch/submit.sh)")
+
+
+def _add_internal_commands(sub) -> None:
+    """The commands the scripts and the jobs run (listed last, each marked internal)."""
+    sl = sub.add_parser("sbatch-lines", help=INTERNAL.format("sbatch/submit.sh runs it") + "prepare RUN_DIR and print "
+                        "the sbatch commands")
     sl.add_argument("config", help="YAML config, e.g. configs/tiny.yaml")
     sl.add_argument("overrides", nargs="*", help="dotted overrides, e.g. async_training.staleness_threshold=0.5")
     sl.add_argument("--run-dir", required=True, help="run directory to prepare on the shared filesystem (a new one)")
     sl.add_argument("--scripts", default=str(Path(__file__).resolve().parents[1] / "sbatch"),
-                    help="folder holding trainer.sbatch, rollout.sbatch and eval.sbatch")
+                    help="folder holding trainer.sbatch, rollout.sbatch and eval.sbatch (default: the repository's "
+                         "sbatch/)")
     sl.add_argument("--python", default=None, help="python the jobs run (default: HPCRL_PYTHON, else this one)")
     sl.add_argument("--dry-run", action="store_true", help="print the lines; create and submit nothing")
-    t = sub.add_parser("trainer", help="run the trainer job in this process")
+    bo = sub.add_parser("build-ops", help=INTERNAL.format("install.sh runs it") + "build DeepSpeed's JIT ops for this "
+                        "node now, so that no trainer's start waits for the compiler")
+    bo.add_argument("--timeout-s", type=float, default=1800.0, help="give up building after this long (default 1800)")
+    job = INTERNAL.format("a job's entry point, which hpcrl run and the sbatch scripts start")
+    t = sub.add_parser("trainer", help=job + "run the trainer job in this process")
     t.add_argument("run_dir", metavar="RUN_DIR", help=JOB_RUN_DIR_HELP)
-    ro = sub.add_parser("rollout", help="run one rollout job in this process")
+    ro = sub.add_parser("rollout", help=job + "run one rollout job in this process")
     ro.add_argument("run_dir", metavar="RUN_DIR", help=JOB_RUN_DIR_HELP)
     ro.add_argument("--writer-rank", type=int, default=0, help="this job's writer number (w000 is 0; default 0)")
-    ej = sub.add_parser("eval-job", help="run the evaluation job in this process")
+    ej = sub.add_parser("eval-job", help=job + "run the evaluation job in this process")
     ej.add_argument("run_dir", metavar="RUN_DIR", help=JOB_RUN_DIR_HELP)
+
+
+def _parser() -> argparse.ArgumentParser:
+    """Every command and its arguments: the user's first, the internal ones last."""
+    p = argparse.ArgumentParser(prog="hpcrl", description="asynchronous RL post-training on Slurm")
+    p.add_argument("--version", action="version", version=f"hpcrl {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND",
+                           help="what to do; `hpcrl COMMAND --help` explains its options")
+    _add_run_command(sub)
     from hpcrl.eval.offline import add_arguments as add_eval_arguments
 
     add_eval_arguments(sub.add_parser(
         "eval", help="evaluate a run's weight versions, or a model folder, on held-out prompts (verl's metrics)",
         description="Evaluate weight versions of RUN (or --model HF_FOLDER) on held-out prompts with the evaluation "
                     "job's code; rows go to RUN/logs/eval.jsonl (marked offline) or --out DIR."))
-    bo = sub.add_parser("build-ops", help="build DeepSpeed's JIT ops for this node now, so that a trainer's first "
-                                          "start does not wait for the compiler (install.sh runs it)")
-    bo.add_argument("--timeout-s", type=float, default=1800.0, help="give up building after this long (default 1800)")
-
     add_plan_command(sub)
     from hpcrl.doctor.command import add_arguments as add_doctor_arguments
 
     add_doctor_arguments(sub.add_parser("doctor", help="check what this node offers a run (CUDA, vLLM, gloo, /dev/shm, "
                                                        "the shared filesystem); exit 1 if a required check fails"))
     add_analysis_commands(sub)
+    _add_internal_commands(sub)
     for action in sub._choices_actions:  # `hpcrl X --help` opens with what X does, as `hpcrl --help` lists it
         parser = sub.choices[action.dest]
         parser.description = parser.description or action.help[0].upper() + action.help[1:] + "."

@@ -507,13 +507,60 @@ def test_a_run_stopped_before_its_first_update_says_why_in_report_and_samples(tm
     from hpcrl.control.fatal import write_fatal
 
     rd = make_run(tmp_path)
-    assert format_samples(rd) == f"no group committed yet in {rd.samples}"
+    assert format_samples(rd) == (f"no group committed yet in {rd.samples}", False)
     write_fatal(rd, "rollout-w000", "loading the model failed: ValueError: no model_type", "model")
     res = cli("report", str(rd.root), "--out", str(tmp_path / "r"))
     assert res.returncode == 2 and ("(the run stopped before its first update, on an error no restart can fix: "
                                     "rollout-w000: loading the model failed: ValueError: no model_type)") in res.stderr
     assert format_samples(rd) == (f"no group committed yet in {rd.samples}; the run stopped on an error no restart "
-                                  "can fix: rollout-w000: loading the model failed: ValueError: no model_type")
+                                  "can fix: rollout-w000: loading the model failed: ValueError: no model_type", False)
+
+
+@pytest.mark.slow
+def test_the_zoomed_plots_name_the_versions_they_show(runs, tmp_path, monkeypatch):
+    """The timeline's zoom said "5 weight versions" and showed 7 version lines (its margins catch more)."""
+    from hpcrl.analysis import plots
+    from hpcrl.analysis.load import load_run
+
+    figures = []
+    monkeypatch.setattr(plots, "save", lambda fig, out: figures.append(fig) or out)
+    data = load_run(runs["s0"])
+    plots.timeline(data, tmp_path / "timeline.png")
+    plots.throughput(data, tmp_path / "throughput.png")
+    zoom = figures[0].axes[1]
+    labels = [t.get_text() for t in zoom.texts if re.fullmatch(r"v\d+", t.get_text())]
+    said = re.match(r"(\d+) weight versions published \(v(\d+)-v(\d+)\) in the middle of the run", zoom.get_title())
+    assert said and int(said.group(1)) == len(labels), (zoom.get_title(), labels)
+    assert (labels[0], labels[-1]) == (f"v{said.group(2)}", f"v{said.group(3)}"), labels
+    queue = next(a for a in figures[1].axes if a.get_title().startswith("Queue between"))
+    assert said.group(0) in queue.get_title(), queue.get_title()
+
+
+def test_samples_of_a_version_whose_shards_retention_removed_says_so_once_and_exits_1(tmp_path):
+    """The trainer removes consumed shards behind its checkpoint (``trainer.keep_consumed_shards``): ``hpcrl samples``
+    of an old version said "No trajectory ..." then one "file listed in the manifest is missing" note per shard, and
+    exited 0."""
+    from hpcrl.samples.reader import delete_consumed
+    from hpcrl.samples.writer import ShardWriter
+    from test_samples import make_group
+
+    rd = make_run(tmp_path, "trainer.keep_consumed_shards=2")
+    writer = ShardWriter(rd, "w000", seal_groups=1, seal_interval_s=60)
+    for i in range(6):
+        writer.add(make_group(i, version=i))
+        writer.seal()
+    writer.close()
+    assert delete_consumed(rd, {"w000": {"line": 5, "row": 0}}, keep=2) == 3  # shards of versions 0, 1 and 2
+    old = cli("samples", str(rd.root), "--version", "1")
+    assert old.returncode == 1 and old.stdout.splitlines() == [
+        f"no trajectory sampled with version 1 in {rd.samples}",
+        "note: 3 shard files listed in the manifests were removed: the trainer removes the shards behind its checkpoint "
+        "and keeps the newest trainer.keep_consumed_shards=2 per writer (-1 keeps every one, for a run whose old "
+        "samples you want to read); the oldest version still on disk is v3"], old.stdout
+    kept = cli("samples", str(rd.root), "--version", "4")
+    assert kept.returncode == 0 and kept.stdout.startswith("version 4: 3 trajectories"), kept.stdout
+    assert "removed" not in kept.stdout, "the shards of version 4 and newer are read first: none was missed"
+    assert "missing" not in old.stdout + kept.stdout
 
 
 def test_tail_reader_waits_for_a_torn_line_and_rereads_a_rolled_back_log(tmp_path):

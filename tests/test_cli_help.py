@@ -37,3 +37,36 @@ def test_every_command_and_option_has_help_in_whole_sentences(name):
     for action in parser._actions:  # what `hpcrl NAME --help` prints names every option with its text
         for opt in action.option_strings:
             assert opt in shown, (name, opt)
+
+
+def test_every_option_with_a_default_says_which():
+    """``scale --wait-s``, ``doctor --shm-min-gib`` and ``--timeout-s`` showed none."""
+    silent = []
+    for name, (_, parser) in commands().items():
+        for action in parser._actions:
+            if not action.option_strings or isinstance(action, (argparse._HelpAction, argparse._StoreTrueAction)):
+                continue
+            if action.default is not None and action.default != "" and "default" not in action.help.lower():
+                silent.append(f"{name} {'/'.join(action.option_strings)} (default {action.default!r})")
+    assert not silent, silent
+
+
+def test_the_commands_users_rarely_type_are_marked_and_listed_last():
+    listed = list(commands())
+    internal = [name for name, (line, _) in commands().items() if line.startswith("internal (")]
+    assert sorted(internal) == ["build-ops", "eval-job", "rollout", "sbatch-lines", "trainer"], internal
+    assert listed[-len(internal):] == internal, listed
+
+
+def test_the_help_answers_a_new_users_questions():
+    run = commands()["run"][1].format_help()
+    flat = " ".join(run.split())
+    for said in ("default: slurm when srun is on PATH, else local", "docs/config-reference.md", "Ctrl-C",
+                 "--resume", "Exit 0", "2: bad input", "130: stopped by Ctrl-C"):
+        assert said in flat, said
+    plan = " ".join(commands()["plan"][1].format_help().split())
+    assert "pass --prompt-tokens" in plan and "a config without one is predicted with hpcrl's built-in numbers" in plan
+    samples = " ".join(commands()["samples"][1].format_help().split())
+    assert "trainer.keep_consumed_shards" in samples and "1: no trajectory" in samples
+    engine = " ".join(commands()["eval"][1].format_help().split())
+    assert "sets eval.engine: one of transformers, vllm, simulated" in engine

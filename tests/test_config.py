@@ -247,3 +247,22 @@ def test_paths_are_checked_at_launch_not_at_parse(tmp_path, capsys):
         err = capsys.readouterr().err
         assert rc == 2 and fragment in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "r").exists()
+
+
+def test_a_yaml_syntax_error_is_one_problem_placed_in_the_file(tmp_path, capsys):
+    """It was counted as 4 problems (PyYAML's message lines), located in "<unicode string>"."""
+    from hpcrl.cli import main as cli_main
+
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("model:\n  path: builtin:tiny\nrollout:\n  n: 8\n   temperature: 1.0\n")
+    assert cli_main(["run", str(bad_yaml), "--run-dir", str(tmp_path / "run"), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"hpcrl: error: config file {bad_yaml} is not valid YAML: line 5, column 15: mapping "
+                                "values are not allowed here; fix: check the indentation and the ': ' after each key "
+                                "there (a value with ': ' or '#' in it needs quotes)"], err
+
+
+def test_a_value_of_neither_allowed_type_names_both():
+    with pytest.raises(ConfigError) as e:
+        load_config(TINY, ["data.val_files=null"])
+    assert "config data.val_files: got None; allowed: a list or a value of type str" in str(e.value), str(e.value)

@@ -232,6 +232,32 @@ def test_a_built_in_reward_on_rows_of_another_rule_is_warned_about(tmp_path, cap
                                                          "data_source 'builtin:toy_heldout', whose rule is toy_copy")
 
 
+def test_a_data_file_without_its_answer_column_is_named_in_one_line_before_anything_starts(tmp_path, capsys):
+    """A verl parquet without ``reward_model``: every built-in reward would be 0 against an empty ground truth. The
+    line names the column, the file and the key that points at it; a function of your own gets a warning (it may not
+    need the answer)."""
+    from hpcrl.cli import main as cli_main
+
+    data = tmp_path / "noanswer.parquet"
+    pd.read_parquet(gsm8k_parquet(tmp_path / "g.parquet")).drop(columns=["reward_model"]).to_parquet(data)
+    rc = cli_main(["run", str(TINY), f"data.source={data}", "reward.name=by_data_source", "eval.every_versions=0",
+                   "--run-dir", str(tmp_path / "run"), "--dry-run"])
+    err = capsys.readouterr().err
+    assert rc == 2 and not (tmp_path / "run").exists()
+    errors = [line for line in err.splitlines() if line.startswith("hpcrl: error: ")]
+    assert errors == [f"hpcrl: error: config data.answer_key: got 'reward_model.ground_truth'; allowed: a column of "
+                      f"data.source={data} with each row's ground truth (dots go into nested columns); no row has one "
+                      f"at 'reward_model.ground_truth' (its columns: data_source, ability, prompt, extra_info), so "
+                      "reward.name=by_data_source would score every response 0; fix: set data.answer_key to the column "
+                      "that holds the answers, or write verl's reward_model: {ground_truth: ...} column into the "
+                      "file"], err
+    fn = tmp_path / "score.py"
+    fn.write_text("def compute_score(solution_str, ground_truth):\n    return float('7' in solution_str)\n")
+    _, warnings = dry_run(tmp_path, capsys, f"data.source={data}", "eval.every_versions=0", f"reward.path={fn}")
+    assert any(w.startswith("config data.answer_key: a column of data.source=") and "your reward function gets "
+               "ground_truth='' for every row" in w for w in warnings), warnings
+
+
 def test_the_tiny_defaults_give_no_warning(tmp_path, capsys):
     out, warnings = dry_run(tmp_path, capsys)
     assert warnings == [] and "builtin:toy 'g g g g g g g g' -> 1" in out, warnings

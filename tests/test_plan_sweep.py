@@ -36,7 +36,7 @@ def test_plan_help_lists_every_sweep_option(capsys):
     with pytest.raises(SystemExit):
         main(["plan", "--help"])
     out = capsys.readouterr().out
-    for opt in ("--gpus", "--gpus-per-engine", "--splits", "--staleness", "--partial", "--prompt-tokens", "--updates",
+    for opt in ("--gpus", "--gpus-per-engine", "--gpus-per-node", "--splits", "--staleness", "--partial", "--prompt-tokens", "--updates",
                 "--probe", "--top", "--all", "--reference"):
         assert opt in out
 
@@ -59,7 +59,39 @@ def test_splits_parse_lists_ranges_and_steps():
 def test_default_splits_are_every_count_then_whole_nodes():
     assert default_splits(8, 1) == list(range(1, 8))
     assert default_splits(128, 1) == [1, 2, 4] + list(range(8, 121, 8))
-    assert default_splits(16, 4) == list(range(1, 13))
+    assert default_splits(16, 4) == list(range(1, 9)), "9-12 GPUs is no shape of 8-GPU nodes"
+    assert default_splits(64, 1) == list(range(1, 9)) + list(range(16, 57, 8))
+    assert default_splits(64, 1, gpus_per_node=4) == [1, 2, 3, 4] + list(range(8, 61, 4))
+
+
+def test_the_advice_is_in_shapes_a_cluster_can_give(capsys):
+    """At 64 GPUs the best split was once 'resources.trainer.nodes=1 ... gpus_per_node=31'."""
+    for node, argv in ((8, []), (4, ["--gpus-per-node", "4"])):
+        rc, out = _cli(capsys, SIM, "--gpus", "64", "--updates", "4", "--staleness", "0.5", "--partial", "off", *argv)
+        assert rc == 0, out
+        best = [line for line in out.splitlines() if "resources.trainer.nodes=" in line]
+        assert len(best) == 3, out
+        for line in best:
+            nodes = int(line.split("resources.trainer.nodes=")[1].split()[0])
+            per_node = int(line.split("resources.trainer.gpus_per_node=")[1].split()[0])
+            assert per_node <= node and (nodes == 1 or per_node == node), line
+        trainers = {int(r[0].split(":")[0]) for r in _rows(out) if not r[0].startswith("coloc")}
+        assert all(t <= node or t % node == 0 for t in trainers - {1}), trainers  # 1: the config's own request
+    rc, out = _cli(capsys, SIM, "--gpus", "64", "--splits", "12,16", "--updates", "4")
+    assert rc == 2 and "--splits: 12 trainer GPUs is no shape of 8-GPU nodes" in out, out
+    rc, out = _cli(capsys, SIM, "--gpus", "64", "--gpus-per-engine", "16", "--updates", "4")
+    assert rc == 2 and "--gpus-per-engine 16: an engine runs on one node of 8 GPUs" in out, out
+
+
+def test_a_line_says_when_the_phase_numbers_are_hpcrls_defaults(capsys):
+    rc, out = _cli(capsys, "configs/tiny.yaml", "--gpus", "8", "--updates", "4", "--staleness", "0", "--partial", "off")
+    assert rc == 0 and out.startswith("note: the config has no simulated: section, so every phase number below is "
+                                      "hpcrl's built-in default"), out
+    rc, out = _cli(capsys, SIM, "--gpus", "8", "--updates", "4", "--staleness", "0", "--partial", "off")
+    assert rc == 0 and "built-in default" not in out, out
+    rc, out = _cli(capsys, SIM, "simulated.publish_s=0", "--gpus", "8", "--updates", "4", "--staleness", "0",
+                   "--partial", "off")
+    assert "built-in default" not in out, "a key set to its default value is set all the same"
 
 
 def test_splits_option_narrows_the_trainer_sizes(capsys):
@@ -116,9 +148,10 @@ def test_longer_prompts_cost_prefill_in_the_prediction():
 
 
 def test_the_search_finds_the_best_of_every_candidate():
-    """Coarse to fine with the bound finds the exhaustive sweep's best within 1 % (28K proportions, 12 GPUs)."""
+    """Coarse to fine with the bound finds the exhaustive sweep's best within 1 % (28K proportions, 12 GPUs of one
+    node: every trainer size a shape)."""
     cfg = load_config("configs/simulated-28k.yaml")
-    spec = SweepSpec(gpus=12, updates=6)
+    spec = SweepSpec(gpus=12, updates=6, gpus_per_node=12)
     draws = Draws(cfg.simulated, cfg.rollout.n, cfg.rollout.response_length, cfg.data.seed, None, 2)
     every = search(cfg.simulated, candidates(cfg, spec), draws, 6, cfg.data.seed, 3, exhaustive=True).predicted
     found = search(cfg.simulated, candidates(cfg, spec), draws, 6, cfg.data.seed, 3)
@@ -191,3 +224,17 @@ def test_bad_options_are_refused_together_before_anything_is_simulated(capsys):
     assert rc == 2
     for what in ("--splits x", "--staleness -1", "--gpus must be >= 2, got 1", "--updates must be >= 3, got 2"):
         assert what in out
+
+
+def test_the_readmes_plan_command_works_on_the_shipped_gpu_configs(capsys):
+    """``hpcrl plan CONFIG --gpus 64`` as the README wrote it failed on every shipped GPU config (their model.path
+    is a placeholder, so the prompts cannot be read): the README's command must run on them as written."""
+    import re
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    readme = " ".join((repo / "README.md").read_text().split())
+    command = re.search(r"`hpcrl plan CONFIG ([^`]*)`", readme).group(1).split()
+    for config in sorted(repo.glob("configs/gsm8k-*.yaml")) + [repo / "configs" / "plan-7b-math-28k.yaml"]:
+        rc, out = _cli(capsys, str(config), *command, "--updates", "4")  # fewer updates: the same check, sooner
+        assert rc == 0, (config.name, out)

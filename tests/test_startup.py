@@ -2,6 +2,8 @@
 deadline; DeepSpeed's op build can neither leave a lock that hangs later trainers nor orphaned compilers."""
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -132,4 +134,84 @@ def test_a_trainer_killed_during_its_first_op_build_leaves_no_compiler_and_its_r
     assert trainer.wait(600) == 0, trainer.tail()
     assert rollout.wait(120) == 0, rollout.tail()
     assert "removed " in trainer.log_path.read_text() and not _compilers_in(folder)
+    assert f"building DeepSpeed's op {OP} in {folder} because it is not built yet" in trainer.log_path.read_text()
     check_exactly_once(rd, rd.load_config().rollout.max_concurrent_groups)
+    again = subprocess.run([sys.executable, "-c", LOAD_OPS], cwd=REPO, capture_output=True, text=True, timeout=600,
+                           env={**os.environ, **env})  # the next start: the op is ready
+    assert again.returncode == 0 and "building DeepSpeed's op" not in again.stdout + again.stderr, again
+    assert float(re.search(r"op step ([\d.]+)s", again.stdout).group(1)) < 5, again.stdout
+
+
+OP = "deepspeed_shm_comm"
+LOAD_OPS = ("import time; from hpcrl.trainer.ops import ops_to_build, prepare_ops; b = ops_to_build()[0]; "
+            "t0 = time.monotonic(); prepare_ops(600); took = time.monotonic() - t0; "
+            "assert b.load() is not None; print(f'op step {took:.2f}s')")
+"""The trainer's op step in a fresh process (``trainer/main.py``: ``prepare_ops``), then DeepSpeed's own load as its
+``init_distributed`` calls it; prints how long the step took."""
+
+
+def _installed_copy(tmp_path: Path) -> Path:
+    """A copy of the node's built ops (the folder ``install.sh`` built), ready by ``hpcrl build-ops``' rule."""
+    folder = tmp_path / "torch_extensions"
+    shutil.copytree(_ops_folder(), folder, symlinks=True, ignore=shutil.ignore_patterns("*.lock", "lock"))
+    ready = subprocess.run([sys.executable, "-m", "hpcrl", "build-ops"], cwd=REPO, capture_output=True, text=True,
+                           env={**os.environ, "TORCH_EXTENSIONS_DIR": str(folder)}, timeout=900)
+    assert ready.returncode == 0 and "DeepSpeed ops ready" in ready.stdout, ready.stdout + ready.stderr
+    return folder
+
+
+def _as_a_cancelled_build_leaves_it(op: Path) -> None:
+    """``shm.o`` written after ninja recorded it, as a compiler that outlived its cancelled build writes it: ninja
+    would compile again (what a user's trainer did at every start of a session, for 2-3 minutes)."""
+    later = time.time() + 5
+    os.utime(op / "shm.o", (later, later))
+    ninja = Path(sys.executable).parent / "ninja"
+    explain = subprocess.run([str(ninja) if ninja.exists() else "ninja", "-n", "-d", "explain"], cwd=op,
+                             capture_output=True, text=True)
+    assert "stored deps info out of date for 'shm.o'" in explain.stdout + explain.stderr, explain
+
+
+@pytest.mark.slow
+def test_an_op_build_ops_calls_ready_is_loaded_at_start_without_a_compiler(tmp_path):
+    folder = _installed_copy(tmp_path)
+    op = folder / OP
+    _as_a_cancelled_build_leaves_it(op)
+    built = {p.name: p.stat().st_mtime_ns for p in op.iterdir()}
+    res = subprocess.run([sys.executable, "-c", LOAD_OPS], cwd=REPO, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "TORCH_EXTENSIONS_DIR": str(folder)})
+    assert res.returncode == 0, res.stdout + res.stderr
+    took = float(re.search(r"op step ([\d.]+)s", res.stdout).group(1))
+    assert "building DeepSpeed's op" not in res.stdout + res.stderr and took < 5, res.stdout + res.stderr
+    now = {p.name: p.stat().st_mtime_ns for p in op.iterdir()}
+    assert now == built, "nothing in the op's folder was compiled or written again"
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_an_op_rebuild_leaves_no_compiler_running_after_hpcrl_run(tmp_path):
+    """A rebuild (here: the record of the last build is gone, as a cancelled build leaves the folder) runs in the
+    killable build session with one line saying why; Ctrl-C to ``hpcrl run`` meanwhile ends every compiler before
+    ``hpcrl run`` exits, and the cancelled build is not recorded as ready."""
+    folder = _installed_copy(tmp_path)
+    op = folder / OP
+    (op / "hpcrl-built.json").unlink()
+    _as_a_cancelled_build_leaves_it(op)
+    rd = RunDir(tmp_path / "run")
+    proc = subprocess.Popen([sys.executable, "-m", "hpcrl", "run", str(REPO / "configs" / "tiny.yaml"), "--run-dir",
+                             str(rd.root), "--executor", "local"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, "TORCH_EXTENSIONS_DIR": str(folder)})
+    try:
+        wait_until(lambda: any(" cc1plus" in c for c in _compilers_in(op)) or proc.poll() is not None, 300,
+                   "the op's compiler to run")
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
+        out, _ = proc.communicate(timeout=300)
+        left = _compilers_in(op)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert not left, f"still running after hpcrl run exited: {left}"
+    assert proc.returncode == 130, out[-3000:]
+    log = rd.job_log("trainer").read_text()
+    assert (f"building DeepSpeed's op {OP} in {folder} because no record of a finished build" in log), log[-3000:]
+    assert not (op / "hpcrl-built.json").exists(), "a cancelled build is built again at the next start"

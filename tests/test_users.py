@@ -1,6 +1,7 @@
 """A verl user's first week: their data and reward files work unchanged, broken inputs fail
 before anything is submitted (in one line), and the metrics reach TensorBoard and W&B."""
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -281,12 +282,59 @@ def test_cli_rough_edges(tmp_path, capsys, monkeypatch):
     assert e.value.code == 0 and capsys.readouterr().out.startswith("hpcrl ")
 
 
-def test_dry_run_on_an_existing_run_reports_the_conflict(tmp_path, capsys):
+def test_dry_run_on_an_existing_run_reports_the_conflict_and_which_keys_differ(tmp_path, capsys):
     from conftest import make_run
 
-    rd = make_run(tmp_path)
+    rd = make_run(tmp_path)  # tiny.yaml with two timeouts changed
     assert cli_main(["run", str(TINY), "--run-dir", str(rd.root), "--dry-run"]) == 2
-    assert "already holds a run; pass --resume" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert (f"hpcrl: error: run directory {rd.root} already holds a run of another config (2 keys differ: "
+            "timeouts.wait_samples_s: 120.0 -> 600.0, timeouts.wait_weights_s: 120.0 -> 600.0); pass --resume to "
+            "continue that run") in err, err
+    assert cli_main(["run", str(TINY), "timeouts.wait_samples_s=120", "timeouts.wait_weights_s=120", "--run-dir",
+                     str(rd.root), "--dry-run"]) == 2
+    assert (f"run directory {rd.root} already holds a run of this same config; pass --resume to continue it"
+            in capsys.readouterr().err)
+
+
+def test_dry_run_of_slurm_jobs_prints_the_sbatch_lines_where_slurm_is_not(tmp_path, capsys, monkeypatch):
+    """A laptop or a login node before the cluster: the dry run shows what would be submitted, with a note that a
+    real run needs Slurm's commands (which the real run still refuses without)."""
+    monkeypatch.setenv("PATH", str(tmp_path))  # no Slurm commands
+    run = tmp_path / "run"
+    assert cli_main(["run", str(TINY), "--run-dir", str(run), "--executor", "slurm", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "# Slurm's sbatch, squeue, scancel are not on PATH here" in out, out
+    lines = [line for line in out.splitlines() if line.startswith("sbatch ")]
+    assert len(lines) == 3 and lines[0].startswith("sbatch --parsable --job-name=hpcrl-trainer --nodes=1 ") and \
+        lines[0].endswith(f"sbatch/trainer.sbatch {run}") and "--array=0-0" in lines[1], lines
+    assert not run.exists()
+
+
+def test_a_run_directory_that_is_a_file_or_cannot_be_written_is_refused_by_the_dry_run(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for run_dir, fragment in ((afile, f"--run-dir {afile} is a file, not a folder"),
+                              (afile / "run", f"--run-dir {afile / 'run'} is under {afile}, a file, not a folder")):
+        assert cli_main(["run", str(TINY), "--run-dir", str(run_dir), "--executor", "local", "--dry-run"]) == 2
+        err = capsys.readouterr().err
+        assert f"hpcrl: error: {fragment}; fix: choose a --run-dir" in err and "Traceback" not in err, err
+    closed = tmp_path / "closed"
+    closed.mkdir()
+    locked = ["chattr", "+i", str(closed)] if os.geteuid() == 0 else None  # root writes in any mode
+    try:
+        if locked:
+            subprocess.run(locked, check=True)
+        else:
+            closed.chmod(0o500)
+        assert cli_main(["run", str(TINY), "--run-dir", str(closed / "run"), "--executor", "local", "--dry-run"]) == 2
+        err = capsys.readouterr().err
+        assert f"hpcrl: error: --run-dir {closed / 'run'}: this process cannot create it in {closed} (" in err, err
+    finally:
+        if locked:
+            subprocess.run(["chattr", "-i", str(closed)], check=True)
+        else:
+            closed.chmod(0o700)
 
 
 def test_dry_run_into_a_closed_pipe_ends_quietly(tmp_path):

@@ -135,6 +135,26 @@ def test_unknown_keys_are_all_reported_with_the_nearest_hpcrl_or_verl_key():
     assert "remove or rename" not in str(e.value)
 
 
+def test_a_typo_under_a_verl_section_hpcrl_takes_whole_is_refused_with_the_nearest_key():
+    """``optim.*`` has no meaning here but for lr, weight_decay and clip_grad: a misspelt lr was once taken as one of
+    the rest ("not used here") and the run trained at the default lr."""
+    with pytest.raises(ConfigError) as e:
+        load_config(TINY, ["actor_rollout_ref.actor.optim.lrr=1e-5", "critic.optim.betaz=[0.9, 0.95]"])
+    lines = str(e.value).splitlines()
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("config actor_rollout_ref.actor.optim.lrr: got '1e-5'; allowed: verl's keys of "
+                               "actor_rollout_ref.actor.optim: optimizer, optimizer_impl, lr,"), lines[0]
+    assert "did you mean actor_rollout_ref.actor.optim.lr (verl's name, read as actor.lr)?" in lines[0]
+    assert "did you mean critic.optim.betas?" in lines[1]
+    notes = []
+    cfg = load_config(TINY, ["actor_rollout_ref.actor.optim.lr=1e-5", "actor_rollout_ref.actor.optim.lr_warmup_steps=10",
+                             "actor_rollout_ref.actor.optim.override_optimizer_config.eps=1e-8",
+                             "actor_rollout_ref.actor.optim.betas=[0.9, 0.95]"], notes=notes)
+    assert cfg.actor.lr == 1e-5
+    assert any(n.startswith("verl actor_rollout_ref.actor.optim.lr_warmup_steps, ") and "not used here: AdamW" in n
+               for n in notes), notes
+
+
 def test_two_file_keys_setting_one_hpcrl_key_differently_conflict(tmp_path):
     (tmp_path / "c.yaml").write_text("rollout: {n: 4}\nactor_rollout_ref: {rollout: {n: 8}}\n")
     with pytest.raises(ConfigError, match="already set rollout.n to 4"):

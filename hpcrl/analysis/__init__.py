@@ -9,6 +9,7 @@
 - :mod:`hpcrl.analysis.problems`   reward errors, tool errors, prompts filtered (status and the report)
 - :mod:`hpcrl.analysis.samples`    ``hpcrl samples RUN_DIR``: prompts, responses, rewards decoded from the shards
 - :mod:`hpcrl.analysis.export`     ``hpcrl export RUN_DIR --out DIR``: a weight version as a Hugging Face folder
+- :mod:`hpcrl.analysis.commands`   those commands' arguments and how each runs (hpcrl/cli.py adds them)
 
 The commands are ``hpcrl report``, ``status``, ``summary``, ``samples`` and ``export`` (hpcrl/cli.py);
 this package is library code (only the ``*_main`` functions print what their command shows). Nothing

@@ -228,7 +228,7 @@ def timeline(data: RunData, out: Path, zoom_versions: int = 5) -> Path:
     ax[0, 0].set_title("whole run" + ("" if zoom is None else " (the shaded window is enlarged below)"), fontsize=10)
     if zoom is not None:
         ax[0, 0].axvspan(*zoom, color="y", alpha=0.25)
-        ax[1, 0].set_title(f"{zoom_versions} weight versions in the middle of the run; dotted lines: version "
+        ax[1, 0].set_title(f"{window_versions(data, zoom)} in the middle of the run; dotted lines: version "
                            "published (label = new version)", fontsize=10)
     else:
         ax[1, 0].set_visible(False)
@@ -252,6 +252,17 @@ def middle_window(data: RunData, versions: int = 5) -> tuple[float, float] | Non
     lo, hi = float(publish.iloc[first]), float(publish.iloc[first + versions])
     pad = 0.15 * (hi - lo)
     return lo - pad, hi + pad
+
+
+def window_versions(data: RunData, window: tuple[float, float]) -> str:
+    """``7 weight versions published (v12-v18)``: the publishes that fall in ``window`` (what a zoom shows: the
+    versions :func:`middle_window` spans and those its margins catch)."""
+    m = data.metrics
+    t = m["time_s"].astype(float) - data.t0_s
+    shown = (m["param_version"] + 1)[(m[M.PARAM_SYNC_S] > 0) & (t >= window[0]) & (t <= window[1])]
+    if shown.empty:
+        return "no weight version published"
+    return f"{len(shown)} weight versions published (v{int(shown.min())}-v{int(shown.max())})"
 
 
 def throughput(data: RunData, out: Path) -> Path:
@@ -298,8 +309,8 @@ def throughput(data: RunData, out: Path) -> Path:
         empty_note(b, "no trained groups logged yet")
     b.set_xlabel("wall time since the run's first event (s)")
     b.set_ylabel("queue depth (groups)")
-    b.set_title("Queue between rollout and trainer" + (", 5 versions in the middle of the run" if window else ""),
-                fontsize=10)
+    b.set_title("Queue between rollout and trainer" + (f", {window_versions(data, window)} in the middle of the run"
+                                                       if window else ""), fontsize=10)
     c.set_xlabel("queue depth (groups)")
     c.set_ylabel("% of time")
     c.set_title("Queue depth, whole run", fontsize=10)

@@ -110,6 +110,9 @@ class VerlKey(NamedTuple):
     refuse: bool = False
     """The key cannot be honoured: a value other than false/null/0/empty is refused with ``note`` as the
     reason (what hpcrl offers instead), before anything is submitted."""
+    keys: tuple = ()
+    """A ``.*`` entry: the keys verl has under its prefix (a key below one of them is that key's value); another
+    is refused as unknown, with the nearest. Empty: every key under the prefix is taken."""
 
 
 _SHARDING = "the trainer shards with DeepSpeed ZeRO (actor.zero_stage 0-3; FSDP's full sharding is ZeRO-3)"
@@ -123,6 +126,13 @@ _MODEL = "the model is model.path loaded as it is (no kernel options; LoRA: acto
 _TP = ("parallel training is DeepSpeed ZeRO data parallelism with Ulysses sequence parallelism "
        "(actor.ulysses_sequence_parallel_size); no tensor or pipeline parallelism")
 _CHUNKS = "log-probs and entropy always come from the hidden states a chunk at a time (actor.logprob_chunk_mib)"
+_OPTIM_KEYS = ("optimizer", "optimizer_impl", "lr", "lr_warmup_steps_ratio", "lr_warmup_ratio", "total_training_steps",
+               "weight_decay", "lr_warmup_steps", "betas", "clip_grad", "grad_clip", "max_grad_norm", "min_lr_ratio",
+               "num_cycles", "lr_scheduler_type", "warmup_style", "override_optimizer_config", "lr_warmup_init",
+               "lr_decay_steps", "lr_decay_style", "min_lr", "weight_decay_incr_style", "lr_wsd_decay_style",
+               "lr_wsd_decay_steps", "use_checkpoint_opt_param_scheduler")
+"""verl 0.9.1's optimizer keys (its FSDP, Megatron and VeOmni optimizer configs): a typo such as ``optim.lrr`` is
+refused, not read as one of them."""
 
 VERL_KEYS: dict[str, str | VerlKey] = {
     # ---- data
@@ -206,7 +216,8 @@ VERL_KEYS: dict[str, str | VerlKey] = {
     "actor_rollout_ref.actor.optim.lr": "actor.lr",
     "actor_rollout_ref.actor.optim.weight_decay": "actor.weight_decay",
     "actor_rollout_ref.actor.optim.clip_grad": "actor.grad_clip",
-    "actor_rollout_ref.actor.optim.*": VerlKey(None, "AdamW with a constant actor.lr (no warm-up or schedule)"),
+    "actor_rollout_ref.actor.optim.*": VerlKey(None, "AdamW with a constant actor.lr (no warm-up or schedule)",
+                                               keys=_OPTIM_KEYS),
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": VerlKey("actor.ppo_micro_batch_size", "sequences per "
                                                                     "GPU are read as groups of rollout.n per rank"),
     "actor_rollout_ref.actor.ppo_micro_batch_size": VerlKey("actor.ppo_micro_batch_size", "sequences over all GPUs "
@@ -385,7 +396,7 @@ VERL_KEYS: dict[str, str | VerlKey] = {
                                 "training", refuse=True),
     # ---- the critic (a value head on the policy)
     "critic.optim.lr": "critic.lr",
-    "critic.optim.*": VerlKey(None, "AdamW with a constant critic.lr"),
+    "critic.optim.*": VerlKey(None, "AdamW with a constant critic.lr", keys=_OPTIM_KEYS),
     "critic.model.*": VerlKey(None, "the critic is a value head on the policy (hpcrl/trainer/models.py)"),
     "critic.fsdp.*": VerlKey(None, _SHARDING),
     "critic.fsdp_config.*": VerlKey(None, _SHARDING),

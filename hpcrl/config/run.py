@@ -243,12 +243,14 @@ def _coerce(key: str, hint: Any, value: Any) -> Any:
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         if value is None and len(args) < len(typing.get_args(hint)):
             return None
-        for arg in args[:-1]:  # Union[A, B]: the first type the value fits
+        if len(args) == 1:
+            return _coerce(key, args[0], value)
+        for arg in args:  # Union[A, B]: the first type the value fits
             try:
                 return _coerce(key, arg, value)
             except ConfigError:
                 pass
-        return _coerce(key, args[-1], value)
+        raise bad(key, value, " or ".join(_kind(a) for a in args))
     if hint in (dict, list) or typing.get_origin(hint) in (dict, list):
         base = typing.get_origin(hint) or hint
         if not isinstance(value, base):
@@ -261,6 +263,12 @@ def _coerce(key: str, hint: Any, value: Any) -> Any:
     if hint in (int, float, str, bool) and not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
         raise bad(key, value, f"a value of type {hint.__name__}")
     return value
+
+
+def _kind(hint: Any) -> str:
+    """``a list``, ``a mapping``, ``a value of type str``: what a value of type ``hint`` is, for a message."""
+    base = typing.get_origin(hint) or hint
+    return {list: "a list", dict: "a mapping"}.get(base, f"a value of type {getattr(base, '__name__', base)}")
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -308,10 +316,22 @@ def _read_yaml(path: Optional[os.PathLike | str]) -> dict:
     try:
         tree = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+        raise ConfigError(f"config file {p} is not valid YAML: {_yaml_problem(e)}") from None
     if not isinstance(tree, dict):
         raise ConfigError(f"config file {p}: top level must be a mapping of sections")
     return tree
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """PyYAML's error in one line, placed in the file: ``line 5, column 15: mapping values are not allowed here
+    (while parsing a block mapping from line 3)``."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    context, cmark = getattr(e, "context", None), getattr(e, "context_mark", None)
+    since = f" ({context} from line {cmark.line + 1})" if context and cmark is not None else ""
+    return (f"{where}{problem}{since}; fix: check the indentation and the ': ' after each key there (a value with "
+            "': ' or '#' in it needs quotes)")
 
 
 def given_keys(path: Optional[os.PathLike | str], overrides: Optional[list[str]] = None) -> set[str]:

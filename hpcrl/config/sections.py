@@ -58,7 +58,8 @@ class DataConfig:
     or a string (files only)."""
     answer_key: str = "reward_model.ground_truth"
     """Column handed to the reward function as the ground truth; dots go into nested
-    columns (verl: ``reward_model.ground_truth``). May be absent if the reward does not need it."""
+    columns (verl: ``reward_model.ground_truth``). A file none of whose rows has it is refused at launch with a
+    built-in reward (every response would score 0), and warned about with a function of yours (``reward.path``)."""
     apply_chat_template: Optional[bool] = None
     """Render the prompt with the tokenizer's chat template, generation prompt added
     (a string prompt becomes one user message). null = yes when the tokenizer has a

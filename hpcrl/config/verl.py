@@ -152,6 +152,8 @@ class Translation:
         table_key, entry = entry_of(key)
         if entry is None:
             self.errors.append(unknown_key_message(key, value, self.schema))
+        elif entry.keys and key[len(table_key) - 1:].split(".")[0] not in entry.keys:
+            self.errors.append(unlisted_key_message(key, value, table_key, entry))
         elif table_key in CONVERSIONS or (table_key.endswith("megatron.*") and key.endswith("parallel_size")):
             self.deferred.append((table_key, key, value, override))
         elif entry.refuse and _asks(value):
@@ -264,6 +266,21 @@ def translate(tree: dict, overrides: list[tuple[str, Any]], root: type) -> tuple
 
 def _candidates(schema: Schema) -> list[str]:
     return sorted(schema.leaves | {k for k in VERL_KEYS if not k.endswith(WILDCARD)})
+
+
+def unlisted_key_message(key: str, value: Any, table_key: str, entry: VerlKey) -> str:
+    """A key under a ``.*`` entry that lists verl's keys there (``VerlKey.keys``), not one of them: ``config
+    actor_rollout_ref.actor.optim.lrr: got ...; allowed: verl's keys of ...; fix: did you mean ...?``."""
+    prefix = table_key[:-len(WILDCARD)]
+    siblings = [f"{prefix}.{k}" for k in entry.keys]
+    near = difflib.get_close_matches(key, siblings, n=1, cutoff=0.6)
+    if near:
+        target = entry_of(near[0])[1]
+        read_as = f" (verl's name, read as {target.target})" if target and target.target else ""
+        fix = f"did you mean {near[0]}{read_as}?"
+    else:
+        fix = f"check the spelling against verl's {prefix} keys"
+    return str(bad(key, value, f"verl's keys of {prefix}: {', '.join(entry.keys)}", fix))
 
 
 def unknown_key_message(key: str, value: Any, schema: Schema) -> str:

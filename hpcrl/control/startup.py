@@ -52,9 +52,11 @@ class StartupSteps:
         watchdog = threading.Thread(target=self._watch, args=(name, limit_s, done), name="startup-watchdog",
                                     daemon=True)
         watchdog.start()
+        t0 = time.monotonic()
         try:
             faults.point("startup")
             yield
+            log.info("start-up: %s done in %.1fs", name, time.monotonic() - t0)
         finally:
             done.set()
             self.current = None

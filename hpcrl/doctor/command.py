@@ -24,15 +24,20 @@ OPTIONAL = ("cuda", "vllm")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", default=".", help="folder on the shared filesystem to time write+fsync+rename in "
-                                              "(the run directory's parent)")
-    p.add_argument("--require", default="", help=f"comma-separated, of {', '.join(OPTIONAL)}: fail without them")
-    p.add_argument("--skip", default="", help="comma-separated checks not to run (e.g. vllm: its import is slow)")
-    p.add_argument("--shm-min-gib", type=float, default=1.0, help="free /dev/shm wanted (one weight version)")
+                                              "(the run directory's parent; default: here)")
+    p.add_argument("--require", default="", help=f"comma-separated, of {', '.join(OPTIONAL)}: fail without them "
+                                                       "(default: none required)")
+    p.add_argument("--skip", default="", help="comma-separated checks not to run (e.g. vllm: its import is slow; "
+                                                    "default: run all)")
+    p.add_argument("--shm-min-gib", type=float, default=1.0, help="free /dev/shm wanted in GiB (one weight version; "
+                                                                       "default 1)")
     p.add_argument("--gloo-peer", default=None, help="the other node of a gloo pair across two nodes (run the "
                                                      "doctor on both, each naming the other)")
-    p.add_argument("--gloo-rank", type=int, default=0, help="this node's rank in the pair (0 listens)")
-    p.add_argument("--gloo-port", type=int, default=0, help="rank 0's port (0: any free port, loopback only)")
-    p.add_argument("--timeout-s", type=float, default=60.0, help="deadline of the gloo pair and of each wait")
+    p.add_argument("--gloo-rank", type=int, default=0, help="this node's rank in the pair (0 listens; default 0)")
+    p.add_argument("--gloo-port", type=int, default=0, help="rank 0's port (0, the default: any free port, "
+                                                                  "loopback only)")
+    p.add_argument("--timeout-s", type=float, default=60.0, help="deadline of the gloo pair and of each wait, in "
+                                                                         "seconds (default 60)")
     p.add_argument("--json", default=None, help="also write the checks and their figures to this file")
 
 

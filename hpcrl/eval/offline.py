@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from hpcrl.config import ConfigError, RunConfig, config_from_dict, load_config, parse_override
+from hpcrl.config import registries
 from hpcrl.control.records import HeartbeatThread, live_jobs
 from hpcrl.eval.writer import EvalLogWriter
 from hpcrl.eval_log import EVALUATED, OFFLINE, EvalRow
@@ -50,8 +51,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", metavar="DIR", help="write DIR/logs/eval.jsonl and eval_samples.jsonl.gz (default: the "
                                                 "run's logs; with --model ./hpcrl-eval-<folder>)")
     for flag, key in FLAGS.items():
+        what = (f": one of {', '.join(registries.ENGINES)} (default: the run's rollout.engine)" if flag == "engine"
+                else " (default: the config's)")
         p.add_argument("--" + flag.replace("_", "-"), type=str if flag == "engine" else
-                       (float if flag in ("temperature", "top_p") else int), help=f"sets {key}")
+                       (float if flag in ("temperature", "top_p") else int), help=f"sets {key}{what}")
     p.add_argument("--do-sample", action="store_true", default=None, help="sample (eval.do_sample=true); "
                                                                           "implied by --n > 1")
     p.add_argument("--greedy", action="store_true", help="greedy decoding (eval.do_sample=false)")

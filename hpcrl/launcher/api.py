@@ -29,10 +29,10 @@ from hpcrl.launcher.autoscale import Autoscaler
 from hpcrl.launcher.fleet import Fleet
 from hpcrl.launcher.follow import RunFollower
 from hpcrl.launcher.inputs import check_inputs, derive_total_steps
-from hpcrl.launcher.prepare import prepare_run_dir
+from hpcrl.launcher.prepare import check_run_dir, occupied_message, prepare_run_dir
 from hpcrl.launcher.progress import Console
 from hpcrl.launcher.resume import change_lines, check_changes, finished_message
-from hpcrl.launcher.submit import LauncherJobs, PlannedJob, plan_jobs, resolve_executor
+from hpcrl.launcher.submit import LauncherJobs, PlannedJob, missing_slurm_commands, plan_jobs, resolve_executor
 from hpcrl.run_dir import FLEET_LAUNCHER, RunDir
 
 log = logging.getLogger(__name__)
@@ -70,16 +70,14 @@ def _load(config, rd: RunDir, overrides: Sequence[str], resume: bool, notes: lis
 
 
 def plan_run(config: Optional[os.PathLike | str | RunConfig], run_dir: os.PathLike | str, executor: str = "auto",
-             overrides: Sequence[str] = (), resume: bool = False) -> RunPlan:
+             overrides: Sequence[str] = (), resume: bool = False, dry_run: bool = False) -> RunPlan:
     """Check the config (a file + overrides, a RunConfig, or with ``resume`` and no config the frozen one
     plus the overrides) and plan the jobs; check the model, data, reward and GPUs (:mod:`hpcrl.launcher.inputs`,
-    every problem at once), that the run directory is free (or, with ``resume``, holds a run) and, with
-    ``resume``, that only what may change on a live run changes (:mod:`hpcrl.launcher.resume`). Raises
-    ConfigError / ValueError; creates nothing. ``--dry-run`` and the real run both come through here."""
+    every problem at once), that the run directory can be written and is free (or, with ``resume``, holds a run)
+    and, with ``resume``, that only what may change on a live run changes (:mod:`hpcrl.launcher.resume`). Raises
+    ConfigError / ValueError; creates nothing. ``--dry-run`` (``dry_run``: Slurm's commands need not be here, a
+    note says so) and the real run both come through here."""
     rd = RunDir(run_dir)
-    if rd.config_path.exists() and not resume:
-        raise ConfigError(f"run directory {rd.root} already holds a run; pass --resume to continue it "
-                          "or choose another --run-dir")
     if resume and not rd.config_path.exists():
         raise ConfigError(f"--resume: {rd.root} holds no run (no config.yaml)")
     notes: list[str] = []
@@ -88,10 +86,20 @@ def plan_run(config: Optional[os.PathLike | str | RunConfig], run_dir: os.PathLi
         if resume and cfg.model.base_hash is None:  # written at launch (a LoRA run); checked again by prepare_run_dir
             cfg.model.base_hash = rd.load_config().model.base_hash
         try:
+            check_run_dir(rd)
+        except ConfigError as e:
+            report(e)
+        if rd.config_path.exists() and not resume:
+            report(ConfigError(occupied_message(rd, cfg)))
+        try:
             kind = resolve_executor(executor)
         except ValueError as e:
-            report(ConfigError(str(e)))
             kind = executor
+            if dry_run and executor == "slurm":
+                notes.append(f"Slurm's {', '.join(missing_slurm_commands())} are not on PATH here (not a Slurm login "
+                             "node, or its module is not loaded): a real run needs them; shown is what it would submit")
+            else:
+                report(ConfigError(str(e)))
         if resume:
             finished = finished_message(read_trainer_done(rd), cfg, str(rd.root))
             if finished is not None and not overrides and config is None:

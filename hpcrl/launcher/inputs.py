@@ -35,10 +35,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from hpcrl.config import ConfigError, RunConfig
+from hpcrl.config import ConfigError, DataConfig, RewardConfig, RunConfig
 from hpcrl.config.checks import bad, collecting, report, reported
 from hpcrl.config.dapo import check_filter_metric
-from hpcrl.config.names import BUILTIN_MODELS
+from hpcrl.config.names import BUILTIN_DATA, BUILTIN_MODELS
 from hpcrl.launcher.input_warnings import WARNING, another_task, rule_mismatch, unknown_tokens, unwritable_answers
 from hpcrl.launcher.lora_check import check_lora
 from hpcrl.plan.memory import memory_lines
@@ -99,6 +99,30 @@ def check_engine_for(cfg: RunConfig, engine: str, key: str) -> None:
                   "vLLM's CPU attention needs head dim >= 64: set model.path=builtin:tiny-h64")
 
 
+def check_answers(reward: RewardConfig, rows: list[dict], data: DataConfig, key: str, files: list[str]) -> list[str]:
+    """A file of ``files`` (the rows of ``key``: data.source, data.val_files) none of whose rows has a ground truth
+    at ``data.answer_key`` (a verl parquet without its reward_model column): ConfigError in one line naming the
+    column, the file and the key for a built-in rule, which scores every response 0 against an empty answer; a
+    warning for a function of your own (it may not need one). [] when every file has answers."""
+    from hpcrl.rollout.dataset import file_columns
+
+    for i, path in enumerate(files):
+        mine = [r for r in rows if str(r.get("prompt_id", f"{i}:")).split(":")[0] == str(i)] if len(files) > 1 else rows
+        if not mine or any(r["answer"] for r in mine) or path in BUILTIN_DATA:
+            continue
+        columns = file_columns(path)
+        what = (f"a column of {key}={path} with each row's ground truth (dots go into nested columns); no row has "
+                f"one at {data.answer_key!r}" + (f" (its columns: {', '.join(columns)})" if columns else ""))
+        fix = ("set data.answer_key to the column that holds the answers, or write verl's "
+               "reward_model: {ground_truth: ...} column into the file")
+        if reward.path is None:
+            raise bad("data.answer_key", data.answer_key, what + f", so reward.name={reward.name} would score every "
+                      "response 0", fix)
+        return [f"{WARNING}config data.answer_key: {what}: your reward function gets ground_truth='' for every row; "
+                f"fix: {fix}, unless the function needs no ground truth"]
+    return []
+
+
 def check_eval(cfg: RunConfig, tokenizer, training_reward_failed: bool = False,
                train_rows: Optional[list[dict]] = None) -> list[str]:
     """The evaluation job's inputs (``eval.every_versions`` > 0): the held-out files read and tokenize, the
@@ -116,8 +140,9 @@ def check_eval(cfg: RunConfig, tokenizer, training_reward_failed: bool = False,
         rows, lines = load_heldout(cfg, tokenizer)
     except (ValueError, OSError) as e:
         raise ConfigError(f"config data.val_files: {e}") from None
-    warnings = unknown_tokens(cfg, tokenizer, rows, "data.val_files")
     reward = eval_reward(cfg)
+    warnings = check_answers(reward, rows, cfg.data, "data.val_files", cfg.data.val_files)
+    warnings += unknown_tokens(cfg, tokenizer, rows, "data.val_files")
     key = "reward" if reward is cfg.reward else "eval.reward"
     other_task = another_task(train_rows or [], rows)
     warnings += other_task or rule_mismatch(reward, rows, f"{key}.name", "data.val_files")
@@ -262,8 +287,11 @@ def _check_inputs(cfg: RunConfig, kind: Optional[str]) -> InputsFound:
     warnings = unknown_tokens(cfg, tokenizer, encoded[0], "data.source") if encoded else []
     probe = None
     if rows:
+        warnings += _attempt(check_answers, cfg.reward, rows, cfg.data, "data.source", [cfg.data.source],
+                             skip=("data.", "reward.")) or []
+    if rows and not reported("data.answer_key"):
         probe = _attempt(probe_reward, cfg.reward, encoded[0] if encoded else rows, tokenizer, skip=("reward.",))
-    else:
+    elif not rows:
         _attempt(load_reward, cfg.reward, skip=("reward.",))
     if isinstance(probe, RewardProbe):
         lines.append(probe.line)

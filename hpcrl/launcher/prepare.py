@@ -7,6 +7,7 @@ broadcast secret is written (mode 0600). Nothing is submitted if any of this fai
 """
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import time
@@ -17,6 +18,7 @@ from hpcrl.config.names import BUILTIN_MODELS
 from hpcrl.control.fatal import clear_fatal
 from hpcrl.control.records import clear_stop, read_trainer_done
 from hpcrl.launcher.inputs import check_inputs
+from hpcrl.launcher.resume import changes
 from hpcrl.run_dir import RunDir
 from hpcrl.weights.adapter import BaseModelChanged, base_model_hash, verify_base
 
@@ -63,6 +65,46 @@ def prepare_run_dir(cfg: RunConfig, run_dir: Path, resume: bool, inputs_checked:
             f.write(secrets.token_hex(32))
     rd.freeze_config(cfg)
     return rd
+
+
+def check_run_dir(rd: RunDir) -> None:
+    """``--run-dir`` can hold the run: a folder this process can write in, or a path it can create one at (a
+    folder is made and removed under the nearest existing parent: permissions, a read-only or immutable folder,
+    a full quota show here, not as a bare ``[Errno 1]`` when the run is prepared). ConfigError in one line."""
+    root = Path(rd.root)
+    fix = "fix: choose a --run-dir in a folder you can write on the shared filesystem (a new one, or a run's to --resume)"
+    place = root
+    while not place.exists() and place != place.parent:
+        place = place.parent
+    if not place.is_dir():
+        what = "is a file" if place == root else f"is under {place}, a file"
+        raise ConfigError(f"--run-dir {root} {what}, not a folder; {fix}")
+    probe = place / f".hpcrl-write-test-{os.getpid()}"
+    try:
+        probe.mkdir()
+        probe.rmdir()
+    except OSError as e:
+        where = "write in it" if place == root else f"create it in {place}"
+        raise ConfigError(f"--run-dir {root}: this process cannot {where} ({e.strerror}, errno {e.errno}: "
+                          f"{'owner or mode' if e.errno == errno.EACCES else 'a read-only, immutable or full folder'}"
+                          f"); {fix}") from None
+
+
+def occupied_message(rd: RunDir, cfg: RunConfig) -> str:
+    """The line for a run directory that already holds a run, without ``--resume``: whether the run there is of this
+    config, else the keys that differ."""
+    head = f"run directory {rd.root} already holds a run"
+    try:
+        differ = changes(rd.load_config(), cfg)
+    except (OSError, ValueError):
+        differ = None
+    if differ is None:
+        return f"{head} ({rd.config_path} does not load); choose another --run-dir"
+    if not differ:
+        return f"{head} of this same config; pass --resume to continue it, or choose another --run-dir"
+    shown = ", ".join(c.line() for c in differ[:4]) + (f" (+{len(differ) - 4} more)" if len(differ) > 4 else "")
+    return (f"{head} of another config ({len(differ)} keys differ: {shown}); pass --resume to continue that run "
+            "(only what may change on a live run may differ: docs/launching.md), or choose another --run-dir")
 
 
 def _check_base(cfg: RunConfig, rd: RunDir) -> None:

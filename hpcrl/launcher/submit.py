@@ -44,6 +44,15 @@ GONE_MARGIN_S = 30.0
 to be gone (a Slurm epilog, a slow ``squeue``) before it names the jobs still there and returns."""
 
 
+SLURM_COMMANDS = ("sbatch", "squeue", "scancel")
+"""What the launcher runs to submit and follow jobs on Slurm."""
+
+
+def missing_slurm_commands() -> list[str]:
+    """The Slurm commands the launcher needs that are not on PATH (all of them off a login node)."""
+    return [c for c in SLURM_COMMANDS if shutil.which(c) is None]
+
+
 def resolve_executor(name: str) -> str:
     """``local`` or ``slurm`` for ``--executor`` (``auto``: Slurm when ``srun`` is on PATH)."""
     if name == "auto":
@@ -51,10 +60,11 @@ def resolve_executor(name: str) -> str:
     if name not in ("local", "slurm"):
         raise ValueError(f"--executor {name!r}: allowed local, slurm, auto")
     if name == "slurm":
-        missing = [c for c in ("sbatch", "squeue", "scancel") if shutil.which(c) is None]
+        missing = missing_slurm_commands()
         if missing:
             raise ValueError(f"--executor slurm: {', '.join(missing)} not found on PATH (this is not a Slurm login "
-                             "node, or Slurm's module is not loaded); use --executor local, or run on a login node")
+                             "node, or Slurm's module is not loaded); use --executor local, or run on a login node "
+                             "(--dry-run shows what would be submitted anywhere)")
     return name
 
 

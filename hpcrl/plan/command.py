@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from hpcrl.config import ConfigError, RunConfig, load_config
+from hpcrl.config import ConfigError, RunConfig, given_keys, load_config
 from hpcrl.plan import pipeline
 from hpcrl.plan.baseline import sync_baseline
 from hpcrl.plan.events import predict
@@ -22,7 +22,7 @@ from hpcrl.plan.memory import ModelShape, memory_lines, model_shape
 from hpcrl.plan.model import Draws, Knobs, Prediction
 from hpcrl.plan.probe import empirical_lengths, probe_model
 from hpcrl.plan.prompts import prompt_lengths
-from hpcrl.plan.sweep import Candidate, SweepSpec, candidates, knobs_of, search
+from hpcrl.plan.sweep import Candidate, SweepSpec, candidates, knobs_of, search, unshaped_splits
 
 HEADER = ["trainer:engines", "s", "partial", "s/update", "s/sync", "tokens/s", "vs sync", "trainer busy",
           "rollout busy", "lag mean", "lag max", ""]
@@ -79,6 +79,29 @@ def spread_note(k: Knobs) -> Optional[str]:
             f"rollout.max_concurrent_groups={math.ceil(k.budget / k.rollout_jobs)} spreads it over all")
 
 
+PHASE_KEYS = ("decode_base_s", "decode_per_seq_s", "prefill_per_token_s", "weight_load_s", "update_base_s",
+              "update_per_token_s", "publish_s", "lengths", "length_mean")
+"""The ``simulated`` keys the prediction rests on; those the config leaves at hpcrl's defaults are named."""
+PROBED = ("update_base_s", "update_per_token_s", "weight_load_s", "lengths")
+"""What ``--probe RUN`` measures (:mod:`hpcrl.plan.probe`)."""
+
+
+def defaults_note(config: str, overrides: list[str], probe: Optional[str]) -> list[str]:
+    """A line when phase numbers are hpcrl's built-in defaults rather than the config's (or a probe's): then the
+    times and the speedups are a guess, not a prediction for the user's GPUs and model."""
+    given = {k[len("simulated."):] for k in given_keys(config, overrides) if k.startswith("simulated.")}
+    left = [k for k in PHASE_KEYS if k not in given and not (probe and k in PROBED)]
+    if not left:
+        return []
+    fix = ("write the numbers of your GPUs and model in simulated: (docs/planner.md, 'Sizing a run with hpcrl plan')"
+           + ("" if probe else ", or measure the update, weight switch and lengths with --probe RUN"))
+    if len(left) == len(PHASE_KEYS):
+        return [f"note: the config has no simulated: section, so every phase number below is hpcrl's built-in default "
+                f"(not a measurement of your GPUs or model): the times and the 'vs sync' ratios are a guess; {fix}"]
+    return [f"note: {', '.join('simulated.' + k for k in left)} are hpcrl's built-in defaults (the config does not set "
+            f"them{'' if not probe else ' and --probe does not measure them'}); {fix}"]
+
+
 def trainer_memory(cfg: RunConfig, model_config: Optional[str]) -> tuple[Optional[ModelShape], list[str]]:
     """The model's shape (``--model-config FILE``, else ``model.path``'s config.json) and the trainer's predicted
     memory per GPU at the config's own trainer size: ConfigError when it cannot fit
@@ -96,10 +119,14 @@ def plan_command(config: str, overrides: list[str], spec: SweepSpec, probe: Opti
     """The lines ``hpcrl plan`` prints; ConfigError when the config's trainer cannot fit its GPUs."""
     t0 = time.monotonic()
     cfg = load_config(config, overrides)
+    unshaped = unshaped_splits(spec)
+    if unshaped:
+        raise ValueError(unshaped)
     shape, memory = trainer_memory(cfg, model_config)
-    sim, notes = cfg.simulated, []
+    sim, notes = cfg.simulated, defaults_note(config, overrides, probe)
     if probe is not None:
-        sim, notes = probe_model(sim, Path(probe))
+        sim, probed = probe_model(sim, Path(probe))
+        notes += probed
     prompts, prompt_line = prompt_lengths(cfg, prompt_tokens)
     longest = max(prompts) if isinstance(prompts, list) else prompts
     if 0 < sim.kv_cache_tokens < longest + cfg.rollout.response_length + 1:
@@ -123,7 +150,8 @@ def plan_command(config: str, overrides: list[str], spec: SweepSpec, probe: Opti
              f"publish {sim.publish_s:g}s, weight switch {sim.weight_load_s:g}s, KV cache "
              f"{sim.kv_cache_tokens or 'unbounded'} tokens; lengths {sim.lengths} (mean {sim.length_mean:g}) cut at "
              f"{cfg.rollout.response_length}; {prompt_line}; R={cfg.groups_per_update} groups x n={cfg.rollout.n} "
-             f"per update, K={K} updates per sync; {spec.gpus} GPUs, {spec.gpus_per_engine} per engine; "
+             f"per update, K={K} updates per sync; {spec.gpus} GPUs on nodes of {spec.gpus_per_node}, "
+             f"{spec.gpus_per_engine} per engine; "
              f"{spec.updates} updates simulated per row",
              f"searched {len(cands)} candidates, simulated {len(done)} with the "
              f"{'reference' if reference else 'fast'} simulation in {time.monotonic() - t0:.1f}s"
@@ -140,8 +168,9 @@ def plan_command(config: str, overrides: list[str], spec: SweepSpec, probe: Opti
               "generate then train, on-policy)", requested_line, "", "best (highest throughput first):"]
     for c in done[:BEST_SHOWN]:
         p = c.prediction
+        launch = c.overrides(spec.gpus_per_engine, spec.gpus_per_node)
         lines.append(f"  {p.tokens_per_s:.0f} tokens/s ({p.tokens_per_s / sync.tokens_per_s:.2f}x synchronous), "
-                     f"{p.step_s:.1f}s/update, {p.sync_period_s:.1f}s/sync: {c.overrides(spec.gpus_per_engine)}")
+                     f"{p.step_s:.1f}s/update, {p.sync_period_s:.1f}s/sync: {launch}")
     note = spread_note(done[0].knobs)
     if note:
         lines += ["", note]

@@ -33,9 +33,16 @@ BOUND_MARGIN = 0.05
 """The bound uses the mean response length, not each window's: 5 % covers a window of long responses
 (``tests/test_plan_sweep.py`` checks the pruned search against the exhaustive one)."""
 EVERY_SPLIT_UP_TO = 64
-"""Budgets up to this many GPUs try every trainer size; larger ones whole nodes (and 1, 2, 4)."""
+"""Budgets up to this many GPUs try every trainer size a cluster can give; larger ones whole nodes (and 1, 2, 4)."""
 GPUS_PER_NODE = 8
-"""A trainer past one node takes whole nodes of this many GPUs (the default splits, the printed resources)."""
+"""A node's GPUs when neither ``--gpus-per-node`` nor the config's resources say: a trainer past one node takes whole
+nodes of them (the splits tried, the printed resources)."""
+
+
+def cluster_shape(trainer_gpus: int, gpus_per_node: int) -> bool:
+    """A trainer of this many GPUs is a shape a cluster of ``gpus_per_node``-GPU nodes can give: part of one node, or
+    whole nodes (``resources.trainer.nodes`` x ``gpus_per_node``; 31 GPUs on one node is no shape of 8-GPU nodes)."""
+    return trainer_gpus <= gpus_per_node or trainer_gpus % gpus_per_node == 0
 
 
 @dataclass
@@ -44,16 +51,17 @@ class Candidate:
     prediction: Optional[Prediction] = None
     bound_tokens_per_s: float = 0.0
 
-    def overrides(self, gpus_per_engine: int) -> str:
+    def overrides(self, gpus_per_engine: int, gpus_per_node: int = GPUS_PER_NODE) -> str:
         """What to launch: the async knobs and the resources (a trainer past one node in whole nodes of
-        :data:`GPUS_PER_NODE`, one rank per GPU; a simulated run takes the trainer's GPUs as simulated.trainer_gpus)."""
+        ``gpus_per_node``, one rank per GPU; a simulated run takes the trainer's GPUs as simulated.trainer_gpus)."""
         k = self.knobs
         t = k.trainer_gpus
-        whole_nodes = t > GPUS_PER_NODE and t % GPUS_PER_NODE == 0
-        nodes, per_node = (t // GPUS_PER_NODE, GPUS_PER_NODE) if whole_nodes else (1, t)
+        nodes, per_node = (t // gpus_per_node, gpus_per_node) if t > gpus_per_node else (1, t)
+        trainer = (f"resources.trainer.nodes={nodes} resources.trainer.tasks_per_node={per_node} "
+                   f"resources.trainer.gpus_per_node={per_node}" if cluster_shape(t, gpus_per_node)
+                   else "resources.trainer as the config has it")  # only the config's own request can be another shape
         return (f"async_training.staleness_threshold={k.staleness_threshold:g} "
-                f"async_training.partial_rollout={str(k.partial_rollout).lower()} resources.trainer.nodes={nodes} "
-                f"resources.trainer.tasks_per_node={per_node} resources.trainer.gpus_per_node={per_node} "
+                f"async_training.partial_rollout={str(k.partial_rollout).lower()} {trainer} "
                 f"resources.rollout_jobs={k.rollout_jobs} resources.rollout.gpus_per_node={gpus_per_engine} "
                 f"(simulated: simulated.trainer_gpus={t})")
 
@@ -73,8 +81,10 @@ class SweepSpec:
     staleness: tuple = STALENESS
     partial: tuple = PARTIAL
     splits: Optional[list] = None
-    """Trainer GPU counts to try; None: every one up to :data:`EVERY_SPLIT_UP_TO` GPUs, else 1, 2, 4 and whole
-    nodes of 8."""
+    """Trainer GPU counts to try; None: every one a cluster can give (:func:`cluster_shape`) up to
+    :data:`EVERY_SPLIT_UP_TO` GPUs, else 1, 2, 4 and whole nodes."""
+    gpus_per_node: int = GPUS_PER_NODE
+    """GPUs of one node: a trainer past it takes whole nodes, an engine fits in one."""
 
 
 def parse_splits(text: str) -> list[int]:
@@ -127,11 +137,26 @@ def knobs_of(cfg: RunConfig, rollout_jobs: int, trainer_gpus: int, staleness: fl
                  response_length=cfg.rollout.response_length, prompt_tokens=prompt_tokens)
 
 
-def default_splits(gpus: int, gpus_per_engine: int) -> list[int]:
+def default_splits(gpus: int, gpus_per_engine: int, gpus_per_node: int = GPUS_PER_NODE) -> list[int]:
+    """The trainer sizes tried without ``--splits``: shapes of ``gpus_per_node``-GPU nodes that leave an engine."""
     top = gpus - gpus_per_engine
     if gpus <= EVERY_SPLIT_UP_TO:
-        return list(range(1, top + 1))
-    return sorted({t for t in (1, 2, 4) if t <= top} | set(range(GPUS_PER_NODE, top + 1, GPUS_PER_NODE)))
+        return [t for t in range(1, top + 1) if cluster_shape(t, gpus_per_node)]
+    return sorted({t for t in (1, 2, 4) if t <= min(top, gpus_per_node)}
+                  | set(range(gpus_per_node, top + 1, gpus_per_node)))
+
+
+def unshaped_splits(spec: SweepSpec) -> Optional[str]:
+    """The problem with ``--splits`` or ``--gpus-per-engine`` that no cluster of the spec's nodes can give, or None."""
+    node = spec.gpus_per_node
+    if spec.gpus_per_engine > node:
+        return (f"--gpus-per-engine {spec.gpus_per_engine}: an engine runs on one node of {node} GPUs "
+                f"(--gpus-per-node); fix: --gpus-per-engine {node} or less, or --gpus-per-node")
+    bad = [t for t in spec.splits or [] if not cluster_shape(t, node)]
+    if bad:
+        return (f"--splits: {', '.join(map(str, bad))} trainer GPUs is no shape of {node}-GPU nodes (--gpus-per-node): "
+                f"past one node a trainer takes whole nodes ({node}, {2 * node}, {3 * node}, ...); fix: leave them out")
+    return None
 
 
 def candidates(cfg: RunConfig, spec: SweepSpec, requested: Optional[Knobs] = None) -> list[Candidate]:
@@ -140,7 +165,8 @@ def candidates(cfg: RunConfig, spec: SweepSpec, requested: Optional[Knobs] = Non
     a = cfg.async_training
     settings = {(s, p and s > 0) for s in spec.staleness for p in spec.partial}
     settings.add((a.staleness_threshold, a.partial_rollout and a.staleness_threshold > 0))
-    splits = spec.splits if spec.splits is not None else default_splits(spec.gpus, spec.gpus_per_engine)
+    splits = spec.splits if spec.splits is not None else default_splits(spec.gpus, spec.gpus_per_engine,
+                                                                         spec.gpus_per_node)
     out, seen = [], set()
     for trainer_gpus in splits:
         jobs = (spec.gpus - trainer_gpus) // spec.gpus_per_engine

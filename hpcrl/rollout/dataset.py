@@ -101,6 +101,25 @@ def load_rows(cfg: DataConfig, answer_len: int) -> list[dict]:
     return [parse_row(r, cfg, where) for where, r in raw]
 
 
+def file_columns(source: str) -> list[str]:
+    """The top-level columns of a ``.parquet`` file (its schema) or a ``.jsonl`` file (its rows' keys), for a message
+    naming what the file holds; [] for the built-in data or a file that cannot be read."""
+    path = Path(source).expanduser()
+    try:
+        if path.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            return list(pq.read_schema(path).names)
+        keys: dict[str, None] = {}
+        with open(path) as f:
+            for line in f:
+                if line.strip():
+                    keys.update(dict.fromkeys(json.loads(line)))
+        return list(keys)
+    except (OSError, ValueError, ImportError):
+        return []
+
+
 class PromptStream:
     """Stream index -> prompt row, one seeded permutation per epoch (see the module docstring)."""
 

@@ -137,7 +137,7 @@ class TrainerJob:
         """The start-up steps: DeepSpeed's ops, the ranks' own process group, the parts (model, checkpoint, run
         directory), then the resume from the checkpoint or a fresh start."""
         t, cfg = self.cfg.timeouts, self.cfg
-        with self.startup.step("building DeepSpeed's ops"):
+        with self.startup.step("loading DeepSpeed's ops"):
             prepare_ops(t.job_start_s)
         with self.startup.step(f"joining the other trainer ranks ({self.world} in all)"):
             init_distributed(t.wait_samples_s + 600, t.rendezvous_s, t.wait_log_interval_s)

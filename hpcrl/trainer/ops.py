@@ -16,10 +16,20 @@ compiler processes lived on as orphans. So, before DeepSpeed starts:
    ``<folder>/.hpcrl-build.lock`` (the kernel releases it when the process dies, however it dies) while it
    builds or loads ops there; holding it, any ``lock`` file left in the folder belongs to a dead build,
    and is removed with a log line naming it.
-3. **The build runs in a session of its own** (``python -m hpcrl.trainer.ops``) that dies with the
-   trainer (Linux parent-death signal; then every process of the session is killed: ninja puts each
-   compiler in a process group of its own, the session holds them all), bounded by the start-up step's
-   deadline; then the trainer loads the built op (torch finds it built, which takes a moment).
+3. **A build is ready when its record says so**: after a build finishes, ``<folder>/<op>/hpcrl-built.json``
+   records what it was built from (:func:`build_inputs`: the sources' contents, the compiler and its flags,
+   the include paths) and the size and time of the ``.so`` it made. An op whose record matches is loaded from
+   its ``.so`` directly (:func:`load_built`), without torch's loader, whose ninja may decide to compile again
+   (a cancelled build's compilers that outlived ninja left ``shm.o`` newer than ninja's logs: "stored deps info
+   out of date"; a user saw each start of a session spend 2-3 minutes there, inside the trainer and beyond the
+   reach of item 4). ``hpcrl build-ops`` and the trainer decide with the same record, so an op build-ops
+   calls ready is never compiled at a trainer's start.
+4. **Every build runs in a session of its own** (``python -m hpcrl.trainer.ops``), with one line saying why
+   (no record, the inputs changed, the ``.so`` changed): the session dies with the trainer (Linux
+   parent-death signal; then every process of the session is killed and waited for: ninja puts each compiler
+   in a process group of its own, the session holds them all), bounded by the start-up step's deadline. The
+   record is removed before the build starts and written after it ends well, so a cancelled build is built
+   again at the next start.
 """
 from __future__ import annotations
 
@@ -27,6 +37,8 @@ import ctypes
 import errno
 import fcntl
 import hashlib
+import importlib.util
+import json
 import logging
 import os
 import signal
@@ -39,6 +51,7 @@ from pathlib import Path
 from typing import Iterator
 
 from hpcrl.process import faults, termination
+from hpcrl.process.pids import pid_running
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +59,11 @@ LOCK_NAME = "lock"
 """The file torch's extension loader creates in an op's folder while it builds (its ``FileBaton``)."""
 OUR_LOCK = ".hpcrl-build.lock"
 """The file hpcrl processes ``flock`` while they build or load ops in the folder."""
+RECORD_NAME = "hpcrl-built.json"
+"""In an op's folder: what its finished build was made from and the ``.so`` it made (module docstring, 3)."""
 POLL_S = 0.2
+GONE_S = 10.0
+"""How long :func:`kill_session` waits for the killed processes of a build to be gone."""
 
 
 def extensions_dir() -> Path:
@@ -135,14 +152,66 @@ def _holder(folder: Path) -> str:
         return "?"
 
 
-def built(folder: Path, name: str) -> bool:
-    """Whether torch has a build of op ``name`` in ``folder`` (it still checks its sources when loading)."""
-    return (folder / name / f"{name}.so").is_file()
+def _library(folder: Path, name: str) -> Path:
+    return folder / name / f"{name}.so"
+
+
+def build_inputs(builder) -> dict:
+    """What a build of ``builder``'s op is made from, as DeepSpeed's JIT load hands it to torch (its sources with a
+    hash of their contents, include paths, compiler flags, link flags) and the compiler torch runs."""
+    sources = [os.path.abspath(builder.deepspeed_src_path(p)) for p in builder.strip_empty_entries(builder.sources())]
+    digests = {}
+    for path in sources:
+        with open(path, "rb") as f:
+            digests[path] = hashlib.sha256(f.read()).hexdigest()
+    return {"sources": digests,
+            "include_paths": [os.path.abspath(builder.deepspeed_src_path(p))
+                              for p in builder.strip_empty_entries(builder.include_paths())],
+            "cxx_args": builder.strip_empty_entries(builder.cxx_args()) + ["-UC10_USE_GLOG"],
+            "ldflags": builder.strip_empty_entries(builder.extra_ldflags()),
+            "compiler": os.environ.get("CXX", "c++")}
+
+
+def _library_stat(path: Path) -> list[int]:
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns]
+
+
+def stale_reason(folder: Path, builder) -> str | None:
+    """Why op ``builder`` in ``folder`` must be built before it is loaded, or None: its record matches what it
+    would be built from now and the ``.so`` it made (module docstring, 3). ``hpcrl build-ops`` and the trainer both
+    ask this."""
+    name = builder.NAME
+    if not _library(folder, name).is_file():
+        return "it is not built yet"
+    try:
+        record = json.loads((folder / name / RECORD_NAME).read_text())
+    except (OSError, ValueError):
+        return (f"no record of a finished build ({RECORD_NAME}: the last build was cancelled, or made before "
+                "hpcrl kept one)")
+    if not isinstance(record, dict) or record.get("inputs") != build_inputs(builder):
+        return "its sources, compiler or flags changed since it was built"
+    if record.get("library") != _library_stat(_library(folder, name)):
+        return f"{_library(folder, name).name} changed after the build that made it (another process wrote it)"
+    return None
+
+
+def load_built(folder: Path, builder):
+    """Load op ``builder`` from its ``.so`` in ``folder`` and hand it to DeepSpeed (whose own load then returns it),
+    without torch's loader and its ninja: nothing is compiled here."""
+    from deepspeed.ops.op_builder.builder import OpBuilder
+
+    name = builder.NAME
+    spec = importlib.util.spec_from_file_location(name, _library(folder, name))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    OpBuilder._loaded_ops[name] = module
+    return module
 
 
 def prepare_ops(deadline_s: float) -> list[str]:
-    """Build (in a child process group) and load the ops DeepSpeed will need, in this node's folder; the names
-    loaded. TimeoutError naming the op and the folder past ``deadline_s``."""
+    """Build what is not ready (in a child session, :func:`stale_reason` saying why) and load the ops DeepSpeed will
+    need, in this node's folder; the names loaded. TimeoutError naming the op and the folder past ``deadline_s``."""
     builders = ops_to_build()
     if not builders:
         return []
@@ -150,15 +219,27 @@ def prepare_ops(deadline_s: float) -> list[str]:
     end = time.monotonic() + deadline_s
     with build_lock(folder, deadline_s):
         for b in builders:
-            if not built(folder, b.NAME):
-                _build_in_child(b.NAME, folder, end - time.monotonic())
-            b.load(verbose=False)  # in this process: DeepSpeed's own init finds it loaded
+            why = stale_reason(folder, b)
+            if why is not None:
+                (folder / b.NAME / RECORD_NAME).unlink(missing_ok=True)
+                _build_in_child(b.NAME, folder, end - time.monotonic(), why)
+                _write_record(folder, b)
+            load_built(folder, b)  # in this process: DeepSpeed's own init finds it loaded
     return [b.NAME for b in builders]
 
 
-def _build_in_child(name: str, folder: Path, timeout_s: float) -> None:
-    log.info("building DeepSpeed's op %s in %s (once per node and environment; a minute or two on a few cores)",
-             name, folder)
+def _write_record(folder: Path, builder) -> None:
+    path = folder / builder.NAME / RECORD_NAME
+    record = {"inputs": build_inputs(builder), "library": _library_stat(_library(folder, builder.NAME)),
+              "built_s": time.time()}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    os.replace(tmp, path)
+
+
+def _build_in_child(name: str, folder: Path, timeout_s: float, why: str) -> None:
+    log.info("building DeepSpeed's op %s in %s because %s (once per node and environment; a minute or two on a "
+             "few cores)", name, folder, why)
     t0 = time.monotonic()
     child = subprocess.Popen([sys.executable, "-m", "hpcrl.trainer.ops", name, str(os.getpid())],
                              start_new_session=True, stdin=subprocess.DEVNULL)
@@ -192,13 +273,19 @@ def _session_members(sid: int) -> list[int]:
 
 
 def kill_session(sid: int) -> None:
-    """SIGKILL every process of session ``sid`` (the build and everything it started), the caller last if in it."""
+    """SIGKILL every process of session ``sid`` (the build and everything it started), the caller last if in it;
+    then wait (at most :data:`GONE_S`) until none of them runs: a compiler must not write into the op's folder
+    after its build was cancelled."""
     me = os.getpid()
-    for pid in sorted(_session_members(sid), key=lambda p: p == me):
+    members = sorted(_session_members(sid), key=lambda p: p == me)
+    for pid in members:
         try:
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
+    end = time.monotonic() + GONE_S
+    while any(pid_running(p) for p in members if p != me) and time.monotonic() < end:
+        time.sleep(0.02)
 
 
 PR_SET_PDEATHSIG = 1
