@@ -8,7 +8,8 @@ lives: engines, agent loops, tool parsers, weight transports, rewards, policy lo
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from hpcrl.config.verl_key import VerlKey
+from hpcrl.config.verl_reward import REWARD_MODEL_KEYS
 
 
 ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "grpo_passk",
@@ -94,25 +95,19 @@ SINGLE_TURN = "single_turn"
 TOOL_AGENT = "tool_agent"
 """The tool agent's name (hpcrl/rollout/tool_agent.py; a key of ``registries.AGENT_LOOPS``)."""
 
+BUILTIN_REWARD_MODELS = ("builtin:tiny-rm", "builtin:tiny-judge")
+"""``reward_model.path`` values built into ``RUN/reward_model`` at launch (hpcrl/tiny/reward_model.py): ``tiny-rm`` a
+tiny sequence classifier trained to predict the toy task's rule reward, ``tiny-judge`` a random tiny causal LM."""
+
+REWARD_MODEL_KINDS = ("auto", "discriminative", "generative")
+"""``reward_model.kind`` (hpcrl/reward/models.py)."""
+
+REWARD_MODEL_PLACEMENTS = ("job", "rollout")
+"""``reward_model.placement``: reward jobs of their own, or inside each rollout job."""
+
 BUILTIN_DATA = ("builtin:toy", "builtin:toy_calc", "builtin:toy_heldout")
 """``data.source`` and ``data.val_files`` values generated in hpcrl/rollout/dataset.py (``toy_heldout``: the toy
 task in phrasings it never trains on, its held-out split)."""
-
-
-class VerlKey(NamedTuple):
-    """How hpcrl reads one of verl's config keys (an entry of :data:`VERL_KEYS`)."""
-
-    target: Optional[str]
-    """hpcrl's dotted key that takes the value (with a key ending in ``.*``: the same rest of the key
-    under this prefix), or None: the key has no meaning here."""
-    note: str = ""
-    """Said once when the key is used: how the value is read, or what hpcrl does instead."""
-    refuse: bool = False
-    """The key cannot be honoured: a value other than false/null/0/empty is refused with ``note`` as the
-    reason (what hpcrl offers instead), before anything is submitted."""
-    keys: tuple = ()
-    """A ``.*`` entry: the keys verl has under its prefix (a key below one of them is that key's value); another
-    is refused as unknown, with the nearest. Empty: every key under the prefix is taken."""
 
 
 _SHARDING = "the trainer shards with DeepSpeed ZeRO (actor.zero_stage 0-3; FSDP's full sharding is ZeRO-3)"
@@ -442,13 +437,9 @@ VERL_KEYS: dict[str, str | VerlKey] = {
     "reward.reward_manager.name": VerlKey("reward.name", "naive: one call per response, the scorer chosen by "
                                           "data_source (reward.name=by_data_source) unless reward.path is set"),
     "reward.reward_manager.*": VerlKey(None, "the naive reward manager: one call per response in the rollout job"),
-    "reward_model.enable": VerlKey(None, "rewards are rules or your function (reward.*); no reward model",
-                                   refuse=True),
-    "reward.reward_model.enable": VerlKey(None, "rewards are rules or your function (reward.*); no reward model",
-                                          refuse=True),
-    "reward_model.*": VerlKey(None, "rewards are rules or your function (reward.*); no reward model"),
-    "reward.reward_model.*": VerlKey(None, "rewards are rules or your function (reward.*); no reward model"),
-    "reward.num_workers": VerlKey(None, "rewards run in the rollout job's group threads"),
+    **REWARD_MODEL_KEYS,
+    "reward.num_workers": VerlKey(None, "rule rewards run in the rollout job's group threads; a reward job batches "
+                                  "the model's requests itself (reward_model.micro_batch_size)"),
     "reward.sandbox_fusion.*": VerlKey(None, "code runs in the python tool's sandbox (agent.tools)"),
     "sandbox_fusion.*": VerlKey(None, "code runs in the python tool's sandbox (agent.tools)"),
     # ---- infrastructure hpcrl does without

@@ -74,6 +74,14 @@ def reward_names() -> tuple[str, ...]:
     return (BY_DATA_SOURCE, *REWARDS)
 
 
+SCORE_PARSERS: dict[str, str] = {
+    "last_number": "hpcrl.reward.parsers:last_number",
+    "yes_no": "hpcrl.reward.parsers:yes_no",
+}
+"""Registry of ``reward_model.score_parser``: how a generative judge's text becomes a score, ``fn(text) -> float``
+or None (hpcrl/reward/parsers.py)."""
+
+
 _LOSSES = "hpcrl.trainer.policy_losses"
 POLICY_LOSS_MODES: dict[str, str] = {
     "vanilla": f"{_LOSSES}:vanilla_loss", "gspo": f"{_LOSSES}:gspo_loss", "cispo": f"{_LOSSES}:cispo_loss",
