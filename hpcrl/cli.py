@@ -18,6 +18,7 @@ internal, listed last by ``hpcrl --help`` (the scripts and the jobs run them):
     hpcrl trainer RUN_DIR                                         # job entry points (hpcrl run, sbatch/ scripts)
     hpcrl rollout RUN_DIR --writer-rank W
     hpcrl eval-job RUN_DIR
+    hpcrl reward-job RUN_DIR --index I
 
 ``hpcrl --help`` lists them and ``hpcrl COMMAND --help`` explains each option (tests/test_cli_help.py: every
 command and option has help).
@@ -353,6 +354,9 @@ def _add_internal_commands(sub) -> None:
     ro.add_argument("--writer-rank", type=int, default=0, help="this job's writer number (w000 is 0; default 0)")
     ej = sub.add_parser("eval-job", help=job + "run the evaluation job in this process")
     ej.add_argument("run_dir", metavar="RUN_DIR", help=JOB_RUN_DIR_HELP)
+    rj = sub.add_parser("reward-job", help=job + "run one reward job (serves reward_model.*) in this process")
+    rj.add_argument("run_dir", metavar="RUN_DIR", help=JOB_RUN_DIR_HELP)
+    rj.add_argument("--index", type=int, default=0, help="this reward job's number (reward-0 is 0; default 0)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -434,6 +438,11 @@ def main(argv=None) -> int:
         from hpcrl.eval.job import eval_main
 
         eval_main(a.run_dir)
+        return 0
+    if a.cmd == "reward-job":
+        from hpcrl.reward.job import reward_main
+
+        reward_main(a.run_dir, a.index)
         return 0
     from hpcrl.rollout.main import rollout_main
 

@@ -224,6 +224,7 @@ class RunFollower:
                 self._finish_rollouts()
                 self._print_new_versions(every_log=True)
                 self._finish_eval(done.param_version, deadline, poll_s)
+                self.jobs.end_all(60.0, log.info, self._reward_jobs())  # they end once no client is left
                 last = self._print_new_evals()
                 self.console.close()
                 val = (f"; validation v{last.version} {last.score:.3f}" if last is not None and last.score is not None
@@ -280,8 +281,13 @@ class RunFollower:
 
     def _finish_rollouts(self, grace_s: float = 60.0) -> None:
         """Rollout jobs stop on their own once trainer_done exists; give them ``grace_s``, then cancel. (The
-        evaluation job is waited for by :meth:`_finish_eval`.)"""
-        self.jobs.end_all(grace_s, log.info, [n for n in self.jobs.handles if n != EVAL_JOB])
+        evaluation job is waited for by :meth:`_finish_eval`, the reward jobs, which may serve it, after it.)"""
+        self.jobs.end_all(grace_s, log.info, [n for n in self.jobs.handles
+                                              if n != EVAL_JOB and n not in self._reward_jobs()])
+
+    def _reward_jobs(self) -> list[str]:
+        """The reward jobs followed."""
+        return [n for n in self.jobs.handles if RunDir.reward_index(n) is not None]
 
     def end_all(self, grace_s: float, names: Optional[list[str]] = None) -> None:
         """End the jobs (``LauncherJobs.end_all``: ``grace_s`` to stop by themselves, then cancelled) and wait

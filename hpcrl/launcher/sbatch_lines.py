@@ -18,7 +18,7 @@ from hpcrl.launcher.fleet import fleet_ids
 from hpcrl.run_dir import RunDir
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "sbatch"
-"""The repository's sbatch scripts (``trainer.sbatch``, ``rollout.sbatch``, ``eval.sbatch``)."""
+"""The repository's sbatch scripts (``trainer.sbatch``, ``rollout.sbatch``, ``eval.sbatch``, ``reward.sbatch``)."""
 
 
 def slurm_options(r: JobResources) -> dict[str, object]:
@@ -54,7 +54,17 @@ def sbatch_lines(cfg: RunConfig, rd: RunDir, scripts: Path, python: str) -> list
     if cfg.eval.enabled:
         lines.append(shlex.join(["sbatch", "--parsable", *_options("eval", cfg.resources.eval, rd, python),
                                  str(scripts / "eval.sbatch"), str(rd.root)]))
+    if reward_jobs(cfg):  # one array task per reward job: the task id is the job's index
+        lines.append(shlex.join(["sbatch", "--parsable", f"--array=0-{reward_jobs(cfg) - 1}",
+                                 *_options("reward", cfg.resources.reward, rd, python), str(scripts / "reward.sbatch"),
+                                 str(rd.root)]))
     return lines
+
+
+def reward_jobs(cfg: RunConfig) -> int:
+    """How many reward jobs the run submits (``resources.reward_jobs`` with ``reward_model.placement: job``)."""
+    rm = cfg.reward_model
+    return cfg.resources.reward_jobs if rm.enable and rm.placement == "job" else 0
 
 
 def rollout_arrays(cfg: RunConfig, writer_ids: list[int]) -> list[list[int]]:
@@ -91,6 +101,6 @@ def write_setup_files(cfg: RunConfig, rd: RunDir) -> None:
     """``RUN/sbatch/<role>.setup.sh`` from ``resources.<role>.setup`` (sourced by the scripts)."""
     rd.sbatch_dir.mkdir(exist_ok=True)
     for role, r in (("trainer", cfg.resources.trainer), ("rollout", cfg.resources.rollout),
-                    ("eval", cfg.resources.eval)):
+                    ("eval", cfg.resources.eval), ("reward", cfg.resources.reward)):
         body = "# written by hpcrl from resources.%s.setup\n%s\n" % (role, "\n".join(r.setup))
         write_bytes_atomic(rd.sbatch_setup(role), body.encode())

@@ -10,10 +10,12 @@ The loop (:meth:`RolloutJob.loop`) repeats these named steps:
    trainer rolled back to a checkpoint): stop admitting, let the groups in flight
    finish, seal them, load the version; with ``partial_rollout``, abort them instead
    and let them continue under the new version (``rollout/gate.py``);
-3. **admit**: while fewer than ``rollout.max_concurrent_groups`` groups are in
-   flight, reserve a start in the shared admission budget and claim its prompt index
-   (``control/admission.py``, ``control/claims.py``): one this writer holds already, else a new one;
-4. **collect** finished groups (n responses + rewards) into the shard buffer;
+3. **admit**: while fewer than ``rollout.max_concurrent_groups`` groups are generating (a group that
+   waits for the reward model's scores no longer counts: ``reward_model.scoring_groups`` of them may), reserve a
+   start in the shared admission budget and claim its prompt index (``control/admission.py``,
+   ``control/claims.py``): one this writer holds already, else a new one;
+4. **collect** finished groups (n responses + rewards: a group is done only once all its rewards are in) into the
+   shard buffer;
 5. **seal** the buffer when it is full, old, or nothing is in flight (the commit);
 6. **wait** when nothing was admitted, collected or is in flight: the version's
    budget is spent, so only a newer version (or trainer_done) lets the job go on.
@@ -36,6 +38,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Optional
@@ -52,7 +55,7 @@ from hpcrl.rollout.agent_loop import GroupContext, group_seed, run_group
 from hpcrl.rollout.engine import FINISH_LENGTH
 from hpcrl.rollout.gate import EngineGate
 from hpcrl.rollout.loops import loop_name
-from hpcrl.rollout.parts import RolloutParts, build_parts
+from hpcrl.rollout.parts import RolloutParts, build_parts, scoring_groups
 from hpcrl.rollout.trajectory import TrajectoryState
 from hpcrl.rollout.version_stats import GroupInfo, VersionStats, sample_columns
 from hpcrl.run_dir import RunDir
@@ -107,7 +110,12 @@ class RolloutJob:
         self.consumed_at_version = 0
         """Groups the trainer had consumed when it published that version (the admission budget's base)."""
         self.in_flight: dict[Future, int] = {}
-        """Groups generating (or parked at the gate) -> their prompt index."""
+        """Groups generating (or parked at the gate, or waiting for their rewards) -> their prompt index."""
+        self._scoring = 0
+        """Groups of ``in_flight`` that have generated and wait for their rewards (the reward model)."""
+        self._scoring_lock = threading.Lock()
+        self.max_in_flight = self.cfg.rollout.max_concurrent_groups + scoring_groups(self.cfg)
+        """Groups in flight at most: ``rollout.max_concurrent_groups`` generating, the rest waiting for rewards."""
         self.stats: Optional[VersionStats] = None
         """Counters of the current version, written as a row when the next one is loaded."""
         self._budget_spent = False  # the last try to admit found the budget spent: try again after a change
@@ -132,11 +140,20 @@ class RolloutJob:
                            ro.response_length)
         run_group(loop, ctx, trajs, p.runner, self.cfg.timeouts.generate_s,
                   f"generating the group of prompt {prompt_index}")
+        ids = [f"{self.writer}/{prompt_index}/{'greedy' if t.greedy else j}" for j, t in enumerate(trajs)]
+        texts = [p.tokenizer.decode(t.tokens, skip_special_tokens=True) for t in trajs]
+        with self._scoring_lock:
+            self._scoring += 1  # generated: the engine may take another group while this one waits for its rewards
+        try:
+            scores = p.scorer.score_group(ids, row, [(t.tokens, text) for t, text in zip(trajs, texts)],
+                                          [loop.reward_info(t) for t in trajs], stop=lambda: self.gate.stopping)
+        finally:
+            with self._scoring_lock:
+                self._scoring -= 1
         out, sample, reward_baseline = [], {}, None
         for j, t in enumerate(trajs):
-            sample_id = f"{self.writer}/{prompt_index}/{'greedy' if t.greedy else j}"
-            text = p.tokenizer.decode(t.tokens, skip_special_tokens=True)
-            shaped = p.shaping.shape(*p.scorer.score_full(sample_id, row, text, loop.reward_info(t)), len(t.tokens))
+            sample_id, text = ids[j], texts[j]
+            shaped = p.shaping.shape(*scores[j], len(t.tokens))
             reward = shaped.reward
             if t.greedy:
                 reward_baseline = reward
@@ -268,7 +285,8 @@ class RolloutJob:
         elif self._budget_spent:
             return False
         admitted = False
-        while len(self.in_flight) < self.cfg.rollout.max_concurrent_groups:
+        while (len(self.in_flight) - self._scoring < self.cfg.rollout.max_concurrent_groups
+               and len(self.in_flight) < self.max_in_flight):
             index = p.admission.try_start(self.consumed_at_version, own=p.positions.peek())
             self._budget_spent = index is None
             if index is None:
