@@ -9,7 +9,7 @@
     hpcrl export RUN_DIR [--version last|N] --out DIR [--merge]   # a weight version as a Hugging Face folder
     hpcrl plan CONFIG [key=value ...] --gpus N [--splits ..] [--staleness ..]  # best split and async knobs
     hpcrl doctor [--dir D] [--require cuda,vllm] [--json F]         # what this node offers a run
-    hpcrl scale RUN_DIR --rollout-jobs N                          # grow or shrink a live run's rollout fleet
+    hpcrl scale RUN_DIR --rollout-jobs N [--reward-jobs M]        # grow or shrink a live run's rollout fleet
 
 internal, listed last by ``hpcrl --help`` (the scripts and the jobs run them):
 
@@ -322,10 +322,12 @@ def _add_run_command(sub) -> None:
     r.add_argument("--resume", action="store_true", help="continue the run already in --run-dir")
     r.add_argument("--timeout-min", type=float, default=None,
                    help="give up following after this long (default: resources.trainer.timeout_min)")
-    sc = sub.add_parser("scale", help="grow or shrink the rollout fleet of a live run (new jobs join; the newest "
-                        "drain: finish their groups, seal, hand back their prompts, exit)")
+    sc = sub.add_parser("scale", help="grow or shrink the rollout fleet (and the reward jobs) of a live run (new jobs "
+                        "join; the newest drain: finish their groups, seal, hand back their prompts, exit)")
     sc.add_argument("run_dir", metavar="RUN_DIR", help="the live run's directory (--run-dir of `hpcrl run`)")
-    sc.add_argument("--rollout-jobs", type=int, required=True, help="the number of rollout jobs from now on")
+    sc.add_argument("--rollout-jobs", type=int, default=None, help="the number of rollout jobs from now on")
+    sc.add_argument("--reward-jobs", type=int, default=None, help="the number of reward jobs from now on "
+                    "(reward_model.placement=job; the ones beyond it end, their clients go to the others)")
     sc.add_argument("--wait-s", type=float, default=30.0,
                     help="how long to wait for the launcher following the run before acting here (default 30)")
     sc.add_argument("--scripts", default=None, help="folder holding rollout.sbatch (runs launched with sbatch)")
@@ -428,7 +430,7 @@ def main(argv=None) -> int:
     if a.cmd == "scale":
         from hpcrl.launcher.scale_cmd import scale_command
 
-        return scale_command(a.run_dir, a.rollout_jobs, a.wait_s, a.scripts)
+        return scale_command(a.run_dir, a.rollout_jobs, a.wait_s, a.scripts, a.reward_jobs)
     if a.cmd == "trainer":
         from hpcrl.trainer.main import trainer_main
 

@@ -189,6 +189,7 @@ def _offline_disrm(folder, items) -> list[float]:
     from transformers import AutoModelForSequenceClassification
 
     model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    model.config.pad_token_id = None  # one sequence, scored at its last token even when that is a sampled <pad>
     with torch.inference_mode():
         return [model(input_ids=torch.tensor([it.prompt_ids + it.response_ids])).logits[0, -1].item() for it in items]
 
@@ -344,3 +345,18 @@ def test_the_local_placement_batches_group_threads_and_counts_what_it_did(disrm_
     m = rewards.pop_metrics()
     assert m["reward_model/groups"] == 1 and m["timing_s/reward"] > 0 and m["reward_model/problems"] == 0
     rewards.close()
+
+
+def test_the_launcher_plans_reward_jobs_and_their_sbatch_array(tmp_path):
+    from hpcrl.launcher.sbatch_lines import sbatch_lines
+    from hpcrl.launcher.submit import plan_jobs
+
+    cfg = load_config(TINY, [*RM, "resources.reward_jobs=2", "resources.reward.gpus_per_node=1",
+                             "reward_model.device=cuda"])
+    rd = RunDir(tmp_path / "run")
+    names = [j.name for j in plan_jobs(cfg, rd)]
+    assert names[-2:] == ["reward-0", "reward-1"]
+    line = sbatch_lines(cfg, rd, tmp_path, "python")[-1]
+    assert "--array=0,1" in line and "reward.sbatch" in line and "--gpus-per-node=1" in line, line
+    local = load_config(TINY, [*RM, "reward_model.placement=rollout"])
+    assert not any(j.name.startswith("reward-") for j in plan_jobs(local, rd))

@@ -55,8 +55,8 @@ class RewardModelConfig:
     """Padded tokens per forward at most (verl: ``reward_model.forward_max_token_len_per_gpu``); null: no limit
     beyond ``micro_batch_size``."""
     max_length: Optional[int] = None
-    """Longest model input in tokens (verl: ``reward_model.max_length``; 0.9.1: ``rollout.prompt_length``); null:
-    the model's ``max_position_embeddings``. A longer one is cut by ``truncation``."""
+    """Longest model input in tokens (verl: ``reward_model.max_length``, or ``reward_model.rollout.prompt_length``);
+    null: the model's ``max_position_embeddings``. A longer one is cut by ``truncation``."""
     truncation: str = "left"
     """An input over ``max_length``: cut on the ``left`` (the response's end, where a discriminative model's score
     is read, stays), on the ``right``, or an ``error`` (that response's reward is 0, counted as a reward error)."""

@@ -23,6 +23,7 @@ from hpcrl.fsio import JsonlTail
 from hpcrl.launcher.autoscale import Autoscaler
 from hpcrl.launcher.fleet import Fleet, StartError
 from hpcrl.launcher.progress import Console, hms
+from hpcrl.launcher.reward_scale import resize_reward_jobs
 from hpcrl.launcher.submit import LauncherJobs
 from hpcrl.run_dir import EVAL_JOB, RunDir
 
@@ -168,7 +169,7 @@ class RunFollower:
                 continue
             if read_trainer_done(self.rd) is not None:
                 return None
-            if self.fleet.reap(name, handle):  # a drained rollout job left the fleet
+            if self.fleet.reap(name, handle) or self._reward_job_left(name, handle):  # drained: left the fleet
                 continue
             if self._restart(name, handle, "ended before the trainer finished"):
                 continue
@@ -189,11 +190,23 @@ class RunFollower:
             return
         self._scale_seen = req.requested_s
         try:
-            self.fleet.resize(req.rollout_jobs, req.by)
+            if req.rollout_jobs is not None:
+                self.fleet.resize(req.rollout_jobs, req.by)
+            if req.reward_jobs is not None:
+                resize_reward_jobs(self.cfg, self.rd, req.reward_jobs, req.by, self.jobs.start_reward, self.emit)
         except (ValueError, OSError, StartError) as e:
             self.emit(f"scale request {self.rd.scale_request} not applied: {e}")
-            self.fleet.log.record(SCALE_REFUSED, by=req.by, to_jobs=req.rollout_jobs, why=str(e))
+            self.fleet.log.record(SCALE_REFUSED, by=req.by, to_jobs=req.rollout_jobs or 0, why=str(e))
         acknowledge_scale(self.rd, req)
+
+    def _reward_job_left(self, name: str, handle) -> bool:
+        """A reward job that ended because the reward jobs were made fewer (``drained``) is not resubmitted."""
+        beat = read_heartbeats(self.rd).get(name)
+        if RunDir.reward_index(name) is None or beat is None or beat.state != HeartbeatState.DRAINED.value:
+            return False
+        self.emit(f"job {name} ({handle.job_id}) ended: the reward jobs are fewer now")
+        self.jobs.forget(name)
+        return True
 
     def _warn_stale_heartbeats(self) -> None:
         """Warn of a job whose heartbeat is older than ``timeouts.heartbeat_stale_s`` (once a minute per job). The

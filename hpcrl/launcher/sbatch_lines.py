@@ -54,11 +54,16 @@ def sbatch_lines(cfg: RunConfig, rd: RunDir, scripts: Path, python: str) -> list
     if cfg.eval.enabled:
         lines.append(shlex.join(["sbatch", "--parsable", *_options("eval", cfg.resources.eval, rd, python),
                                  str(scripts / "eval.sbatch"), str(rd.root)]))
-    if reward_jobs(cfg):  # one array task per reward job: the task id is the job's index
-        lines.append(shlex.join(["sbatch", "--parsable", f"--array=0-{reward_jobs(cfg) - 1}",
-                                 *_options("reward", cfg.resources.reward, rd, python), str(scripts / "reward.sbatch"),
-                                 str(rd.root)]))
+    if reward_jobs(cfg):
+        lines.append(reward_line(cfg, rd, scripts, python, list(range(reward_jobs(cfg)))))
     return lines
+
+
+def reward_line(cfg: RunConfig, rd: RunDir, scripts: Path, python: str, ids: list[int]) -> str:
+    """The sbatch command of a reward job array of these indices (the array task id is the job's index)."""
+    return shlex.join(["sbatch", "--parsable", f"--array={','.join(map(str, ids))}",
+                       *_options("reward", cfg.resources.reward, rd, python), str(scripts / "reward.sbatch"),
+                       str(rd.root)])
 
 
 def reward_jobs(cfg: RunConfig) -> int:

@@ -120,9 +120,14 @@ def plan_jobs(cfg: RunConfig, rd: RunDir) -> list[PlannedJob]:
     jobs += [plan_rollout(cfg, rd, w) for w in fleet_ids(rd, cfg.resources.rollout_jobs)]
     if cfg.eval.enabled:
         jobs.append(PlannedJob(EVAL_JOB, "hpcrl.eval.job.eval_main", (str(rd.root),), cfg.resources.eval))
-    jobs += [PlannedJob(RunDir.reward_job(i), "hpcrl.reward.job.reward_main", (str(rd.root), i), cfg.resources.reward)
-             for i in range(reward_jobs(cfg))]
+    jobs += [plan_reward(cfg, rd, i) for i in range(reward_jobs(cfg))]
     return jobs
+
+
+def plan_reward(cfg: RunConfig, rd: RunDir, index: int) -> PlannedJob:
+    """Reward job ``index`` (``reward_model.placement: job``)."""
+    return PlannedJob(RunDir.reward_job(index), "hpcrl.reward.job.reward_main", (str(rd.root), index),
+                      cfg.resources.reward)
 
 
 def slurm_parameters(job: PlannedJob) -> dict:
@@ -249,6 +254,11 @@ class LauncherJobs:
             except Exception as e:  # submitit's FailedSubmissionError, sbatch's refusal, an OSError
                 raise StartError(f"{planned.name} could not be submitted ({type(e).__name__}: {e})") from e
             yield Submitted(RunDir.writer_name(i), handle.job_id)
+
+    def start_reward(self, indices: list[int]) -> list[str]:
+        """Submit the reward jobs of these indices (``hpcrl scale --reward-jobs``), followed like the others; their
+        job ids."""
+        return [self.submit(plan_reward(self.cfg, self.rd, i)).job_id for i in indices]
 
     def cancel(self, job: str) -> bool:
         """Cancel ``job`` (SIGTERM / scancel); it is still followed until it ends."""

@@ -7,7 +7,8 @@ Start-up: load the model (a start-up step; a model that cannot load is an input 
 
 The loop (:meth:`RewardJob.loop`) repeats: **stop?** (USR2: close and requeue; the launcher's stop request or
 another job's fatal record: close), **done?** (the trainer is done and no job that asks this one is left: the
-evaluation job, when it scores with the model, has ended), **report** (the heartbeat's counters; a row of
+evaluation job, when it scores with the model, has ended), **retired?** (``resources.reward_jobs`` of the frozen
+config is now at most this job's index, ``hpcrl scale --reward-jobs``: end ``drained``), **report** (the heartbeat's counters; a row of
 ``logs/<job>.jsonl`` every :data:`ROW_EVERY_S`), **wait** a poll. Requests are answered meanwhile by the server's
 threads (``server.py``).
 
@@ -28,7 +29,7 @@ import time
 from typing import Optional
 
 from hpcrl import metric_names as M
-from hpcrl.control.changes import bump
+from hpcrl.control.changes import ChangeWatch, bump
 from hpcrl.control.fatal import fatal_inputs
 from hpcrl.control.job import Stop, StopWatch, job_main
 from hpcrl.control.records import HeartbeatState, HeartbeatThread, JobStats, read_heartbeats
@@ -61,9 +62,13 @@ class RewardJob:
         self.job = RunDir.reward_job(index)
         self.name = f"the reward job {self.job}"
         self.requeues = True
+        self.index = index
+        self.changes = ChangeWatch(run_dir, self.cfg.timeouts.poll_interval_s, self.cfg.timeouts.poll_max_s)
+        """Whether the run directory may have changed: the stop records and the reward jobs' number are looked at
+        then (``control/changes.py``)."""
         self.watch = StopWatch(run_dir, preemption, {
             Stop.PREEMPTED: "closing the service (its clients send their requests elsewhere) and requeueing",
-            Stop.STOPPED: "closing the service", Stop.DONE: "closing the service"})
+            Stop.STOPPED: "closing the service", Stop.DONE: "closing the service"}, changes=self.changes)
         t = self.cfg.timeouts
         self.heartbeat = HeartbeatThread(run_dir, self.job, "reward", t.heartbeat_interval_s)
         self.startup = StartupSteps(self.heartbeat, self.job, t.job_start_s)
@@ -122,6 +127,17 @@ class RewardJob:
         return beat is None or beat.state == HeartbeatState.DONE.value or (
             beat.ended and beat.age_s(time.time()) > self.cfg.timeouts.heartbeat_stale_s)
 
+    def _retired(self) -> bool:
+        """The reward jobs were made fewer (``hpcrl scale --reward-jobs``): this one is beyond their number."""
+        try:
+            n = self.run_dir.load_config().resources.reward_jobs
+        except (OSError, ValueError) as e:  # a config being replaced: look again at the next change
+            log.warning("could not read the frozen config for the number of reward jobs: %s", e)
+            return False
+        if n <= self.index:
+            log.info("resources.reward_jobs is %d now: %s ends (its clients go to the others)", n, self.job)
+        return n <= self.index
+
     def loop(self) -> Stop:
         """Stop?, done?, report, wait (module docstring)."""
         while True:
@@ -131,6 +147,8 @@ class RewardJob:
             if self._done():
                 log.info("the trainer is done and no job needs the reward model any more")
                 return Stop.DONE
+            if self.changes.changed("retired") and self._retired():
+                return Stop.DRAINED
             self.heartbeat.update(stats=self._stats())
             if time.monotonic() - self._row_s >= ROW_EVERY_S:
                 self._row_s = time.monotonic()
