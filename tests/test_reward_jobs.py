@@ -11,9 +11,10 @@ import time
 import pytest
 import torch
 
-from conftest import Job, check_exactly_once, start_rollout, start_trainer, wait_until
+from conftest import REPO, BackgroundCommand, Job, check_exactly_once, start_rollout, start_trainer, wait_until
 from hpcrl.control.fatal import read_fatal_record
 from hpcrl.control.records import read_heartbeats
+from hpcrl.eval_log import read_eval_samples
 from hpcrl.fsio import read_json, read_jsonl
 from hpcrl.rollout.parts import scoring_groups
 from hpcrl.run_dir import RunDir
@@ -22,6 +23,23 @@ from hpcrl.samples.schema import ShardManifestLine
 from hpcrl.tiny.model import build_tokenizer, quiet_progress_bars, tiny_config
 
 pytestmark = pytest.mark.slow
+
+
+def tiny_rm_run(folder) -> list[str]:
+    """docs/reward-models.md's command: `hpcrl run configs/tiny-rm.yaml --executor local`."""
+    return ["run", str(REPO / "configs" / "tiny-rm.yaml"), "--run-dir", str(folder / "tiny-rm"), "--executor", "local",
+            "--timeout-min", "30"]
+
+
+BACKGROUND_RUNS = {"reward:tiny-rm": BackgroundCommand.hpcrl_args(tiny_rm_run)}
+"""In the background when the session starts (conftest.BackgroundRuns): the learned-reward run, launched like a
+user's; its test reads the finished run."""
+
+
+def background_keys(item) -> tuple[str, ...]:
+    """The background runs a test item reads (none: it runs its own jobs)."""
+    return ("reward:tiny-rm",) if item.originalname == "test_a_policy_trained_on_a_learned_reward_alone_learns_the_rule" \
+        else ()
 
 
 def random_rm(folder) -> str:
@@ -64,14 +82,15 @@ def test_reward_job_sigkilled_three_times_at_random_moments(tiny_run, tmp_path):
     folder = random_rm(tmp_path / "rm")
     rd = tiny_run("reward.name=by_data_source", "reward_model.enable=true", f"reward_model.path={folder}",
                   "rollout.total_rollout_steps=48", "reward_model.wait_s=120", "reward_model.request_timeout_s=30",
-                  "eval.every_versions=0", "trainer.keep_consumed_shards=-1")
+                  "eval.every_versions=6", "trainer.keep_consumed_shards=-1")
     cfg = rd.load_config()
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     print(f"kill moments drawn with seed {seed}")
     trainer, rollout = start_trainer(rd), start_rollout(rd)
+    evaluation = Job(["eval-job", str(rd.root)], rd.root / "eval.out")  # it scores validation with the model too
     reward = start_reward(rd)
-    wait_until(lambda: rd.metrics.exists(), 120, "the first update", jobs=(trainer, rollout, reward))
+    wait_until(lambda: rd.metrics.exists(), 120, "the first update", jobs=(trainer, rollout, reward, evaluation))
     for attempt in range(1, 4):
         time.sleep(rng.uniform(0.2, 2.5))  # anywhere: mid-request, mid-batch, during the successor's start-up
         reward.kill(signal.SIGKILL)
@@ -79,7 +98,11 @@ def test_reward_job_sigkilled_three_times_at_random_moments(tiny_run, tmp_path):
         reward = start_reward(rd, attempt=attempt)
     assert trainer.wait(300) == 0, trainer.tail()
     assert rollout.wait(120) == 0, rollout.tail()
-    assert reward.wait(60) == 0, reward.tail()  # it ends by itself: the trainer is done, nobody else asks it
+    assert evaluation.wait(120) == 0, evaluation.tail()
+    assert reward.wait(60) == 0, reward.tail()  # it ends by itself: the trainer is done, the evaluation too
+    samples = read_eval_samples(rd.eval_samples)
+    assert {s.version for s in samples} >= {0, cfg.total_updates} and all(0.0 < abs(s.reward) for s in samples), \
+        "validation is scored by the model (a random classifier's scores), not by a rule's 0 and 1"
     assert read_heartbeats(rd)[RunDir.reward_job(0)].state == "done"
     assert not rd.reward_service(RunDir.reward_job(0)).exists(), "a clean end withdraws the service record"
     log = rd.job_log(RunDir.rollout_job("w000")).read_text()
@@ -95,19 +118,24 @@ def test_reward_job_sigkilled_three_times_at_random_moments(tiny_run, tmp_path):
 
 
 def test_a_reward_model_that_cannot_load_stops_the_run_after_a_bounded_named_wait(tiny_run, tmp_path):
-    """No reward job yet: the rollout job's groups wait, saying for whom and until when; then a reward job whose
-    model's weights are damaged records the fatal input and every job stops (none fails, none is resubmitted)."""
+    """No reward job yet: the rollout job's groups wait, saying for whom and until when (here a hybrid function's own
+    call of the model); then a reward job whose model's weights are damaged records the fatal input and every job
+    stops (none fails, none is resubmitted), and no group is committed with a reward nobody computed."""
     folder = tmp_path / "rm"
     random_rm(folder)
     weights = folder / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])  # checked at launch: config and tokenizer; loaded: the job
-    rd = tiny_run("reward.name=by_data_source", "reward_model.enable=true", f"reward_model.path={folder}",
+    (tmp_path / "hybrid.py").write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None, reward_model=None):\n"
+        "    rule = float(solution_str.split()[:1] == ground_truth.split()[:1])\n"
+        "    return 0.5 * rule + 0.5 * reward_model.score(solution_str)\n")
+    rd = tiny_run(f"reward.path={tmp_path / 'hybrid.py'}", "reward_model.enable=true", f"reward_model.path={folder}",
                   "reward_model.wait_s=300", "timeouts.wait_log_interval_s=1", "eval.every_versions=0")
     trainer, rollout = start_trainer(rd), start_rollout(rd)
     wait_until(lambda: "waiting for a reward job to answer" in rollout.tail(200), 120,
                "the rollout job's line naming what it waits for", jobs=(trainer, rollout))
     line = next(x for x in rollout.tail(200).splitlines() if "waiting for a reward job to answer" in x)
-    assert "failing after 300s" in line and "no reward job has written" in line, line
+    assert "failing after 300s" in line and "no reward job has written" in line and "own score call" in line, line
     reward = start_reward(rd)
     assert reward.wait(120) != 0, reward.tail()
     record = read_fatal_record(rd)
@@ -117,6 +145,8 @@ def test_a_reward_model_that_cannot_load_stops_the_run_after_a_bounded_named_wai
     assert trainer.wait(120) == 0, trainer.tail()
     assert read_heartbeats(rd)[RunDir.rollout_job("w000")].state == "stopped"
     assert read_json(rd.fatal)["input"] == "reward_model"
+    committed = list(read_jsonl(rd.shard_manifest("w000"))) if rd.shard_manifest("w000").exists() else []
+    assert not committed, "no reward job ever answered: a group committed now would carry rewards nobody computed"
 
 
 def test_reward_jobs_shrink_and_grow_with_hpcrl_scale(tiny_run, tmp_path, capsys):
@@ -144,3 +174,25 @@ def test_reward_jobs_shrink_and_grow_with_hpcrl_scale(tiny_run, tmp_path, capsys
         err = capsys.readouterr().err
         assert "--array=1" in err and "reward.sbatch" in err, err
     jobs[0].kill(signal.SIGTERM)
+
+
+def test_a_policy_trained_on_a_learned_reward_alone_learns_the_rule(background_runs):
+    """configs/tiny-rm.yaml: a tiny sequence classifier trained at launch to predict the toy task's rule serves the
+    only reward, from a reward job of its own (a separate process); the held-out prompts, scored by the rule the
+    policy never trained on, go from ~0 to >= 0.6; the reward job scored every group once and ended by itself."""
+    from pathlib import Path
+
+    from hpcrl.eval_log import EVALUATED, JOB, read_eval_rows
+
+    out = background_runs.launched("reward:tiny-rm", timeout_s=1200)
+    assert out.returncode == 0, out.stdout[-3000:]
+    rd = RunDir(Path(out.args[out.args.index("--run-dir") + 1]))
+    rows = [r for r in read_eval_rows(rd.eval_log) if r.source == JOB and r.status == EVALUATED]
+    first, last = rows[0], rows[-1]
+    print(f"held-out rule score v{first.version} {first.score:.3f} -> v{last.version} {last.score:.3f}")
+    assert first.version == 0 and first.score <= 0.1 and last.score >= 0.6, [(r.version, r.score) for r in rows]
+    cfg = rd.load_config()
+    check_exactly_once(rd, cfg.rollout.max_concurrent_groups + scoring_groups(cfg))
+    job_rows = list(read_jsonl(rd.reward_metrics(RunDir.reward_job(0))))
+    assert job_rows[-1]["reward_job/items"] >= cfg.total_updates * cfg.groups_per_update * cfg.rollout.n
+    assert read_heartbeats(rd)[RunDir.reward_job(0)].state == "done"

@@ -1,6 +1,7 @@
 """The reward model (hpcrl/reward/): its config and verl's keys, the inputs, the parsers, the service's wire and
 handshake, and the scores a reward job serves against an offline call of the same model (a discriminative model and
-a generative judge), with real sockets and real models, in this process (no job is started here)."""
+a generative judge), with real sockets and real models, in this process (no job is started here; the tests with a
+model behind a socket are marked slow)."""
 from __future__ import annotations
 
 import socket
@@ -215,6 +216,7 @@ def _run_dir(tmp_path) -> RunDir:
     return rd
 
 
+@pytest.mark.slow  # real models behind real sockets: seconds each
 def test_a_discriminative_models_served_scores_equal_an_offline_call(tmp_path, disrm_folder):
     """The reward job's model behind its socket, several clients' requests batched together, padded and cut into
     micro-batches: each score equals transformers' own call on that sequence alone."""
@@ -251,6 +253,7 @@ def _offline_judge(folder, prompt_ids: list[int], max_new_tokens: int) -> str:
     return build_tokenizer().decode(out[0, len(prompt_ids):].tolist(), skip_special_tokens=True)
 
 
+@pytest.mark.slow  # real models behind real sockets: seconds each
 def test_a_generative_judges_served_scores_equal_an_offline_call(tmp_path, judge_folder):
     """The judge (the transformers engine, greedy) behind the socket: each verdict is transformers' own greedy
     ``generate`` of the same prompt, parsed by the same parser."""
@@ -299,6 +302,7 @@ def test_the_handshake_refuses_a_stranger_both_ways_and_a_frame_is_bounded():
     b.close()
 
 
+@pytest.mark.slow  # real models behind real sockets: seconds each
 def test_requests_spread_over_reward_jobs_retry_when_one_dies_and_wait_boundedly(tmp_path, disrm_folder):
     cfg = RewardModelConfig(enable=True, path=str(disrm_folder))
     rd = _run_dir(tmp_path)
@@ -329,6 +333,7 @@ def test_requests_spread_over_reward_jobs_retry_when_one_dies_and_wait_boundedly
         back.close(rd)
 
 
+@pytest.mark.slow  # real models behind real sockets: seconds each
 def test_the_local_placement_batches_group_threads_and_counts_what_it_did(disrm_folder):
     cfg = RewardModelConfig(enable=True, path=str(disrm_folder), placement="rollout")
     rewards = ModelRewards(LocalBackend(DiscriminativeRM(disrm_folder, build_tokenizer(), cfg, "cpu", "float32")),
@@ -360,3 +365,43 @@ def test_the_launcher_plans_reward_jobs_and_their_sbatch_array(tmp_path):
     assert "--array=0,1" in line and "reward.sbatch" in line and "--gpus-per-node=1" in line, line
     local = load_config(TINY, [*RM, "reward_model.placement=rollout"])
     assert not any(j.name.startswith("reward-") for j in plan_jobs(local, rd))
+
+
+@pytest.mark.slow  # real models behind real sockets: seconds each
+def test_a_damaged_or_late_reply_is_named_and_the_request_goes_elsewhere(tmp_path, disrm_folder, caplog):
+    """A stranger that passes the handshake but answers another request's id, then one that never answers: each is
+    named in the log, left alone, and the request is answered by the good reward job that announces itself later."""
+    import json
+
+    rd = _run_dir(tmp_path)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def bad_server():
+        for mode in ("wrong id", "silent"):
+            conn, _ = listener.accept()
+            server_handshake(conn, b"s3cret", "reward-9", "bad")
+            req = recv_frame(conn)
+            if mode == "wrong id":
+                send_frame(conn, {"id": req["id"] + 1, "scores": [0.5]})
+            else:
+                time.sleep(3)
+            conn.close()
+
+    threading.Thread(target=bad_server, daemon=True).start()
+    rd.reward_service().mkdir(parents=True, exist_ok=True)
+    rd.reward_service("reward-9").write_text(json.dumps(RewardService(
+        job="reward-9", host="127.0.0.1", port=port, epoch="bad", pid=0, kind="discriminative", created_s=0).to_json()))
+    client = RewardClient(rd, "rollout-w000", request_timeout_s=1.0, wait_s=60, wait_log_s=10)
+    model = DiscriminativeRM(disrm_folder, build_tokenizer(), RewardModelConfig(enable=True, path=str(disrm_folder)),
+                             "cpu", "float32")
+    good: list = []
+    threading.Timer(4.0, lambda: good.append(Service(rd, model, "reward-0"))).start()
+    with caplog.at_level("WARNING", logger="hpcrl.reward"):
+        scored = client.score(_items(1), "scoring w000/3", lambda: False)
+    text = caplog.text
+    assert "reward-9" in text and "a reply to request" in text and "no reply in 1s" in text, text
+    assert scored[0].score == pytest.approx(_offline_disrm(disrm_folder, _items(1))[0], abs=1e-5)
+    assert client.sent_to == {"reward-0": 1} and client.retries >= 2
+    good[0].close(rd)
+    listener.close()
