@@ -321,16 +321,16 @@ def test_requests_spread_over_reward_jobs_retry_when_one_dies_and_wait_boundedly
     for t in pool:
         t.join(60)
     assert set(client.sent_to) == {"reward-0", "reward-1"}, client.sent_to
-    one.server.close()  # its record stays, its port is closed: the kept connections fail, the request goes on
-    assert [s.score for s in client.score(_items(2), "t", lambda: False)] == pytest.approx(want, abs=1e-5)
-    assert client.retries >= 1
-    two.close(rd)
-    one.close(rd)
-    back = Service(rd, model, "reward-1")  # a restart: new port and epoch under the same name
+    two.close(rd)  # gone for good, its record withdrawn
+    one.server.close()  # killed: its record stays, its port is closed (the kept connections fail)
+    back: list = []
+    threading.Timer(1.0, lambda: back.append(Service(rd, model, "reward-0"))).start()  # its restart: new port, epoch
     try:
         assert [s.score for s in client.score(_items(2), "t", lambda: False)] == pytest.approx(want, abs=1e-5)
+        assert client.retries >= 1 and client.sent_to["reward-0"] >= 1
     finally:
-        back.close(rd)
+        time.sleep(1.2)
+        back[0].close(rd)
 
 
 @pytest.mark.slow  # real models behind real sockets: seconds each

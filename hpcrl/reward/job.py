@@ -28,6 +28,8 @@ import socket
 import time
 from typing import Optional
 
+import torch
+
 from hpcrl import metric_names as M
 from hpcrl.control.changes import ChangeWatch, bump
 from hpcrl.control.fatal import fatal_inputs
@@ -87,8 +89,6 @@ class RewardJob:
         with self.startup.step(f"loading the reward model {folder}", t.job_start_s + t.engine_start_s):
             with fatal_inputs(rd, self.job, f"loading the reward model {folder}", "reward_model"):
                 policy_tokenizer = load_tokenizer(rd.model_dir(cfg.model.path))
-                import torch
-
                 torch.set_num_threads(rm.torch_threads)
                 self.model = load_reward_model(rm, folder, policy_tokenizer, t.engine_start_s, t.generate_s)
         log.info("serving %s", self.model.describe())

@@ -128,6 +128,7 @@ class RewardServer:
         self._inflight = 0
         self._inflight_lock = threading.Lock()
         self._closing = threading.Event()
+        self._conns: set[socket.socket] = set()  # open client connections, ended at close
         self.sock = socket.create_server((host, 0), backlog=128)
         self.sock.settimeout(ACCEPT_POLL_S)
         self.port = self.sock.getsockname()[1]
@@ -152,6 +153,16 @@ class RewardServer:
 
     def _serve(self, conn: socket.socket, addr) -> None:
         peer = f"{addr[0]}:{addr[1]}"
+        with self._inflight_lock:
+            self._conns.add(conn)
+        try:
+            self._converse(conn, peer)
+        finally:
+            with self._inflight_lock:
+                self._conns.discard(conn)
+
+    def _converse(self, conn: socket.socket, peer: str) -> None:
+        """The handshake, then requests answered one at a time until the client leaves or the server closes."""
         with conn:
             try:
                 conn.settimeout(HANDSHAKE_S)
@@ -214,5 +225,12 @@ class RewardServer:
         except OSError:
             pass
         self._accept.join(timeout=5)
+        with self._inflight_lock:
+            conns = list(self._conns)
+        for conn in conns:  # a connection thread waiting for its client's next request wakes and ends
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         if self.batcher is not None:
             self.batcher.close()
