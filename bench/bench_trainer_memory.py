@@ -10,8 +10,9 @@ own DeepSpeed engine and ``PolicyUpdate`` (GRPO, token-mean), each case in a pro
   hidden states in 256 MiB chunks, ``actor.gradient_checkpointing`` (``--no-checkpointing`` to leave it off).
 
 Per case: the process's peak resident memory during the update above what it held before it (the model, its
-gradients and Adam's states exist already: a warm-up update ran first), CPU seconds of the update, and hpcrl's
-prediction of that working memory (``hpcrl/plan/memory.py``: activations, log-prob chunks) with its error. Response
+Adam's states exist already: a warm-up update ran first; DeepSpeed frees the gradients after each step, so they are
+in it), CPU seconds of the update, and hpcrl's prediction of that memory (``hpcrl/plan/memory.py``: the gradients,
+activations and log-prob chunks) with its error. Response
 lengths: fixed 256 / 1,024 / 2,048, and lognormal (mean 266, sigma 1, capped at 2,048; seeded); prompts of 64
 tokens. The old path is run only where its predicted peak fits ``--old-limit-gib``; above that the figure is its
 prediction, marked as such (a fit through the old cases that ran, checked against the formula
@@ -148,12 +149,14 @@ def predicted_gib(path: str, case: str, layers: int, budget: int, checkpointing:
     shape = ModelShape(vocab=VOCAB, hidden=HIDDEN, intermediate=MLP, layers=layers, heads=HEADS, kv_heads=KV_HEADS,
                        params=0, tied=True)
     ls = lengths_of(case)
+    d = 2 if bf16 else 4
+    grads = shape.total_params * 4  # DeepSpeed sets .grad to None after each step: an update allocates them again
     if path == "old":
-        return update_working_bytes(shape, tokens=N * (PROMPT + max(ls)), rows=N, response_tokens=N * max(ls),
-                                    checkpointing=False, dtype_bytes=2 if bf16 else 4, chunk_mib=None) / 2**30
-    return update_working_bytes(shape, tokens=min(max(budget, PROMPT + max(ls)), N * PROMPT + sum(ls)), rows=N,
-                                response_tokens=min(budget, sum(ls)), checkpointing=checkpointing,
-                                dtype_bytes=2 if bf16 else 4, chunk_mib=256.0) / 2**30
+        return (grads + update_working_bytes(shape, tokens=N * (PROMPT + max(ls)), rows=N, response_tokens=N * max(ls),
+                                             checkpointing=False, dtype_bytes=d, chunk_mib=None)) / 2**30
+    return (grads + update_working_bytes(shape, tokens=min(max(budget, PROMPT + max(ls)), N * PROMPT + sum(ls)),
+                                         rows=N, response_tokens=min(budget, sum(ls)), checkpointing=checkpointing,
+                                         dtype_bytes=d, chunk_mib=256.0)) / 2**30
 
 
 def main() -> int:
@@ -168,8 +171,10 @@ def main() -> int:
     cases = a.cases.split(",") if a.cases else (["fixed256", "lognormal"] if a.quick else
                                                 ["fixed256", "fixed1024", "fixed2048", "lognormal"])
     ckpt = not a.no_checkpointing
-    root = Path(tempfile.mkdtemp(prefix="bench-trainer-memory-", dir=a.dir))
-    model = build_model(root / f"model-{a.layers}l", a.layers)
+    parent = Path(a.dir or tempfile.gettempdir())
+    parent.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="bench-trainer-memory-", dir=parent))
+    model = build_model(parent / f"bench-trainer-memory-model-{a.layers}l", a.layers)  # kept: built once per size
     rows, results = [], {}
     for case in cases:
         ls = lengths_of(case)
