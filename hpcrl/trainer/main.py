@@ -3,7 +3,8 @@
 One local update (:meth:`TrainerJob.run`):
 
 1. **take** ``R = ppo_mini_batch_size * require_batches`` groups in commit order
-   (groups over ``max_staleness`` are dropped, counted and replaced);
+   (groups over ``max_staleness``, and any whose newest token lags by more than the lag bound, which the rollout
+   jobs' commit check keeps out, are dropped, counted and replaced);
 2. **update** (:class:`hpcrl.trainer.update.PolicyUpdate`): proximal / reference
    log-probs and values under the weights at the start of the update,
    off-policy corrections, advantages (``algorithm.adv_estimator``), then
@@ -185,10 +186,8 @@ class TrainerJob:
                 quiet_since = time.monotonic()
             sleep_s = self._poll_pause(time.monotonic() - quiet_since)
             self._count_skipped()
-            for g in self.lead.reader.take(need - len(kept)):
-                lag = self.state.param_version - g.version_start  # the version this update starts from
-                max_st = cfg.async_training.max_staleness
-                (dropped if max_st is not None and lag > max_st else kept).append(g)
+            for g in self.lead.reader.take(need - len(kept)):  # lag from the version this update starts from
+                (dropped if self._why_dropped(g, self.state.param_version) else kept).append(g)
             if len(kept) >= need:
                 break
             waited = time.monotonic() - t0
@@ -203,6 +202,16 @@ class TrainerJob:
             time.sleep(sleep_s)
         self.heartbeat.update(state=HeartbeatState.TRAINING)
         return BATCH, kept, dropped, time.monotonic() - t0
+
+    def _why_dropped(self, g: Group, version: int) -> str:
+        """Why ``g`` is not trained on at ``version`` (a staleness log's ``dropped``); empty: it is. ``lag_bound``:
+        its newest token is more than ``RunConfig.max_lag_bound`` versions old (the rollout jobs' commit refuses such
+        groups, ``control/admission.py``: this holds the bound whatever got past them); ``max_staleness``: its
+        oldest token is more than ``async_training.max_staleness`` old."""
+        if version - g.version_end > self.cfg.max_lag_bound:
+            return "lag_bound"
+        max_st = self.cfg.async_training.max_staleness
+        return "max_staleness" if max_st is not None and version - g.version_start > max_st else ""
 
     def _poll_pause(self, quiet_s: float) -> float:
         """Rank 0: seconds until the next look for samples, ``quiet_s`` after the last look that found some. Each
@@ -334,15 +343,23 @@ class TrainerJob:
         st, c = self.state, self.state.counters
         now = time.time()
         self.lead.staleness.write_groups(kept, version_seen, st.step, now)
-        if dropped:
-            self.lead.staleness.write_groups(dropped, version_seen, st.step, now, dropped="max_staleness")
+        why: dict[str, list[Group]] = {}
+        for g in dropped:
+            why.setdefault(self._why_dropped(g, version_seen), []).append(g)
+        for reason, groups in why.items():
+            self.lead.staleness.write_groups(groups, version_seen, st.step, now, dropped=reason)
         lags = [version_seen - g.version_start for g in kept]
         spans = [g.version_end - g.version_start for g in kept]
         stale = [g for g in kept if version_seen - g.version_start > 0]
         c[M.STALE_SAMPLES] = c.get(M.STALE_SAMPLES, 0) + len(stale)
         c[M.STALE_TRAJECTORIES] = (
             c.get(M.STALE_TRAJECTORIES, 0) + sum(len(g.trajectories) for g in stale))
-        c[M.DROPPED_MAX_STALENESS] = c.get(M.DROPPED_MAX_STALENESS, 0) + len(dropped)
+        c[M.DROPPED_MAX_STALENESS] = c.get(M.DROPPED_MAX_STALENESS, 0) + len(why.get("max_staleness", []))
+        c[M.DROPPED_LAG_BOUND] = c.get(M.DROPPED_LAG_BOUND, 0) + len(why.get("lag_bound", []))
+        if why.get("lag_bound"):
+            log.warning("dropped %d group(s) whose newest token lags version %d by more than the lag bound %d: %s",
+                        len(why["lag_bound"]), version_seen, self.cfg.max_lag_bound,
+                        ", ".join(g.sample_id for g in why["lag_bound"][:5]))
         total_s = wait_s + update_s + sync_s
         for name in M.COUNTERS:  # every counter in every row, 0 until something is counted
             c.setdefault(name, 0)
