@@ -80,7 +80,8 @@ def latest_trainer_version(position: int, version: int, consumed: int, groups_pe
     """The latest trainer version at which the ``position``-th group to be consumed (1-based, in commit order) can
     be trained, knowing that ``version`` was published after ``consumed`` groups: a version consumes at least
     ``K * R`` more (exactly that many, less what the trainer drops), so the group is taken while the trainer
-    holds a version ``u`` with ``consumed(u) < position``, ``u <= version + ceil((position - consumed) / (K*R)) - 1``."""
+    holds a version ``u`` with ``consumed(u) < position``:
+    ``u <= version + ceil((position - consumed) / (K*R)) - 1``."""
     return version + max(0, -(-(position - consumed) // groups_per_version) - 1)
 
 

@@ -281,14 +281,16 @@ class Admission:
         return gaps
 
     def try_start(self, consumed_groups_at_version: int, own: Optional[int] = None,
-                  in_flight: Optional[int] = None) -> Optional[int]:
+                  in_flight: Optional[int] = None, look_for_skips: bool = True) -> Optional[int]:
         """Reserve one group start if the budget and this job's share allow (module docstring), and claim its
         prompt (``own``: one this writer holds already); the prompt index, or None (:attr:`refused` says why).
         ``in_flight``: the groups the job is generating (the record's count also holds those finished and not yet
         sealed). ClaimLost if the claims were released. Every few seconds the claims of gone writers are reclaimed
-        first (:meth:`reclaim_gone_writers`)."""
+        first (:meth:`reclaim_gone_writers`). ``look_for_skips``: read what the skip log gained (a job passes it when
+        ``control/changes.jsonl`` grew, as the trainer bumps it after each skip: one stat less per start)."""
         self.reclaim_gone_writers()
-        self.skips.poll()  # only grows: a record read late gives less budget, never more
+        if look_for_skips:
+            self.skips.poll()  # only grows: a record read late gives less budget, never more
         with _locked(self.run_dir):
             state = self._read()
             left = consumed_groups_at_version + self.budget - (state.started_total - self.skips.skipped_groups())

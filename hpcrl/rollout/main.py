@@ -278,7 +278,7 @@ class RolloutJob:
         self._budget_spent, self._share_full = False, None
         while len(self.in_flight) < self.bound:
             index = p.admission.try_start(self.consumed_at_version, own=p.positions.peek(),
-                                          in_flight=len(self.in_flight))
+                                          in_flight=len(self.in_flight), look_for_skips=changed and not admitted)
             if index is None:
                 if p.admission.refused == "budget":
                     self._budget_spent = True

@@ -129,7 +129,8 @@ def build_parts(cfg: RunConfig, run_dir: RunDir, writer: str, steps: StartupStep
         with steps.step(f"recovering writer {writer}'s shards, admission count and prompt claims"):
             k = cfg.knobs
             admission = Admission(run_dir, writer, k.admission_budget, reclaim_after_s=t.heartbeat_stale_s,
-                                  bound=k.group_bound, share=k.budget_share, lag=(k.groups_per_version, k.max_lag_bound))
+                                  bound=k.group_bound, share=k.budget_share,
+                                  lag=(k.groups_per_version, k.max_lag_bound))
             shards = ShardWriter(run_dir, writer, cfg.rollout.seal_groups, cfg.rollout.seal_interval_s,
                                  skips=SkipLog(run_dir), commit_guard=admission.committing)
             held = admission.join(shards.committed_groups, shards.committed_prompt_indices, shards.skipped_at_start)
