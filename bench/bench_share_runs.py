@@ -12,9 +12,10 @@ same with the control plane's own time the run measured added (``bench/bench_pla
 plane"), how many jobs started groups per version in the run and in the plan, and the exactly-once audit; then
 the ratio cap 16 / auto, measured and predicted.
 
-``--elastic``: one run by load that starts with 16 jobs and is grown to 32 (``hpcrl scale``) after a few
-updates: per version, how many jobs started groups and how evenly (groups per job: least and most), and the first
-version under which the new jobs started groups against the version at their join.
+``--elastic``: one run by load that starts with half the jobs, is grown to all of them (``hpcrl scale``) after a
+third of its updates and shrunk to three quarters after two thirds (the newest drain): per version, how many jobs
+started groups and how evenly (groups per job: least and most), the first version under which the new jobs started
+groups against the version at their join, and the groups per job before and after the drain.
 
 Run (each run is ~5-10 minutes on 2 shared cores)::
 
@@ -41,6 +42,7 @@ from hpcrl.analysis.ceiling import ceiling  # noqa: E402
 from hpcrl.analysis.exactly_once import audit  # noqa: E402
 from hpcrl.config import load_config  # noqa: E402
 from hpcrl.control.fleet_log import read_fleet_events  # noqa: E402
+from hpcrl.fsio import read_jsonl  # noqa: E402
 from hpcrl.logs import read_staleness  # noqa: E402
 from hpcrl.plan.events import Pipeline, predict  # noqa: E402
 from hpcrl.plan.model import Draws  # noqa: E402
@@ -112,28 +114,31 @@ def elastic(a, tmp: Path) -> None:
                                  "--run-dir", str(rd), "--executor", "local", "--timeout-min", "30"],
                                 cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         metrics = rd / "logs" / "metrics.jsonl"
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= a.updates // 3):
-            if proc.poll() is not None:
-                raise SystemExit(f"the elastic run ended early ({proc.returncode})")
-            time.sleep(1.0)
-        subprocess.run([sys.executable, "-m", "hpcrl", "scale", str(rd), "--rollout-jobs", str(a.jobs)], cwd=REPO,
-                       check=True, capture_output=True)
+        for after, jobs in ((a.updates // 3, a.jobs), (2 * a.updates // 3, 3 * a.jobs // 4)):
+            while not (metrics.exists() and len(metrics.read_text().splitlines()) >= after):
+                if proc.poll() is not None:
+                    raise SystemExit(f"the elastic run ended early ({proc.returncode})")
+                time.sleep(1.0)
+            subprocess.run([sys.executable, "-m", "hpcrl", "scale", str(rd), "--rollout-jobs", str(jobs)], cwd=REPO,
+                           check=True, capture_output=True)
         if proc.wait(timeout=3600) != 0:
             raise SystemExit("the elastic run failed")
     st = read_staleness(rd).drop_duplicates("group_id")
-    joined = {e.writer: e.time_s for e in read_fleet_events(rd) if e.event == "joined"}
     m, _, _ = logs(rd)
     version_at = lambda t: int(m[m.time_s <= t].param_version.max()) if (m.time_s <= t).any() else 0  # noqa: E731
-    new = sorted(w for w in joined if int(w[1:]) >= a.jobs // 2)
-    first_new = {w: int(st[st.writer == w].version_start.min()) for w in new if (st.writer == w).any()}
-    late = [first_new[w] - version_at(joined[w]) for w in first_new]
+    new = sorted(w for w in st.writer.unique() if int(w[1:]) >= a.jobs // 2)
+    loaded = {w: next(read_jsonl(RunDir(rd).rollout_metrics(w)))["param_version"] for w in new}  # its first version
+    late = [int(st[st.writer == w].version_start.min()) - loaded[w] for w in new]
     rows = []
     for v, g in st.groupby("version_start"):
         per_job = g.writer.value_counts()
         rows.append([str(v), str(len(per_job)), f"{per_job.min()}", f"{per_job.max()}"])
-    print(f"\nelastic: {a.jobs // 2} -> {a.jobs} rollout jobs by load; {len(new)} joined, {len(first_new)} trained on; "
-          f"the first version each new job started groups under, after the version at its join: "
-          f"{dict(zip(*np.unique(late, return_counts=True))) if late else '-'} (versions later: jobs)")
+    drained = [e.time_s for e in read_fleet_events(RunDir(rd)) if e.event == "drain_requested"]
+    if drained:
+        print(f"drain of {len(drained)} job(s) requested at version {version_at(min(drained))}")
+    print(f"\nelastic: {a.jobs // 2} -> {a.jobs} -> {3 * a.jobs // 4} rollout jobs by load; {len(new)} new jobs "
+          f"trained on; the first version each started groups under, after the first version it loaded: "
+          f"{ {int(k): int(n) for k, n in zip(*np.unique(late, return_counts=True))} } (versions later: jobs)")
     print(table(["version", "jobs starting groups", "groups per job: least", "most"], rows))
     print(f"exactly once: {audit(RunDir(rd), 64).problems() or 'OK'}")
 
