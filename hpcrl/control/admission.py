@@ -112,13 +112,19 @@ class AdmissionRecord(JsonRecord):
         return max(0, started - self.committed.get(writer, started))
 
 
-@contextmanager
-def _locked(run_dir: RunDir):
+def _open_lock(run_dir: RunDir) -> int:
     try:
-        fd = os.open(run_dir.admission_lock, os.O_RDWR | os.O_CREAT, 0o644)
+        return os.open(run_dir.admission_lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except FileNotFoundError:  # no control/ yet (not a mkdir per lock: a metadata operation each)
         run_dir.control.mkdir(parents=True, exist_ok=True)
-        fd = os.open(run_dir.admission_lock, os.O_RDWR | os.O_CREAT, 0o644)
+        return os.open(run_dir.admission_lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+
+
+@contextmanager
+def _locked(run_dir: RunDir, held: Optional[int] = None):
+    """The exclusive lock on ``control/admission.lock``: through ``held``, a descriptor of the lock file the caller
+    keeps open (a rollout job's :class:`Admission`: no open per lock), else one opened and closed here."""
+    fd = held if held is not None else _open_lock(run_dir)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -130,7 +136,10 @@ def _locked(run_dir: RunDir):
             raise
         yield
     finally:
-        os.close(fd)  # releases the lock
+        if held is None:
+            os.close(fd)  # releases the lock
+        else:
+            fcntl.flock(fd, fcntl.LOCK_UN)
 
 
 def _manifest_lines(run_dir: RunDir, writer: str) -> list[dict]:
@@ -214,6 +223,7 @@ class Admission:
         commit's lag check reasons from it."""
         self.unchecked: set[int] = set()
         """Prompts committed without the lag check (the job found no newer version to carry them into)."""
+        self._lock_fd: Optional[int] = None  # the lock file, opened at the first lock and kept (closed by leave)
         self.refused = ""
         """Why the last :meth:`try_start` returned None: ``budget`` (spent for this version: only a change in the run
         directory can give more) or ``share`` (this job is at its share or bound: a group of its own must finish)."""
@@ -224,6 +234,12 @@ class Admission:
         """This writer's ``joined`` and ``ended`` events (``control/fleet_log.py``)."""
         self.gone = None if reclaim_after_s is None else GoneWriters(run_dir, writer, reclaim_after_s)
         """Which other writers are gone (``control/reclaim.py``); None: this job never reclaims."""
+
+    def _locked(self):
+        """The admission lock through this job's own descriptor of the lock file (one open for the job's life)."""
+        if self._lock_fd is None:
+            self._lock_fd = _open_lock(self.run_dir)
+        return _locked(self.run_dir, self._lock_fd)
 
     def _read(self) -> AdmissionRecord:
         return self._read_at(self.run_dir, self.skips)
@@ -266,7 +282,7 @@ class Admission:
         """At writer start: groups in flight in a previous life of this writer are released from the budget, and
         this job takes over the writer's claims (new lease); returns the claimed prompts it must generate first
         (its open claims less ``committed``, plus ``regenerate``)."""
-        with _locked(self.run_dir):
+        with self._locked():
             state = self._read()
             state.started[self.writer] = state.committed[self.writer] = committed_groups
             gaps = claims.join(state.prompts, self.writer, self.lease, committed, regenerate)
@@ -291,7 +307,7 @@ class Admission:
         self.reclaim_gone_writers()
         if look_for_skips:
             self.skips.poll()  # only grows: a record read late gives less budget, never more
-        with _locked(self.run_dir):
+        with self._locked():
             state = self._read()
             left = consumed_groups_at_version + self.budget - (state.started_total - self.skips.skipped_groups())
             live = set(state.prompts.claims) | {self.writer}
@@ -311,7 +327,7 @@ class Admission:
         claims (ClaimLost otherwise: nothing is appended) and, given each group's newest token version, to be
         trainable within the lag bound from their places in the commit order (CommitRefused naming those that are
         not: nothing is appended); closed and counted as committed once the body returned."""
-        with _locked(self.run_dir):
+        with self._locked():
             state = self._read()
             if newest_tokens is not None:
                 self._check_lag(state, prompts, newest_tokens)
@@ -356,6 +372,9 @@ class Admission:
     def leave(self, final_state: str) -> None:
         """The job ends in ``final_state``: a drained writer releases its budget and claims (:meth:`release`);
         every ending is recorded in the writer's fleet log (``ended``, with the claims handed back)."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
         released = self.release("drained") if final_state == HeartbeatState.DRAINED.value else 0
         self.history.record(ENDED, writer=self.writer, job=RunDir.rollout_job(self.writer), job_id=slurm_job_id(),
                             why=final_state, numbers={"lease": self.lease, "released_prompts": released})
