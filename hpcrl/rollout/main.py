@@ -22,10 +22,10 @@ The loop (:meth:`RolloutJob.loop`) repeats these named steps:
    budget is spent, so only a newer version (or trainer_done) lets the job go on.
 
 Steps 1, 2, the re-admission of a job whose budget is spent, and the skipped prompts look at the run
-directory only when ``control/changes.jsonl`` grew (or, step 2, when the commit refused a group: a newer version
-exists then) (``control/changes.py``: one stat, backing off from
+directory only when ``control/changes.jsonl`` grew (``control/changes.py``: one stat, backing off from
 ``timeouts.poll_interval_s`` to ``poll_max_s`` while nothing changes, and every 10 s anyway): every writer
-of what they look for appends to it after the change.
+of what they look for appends to it after the change. Step 2 also looks when the commit refused a group (a newer
+version exists then); a job refused by its share tries again when one of its own groups finishes.
 
 What it waits for: weight version 0 at start, and a newer version whenever the
 budget is spent; each wait logs what it waits for and the trainer's heartbeat, and
