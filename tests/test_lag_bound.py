@@ -102,6 +102,9 @@ def test_the_trainer_drops_a_group_beyond_the_bound_with_its_reason():
     assert (why(g, 12), why(g, 13), why(g, 14)) == ("", "lag_bound", "lag_bound")
     g.trajectories[0].token_versions = np.full(len(g.trajectories[0].token_versions), 13)
     assert (why(g, 14), why(g, 13)) == ("max_staleness", "")
+    empty = make_group(4, n=1)
+    empty.trajectories[0].token_versions = np.zeros(0, dtype=int)
+    assert why(empty, 1) == "", "a group without a token has no lag to bound"
 
 
 SLOW_JOB = {"HPCRL_FAULT_POINT": "change_look:every:sleep=0.5"}

@@ -345,8 +345,9 @@ class Admission:
         per_version, bound = self.lag
         version, consumed = self.holding
         before = sum(state.committed.values()) - self.skips.skipped_groups()
-        late = [p for row, (p, newest) in enumerate(zip(prompts, newest_tokens)) if p not in self.unchecked and
-                late_for_bound(newest, before + row + 1, version, consumed, per_version, bound)]
+        late = [p for row, (p, newest) in enumerate(zip(prompts, newest_tokens))
+                if p not in self.unchecked and newest >= 0  # -1: a group without a token has no lag
+                and late_for_bound(newest, before + row + 1, version, consumed, per_version, bound)]
         if late:
             raise CommitRefused(late, f"{len(late)} group(s) could be trained more than {bound} version(s) after "
                                       f"their newest token (this job holds version {version})")

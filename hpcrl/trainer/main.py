@@ -208,7 +208,7 @@ class TrainerJob:
         its newest token is more than ``RunConfig.max_lag_bound`` versions old (the rollout jobs' commit refuses such
         groups, ``control/admission.py``: this holds the bound whatever got past them); ``max_staleness``: its
         oldest token is more than ``async_training.max_staleness`` old."""
-        if version - g.version_end > self.cfg.max_lag_bound:
+        if 0 <= g.version_end < version - self.cfg.max_lag_bound:  # version_end -1: no token, no lag
             return "lag_bound"
         max_st = self.cfg.async_training.max_staleness
         return "max_staleness" if max_st is not None and version - g.version_start > max_st else ""
