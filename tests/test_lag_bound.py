@@ -11,10 +11,11 @@ import types
 import numpy as np
 import pytest
 
-from conftest import check_exactly_once, start_rollout, start_trainer
+from conftest import check_exactly_once, start_rollout, start_trainer, wait_until
 from hpcrl import metric_names as M
 from hpcrl.config.knobs import late_for_bound, latest_trainer_version
 from hpcrl.control.admission import Admission
+from hpcrl.control.records import read_heartbeats
 from hpcrl.fsio import read_jsonl
 from hpcrl.logs import read_staleness
 from hpcrl.rollout.engine import FINISH_STOP
@@ -125,7 +126,10 @@ def test_a_job_that_misses_versions_never_trains_a_group_beyond_the_bound(tiny_r
     and the report's drops; exactly once."""
     rd = tiny_run(*SETTING, f"async_training.partial_rollout={str(partial).lower()}")
     cfg = rd.load_config()
-    trainer, fast, slow = start_trainer(rd), start_rollout(rd, 0), start_rollout(rd, 1, env=SLOW_JOB)
+    trainer, slow = start_trainer(rd), start_rollout(rd, 1, env=SLOW_JOB)
+    wait_until(lambda: getattr(read_heartbeats(rd).get("rollout-w001"), "state", "") == "generating", 120,
+               "the slow job generating", jobs=(trainer, slow))  # so that it has groups to finish late
+    fast = start_rollout(rd, 0)
     assert trainer.wait(400) == 0, trainer.tail()
     assert fast.wait(120) == 0, fast.tail()
     assert slow.wait(120) == 0, slow.tail()
