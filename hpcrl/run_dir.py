@@ -57,8 +57,7 @@ EVAL_JOB = "eval"
 """Job name of the evaluation job, and its name as a reader of weights (pins, bad markers)."""
 EVAL_OFFLINE_JOB = "eval-offline"
 """Job and reader name of an offline ``hpcrl eval`` of a run's versions (while it holds a version)."""
-REWARD_JOB_PREFIX = "reward-"  # reward jobs: reward-0, reward-1, ... (RunDir.reward_job)
-_REWARD_JOB_RE = re.compile(r"^reward-(\d+)$")
+_REWARD_JOB_RE = re.compile(r"^reward-(\d+)$")  # reward jobs: reward-0, reward-1, ... (RunDir.reward_job)
 _WRITER_RE = re.compile(r"^w(\d{3,})$")
 _ROLLOUT_PREFIX = "rollout-"
 _VERSION_RE = re.compile(r"^v(\d{6})$")
@@ -130,12 +129,12 @@ class RunDir:
     @staticmethod
     def reward_job(index: int) -> str:
         """Job name of reward job ``index``: ``reward-0``, ``reward-1``, ... (also its service's name)."""
-        return f"{REWARD_JOB_PREFIX}{index}"
+        return f"reward-{index}"
 
     @staticmethod
     def reward_index(job: str) -> Optional[int]:
         """The index of a reward job's name (``reward-3`` -> 3), None for other names."""
-        return int(job[len(REWARD_JOB_PREFIX):]) if _REWARD_JOB_RE.match(job) else None
+        return int(m.group(1)) if (m := _REWARD_JOB_RE.match(job)) else None
 
     @staticmethod
     def writer_of_job(job: str) -> Optional[str]:

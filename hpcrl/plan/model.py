@@ -24,12 +24,11 @@ EPS_S = 1e-12
 @dataclass(frozen=True, kw_only=True)
 class Knobs(RunKnobs):
     """One candidate run: a run's async knobs (:class:`hpcrl.config.knobs.Knobs`: s, K, R, partial rollout, n, the
-    rollout jobs and their ``max_concurrent_groups``) and what the simulation needs besides."""
+    rollout jobs, their ``max_concurrent_groups`` and how they share the budget) and what the simulation needs
+    besides."""
 
     trainer_gpus: int = 1
     """GPUs of the trainer (the update's per-token time is divided by them)."""
-    max_num_seqs: int = 256
-    """Sequences an engine runs at once (``rollout.max_num_seqs``)."""
     response_length: int = 1024
     """The responses' cap (``rollout.response_length``)."""
     prompt_tokens: int = 16
@@ -131,7 +130,8 @@ class ServiceOrder:
     """The order in which rollout jobs that act at the same instant take the admission budget.
 
     A real job notices a new weight version at its own poll and loads it; jobs that finish the load together
-    start groups one by one under the admission lock, each up to ``max_concurrent_groups``, in the order they got
+    start groups one by one under the admission lock, each as far as the admission rule lets it
+    (``hpcrl.config.knobs.may_start``: by load, an even share; first come, up to its bound), in the order they got
     there, which differs from version to version. Modelled as a seeded random order of the jobs per version."""
 
     def __init__(self, jobs: int, data_seed: int = 0):

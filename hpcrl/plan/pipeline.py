@@ -7,10 +7,12 @@ model of the ``simulated`` section:
   ``decode_base_s + decode_per_seq_s * running``, prefill per prompt token, at most ``max_num_seqs``, and with
   ``kv_cache_tokens`` the KV-cache rule of ``SimulatedConfig.kv_admits``: the newest sequence is preempted
   when a step would not fit);
-- a job starts a group (n sequences) while it has fewer than ``max_concurrent_groups`` in flight and the
-  shared admission budget allows (``started < consumed_groups(v) + B``, v the version it holds); the group
-  generates prompt index ``started`` (the shared claim hands indices out in order); jobs acting at the same
-  instant take the budget in :class:`~hpcrl.plan.model.ServiceOrder`;
+- a job starts a group (n sequences) while the admission rule allows, the same function the admission lock
+  applies (``hpcrl.config.knobs.may_start``): the shared budget has a start left (``started < consumed_groups(v)
+  + B``, v the version it holds), the job is below its bound (``rollout.max_concurrent_groups``, ``auto``: what
+  its engine decodes at once) and, sharing by load, below the even share of what the fleet may have in flight;
+  the group generates prompt index ``started`` (the shared claim hands indices out in order); jobs acting at the
+  same instant ask in :class:`~hpcrl.plan.model.ServiceOrder`;
 - a finished group is committed at once, except while its job drains for a new version (no partial rollout),
   which commits what it collected when the drain ends, as ``RolloutJob._drain`` does; the trainer takes R
   committed groups in commit order, updates for
@@ -35,6 +37,7 @@ from typing import Optional
 
 import numpy as np
 
+from hpcrl.config.knobs import may_start
 from hpcrl.config.simulated import SimulatedConfig
 from hpcrl.plan.model import EPS_S, INF, Draws, Knobs, Prediction, ServiceOrder, draws_for, prompt_seed
 
@@ -189,9 +192,12 @@ class _Job:
             else:
                 self.draining = not self.k.commit_while_draining
             return  # draining: no admission until the load
-        while len(self.in_flight) < self.k.max_concurrent_groups and pipe.started < self.consumed_at + self.k.budget:
+        k = self.k
+        while may_start(k.budget_share, len(self.in_flight), k.group_bound, self.consumed_at + k.budget - pipe.started,
+                        pipe.uncommitted, k.rollout_jobs):
             g = _Group(pipe.started, self.version, created_s=now)
             pipe.started += 1
+            pipe.uncommitted += 1
             prompt = self.draws.prompt(g.index)
             for length in self.draws.responses(g.index):
                 g.seqs.append(_Seq(g, length, prompt=prompt))
@@ -224,6 +230,7 @@ class Pipeline:
         self.jobs = [_Job(r, k, sim, draws) for r in range(k.rollout_jobs)]
         self.order = ServiceOrder(k.rollout_jobs, data_seed)
         self.started = 0
+        self.uncommitted = 0  # groups started and not committed: the fleet's in flight (the admission record's)
         self.queue: deque[tuple[_Group, int]] = deque()  # committed groups, tokens
         self.published: list[tuple[float, int, int]] = [(0.0, 0, 0)]  # (available at, version, consumed)
         self.step, self.consumed, self.version = 0, 0, 0
@@ -235,6 +242,7 @@ class Pipeline:
 
     def commit(self, groups: list[_Group]) -> None:
         """Groups become visible to the trainer (their shard is sealed)."""
+        self.uncommitted -= len(groups)
         self.queue.extend((g, sum(s.length for s in g.seqs)) for g in groups)
 
     def newest(self, now: float) -> tuple[int, int]:

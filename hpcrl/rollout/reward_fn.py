@@ -293,6 +293,8 @@ class RewardScorer:
         self._first_error = ""
         self._sums: dict[str, float] = defaultdict(float)
         self._counts: dict[str, int] = defaultdict(int)
+        self.waiting = 0
+        """Groups in :meth:`score_group` now (the rollout job's generating count leaves them out)."""
 
     def score(self, sample_id: str, row: dict, response: str, agent_info: Optional[dict] = None) -> float:
         """The reward of one response; 0.0 (counted and logged) if the function raises or returns junk.
@@ -307,11 +309,17 @@ class RewardScorer:
         ends with RewardWaitStopped)."""
         passed = getattr(self.fn, "passed", ())
         scores = [None] * len(responses)
-        if self.model is not None and "rm_score" in passed:
-            scores = self.model.group_scores(row, responses, f"scoring {sample_ids[0].rpartition('/')[0]}", stop)
-        handle = self.model.handle(row, stop) if self.model is not None and "reward_model" in passed else None
-        return [self.score_full(sid, row, text, info, rm_score, handle)
-                for sid, (_, text), info, rm_score in zip(sample_ids, responses, agent_infos, scores)]
+        with self._lock:
+            self.waiting += 1
+        try:
+            if self.model is not None and "rm_score" in passed:
+                scores = self.model.group_scores(row, responses, f"scoring {sample_ids[0].rpartition('/')[0]}", stop)
+            handle = self.model.handle(row, stop) if self.model is not None and "reward_model" in passed else None
+            return [self.score_full(sid, row, text, info, rm_score, handle)
+                    for sid, (_, text), info, rm_score in zip(sample_ids, responses, agent_infos, scores)]
+        finally:
+            with self._lock:
+                self.waiting -= 1
 
     def score_full(self, sample_id: str, row: dict, response: str, agent_info: Optional[dict] = None,
                    rm_score: Optional[float] = None, reward_model: Any = None) -> tuple[float, dict[str, Any]]:

@@ -3,7 +3,8 @@
 One local update (:meth:`TrainerJob.run`):
 
 1. **take** ``R = ppo_mini_batch_size * require_batches`` groups in commit order
-   (groups over ``max_staleness`` are dropped, counted and replaced; with ``algorithm.filter_groups`` so are
+   (groups over ``max_staleness``, and any whose newest token lags by more than the lag bound, which the rollout
+   jobs' commit check keeps out, are dropped, counted and replaced; with ``algorithm.filter_groups`` so are
    groups whose metric has no spread, their admission places given back: ``dynamic_sampling.py``);
 2. **update** (:class:`hpcrl.trainer.update.PolicyUpdate`): proximal / reference
    log-probs and values under the weights at the start of the update,
@@ -53,8 +54,8 @@ from hpcrl.samples.schema import Group
 from hpcrl.trainer import checkpoint, memory
 from hpcrl.trainer.batch import build_batch
 from hpcrl.trainer.distributed import init_distributed, rank_environment, rank_from_environment
-from hpcrl.trainer.dynamic_sampling import (DROPPED as DROPPED_NO_SPREAD, MAX_STALENESS, Dropped, DynamicSampling,
-                                            count_dropped)
+from hpcrl.trainer.dynamic_sampling import (DROPPED as FILTERED, LAG_BOUND, MAX_STALENESS, Dropped, DynamicSampling,
+                                            count_dropped, sort_taken)
 from hpcrl.trainer.gather import zero3_state_dict
 from hpcrl.trainer.lora import adapter_state_dict
 from hpcrl.trainer.models import POLICY_PREFIX, policy_state_dict
@@ -198,7 +199,8 @@ class TrainerJob:
             taken = self.lead.reader.take(min(need - len(kept), room))
             if taken:  # a group dropped is progress too: the wait is for the next group (timeouts.wait_samples_s)
                 taken_since = time.monotonic()
-            self._sort_taken(taken, kept, dropped)
+            sort_taken(taken, kept, dropped, self.state.param_version, self.cfg, self.sampling,
+                       self.state.counters.get(M.DROPPED_FILTER_GROUPS, 0))
             cause = self.sampling.exhausted(len(kept) + count_dropped(dropped), len(kept), self.state.step)
             if cause is not None:
                 log.error("stopping the run: %s", cause)
@@ -220,23 +222,6 @@ class TrainerJob:
             time.sleep(sleep_s)
         self.heartbeat.update(state=HeartbeatState.TRAINING)
         return BATCH, kept, dropped, time.monotonic() - t0
-
-    def _sort_taken(self, groups: list[Group], kept: list[Group], dropped: Dropped) -> None:
-        """Rank 0: each group taken goes to ``kept`` or to ``dropped`` under its reason: older than ``max_staleness``
-        (lag against the version this update starts from), or without spread (dynamic sampling: its admission
-        place is given back at once)."""
-        max_st = self.cfg.async_training.max_staleness
-        filtered = len(dropped.get(DROPPED_NO_SPREAD, ()))
-        for g in groups:
-            if max_st is not None and self.state.param_version - g.version_start > max_st:
-                dropped.setdefault(MAX_STALENESS, []).append(g)
-            elif not self.sampling.keeps(g):
-                dropped.setdefault(DROPPED_NO_SPREAD, []).append(g)
-            else:
-                kept.append(g)
-        if len(dropped.get(DROPPED_NO_SPREAD, ())) > filtered:
-            self.sampling.give_back(self.state.counters.get(M.DROPPED_FILTER_GROUPS, 0)
-                                    + len(dropped[DROPPED_NO_SPREAD]))
 
     def _poll_pause(self, quiet_s: float) -> float:
         """Rank 0: seconds until the next look for samples, ``quiet_s`` after the last look that found some. Each
@@ -379,6 +364,11 @@ class TrainerJob:
         c[M.STALE_TRAJECTORIES] = (
             c.get(M.STALE_TRAJECTORIES, 0) + sum(len(g.trajectories) for g in stale))
         c[M.DROPPED_MAX_STALENESS] = c.get(M.DROPPED_MAX_STALENESS, 0) + len(dropped.get(MAX_STALENESS, ()))
+        c[M.DROPPED_LAG_BOUND] = c.get(M.DROPPED_LAG_BOUND, 0) + len(dropped.get(LAG_BOUND, ()))
+        if dropped.get(LAG_BOUND):
+            log.warning("dropped %d group(s) whose newest token lags version %d by more than the lag bound %d: %s",
+                        len(dropped[LAG_BOUND]), version_seen, self.cfg.max_lag_bound,
+                        ", ".join(g.sample_id for g in dropped[LAG_BOUND][:5]))
         total_s = wait_s + update_s + sync_s
         for name in M.COUNTERS:  # every counter in every row, 0 until something is counted
             c.setdefault(name, 0)
@@ -434,7 +424,7 @@ class TrainerJob:
         self.state.step += 1
         self.state.consumed_groups += len(kept) + count_dropped(dropped)
         c = self.state.counters
-        c[M.DROPPED_FILTER_GROUPS] = c.get(M.DROPPED_FILTER_GROUPS, 0) + len(dropped.get(DROPPED_NO_SPREAD, ()))
+        c[M.DROPPED_FILTER_GROUPS] = c.get(M.DROPPED_FILTER_GROUPS, 0) + len(dropped.get(FILTERED, ()))
         return upd, time.monotonic() - t0
 
     def _publish_due(self) -> bool:
