@@ -55,7 +55,7 @@ from hpcrl.trainer import checkpoint, memory
 from hpcrl.trainer.batch import build_batch
 from hpcrl.trainer.distributed import init_distributed, rank_environment, rank_from_environment
 from hpcrl.trainer.dynamic_sampling import (DROPPED as FILTERED, LAG_BOUND, MAX_STALENESS, Dropped, DynamicSampling,
-                                            count_dropped, sort_taken)
+                                            count_dropped, describe_dropped, sort_taken)
 from hpcrl.trainer.gather import zero3_state_dict
 from hpcrl.trainer.lora import adapter_state_dict
 from hpcrl.trainer.models import POLICY_PREFIX, policy_state_dict
@@ -215,8 +215,8 @@ class TrainerJob:
                                    f"(have {len(kept)}/{need}, none new for {time.monotonic() - taken_since:.0f}s; "
                                    f"{describe_heartbeats(self.run_dir, 'rollout')})")
             if time.monotonic() - last_log > cfg.timeouts.wait_log_interval_s:
-                log.info("waiting %.0fs for committed groups (%d/%d) in %s; %s", waited, len(kept), need,
-                         self.run_dir.samples, describe_heartbeats(self.run_dir, "rollout"))
+                log.info("waiting %.0fs for committed groups (%d/%d%s) in %s; %s", waited, len(kept), need,
+                         describe_dropped(dropped), self.run_dir.samples, describe_heartbeats(self.run_dir, "rollout"))
                 last_log = time.monotonic()
             self.heartbeat.update(state=HeartbeatState.WAITING_SAMPLES)
             time.sleep(sleep_s)
