@@ -60,6 +60,14 @@ def squeue_ids(env) -> set:
     return set(out.stdout.split())
 
 
+def jobs_state(slurm, rd) -> str:
+    """What a failed wait on an sbatch run prints: the queue, then each job log's last lines."""
+    queue = subprocess.run(["squeue", "-o", "%i %j %T %R %M"], capture_output=True, text=True, env=slurm).stdout
+    logs = [f"--- {p.name}:\n" + "".join(p.read_text(errors="replace").splitlines(True)[-15:])
+            for p in sorted(rd.job_logs.glob("*")) if p.is_file()] if rd.job_logs.exists() else []
+    return queue + "\n".join(logs)
+
+
 def reward_rises(rd, margin=0.2):
     first, last = fifths(read_metrics(rd)["reward/mean"].to_numpy())
     assert last > first + margin, f"reward did not rise: first fifth {first:.3f}, last fifth {last:.3f}"
@@ -118,7 +126,9 @@ def test_sbatch_two_rank_trainer_and_two_rollout_tasks(slurm, tmp_path):
                                          # value head + frozen reference across 2 ZeRO-3 ranks
                                          "algorithm.adv_estimator=gae", "actor.use_kl_loss=true")
     rd = RunDir(run)
-    wait_until(lambda: read_json(rd.trainer_done), 400, "trainer_done.json")
+    wait_until(lambda: read_json(rd.trainer_done) or trainer_id not in squeue_ids(slurm), 400, "trainer_done.json",
+               poll_s=1.0, describe=lambda: jobs_state(slurm, rd))
+    assert read_json(rd.trainer_done), f"the trainer job left the queue without finishing:\n{jobs_state(slurm, rd)}"
     wait_until(lambda: not squeue_ids(slurm) & {trainer_id, f"{array_id}_0", f"{array_id}_1", eval_id}, 90,
                "jobs to leave")
     # the evaluation job (sbatch/eval.sbatch, tiny.yaml's eval section): v0, every 20th version and the last

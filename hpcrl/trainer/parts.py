@@ -101,7 +101,7 @@ def _deepspeed(cfg: RunConfig, run_dir: RunDir, rank: int, world: int):
         policy = build.load_causal_lm(path, build.training_dtype(actor, cuda), attn,
                                        config if actor.zero_stage == 3 else None)
     config_json = policy.config.to_json_string()
-    layout = build.layout_of(actor, policy.config, attn)
+    layout = build.layout_of(actor, policy.config, attn, world)
     mpu = sequence_parallel.register(policy, attn, actor.ulysses_sequence_parallel_size)
     if actor.gradient_checkpointing:
         build.checkpoint_layers(policy)
