@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import bench_parser, table  # noqa: E402
+from hpcrl.config import RunConfig  # noqa: E402
 from hpcrl.rollout.engine import EngineOptions, EngineRunner  # noqa: E402
 from hpcrl.rollout.engines import make_engine  # noqa: E402
 from hpcrl.run_dir import RunDir  # noqa: E402
@@ -94,9 +95,10 @@ def main(argv=None) -> int:
     dtype = getattr(torch, a.dtype)
     model = build_model(base / "model", a.layers, a.hidden, dtype)
     runner = EngineRunner()
+    cfg = RunConfig()
+    cfg.rollout.max_model_len, cfg.rollout.max_num_seqs = 256, 8
     engine = make_engine("vllm", EngineOptions(base / "model", max_new_tokens=8, temperature=1.0, top_p=1.0,
-                                               device=a.device, dtype=a.dtype, max_model_len=256, max_num_seqs=8),
-                         runner, timeout_s=TIMEOUT_S)
+                                               device=a.device, dtype=a.dtype), cfg, runner, timeout_s=TIMEOUT_S)
     rd = RunDir(base / "run").create()
     publisher, subscriber = FilesystemPublisher(rd, keep_versions=2), FilesystemSubscriber(rd, "w000")
     times: dict[str, list[float]] = {"raw copy": [], "mapped": [], "folder": [], "files": []}

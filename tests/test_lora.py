@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hpcrl.config import ConfigError, load_config
-from hpcrl.config.lora import DEFAULT_TARGET_MODULES, vllm_max_lora_rank
+from hpcrl.config.lora import DEFAULT_TARGET_MODULES
 from hpcrl.launcher.lora_check import check_lora
 from hpcrl.rollout.engine import EngineOptions
 from hpcrl.rollout.transformers_engine import TransformersEngine
@@ -68,8 +68,12 @@ def test_bad_lora_values_and_options_lora_cannot_go_with_are_refused(override, k
 
 
 def test_vllm_serves_ranks_up_to_512_rounded_up_to_its_allowed_ranks():
+    from hpcrl.config.registries import ENGINES
+    from hpcrl.rollout.vllm_engine import VLLM_MAX_LORA_RANKS, vllm_max_lora_rank
+
     assert [vllm_max_lora_rank(r) for r in (1, 2, 8, 9, 300, 512)] == [1, 8, 8, 16, 320, 512]
-    with pytest.raises(ConfigError, match="at most 512 with the vllm engine"):
+    assert ENGINES["vllm"].max_lora_rank == VLLM_MAX_LORA_RANKS[-1]  # the spec says what the engine starts with
+    with pytest.raises(ConfigError, match="at most 512 with rollout.engine=vllm"):
         cfg_of("actor.lora_rank=1024", "rollout.engine=vllm")
 
 

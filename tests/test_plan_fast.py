@@ -105,7 +105,7 @@ def test_kv_cache_preempts_the_newest_and_the_engine_agrees_with_the_planner(tmp
     assert b.adm > 4  # somebody was admitted again after a preemption
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 64, "eos_token_id": 1}))
     eng = SimulatedEngine(EngineOptions(model_dir=tmp_path, max_new_tokens=200, temperature=1.0, top_p=1.0,
-                                        device="cpu", dtype="float32", max_num_seqs=256, simulated=sim))
+                                        device="cpu", dtype="float32"), sim, max_num_seqs=256)
     out = asyncio.run(eng.generate([5, 6, 7], n=4, seed=1))
     assert [len(s.response_ids) for s in out] == [100] * 4
     assert eng.busy_model_s == pytest.approx(busy)

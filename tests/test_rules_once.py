@@ -311,11 +311,23 @@ def _defines(path: str) -> bool:
     return any(isinstance(n, (ast.ClassDef, ast.FunctionDef)) and n.name == attribute for n in tree.body)
 
 
+def _paths(entry) -> list[str]:
+    """The ``module:attribute`` paths a registry entry names: the entry itself, each of a tuple, or each of a spec's
+    fields that is one (an engine's class and its LoRA probe, ...)."""
+    import dataclasses
+    import re
+
+    values = [entry] if isinstance(entry, str) else list(entry) if isinstance(entry, tuple) else \
+        [getattr(entry, f.name) for f in dataclasses.fields(entry)]
+    return [v for v in values if isinstance(v, str) and re.fullmatch(r"[\w.]+:\w+", v)]
+
+
 def test_every_registry_entry_names_an_implementation():
     from hpcrl.config import names, registries
 
     entries = [(f"{registry}[{name!r}]", path) for registry, reg in _registries().items()
-               for name, value in reg.items() if value for path in ((value,) if isinstance(value, str) else value)]
+               for name, value in reg.items() if value for path in _paths(value)]
+    assert ("ENGINES['vllm']", "hpcrl.rollout.vllm_engine:cannot_serve_lora") in entries  # a spec's every path
     missing = [f"{where} = {path!r}" for where, path in entries if not _defines(path)]
     assert not missing, "registry entries without an implementation:\n" + "\n".join(missing)
     assert not _defines("hpcrl.rollout.engines:NoSuchEngine") and not _defines("hpcrl.no_such_module:X")

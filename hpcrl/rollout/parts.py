@@ -46,8 +46,8 @@ log = logging.getLogger("hpcrl.rollout")
 
 
 def engine_options(cfg: RunConfig, model_dir) -> EngineOptions:
-    """``rollout.*`` resolved for this job: ``device: auto`` becomes cuda when a GPU is visible, ``dtype: auto``
-    bfloat16 there (float32 on cpu)."""
+    """``rollout.*``'s fields every engine reads, resolved for this job: ``device: auto`` becomes cuda when a GPU is
+    visible, ``dtype: auto`` bfloat16 there (float32 on cpu); an engine's own fields it reads itself (``build``)."""
     ro = cfg.rollout
     device = ro.device if ro.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
@@ -55,11 +55,7 @@ def engine_options(cfg: RunConfig, model_dir) -> EngineOptions:
                            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): check resources.rollout.gpus_per_node")
     return EngineOptions(model_dir=model_dir, max_new_tokens=ro.response_length, temperature=ro.temperature,
                          top_p=ro.top_p, device=device, dtype=ro.dtype_on(device), seed=cfg.model.seed,
-                         gpu_memory_utilization=ro.gpu_memory_utilization, max_model_len=ro.max_model_len,
-                         tensor_parallel_size=ro.tensor_parallel_size, data_parallel_size=ro.data_parallel_size,
-                         enforce_eager=ro.enforce_eager, max_num_seqs=ro.max_num_seqs,
-                         lora_rank=cfg.actor.lora_rank or 0,
-                         simulated=cfg.simulated if ro.engine == "simulated" else None)
+                         lora_rank=cfg.actor.lora_rank or 0)
 
 
 @dataclass
@@ -123,7 +119,7 @@ def build_parts(cfg: RunConfig, run_dir: RunDir, writer: str, steps: StartupStep
             runner = EngineRunner()
             closers.callback(runner.close)
             with steps.step(f"starting the {cfg.rollout.engine} engine", t.engine_start_s + 10):  # its own limit first
-                engine = make_engine(cfg.rollout.engine, engine_options(cfg, mdir), runner, t.engine_start_s)
+                engine = make_engine(cfg.rollout.engine, engine_options(cfg, mdir), cfg, runner, t.engine_start_s)
             closers.callback(engine.close)
             closers.callback(stop_reaper, start_reaper(f"the {cfg.rollout.engine} engine's processes"))
         log.info("%s", counts.line(cfg.data, template))
