@@ -319,7 +319,7 @@ def test_advantage_estimators_match_the_implementation():
 
     r, m, g = torch.tensor([[0.0, 1.0], [1.0, 0.0]]), torch.ones(2, 2), torch.tensor([0, 0])
     inputs = {"values": torch.zeros(2, 2), "w_token": torch.ones(2, 2), "reward_baselines": torch.zeros(2)}
-    _calls(lambda e: compute_advantages(e, r, m, g, gamma=1.0, lam=1.0, **inputs), names.ADV_ESTIMATORS)
+    _calls(lambda e: compute_advantages(e, r, m, g, gamma=1.0, lam=1.0, **inputs), registries.ADV_ESTIMATORS)
 
 
 def test_kl_estimators_and_controllers_match_the_implementation():

@@ -4,15 +4,18 @@ and the launcher's checks, and every check reads what the entry declares, never 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
 
 from conftest import REPO, TINY
 from hpcrl.config import ConfigError, load_config, registries
-from hpcrl.config.registries import EngineSpec
+from hpcrl.config.registries import EngineSpec, EstimatorSpec
 
 UNIFORM = EngineSpec("fake_backends.uniform_engine:UniformEngine", doc="uniform sampling over the vocabulary")
+VALUE_BASELINE = EstimatorSpec("fake_backends.value_baseline:estimate_score_minus_value", values=True,
+                               doc="the score minus the critic's value")
 
 
 @pytest.fixture
@@ -91,3 +94,52 @@ def test_the_doctor_checks_every_engines_package():
     from hpcrl.doctor.command import OPTIONAL
 
     assert OPTIONAL == ("cuda", *dict.fromkeys(s.package for s in registries.ENGINES.values() if s.package))
+
+
+# ---- advantage estimators
+
+
+def test_a_new_estimator_declares_what_it_needs_and_the_checks_read_it(monkeypatch):
+    from hpcrl.trainer.advantages import compute_advantages, place_scores
+
+    monkeypatch.setitem(registries.ADV_ESTIMATORS, "score_minus_value", VALUE_BASELINE)
+    cfg = load_config(TINY, ["algorithm.adv_estimator=score_minus_value", "rollout.n=1", "algorithm.use_pf_ppo=true"])
+    assert registries.estimator_spec(cfg.algorithm.adv_estimator).values  # the trainer adds the value head for it
+    mask, g = torch.tensor([[1.0, 1.0], [1.0, 0.0]]), torch.tensor([0, 1])
+    adv, ret = compute_advantages("score_minus_value", place_scores(torch.tensor([1.0, 0.0]), mask), mask, g,
+                                  values=torch.full((2, 2), 0.25))
+    torch.testing.assert_close(adv, torch.tensor([[0.75, 0.75], [-0.25, 0.0]]))
+    with pytest.raises(ValueError, match="score_minus_value needs values from the critic"):
+        compute_advantages("score_minus_value", place_scores(torch.tensor([1.0, 0.0]), mask), mask, g)
+    monkeypatch.setitem(registries.ADV_ESTIMATORS, "score_minus_value", dataclasses.replace(VALUE_BASELINE,
+                                                                                            values=False, group=True))
+    assert "use_pf_ppo" in problem("algorithm.adv_estimator=score_minus_value", "algorithm.use_pf_ppo=true")
+    assert problem("algorithm.adv_estimator=score_minus_value", "rollout.n=1").startswith(
+        "config rollout.n: got 1; allowed: at least 2 with adv_estimator=score_minus_value")
+
+
+def test_the_config_reference_lists_the_registries_names_with_what_each_is(monkeypatch):
+    from hpcrl.config.reference import render
+
+    monkeypatch.setitem(registries.ADV_ESTIMATORS, "score_minus_value", VALUE_BASELINE)
+    monkeypatch.setitem(registries.ENGINES, "uniform", UNIFORM)
+    page = render()
+    assert "``score_minus_value``: the score minus the critic's value" in page
+    assert "``uniform``: uniform sampling over the vocabulary" in page
+
+
+# ---- no check names a backend
+
+
+BACKEND_NAMES = re.compile(r'"vllm"|== "gae"|"remax"')
+"""What the checks spelled before each backend declared itself (issue 49's acceptance)."""
+BACKENDS = ("config/registries.py", "rollout/vllm_engine.py", "rollout/vllm_worker.py", "rollout/vllm_sockets.py",
+            "trainer/estimators.py")
+"""The registry and the backends themselves, which may name themselves."""
+
+
+def test_no_module_outside_the_registry_and_the_backends_names_an_engine_or_an_estimator():
+    found = [f"{p.relative_to(REPO)}:{i}: {line.strip()}" for p in sorted((REPO / "hpcrl").rglob("*.py"))
+             if not str(p.relative_to(REPO / "hpcrl")).endswith(BACKENDS)
+             for i, line in enumerate(p.read_text().splitlines(), 1) if BACKEND_NAMES.search(line)]
+    assert not found, "read the backend's spec in hpcrl/config/registries.py instead:\n" + "\n".join(found)

@@ -233,7 +233,8 @@ REGISTRIES_HOME = REPO / "hpcrl" / "config" / "registries.py"
 def _registries() -> dict:
     from hpcrl.config import names, registries
 
-    return {"ENGINES": registries.ENGINES, "AGENT_LOOPS": registries.AGENT_LOOPS,
+    return {"ENGINES": registries.ENGINES, "ADV_ESTIMATORS": registries.ADV_ESTIMATORS,
+            "AGENT_LOOPS": registries.AGENT_LOOPS,
             "TOOL_PARSERS": registries.TOOL_PARSERS, "WEIGHT_TRANSPORTS": registries.WEIGHT_TRANSPORTS,
             "REWARDS": {**registries.REWARDS, names.BY_DATA_SOURCE: ""},
             "POLICY_LOSS_MODES": registries.POLICY_LOSS_MODES}
@@ -339,11 +340,12 @@ def test_config_validation_reads_the_registries_themselves():
     registry is put back as it was, in its order: the allowed names are listed in it.)"""
     import pytest
 
-    from hpcrl.config import (AgentConfig, ConfigError, PolicyLossConfig, RewardConfig, RolloutConfig, WeightsConfig,
-                              registries)
+    from hpcrl.config import (AgentConfig, AlgorithmConfig, ConfigError, PolicyLossConfig, RewardConfig,
+                              RolloutConfig, WeightsConfig, registries)
     from hpcrl.config.evaluation import EvalRewardConfig
 
     checks = [(registries.ENGINES, "transformers", lambda v: RolloutConfig(engine=v).validate()),
+              (registries.ADV_ESTIMATORS, "grpo", lambda v: AlgorithmConfig(adv_estimator=v).validate()),
               (registries.AGENT_LOOPS, "single_turn", lambda v: AgentConfig(default=v).validate()),
               (registries.TOOL_PARSERS, "hermes", lambda v: AgentConfig(tool_parser=v).validate()),
               (registries.WEIGHT_TRANSPORTS, "broadcast", lambda v: WeightsConfig(transport=v).validate()),

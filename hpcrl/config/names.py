@@ -3,24 +3,13 @@
 Plain tables of names whose implementation dispatches on them (``hpcrl/trainer/``: ``tests/test_layers.py``
 calls it with each), the names the registries are keyed by (:data:`SIMULATED_ENGINE`, :data:`SINGLE_TURN`,
 :data:`BY_DATA_SOURCE`, ...), renamed keys and verl's keys. The registries (name -> where the implementation
-lives: engines, agent loops, tool parsers, weight transports, rewards, policy losses) are
+lives: engines, advantage estimators, agent loops, tool parsers, weight transports, rewards, policy losses) are
 :mod:`hpcrl.config.registries`.
 """
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-
-ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "grpo_passk",
-                  "gpg", "remax", "optimal_token_baseline", "tir_optimal_token_baseline", "gdpo", "grpo_vectorized",
-                  "rloo_vectorized")
-"""``algorithm.adv_estimator`` (hpcrl/trainer/advantages.py); ``*_vectorized`` are verl's other
-implementations of grpo and rloo, accepted as their aliases."""
-
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "grpo_passk", "gpg",
-                    "optimal_token_baseline", "tir_optimal_token_baseline", "gdpo", "grpo_vectorized",
-                    "rloo_vectorized")
-"""The estimators whose baseline is the rest of the group: they need ``rollout.n >= 2``."""
 
 KL_ESTIMATORS = ("kl", "k1", "mse", "k2", "low_var_kl", "k3", "abs",
                  "kl+", "k1+", "mse+", "k2+", "low_var_kl+", "k3+", "abs+")

@@ -27,7 +27,7 @@ What may change on `hpcrl run --resume`: [Launching](launching.md).
 """
 
 
-LISTED = {"rollout.engine": registries.ENGINES}
+LISTED = {"rollout.engine": registries.ENGINES, "algorithm.adv_estimator": registries.ADV_ESTIMATORS}
 """Keys whose allowed names are listed from their registry, each with its entry's ``doc`` (so the list a field's
 docstring would hold cannot miss a name added to the registry)."""
 

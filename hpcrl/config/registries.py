@@ -133,6 +133,68 @@ def reward_names() -> tuple[str, ...]:
     return (BY_DATA_SOURCE, *REWARDS)
 
 
+@dataclass(frozen=True)
+class EstimatorSpec:
+    """An advantage estimator and what it needs beyond the rewards and masks: the trainer, the rollout job and the
+    config's checks read these fields, never the estimator's name (cf. PRIME-RL's one module per algorithm)."""
+
+    fn: str
+    """``"module:function"``: ``fn(x: AdvantageInputs) -> (advantages, returns)`` (hpcrl/trainer/advantages.py)."""
+    doc: str
+    """What it is, one line (the configuration reference lists it under ``algorithm.adv_estimator``)."""
+    values: bool = False
+    """It needs the critic's values: the trainer adds a value head to the policy, computes the values at the start of
+    each update and trains the head (``critic.*``)."""
+    score_norms: bool = False
+    """It needs the trainer's score norms of the sampled tokens (w_t), from the start-of-update forward pass."""
+    greedy_baseline: bool = False
+    """It needs the reward of one greedy response per prompt: the rollout job decodes one more response per group at
+    temperature 0 and stores its reward with the group (``group/reward_baseline``)."""
+    group: bool = False
+    """Its baseline is the rest of the group: it needs ``rollout.n >= 2``."""
+
+
+_EST = "hpcrl.trainer.estimators"
+ADV_ESTIMATORS: dict[str, EstimatorSpec] = {
+    "gae": EstimatorSpec(f"{_EST}:estimate_gae", values=True, doc="GAE over the critic's values (a value head on "
+                         "the policy), whitened over the batch"),
+    "grpo": EstimatorSpec(f"{_EST}:estimate_grpo", group=True, doc="the score minus its group's mean, over the "
+                          "group's std (norm_adv_by_std_in_grpo)"),
+    "rloo": EstimatorSpec(f"{_EST}:estimate_rloo", group=True, doc="the score minus the mean of the rest of its "
+                          "group"),
+    "reinforce_plus_plus": EstimatorSpec(f"{_EST}:estimate_reinforce_plus_plus", doc="the discounted return, "
+                                         "whitened over the batch"),
+    "reinforce_plus_plus_baseline": EstimatorSpec(f"{_EST}:estimate_reinforce_plus_plus_baseline", group=True,
+                                                  doc="the score minus its group's mean, whitened over the batch"),
+    "opo": EstimatorSpec(f"{_EST}:estimate_opo", group=True, doc="the score minus its group's length-weighted mean"),
+    "grpo_passk": EstimatorSpec(f"{_EST}:estimate_grpo_passk", group=True, doc="the best of each group gets the "
+                                "margin over the second best (Pass@k training)"),
+    "gpg": EstimatorSpec(f"{_EST}:estimate_gpg", group=True, doc="the score minus its group's mean, scaled by the "
+                         "batch's share of non-zero scores (GPG)"),
+    "remax": EstimatorSpec(f"{_EST}:estimate_remax", greedy_baseline=True, doc="the reward-to-go minus the reward "
+                           "of a greedy response to the prompt (the rollout job adds one per prompt)"),
+    "optimal_token_baseline": EstimatorSpec(f"{_EST}:estimate_optimal_token_baseline", score_norms=True, group=True,
+                                            doc="a baseline per token from its group's returns at that step, "
+                                                "weighted by the score norms"),
+    "tir_optimal_token_baseline": EstimatorSpec(f"{_EST}:estimate_tir_optimal_token_baseline", score_norms=True,
+                                                group=True, doc="optimal_token_baseline with steps aligned by "
+                                                "model token (multi-turn)"),
+    "gdpo": EstimatorSpec(f"{_EST}:estimate_gdpo", group=True, doc="grpo per reward component, summed and whitened "
+                          "over the batch (one component here)"),
+    "grpo_vectorized": EstimatorSpec(f"{_EST}:estimate_grpo", group=True, doc="grpo (verl's vectorised "
+                                     "implementation's name)"),
+    "rloo_vectorized": EstimatorSpec(f"{_EST}:estimate_rloo", group=True, doc="rloo (verl's vectorised "
+                                     "implementation's name)"),
+}
+"""Registry of ``algorithm.adv_estimator`` (verl's names; equations in hpcrl/trainer/estimators.py and
+docs/algorithms.md): each estimator's function and what it needs."""
+
+
+def estimator_spec(name: str) -> Optional[EstimatorSpec]:
+    """The spec of estimator ``name``; None for a name the config's check refuses (reported there)."""
+    return ADV_ESTIMATORS.get(name)
+
+
 _LOSSES = "hpcrl.trainer.policy_losses"
 POLICY_LOSS_MODES: dict[str, str] = {
     "vanilla": f"{_LOSSES}:vanilla_loss", "gspo": f"{_LOSSES}:gspo_loss", "cispo": f"{_LOSSES}:cispo_loss",
