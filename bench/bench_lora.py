@@ -4,8 +4,8 @@ memory.
 ``weights``: for the tiny model and a ~0.5B Qwen2-shaped model (hidden 896, 24 layers, 14/2 heads, MLP 4864, vocab
 151936, tied embeddings; random init, built locally), in one process so the machine's noise is shared, it publishes
 and loads weight versions the way the jobs do, full weights against a LoRA adapter (the default targets: the
-attention and MLP projections): ``FilesystemPublisher.publish`` (files hashed while written, manifest last),
-``FilesystemSubscriber.take`` (pin, size and hash checked), and the transformers engine's ``load_weights`` (a
+attention and MLP projections): ``WeightPublisher.publish`` (files hashed while written, manifest last),
+``WeightSubscriber.take`` (pin, size and hash checked), and the transformers engine's ``load_weights`` (a
 ``load_state_dict`` of the whole model, or peft's ``set_peft_model_state_dict`` of the adapter). Bytes per version and
 medians of ``--repeats`` rounds.
 

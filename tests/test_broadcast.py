@@ -154,12 +154,14 @@ def test_each_broadcast_version_logs_its_backend_and_why_on_both_ends(tmp_path, 
 
 def test_a_reader_on_cpu_is_refused_by_an_nccl_trainer_in_one_line(tmp_path, caplog):
     """nccl cannot be formed on CPU; the runtime check that stands behind the config's refusal."""
-    from hpcrl.weights.broadcast import BroadcastPublisher
+    from hpcrl.weights.broadcast import BroadcastSender
+    from hpcrl.weights.publisher import WeightPublisher
 
     rd = RunDir(tmp_path).create()
     rd.secret.write_text("s")
     _BEATS.append(HeartbeatThread(rd, RunDir.trainer_job(), "trainer", 0.5).start())
-    tt = BroadcastPublisher(rd, 3, required=True, bucket_mib=1, connect_s=2.0, broadcast_s=5.0, backend="nccl")
+    tt = WeightPublisher(rd, 3, sender=BroadcastSender(rd, required=True, bucket_mib=1, connect_s=2.0, broadcast_s=5.0,
+                                                       backend="nccl"))
     tt.publish(0, {"w": torch.ones(3)}, "{}", 0, 0)
     caplog.set_level(logging.INFO)
     with pytest.raises(BroadcastFailed, match="weights.broadcast_backend=nccl, but it receives into cpu memory"):
@@ -405,7 +407,7 @@ def test_receiver_sigkilled_between_publishes_costs_the_trainer_nothing(tiny_run
     assert publish(wt, 1, model)[0].members == 1, "a live member receives"
     peer.kill()
     peer.wait(10)
-    time.sleep(wt._sender.stale_s + 1)
+    time.sleep(wt.sender._sender.stale_s + 1)
     caplog.set_level(logging.INFO)
     out, took = publish(wt, 2, model)
     assert took < FAST.broadcast_s / 2, f"publish took {took:.1f}s with a member killed while idle"

@@ -32,7 +32,7 @@ from hpcrl.process import faults
 from hpcrl.run_dir import RunDir
 from hpcrl.samples.reader import SampleReader, delete_consumed
 from hpcrl.samples.writer import ShardWriter
-from hpcrl.weights.filesystem import FilesystemPublisher
+from hpcrl.weights.publisher import WeightPublisher
 
 
 @pytest.fixture
@@ -327,9 +327,9 @@ def test_a_job_stopped_by_another_jobs_full_disk_saves_without_waiting_for_space
 PUBLISHER = r"""
 import sys, torch
 from hpcrl.run_dir import RunDir
-from hpcrl.weights.filesystem import FilesystemPublisher
+from hpcrl.weights.publisher import WeightPublisher
 rd = RunDir(sys.argv[1])
-pub = FilesystemPublisher(rd, keep_versions=2)
+pub = WeightPublisher(rd, keep_versions=2)
 v = max(pub.published_versions(), default=-1)
 pub.withdraw_after(v)  # what the trainer does at start: the sweep, then nothing newer than its checkpoint
 state = {f"w{i}": torch.full((64, 1024), float(i)) for i in range(24)}
@@ -359,7 +359,7 @@ def test_a_trainer_killed_during_retention_leaves_no_version_folder_without_its_
         lacking = [n for n in names if RunDir.parse_weight_version(n) is not None
                    and not rd.weight_manifest(RunDir.parse_weight_version(n)).exists()]
         found["half_written"] += len(lacking)
-        FilesystemPublisher(rd, keep_versions=2).withdraw_after(10**9)  # a restarted trainer's sweep
+        WeightPublisher(rd, keep_versions=2).withdraw_after(10**9)  # a restarted trainer's sweep
         names = [p.name for p in rd.weights.iterdir()]
         assert all(rd.weight_manifest(RunDir.parse_weight_version(n)).exists() for n in names), names
         assert not [n for n in names if RunDir.parse_weight_version(n) is None], names

@@ -241,7 +241,7 @@ def test_the_broadcast_sends_the_adapter_alone(tmp_path):
                 if v == 1:  # a member from the publish after it joined
                     adapter_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
                     assert published.path == wv.path == "broadcast"
-                    assert published.broadcast_bytes == wv.nbytes == adapter_bytes
+                    assert published.sent_bytes == wv.nbytes == adapter_bytes
                     assert wv.adapter == json.loads(rd.weight_file(1, WEIGHT_ADAPTER_CONFIG).read_text())
                     assert all(torch.equal(wv.tensors[k], tensors[k]) for k in tensors)
     finally:

@@ -4,14 +4,18 @@ and the launcher's checks, and every check reads what the entry declares, never 
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
+import shutil
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO, TINY
+from conftest import PATIENT, REPO, TINY, BackgroundCommand, check_exactly_once
 from hpcrl.config import ConfigError, load_config, registries
-from hpcrl.config.registries import EngineSpec, EstimatorSpec
+from hpcrl.config.registries import EngineSpec, EstimatorSpec, TransportSpec
 
 UNIFORM = EngineSpec("fake_backends.uniform_engine:UniformEngine", doc="uniform sampling over the vocabulary")
 VALUE_BASELINE = EstimatorSpec("fake_backends.value_baseline:estimate_score_minus_value", values=True,
@@ -143,3 +147,121 @@ def test_no_module_outside_the_registry_and_the_backends_names_an_engine_or_an_e
              if not str(p.relative_to(REPO / "hpcrl")).endswith(BACKENDS)
              for i, line in enumerate(p.read_text().splitlines(), 1) if BACKEND_NAMES.search(line)]
     assert not found, "read the backend's spec in hpcrl/config/registries.py instead:\n" + "\n".join(found)
+
+
+# ---- weight transports
+
+COPY = TransportSpec("fake_backends.copy_transport:CopySender", "fake_backends.copy_transport:CopyReceiver",
+                     doc="a copy in the node's temporary folder")
+
+
+def test_a_new_transport_writes_only_transfer_code_and_inherits_the_store(monkeypatch, tmp_path):
+    """Versions come by the new transport; retention, withdrawal, bad markers and the check that a copy belongs to
+    the committed version are the store's."""
+    from hpcrl.config import WeightsConfig
+    from hpcrl.run_dir import RunDir
+    from hpcrl.weights import make_publisher, make_subscriber
+
+    monkeypatch.setitem(registries.WEIGHT_TRANSPORTS, "copy", COPY)
+    load_config(TINY, ["weights.transport=copy"])
+    rd = RunDir(tmp_path / "run").create()
+    cfg = WeightsConfig(transport="copy", keep_versions=2, delta=False)
+    pub, sub = make_publisher(cfg, rd), make_subscriber(cfg, rd, "w000")
+    w = torch.arange(6.0).reshape(2, 3)
+    for v in range(4):
+        published = pub.publish(v, {"w": w + v, "tied": w + v}, "{}", v, 4 * v)
+        assert published.path == "copy" and published.sent_bytes > 0
+        with sub.take(v) as wv:
+            assert wv.path == "copy" and torch.equal(wv.tensors["w"], w + v)
+        pub.retain(heartbeat_stale_s=60)
+    assert pub.published_versions() == [2, 3]  # the store's retention
+    assert pub.withdraw_after(2) == [3]
+    pub.publish(3, {"w": w * 10}, "{}", 3, 12)  # published again after a rollback: the old copy is not it
+    from fake_backends.copy_transport import folder_of
+    (folder_of(rd) / "v3.json").write_text('{"published_s": 1.0, "aliases": {}}')
+    with sub.take(3) as wv:
+        assert wv.path == "filesystem" and torch.equal(wv.tensors["w"], w * 10)
+    shutil.rmtree(folder_of(rd))
+
+
+def _plugged_in_copy(folder):
+    """The package as a newcomer leaves it after adding the three fake backends: one module each beside the
+    backends of its kind, one entry each in config/registries.py, and nothing else changed (checked here)."""
+    import difflib
+
+    src = folder / "src"
+    shutil.copytree(REPO / "hpcrl", src / "hpcrl", ignore=shutil.ignore_patterns("__pycache__"))
+    added = {"rollout/uniform_engine.py": "uniform_engine.py", "trainer/value_baseline.py": "value_baseline.py",
+             "weights/copy_transport.py": "copy_transport.py"}
+    for where, module in added.items():
+        shutil.copy(REPO / "tests" / "fake_backends" / module, src / "hpcrl" / where)
+    entries = {"ENGINES: dict[str, EngineSpec] = {\n":
+               '    "uniform": EngineSpec("hpcrl.rollout.uniform_engine:UniformEngine", doc="uniform tokens"),\n',
+               "ADV_ESTIMATORS: dict[str, EstimatorSpec] = {\n":
+               '    "score_minus_value": EstimatorSpec("hpcrl.trainer.value_baseline:estimate_score_minus_value", '
+               'values=True, doc="s - V"),\n',
+               "WEIGHT_TRANSPORTS: dict[str, TransportSpec] = {\n":
+               '    "copy": TransportSpec("hpcrl.weights.copy_transport:CopySender", '
+               '"hpcrl.weights.copy_transport:CopyReceiver", doc="a copy in the node\'s temporary folder"),\n'}
+    registry = src / "hpcrl" / "config" / "registries.py"
+    text = registry.read_text()
+    for head, entry in entries.items():
+        assert head in text, head
+        text = text.replace(head, head + entry)
+    registry.write_text(text)
+    changed = sorted(str(p.relative_to(src / "hpcrl")) for p in (src / "hpcrl").rglob("*.py")
+                     if not (REPO / "hpcrl" / p.relative_to(src / "hpcrl")).exists()
+                     or p.read_bytes() != (REPO / "hpcrl" / p.relative_to(src / "hpcrl")).read_bytes())
+    assert changed == sorted([*added, "config/registries.py"]), changed
+    diff = [line for line in difflib.unified_diff((REPO / "hpcrl/config/registries.py").read_text().splitlines(),
+                                                  text.splitlines(), n=0, lineterm="")
+            if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+    assert sorted(diff) == sorted("+" + e.rstrip("\n") for e in entries.values()), diff
+    return src
+
+
+PLUGGED = ["rollout.engine=uniform", "algorithm.adv_estimator=score_minus_value", "weights.transport=copy",
+           "rollout.total_rollout_steps=48", "eval.every_versions=0"]
+"""A short run on the three new backends (12 updates of R=4 groups; the engine ignores the weights it gets)."""
+
+
+def plugged_in_run(folder) -> list[str]:
+    """``hpcrl run`` of the plugged-in copy (first on the path, started from a folder of its own so that no job
+    finds this checkout's package first), with a starved background run's patience."""
+    src = _plugged_in_copy(folder)
+    return ["env", "-C", str(folder), f"PYTHONPATH={src}", sys.executable, "-m", "hpcrl", "run", str(TINY), *PLUGGED,
+            "--run-dir", str(folder / "run"), "--executor", "local", *PATIENT]
+
+
+BACKGROUND_RUNS = {"plugins:run": BackgroundCommand(plugged_in_run)}
+"""In the background when the session starts (conftest.BackgroundRuns): its jobs start cold (their package is the
+copy), its test only reads the finished run."""
+
+
+def background_keys(item) -> tuple[str, ...]:
+    """The background run a test item reads (none: it runs its own)."""
+    return ("plugins:run",) if item.originalname == "test_a_run_on_backends_each_added_as_one_module_and_one_entry" \
+        else ()
+
+
+@pytest.mark.slow
+def test_a_run_on_backends_each_added_as_one_module_and_one_entry(background_runs, monkeypatch):
+    """An engine, an estimator and a transport, each one new module and one registry entry, nothing else changed:
+    the launch checks pass and the run ends, every group trained exactly once, on the new engine's samples, the new
+    estimator's value head trained, every version taken by the new transport."""
+    from hpcrl.run_dir import RunDir
+
+    out = background_runs.launched("plugins:run", timeout_s=900)
+    assert out.returncode == 0 and "run finished" in out.stdout, out.stdout[-4000:]
+    rd = RunDir(Path(out.args[out.args.index("--run-dir") + 1]))
+    for registry, name, spec in ((registries.ENGINES, "uniform", UNIFORM), (registries.WEIGHT_TRANSPORTS, "copy", COPY),
+                                 (registries.ADV_ESTIMATORS, "score_minus_value", VALUE_BASELINE)):
+        monkeypatch.setitem(registry, name, spec)  # so that this process reads the run's frozen config too
+    check_exactly_once(rd, rd.load_config().rollout.max_concurrent_groups)
+    metrics = [json.loads(x) for x in rd.metrics.read_text().splitlines()]
+    assert len(metrics) == 12 and all("critic/values/mean" in m and "critic/vf_loss" in m for m in metrics)
+    rows = [json.loads(x) for x in rd.rollout_metrics("w000").read_text().splitlines()]
+    assert {r["weights/path"] for r in rows} == {"copy"}, [r["weights/path"] for r in rows]
+    assert {m["weights/path"] for m in metrics if "weights/path" in m} == {"copy"}
+    from fake_backends.copy_transport import folder_of
+    shutil.rmtree(folder_of(rd))

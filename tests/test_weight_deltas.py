@@ -12,7 +12,7 @@ from hpcrl.process import faults
 from hpcrl.run_dir import WEIGHT_DELTA, WEIGHT_TENSORS, RunDir
 from hpcrl.weights import WeightVersionBad, make_publisher, make_subscriber
 from hpcrl.weights.delta import decode_into, encode
-from hpcrl.weights.filesystem import FilesystemPublisher
+from hpcrl.weights.publisher import WeightPublisher
 from test_weights import damage_weights
 
 
@@ -35,7 +35,7 @@ def step(sd: dict, k: int) -> dict:
     return out
 
 
-def publisher(tmp_path, **cfg) -> FilesystemPublisher:
+def publisher(tmp_path, **cfg) -> WeightPublisher:
     return make_publisher(WeightsConfig(**cfg), RunDir(tmp_path).create())
 
 

@@ -27,7 +27,8 @@ What may change on `hpcrl run --resume`: [Launching](launching.md).
 """
 
 
-LISTED = {"rollout.engine": registries.ENGINES, "algorithm.adv_estimator": registries.ADV_ESTIMATORS}
+LISTED = {"rollout.engine": registries.ENGINES, "algorithm.adv_estimator": registries.ADV_ESTIMATORS,
+          "weights.transport": registries.WEIGHT_TRANSPORTS}
 """Keys whose allowed names are listed from their registry, each with its entry's ``doc`` (so the list a field's
 docstring would hold cannot miss a name added to the registry)."""
 

@@ -104,15 +104,34 @@ TOOL_PARSERS: dict[str, str] = {
 """Registry of ``agent.tool_parser``: the parser class, built as ``cls(tokenizer, tool_names)``
 (hpcrl/rollout/tool_parsers.py)."""
 
-_BROADCAST = ("hpcrl.weights.broadcast:BroadcastPublisher", "hpcrl.weights.broadcast:BroadcastSubscriber")
-WEIGHT_TRANSPORTS: dict[str, tuple[str, str]] = {
-    "auto": _BROADCAST,
-    "broadcast": _BROADCAST,
-    "filesystem": ("hpcrl.weights.filesystem:FilesystemPublisher", "hpcrl.weights.filesystem:FilesystemSubscriber"),
+@dataclass(frozen=True)
+class TransportSpec:
+    """A weight transport: the fast path beside the store's files (hpcrl/weights/transport.py). The store (commit,
+    retention, withdrawal, bad markers, pins, deltas) is every transport's; a transport only moves committed
+    versions."""
+
+    sender: Optional[str]
+    """``"module:Class"``: the trainer's side, a TransportSender (None: files alone)."""
+    receiver: Optional[str]
+    """``"module:Class"``: a reader's side, a TransportReceiver (None: files alone)."""
+    doc: str
+    """What it is, one line (the configuration reference lists it under ``weights.transport``)."""
+
+
+_BROADCAST = "hpcrl.weights.broadcast"
+WEIGHT_TRANSPORTS: dict[str, TransportSpec] = {
+    "auto": TransportSpec(f"{_BROADCAST}:BroadcastSender", f"{_BROADCAST}:BroadcastReceiver",
+                          doc="the broadcast where it forms; a job that cannot start or join it logs why and uses the "
+                              "files"),
+    "broadcast": TransportSpec(f"{_BROADCAST}:BroadcastSender", f"{_BROADCAST}:BroadcastReceiver",
+                               doc="also a bucketed broadcast from trainer rank 0 to every rollout job that joined; a "
+                                   "job that cannot start or join it at its first try fails with the reason"),
+    "filesystem": TransportSpec(None, None, doc="the files alone"),
 }
-"""Registry of ``weights.transport``: (publisher class, subscriber class) behind hpcrl/weights/base.py, built by
-hpcrl/weights/registry.py. ``broadcast`` and ``auto`` share a backend: ``broadcast`` fails where the broadcast
-cannot form, ``auto`` falls back to files."""
+"""Registry of ``weights.transport``: each transport's sender and receiver (hpcrl/weights/transport.py is the
+interface, hpcrl/weights/registry.py builds the store with one). ``broadcast`` and ``auto`` share a backend, which
+reads which of them the config names."""
+
 
 _RULES = "hpcrl.rollout.rewards"
 REWARDS: dict[str, str] = {

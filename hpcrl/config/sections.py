@@ -332,11 +332,9 @@ class WeightsConfig:
     """``weights``: how versions reach the rollout jobs, and how many are kept."""
 
     transport: str = "filesystem"
-    """How weights reach rollout jobs. Every version is always written as a safetensors folder in
-    RUN/weights (late joiners, restarts, retention). ``filesystem``: only that. ``broadcast``: also
-    broadcast in buckets from trainer rank 0 to every rollout job that joined (gloo on CPU); a job that
-    cannot start or join it at its first try fails with the reason. ``auto``: the same, but such a
-    job logs why and uses the files. In both, a broadcast that fails later (a dead peer, a timeout)
+    """How weights reach rollout jobs, a name of ``config/registries.py:WEIGHT_TRANSPORTS`` (the reference lists each
+    with what it is). Every version is always written as a safetensors folder in RUN/weights (late joiners,
+    restarts, retention); a transport is a faster copy beside it, and one that fails later (a dead peer, a timeout)
     falls back to the files for that version."""
     bucket_mib: float = 64.0
     """Broadcast bucket size in MiB (2**20 bytes; two buckets in flight on the trainer; larger = fewer messages)."""

@@ -1,5 +1,6 @@
-"""Delta weight versions on the filesystem path (``weights.delta``): which versions are deltas, and how a
-reader rebuilds one. The codec is ``delta.py``; the folders, pins and markers are ``filesystem.py``'s.
+"""Delta weight versions in the store (``weights.delta``): which versions are deltas, and how a reader rebuilds one.
+The codec is ``delta.py``; the folders, pins and markers are the store's (``folders.py``, ``publisher.py``,
+``subscriber.py``).
 
 Writer (trainer rank 0, :class:`DeltaWriter`): it holds the newest *full* version it wrote (the base) in
 host memory. Version ``v`` is written as a delta against it unless the base is ``weights.full_every``

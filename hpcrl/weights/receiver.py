@@ -36,7 +36,7 @@ trainer up to ``timeouts.broadcast_s``); it joins again when a new trainer publi
 
 @dataclass
 class Staged:
-    """A version received by broadcast, waiting for :meth:`~hpcrl.weights.broadcast.BroadcastSubscriber.take`."""
+    """A version received by broadcast, waiting for :meth:`~hpcrl.weights.broadcast.BroadcastReceiver.receive`."""
 
     header: BroadcastHeader
     state: dict[str, torch.Tensor]
