@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import bench_parser, table  # noqa: E402
 from bench_weights import DTYPES, make_state_dict, time_load, time_publish  # noqa: E402
-from hpcrl.run_dir import RunDir  # noqa: E402
+from hpcrl.rundir.paths import RunDir  # noqa: E402
 from hpcrl.weights.publisher import WeightPublisher, dedupe_tied
 from hpcrl.weights.subscriber import WeightSubscriber  # noqa: E402
 from hpcrl.weights.group import make_group  # noqa: E402

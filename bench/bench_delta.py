@@ -54,7 +54,7 @@ from _common import bench_parser, table  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_weights import raw_read, raw_write  # noqa: E402
-from hpcrl.run_dir import WEIGHT_DELTA, WEIGHT_TENSORS, RunDir  # noqa: E402
+from hpcrl.rundir.paths import WEIGHT_DELTA, WEIGHT_TENSORS, RunDir  # noqa: E402
 from hpcrl.weights.delta import ZSTD_LEVEL, bits, changed_elements  # noqa: E402
 from hpcrl.weights.delta_versions import DeltaWriter  # noqa: E402
 from hpcrl.weights.publisher import WeightPublisher

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _common import bench_parser, table  # noqa: E402
 from hpcrl.config.lora import DEFAULT_TARGET_MODULES  # noqa: E402
-from hpcrl.run_dir import RunDir  # noqa: E402
+from hpcrl.rundir.paths import RunDir  # noqa: E402
 
 RANK = 16
 
@@ -138,7 +138,7 @@ os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0
 import deepspeed
 deepspeed.init_distributed(dist_backend="gloo")
 from hpcrl.config import load_config
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 from hpcrl.trainer.parts import _deepspeed, _reference
 model, rank, kl = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
 over = [f"model.path={model}", "eval.every_versions=0", "actor.ppo_mini_batch_size=1", "actor.ppo_micro_batch_size=1"]

@@ -39,7 +39,7 @@ from _common import bench_parser, table  # noqa: E402
 from hpcrl.config import RunConfig  # noqa: E402
 from hpcrl.rollout.engine import EngineOptions, EngineRunner  # noqa: E402
 from hpcrl.rollout.engines import make_engine  # noqa: E402
-from hpcrl.run_dir import RunDir  # noqa: E402
+from hpcrl.rundir.paths import RunDir  # noqa: E402
 from hpcrl.weights.base import MappedBuffer, WeightVersion  # noqa: E402
 from hpcrl.weights.publisher import WeightPublisher, dedupe_tied
 from hpcrl.weights.subscriber import WeightSubscriber  # noqa: E402

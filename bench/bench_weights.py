@@ -45,7 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _common import bench_parser, table  # noqa: E402
-from hpcrl.run_dir import WEIGHT_TENSORS, RunDir  # noqa: E402
+from hpcrl.rundir.paths import WEIGHT_TENSORS, RunDir  # noqa: E402
 from hpcrl.weights.publisher import WeightPublisher
 from hpcrl.weights.subscriber import WeightSubscriber  # noqa: E402
 

@@ -223,7 +223,7 @@ def _cmd_sbatch_lines(a) -> int:
     from hpcrl.launcher.prepare import prepare_run_dir
     from hpcrl.launcher.sbatch_lines import sbatch_lines, write_setup_files
     from hpcrl.launcher.submit import job_python
-    from hpcrl.run_dir import RunDir
+    from hpcrl.rundir.paths import RunDir
 
     try:  # stdout carries the sbatch lines only (submit.sh runs each): what the checks print goes to stderr
         with contextlib.redirect_stdout(sys.stderr):
@@ -414,7 +414,7 @@ def main(argv=None) -> int:
             a.overrides.insert(0, a.run_dir)
             a.run_dir = None
         return eval_command(a)
-    from hpcrl.run_dir import RunDir
+    from hpcrl.rundir.paths import RunDir
 
     if not RunDir(a.run_dir).config_path.is_file():
         print(f"hpcrl {a.cmd}: error: {a.run_dir} is not an hpcrl run directory (no frozen config); "

@@ -142,7 +142,7 @@ def one_setting(out: Path, name: str, overrides: list[str], rank: int, world: in
 
     from conftest import make_run
     from hpcrl.control.startup import StartupSteps
-    from hpcrl.run_dir import RunDir
+    from hpcrl.rundir.paths import RunDir
     from hpcrl.trainer.batch import build_batch
     from hpcrl.trainer.lora import AdapterOff
     from hpcrl.trainer.parts import build_parts
@@ -194,7 +194,7 @@ def zero_stages(out: Path, rank: int, world: int) -> None:
     ZeRO 0's after the step (DeepSpeed holds no whole gradient to compare under ZeRO 2-3)."""
     from conftest import make_run
     from hpcrl.control.startup import StartupSteps
-    from hpcrl.run_dir import RunDir
+    from hpcrl.rundir.paths import RunDir
     from hpcrl.trainer.batch import build_batch
     from hpcrl.trainer.gather import zero3_state_dict
     from hpcrl.trainer.parts import build_parts

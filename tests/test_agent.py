@@ -12,8 +12,8 @@ import pytest
 
 from conftest import wait_until
 from hpcrl.config import load_config
-from hpcrl.fsio import read_jsonl
-from hpcrl.logs import read_jsonl_frame, read_metrics
+from hpcrl.rundir.fsio import read_jsonl
+from hpcrl.logs.run_logs import read_jsonl_frame, read_metrics
 from hpcrl.rollout.agent_loop import GroupContext, run_group
 from hpcrl.rollout.engine import EngineOptions, EngineRunner
 from hpcrl.rollout.gate import EngineGate, GroupAborted

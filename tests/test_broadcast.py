@@ -18,8 +18,8 @@ import torch
 from conftest import REPO, TINY, BackgroundCommand, check_exactly_once
 from hpcrl.config import TimeoutsConfig, WeightsConfig
 from hpcrl.control.records import HeartbeatThread
-from hpcrl.fsio import write_json_atomic
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.fsio import write_json_atomic
+from hpcrl.rundir.paths import RunDir
 from hpcrl.weights import make_publisher, make_subscriber
 from hpcrl.weights.group import BroadcastFailed, backend_choice, choose_backend
 from hpcrl.weights.rendezvous import BroadcastRendezvous
@@ -539,7 +539,7 @@ def test_both_jobs_sigkilled_with_broadcast_resume_with_the_same_commands_rollou
     restarted with the same command announces itself at start, the rollout job joins it, the run finishes
     exactly once and the versions after the restart come by broadcast."""
     from conftest import start_rollout, start_trainer, wait_until
-    from hpcrl.fsio import read_jsonl
+    from hpcrl.rundir.fsio import read_jsonl
 
     rd = tiny_run("weights.transport=broadcast", "rollout.total_rollout_steps=120", "timeouts.wait_weights_s=120",
                   "trainer.checkpoint_every_updates=5")

@@ -12,7 +12,7 @@ import pytest
 from hpcrl.analysis.budget_bound import BudgetChain, Link, links, order_statistic_mean
 from hpcrl.config import load_config
 from hpcrl.control.admission import Admission
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 
 SIM = "configs/simulated.yaml"
 

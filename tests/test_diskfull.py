@@ -25,11 +25,11 @@ import pytest
 
 from conftest import REPO, Job, check_exactly_once, make_run, python, start_rollout, start_trainer, wait_until
 from test_job_life import WaitingJob
-from hpcrl import fsio
+from hpcrl.rundir import fsio
 from hpcrl.control.job import DiskRoom, Stop, run
 from hpcrl.control.records import HeartbeatState, HeartbeatThread, read_heartbeats
 from hpcrl.process import faults
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 from hpcrl.samples.reader import SampleReader, delete_consumed
 from hpcrl.samples.writer import ShardWriter
 from hpcrl.weights.publisher import WeightPublisher
@@ -81,11 +81,11 @@ def free_later(path: Path, after_s: float) -> threading.Timer:
 def test_a_failing_write_is_retried_and_a_full_disk_waited_out_then_given_up_in_one_line(tmp_path, fault, policy,
                                                                                         caplog):
     fault("write:1:errno=EIO", "write:2:errno=ESTALE", "write:4:errno=ENOSPC")
-    with caplog.at_level(logging.INFO, logger="hpcrl.fsio"):
+    with caplog.at_level(logging.INFO, logger="hpcrl.rundir.fsio"):
         fsio.write_json_atomic(tmp_path / "a.json", {"a": 1})  # EIO, ESTALE, then written
         assert json.loads((tmp_path / "a.json").read_text()) == {"a": 1}
         fsio.write_json_atomic(tmp_path / "b.json", {"b": 2})  # ENOSPC once, then written
-    said = [r.getMessage() for r in caplog.records if r.name == "hpcrl.fsio"]
+    said = [r.getMessage() for r in caplog.records if r.name == "hpcrl.rundir.fsio"]
     assert [m.split(" (")[0] for m in said[:2]] == ["Input/output error", "Stale file handle"], said
     assert re.search(r"No space left on device .* writing .*b\.json \(a file\): needs \d+ B, .* free of .*; waiting "
                      r"for space \(0s so far, at most 2s: timeouts.disk_full_s\)", "\n".join(said)), said
@@ -120,7 +120,7 @@ def test_on_a_full_filesystem_a_log_waits_for_space_and_is_never_left_torn(small
 def test_a_job_log_still_takes_the_lines_said_while_the_disk_is_full(small_fs, handler):
     """What a job says while it waits for space must reach its log: the line a user (and the suite) looks for.
     The log's last page is full, so a plain FileHandler has no slack to put the line in and loses it."""
-    from hpcrl.logs import JobLogFile
+    from hpcrl.logs.run_logs import JobLogFile
 
     path = small_fs / "trainer.log"
     path.write_bytes(b"x" * 4095 + b"\n")  # the next line needs a new page
@@ -170,7 +170,7 @@ def test_an_evaluation_commit_waits_for_space_and_its_two_logs_stay_consistent(s
     version's samples wait for space, then the row; a restarted writer finds both whole. The responses are random
     hex, so their compressed member (~5 KB) cannot hide in the slack of the file's last page."""
     from hpcrl.eval.writer import EvalLogWriter
-    from hpcrl.eval_log import EvalRow, EvalSample, read_eval_rows, read_eval_samples
+    from hpcrl.logs.eval_log import EvalRow, EvalSample, read_eval_rows, read_eval_samples
 
     rows, samples = small_fs / "eval.jsonl", small_fs / "eval_samples.jsonl.gz"
 
@@ -196,7 +196,7 @@ def test_the_evaluation_keeps_the_responses_of_its_newest_versions_and_gives_bac
     """``eval.keep_samples_versions``: the samples file's head before the newest K versions with samples is released
     (a hole: the file's size and the offsets the rows hold stay); rows and metrics stay; a restarted writer goes on."""
     from hpcrl.eval.writer import EvalLogWriter
-    from hpcrl.eval_log import EvalRow, EvalSample, read_eval_rows, read_eval_samples
+    from hpcrl.logs.eval_log import EvalRow, EvalSample, read_eval_rows, read_eval_samples
 
     rows, samples = small_fs / "eval.jsonl", small_fs / "eval_samples.jsonl.gz"
 
@@ -326,7 +326,7 @@ def test_a_job_stopped_by_another_jobs_full_disk_saves_without_waiting_for_space
 
 PUBLISHER = r"""
 import sys, torch
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 from hpcrl.weights.publisher import WeightPublisher
 rd = RunDir(sys.argv[1])
 pub = WeightPublisher(rd, keep_versions=2)

@@ -14,7 +14,7 @@ from hpcrl.config.lora import DEFAULT_TARGET_MODULES
 from hpcrl.launcher.lora_check import check_lora
 from hpcrl.rollout.engine import EngineOptions
 from hpcrl.rollout.transformers_engine import TransformersEngine
-from hpcrl.run_dir import WEIGHT_ADAPTER_CONFIG, WEIGHT_ADAPTER_TENSORS, RunDir
+from hpcrl.rundir.paths import WEIGHT_ADAPTER_CONFIG, WEIGHT_ADAPTER_TENSORS, RunDir
 from hpcrl.tiny.model import build_tiny_model
 from hpcrl.weights import WeightVersion, WeightVersionBad, make_publisher, make_subscriber
 from hpcrl.weights.adapter import BaseModelChanged, base_model_hash, verify_base

@@ -16,7 +16,7 @@ from hpcrl.config.lora import DEFAULT_TARGET_MODULES
 from hpcrl.process.environment import environment_restored
 from hpcrl.rollout.engine import FINISH_ABORT, EngineOptions, EngineRunner
 from hpcrl.rollout.engines import make_engine
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 from hpcrl.tiny.model import build_tiny_model
 from hpcrl.trainer.models import load_reference
 from hpcrl.weights import make_publisher, make_subscriber

@@ -159,7 +159,7 @@ def test_a_new_transport_writes_only_transfer_code_and_inherits_the_store(monkey
     """Versions come by the new transport; retention, withdrawal, bad markers and the check that a copy belongs to
     the committed version are the store's."""
     from hpcrl.config import WeightsConfig
-    from hpcrl.run_dir import RunDir
+    from hpcrl.rundir.paths import RunDir
     from hpcrl.weights import make_publisher, make_subscriber
 
     monkeypatch.setitem(registries.WEIGHT_TRANSPORTS, "copy", COPY)
@@ -249,7 +249,7 @@ def test_a_run_on_backends_each_added_as_one_module_and_one_entry(background_run
     """An engine, an estimator and a transport, each one new module and one registry entry, nothing else changed:
     the launch checks pass and the run ends, every group trained exactly once, on the new engine's samples, the new
     estimator's value head trained, every version taken by the new transport."""
-    from hpcrl.run_dir import RunDir
+    from hpcrl.rundir.paths import RunDir
 
     out = background_runs.launched("plugins:run", timeout_s=900)
     assert out.returncode == 0 and "run finished" in out.stdout, out.stdout[-4000:]

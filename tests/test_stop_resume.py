@@ -16,8 +16,8 @@ import pytest
 
 from conftest import REPO, TINY, BackgroundCommand, check_exactly_once, python
 from hpcrl.control.records import read_latest_checkpoint
-from hpcrl.logs import read_metrics
-from hpcrl.run_dir import RunDir
+from hpcrl.logs.run_logs import read_metrics
+from hpcrl.rundir.paths import RunDir
 from test_users import hpcrl, verl_parquet
 
 pytestmark = pytest.mark.slow

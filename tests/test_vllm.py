@@ -19,13 +19,13 @@ import torch
 from conftest import TINY, BackgroundCommand, check_exactly_once
 from hpcrl.config import RunConfig, WeightsConfig
 from hpcrl.control.records import HeartbeatThread
-from hpcrl.eval_log import EVALUATED, read_eval_rows
-from hpcrl.logs import read_metrics
+from hpcrl.logs.eval_log import EVALUATED, read_eval_rows
+from hpcrl.logs.run_logs import read_metrics
 from hpcrl.process.environment import environment_restored
 from hpcrl.rollout.engine import FINISH_ABORT, EngineOptions, EngineRunner
 from hpcrl.rollout.engines import make_engine
 from hpcrl.rollout.load_paths import LoadPaths
-from hpcrl.run_dir import EVAL_JOB, RunDir
+from hpcrl.rundir.paths import EVAL_JOB, RunDir
 from hpcrl.samples.schema import Group, Trajectory
 from hpcrl.tiny.model import build_tiny_model
 from hpcrl.trainer.batch import build_batch
@@ -90,7 +90,7 @@ def test_a_sigkilled_vllm_rollout_leaves_no_engine_behind_and_its_successor_goes
     (rollout/vllm_sockets.py); the restarted job recovers and the run ends exactly-once."""
     from conftest import start_rollout, start_trainer, wait_until
     from hpcrl.process.reaper import descendants
-    from hpcrl.fsio import read_jsonl
+    from hpcrl.rundir.fsio import read_jsonl
 
     rd = tiny_run("model.path=builtin:tiny-h64", "rollout.engine=vllm", "rollout.total_rollout_steps=96",
                   "async_training.staleness_threshold=0.5", "rollout.max_concurrent_groups=3")

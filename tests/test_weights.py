@@ -9,8 +9,8 @@ from safetensors.torch import load_file
 
 from hpcrl.config import WeightsConfig
 from hpcrl.control.records import HeartbeatThread, LoadingAnnouncement
-from hpcrl.fsio import write_json_atomic
-from hpcrl.run_dir import WEIGHT_TENSORS, RunDir
+from hpcrl.rundir.fsio import write_json_atomic
+from hpcrl.rundir.paths import WEIGHT_TENSORS, RunDir
 from hpcrl.weights import WeightVersionBad, make_publisher, make_subscriber
 from hpcrl.weights.folders import VersionFolders
 from hpcrl.weights.publisher import WeightPublisher

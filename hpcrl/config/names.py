@@ -45,7 +45,7 @@ TRUNCATIONS = ("filter", "left", "right", "error")
 (hpcrl/rollout/data.py)."""
 
 LOGGING_BACKENDS = ("jsonl", "tensorboard", "wandb")
-"""``logging.backends`` (hpcrl/trackers.py); ``jsonl`` is always written."""
+"""``logging.backends`` (hpcrl/logs/trackers.py); ``jsonl`` is always written."""
 
 WANDB_MODES = ("offline", "online")
 """``logging.wandb_mode``."""

@@ -90,7 +90,7 @@ class SimulatedConfig:
         return self.update_base_s + self.update_per_token_s * n_tokens / self.trainer_gpus
 
     def draw_lengths(self, rng: np.random.Generator, count: int, empirical: Optional[np.ndarray] = None) -> np.ndarray:
-        """``count`` response lengths (>= 1 token, before any cap); ``empirical``: ``hpcrl.logs.read_lengths``."""
+        """``count`` response lengths (>= 1 token, before any cap); ``empirical``: ``hpcrl.logs.run_logs.read_lengths``."""
         if empirical is not None:
             return rng.choice(empirical, size=count).astype(np.int64)
         if self.lengths == "geometric":

@@ -56,9 +56,9 @@ from hpcrl.control.claims import ClaimBook
 from hpcrl.control.fleet_log import ENDED, JOINED, FleetLog, slurm_job_id
 from hpcrl.control.reclaim import GoneWriters, same_beat
 from hpcrl.control.records import HeartbeatState, read_filtered_groups
-from hpcrl.fsio import read_json, read_jsonl, write_json_atomic
-from hpcrl.json_record import JsonRecord
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.fsio import read_json, read_jsonl, write_json_atomic
+from hpcrl.rundir.json_record import JsonRecord
+from hpcrl.rundir.paths import RunDir
 from hpcrl.samples.skips import SkipLog
 
 

@@ -29,7 +29,7 @@ import socket
 import time
 from typing import Optional
 
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-from hpcrl.json_record import JsonRecord
+from hpcrl.rundir.json_record import JsonRecord
 
 
 class ClaimLost(RuntimeError):

@@ -33,7 +33,7 @@ job's log (where the launcher looks), except :class:`CannotStart`, which is one 
 
 **A full disk** (``fsio.guarded``): every write waits for space up to ``timeouts.disk_full_s`` (set here, with
 ``timeouts.slow_write_s``, for the whole process). A job holds a little room on the run directory's filesystem
-while it lives (``control/reserve/<job>``); when a write gives up (:class:`hpcrl.fsio.WriteFailed`) it gives the
+while it lives (``control/reserve/<job>``); when a write gives up (:class:`hpcrl.rundir.fsio.WriteFailed`) it gives the
 room back, so its fatal record (``control/fatal.json``, input ``disk``: the launcher stops the run instead of
 resubmitting it into the same wall, ``hpcrl status`` says "disk full at ...") and its last heartbeat can still be
 written; its shutdown then saves what fits without waiting again.
@@ -46,16 +46,16 @@ import os
 import time
 from typing import Callable, Optional, Protocol
 
-from hpcrl import fsio
+from hpcrl.rundir import fsio
 from hpcrl.control.changes import ChangeWatch
 from hpcrl.control.fatal import read_fatal, read_fatal_record, write_fatal
 from hpcrl.control.fleet import drain_requested
 from hpcrl.control.records import HeartbeatState, stop_requested
-from hpcrl.logs import setup_logging
+from hpcrl.logs.run_logs import setup_logging
 from hpcrl.process import termination
 from hpcrl.process.leftovers import mark_job, sweep_leftovers
 from hpcrl.process.preemption import PreemptionFlag, preempted_by_slurm, requeue_self
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 
 log = logging.getLogger(__name__)
 

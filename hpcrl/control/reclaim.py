@@ -37,10 +37,10 @@ from typing import Callable, Optional
 
 from hpcrl.control.claims import ClaimBook
 from hpcrl.control.records import Heartbeat
-from hpcrl.fsio import read_json
+from hpcrl.rundir.fsio import read_json
 from hpcrl.process.pids import pid_running
 from hpcrl.process.squeue import squeue_states
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from hpcrl.rollout.engine import EngineRunner
 from hpcrl.rollout.engines import make_engine
 from hpcrl.rollout.loops import make_loops
 from hpcrl.rollout.reward_fn import RewardScorer, load_reward
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 from hpcrl.tiny.model import load_tokenizer
 from hpcrl.weights import WeightSubscriber, make_subscriber
 from hpcrl.weights.adapter import verify_base

@@ -1,4 +1,4 @@
-"""The one writer of ``logs/eval.jsonl`` and ``logs/eval_samples.jsonl.gz`` (the records: ``hpcrl/eval_log.py``).
+"""The one writer of ``logs/eval.jsonl`` and ``logs/eval_samples.jsonl.gz`` (the records: ``hpcrl/logs/eval_log.py``).
 
 At open it recovers what a killed predecessor left: a torn last row is cut, and samples appended after the
 last row (a version whose row never came) are cut back to that row's ``samples_bytes``; so the version is
@@ -15,9 +15,9 @@ import logging
 import time
 from pathlib import Path
 
-from hpcrl.eval_log import EvalRow, EvalSample, committed_samples_bytes, read_eval_rows
-from hpcrl.fsio import JsonlAppender, is_compressed, release_head, truncate_torn_tail
-from hpcrl.logs import log_size, truncate_to
+from hpcrl.logs.eval_log import EvalRow, EvalSample, committed_samples_bytes, read_eval_rows
+from hpcrl.rundir.fsio import JsonlAppender, is_compressed, release_head, truncate_torn_tail
+from hpcrl.logs.run_logs import log_size, truncate_to
 from hpcrl.process import faults, termination
 
 log = logging.getLogger(__name__)

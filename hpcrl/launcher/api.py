@@ -33,7 +33,7 @@ from hpcrl.launcher.prepare import check_run_dir, occupied_message, prepare_run_
 from hpcrl.launcher.progress import Console
 from hpcrl.launcher.resume import change_lines, check_changes, finished_message
 from hpcrl.launcher.submit import LauncherJobs, PlannedJob, missing_slurm_commands, plan_jobs, resolve_executor
-from hpcrl.run_dir import FLEET_LAUNCHER, RunDir
+from hpcrl.rundir.paths import FLEET_LAUNCHER, RunDir
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from hpcrl.control.fatal import clear_fatal
 from hpcrl.control.records import clear_stop, read_trainer_done
 from hpcrl.launcher.inputs import check_inputs
 from hpcrl.launcher.resume import changes
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 from hpcrl.weights.adapter import BaseModelChanged, base_model_hash, verify_base
 
 

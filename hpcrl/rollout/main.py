@@ -40,13 +40,13 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Optional
 
-from hpcrl import metric_names as M
+from hpcrl.logs import metric_names as M
 from hpcrl.config.registries import estimator_spec
 from hpcrl.control.changes import ChangeWatch
 from hpcrl.control.job import Stop, StopWatch, job_main
 from hpcrl.control.records import HeartbeatState, HeartbeatThread, JobStats, describe_heartbeats, ended_state
 from hpcrl.control.startup import StartupSteps
-from hpcrl.fsio import wait_for
+from hpcrl.rundir.fsio import wait_for
 from hpcrl.process import faults, termination
 from hpcrl.process.preemption import PreemptionFlag
 from hpcrl.rollout.agent_loop import GroupContext, group_seed, run_group
@@ -56,7 +56,7 @@ from hpcrl.rollout.loops import loop_name
 from hpcrl.rollout.parts import RolloutParts, build_parts
 from hpcrl.rollout.trajectory import TrajectoryState
 from hpcrl.rollout.version_stats import GroupInfo, VersionStats, sample_columns
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 from hpcrl.samples.schema import Group, Trajectory
 from hpcrl.weights import WeightVersion
 from hpcrl.weights.shared_memory import SHM_DIR, sweep_stale

@@ -24,7 +24,7 @@ from hpcrl.config import RunConfig
 from hpcrl.control.admission import Admission
 from hpcrl.control.fatal import fatal_inputs
 from hpcrl.control.startup import StartupSteps
-from hpcrl.logs import MetricsLog
+from hpcrl.logs.run_logs import MetricsLog
 from hpcrl.process.reaper import start_reaper, stop_reaper
 from hpcrl.rollout.agent_loop import AgentLoop
 from hpcrl.rollout.data import PromptCounts, encode_rows
@@ -35,7 +35,7 @@ from hpcrl.rollout.loops import make_loops
 from hpcrl.rollout.resume import InFlightStates
 from hpcrl.rollout.reward_fn import RewardScorer, load_reward
 from hpcrl.rollout.shaping import RewardShaping
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 from hpcrl.samples.skips import SkipLog
 from hpcrl.samples.writer import ShardWriter
 from hpcrl.tiny.model import load_tokenizer

@@ -32,8 +32,8 @@ from typing import Optional
 import numpy as np
 
 from hpcrl.config.simulated import SimulatedConfig, empirical_run
-from hpcrl.logs import read_lengths
-from hpcrl.run_dir import RunDir
+from hpcrl.logs.run_logs import read_lengths
+from hpcrl.rundir.paths import RunDir
 from hpcrl.rollout.engine import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Engine, EngineOptions, Sample
 from hpcrl.weights.base import WeightVersion
 

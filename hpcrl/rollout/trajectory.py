@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from hpcrl.json_record import JsonRecord, RecordError
+from hpcrl.rundir.json_record import JsonRecord, RecordError
 
 PENDING, GENERATING, PROCESSING_TOOLS, TERMINATED = "pending", "generating", "processing_tools", "terminated"
 STATES = (PENDING, GENERATING, PROCESSING_TOOLS, TERMINATED)

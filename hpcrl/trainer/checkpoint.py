@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from hpcrl.control.records import LatestCheckpoint, read_latest_checkpoint
-from hpcrl.fsio import free_bytes, guarded, make_dirs, size_text, tree_bytes, wait_for_room, write_json_atomic
-from hpcrl.json_record import JsonRecord
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.fsio import free_bytes, guarded, make_dirs, size_text, tree_bytes, wait_for_room, write_json_atomic
+from hpcrl.rundir.json_record import JsonRecord
+from hpcrl.rundir.paths import RunDir
 
 log = logging.getLogger(__name__)
 

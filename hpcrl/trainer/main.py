@@ -37,17 +37,17 @@ from typing import Optional
 
 import torch
 
-from hpcrl import metric_names as M
+from hpcrl.logs import metric_names as M
 from hpcrl.control.changes import ChangeWatch, backoff_s, bump
 from hpcrl.control.fatal import write_fatal
 from hpcrl.control.job import Stop, StopWatch, job_main
 from hpcrl.control.records import HeartbeatState, HeartbeatThread, JobStats, TrainerDone, describe_heartbeats
 from hpcrl.control.startup import StartupSteps
-from hpcrl.fsio import write_json_atomic
-from hpcrl.logs import log_size
+from hpcrl.rundir.fsio import write_json_atomic
+from hpcrl.logs.run_logs import log_size
 from hpcrl.process import faults, termination
 from hpcrl.process.preemption import PreemptionFlag
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 from hpcrl.samples.reader import delete_consumed
 from hpcrl.samples.schema import Group
 from hpcrl.trainer import checkpoint, memory

@@ -20,11 +20,11 @@ from hpcrl.config import RunConfig
 from hpcrl.config.registries import estimator_spec
 from hpcrl.control.fatal import fatal_inputs
 from hpcrl.control.startup import StartupSteps
-from hpcrl.logs import MetricsLog, StalenessLog, truncate_to
-from hpcrl.run_dir import WEIGHT_MODEL_FILES, RunDir
+from hpcrl.logs.run_logs import MetricsLog, StalenessLog, truncate_to
+from hpcrl.rundir.paths import WEIGHT_MODEL_FILES, RunDir
 from hpcrl.samples.reader import SampleReader
 from hpcrl.samples.skips import SkipLog
-from hpcrl.trackers import open_trackers
+from hpcrl.logs.trackers import open_trackers
 from hpcrl.trainer import build, checkpoint, sequence_parallel
 from hpcrl.trainer.forward import Layout
 from hpcrl.trainer.lora import AdapterOff, adapter_config_json, wrap_policy

@@ -21,7 +21,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngi
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from hpcrl.fsio import fsync_path, guarded
+from hpcrl.rundir.fsio import fsync_path, guarded
 
 _TREE_KEY = "hpcrl_tree"
 

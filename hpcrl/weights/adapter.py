@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from hpcrl.run_dir import WEIGHT_ADAPTER_CONFIG, WEIGHT_ADAPTER_TENSORS, WEIGHT_MODEL_CONFIG, WEIGHT_TENSORS
+from hpcrl.rundir.paths import WEIGHT_ADAPTER_CONFIG, WEIGHT_ADAPTER_TENSORS, WEIGHT_MODEL_CONFIG, WEIGHT_TENSORS
 from hpcrl.weights.manifest import AdapterBase, FileEntry
 from hpcrl.weights.file_hash import CHUNK_BYTES, HASH_ALGORITHM, HASHES, DamagedFile, check_file
 

@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 import torch
 
-from hpcrl import metric_names as M
+from hpcrl.logs import metric_names as M
 from hpcrl.weights.manifest import WeightManifest
 from hpcrl.weights.wire import Entry
 
@@ -113,7 +113,7 @@ class Published:
     """How the transport sent them (the broadcast group's ``gloo`` or ``nccl``; empty without one)."""
 
     def metrics(self) -> dict:
-        """The trainer's sync columns (``hpcrl.metric_names``): path, seconds, bytes, throughput."""
+        """The trainer's sync columns (``hpcrl.logs.metric_names``): path, seconds, bytes, throughput."""
         nbytes, seconds = ((self.sent_bytes, self.transfer_s) if self.path != "filesystem"
                            else (self.manifest.total_bytes, self.files_s))
         return {M.WEIGHTS_PATH: self.path, M.PARAM_SYNC_FILES_S: self.files_s, M.PARAM_SYNC_TRANSFER_S: self.transfer_s,

@@ -50,9 +50,9 @@ from typing import Optional
 import torch
 
 from hpcrl.config import TimeoutsConfig, WeightsConfig
-from hpcrl.fsio import wait_for
+from hpcrl.rundir.fsio import wait_for
 from hpcrl.process import termination
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 from hpcrl.weights.group import BroadcastFailed, BroadcastRefused
 from hpcrl.weights.manifest import WeightManifest
 from hpcrl.weights.receiver import Receiver

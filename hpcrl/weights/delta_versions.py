@@ -29,8 +29,8 @@ from typing import Callable, Optional
 
 import torch
 
-from hpcrl.fsio import read_json
-from hpcrl.run_dir import WEIGHT_DELTA, WEIGHT_TENSORS, RunDir
+from hpcrl.rundir.fsio import read_json
+from hpcrl.rundir.paths import WEIGHT_DELTA, WEIGHT_TENSORS, RunDir
 from hpcrl.weights.base import MappedBuffer
 from hpcrl.weights.delta import CODEC, DeltaMismatch, decode_into, encode, parallel, tensor_hash
 from hpcrl.weights.manifest import DeltaBase, FileEntry, TensorEntry, WeightManifest

@@ -16,8 +16,8 @@ from typing import Optional
 
 from hpcrl.control.changes import bump
 from hpcrl.control.records import LoadingAnnouncement, live_jobs
-from hpcrl.fsio import read_json, write_json_atomic
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.fsio import read_json, write_json_atomic
+from hpcrl.rundir.paths import RunDir
 from hpcrl.weights.base import WeightVersionBad
 from hpcrl.weights.manifest import BadVersionMarker, WeightManifest
 

@@ -31,9 +31,9 @@ import torch
 
 from hpcrl.config import WeightsConfig
 from hpcrl.control.changes import bump
-from hpcrl.fsio import fsync_path, guarded, read_json, write_json_atomic
+from hpcrl.rundir.fsio import fsync_path, guarded, read_json, write_json_atomic
 from hpcrl.process import faults
-from hpcrl.run_dir import WEIGHT_DELTA, WEIGHT_TENSORS, RunDir
+from hpcrl.rundir.paths import WEIGHT_DELTA, WEIGHT_TENSORS, RunDir
 from hpcrl.weights.adapter import version_files
 from hpcrl.weights.base import Published
 from hpcrl.weights.delta_versions import DeltaWriter, Encoded, frame_tensors

@@ -9,7 +9,7 @@ from typing import Optional
 
 from hpcrl.config import TimeoutsConfig, WeightsConfig
 from hpcrl.config.registries import WEIGHT_TRANSPORTS, TransportSpec, resolve
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 from hpcrl.weights.publisher import WeightPublisher, delta_writer
 from hpcrl.weights.subscriber import WeightSubscriber
 

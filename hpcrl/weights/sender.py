@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from hpcrl.process.threads import spawn
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 from hpcrl.weights.group import backend_choice, call_with_deadline, first_line, gloo_interface, group_device, \
     make_group
 from hpcrl.weights.manifest import WeightManifest

@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from hpcrl.run_dir import WEIGHT_DELTA, RunDir
+from hpcrl.rundir.paths import WEIGHT_DELTA, RunDir
 from hpcrl.weights.adapter import read_adapter_config, version_files
 from hpcrl.weights.base import WeightVersion, WeightVersionBad, WeightVersionGone
 from hpcrl.weights.delta_versions import BaseUnusable, DeltaReader, Rebuilt
