@@ -23,7 +23,7 @@ from hpcrl.control.claims import ClaimLost
 from hpcrl.control.reclaim import judge, same_beat, slurm_state
 from hpcrl.control.records import Heartbeat, read_heartbeats, slurm_job_of
 from hpcrl.rundir.fsio import read_jsonl, write_json_atomic
-from hpcrl.rollout.resume import InFlightStates, SavedGroup, SavedGroups, SCHEMA
+from hpcrl.rollout.in_flight import InFlightStates, SavedGroup, SavedGroups, SCHEMA
 from hpcrl.rollout.trajectory import TrajectoryState
 from hpcrl.rundir.paths import RunDir
 from hpcrl.samples.skips import SkipLog

@@ -24,7 +24,7 @@ claim book's ``left`` says who reclaimed it and why (``reclaimed by w000: heartb
 123 ended (COMPLETED)``; ``hpcrl status`` shows it). Under the lock the writer's heartbeat is read again and must
 be the one judged here: a new job of that writer beats before it joins, so one that came back meanwhile keeps its
 claims. A writer that comes back after it was reclaimed joins with nothing of its own and drops the groups its
-predecessor saved in flight (``rollout/resume.py``); a zombie of it (a process still alive after all) commits
+predecessor saved in flight (``rollout/in_flight.py``); a zombie of it (a process still alive after all) commits
 nothing (``ClaimLost``).
 """
 from __future__ import annotations

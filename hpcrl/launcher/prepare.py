@@ -18,7 +18,7 @@ from hpcrl.config.names import BUILTIN_MODELS
 from hpcrl.control.fatal import clear_fatal
 from hpcrl.control.records import clear_stop, read_trainer_done
 from hpcrl.launcher.inputs import check_inputs
-from hpcrl.launcher.resume import changes
+from hpcrl.launcher.resume_changes import changes
 from hpcrl.rundir.paths import RunDir
 from hpcrl.weights.adapter import BaseModelChanged, base_model_hash, verify_base
 
@@ -29,7 +29,7 @@ def prepare_run_dir(cfg: RunConfig, run_dir: Path, resume: bool, inputs_checked:
     anything is created if the directory holds another run or an input is wrong
     (:func:`hpcrl.launcher.inputs.check_inputs`, skipped when the caller already ran it).
 
-    On resume the caller has checked what changed (:mod:`hpcrl.launcher.resume`): the config is frozen again
+    On resume the caller has checked what changed (:mod:`hpcrl.launcher.resume_changes`): the config is frozen again
     with ``changes`` added to its history; the recorded fatal error and stop request are forgotten (the user
     fixed what stopped the run, or will see it again at once); a finished run that the new config makes
     longer loses its ``trainer_done.json``, so the trainer goes on from its last checkpoint."""

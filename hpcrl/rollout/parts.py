@@ -32,7 +32,7 @@ from hpcrl.rollout.dataset import ClaimedPrompts, PromptStream, load_rows
 from hpcrl.rollout.engine import Engine, EngineOptions, EngineRunner
 from hpcrl.rollout.engines import make_engine
 from hpcrl.rollout.loops import make_loops
-from hpcrl.rollout.resume import InFlightStates
+from hpcrl.rollout.in_flight import InFlightStates
 from hpcrl.rollout.reward_fn import RewardScorer, load_reward
 from hpcrl.rollout.shaping import RewardShaping
 from hpcrl.rundir.paths import RunDir
