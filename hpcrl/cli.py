@@ -211,8 +211,7 @@ def _cmd_plan(a) -> int:
             node = node or max(r.trainer.gpus_per_node, r.rollout.gpus_per_node, r.eval.gpus_per_node) or GPUS_PER_NODE
         spec = SweepSpec(gpus=a.gpus, gpus_per_engine=gpe, updates=a.updates, staleness=staleness, partial=partial,
                          splits=splits, gpus_per_node=node)
-        lines = plan_command(a.config, a.overrides, spec, a.probe, a.top, a.all, a.prompt_tokens, a.reference,
-                             a.model_config)
+        lines = plan_command(a.config, a.overrides, spec, a.probe, a.top, a.all, a.prompt_tokens, a.model_config)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         return _problems("hpcrl plan", e)
     print("\n".join(lines))
@@ -278,8 +277,6 @@ def add_plan_command(sub) -> None:
     pl.add_argument("--top", type=int, default=10, help="rows shown, best first (default 10)")
     pl.add_argument("--all", action="store_true", help="simulate every candidate (no search, no bound) and show "
                                                        "them all")
-    pl.add_argument("--reference", action="store_true",
-                    help="predict with the slow reference simulation the fast one is tested against")
 
 
 JOB_RUN_DIR_HELP = "the run directory prepared by `hpcrl run` or `hpcrl sbatch-lines` (the sbatch scripts pass it)"

@@ -8,7 +8,7 @@ import pytest
 from hpcrl.config import load_config
 from hpcrl.config.simulated import SimulatedConfig
 from hpcrl.rundir.fsio import JsonlAppender
-from hpcrl.plan.pipeline import Knobs, predict, prompt_seed
+from plan_reference import Knobs, predict, prompt_seed
 from hpcrl.plan.command import plan_command
 from hpcrl.plan.sweep import SweepSpec
 

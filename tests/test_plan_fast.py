@@ -1,4 +1,4 @@
-"""The fast simulation (hpcrl/plan/events.py) against the reference one (hpcrl/plan/pipeline.py), and the KV-cache
+"""The fast simulation (hpcrl/plan/events.py) against the reference one (tests/plan_reference.py), and the KV-cache
 rule in both and in the simulated engine."""
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 
 from hpcrl.config import load_config
 from hpcrl.config.simulated import SimulatedConfig
-from hpcrl.plan import events, pipeline
+import plan_reference as reference
+from hpcrl.plan import events
 from hpcrl.plan.model import Draws, Knobs, ServiceOrder
 from hpcrl.plan.sweep import knobs_of
 
@@ -19,7 +20,7 @@ SIM = "configs/simulated.yaml"
 
 def _both(sim, k, updates, draws=None, overhead_s=0.0):
     fast = events.predict(sim, k, updates, draws=draws, overhead_s=overhead_s)
-    ref = pipeline.predict(sim, k, updates, draws=draws, overhead_s=overhead_s)
+    ref = reference.predict(sim, k, updates, draws=draws, overhead_s=overhead_s)
     return fast, ref
 
 
