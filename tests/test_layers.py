@@ -305,7 +305,7 @@ def test_no_file_over_500_lines():
 
 
 # ---- the allowed-name tables of the config have implementations, and only those --------
-# (the registries of hpcrl/config/names.py, name -> implementation, are checked in tests/test_rules_once.py)
+# (the registries of hpcrl/config/registries.py, name -> implementation, are checked in tests/test_rules_once.py)
 
 def _calls(fn, names_, bogus="no-such-name"):
     """Every listed name is accepted by ``fn``; a bogus one is refused with ValueError."""

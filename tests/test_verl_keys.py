@@ -7,7 +7,7 @@ import yaml
 from conftest import REPO, TINY
 from hpcrl.cli import main as cli_main
 from hpcrl.config import ConfigError, load_config
-from hpcrl.config.names import VERL_KEYS, VerlKey
+from hpcrl.config.verl_keys import VERL_KEYS, VerlKey
 from hpcrl.config.verl import CONVERSIONS, Schema, entry_of
 from hpcrl.config import RunConfig
 

@@ -292,7 +292,7 @@ def parse_override(text: str) -> tuple[str, Any]:
 def load_config(path: Optional[os.PathLike | str] = None, overrides: Optional[list[str]] = None,
                 notes: Optional[list[str]] = None) -> RunConfig:
     """Read YAML (or start from defaults), apply ``key=value`` overrides, validate. verl's keys are read
-    through :data:`hpcrl.config.names.VERL_KEYS` (:mod:`hpcrl.config.verl`); the lines saying how go to
+    through :data:`hpcrl.config.verl_keys.VERL_KEYS` (:mod:`hpcrl.config.verl`); the lines saying how go to
     ``notes`` (else to the log), once per key."""
     with collecting():  # malformed overrides, unknown keys, wrong types and values out of range: all in one pass
         pairs = []

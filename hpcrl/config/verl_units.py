@@ -232,4 +232,4 @@ CONVERSIONS: dict[str, Callable[[Any, Any, str], Made]] = {
     "reward_model.reward_manager": _reward_manager,
     "reward.reward_manager.name": _reward_manager,
 }
-"""Table keys (:data:`~hpcrl.config.names.VERL_KEYS`) whose value is converted, not copied."""
+"""Table keys (:data:`~hpcrl.config.verl_keys.VERL_KEYS`) whose value is converted, not copied."""
