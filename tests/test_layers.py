@@ -190,9 +190,11 @@ def test_fsio_records_and_the_process_primitives_import_nothing_of_hpcrl():
     assert not [m for _, m in _imports(PKG / "rundir" / "json_record.py") if m.startswith("hpcrl")]
     for p in _files("process"):
         assert not [m for _, m in _imports(p) if m.startswith("hpcrl") and not m.startswith("hpcrl.process")], p
-    assert {m for _, m in _imports(PKG / "rundir" / "fsio.py") if m.startswith("hpcrl")} <= {"hpcrl.process",
+    assert {m for _, m in _imports(PKG / "rundir" / "disk.py") if m.startswith("hpcrl")} <= {"hpcrl.process",
                                                                                             "hpcrl.process.faults"}, \
-        "fsio imports only the fault points (its writes can be made to fail in tests)"
+        "disk imports only the fault points (its writes can be made to fail in tests)"
+    assert not [m for _, m in _imports(PKG / "rundir" / "fsio.py") if m.startswith("hpcrl")
+                and not m.startswith("hpcrl.rundir.disk")], "fsio imports only the guarded writes"
 
 
 JOB_LIFE = {"setup_logging", "mark_job", "sweep_leftovers", "PreemptionFlag", "requeue_self", "preempted_by_slurm",

@@ -44,7 +44,8 @@ from hpcrl.control.fleet import drained_writers
 from hpcrl.control.records import HeartbeatState, JobStats, TrainerDone, has_ended, read_heartbeats, read_trainer_done
 from hpcrl.logs.eval_log import EVALUATED, JOB, SKIPPED, EvalRow
 from hpcrl.control.fatal import read_fatal
-from hpcrl.rundir.fsio import JsonlTail, free_bytes, size_text, tree_bytes
+from hpcrl.rundir.fsio import JsonlTail
+from hpcrl.rundir.disk import free_bytes, size_text, tree_bytes
 from hpcrl.process.pids import pid_running
 from hpcrl.rundir.paths import EVAL_JOB, RunDir
 from hpcrl.logs import metric_names as M

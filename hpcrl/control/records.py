@@ -28,7 +28,8 @@ from typing import Optional
 
 from hpcrl.control.changes import bump
 from hpcrl.process import termination
-from hpcrl.rundir.fsio import WriteFailed, make_dirs, read_json, write_json_atomic
+from hpcrl.rundir.fsio import read_json, write_json_atomic
+from hpcrl.rundir.disk import WriteFailed, make_dirs
 from hpcrl.rundir.json_record import JsonRecord
 from hpcrl.rundir.paths import RunDir
 

@@ -27,7 +27,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from hpcrl.rundir.fsio import JsonlAppender, allocate_ahead, read_jsonl, read_log_bytes
+from hpcrl.rundir.fsio import JsonlAppender, read_jsonl, read_log_bytes
+from hpcrl.rundir.disk import allocate_ahead
 from hpcrl.process import faults
 from hpcrl.logs.metric_names import STALENESS_COLUMNS  # noqa: F401 (the staleness log's columns, re-exported)
 from hpcrl.rundir.paths import RunDir
@@ -166,7 +167,7 @@ class MetricsLog:
 
 class JobLogFile(logging.FileHandler):
     """A job's log file (``RUN/logs/jobs/<job>.log``) that keeps :data:`ROOM_AHEAD_BYTES` allocated past its end
-    (:func:`hpcrl.rundir.fsio.allocate_ahead`), so that what a job says while the disk is full (that it waits for space, and
+    (:func:`hpcrl.rundir.disk.allocate_ahead`), so that what a job says while the disk is full (that it waits for space, and
     for what; its last error) lands in the log the user and ``hpcrl status`` read: without it a line lands only if it
     fits the slack of the file's last page. The room is topped up once half of it is used; while the disk stays
     full, at each line (one system call)."""

@@ -31,7 +31,8 @@ import torch
 
 from hpcrl.config import WeightsConfig
 from hpcrl.control.changes import bump
-from hpcrl.rundir.fsio import fsync_path, guarded, read_json, write_json_atomic
+from hpcrl.rundir.fsio import fsync_path, read_json, write_json_atomic
+from hpcrl.rundir.disk import guarded
 from hpcrl.process import faults
 from hpcrl.rundir.paths import WEIGHT_DELTA, WEIGHT_TENSORS, RunDir
 from hpcrl.weights.adapter import version_files
@@ -151,7 +152,7 @@ class WeightPublisher:
         names, always written whole), committed by the manifest written last. Every file is listed and hashed in
         the manifest. ``originals``: the state dict ``tensors`` came from (a full version kept as the base of
         deltas is copied where it is the caller's own storage). On a full disk the version's staging folder is
-        removed and the version written again once there is room (``fsio.guarded``)."""
+        removed and the version written again once there is room (``disk.guarded``)."""
         final = self.run_dir.weight_version_dir(version)
         if self.run_dir.weight_manifest(version).exists():
             raise FileExistsError(f"weight version {version} already published at {final}")
