@@ -7,7 +7,7 @@ verl's ``fully_async_policy`` names: ``staleness_threshold`` (s), ``trigger_para
 - the admission budget ``B = floor((1 + s) * K * R)``: while a rollout job holds version ``v`` the fleet may
   have started at most ``consumed_groups(v) + B`` groups (``control/admission.py`` enforces it, the planner
   simulates it, the budget-aware bound and the report reason with it);
-- the lag bound of one writer, ``floor((B - 1) / (K * R))`` versions (ARCHITECTURE.md, "The lag bound").
+- the lag bound of one writer, ``floor((B - 1) / (K * R))`` versions (docs/weights-and-samples.md, "The lag bound").
 
 :func:`admission_budget` is the only place the budget is computed (``tests/test_layers.py`` fails on a copy of
 the formula anywhere else): :class:`Knobs`, ``RunConfig``, ``hpcrl plan`` and the analysis all call it.

@@ -1,6 +1,6 @@
 """The admission budget shared by every rollout job of a run.
 
-ARCHITECTURE.md "Admission budget with skips": per weight version the fleet may *start* at most
+docs/weights-and-samples.md "Admission budget with skips": per weight version the fleet may *start* at most
 ``B = floor((1 + s) * K * R)`` groups, counting carry-over (groups in flight or
 committed but not yet consumed). Counting from the start of the run this is one
 inequality, checked before each group starts::

@@ -1,6 +1,6 @@
 """Which rollout writers are gone for good: their claims are reclaimed by the writers that still run.
 
-ARCHITECTURE.md "Prompt claims". In a run no launcher follows (plain sbatch), a rollout job that dies for good
+docs/weights-and-samples.md "Prompt claims". In a run no launcher follows (plain sbatch), a rollout job that dies for good
 (scancel, a node failure, a time limit without requeue) would keep its open prompt claims and its admission count
 forever: the fleet's budget shrinks by its groups in flight and their prompts are never generated. So every
 writer, before it admits a group (``Admission.try_start``) and at most every :data:`CHECK_EVERY_S` seconds,
