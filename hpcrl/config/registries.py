@@ -1,12 +1,14 @@
 """The registries: each name a config may choose for a pluggable part -> what it is and where it lives.
 
-An entry is ``"package.module:attribute"``, or for an engine a small spec (:class:`EngineSpec`) that says what it
-is and supports beside where its class lives. The config checks a value against the registry itself before
-anything is submitted (``check_choice(key, value, registries.ENGINES)``), every check about an engine reads its
-spec (never its name), and the job that needs the implementation imports it by that path only when the name is
-chosen (:func:`resolve`; vLLM is an optional dependency). So the config knows the names and nothing of the jobs
-(``tests/test_layers.py``: it imports nothing else of hpcrl), and adding an engine, an agent loop, a tool parser,
-a weight backend, a reward rule or a policy loss is one file (or function) and one entry here.
+An entry is ``"package.module:attribute"``, or for an engine, an advantage estimator or a weight transport a small
+torch-free spec (:class:`EngineSpec`, :class:`EstimatorSpec`, :class:`TransportSpec`) that says what the backend is,
+supports and needs beside where it lives. The config checks a value against the registry itself before anything is
+submitted (``check_choice(key, value, registries.ENGINES)``), every check about a backend reads its spec (never its
+name), and the job that needs the implementation imports it by that path only when the name is chosen
+(:func:`resolve`; vLLM is an optional dependency). So the config knows the names and nothing of the jobs
+(``tests/test_layers.py``: it imports nothing else of hpcrl), and adding an engine, an estimator, a weight transport,
+an agent loop, a tool parser, a reward rule or a policy loss is one file (or function) and one entry here
+(``tests/test_plugins.py`` adds one of the first three each, and nothing else).
 ``tests/test_rules_once.py`` fails on a list of these names anywhere else in the package or the benches, and on an
 entry whose module or attribute does not exist.
 """
