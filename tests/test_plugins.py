@@ -221,8 +221,8 @@ def _plugged_in_copy(folder):
 
 
 PLUGGED = ["rollout.engine=uniform", "algorithm.adv_estimator=score_minus_value", "weights.transport=copy",
-           "rollout.total_rollout_steps=48", "eval.every_versions=0"]
-"""A short run on the three new backends (12 updates of R=4 groups; the engine ignores the weights it gets)."""
+           "rollout.total_rollout_steps=16", "eval.every_versions=0"]
+"""A short run on the three new backends (4 updates of R=4 groups; the engine ignores the weights it gets)."""
 
 
 def plugged_in_run(folder) -> list[str]:
@@ -259,7 +259,7 @@ def test_a_run_on_backends_each_added_as_one_module_and_one_entry(background_run
         monkeypatch.setitem(registry, name, spec)  # so that this process reads the run's frozen config too
     check_exactly_once(rd, rd.load_config().rollout.max_concurrent_groups)
     metrics = [json.loads(x) for x in rd.metrics.read_text().splitlines()]
-    assert len(metrics) == 12 and all("critic/values/mean" in m and "critic/vf_loss" in m for m in metrics)
+    assert len(metrics) == 4 and all("critic/values/mean" in m and "critic/vf_loss" in m for m in metrics)
     rows = [json.loads(x) for x in rd.rollout_metrics("w000").read_text().splitlines()]
     assert {r["weights/path"] for r in rows} == {"copy"}, [r["weights/path"] for r in rows]
     assert {m["weights/path"] for m in metrics if "weights/path" in m} == {"copy"}
