@@ -139,6 +139,7 @@ import deepspeed
 deepspeed.init_distributed(dist_backend="gloo")
 from hpcrl.config import load_config
 from hpcrl.rundir.paths import RunDir
+from hpcrl.trainer.forward import Pack
 from hpcrl.trainer.parts import _deepspeed, _reference
 model, rank, kl = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
 over = [f"model.path={model}", "eval.every_versions=0", "actor.ppo_mini_batch_size=1", "actor.ppo_micro_batch_size=1"]
@@ -150,12 +151,14 @@ engine = _deepspeed(cfg, rd, 0, 1)[0]
 after_setup = rss()
 reference = _reference(cfg, rd, engine) if kl else None
 ids = torch.randint(10, 1000, (4, 128), generator=torch.Generator().manual_seed(0))
-pos = torch.arange(64, 127).expand(4, -1)
+# 4 rows of 128 tokens side by side; the positions 64..126 of each predict its tokens 65..127
+pack = Pack(ids.reshape(1, -1), torch.arange(128).repeat(4)[None], None,
+            torch.cat([torch.arange(r * 128 + 64, r * 128 + 127) for r in range(4)]), ids[:, 65:128].reshape(-1))
 if reference is not None:
     with torch.no_grad():
-        reference(input_ids=ids, attention_mask=torch.ones_like(ids))
-logits, _ = engine(input_ids=ids, attention_mask=torch.ones_like(ids), gather_pos=pos)
-loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), ids[:, 65:128].reshape(-1))
+        reference(pack, temperature=1.0, chunk_rows=1024)
+logp, _, _ = engine(pack, temperature=1.0, chunk_rows=1024)
+loss = -logp.mean()
 engine.backward(loss)
 engine.step()
 trainable = sum(p.numel() for g in engine.optimizer.param_groups for p in g["params"])

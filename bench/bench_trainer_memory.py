@@ -10,8 +10,9 @@ own DeepSpeed engine and ``PolicyUpdate`` (GRPO, token-mean), each case in a pro
   hidden states in 256 MiB chunks, ``actor.gradient_checkpointing`` (``--no-checkpointing`` to leave it off).
 
 Per case: the process's peak resident memory during the update above what it held before it (the model, its
-gradients and Adam's states exist already: a warm-up update ran first), CPU seconds of the update, and hpcrl's
-prediction of that working memory (``hpcrl/plan/memory.py``: activations, log-prob chunks) with its error. Response
+Adam's states exist already: a warm-up update ran first; DeepSpeed frees the gradients after each step, so they are
+in it), CPU seconds of the update, and hpcrl's prediction of that memory (``hpcrl/plan/memory.py``: the gradients,
+activations and log-prob chunks) with its error. Response
 lengths: fixed 256 / 1,024 / 2,048, and lognormal (mean 266, sigma 1, capped at 2,048; seeded); prompts of 64
 tokens. The old path is run only where its predicted peak fits ``--old-limit-gib``; above that the figure is its
 prediction, marked as such (a fit through the old cases that ran, checked against the formula
@@ -19,6 +20,7 @@ prediction, marked as such (a fit through the old cases that ran, checked agains
 
     .venv/bin/python bench/bench_trainer_memory.py                 # 2 layers, fp32: ~20-40 CPU minutes
     .venv/bin/python bench/bench_trainer_memory.py --quick         # fixed 256 and lognormal only
+    .venv/bin/python bench/bench_trainer_memory.py --layers 24 --cases single8192 --old-limit-gib 0   # full depth
 """
 from __future__ import annotations
 
@@ -44,9 +46,12 @@ N = 16
 
 
 def lengths_of(case: str, seed: int = 0) -> list[int]:
-    """The 16 response lengths of a case: ``fixed<L>`` or ``lognormal`` (mean 266, sigma 1, capped at 2,048)."""
+    """The response lengths of a case: ``fixed<L>`` (16 of L), ``single<L>`` (one response of L: the full-depth
+    model's case) or ``lognormal`` (16, mean 266, sigma 1, capped at 2,048)."""
     if case.startswith("fixed"):
         return [int(case[5:])] * N
+    if case.startswith("single"):
+        return [int(case[6:])]
     rng = np.random.default_rng(seed)
     draws = rng.lognormal(mean=math.log(266) - 0.5, sigma=1.0, size=N)
     return [int(min(2048, max(1, round(x)))) for x in draws]
@@ -70,10 +75,13 @@ def build_model(folder: Path, layers: int) -> Path:
     return folder
 
 
-def overrides(path: str, model: Path, budget: int, checkpointing: bool, bf16: bool) -> list[str]:
+def overrides(path: str, model: Path, budget: int, checkpointing: bool, bf16: bool, case: str) -> list[str]:
+    longest = max(lengths_of(case))
     common = [f"model.path={model}", "rollout.n=16", "actor.ppo_mini_batch_size=1", "actor.ppo_micro_batch_size=1",
-              "rollout.response_length=2048", f"actor.bf16={str(bf16).lower()}", "actor.lr=1e-6",
+              f"rollout.response_length={max(2048, longest)}", f"actor.bf16={str(bf16).lower()}", "actor.lr=1e-6",
               "eval.every_versions=0"]
+    if case.startswith("single"):  # a group of one: GRPO would give it no advantage, REINFORCE++ whitens over tokens
+        common.append("algorithm.adv_estimator=reinforce_plus_plus")
     if path == "old":
         return common + ["actor.use_dynamic_bsz=false", "actor.use_remove_padding=false"]
     return common + ["actor.use_dynamic_bsz=true", f"actor.ppo_max_token_len_per_gpu={budget}",
@@ -124,7 +132,7 @@ print(json.dumps({"before_gib": before, "peak_gib": memory.host_peak_gib(), "cpu
 def run_case(root: Path, model: Path, path: str, case: str, budget: int, checkpointing: bool, bf16: bool) -> dict:
     ls = lengths_of(case)
     out = subprocess.run([sys.executable, "-c", CASE, path, str(root / f"run-{path}-{case}"), json.dumps(ls),
-                          str(PROMPT), json.dumps(overrides(path, model, budget, checkpointing, bf16))],
+                          str(PROMPT), json.dumps(overrides(path, model, budget, checkpointing, bf16, case))],
                          capture_output=True, text=True, cwd=REPO,
                          env={**os.environ, "REPO": str(REPO), "DS_ACCELERATOR": "cpu",
                               "MASTER_PORT": str(_port())})
@@ -148,12 +156,16 @@ def predicted_gib(path: str, case: str, layers: int, budget: int, checkpointing:
     shape = ModelShape(vocab=VOCAB, hidden=HIDDEN, intermediate=MLP, layers=layers, heads=HEADS, kv_heads=KV_HEADS,
                        params=0, tied=True)
     ls = lengths_of(case)
+    d = 2 if bf16 else 4
+    grads = shape.total_params * 4  # DeepSpeed sets .grad to None after each step: an update allocates them again
+    b = len(ls)
     if path == "old":
-        return update_working_bytes(shape, tokens=N * (PROMPT + max(ls)), rows=N, response_tokens=N * max(ls),
-                                    checkpointing=False, dtype_bytes=2 if bf16 else 4, chunk_mib=None) / 2**30
-    return update_working_bytes(shape, tokens=min(max(budget, PROMPT + max(ls)), N * PROMPT + sum(ls)), rows=N,
-                                response_tokens=min(budget, sum(ls)), checkpointing=checkpointing,
-                                dtype_bytes=2 if bf16 else 4, chunk_mib=256.0) / 2**30
+        return (grads + update_working_bytes(shape, tokens=b * (PROMPT + max(ls)), rows=b, response_tokens=b * max(ls),
+                                             checkpointing=False, dtype_bytes=d, chunk_mib=None)) / 2**30
+    # the largest micro-batch: the budget's worth of rows, or the longest row alone
+    return (grads + update_working_bytes(shape, tokens=min(max(budget, PROMPT + max(ls)), b * PROMPT + sum(ls)),
+                                         rows=b, response_tokens=min(max(budget - PROMPT, max(ls)), sum(ls)),
+                                         checkpointing=checkpointing, dtype_bytes=d, chunk_mib=256.0)) / 2**30
 
 
 def main() -> int:
@@ -168,8 +180,10 @@ def main() -> int:
     cases = a.cases.split(",") if a.cases else (["fixed256", "lognormal"] if a.quick else
                                                 ["fixed256", "fixed1024", "fixed2048", "lognormal"])
     ckpt = not a.no_checkpointing
-    root = Path(tempfile.mkdtemp(prefix="bench-trainer-memory-", dir=a.dir))
-    model = build_model(root / f"model-{a.layers}l", a.layers)
+    parent = Path(a.dir or tempfile.gettempdir())
+    parent.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="bench-trainer-memory-", dir=parent))
+    model = build_model(parent / f"bench-trainer-memory-model-{a.layers}l", a.layers)  # kept: built once per size
     rows, results = [], {}
     for case in cases:
         ls = lengths_of(case)
@@ -177,12 +191,12 @@ def main() -> int:
             pred = predicted_gib(path, case, a.layers, a.budget, ckpt, a.bf16)
             if path == "old" and pred > a.old_limit_gib:
                 results[(path, case)] = None
-                rows.append([case, path, f"{sum(ls)}", f"{N * max(ls)}", f"(not run) {pred:.1f}", "", f"{pred:.2f}", ""])
+                rows.append([case, path, f"{sum(ls)}", f"{len(ls) * max(ls)}", f"(not run) {pred:.1f}", "", f"{pred:.2f}", ""])
                 continue
             got = run_case(root, model, path, case, a.budget, ckpt, a.bf16)
             results[(path, case)] = got
             err = (pred - got["above_gib"]) / got["above_gib"] if got["above_gib"] > 0 else math.nan
-            rows.append([case, path, f"{sum(ls)}", f"{N * max(ls)}", f"{got['above_gib']:.2f}", f"{got['cpu_s']:.1f}",
+            rows.append([case, path, f"{sum(ls)}", f"{len(ls) * max(ls)}", f"{got['above_gib']:.2f}", f"{got['cpu_s']:.1f}",
                          f"{pred:.2f}", f"{err:+.0%}"])
             print(f"{case} {path}: above {got['above_gib']:.2f} GiB, {got['cpu_s']:.1f} CPU s, predicted "
                   f"{pred:.2f} GiB", flush=True)

@@ -49,7 +49,7 @@ def main(argv: list[str]) -> int:
     reward = read_metrics(rd)["reward/mean"].to_numpy()
     fifth = max(len(reward) // 5, 1)
     paths = [r["weights/path"] for r in read_jsonl(rd.rollout_metrics(RunDir.writer_name(0)))]
-    a = audit(rd, rd.load_config().rollout.max_concurrent_groups)
+    a = audit(rd, rd.load_config().knobs.group_bound)
     figures.update(updates=len(reward), reward_first_fifth=float(reward[:fifth].mean()),
                    reward_last_fifth=float(reward[-fifth:].mean()), versions_loaded=len(paths),
                    versions_by_broadcast=paths.count("broadcast"), consumed_groups=a.consumed_groups,

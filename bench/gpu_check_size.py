@@ -177,7 +177,7 @@ def main(argv: list[str]) -> int:
     rd = RunDir(a.run / "run")
     figures["parameters"] = parameters(model / "model.safetensors")
     figures.update(summarise(rd))
-    found = audit(rd, rd.load_config().rollout.max_concurrent_groups)
+    found = audit(rd, rd.load_config().knobs.group_bound)
     figures.update(consumed_groups=found.consumed_groups, exactly_once_problems=found.problems())
     a.out.write_text(json.dumps(figures, indent=1) + "\n")
     print(json.dumps(figures), file=sys.stderr)

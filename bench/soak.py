@@ -407,7 +407,7 @@ def check_run(rd: RunDir, trial: Trial) -> None:
     cfg = rd.load_config()
     if trial.hang or "trainer_failed" in trial.problems:
         return
-    a = audit(rd, cfg.rollout.max_concurrent_groups)
+    a = audit(rd, cfg.knobs.group_bound)
     for k, v in a.problems().items():
         trial.problems[k] = v[:5]
     trial.lost = len(a.lost) + len(a.before_cursor_not_consumed)

@@ -2,8 +2,9 @@
 modelled seconds, the oracle :mod:`hpcrl.plan.events` (what ``hpcrl plan`` runs) is held equal to
 (``tests/test_plan_fast.py``).
 
-It replays the events :mod:`hpcrl.plan.model`'s docstring lists. Every event scans every engine (O(jobs x running) per event), which is slow at cluster sizes, and plain to check
-line by line against the jobs: that is what it is for.
+It replays the events :mod:`hpcrl.plan.model`'s docstring lists. Every event scans every engine (O(jobs x running)
+per event), which is slow at cluster sizes, and plain to check line by line against the jobs: that is what it is
+for.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Optional
 
 import numpy as np
 
+from hpcrl.config.knobs import may_start
 from hpcrl.config.simulated import SimulatedConfig
 from hpcrl.plan.model import (EPS_S, INF, Draws, Knobs, Prediction, ServiceOrder, draws_for, prompt_seed,
                               steady_prediction)
@@ -168,9 +170,12 @@ class _Job:
             else:
                 self.draining = not self.k.commit_while_draining
             return  # draining: no admission until the load
-        while len(self.in_flight) < self.k.max_concurrent_groups and pipe.started < self.consumed_at + self.k.budget:
+        k = self.k
+        while may_start(k.budget_share, len(self.in_flight), k.group_bound, self.consumed_at + k.budget - pipe.started,
+                        pipe.uncommitted, k.rollout_jobs):
             g = _Group(pipe.started, self.version, created_s=now)
             pipe.started += 1
+            pipe.uncommitted += 1
             prompt = self.draws.prompt(g.index)
             for length in self.draws.responses(g.index):
                 g.seqs.append(_Seq(g, length, prompt=prompt))
@@ -203,6 +208,7 @@ class Pipeline:
         self.jobs = [_Job(r, k, sim, draws) for r in range(k.rollout_jobs)]
         self.order = ServiceOrder(k.rollout_jobs, data_seed)
         self.started = 0
+        self.uncommitted = 0  # groups started and not committed: the fleet's in flight (the admission record's)
         self.queue: deque[tuple[_Group, int]] = deque()  # committed groups, tokens
         self.published: list[tuple[float, int, int]] = [(0.0, 0, 0)]  # (available at, version, consumed)
         self.step, self.consumed, self.version = 0, 0, 0
@@ -214,6 +220,7 @@ class Pipeline:
 
     def commit(self, groups: list[_Group]) -> None:
         """Groups become visible to the trainer (their shard is sealed)."""
+        self.uncommitted -= len(groups)
         self.queue.extend((g, sum(s.length for s in g.seqs)) for g in groups)
 
     def newest(self, now: float) -> tuple[int, int]:

@@ -127,10 +127,10 @@ AUTOSCALE_SETTING = [*_BENCH_SETTING, "async_training.staleness_threshold=1.0", 
                      "resources.rollout_autoscale.max_jobs=3", "resources.rollout_autoscale.versions=3",
                      "timeouts.poll_max_s=0.05"]
 """bench/bench_elastic.py's rollout-bound setting (one job keeps the trainer ~2/3 idle, three ~1/3) with autoscale
-on from 1 up to 3 rollout jobs, deciding every 3 versions: 40 updates. The lag bound holds only if a rollout job
-notices each version before it finishes a group under the one before: at time_scale 10 a version comes every
-~0.5 s, as long as the poll back-off's longest wait, and in one whole-suite run a background job missed v12
-(group w002/51: every token v11, trained at v13, lag 2 > 1); the run polls every 0.05 s."""
+on from 1 up to 3 rollout jobs, deciding every 3 versions: 40 updates. At time_scale 10 a version comes every
+~0.5 s, as long as the poll back-off's longest wait; in one whole-suite run a background job missed v12 (group
+w002/51: every token v11, trained at v13, lag 2 > 1). The commit now refuses such a group (tests/test_lag_bound.py);
+the run still polls every 0.05 s, so that a job reacts to a version well within its period."""
 
 BACKGROUND_RUNS = {"elastic:autoscale": BackgroundCommand.hpcrl_args(
     lambda folder: ["run", str(REPO / "configs" / "simulated.yaml"), *AUTOSCALE_SETTING, "--run-dir",

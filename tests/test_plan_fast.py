@@ -134,11 +134,11 @@ def test_the_claim_numbers_groups_in_start_order_whoever_starts_them():
 
 
 def test_jobs_take_the_budget_first_come_up_to_their_cap_in_an_order_that_changes_per_version():
-    """Jobs that load a version together take the budget up to max_concurrent_groups each, first come first
-    served, in an order that differs from version to version."""
+    """First come (``rollout.budget_share=first_come``): jobs that load a version together take the budget up to
+    max_concurrent_groups each, first come first served, in an order that differs from version to version."""
     sim = load_config(SIM).simulated
     k = Knobs(rollout_jobs=4, trainer_gpus=1, staleness_threshold=0.0, partial_rollout=True, ppo_mini_batch_size=4,
-              n=2, max_concurrent_groups=2, response_length=1536)
+              n=2, max_concurrent_groups=2, response_length=1536, budget_share="first_come")
     pipe = events.Pipeline(sim, k, Draws(sim, 2, 1536, prompts=2))
     pipe.run(8)
     per_version: dict[int, list[int]] = {}
@@ -149,6 +149,21 @@ def test_jobs_take_the_budget_first_come_up_to_their_cap_in_an_order_that_change
     assert len({frozenset(r) for r in per_version.values()}) > 1  # not the same engines every version
     keys = ServiceOrder(4, 0)
     assert sorted(keys.key(1)) == [0, 1, 2, 3] and not np.array_equal(keys.key(1), keys.key(2))
+
+
+def test_shared_by_load_every_job_gets_its_part_of_each_versions_budget_whatever_the_order():
+    """By load (the default): the same budget, B=4 over 4 jobs, gives each job one group per version, whichever
+    order they ask in; the reference simulation agrees."""
+    sim = load_config(SIM).simulated
+    k = Knobs(rollout_jobs=4, trainer_gpus=1, staleness_threshold=0.0, partial_rollout=True, ppo_mini_batch_size=4,
+              n=2, max_concurrent_groups=2, response_length=1536)
+    pipe = events.Pipeline(sim, k, Draws(sim, 2, 1536, prompts=2))
+    pipe.run(8)
+    per_version: dict[int, list[int]] = {}
+    for v, rank in pipe.starts:
+        per_version.setdefault(v, []).append(rank)
+    assert all(sorted(ranks) == [0, 1, 2, 3] for ranks in per_version.values()), per_version
+    _agree(*_both(sim, k, 8))
 
 
 def test_a_draining_job_commits_what_finished_meanwhile_when_the_drain_ends():

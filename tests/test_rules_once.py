@@ -103,6 +103,41 @@ def test_the_admission_budget_is_computed_only_in_config_knobs():
                        + "\n".join(found))
 
 
+SHARE_USERS = [REPO / "hpcrl" / "control" / "admission.py", REPO / "hpcrl" / "plan" / "events.py",
+               REPO / "tests" / "plan_reference.py"]
+"""Where a group start is decided: the admission lock, ``hpcrl plan``'s simulation and its reference (the tests'
+oracle)."""
+
+
+def _calls(tree: ast.AST, name: str) -> bool:
+    return any(isinstance(n, ast.Call) and (getattr(n.func, "id", None) == name or getattr(n.func, "attr", None) == name)
+               for n in ast.walk(tree))
+
+
+ORDERING = (ast.Lt, ast.LtE, ast.Gt, ast.GtE)
+
+
+def _cap_comparisons(code) -> list[int]:
+    """Lines that order something against ``max_concurrent_groups`` (a per-job cap applied on its own)."""
+    return sorted({n.lineno for n in ast.walk(_tree(code)) if isinstance(n, ast.Compare)
+                   and any(isinstance(op, ORDERING) for op in n.ops)
+                   and any("max_concurrent_groups" in _identifiers(side) for side in (n.left, *n.comparators))})
+
+
+def test_the_budget_share_is_decided_by_one_function():
+    """The share rule (``config/knobs.py: may_start``) is the one description both the admission lock and the
+    planner apply (as the budget's formula is): each calls it, and nothing compares with the per-job cap itself."""
+    assert _cap_comparisons("while self.in_flight < k.max_concurrent_groups and pipe.started < limit:\n    pass")
+    missing = [str(p.relative_to(REPO)) for p in SHARE_USERS if not _calls(_tree(p), "may_start")]
+    assert not missing, f"these decide group starts without hpcrl.config.knobs.may_start: {missing}"
+    config = REPO / "hpcrl" / "config"  # its checks of the value itself
+    found = [f"{p.relative_to(REPO)}:{line}" for p in dict.fromkeys([*SCANNED, *SHARE_USERS])
+             if config not in p.parents
+             for line in _cap_comparisons(p)]
+    assert not found, ("a per-job cap compared outside the share rule; call hpcrl.config.knobs.may_start (or read "
+                       "Knobs.group_bound):\n" + "\n".join(found))
+
+
 PLANNER_CANDIDATE = REPO / "hpcrl" / "plan"
 """``hpcrl plan``'s candidate (``hpcrl/plan/model.py: Knobs``) derives from the config's ``Knobs`` and adds the
 simulator's own fields (trainer GPUs, ``max_num_seqs``, lengths): the one other class named so."""

@@ -347,6 +347,21 @@ def reward(data: RunData, out: Path) -> Path:
     return save(fig, out)
 
 
+def _rollout_by_step(data: RunData, steps) -> dict:
+    """Cumulative rollout-side counts (:data:`M.LAG_DROPPED`, :data:`M.LAG_CARRIED`) at each trainer step: a
+    version's count is placed at the first step that trained from that version."""
+    ro, m = data.rollout, data.metrics
+    out = {}
+    for column in (M.LAG_DROPPED, M.LAG_CARRIED):
+        if column not in ro or ro.empty:
+            continue
+        per_version = ro.groupby("param_version")[column].sum()
+        first_step = m.groupby(M.PARAM_VERSION)["step"].min()
+        at = per_version.rename(index=lambda v: first_step.get(v, steps.max())).groupby(level=0).sum()
+        out[column] = at.reindex(steps, fill_value=0).cumsum().to_numpy()
+    return out
+
+
 def drops(data: RunData, out: Path) -> Path:
     fig, ax = new_figure(10, 4)
     a = ax[0, 0]
@@ -365,13 +380,18 @@ def drops(data: RunData, out: Path) -> Path:
         corrupt = m[M.CORRUPT_GROUPS_SKIPPED].astype(float)
         a.step(steps, corrupt, where="post", lw=2, ls="--", color=COLORS["load"],
                label="corrupt shard (metrics fully_async/count/corrupt_groups_skipped)")
+        at_commit = _rollout_by_step(data, steps)
+        for column, what in ((M.LAG_DROPPED, "lag bound at commit: dropped, generated again"),
+                             (M.LAG_CARRIED, "lag bound at commit: carried into a newer version")):
+            if at_commit.get(column) is not None and at_commit[column][-1] > 0:
+                a.step(steps, at_commit[column], where="post", lw=2, ls=":", label=f"{what} (rollout {column})")
         a.legend(loc="upper left", fontsize=9)
         a.set_ylim(bottom=-0.05 * max(1.0, a.get_ylim()[1]), top=max(1.0, a.get_ylim()[1]))
-        if d.empty and corrupt.iloc[-1] == 0:
+        if d.empty and corrupt.iloc[-1] == 0 and not any(v[-1] > 0 for v in at_commit.values()):
             ms = data.knobs.max_staleness if data.knobs else None
             empty_note(a, "No samples were dropped: no group exceeded async_training.max_staleness "
-                          f"({'off' if ms is None else ms}),\nnone lacked spread (algorithm.filter_groups) and no "
-                          "shard was damaged.")
+                          f"({'off' if ms is None else ms}) or the lag bound,\nnone lacked spread "
+                          "(algorithm.filter_groups) and no shard was damaged.")
     a.set_xlabel("trainer update (step)")
     a.set_ylabel("groups dropped (cumulative)")
     fig.suptitle(f"Samples dropped and why - {label(data)}")

@@ -32,7 +32,7 @@ from hpcrl.analysis import tables
 from hpcrl.analysis.ceiling import Ceiling, run_ceiling
 from hpcrl.analysis.fleet import fleet_history
 from hpcrl.analysis.load import RunData
-from hpcrl.config.knobs import Knobs, admission_budget, max_lag_bound
+from hpcrl.config.knobs import AUTO, Knobs, admission_budget, max_lag_bound
 from hpcrl.rundir.paths import RunDir
 from hpcrl.logs import metric_names as M
 
@@ -101,6 +101,11 @@ def _more_writers_short(k: Knobs, fleet: Optional[FleetNow]) -> str:
     return f"resources.rollout_jobs {n} -> {n + 1} (or more GPUs per rollout job)"
 
 
+def _cap(k) -> str:
+    """``rollout.max_concurrent_groups`` as the run has it (``auto``: with the bound it gives)."""
+    return str(k.max_concurrent_groups) if k.max_concurrent_groups != AUTO else f"auto: {k.group_bound} per job"
+
+
 def recommend(t: float, r: float, k: Optional[Knobs], why_unknown: str = "",
               fleet: Optional[FleetNow] = None) -> Recommendation:
     """The recommendation for trainer idle ratio ``t`` and rollout idle ratio ``r`` (``fleet``: the run's fleet, so
@@ -133,9 +138,9 @@ def recommend(t: float, r: float, k: Optional[Knobs], why_unknown: str = "",
         return Recommendation("neither", (
             f"Neither side is the bottleneck, they wait on each other: {nums}, although the budget "
             f"B={k.admission_budget} already allows a whole update ({k.groups_per_update} groups) ahead. The "
-            f"hand-off limits the overlap: raise rollout.max_concurrent_groups (now {k.max_concurrent_groups}) "
+            f"hand-off limits the overlap: raise rollout.max_concurrent_groups (now {_cap(k)}) "
             "or lower timeouts.poll_interval_s / rollout.seal_interval_s; moving GPUs would not help."),
-            f"raise rollout.max_concurrent_groups (now {k.max_concurrent_groups}), so more groups are in flight")
+            f"raise rollout.max_concurrent_groups (now {_cap(k)}), so more groups are in flight")
     if t > HIGH and t - r >= MARGIN:
         extra = "" if k is None else _more_writers(k, fleet)
         return Recommendation("rollout", (

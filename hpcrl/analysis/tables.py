@@ -216,11 +216,18 @@ def idle_per_version(data: RunData) -> tuple[pd.DataFrame, pd.DataFrame]:
     return tr, ro
 
 
+def rollout_count(data: RunData, column: str) -> int:
+    """The sum over the rollout rows of a per-version count (0 for logs of an hpcrl without it)."""
+    ro = data.rollout
+    return int(ro[column].fillna(0).sum()) if column in ro else 0
+
+
 def drops_table(data: RunData) -> pd.DataFrame:
     """Groups not trained on, by reason: rows of the staleness log with a non-empty
-    ``dropped`` (e.g. ``max_staleness``), and groups in damaged shards
+    ``dropped`` (``max_staleness``, ``lag_bound``), groups in damaged shards
     (``fully_async/count/corrupt_groups_skipped``, last metrics row; these never reach
-    the staleness log)."""
+    the staleness log), and the groups the rollout jobs' commit refused for the lag bound
+    (``fully_async/lag_bound/dropped``: generated again; ``/carried``: continued, then trained)."""
     st = data.staleness
     d = st[st["dropped"].fillna("") != ""]
     rows = [{"reason": str(reason), "groups": int(r["group_id"].nunique()), "trajectories": int(len(r)),
@@ -230,6 +237,11 @@ def drops_table(data: RunData) -> pd.DataFrame:
     if corrupt:
         rows.append({"reason": "corrupt shard", "groups": corrupt, "trajectories": None,
                      "source": "metrics fully_async/count/corrupt_groups_skipped"})
+    for column, reason in ((M.LAG_DROPPED, "lag bound at commit: dropped, generated again"),
+                           (M.LAG_CARRIED, "lag bound at commit: carried into a newer version (then trained)")):
+        n = rollout_count(data, column)
+        if n:
+            rows.append({"reason": reason, "groups": n, "trajectories": None, "source": f"rollout rows {column}"})
     out = pd.DataFrame(rows, columns=["reason", "groups", "trajectories", "source"])
     return out.astype({"groups": "Int64", "trajectories": "Int64"})  # unknown trajectories stay n/a, not 32.000
 

@@ -41,9 +41,9 @@ class ActorConfig:
     use_remove_padding: bool = True
     """Run the model on the rows of a micro-batch packed back to back, never padded (verl's
     ``actor_rollout_ref.model.use_remove_padding``): with a kernel that reads sequence boundaries from position ids
-    (``flash_attention_2``/``_3``, ``flex_attention``) one packed forward; with ``sdpa``/``eager`` packs of up to 512
-    tokens and longer rows alone (their masks are quadratic in the pack). false: rows padded to the
-    micro-batch's longest (hpcrl/trainer/forward.py)."""
+    (``flash_attention_2``/``_3``, ``flex_attention``) one packed forward; with ``sdpa``/``eager`` (which would need a
+    mask quadratic in the pack) rows over 512 tokens alone and shorter ones padded together with at most 25 %
+    padding. false: rows padded to the micro-batch's longest (hpcrl/trainer/forward.py)."""
     attn_implementation: str = "auto"
     """The trainer's attention kernel (transformers' ``attn_implementation``): ``auto`` (``flash_attention_2`` on a
     GPU where the flash-attn package is installed, else ``sdpa``), ``sdpa``, ``eager``, ``flash_attention_2``,

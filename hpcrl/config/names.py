@@ -62,6 +62,15 @@ BUILTIN_MODELS = ("builtin:tiny", "builtin:tiny-h64")
 """``model.path`` values that build a tiny model at launch (hpcrl/tiny/model.py): ``tiny`` has
 4 heads of 32, ``tiny-h64`` 2 heads of 64 (what vLLM's CPU attention needs), same parameters."""
 
+SHARE_BY_LOAD = "load"
+"""``rollout.budget_share: load``: a version's budget is spread over the live fleet (hpcrl/config/knobs.py,
+``may_start``)."""
+FIRST_COME = "first_come"
+"""``rollout.budget_share: first_come``: a job takes up to its bound whenever it asks (hpcrl's rule before the
+share; kept to compare with)."""
+BUDGET_SHARES = (SHARE_BY_LOAD, FIRST_COME)
+"""``rollout.budget_share`` (hpcrl/config/knobs.py, ``may_start``)."""
+
 BROADCAST_BACKENDS = ("auto", "gloo", "nccl")
 """``weights.broadcast_backend`` (hpcrl/weights/group.py): ``auto`` = nccl when both ends hold CUDA tensors."""
 

@@ -76,6 +76,7 @@ class RunConfig:
                      ppo_mini_batch_size=self.actor.ppo_mini_batch_size, require_batches=a.require_batches,
                      partial_rollout=a.partial_rollout, max_staleness=a.max_staleness, n=self.rollout.n,
                      rollout_jobs=self.resources.rollout_jobs, max_concurrent_groups=self.rollout.max_concurrent_groups,
+                     budget_share=self.rollout.budget_share, max_num_seqs=self.rollout.max_num_seqs,
                      total_rollout_steps=self.rollout.total_rollout_steps, simulated=" and ".join(parts),
                      time_scale=self.simulated.time_scale if parts else 1.0)
 

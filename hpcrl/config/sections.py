@@ -179,8 +179,15 @@ class RolloutConfig:
     """Sampling temperature (log-probs are those of the tempered distribution)."""
     top_p: float = 1.0
     """Nucleus sampling threshold (1.0 = off)."""
-    max_concurrent_groups: int = 2
-    """Groups a rollout job generates at once (one thread each)."""
+    max_concurrent_groups: Union[int, str] = "auto"
+    """Groups a rollout job generates at once at most (one thread each): a number, or ``auto``: as many as its
+    engine decodes together (``ceil(max_num_seqs / n)``), never more than the admission budget B. An upper bound:
+    how many a job really has in flight follows from the budget and the fleet (``budget_share``)."""
+    budget_share: str = "load"
+    """How the rollout jobs share a version's admission budget: ``load`` (each live job up to an even share of
+    what the budget lets the fleet have in flight, re-derived at every start as jobs join and leave and versions
+    land: no engine idles while another holds the budget) or ``first_come`` (a job takes up to
+    max_concurrent_groups whenever it asks: the rule of hpcrl before the share, kept to compare with)."""
     seal_groups: int = 4
     """A shard is sealed (committed) once it holds this many groups ..."""
     seal_interval_s: float = 1.0
@@ -217,7 +224,10 @@ class RolloutConfig:
         check_int("rollout.response_length", self.response_length, 1)
         check_float("rollout.temperature", self.temperature, 0.0, lo_open=True)
         check_float("rollout.top_p", self.top_p, 0.0, 1.0, lo_open=True)
-        check_int("rollout.max_concurrent_groups", self.max_concurrent_groups, 1)
+        if self.max_concurrent_groups != "auto" and (isinstance(self.max_concurrent_groups, bool) or not isinstance(
+                self.max_concurrent_groups, int) or self.max_concurrent_groups < 1):
+            fail("rollout.max_concurrent_groups", self.max_concurrent_groups, "an integer >= 1 or auto")
+        check_choice("rollout.budget_share", self.budget_share, names.BUDGET_SHARES)
         check_int("rollout.seal_groups", self.seal_groups, 1)
         check_float("rollout.seal_interval_s", self.seal_interval_s, 0.0, lo_open=True)
         check_int("rollout.torch_threads", self.torch_threads, 1)

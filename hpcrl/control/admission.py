@@ -32,6 +32,22 @@ the step that reserves its start, and a shard's manifest line is appended under 
 leaves for good (:meth:`Admission.release`) hands back its budget and its open claims; the other writers
 reclaim both from one whose job is gone (heartbeat stale and job ended: ``control/reclaim.py``).
 
+**Sharing by load** (``rollout.budget_share: load``, :func:`hpcrl.config.knobs.may_start`). Under the same
+lock, with the same counts, a job starts a group only while it has fewer in flight than an even share of what
+the budget lets the live fleet have in flight, ``ceil((F + left) / jobs)`` (``F``: the groups the live writers have
+in flight, ``started - committed`` each; ``left``: the starts the inequality above still allows; ``jobs``: the
+writers in the claim book), and fewer than its bound (``rollout.max_concurrent_groups``, ``auto``: what its engine
+decodes at once). The share is derived again at every start, so a job joining, leaving or reclaimed and a version
+landing change it at once; a job that does not ask leaves its share to the others as they commit (the level falls
+with ``F``, their own in flight falls faster). ``first_come``: the bound alone (hpcrl's rule before).
+
+**The lag bound at commit** (:meth:`Admission.committing`). The record also counts what each writer committed,
+so under the lock a shard's groups know their places in the commit order the trainer consumes in; a group whose
+newest token could then be trained more than the lag bound later
+(:func:`hpcrl.config.knobs.late_for_bound`, from the version the job holds and its ``consumed_groups``) is refused
+(:class:`~hpcrl.samples.writer.CommitRefused`: nothing is committed) and the job carries it into the newest
+version or generates it again (``rollout/main.py``).
+
 Shared filesystems: flock works on local disks, NFSv4 and Lustre mounted with
 ``-o flock``; on a Lustre mount without it ``flock`` fails with ENOSYS and the
 job stops with an error saying so.
@@ -50,6 +66,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Optional
 
+from hpcrl.config.knobs import late_for_bound, may_start
+from hpcrl.config.names import SHARE_BY_LOAD
 from hpcrl.control import claims
 from hpcrl.control.changes import bump
 from hpcrl.control.claims import ClaimBook
@@ -60,6 +78,7 @@ from hpcrl.rundir.fsio import read_json, read_jsonl, write_json_atomic
 from hpcrl.rundir.json_record import JsonRecord
 from hpcrl.rundir.paths import RunDir
 from hpcrl.samples.skips import SkipLog
+from hpcrl.samples.writer import CommitRefused
 
 
 log = logging.getLogger(__name__)
@@ -81,19 +100,35 @@ class AdmissionRecord(JsonRecord):
     """Which writer generates which prompt (``control/claims.py``); None in a record of an hpcrl before claims
     (the stream was split by stride): rebuilt from the manifests when read."""
 
+    committed: dict[str, int] = field(default_factory=dict)
+    """Per writer: groups in its committed manifest lines (skipped shards included), set with ``started`` when it
+    joins, raised in the same locked step as each manifest append. ``started - committed`` is what the writer has
+    in flight (a writer without an entry, in a record of an hpcrl before it: none)."""
+
     @property
     def started_total(self) -> int:
         """Groups started by every writer."""
         return sum(self.started.values())
 
+    def in_flight(self, writer: str) -> int:
+        """Groups ``writer`` started and has not committed."""
+        started = self.started.get(writer, 0)
+        return max(0, started - self.committed.get(writer, started))
 
-@contextmanager
-def _locked(run_dir: RunDir):
+
+def _open_lock(run_dir: RunDir) -> int:
     try:
-        fd = os.open(run_dir.admission_lock, os.O_RDWR | os.O_CREAT, 0o644)
+        return os.open(run_dir.admission_lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except FileNotFoundError:  # no control/ yet (not a mkdir per lock: a metadata operation each)
         run_dir.control.mkdir(parents=True, exist_ok=True)
-        fd = os.open(run_dir.admission_lock, os.O_RDWR | os.O_CREAT, 0o644)
+        return os.open(run_dir.admission_lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+
+
+@contextmanager
+def _locked(run_dir: RunDir, held: Optional[int] = None):
+    """The exclusive lock on ``control/admission.lock``: through ``held``, a descriptor of the lock file the caller
+    keeps open (a rollout job's :class:`Admission`: no open per lock), else one opened and closed here."""
+    fd = held if held is not None else _open_lock(run_dir)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -105,7 +140,10 @@ def _locked(run_dir: RunDir):
             raise
         yield
     finally:
-        os.close(fd)  # releases the lock
+        if held is None:
+            os.close(fd)  # releases the lock
+        else:
+            fcntl.flock(fd, fcntl.LOCK_UN)
 
 
 def _manifest_lines(run_dir: RunDir, writer: str) -> list[dict]:
@@ -142,7 +180,7 @@ def _release(run_dir: RunDir, writer: str, why: str, still: Callable[[], bool] =
         state = Admission._read_at(run_dir, skips)
         if writer not in state.prompts.claims or not still():
             return None
-        state.started[writer] = _committed_groups(run_dir, writer)
+        state.started[writer] = state.committed[writer] = _committed_groups(run_dir, writer)
         skipped = {p for rec in SkipLog(run_dir).poll() if rec.writer == writer for p in rec.prompt_indices}
         n = claims.release(state.prompts, writer, _live_committed(run_dir, writer, skips), why, time.time(), skipped)
         write_json_atomic(run_dir.admission, state.to_json())
@@ -178,12 +216,27 @@ def read_claims(run_dir: RunDir) -> Optional[ClaimBook]:
 class Admission:
     """One writer's view of the shared budget and of its prompt claims (see the module docstring)."""
 
-    def __init__(self, run_dir: RunDir, writer: str, budget: int, reclaim_after_s: Optional[float] = None):
+    def __init__(self, run_dir: RunDir, writer: str, budget: int, reclaim_after_s: Optional[float] = None,
+                 bound: Optional[int] = None, share: str = SHARE_BY_LOAD, lag: Optional[tuple[int, int]] = None):
         """``reclaim_after_s``: ``timeouts.heartbeat_stale_s``, after which the claims of a writer whose job has
-        ended are reclaimed (``control/reclaim.py``); None: this job never reclaims."""
+        ended are reclaimed (``control/reclaim.py``); None: this job never reclaims. ``bound``: groups this job
+        may have in flight at most (``RunConfig.knobs.group_bound``; None: no bound of its own); ``share``:
+        ``rollout.budget_share``; ``lag``: (K * R, the lag bound), checked at each commit (None: not checked)."""
         self.run_dir = run_dir
         self.writer = writer
         self.budget = budget
+        self.bound = bound if bound is not None else 2**62  # None: no bound of its own
+        self.share = share
+        self.lag = lag
+        self.holding: Optional[tuple[int, int]] = None
+        """The version this job generates with and its ``consumed_groups`` (set by the job at each load): the
+        commit's lag check reasons from it."""
+        self.unchecked: set[int] = set()
+        """Prompts committed without the lag check (the job found no newer version to carry them into)."""
+        self._lock_fd: Optional[int] = None  # the lock file, opened at the first lock and kept (closed by leave)
+        self.refused = ""
+        """Why the last :meth:`try_start` returned None: ``budget`` (spent for this version: only a change in the run
+        directory can give more) or ``share`` (this job is at its share or bound: a group of its own must finish)."""
         self.skips = SkipLog(run_dir)
         self.lease = f"{socket.gethostname()}:{os.getpid()}:{time.time():.3f}"
         """This job's lease on the writer's claims (``control/claims.py``)."""
@@ -191,6 +244,12 @@ class Admission:
         """This writer's ``joined`` and ``ended`` events (``control/fleet_log.py``)."""
         self.gone = None if reclaim_after_s is None else GoneWriters(run_dir, writer, reclaim_after_s)
         """Which other writers are gone (``control/reclaim.py``); None: this job never reclaims."""
+
+    def _locked(self):
+        """The admission lock through this job's own descriptor of the lock file (one open for the job's life)."""
+        if self._lock_fd is None:
+            self._lock_fd = _open_lock(self.run_dir)
+        return _locked(self.run_dir, self._lock_fd)
 
     def _read(self) -> AdmissionRecord:
         return self._read_at(self.run_dir, self.skips)
@@ -227,15 +286,15 @@ class Admission:
         started = {w: _committed_groups(run_dir, w) for w in run_dir.writers()}
         log.error("%s was damaged (%s); moved to %s and rebuilt from the writers' manifests: %s (groups in flight "
                   "elsewhere are counted again when their writers restart)", path, why, aside.name, started)
-        return AdmissionRecord(started=started)
+        return AdmissionRecord(started=started, committed=dict(started))
 
     def join(self, committed_groups: int, committed: set[int], regenerate: Iterable[int] = ()) -> list[int]:
         """At writer start: groups in flight in a previous life of this writer are released from the budget, and
         this job takes over the writer's claims (new lease); returns the claimed prompts it must generate first
         (its open claims less ``committed``, plus ``regenerate``)."""
-        with _locked(self.run_dir):
+        with self._locked():
             state = self._read()
-            state.started[self.writer] = committed_groups
+            state.started[self.writer] = state.committed[self.writer] = committed_groups
             gaps = claims.join(state.prompts, self.writer, self.lease, committed, regenerate)
             write_json_atomic(self.run_dir.admission, state.to_json())
         bump(self.run_dir, f"writer {self.writer} joined (its predecessor's groups in flight released)", self.writer)
@@ -247,16 +306,26 @@ class Admission:
                                      "committed_groups": committed_groups})
         return gaps
 
-    def try_start(self, consumed_groups_at_version: int, own: Optional[int] = None) -> Optional[int]:
-        """Reserve one group start if the budget allows, and claim its prompt (``own``: one this writer holds
-        already); the prompt index, or None when the budget is spent. ClaimLost if the claims were released.
-        Every few seconds the claims of gone writers are reclaimed first (:meth:`reclaim_gone_writers`)."""
+    def try_start(self, consumed_groups_at_version: int, own: Optional[int] = None,
+                  in_flight: Optional[int] = None, look_for_skips: bool = True) -> Optional[int]:
+        """Reserve one group start if the budget and this job's share allow (module docstring), and claim its
+        prompt (``own``: one this writer holds already); the prompt index, or None (:attr:`refused` says why).
+        ``in_flight``: the groups the job is generating (the record's count also holds those finished and not yet
+        sealed). ClaimLost if the claims were released. Every few seconds the claims of gone writers are reclaimed
+        first (:meth:`reclaim_gone_writers`). ``look_for_skips``: read what the skip log gained (a job passes it when
+        ``control/changes.jsonl`` grew, as the trainer bumps it after each skip: one stat less per start)."""
         self.reclaim_gone_writers()
-        self.skips.poll()  # only grows: a record read late gives less budget, never more
+        if look_for_skips:
+            self.skips.poll()  # only grows: a record read late gives less budget, never more
         back = given_back(self.run_dir)  # before the lock: whenever read, each group it counts was dropped
-        with _locked(self.run_dir):
+        with self._locked():
             state = self._read()
-            if state.started_total - self.skips.skipped_groups() - back >= consumed_groups_at_version + self.budget:
+            left = consumed_groups_at_version + self.budget - (state.started_total - self.skips.skipped_groups() - back)
+            live = set(state.prompts.claims) | {self.writer}
+            fleet = sum(state.in_flight(w) for w in live)
+            mine = state.in_flight(self.writer) if in_flight is None else in_flight
+            if not may_start(self.share, mine, self.bound, left, fleet, len(live)):
+                self.refused = "budget" if left <= 0 else "share"
                 return None
             index = claims.claim(state.prompts, self.writer, self.lease, own)
             state.started[self.writer] = state.started.get(self.writer, 0) + 1
@@ -264,14 +333,35 @@ class Admission:
             return index
 
     @contextmanager
-    def committing(self, prompts: list[int]) -> Iterator[None]:
+    def committing(self, prompts: list[int], newest_tokens: Optional[list[int]] = None) -> Iterator[None]:
         """Around the append of a manifest line: the lock held, the prompts checked to be this job's open
-        claims (ClaimLost otherwise: nothing is appended), and closed once the body returned."""
-        with _locked(self.run_dir):
+        claims (ClaimLost otherwise: nothing is appended) and, given each group's newest token version, to be
+        trainable within the lag bound from their places in the commit order (CommitRefused naming those that are
+        not: nothing is appended); closed and counted as committed once the body returned."""
+        with self._locked():
             state = self._read()
+            if newest_tokens is not None:
+                self._check_lag(state, prompts, newest_tokens)
             claims.commit(state.prompts, self.writer, self.lease, prompts)
             yield
+            state.committed[self.writer] = state.committed.get(self.writer, state.started.get(self.writer, 0)) \
+                + len(prompts)
             write_json_atomic(self.run_dir.admission, state.to_json())
+        self.unchecked.difference_update(prompts)
+
+    def _check_lag(self, state: AdmissionRecord, prompts: list[int], newest_tokens: list[int]) -> None:
+        """CommitRefused with the prompts whose groups could be trained beyond the lag bound (module docstring)."""
+        if self.lag is None or self.holding is None:
+            return
+        per_version, bound = self.lag
+        version, consumed = self.holding
+        before = sum(state.committed.values()) - self.skips.skipped_groups()
+        late = [p for row, (p, newest) in enumerate(zip(prompts, newest_tokens))
+                if p not in self.unchecked and newest >= 0  # -1: a group without a token has no lag
+                and late_for_bound(newest, before + row + 1, version, consumed, per_version, bound)]
+        if late:
+            raise CommitRefused(late, f"{len(late)} group(s) could be trained more than {bound} version(s) after "
+                                      f"their newest token (this job holds version {version})")
 
     def reclaim_gone_writers(self) -> list[str]:
         """Release the claims and budget of the other writers whose jobs are gone (``control/reclaim.py``), at most
@@ -294,6 +384,9 @@ class Admission:
     def leave(self, final_state: str) -> None:
         """The job ends in ``final_state``: a drained writer releases its budget and claims (:meth:`release`);
         every ending is recorded in the writer's fleet log (``ended``, with the claims handed back)."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
         released = self.release("drained") if final_state == HeartbeatState.DRAINED.value else 0
         self.history.record(ENDED, writer=self.writer, job=RunDir.rollout_job(self.writer), job_id=slurm_job_id(),
                             why=final_state, numbers={"lease": self.lease, "released_prompts": released})

@@ -243,11 +243,13 @@ class Console:
     def _startup_lines(self) -> None:
         now, beats = time.time(), read_heartbeats(self.rd)
         steps = {job: (f"{b.step} ({hms(now - b.step_started_s)})" if b.step else
-                       "waiting" if b.state == "starting" else "started")
+                       "waiting" if b.state == "starting" else f"started, {str(b.state).replace('_', ' ')}")
                  for job, b in sorted(beats.items()) if not b.ended}
-        names = {job: s.rsplit(" (", 1)[0] for job, s in steps.items()}
+        names = {job: s.rsplit(" (", 1)[0].split(",")[0] for job, s in steps.items()}
         waited = hms(time.monotonic() - self._started_s)
         summary = "; ".join(f"{job}: {s}" for job, s in steps.items()) or "no job has started yet (queued?)"
+        if steps and all(s.startswith("started") for s in steps.values()):  # a long first update, not a slow start
+            summary = "every job started, the first version not yet published; " + summary
         if names != self._startup:
             for job, name in names.items():
                 if self._startup.get(job) != name:

@@ -81,7 +81,11 @@ DROPPED_FILTER_GROUPS = "fully_async/count/dropped_filter_groups"
 (verl's fully_async counts them as ``filtered_samples_count`` on the rollout side.)"""
 NUM_GEN_BATCHES = "train/num_gen_batches"
 """verl's DAPO metric: batches of R groups the update took, kept and dropped (1 when nothing was dropped)."""
-COUNTERS = (STALE_SAMPLES, STALE_TRAJECTORIES, DROPPED_MAX_STALENESS, CORRUPT_GROUPS_SKIPPED, DROPPED_FILTER_GROUPS)
+DROPPED_LAG_BOUND = "fully_async/count/dropped_lag_bound"
+"""Groups dropped because their newest token lagged the trainer by more than the lag bound (the rollout jobs'
+commit check keeps them from being committed; this counts any that got past it)."""
+COUNTERS = (STALE_SAMPLES, STALE_TRAJECTORIES, DROPPED_MAX_STALENESS, CORRUPT_GROUPS_SKIPPED, DROPPED_FILTER_GROUPS,
+            DROPPED_LAG_BOUND)
 """Every counter; a reader takes 0 for a counter a row lacks."""
 
 METRICS_COLUMNS = (STEP, PARAM_VERSION, CONSUMED_GROUPS, TIME_S, WAIT_SAMPLES_S, UPDATE_S, PARAM_SYNC_S,
@@ -128,6 +132,11 @@ TOOL_LATENCY_S = "timing_s/tool_call"
 """Mean seconds per tool call."""
 RESUMED_GROUPS = "fully_async/partial/resumed_num"
 """Groups continued from the state a previous job of this writer saved (control/in_flight/)."""
+LAG_CARRIED = "fully_async/lag_bound/carried"
+"""Rollout: finished groups refused at commit because they could be trained beyond the lag bound (the job missed
+a version), carried into a newer version instead (partial rollout: their last sampled tokens generated again)."""
+LAG_DROPPED = "fully_async/lag_bound/dropped"
+"""Rollout: such groups dropped (no partial rollout, or nothing to reopen) and generated again from scratch."""
 
 REWARD_ERRORS = "reward/errors"
 """Responses whose reward function raised (each got reward 0; logged with its sample id)."""

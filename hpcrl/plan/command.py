@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from hpcrl.config import ConfigError, RunConfig, given_keys, load_config
+from hpcrl.config.names import FIRST_COME, SHARE_BY_LOAD
 from hpcrl.plan.baseline import sync_baseline
 from hpcrl.plan.events import predict
 from hpcrl.plan.memory import ModelShape, memory_lines, model_shape
@@ -67,14 +68,14 @@ def requested_knobs(cfg: RunConfig, gpus: int, gpus_per_engine: int) -> tuple[Op
 
 
 def spread_note(k: Knobs) -> Optional[str]:
-    """When the budget of a version fills fewer engines than there are (jobs take up to max_concurrent_groups each,
-    first come first served), say so and what spreads it."""
-    used = math.ceil(k.budget / k.max_concurrent_groups)
-    if used >= k.rollout_jobs:
+    """When the budget of a version fills fewer engines than there are (``rollout.budget_share=first_come``: jobs
+    take up to their bound each, first come first served), say so and what spreads it."""
+    used = math.ceil(k.budget / k.group_bound)
+    if k.budget_share != FIRST_COME or used >= k.rollout_jobs:
         return None
     return (f"note: at a version switch the budget B={k.budget} groups fills {used} of the {k.rollout_jobs} engines "
             f"(rollout.max_concurrent_groups={k.max_concurrent_groups} each, first come first served); "
-            f"rollout.max_concurrent_groups={math.ceil(k.budget / k.rollout_jobs)} spreads it over all")
+            f"rollout.budget_share={SHARE_BY_LOAD} spreads it over all")
 
 
 PHASE_KEYS = ("decode_base_s", "decode_per_seq_s", "prefill_per_token_s", "weight_load_s", "update_base_s",

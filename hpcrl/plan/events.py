@@ -21,6 +21,7 @@ import heapq
 from collections import deque
 from typing import Optional
 
+from hpcrl.config.knobs import may_start
 from hpcrl.config.simulated import SimulatedConfig
 from hpcrl.plan.model import EPS_S, INF, Draws, Knobs, Prediction, ServiceOrder, draws_for, steady_prediction
 
@@ -272,10 +273,11 @@ class _Job:
                 self.draining = not self.k.commit_while_draining
             return
         k, draws, batch = self.k, self.draws, self.batch
-        limit = self.consumed_at + k.budget
-        while self.in_flight < k.max_concurrent_groups and pipe.started < limit:
+        limit, bound, jobs = self.consumed_at + k.budget, k.group_bound, k.rollout_jobs
+        while may_start(k.budget_share, self.in_flight, bound, limit - pipe.started, pipe.uncommitted, jobs):
             index = pipe.started
             pipe.started += 1
+            pipe.uncommitted += 1
             lengths = draws.responses(index)
             prompt = draws.prompt(index)
             g = Group(index, self.version, now, k.n, sum(lengths))
@@ -323,6 +325,7 @@ class Pipeline:
         self.jobs = [_Job(r, k, sim, draws) for r in range(k.rollout_jobs)]
         self.order = ServiceOrder(k.rollout_jobs, data_seed)
         self.started = 0
+        self.uncommitted = 0  # groups started and not committed, the fleet's in flight (the admission record's)
         self.queue: deque[Group] = deque()
         self.published: list[tuple[float, int, int]] = [(0.0, 0, 0)]
         self.step, self.consumed, self.version = 0, 0, 0
@@ -439,6 +442,7 @@ class Pipeline:
     def commit(self, groups: list[Group], now: float, finished: bool = True) -> None:
         """Groups become visible to the trainer (their shard is sealed) at ``now``; ``finished``: they finished
         now too (else a drain held them since their finish)."""
+        self.uncommitted -= len(groups)
         for g in groups:
             if finished:
                 g.finished_s = now

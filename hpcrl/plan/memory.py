@@ -21,8 +21,10 @@ bytes, P the model's parameters, Pt the trained ones: P, or the LoRA adapter's):
   layer) plus, at the peak, one layer recomputed with its backward's temporaries ((12 d + 40) h more per token).
   Measured on CPU in fp32 (per token, two and four layers, hidden 256 / 512 / 896, MLP 4 h / 5.4 h): 118.6 KiB per
   layer at hidden 896 (predicted 121.5), totals within 8 %;
-- **log-probs**: about 3.5 blocks of ``actor.logprob_chunk_mib`` of float32 logits (the chunk, its log-softmax and
-  its gradient, the output layer's result in d), or the whole response's if that is smaller.
+- **log-probs**: two blocks of ``actor.logprob_chunk_mib`` of float32 logits (a chunk and its log-softmax; their
+  gradients reuse what the backward's recompute frees), or the whole response's if that is smaller, and one chunk's
+  weight gradient of the output layer before it is added up (V h d). Fitted to the trainer's own update on the
+  Qwen2.5-0.5B shape (bench/bench_trainer_memory.py: measured and predicted side by side).
 
 N is the largest micro-batch a config can form: with ``use_dynamic_bsz`` the larger of the budget and the
 longest sequence (prompt + ``rollout.response_length``: a longer row runs alone), else ``ppo_micro_batch_size``
@@ -116,11 +118,12 @@ def update_working_bytes(shape: ModelShape, *, tokens: int, rows: int, response_
         acts = tokens * (shape.layers * 3 * h * d + per_layer + (12 * d + 40) * h)
     else:  # every layer's activations, and what sits outside them (embeddings, final norm, backward temporaries)
         acts = tokens * (shape.layers * per_layer + (9 * d + 32) * h)
-    if chunk_mib is None:
-        logits = tokens * shape.vocab * d + 6 * response_tokens * shape.vocab * 4
-    else:
+    if chunk_mib is None:  # the whole [B, T, V] logits, then [B, L, V] gathered and three float32 copies of it
+        logits = tokens * shape.vocab * d + response_tokens * shape.vocab * (d + 12)
+    else:  # a chunk's logits and log-softmax (their gradients reuse what the recompute frees), and the output
+        # layer's weight gradient of a chunk before it is added to the parameter's
         block = min(chunk_mib * 2**20, response_tokens * shape.vocab * 4.0)
-        logits = 3.5 * block
+        logits = 2 * block + shape.vocab * h * d
     return acts + logits
 
 

@@ -1,17 +1,19 @@
 """What both of ``hpcrl plan``'s simulations share: the events they replay, a candidate's knobs, what they predict,
 the response and prompt lengths per prompt index, and the order in which rollout jobs take the budget.
 
-Both simulations run the whole pipeline in modelled seconds. It replays, without sleeping, what the jobs do (hpcrl/rollout/main.py, hpcrl/trainer/main.py) on the phase
-model of the ``simulated`` section:
+Both simulations run the whole pipeline in modelled seconds. They replay, without sleeping, what the jobs do
+(hpcrl/rollout/main.py, hpcrl/trainer/main.py) on the phase model of the ``simulated`` section:
 
 - each rollout job has one engine batch with the simulated engine's arithmetic (a decoding step is
   ``decode_base_s + decode_per_seq_s * running``, prefill per prompt token, at most ``max_num_seqs``, and with
   ``kv_cache_tokens`` the KV-cache rule of ``SimulatedConfig.kv_admits``: the newest sequence is preempted
   when a step would not fit);
-- a job starts a group (n sequences) while it has fewer than ``max_concurrent_groups`` in flight and the
-  shared admission budget allows (``started < consumed_groups(v) + B``, v the version it holds); the group
-  generates prompt index ``started`` (the shared claim hands indices out in order); jobs acting at the same
-  instant take the budget in :class:`~hpcrl.plan.model.ServiceOrder`;
+- a job starts a group (n sequences) while the admission rule allows, the same function the admission lock
+  applies (``hpcrl.config.knobs.may_start``): the shared budget has a start left (``started < consumed_groups(v)
+  + B``, v the version it holds), the job is below its bound (``rollout.max_concurrent_groups``, ``auto``: what
+  its engine decodes at once) and, sharing by load, below the even share of what the fleet may have in flight;
+  the group generates prompt index ``started`` (the shared claim hands indices out in order); jobs acting at the
+  same instant ask in :class:`~hpcrl.plan.model.ServiceOrder`;
 - a finished group is committed at once, except while its job drains for a new version (no partial rollout),
   which commits what it collected when the drain ends, as ``RolloutJob._drain`` does; the trainer takes R
   committed groups in commit order, updates for
@@ -46,12 +48,11 @@ EPS_S = 1e-12
 @dataclass(frozen=True, kw_only=True)
 class Knobs(RunKnobs):
     """One candidate run: a run's async knobs (:class:`hpcrl.config.knobs.Knobs`: s, K, R, partial rollout, n, the
-    rollout jobs and their ``max_concurrent_groups``) and what the simulation needs besides."""
+    rollout jobs, their ``max_concurrent_groups`` and how they share the budget) and what the simulation needs
+    besides."""
 
     trainer_gpus: int = 1
     """GPUs of the trainer (the update's per-token time is divided by them)."""
-    max_num_seqs: int = 256
-    """Sequences an engine runs at once (``rollout.max_num_seqs``)."""
     response_length: int = 1024
     """The responses' cap (``rollout.response_length``)."""
     prompt_tokens: int = 16
@@ -153,7 +154,8 @@ class ServiceOrder:
     """The order in which rollout jobs that act at the same instant take the admission budget.
 
     A real job notices a new weight version at its own poll and loads it; jobs that finish the load together
-    start groups one by one under the admission lock, each up to ``max_concurrent_groups``, in the order they got
+    start groups one by one under the admission lock, each as far as the admission rule lets it
+    (``hpcrl.config.knobs.may_start``: by load, an even share; first come, up to its bound), in the order they got
     there, which differs from version to version. Modelled as a seeded random order of the jobs per version."""
 
     def __init__(self, jobs: int, data_seed: int = 0):

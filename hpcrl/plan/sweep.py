@@ -133,8 +133,8 @@ def knobs_of(cfg: RunConfig, rollout_jobs: int, trainer_gpus: int, staleness: fl
     """The config's own knobs (``RunConfig.knobs``) with a split and async setting replaced."""
     run = {f.name: getattr(cfg.knobs, f.name) for f in dataclasses.fields(cfg.knobs)}
     run.update(rollout_jobs=rollout_jobs, staleness_threshold=staleness, partial_rollout=partial and staleness > 0)
-    return Knobs(**run, trainer_gpus=trainer_gpus, max_num_seqs=cfg.rollout.max_num_seqs,
-                 response_length=cfg.rollout.response_length, prompt_tokens=prompt_tokens)
+    return Knobs(**run, trainer_gpus=trainer_gpus, response_length=cfg.rollout.response_length,
+                 prompt_tokens=prompt_tokens)
 
 
 def default_splits(gpus: int, gpus_per_engine: int, gpus_per_node: int = GPUS_PER_NODE) -> list[int]:
@@ -189,7 +189,7 @@ def upper_bound(sim: SimulatedConfig, k: Knobs, mean_response: float) -> float:
     K = k.trigger_parameter_sync_step
     trainer = dataclasses.replace(sim, trainer_gpus=k.trainer_gpus)
     trainer_ub = tokens / (trainer.update_model_s(tokens) + sim.publish_s / K)
-    per_engine = min(k.max_num_seqs, k.max_concurrent_groups * k.n, k.budget * k.n / k.rollout_jobs)
+    per_engine = min(k.max_num_seqs, k.group_bound * k.n, k.budget * k.n / k.rollout_jobs)
     fleet = k.rollout_jobs * per_engine / sim.decode_step_s(per_engine)
     rollout_ub = tokens / (tokens / fleet + sim.weight_load_s / K)
     return min(trainer_ub, rollout_ub)

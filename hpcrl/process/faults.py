@@ -31,6 +31,7 @@ write             any job, as each write to the run directory begins (``disk.gua
 metrics_log       trainer, before an update's metrics row is appended
 states_save       rollout, before the states of its groups in flight are saved
 eval_commit       evaluation, before a version's samples and row are appended
+change_look       any job, as it looks whether ``control/changes.jsonl`` grew (``sleep``: a job slow to notice)
 ================  ===================================================================
 """
 from __future__ import annotations
@@ -44,7 +45,8 @@ import time
 ENV = "HPCRL_FAULT_POINT"
 ONCE_ENV = "HPCRL_FAULT_ONCE"
 POINTS = ("seal_manifest", "checkpoint", "publish", "delta_write", "weight_load", "engine_load", "broadcast_bucket",
-          "startup", "op_build", "eval_prompt", "tool_call", "write", "metrics_log", "states_save", "eval_commit")
+          "startup", "op_build", "eval_prompt", "tool_call", "write", "metrics_log", "states_save", "eval_commit",
+          "change_look")
 
 log = logging.getLogger(__name__)
 _specs = [spec.split(":", 2) for spec in os.environ.get(ENV, "").split(",") if spec]

@@ -68,6 +68,8 @@ class InFlightStates:
         self.enabled = enabled
         self._lock = threading.Lock()
         self._live: dict[int, SavedGroup] = {}
+        self._finished: dict[int, SavedGroup] = {}  # finished, not committed yet: carried if refused at commit
+        self._carried: dict[int, SavedGroup] = {}  # reopened (:meth:`carry`), to continue under the next version
         self._saved: dict[int, SavedGroup] = self._read() if enabled else {}
         if held is not None:
             self._keep_only(set(held))
@@ -100,6 +102,10 @@ class InFlightStates:
         """The states a group starts from, and whether they were saved: the predecessor's for
         ``prompt_index`` (same loop and size), else ``fresh``. They are live (saved by :meth:`save`)."""
         with self._lock:
+            carried = self._carried.pop(prompt_index, None)
+            if carried is not None:
+                self._live[prompt_index] = carried
+                return carried.trajectories, False
             saved = self._saved.pop(prompt_index, None)
             resumed = saved is not None and saved.agent == agent and len(saved.trajectories) == len(fresh)
             if resumed:
@@ -111,9 +117,30 @@ class InFlightStates:
             return saved.trajectories, resumed
 
     def finish(self, prompt_index: int) -> None:
-        """The group is done (or dropped): nothing to save for it."""
+        """The group is done: nothing to save for it; its states are kept until it is committed (:meth:`release`)
+        or carried (:meth:`carry`)."""
         with self._lock:
-            self._live.pop(prompt_index, None)
+            done = self._live.pop(prompt_index, None)
+            if done is not None:
+                self._finished[prompt_index] = done
+
+    def release(self, prompt_indices) -> None:
+        """The groups are committed (or generated again from scratch): their states are gone."""
+        with self._lock:
+            for index in prompt_indices:
+                self._finished.pop(index, None)
+                self._carried.pop(index, None)
+
+    def carry(self, prompt_index: int) -> bool:
+        """Reopen a finished group's sampled trajectories (:meth:`TrajectoryState.reopen`) so that it continues
+        under the next version the job loads (its next :meth:`start`); False (its states dropped) if none could
+        be reopened."""
+        with self._lock:
+            group = self._finished.pop(prompt_index, None)
+            if group is None or not sum([t.reopen() for t in group.trajectories if not t.greedy]):
+                return False
+            self._carried[prompt_index] = group
+            return True
 
     def save(self) -> None:
         """Write the states of every group started and not finished (each is parked or stopped when this is
@@ -124,7 +151,7 @@ class InFlightStates:
         if not self.enabled:
             return
         with self._lock:
-            groups = {**self._saved, **self._live}
+            groups = {**self._saved, **self._carried, **self._live}
             doc = SavedGroups(SCHEMA, [groups[i] for i in sorted(groups)]).to_json()
         faults.point("states_save")
         make_dirs(self.path.parent)

@@ -10,18 +10,22 @@ The loop (:meth:`RolloutJob.loop`) repeats these named steps:
    trainer rolled back to a checkpoint): stop admitting, let the groups in flight
    finish, seal them, load the version; with ``partial_rollout``, abort them instead
    and let them continue under the new version (``rollout/gate.py``);
-3. **admit**: while fewer than ``rollout.max_concurrent_groups`` groups are in
-   flight, reserve a start in the shared admission budget and claim its prompt index
-   (``control/admission.py``, ``control/claims.py``): one this writer holds already, else a new one;
+3. **admit**: while the admission rule allows (the shared budget, this job's share of it by load and its bound,
+   ``rollout.max_concurrent_groups``), reserve a start and claim its prompt index (``control/admission.py``,
+   ``control/claims.py``): one this writer holds already, else a new one;
 4. **collect** finished groups (n responses + rewards) into the shard buffer;
-5. **seal** the buffer when it is full, old, or nothing is in flight (the commit);
+5. **seal** the buffer when it is full, old, or nothing is in flight (the commit). A group the commit refuses
+   because it could be trained beyond the lag bound (the job missed a version) is taken out of the shard and,
+   once the newest version is loaded, carried into it (partial rollout: its trajectories' last sampled tokens
+   are generated again there) or generated again from scratch, each counted (``fully_async/lag_bound/*``);
 6. **wait** when nothing was admitted, collected or is in flight: the version's
    budget is spent, so only a newer version (or trainer_done) lets the job go on.
 
 Steps 1, 2, the re-admission of a job whose budget is spent, and the skipped prompts look at the run
 directory only when ``control/changes.jsonl`` grew (``control/changes.py``: one stat, backing off from
 ``timeouts.poll_interval_s`` to ``poll_max_s`` while nothing changes, and every 10 s anyway): every writer
-of what they look for appends to it after the change.
+of what they look for appends to it after the change. Step 2 also looks when the commit refused a group (a newer
+version exists then); a job refused by its share tries again when one of its own groups finishes.
 
 What it waits for: weight version 0 at start, and a newer version whenever the
 budget is spent; each wait logs what it waits for and the trainer's heartbeat, and
@@ -52,12 +56,14 @@ from hpcrl.process.preemption import PreemptionFlag
 from hpcrl.rollout.agent_loop import GroupContext, group_seed, run_group
 from hpcrl.rollout.engine import FINISH_LENGTH
 from hpcrl.rollout.gate import EngineGate
+from hpcrl.rollout.late import LateGroups
 from hpcrl.rollout.loops import loop_name
 from hpcrl.rollout.parts import RolloutParts, build_parts
 from hpcrl.rollout.trajectory import TrajectoryState
 from hpcrl.rollout.version_stats import GroupInfo, VersionStats, sample_columns
 from hpcrl.rundir.paths import RunDir
 from hpcrl.samples.schema import Group, Trajectory
+from hpcrl.samples.writer import CommitRefused
 from hpcrl.weights import WeightVersion
 from hpcrl.weights.shared_memory import SHM_DIR, sweep_stale
 
@@ -111,7 +117,12 @@ class RolloutJob:
         """Groups generating (or parked at the gate) -> their prompt index."""
         self.stats: Optional[VersionStats] = None
         """Counters of the current version, written as a row when the next one is loaded."""
+        self.bound = self.cfg.knobs.group_bound
+        """Groups this job may have in flight at most (``rollout.max_concurrent_groups``, ``auto``)."""
+        self.late = LateGroups(self.cfg.async_training.partial_rollout)
+        """Groups the commit refused (lag bound), to start again once the newest version is loaded."""
         self._budget_spent = False  # the last try to admit found the budget spent: try again after a change
+        self._share_full: Optional[int] = None  # in flight at the last refusal by share: try again below that
         self._blocked_since: Optional[float] = None
         self._failed_load: tuple[int, float] = (-1, 0.0)  # (version, monotonic time) of the last failed engine load
 
@@ -212,7 +223,8 @@ class RolloutJob:
         if self.stats is not None:
             self._write_version_stats()
         self.version, self.consumed_at_version = wv.version, wv.manifest.consumed_groups
-        self._budget_spent = False  # a new version's budget
+        self.parts.admission.holding = (self.version, self.consumed_at_version)  # the commit's lag check
+        self._budget_spent, self._share_full = False, None  # a new version's budget
         self.stats = VersionStats(self.version, load_s=load_s, sync=wv.metrics(apply_s),
                                   prompts={M.PROMPTS_FILTERED: self.parts.prompt_counts.filtered,
                                            M.PROMPTS_TRUNCATED: self.parts.prompt_counts.truncated})
@@ -267,16 +279,21 @@ class RolloutJob:
         p = self.parts
         if changed:
             p.positions.requeue(p.shards.take_skipped_prompts())
-        elif self._budget_spent:
+        elif self._budget_spent or (self._share_full is not None and len(self.in_flight) >= self._share_full):
             return False
         admitted = False
-        while len(self.in_flight) < self.cfg.rollout.max_concurrent_groups:
-            index = p.admission.try_start(self.consumed_at_version, own=p.positions.peek())
-            self._budget_spent = index is None
+        self._budget_spent, self._share_full = False, None
+        while len(self.in_flight) < self.bound:
+            index = p.admission.try_start(self.consumed_at_version, own=p.positions.peek(),
+                                          in_flight=len(self.in_flight), look_for_skips=changed and not admitted)
             if index is None:
+                if p.admission.refused == "budget":
+                    self._budget_spent = True
+                else:  # at its share: a group of its own finishing (or a change) lets it try again
+                    self._share_full = len(self.in_flight)
                 break
             p.positions.taken(index)
-            self.in_flight[p.pool.submit(self._generate_group, index)] = index
+            self._submit(index)
             admitted = True
         return admitted
 
@@ -319,10 +336,26 @@ class RolloutJob:
             self._seal()
 
     def _seal(self) -> None:
-        line = self.parts.shards.seal()
+        """Commit the buffer; groups the commit refuses for the lag bound wait in :attr:`late` (``late.py``)."""
+        while True:
+            try:
+                line = self.parts.shards.seal()
+            except CommitRefused as e:
+                self.late.take(e, self.parts.shards, self.parts.states, self.stats, self.version)
+                continue
+            break
         if line is not None:
+            self.parts.states.release(line.prompt_indices)
             self.heartbeat.update(stats=JobStats(groups_committed=self.parts.shards.committed_groups))
             log.debug("committed %s (%d groups)", line.shard, line.n_groups)
+
+    def _start_late(self) -> None:
+        """Start the refused groups again (step 2 has loaded the newest version)."""
+        self.late.start(self.version, self.parts.admission, self._submit)
+
+    def _submit(self, index: int) -> None:
+        """The group of prompt ``index`` generates in a pool thread."""
+        self.in_flight[self.parts.pool.submit(self._generate_group, index)] = index
 
     def _wait_if_blocked(self, progressed: bool) -> None:
         """Step 6: with nothing in flight and no progress, the budget of this version is spent:
@@ -373,7 +406,8 @@ class RolloutJob:
             if stop is not None:
                 return stop
             changed = self.changes.changed("loop")
-            self._switch_weights_if_newer(changed)
+            self._switch_weights_if_newer(changed or bool(self.late))
+            self._start_late()
             admitted = self._admit(changed)
             t0 = time.monotonic()
             collected = self._collect(timeout_s=poll_s)
@@ -385,12 +419,16 @@ class RolloutJob:
     def _finish_in_flight(self) -> None:
         """Drained: nothing more is admitted; the groups in flight finish as in the loop, weight switches included
         (a group continues under the newest version, as the lag bound needs), and are sealed."""
-        while self.in_flight:
-            termination.check()
-            self._switch_weights_if_newer(self.changes.changed("loop"))
-            self._collect(timeout_s=self.cfg.timeouts.poll_interval_s)
-            self._seal_if_due()
-        self._seal()
+        while True:
+            while self.in_flight or self.late:
+                termination.check()
+                self._switch_weights_if_newer(self.changes.changed("loop") or bool(self.late))
+                self._start_late()
+                self._collect(timeout_s=self.cfg.timeouts.poll_interval_s)
+                self._seal_if_due()
+            self._seal()
+            if not self.late:  # else refused at the last seal: one more round
+                return
 
     def _abort_generations(self) -> None:
         """Stop the generations in flight (their groups are dropped: the successor regenerates them)."""

@@ -126,7 +126,10 @@ def build_parts(cfg: RunConfig, run_dir: RunDir, writer: str, steps: StartupStep
         weights = make_subscriber(cfg.weights, run_dir, writer, t, engine.receive_device)
         closers.callback(weights.close)
         with steps.step(f"recovering writer {writer}'s shards, admission count and prompt claims"):
-            admission = Admission(run_dir, writer, cfg.admission_budget, reclaim_after_s=t.heartbeat_stale_s)
+            k = cfg.knobs
+            admission = Admission(run_dir, writer, k.admission_budget, reclaim_after_s=t.heartbeat_stale_s,
+                                  bound=k.group_bound, share=k.budget_share,
+                                  lag=(k.groups_per_version, k.max_lag_bound))
             shards = ShardWriter(run_dir, writer, cfg.rollout.seal_groups, cfg.rollout.seal_interval_s,
                                  skips=SkipLog(run_dir), commit_guard=admission.committing)
             held = admission.join(shards.committed_groups, shards.committed_prompt_indices, shards.skipped_at_start)
@@ -137,6 +140,7 @@ def build_parts(cfg: RunConfig, run_dir: RunDir, writer: str, steps: StartupStep
             positions=ClaimedPrompts(held),
             states=InFlightStates(run_dir.in_flight_states(writer), cfg.async_training.partial_rollout, held),
             metrics=MetricsLog(run_dir.rollout_metrics(writer)),
-            pool=ThreadPoolExecutor(cfg.rollout.max_concurrent_groups, thread_name_prefix="group"),
+            # its bound, plus room for groups the commit refused and starts again (threads are made as needed)
+            pool=ThreadPoolExecutor(k.group_bound + k.admission_budget, thread_name_prefix="group"),
             closers=closers.pop_all())
     return parts

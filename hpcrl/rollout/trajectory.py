@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from hpcrl.rundir.json_record import JsonRecord, RecordError
+from hpcrl.rollout.engine import FINISH_LENGTH, FINISH_STOP
 
 PENDING, GENERATING, PROCESSING_TOOLS, TERMINATED = "pending", "generating", "processing_tools", "terminated"
 STATES = (PENDING, GENERATING, PROCESSING_TOOLS, TERMINATED)
@@ -77,6 +78,21 @@ class TrajectoryState(JsonRecord):
         self.logprobs += logprobs
         self.mask += [1 if model else 0] * len(tokens)
         self.versions += [version] * len(tokens)
+
+    def reopen(self) -> bool:
+        """Take back the last token of a trajectory that ended on one the model sampled (EOS, or the length cap)
+        and let it generate from there again, as if an abort had cut it just before that token: a partial
+        rollout's continuation under the version the job loads next, with every token keeping the version that
+        sampled it (the rollout job's carry of a group that could be trained beyond the lag bound). False, and
+        nothing changed, for a trajectory that did not end so (on a tool's response, a tool error, max turns)."""
+        if self.state != TERMINATED or self.finish_reason not in (FINISH_STOP, FINISH_LENGTH) or \
+                not self.mask or self.mask[-1] != 1:
+            return False
+        for column in (self.tokens, self.mask, self.logprobs, self.versions):
+            column.pop()
+        self.state, self.finish_reason = GENERATING, None
+        self.assistant_turns = max(0, self.assistant_turns - 1)  # the turn is counted again when it ends
+        return True
 
     def terminate(self, reason: str) -> None:
         """End it with ``reason``; calls still pending are dropped."""

@@ -57,6 +57,8 @@ class VersionStats:
     truncated: int = 0
     partial_groups: int = 0
     resumed_groups: int = 0
+    lag_carried: int = 0
+    lag_dropped: int = 0
     pause_s: float = 0.0
     idle_s: float = 0.0
     load_s: float = 0.0
@@ -83,6 +85,13 @@ class VersionStats:
         self.tokens += sum(len(t.response_ids) for t in group.trajectories)
         self.reward_sum += sum(t.reward for t in group.trajectories)
 
+    def withdraw(self, group: Group) -> None:
+        """Take back a counted group refused at commit (it finishes again, and is counted then)."""
+        self.groups -= 1
+        self.trajectories -= len(group.trajectories)
+        self.tokens -= sum(len(t.response_ids) for t in group.trajectories)
+        self.reward_sum -= sum(t.reward for t in group.trajectories)
+
     def count_agent(self, turns: list[int], tool_calls: int, tool_errors: int, tool_latency_s: float) -> None:
         """Add a group's agent counters (turns per trajectory, its tool calls, failures, seconds in tools)."""
         self.turns_sum += sum(turns)
@@ -105,6 +114,7 @@ class VersionStats:
                 M.ROLLOUT_IDLE_RATIO: min(1.0, self.idle_s / wall), M.LOAD_WEIGHTS_S: self.load_s,
                 M.TOKENS_PER_S: self.tokens / wall, M.RESPONSE_CLIP_RATIO: self.truncated / trajs,
                 M.PARTIAL_GROUPS: self.partial_groups, M.RESUMED_GROUPS: self.resumed_groups, M.PAUSE_S: self.pause_s,
+                M.LAG_CARRIED: self.lag_carried, M.LAG_DROPPED: self.lag_dropped,
                 M.NUM_TURNS_MEAN: self.turns_sum / trajs, M.NUM_TURNS_MAX: self.turns_max,
                 M.TOOL_CALLS_MEAN: self.tool_calls / trajs, M.TOOL_ERRORS: self.tool_errors,
                 M.TOOL_LATENCY_S: self.tool_latency_s / max(self.tool_calls, 1),

@@ -48,6 +48,18 @@ from hpcrl.samples.skips import SkipLog
 log = logging.getLogger(__name__)
 
 
+class CommitRefused(Exception):
+    """The commit guard refused some groups of a shard before its manifest line (nothing was committed, the
+    shard file is removed, every group stays buffered): the caller withdraws :attr:`prompts`
+    (:meth:`ShardWriter.withdraw`) and seals the rest again. The admission's lag check raises it
+    (``control/admission.py``, ``Admission.committing``)."""
+
+    def __init__(self, prompts: list[int], why: str):
+        super().__init__(f"prompts {prompts[:10]}{' ...' if len(prompts) > 10 else ''}: {why}")
+        self.prompts = list(prompts)
+        self.why = why
+
+
 def shard_image(groups: list[Group], writer: str, shard_index: int) -> tuple[bytes, dict[str, list[int]]]:
     """The bytes of a shard file holding ``groups`` (built in memory, nothing touches the disk),
     and where each dataset's raw data lies in them: ``{name: [byte offset, elements]}``."""
@@ -71,9 +83,10 @@ class ShardWriter:
 
     ``skips`` (the run's :class:`SkipLog`) makes prompts of shards the trainer skipped
     count as not committed; :meth:`take_skipped_prompts` hands newly skipped ones back.
-    ``commit_guard(prompt_indices)``, if given, is a context manager around each manifest append (the
-    rollout job's prompt claims: ``control/admission.py`` ``Admission.committing``): if it raises, nothing
-    is committed.
+    ``commit_guard(prompt_indices, newest_tokens)``, if given, is a context manager around each manifest append
+    (the rollout job's prompt claims and lag check: ``control/admission.py`` ``Admission.committing``; each group's
+    newest token version with its prompt): if it raises, nothing is committed (:class:`CommitRefused`: the shard
+    file is removed too).
     """
 
     def __init__(self, run_dir: RunDir, writer: str, seal_groups: int, seal_interval_s: float,
@@ -166,6 +179,12 @@ class ShardWriter:
             self._first_buffered_s = time.monotonic()
         self._buffer.append(group)
 
+    def withdraw(self, prompts: list[int]) -> list[Group]:
+        """Take the buffered groups of ``prompts`` back (refused at commit: :class:`CommitRefused`)."""
+        out = [g for g in self._buffer if g.prompt_index in set(prompts)]
+        self._buffer = [g for g in self._buffer if g.prompt_index not in set(prompts)]
+        return out
+
     @property
     def buffered(self) -> int:
         """Groups waiting for the next seal."""
@@ -195,15 +214,21 @@ class ShardWriter:
             committed_s=0.0, layout=layout)
         write_file_durably(tmp, image, what=f"shard {final.name}")
         guarded(f"the rename of {tmp.name}", final, 0, lambda: (os.rename(tmp, final), fsync_path(self.folder)))
+        guard = self.commit_guard(line.prompt_indices, [g.version_end for g in groups]) if self.commit_guard \
+            else nullcontext()
         with termination.deferred():  # durable and recorded in memory, or neither
             faults.point("seal_manifest")
-            line.committed_s = time.time()
-            with self.commit_guard(line.prompt_indices) if self.commit_guard else nullcontext():
-                try:
-                    self._manifest.append(line.to_json())  # the commit point
-                except BaseException as e:
-                    self._broken = f"appending the manifest line of {final.name} failed ({e!r}); it may be durable"
-                    raise
+            try:
+                with guard:
+                    line.committed_s = time.time()  # under the guard's lock: the order the trainer takes them in
+                    try:
+                        self._manifest.append(line.to_json())  # the commit point
+                    except BaseException as e:
+                        self._broken = f"appending the manifest line of {final.name} failed ({e!r}); it may be durable"
+                        raise
+            except CommitRefused:  # raised before the append: never listed, nobody read it
+                final.unlink()
+                raise
             self._buffer = []
             self._lines[line.shard] = list(line.prompt_indices)
             self._live.update(line.prompt_indices)
@@ -211,9 +236,16 @@ class ShardWriter:
         return line
 
     def close(self) -> None:
-        """Seal what is buffered (unless a commit failed) and close the manifest."""
+        """Seal what is buffered (unless a commit failed) and close the manifest. Groups the guard refuses are left
+        uncommitted (their prompts stay this writer's claims: its next job generates them again)."""
         try:
-            if not self._broken:
-                self.seal()
+            while not self._broken:
+                try:
+                    self.seal()
+                    break
+                except CommitRefused as e:
+                    self.withdraw(e.prompts)
+                    log.warning("writer %s: not committing %d group(s) at close (%s); generated again by its next "
+                                "job", self.writer, len(e.prompts), e.why)
         finally:
             self._manifest.close()

@@ -44,6 +44,9 @@ DROPPED = "filter_groups"
 """The staleness log's ``dropped`` value of a group dynamic sampling dropped."""
 MAX_STALENESS = "max_staleness"
 """The same for a group older than ``async_training.max_staleness``."""
+LAG_BOUND = "lag_bound"
+"""The same for a group whose newest token lags by more than the lag bound (the rollout jobs' commit check keeps
+such groups out: this holds the bound whatever got past it)."""
 
 Dropped = dict[str, list[Group]]
 """The groups an update took and does not train on, by reason (the staleness log's ``dropped``)."""
@@ -117,3 +120,25 @@ class DynamicSampling:
             return
         write_json_atomic(self.run_dir.filtered_groups, FilteredGroups(dropped_groups, time.time()).to_json())
         bump(self.run_dir, f"{dropped_groups} groups without spread dropped: their budget given back", "trainer")
+
+
+def sort_taken(groups: list[Group], kept: list[Group], dropped: Dropped, version: int, cfg,
+               sampling: "DynamicSampling", filtered_before: int) -> None:
+    """The trainer's rank 0: each group taken goes to ``kept`` or to ``dropped`` under its reason (lags against
+    ``version``, the one the update starts from): its newest token more than ``RunConfig.max_lag_bound`` versions old
+    (the rollout jobs' commit refuses such groups, ``control/admission.py``: this holds the bound whatever got past
+    them), its oldest more than ``async_training.max_staleness``, or without spread (dynamic sampling: its admission
+    place is given back at once; ``filtered_before`` is the run's count before this update)."""
+    max_st = cfg.async_training.max_staleness
+    filtered = len(dropped.get(DROPPED, ()))
+    for g in groups:
+        if 0 <= g.version_end < version - cfg.max_lag_bound:  # version_end -1: no token, no lag
+            dropped.setdefault(LAG_BOUND, []).append(g)
+        elif max_st is not None and version - g.version_start > max_st:
+            dropped.setdefault(MAX_STALENESS, []).append(g)
+        elif not sampling.keeps(g):
+            dropped.setdefault(DROPPED, []).append(g)
+        else:
+            kept.append(g)
+    if len(dropped.get(DROPPED, ())) > filtered:
+        sampling.give_back(filtered_before + len(dropped[DROPPED]))

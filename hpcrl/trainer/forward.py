@@ -6,9 +6,10 @@ A micro-batch's rows go to the model in one of three layouts (:func:`packs_of`):
   from restarting position ids: ``flash_attention_2``/``_3``, ``flex_attention``): every row back to back in
   one ``[1, N]`` sequence, position ids restarting at each row; attention memory and time follow the real
   tokens, nothing computed is padding;
-- **packed in short packs** (``use_remove_padding`` with ``sdpa`` or ``eager``, e.g. on CPU): those kernels
-  mask a pack with an ``N x N`` matrix, so rows are packed only up to :data:`QUADRATIC_PACK_TOKENS` tokens and
-  a longer row runs alone, where ``sdpa`` needs no mask at all (its causal kernel: memory linear in tokens);
+- **rows of similar length** (``use_remove_padding`` with ``sdpa`` or ``eager``, e.g. on CPU): those kernels keep
+  packed rows apart only with an ``N x N`` mask, so a row over :data:`QUADRATIC_PACK_TOKENS` tokens runs alone
+  (``sdpa``'s causal kernel needs no mask: memory linear in its tokens) and shorter rows are padded together, longest
+  first, with at most :data:`PADDED_WASTE` of padding;
 - **padded** (``use_remove_padding: false``): the rows right-padded to the micro-batch's longest, with an
   attention mask: the classic layout, cheapest for many short rows of equal length.
 
@@ -29,8 +30,11 @@ VARLEN_KERNELS = ("flash_attention_2", "flash_attention_3", "flex_attention")
 """Attention implementations that keep packed sequences apart from restarting position ids without an
 ``N x N`` mask (transformers' names)."""
 QUADRATIC_PACK_TOKENS = 512
-"""Longest pack for a kernel that masks packs with an ``N x N`` matrix (``sdpa``, ``eager``): its mask and
-attention weights grow with the square of the pack (at 512 tokens and 14 heads, 15 MB a layer)."""
+"""For a kernel that cannot keep packed rows apart without an ``N x N`` mask (``sdpa``, ``eager``): rows longer than
+this run alone (sdpa's causal kernel needs no mask, its memory is linear in tokens), shorter ones are padded together
+(:data:`PADDED_WASTE`); the masks and attention weights of such a batch grow with its rows x width squared."""
+PADDED_WASTE = 0.25
+"""Rows padded together for such a kernel: at most this share of padding over their real tokens."""
 
 
 @dataclass
@@ -90,28 +94,39 @@ def _to_multiple(pack: Pack, sp: int, pad_id: int) -> Pack:
                 torch.cat([pack.position_ids, more], 1), None, pack.picks, pack.targets)
 
 
-def packs_of(micro: Batch, *, remove_padding: bool, attn: str, pad_id: int, device, sp: int = 1) -> list[Pack]:
-    """The micro-batch's rows as forwards (module docstring), in row order; with sequence parallelism (sp > 1) each
-    pack padded to a multiple of sp, and one row per pack unless the kernel keeps packed rows apart."""
+def packs_of(micro: Batch, *, remove_padding: bool, attn: str, pad_id: int, device,
+             sp: int = 1) -> list[tuple[list[int], Pack]]:
+    """The micro-batch's rows as forwards (module docstring): ``(rows, pack)`` pairs, every row in one of them; with
+    sequence parallelism (sp > 1) each pack padded to a multiple of sp, and one row per pack unless the kernel keeps
+    packed rows apart."""
     rows = list(range(len(micro)))
     if sp > 1:
-        packs = [_packed(micro, rows, device)] if attn in VARLEN_KERNELS else [_packed(micro, [b], device) for b in rows]
-        return [_to_multiple(p, sp, pad_id) for p in packs]
+        groups = [rows] if attn in VARLEN_KERNELS else [[b] for b in rows]
+        return [(g, _to_multiple(_packed(micro, g, device), sp, pad_id)) for g in groups]
     if not remove_padding:
-        return [_padded(micro, rows, pad_id, device)]
+        return [(rows, _padded(micro, rows, pad_id, device))]
     if attn in VARLEN_KERNELS:
-        return [_packed(micro, rows, device)]
-    packs, current, used = [], [], 0
-    for b in rows:
-        n = int(micro.seq_lens[b])
-        if current and used + n > QUADRATIC_PACK_TOKENS:
-            packs.append(current)
-            current, used = [], 0
-        current.append(b)
-        used += n
-    if current:
-        packs.append(current)
-    return [_packed(micro, p, device) for p in packs]
+        return [(rows, _packed(micro, rows, device))]
+    return [(g, _packed(micro, g, device) if len(g) == 1 else _padded(micro, g, pad_id, device))
+            for g in _similar_lengths(micro.seq_lens.tolist())]
+
+
+def _similar_lengths(lengths: list[int]) -> list[list[int]]:
+    """Rows for a kernel without packing (sdpa, eager), longest first: a row over :data:`QUADRATIC_PACK_TOKENS`
+    alone (no mask: sdpa's causal kernel, memory linear in its tokens), shorter ones padded together while the
+    padding stays under :data:`PADDED_WASTE` of the real tokens and the batch under the same bound per row."""
+    groups: list[list[int]] = []
+    for b in sorted(range(len(lengths)), key=lambda b: -lengths[b]):
+        n = lengths[b]
+        g = groups[-1] if groups else None
+        if g is not None and lengths[g[0]] <= QUADRATIC_PACK_TOKENS:
+            width = lengths[g[0]]  # the group's longest (rows come longest first)
+            real = sum(lengths[r] for r in g) + n
+            if (len(g) + 1) * width <= (1 + PADDED_WASTE) * real:
+                g.append(b)
+                continue
+        groups.append([b])
+    return groups
 
 
 def unflatten(flat: torch.Tensor, resp_lens: torch.Tensor, width: int) -> torch.Tensor:
@@ -141,16 +156,20 @@ def run_model(module, micro: Batch, temperature: float, layout: Layout, device, 
     """``(logp, extra, values)`` of the micro-batch's response tokens, each ``[b, L]`` (zero past a row's
     response; extra and values may be None). ``module`` is a DeepSpeed engine around a
     :class:`~hpcrl.trainer.models.PolicyWithValueHead`, or such a module itself (the reference)."""
+    packs = packs_of(micro, remove_padding=layout.remove_padding, attn=layout.attn, pad_id=layout.pad_id,
+                     device=device, sp=layout.sp)
     outs = [module(pack, temperature=temperature, chunk_rows=layout.chunk_rows, extra=extra, extra_grad=extra_grad,
-                   sp=layout.sp)
-            for pack in packs_of(micro, remove_padding=layout.remove_padding, attn=layout.attn,
-                                 pad_id=layout.pad_id, device=device, sp=layout.sp)]
-    width = micro.targets.shape[1]
+                   sp=layout.sp) for _, pack in packs]
+    order = torch.tensor([b for rows, _ in packs for b in rows])  # the packs' rows, in the order they ran
+    lens = micro.resp_lens[order]
+    back = torch.empty_like(order)
+    back[order] = torch.arange(len(order))  # row b ran as the back[b]-th
 
     def put(i: int) -> Optional[torch.Tensor]:
         if outs[0][i] is None:
             return None
-        return unflatten(torch.cat([o[i] for o in outs]), micro.resp_lens, width)
+        ran = unflatten(torch.cat([o[i] for o in outs]), lens, micro.targets.shape[1])
+        return ran if torch.equal(order, torch.arange(len(order))) else ran[back.to(ran.device)]
 
     return put(0), put(1), put(2)
 

@@ -1,11 +1,12 @@
 """Rank 0 of the trainer takes the R groups of each update from the committed shards (:class:`GroupIntake`).
 
-In commit order, as the sample reader hands them out: a group over ``max_staleness`` is dropped and counted, one
-without spread is dropped under ``algorithm.filter_groups`` (its admission place given back at once:
-``dynamic_sampling.py``), skipped shards are counted; the reader's looks are paced so that they cost the metadata
-server at most :data:`TRAINER_STATS_PER_S` stats a second; the wait has ``timeouts.wait_samples_s`` as its deadline
-and a log line every ``timeouts.wait_log_interval_s`` naming the writers' heartbeats. A stop, a preemption or a
-damaged newest weight version interrupts it (the groups taken so far wait for the next call).
+In commit order, as the sample reader hands them out: a group whose newest token lags by more than the lag bound
+(the rollout jobs' commit check keeps those out) or whose oldest is over ``max_staleness`` is dropped and counted,
+one without spread is dropped under ``algorithm.filter_groups`` (its admission place given back at once), all sorted
+by ``dynamic_sampling.sort_taken``; skipped shards are counted; the reader's looks are paced so that they cost the
+metadata server at most :data:`TRAINER_STATS_PER_S` stats a second; the wait has ``timeouts.wait_samples_s`` as its
+deadline and a log line every ``timeouts.wait_log_interval_s`` naming the writers' heartbeats. A stop, a preemption
+or a damaged newest weight version interrupts it (the groups taken so far wait for the next call).
 """
 from __future__ import annotations
 
@@ -23,8 +24,7 @@ from hpcrl.rundir.paths import RunDir
 from hpcrl.samples.reader import SampleReader
 from hpcrl.samples.schema import Group
 from hpcrl.trainer.checkpoint import TrainerState
-from hpcrl.trainer.dynamic_sampling import (DROPPED as DROPPED_NO_SPREAD, MAX_STALENESS, Dropped, DynamicSampling,
-                                            count_dropped)
+from hpcrl.trainer.dynamic_sampling import Dropped, DynamicSampling, count_dropped, sort_taken
 from hpcrl.trainer.share import BATCH, PREEMPT, REPUBLISH, STOP
 
 log = logging.getLogger("hpcrl.trainer")
@@ -47,7 +47,7 @@ class GroupIntake:
 
     def take(self, reader: SampleReader, state: TrainerState, weights_bad: Callable[[], bool]
              ) -> tuple[int, list[Group], Dropped, float]:
-        """(BATCH, R groups to train on, those dropped (for staleness, for no spread), seconds waited) from
+        """(BATCH, R groups to train on, those dropped (for lag, for staleness, for no spread), seconds waited) from
         ``reader``, for the update that starts from ``state``; (PREEMPT or STOP, ...) if USR2 or a stop arrived
         meanwhile, or dynamic sampling took its last batch in vain (recorded as fatal); (REPUBLISH, ...) if
         ``weights_bad()`` says a rollout job marked our newest weight version damaged (the groups taken so far wait
@@ -74,7 +74,8 @@ class GroupIntake:
             taken = reader.take(min(need - len(kept), room))
             if taken:  # a group dropped is progress too: the wait is for the next group (timeouts.wait_samples_s)
                 taken_since = time.monotonic()
-            self._sort(taken, kept, dropped, state)
+            sort_taken(taken, kept, dropped, state.param_version, cfg, self.sampling,
+                       state.counters.get(M.DROPPED_FILTER_GROUPS, 0))
             cause = self.sampling.exhausted(len(kept) + count_dropped(dropped), len(kept), state.step)
             if cause is not None:
                 log.error("stopping the run: %s", cause)
@@ -96,23 +97,6 @@ class GroupIntake:
             time.sleep(sleep_s)
         self.heartbeat.update(state=HeartbeatState.TRAINING)
         return BATCH, kept, dropped, time.monotonic() - t0
-
-    def _sort(self, groups: list[Group], kept: list[Group], dropped: Dropped, state: TrainerState) -> None:
-        """Each group taken goes to ``kept`` or to ``dropped`` under its reason: older than ``max_staleness``
-        (lag against the version this update starts from), or without spread (dynamic sampling: its admission
-        place is given back at once)."""
-        max_st = self.cfg.async_training.max_staleness
-        filtered = len(dropped.get(DROPPED_NO_SPREAD, ()))
-        for g in groups:
-            if max_st is not None and state.param_version - g.version_start > max_st:
-                dropped.setdefault(MAX_STALENESS, []).append(g)
-            elif not self.sampling.keeps(g):
-                dropped.setdefault(DROPPED_NO_SPREAD, []).append(g)
-            else:
-                kept.append(g)
-        if len(dropped.get(DROPPED_NO_SPREAD, ())) > filtered:
-            self.sampling.give_back(state.counters.get(M.DROPPED_FILTER_GROUPS, 0)
-                                    + len(dropped[DROPPED_NO_SPREAD]))
 
     def _pause(self, reader: SampleReader, quiet_s: float) -> float:
         """Seconds until the next look for samples, ``quiet_s`` after the last look that found some. Each

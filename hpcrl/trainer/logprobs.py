@@ -5,7 +5,7 @@ logits are tokens x V: 2.3 MB per token in the float32 a log-softmax needs, 64 G
 hidden states of the positions that predict response tokens ([M, H]) go through the output layer
 ``chunk_rows`` rows at a time; each chunk's logits become, in float32, ``log_softmax(logits / T)`` at the
 sampled token and (when asked) one more number per token, and are dropped before the next chunk. With
-gradients each chunk is checkpointed: the backward pass recomputes the chunk's logits instead of keeping
+gradients and more than one chunk each chunk is checkpointed: the backward pass recomputes the chunk's logits instead of keeping
 them, so the forward and the backward both hold about three chunk-sized float32 blocks at most
 (``actor.logprob_chunk_mib`` sets the block). The values are those of the whole-logits computation
 (the same operations on the same rows).
@@ -84,7 +84,8 @@ def token_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.T
     """``(logp [M], extra [M] or None)`` of ``targets`` [M] given ``hidden`` [M, H] (module docstring), ``rows``
     rows of logits at a time; checkpointed per chunk when gradients flow."""
     assert extra in (None, *EXTRAS), extra
-    grad = torch.is_grad_enabled() and hidden.requires_grad
+    # one chunk holds the whole: recomputing it in the backward would save nothing (its blocks are the peak either way)
+    grad = torch.is_grad_enabled() and hidden.requires_grad and hidden.shape[0] > rows
     picked, more = [], []
     for s in range(0, hidden.shape[0], rows):
         args = (head, hidden[s:s + rows], targets[s:s + rows], temperature, extra, extra_grad, transform)

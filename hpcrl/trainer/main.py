@@ -3,8 +3,9 @@
 One local update (:meth:`TrainerJob.loop`):
 
 1. **take** ``R = ppo_mini_batch_size * require_batches`` groups in commit order (``intake.py``: groups over
-   ``max_staleness`` are dropped, counted and replaced; with ``algorithm.filter_groups`` so are groups whose
-   metric has no spread, their admission places given back: ``dynamic_sampling.py``);
+   ``max_staleness``, and any whose newest token lags by more than the lag bound, which the rollout jobs' commit
+   check keeps out, are dropped, counted and replaced; with ``algorithm.filter_groups`` so are groups whose metric
+   has no spread, their admission places given back: ``dynamic_sampling.py``);
 2. **update** (:class:`hpcrl.trainer.update.PolicyUpdate`): proximal / reference
    log-probs and values under the weights at the start of the update,
    off-policy corrections, advantages (``algorithm.adv_estimator``), then
@@ -52,7 +53,7 @@ from hpcrl.samples.schema import Group
 from hpcrl.trainer import checkpoint, memory
 from hpcrl.trainer.batch import build_batch
 from hpcrl.trainer.distributed import init_distributed, rank_environment, rank_from_environment
-from hpcrl.trainer.dynamic_sampling import (DROPPED as DROPPED_NO_SPREAD, MAX_STALENESS, Dropped, DynamicSampling,
+from hpcrl.trainer.dynamic_sampling import (DROPPED as FILTERED, LAG_BOUND, MAX_STALENESS, Dropped, DynamicSampling,
                                             count_dropped)
 from hpcrl.trainer.gather import zero3_state_dict
 from hpcrl.trainer.intake import GroupIntake
@@ -283,6 +284,11 @@ class TrainerJob:
         c[M.STALE_TRAJECTORIES] = (
             c.get(M.STALE_TRAJECTORIES, 0) + sum(len(g.trajectories) for g in stale))
         c[M.DROPPED_MAX_STALENESS] = c.get(M.DROPPED_MAX_STALENESS, 0) + len(dropped.get(MAX_STALENESS, ()))
+        c[M.DROPPED_LAG_BOUND] = c.get(M.DROPPED_LAG_BOUND, 0) + len(dropped.get(LAG_BOUND, ()))
+        if dropped.get(LAG_BOUND):
+            log.warning("dropped %d group(s) whose newest token lags version %d by more than the lag bound %d: %s",
+                        len(dropped[LAG_BOUND]), version_seen, self.cfg.max_lag_bound,
+                        ", ".join(g.sample_id for g in dropped[LAG_BOUND][:5]))
         total_s = wait_s + update_s + sync_s
         for name in M.COUNTERS:  # every counter in every row, 0 until something is counted
             c.setdefault(name, 0)
@@ -338,7 +344,7 @@ class TrainerJob:
         self.state.step += 1
         self.state.consumed_groups += len(kept) + count_dropped(dropped)
         c = self.state.counters
-        c[M.DROPPED_FILTER_GROUPS] = c.get(M.DROPPED_FILTER_GROUPS, 0) + len(dropped.get(DROPPED_NO_SPREAD, ()))
+        c[M.DROPPED_FILTER_GROUPS] = c.get(M.DROPPED_FILTER_GROUPS, 0) + len(dropped.get(FILTERED, ()))
         return upd, time.monotonic() - t0
 
     def _publish_due(self) -> bool:

@@ -31,15 +31,21 @@ def reset_peaks() -> None:
         pass  # no /proc (or a kernel that refuses): the lifetime peak stands in
 
 
-def host_peak_gib() -> float:
-    """The process's resident high-water mark, GiB (since :func:`reset_peaks` where the kernel allows)."""
+def _status_gib(field: str) -> float:
+    """A ``/proc/self/status`` memory field (``VmHWM``, ``VmRSS``), GiB; NaN where there is none."""
     try:
         for line in _STATUS.read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024 / GIB
     except OSError:
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
+    return math.nan
+
+
+def host_peak_gib() -> float:
+    """The process's resident high-water mark, GiB (since :func:`reset_peaks` where the kernel allows)."""
+    peak = _status_gib("VmHWM")
+    return peak if not math.isnan(peak) else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
 
 
 def peaks() -> dict[str, float]:
@@ -52,10 +58,4 @@ def peaks() -> dict[str, float]:
 
 def current_gib() -> float:
     """The process's resident memory now, GiB (``VmRSS``)."""
-    try:
-        for line in _STATUS.read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024 / GIB
-    except OSError:
-        pass
-    return math.nan
+    return _status_gib("VmRSS")
