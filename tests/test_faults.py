@@ -155,15 +155,18 @@ def test_usr2_while_waiting_keeps_the_groups_already_taken(tiny_run):
 
     from hpcrl.samples.writer import ShardWriter
 
-    rd = tiny_run("rollout.total_rollout_steps=8", "rollout.n=3", "timeouts.wait_log_interval_s=0.5")
+    # staleness 1: a writer may commit 8 groups under version 0 (lag bound 1), as this one does before the trainer
+    # starts; with 0 the trainer would rightly drop groups 4-7 for their lag.
+    rd = tiny_run("rollout.total_rollout_steps=8", "rollout.n=3", "timeouts.wait_log_interval_s=0.5",
+                  "async_training.staleness_threshold=1")
     writer = ShardWriter(rd, "w000", seal_groups=1, seal_interval_s=60)
     for i in range(6):  # one full update (4 groups) + 2 of the next
         writer.add(make_group(i))
         writer.seal()
     trainer = start_trainer(rd)
     wait_until(lambda: n_updates(rd) >= 1, 120, "the first update", jobs=(trainer,))
-    wait_until(lambda: "waiting" in (rd.job_logs / "trainer.log").read_text(), 30, "the trainer to wait",
-               jobs=(trainer,))
+    wait_until(lambda: "committed groups (2/4)" in (rd.job_logs / "trainer.log").read_text(), 30,
+               "the trainer to wait with 2 of 4 groups", jobs=(trainer,))
     trainer.kill(signal.SIGUSR2)
     assert trainer.wait(60) == 0, trainer.tail()
     log_text = (rd.job_logs / "trainer.log").read_text()

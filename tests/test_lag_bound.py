@@ -113,6 +113,16 @@ def test_the_trainer_drops_a_group_beyond_the_bound_with_its_reason():
     assert why(empty, 1) == "", "a group without a token has no lag to bound"
 
 
+def test_the_trainers_waiting_line_names_what_it_dropped():
+    """A wait whose groups all go to a drop reason must not read as 'nothing committed' (0/4 for two minutes)."""
+    from hpcrl.trainer.dynamic_sampling import describe_dropped
+
+    assert describe_dropped({}) == ""
+    groups = [make_group(i) for i in range(3)]
+    assert describe_dropped({"lag_bound": groups[:2], "filter_groups": groups[2:]}) == \
+        "; 3 dropped: filter_groups 1, lag_bound 2"
+
+
 SLOW_JOB = {"HPCRL_FAULT_POINT": "change_look:every:sleep=0.5"}
 """The slow job: each look at control/changes.jsonl takes half a second (a version comes every ~0.3 s)."""
 SETTING = ["rollout.engine=simulated", "trainer.simulated=true", "eval.every_versions=0", "simulated.time_scale=20",

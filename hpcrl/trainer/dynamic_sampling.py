@@ -57,6 +57,15 @@ def count_dropped(dropped: Dropped) -> int:
     return sum(len(groups) for groups in dropped.values())
 
 
+def describe_dropped(dropped: Dropped) -> str:
+    """``dropped`` for the trainer's waiting line: ``""`` when none, else ``"; 4 dropped: lag_bound 4"`` (a wait
+    whose groups all go to a drop reads as such, not as nothing committed)."""
+    n = count_dropped(dropped)
+    if not n:
+        return ""
+    return f"; {n} dropped: " + ", ".join(f"{why} {len(groups)}" for why, groups in sorted(dropped.items()) if groups)
+
+
 def metric_values(g: Group, reads_reward: bool) -> list[float]:
     """The metric of each trajectory of ``g``: its reward (``seq_reward``) or the value the rollout job recorded
     (``traj/filter_metric``; None, in a shard that lacks it, reads as missing)."""

@@ -24,7 +24,7 @@ from hpcrl.rundir.paths import RunDir
 from hpcrl.samples.reader import SampleReader
 from hpcrl.samples.schema import Group
 from hpcrl.trainer.checkpoint import TrainerState
-from hpcrl.trainer.dynamic_sampling import Dropped, DynamicSampling, count_dropped, sort_taken
+from hpcrl.trainer.dynamic_sampling import Dropped, DynamicSampling, count_dropped, describe_dropped, sort_taken
 from hpcrl.trainer.share import BATCH, PREEMPT, REPUBLISH, STOP
 
 log = logging.getLogger("hpcrl.trainer")
@@ -90,8 +90,8 @@ class GroupIntake:
                                    f"(have {len(kept)}/{need}, none new for {time.monotonic() - taken_since:.0f}s; "
                                    f"{describe_heartbeats(self.run_dir, 'rollout')})")
             if time.monotonic() - last_log > cfg.timeouts.wait_log_interval_s:
-                log.info("waiting %.0fs for committed groups (%d/%d) in %s; %s", waited, len(kept), need,
-                         self.run_dir.samples, describe_heartbeats(self.run_dir, "rollout"))
+                log.info("waiting %.0fs for committed groups (%d/%d%s) in %s; %s", waited, len(kept), need,
+                         describe_dropped(dropped), self.run_dir.samples, describe_heartbeats(self.run_dir, "rollout"))
                 last_log = time.monotonic()
             self.heartbeat.update(state=HeartbeatState.WAITING_SAMPLES)
             time.sleep(sleep_s)
