@@ -142,7 +142,7 @@ def one_setting(out: Path, name: str, overrides: list[str], rank: int, world: in
 
     from conftest import make_run
     from hpcrl.control.startup import StartupSteps
-    from hpcrl.run_dir import RunDir
+    from hpcrl.rundir.paths import RunDir
     from hpcrl.trainer.batch import build_batch
     from hpcrl.trainer.lora import AdapterOff
     from hpcrl.trainer.parts import build_parts
@@ -201,7 +201,7 @@ def zero_stages(out: Path, rank: int, world: int) -> None:
     policy and reference forwards (ZeRO-3 gathers parameters in each: every rank must run as many)."""
     from conftest import make_run
     from hpcrl.control.startup import StartupSteps
-    from hpcrl.run_dir import RunDir
+    from hpcrl.rundir.paths import RunDir
     from hpcrl.trainer.batch import build_batch
     from hpcrl.trainer.gather import zero3_state_dict
     from hpcrl.trainer import update as update_module

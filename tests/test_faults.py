@@ -12,9 +12,9 @@ import pytest
 
 from conftest import check_exactly_once, start_rollout, start_trainer, wait_until
 from hpcrl.process import termination
-from hpcrl.fsio import read_json, read_jsonl, wait_for
-from hpcrl.logs import read_staleness
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.fsio import read_json, read_jsonl, wait_for
+from hpcrl.logs.run_logs import read_staleness
+from hpcrl.rundir.paths import RunDir
 
 
 def n_updates(rd) -> int:
@@ -230,7 +230,7 @@ SEAL_UNDER_SIGTERM = textwrap.dedent("""
     import fault_wrapper  # SIGTERM right after the manifest append #TEST_TERM_AFTER_MANIFEST_APPEND returns
     from test_samples import make_group
     from hpcrl.process import termination
-    from hpcrl.run_dir import RunDir
+    from hpcrl.rundir.paths import RunDir
     from hpcrl.samples.writer import ShardWriter
     termination.install()
     w = ShardWriter(RunDir({root!r}), "w000", seal_groups=2, seal_interval_s=60)
@@ -251,7 +251,7 @@ def test_sigterm_right_after_a_manifest_line_is_durable_commits_each_prompt_once
     """The handler's SystemExit landed in seal() after the manifest line, before the buffer was
     cleared; close() then sealed the same groups again under the same shard index (seen: the same
     prompt committed and trained twice, the committed shard overwritten and then skipped)."""
-    from hpcrl.run_dir import RunDir
+    from hpcrl.rundir.paths import RunDir
     from hpcrl.samples.reader import SampleReader
     from test_samples import drain
 

@@ -12,16 +12,16 @@ import numpy as np
 import pytest
 
 from conftest import check_exactly_once, start_rollout, start_trainer, wait_until
-from hpcrl import metric_names as M
+from hpcrl.logs import metric_names as M
 from hpcrl.config.knobs import late_for_bound, latest_trainer_version
 from hpcrl.control.admission import Admission
 from hpcrl.control.records import read_heartbeats
-from hpcrl.fsio import read_jsonl
-from hpcrl.logs import read_staleness
+from hpcrl.rundir.fsio import read_jsonl
+from hpcrl.logs.run_logs import read_staleness
 from hpcrl.rollout.engine import FINISH_STOP
-from hpcrl.rollout.resume import InFlightStates
+from hpcrl.rollout.in_flight import InFlightStates
 from hpcrl.rollout.trajectory import GENERATING, TrajectoryState
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 from hpcrl.samples.skips import SkipLog
 from hpcrl.samples.writer import CommitRefused, ShardWriter
 from test_samples import make_group

@@ -15,10 +15,10 @@ import time
 import pytest
 
 from conftest import REPO, TINY, check_exactly_once, wait_until
-from hpcrl.eval_log import EVALUATED, read_eval_rows
-from hpcrl.fsio import read_json, read_jsonl
-from hpcrl.logs import read_metrics, read_staleness
-from hpcrl.run_dir import RunDir
+from hpcrl.logs.eval_log import EVALUATED, read_eval_rows
+from hpcrl.rundir.fsio import read_json, read_jsonl
+from hpcrl.logs.run_logs import read_metrics, read_staleness
+from hpcrl.rundir.paths import RunDir
 from test_learning import fifths
 
 pytestmark = pytest.mark.slow

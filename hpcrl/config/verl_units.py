@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from hpcrl.config import registries
 from hpcrl.config.checks import bad
 
 Made = tuple[list[tuple[str, Any]], str]
@@ -107,14 +108,14 @@ def _rollout_gpus(value: Any, t, key: str) -> Made:
          f"resources.rollout.gpus_per_node={replica} (one per vLLM replica)")
 
 
-_ENGINES = {"vllm": "vllm", "hf": "transformers"}
-"""verl's ``rollout.name`` values -> hpcrl's engine (hpcrl's own names go in ``rollout.engine``)."""
-
-
 def _engine(value: Any, t, key: str) -> Made:
-    if value not in _ENGINES:
-        raise bad(key, value, "vllm or hf (rollout.engine: vllm or transformers)", "use vllm")
-    return [("rollout.engine", _ENGINES[value])], f"rollout.engine={_ENGINES[value]}"
+    """verl's ``rollout.name`` -> the engine whose spec has that :attr:`~hpcrl.config.registries.EngineSpec.verl_name`
+    (hpcrl's own names go in ``rollout.engine``)."""
+    ours = {s.verl_name: name for name, s in registries.ENGINES.items() if s.verl_name}
+    if value not in ours:
+        raise bad(key, value, " or ".join(ours) + " (rollout.engine: " + " or ".join(ours.values()) + ")",
+                  f"use {' or '.join(ours)}")
+    return [("rollout.engine", ours[value])], f"rollout.engine={ours[value]}"
 
 
 def _temperature(value: Any, t, key: str) -> Made:
@@ -231,4 +232,4 @@ CONVERSIONS: dict[str, Callable[[Any, Any, str], Made]] = {
     "reward_model.reward_manager": _reward_manager,
     "reward.reward_manager.name": _reward_manager,
 }
-"""Table keys (:data:`~hpcrl.config.names.VERL_KEYS`) whose value is converted, not copied."""
+"""Table keys (:data:`~hpcrl.config.verl_keys.VERL_KEYS`) whose value is converted, not copied."""

@@ -25,7 +25,7 @@ from hpcrl.control.records import read_trainer_done
 from hpcrl.launcher.fleet import Fleet, StartError, Submitted, active_writers
 from hpcrl.launcher.sbatch_lines import SCRIPTS, rollout_arrays, rollout_lines
 from hpcrl.launcher.submit import job_python
-from hpcrl.run_dir import FLEET_SCALE, RunDir
+from hpcrl.rundir.paths import FLEET_SCALE, RunDir
 
 SBATCH_TIMEOUT_S = 60.0
 """Deadline of one ``sbatch`` submission."""

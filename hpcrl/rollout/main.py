@@ -44,12 +44,13 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Optional
 
-from hpcrl import metric_names as M
+from hpcrl.logs import metric_names as M
+from hpcrl.config.registries import estimator_spec
 from hpcrl.control.changes import ChangeWatch
 from hpcrl.control.job import Stop, StopWatch, job_main
 from hpcrl.control.records import HeartbeatState, HeartbeatThread, JobStats, describe_heartbeats, ended_state
 from hpcrl.control.startup import StartupSteps
-from hpcrl.fsio import wait_for
+from hpcrl.rundir.fsio import wait_for
 from hpcrl.process import faults, termination
 from hpcrl.process.preemption import PreemptionFlag
 from hpcrl.rollout.agent_loop import GroupContext, group_seed, run_group
@@ -60,7 +61,7 @@ from hpcrl.rollout.loops import loop_name
 from hpcrl.rollout.parts import RolloutParts, build_parts
 from hpcrl.rollout.trajectory import TrajectoryState
 from hpcrl.rollout.version_stats import GroupInfo, VersionStats, sample_columns
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 from hpcrl.samples.schema import Group, Trajectory
 from hpcrl.samples.writer import CommitRefused
 from hpcrl.weights import WeightVersion
@@ -128,16 +129,17 @@ class RolloutJob:
     # ---- the group task (runs in a pool thread)
     def _generate_group(self, prompt_index: int) -> tuple[Group, GroupInfo]:
         """The group of ``prompt_index`` with its rewards, by the row's agent loop (``agent_name``, else
-        ``agent.default``), continued from a saved state if the previous job left one. With
-        ``adv_estimator=remax`` one more trajectory of the group is decoded greedily (as verl's remax branch
-        adds one greedy request per prompt); its reward is the group's ``reward_baseline``, it is not trained.
+        ``agent.default``), continued from a saved state if the previous job left one. With an estimator whose
+        spec needs a greedy baseline (remax) one more trajectory of the group is decoded greedily (as verl's remax
+        branch adds one greedy request per prompt); its reward is the group's ``reward_baseline``, it is not trained.
         GroupAborted if the job stops meanwhile (its state stays live for :meth:`shutdown` to save)."""
         p, ro = self.parts, self.cfg.rollout
         row = p.stream[prompt_index]
         created = time.time()
         prompt_ids = list(row["prompt_ids"])  # chat template and max_prompt_length applied in the build
         loop = p.loops[loop_name(row, self.cfg.agent)]
-        baseline = [TrajectoryState(greedy=True)] if self.cfg.algorithm.adv_estimator == "remax" else []
+        baseline = [TrajectoryState(greedy=True)] if estimator_spec(self.cfg.algorithm.adv_estimator).greedy_baseline \
+            else []
         trajs, resumed = p.states.start(prompt_index, loop.name, [TrajectoryState() for _ in range(ro.n)] + baseline)
         ctx = GroupContext(p.engine, self.gate, prompt_ids, group_seed(self.cfg.data.seed, prompt_index),
                            ro.response_length)

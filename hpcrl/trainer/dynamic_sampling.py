@@ -34,8 +34,8 @@ import numpy as np
 
 from hpcrl.control.changes import bump
 from hpcrl.control.records import FilteredGroups
-from hpcrl.fsio import write_json_atomic
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.fsio import write_json_atomic
+from hpcrl.rundir.paths import RunDir
 from hpcrl.samples.schema import Group
 
 log = logging.getLogger(__name__)

@@ -17,13 +17,14 @@ from typing import Any, Optional
 import torch
 
 from hpcrl.config import RunConfig
+from hpcrl.config.registries import estimator_spec
 from hpcrl.control.fatal import fatal_inputs
 from hpcrl.control.startup import StartupSteps
-from hpcrl.logs import MetricsLog, StalenessLog, truncate_to
-from hpcrl.run_dir import WEIGHT_MODEL_FILES, RunDir
+from hpcrl.logs.run_logs import MetricsLog, StalenessLog, truncate_to
+from hpcrl.rundir.paths import WEIGHT_MODEL_FILES, RunDir
 from hpcrl.samples.reader import SampleReader
 from hpcrl.samples.skips import SkipLog
-from hpcrl.trackers import open_trackers
+from hpcrl.logs.trackers import open_trackers
 from hpcrl.trainer import build, checkpoint, sequence_parallel
 from hpcrl.trainer.forward import Layout
 from hpcrl.trainer.lora import AdapterOff, adapter_config_json, wrap_policy
@@ -108,7 +109,7 @@ def _deepspeed(cfg: RunConfig, run_dir: RunDir, rank: int, world: int):
     if cfg.lora:  # only the adapter is trained (hpcrl/trainer/lora.py)
         policy = wrap_policy(policy, actor, cfg.model.seed)
         config_json = adapter_config_json(policy, str(path))
-    model = PolicyWithValueHead(policy, value_head=cfg.algorithm.adv_estimator == "gae")
+    model = PolicyWithValueHead(policy, value_head=estimator_spec(cfg.algorithm.adv_estimator).values)
     groups = [{"params": [p for p in policy.parameters() if p.requires_grad], "lr": actor.lr}]
     if model.value_head is not None:
         groups.append({"params": list(model.value_head.parameters()), "lr": cfg.critic.lr})

@@ -165,7 +165,7 @@ ROLLOUT_COLUMNS = (WRITER, PARAM_VERSION, GROUPS, TOKENS, WALL_S, ROLLOUT_IDLE_R
                    TIME_S)
 """Columns every rollout row has (the report needs them)."""
 
-# ---- evaluation: the metrics of a logs/eval.jsonl row (hpcrl/eval_log.py), verl's names ----
+# ---- evaluation: the metrics of a logs/eval.jsonl row (hpcrl/logs/eval_log.py), verl's names ----
 VAL_CORE = "val-core"
 """verl's section of the headline validation metrics: ``val-core/<data_source>/<key>/<stat>`` (``hpcrl/eval/metrics.py``
 says which are core)."""
