@@ -49,7 +49,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from hpcrl.analysis.ceiling import ceiling  # noqa: E402
 from hpcrl.config import load_config  # noqa: E402
-from hpcrl.logs import read_staleness  # noqa: E402
+from hpcrl.logs.run_logs import read_staleness  # noqa: E402
 from hpcrl.config.registries import ENGINES  # noqa: E402
 
 MODES = {

@@ -11,7 +11,7 @@ reporting medians:
   receives into one flat buffer and builds the tensor views, as the broadcast subscriber does;
 - **raw**: one ``broadcast`` of one preallocated flat uint8 tensor of the same bytes (no
   packing, no views): the limit of gloo on this machine;
-- **files**: ``FilesystemPublisher.publish`` + ``FilesystemSubscriber.take`` (copy into preallocated parameters)
+- **files**: ``WeightPublisher.publish`` + ``WeightSubscriber.take`` (copy into preallocated parameters)
   of the same state dict in the root process (page cache, see bench_weights.py).
 
 Each broadcast round is timed on the root from a barrier before it to a barrier after it (the
@@ -44,8 +44,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import bench_parser, table  # noqa: E402
 from bench_weights import DTYPES, make_state_dict, time_load, time_publish  # noqa: E402
-from hpcrl.run_dir import RunDir  # noqa: E402
-from hpcrl.weights.filesystem import FilesystemPublisher, FilesystemSubscriber, dedupe_tied  # noqa: E402
+from hpcrl.rundir.paths import RunDir  # noqa: E402
+from hpcrl.weights.publisher import WeightPublisher, dedupe_tied
+from hpcrl.weights.subscriber import WeightSubscriber  # noqa: E402
 from hpcrl.weights.group import make_group  # noqa: E402
 from hpcrl.weights.wire import Entry, broadcast_async, plan, recv_buckets, send_buckets  # noqa: E402
 
@@ -102,7 +103,7 @@ def root(size_mb: float, dtype: torch.dtype, repeats: int, buckets_mb: list[floa
     run = Path(tempfile.mkdtemp(prefix="bench_broadcast_", dir=base))
     try:
         rd = RunDir(run).create()
-        wt, sub = FilesystemPublisher(rd, keep_versions=2), FilesystemSubscriber(rd, "w000")
+        wt, sub = WeightPublisher(rd, keep_versions=2), WeightSubscriber(rd, "w000")
         params = {k: torch.empty_like(v) for k, v in sd.items()}
         times["files (publish + load)"] = []
         for v in range(repeats):

@@ -15,8 +15,8 @@ For every version it measures, in one process on one disk (ratios in one run):
 - bytes per version: full (``model.safetensors``) vs delta (``model.delta``: XOR against the base, zstd
   level 1) vs the other encoding we considered, sparse indices + values (int32 positions, delta-coded, and
   the new values, zstd level 1), encoded here only to compare size and time;
-- publish seconds (``FilesystemPublisher.publish``: full, and delta with the base in the trainer's memory)
-  and load seconds (``FilesystemSubscriber.take`` + a copy into preallocated parameters, as the rollout job
+- publish seconds (``WeightPublisher.publish``: full, and delta with the base in the trainer's memory)
+  and load seconds (``WeightSubscriber.take`` + a copy into preallocated parameters, as the rollout job
   does: full; delta with the base held in memory; delta for a reader that must read the base first), each
   against a raw write (write, fsync, rename) and read of the same number of bytes;
 - the extrapolation to a 7B model (7.6e9 parameters, bf16) and 64 rollout jobs: bytes the filesystem serves
@@ -54,10 +54,11 @@ from _common import bench_parser, table  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_weights import raw_read, raw_write  # noqa: E402
-from hpcrl.run_dir import WEIGHT_DELTA, WEIGHT_TENSORS, RunDir  # noqa: E402
+from hpcrl.rundir.paths import WEIGHT_DELTA, WEIGHT_TENSORS, RunDir  # noqa: E402
 from hpcrl.weights.delta import ZSTD_LEVEL, bits, changed_elements  # noqa: E402
 from hpcrl.weights.delta_versions import DeltaWriter  # noqa: E402
-from hpcrl.weights.filesystem import FilesystemPublisher, FilesystemSubscriber  # noqa: E402
+from hpcrl.weights.publisher import WeightPublisher
+from hpcrl.weights.subscriber import WeightSubscriber  # noqa: E402
 
 SHAPES = {"0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                        num_key_value_heads=2, vocab_size=151936),
@@ -148,7 +149,7 @@ def sparse_size(base: dict, new: dict) -> tuple[int, float]:
     return n, time.perf_counter() - t0
 
 
-def load_into(sub: FilesystemSubscriber, version: int, params: dict[str, torch.Tensor]) -> float:
+def load_into(sub: WeightSubscriber, version: int, params: dict[str, torch.Tensor]) -> float:
     t0 = time.perf_counter()
     with sub.take(version) as wv:
         for k, dst in params.items():
@@ -178,10 +179,10 @@ def one_lr(parent: Path, shape: dict, lr: float, steps: int, tokens: int, quick:
     raw_dir = parent / "raw"
     raw_dir.mkdir(exist_ok=True)
     # every version after v0 a delta (to measure each); the run's default would write v10 full
-    full_pub = FilesystemPublisher(rd_full, keep_versions=2)
-    delta_pub = FilesystemPublisher(rd_delta, keep_versions=2, deltas=DeltaWriter(steps + 1, 1.0))
-    full_sub = FilesystemSubscriber(rd_full, "w000")
-    follower, newcomer = FilesystemSubscriber(rd_delta, "w000", keep_bases=True), FilesystemSubscriber(rd_delta, "w001")
+    full_pub = WeightPublisher(rd_full, keep_versions=2)
+    delta_pub = WeightPublisher(rd_delta, keep_versions=2, deltas=DeltaWriter(steps + 1, 1.0))
+    full_sub = WeightSubscriber(rd_full, "w000")
+    follower, newcomer = WeightSubscriber(rd_delta, "w000", keep_bases=True), WeightSubscriber(rd_delta, "w001")
     state = version(out, 0)
     params = {k: torch.empty_like(v) for k, v in state.items()}
     delta_pub.publish(0, state, config_json, 0, 0)

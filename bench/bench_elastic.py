@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from hpcrl.analysis.exactly_once import audit  # noqa: E402
 from hpcrl.config.knobs import admission_budget  # noqa: E402
-from hpcrl.run_dir import RunDir  # noqa: E402
+from hpcrl.rundir.paths import RunDir  # noqa: E402
 
 SETTING = ["rollout.max_concurrent_groups=2", "actor.ppo_mini_batch_size=4", "async_training.partial_rollout=true",
            "trainer.checkpoint_every_updates=1000000"]

@@ -54,13 +54,16 @@ def prompts_of(count: int, vocab: int) -> list[list[int]]:
     return [torch.randint(2, vocab, (8 + i % 8,), generator=g).tolist() for i in range(count)]
 
 
-def run_ours(name: str, opts, prompts, n: int, repeats: int) -> list[float]:
+def run_ours(name: str, opts, vopts, prompts, n: int, repeats: int) -> list[float]:
     """tokens/s of hpcrl's engine ``name`` over ``repeats`` timed runs (after one warm-up)."""
+    from hpcrl.config import RunConfig
     from hpcrl.rollout.engine import EngineRunner
     from hpcrl.rollout.engines import make_engine
 
     runner = EngineRunner()
-    engine = make_engine(name, opts, runner, timeout_s=900)
+    cfg = RunConfig()
+    cfg.rollout.max_model_len, cfg.rollout.max_num_seqs = vopts.max_model_len, vopts.max_num_seqs
+    engine = make_engine(name, opts, cfg, runner, timeout_s=900)
 
     async def batch():
         groups = await asyncio.gather(*(engine.generate(p, n, seed=i) for i, p in enumerate(prompts)))
@@ -79,7 +82,7 @@ def run_ours(name: str, opts, prompts, n: int, repeats: int) -> list[float]:
     return rates
 
 
-def run_bare(opts, prompts, n: int, repeats: int) -> list[float]:
+def run_bare(opts, vopts, prompts, n: int, repeats: int) -> list[float]:
     """tokens/s of vLLM's AsyncLLM driven directly (one request of n per prompt)."""
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -89,14 +92,14 @@ def run_bare(opts, prompts, n: int, repeats: int) -> list[float]:
     from hpcrl.rollout.vllm_engine import engine_core_environment, memory_args
     from hpcrl.rollout.vllm_sockets import use_own_socket_folder
 
-    engine_core_environment(opts)  # the same processes as our engine: the ratio compares the driving, not them
+    engine_core_environment(opts, vopts)  # the same processes as our engine: the ratio compares the driving, not them
     use_own_socket_folder()  # and no socket files left in /tmp
 
     async def main():
         llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
             model=str(opts.model_dir), skip_tokenizer_init=True, dtype=opts.dtype,
-            max_model_len=opts.max_model_len, **memory_args(opts), enforce_eager=opts.enforce_eager,
-            max_num_seqs=opts.max_num_seqs, logprobs_mode="processed_logprobs", seed=0))
+            max_model_len=vopts.max_model_len, **memory_args(opts, vopts), enforce_eager=vopts.enforce_eager,
+            max_num_seqs=vopts.max_num_seqs, logprobs_mode="processed_logprobs", seed=0))
 
         async def one(i, p):
             sp = SamplingParams(n=n, temperature=opts.temperature, top_p=opts.top_p, max_tokens=opts.max_new_tokens,
@@ -141,17 +144,19 @@ def main(argv=None) -> int:
     if a.quick:
         a.prompts, a.n, a.tokens, a.repeats = 8, 4, 32, 1
     from hpcrl.rollout.engine import EngineOptions
+    from hpcrl.rollout.vllm_engine import VLLMOptions
 
     with tempfile.TemporaryDirectory() as tmp:
         model = build_model(Path(tmp) / "model", a.hidden, a.layers, a.vocab)
         opts = EngineOptions(model, max_new_tokens=a.tokens, temperature=1.0, top_p=1.0, device=a.device,
-                             dtype=a.dtype, max_model_len=a.tokens + 32, max_num_seqs=256)
+                             dtype=a.dtype)
+        vopts = VLLMOptions(max_model_len=a.tokens + 32, max_num_seqs=256)
         prompts = prompts_of(a.prompts, a.vocab)
         rates = {}
         if not a.skip_transformers:
-            rates["transformers"] = run_ours("transformers", opts, prompts, a.n, a.repeats)
-        rates["vllm (ours)"] = run_ours("vllm", opts, prompts, a.n, a.repeats)
-        rates["vllm (bare)"] = run_bare(opts, prompts, a.n, a.repeats)
+            rates["transformers"] = run_ours("transformers", opts, vopts, prompts, a.n, a.repeats)
+        rates["vllm (ours)"] = run_ours("vllm", opts, vopts, prompts, a.n, a.repeats)
+        rates["vllm (bare)"] = run_bare(opts, vopts, prompts, a.n, a.repeats)
     med = {k: statistics.median(v) for k, v in rates.items()}
     print(f"\n{a.prompts} prompts x n={a.n}, <= {a.tokens} tokens, Qwen2 hidden {a.hidden} x {a.layers} layers, "
           f"{a.device} {a.dtype}, median of {a.repeats}")

@@ -4,8 +4,8 @@ memory.
 ``weights``: for the tiny model and a ~0.5B Qwen2-shaped model (hidden 896, 24 layers, 14/2 heads, MLP 4864, vocab
 151936, tied embeddings; random init, built locally), in one process so the machine's noise is shared, it publishes
 and loads weight versions the way the jobs do, full weights against a LoRA adapter (the default targets: the
-attention and MLP projections): ``FilesystemPublisher.publish`` (files hashed while written, manifest last),
-``FilesystemSubscriber.take`` (pin, size and hash checked), and the transformers engine's ``load_weights`` (a
+attention and MLP projections): ``WeightPublisher.publish`` (files hashed while written, manifest last),
+``WeightSubscriber.take`` (pin, size and hash checked), and the transformers engine's ``load_weights`` (a
 ``load_state_dict`` of the whole model, or peft's ``set_peft_model_state_dict`` of the adapter). Bytes per version and
 medians of ``--repeats`` rounds.
 
@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _common import bench_parser, table  # noqa: E402
 from hpcrl.config.lora import DEFAULT_TARGET_MODULES  # noqa: E402
-from hpcrl.run_dir import RunDir  # noqa: E402
+from hpcrl.rundir.paths import RunDir  # noqa: E402
 
 RANK = 16
 
@@ -138,7 +138,7 @@ os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0
 import deepspeed
 deepspeed.init_distributed(dist_backend="gloo")
 from hpcrl.config import load_config
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 from hpcrl.trainer.forward import Pack
 from hpcrl.trainer.parts import _deepspeed, _reference
 model, rank, kl = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"

@@ -39,15 +39,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import bench_parser, table  # noqa: E402
 from bench_async import REPO, logs, run  # noqa: E402
 
-from hpcrl import metric_names as M  # noqa: E402
+from hpcrl.logs import metric_names as M  # noqa: E402
 from hpcrl.analysis.ceiling import ceiling  # noqa: E402
 from hpcrl.config import load_config  # noqa: E402
 from hpcrl.plan.events import Pipeline, predict  # noqa: E402
 from hpcrl.plan.model import Draws  # noqa: E402
 from hpcrl.plan.prompts import prompt_lengths  # noqa: E402
 from hpcrl.plan.sweep import knobs_of  # noqa: E402
-from hpcrl.fsio import read_jsonl  # noqa: E402
-from hpcrl.run_dir import RunDir  # noqa: E402
+from hpcrl.rundir.fsio import read_jsonl  # noqa: E402
+from hpcrl.rundir.paths import RunDir  # noqa: E402
 
 CONFIG = REPO / "configs" / "simulated-28k.yaml"
 SPLITS = [(1, 3), (2, 2), (3, 1)]  # (trainer GPUs, rollout jobs)

@@ -13,7 +13,7 @@ responses up to 28,672 tokens (lognormal, mean 3,000), one GPU per engine, promp
   timed on ``--samples`` candidates spread over the splits, and the mean CPU seconds times the number of
   candidates is printed (labelled so). ``--before-full G`` runs the whole old sweep at G GPUs instead (e.g. 8).
 - **agreement**: the fast and the reference simulation of this checkout on candidates of the 32-GPU sweep
-  (``hpcrl/plan/events.py`` vs ``hpcrl/plan/pipeline.py``).
+  (``hpcrl/plan/events.py`` vs ``tests/plan_reference.py``).
 
 Run::
 
@@ -89,7 +89,9 @@ def before(old: Path, gpus: int, samples: int) -> tuple[float, int]:
 def agreement(n: int) -> list[list[str]]:
     """Fast vs reference on ``n`` candidates of the 32-GPU sweep (this checkout)."""
     from hpcrl.config import load_config
-    from hpcrl.plan import events, pipeline
+    sys.path.insert(0, str(REPO / "tests"))  # the reference simulation is the tests' oracle
+    import plan_reference as reference
+    from hpcrl.plan import events
     from hpcrl.plan.model import Draws
     from hpcrl.plan.sweep import knobs_of
 
@@ -101,7 +103,7 @@ def agreement(n: int) -> list[list[str]]:
         t = time.process_time()
         fast = events.predict(cfg.simulated, k, 32, cfg.data.seed, draws=draws)
         tf, t = time.process_time() - t, time.process_time()
-        ref = pipeline.predict(cfg.simulated, k, 32, cfg.data.seed, draws=draws)
+        ref = reference.predict(cfg.simulated, k, 32, cfg.data.seed, draws=draws)
         tr = time.process_time() - t
         rows.append([f"{tg}:{32 - tg}", f"{s:g}", "yes" if k.partial_rollout else "no", f"{ref.step_s:.2f}",
                      f"{fast.step_s:.2f}", f"{fast.tokens_per_s / ref.tokens_per_s - 1:+.3%}",

@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import bench_parser, table  # noqa: E402
-from hpcrl.fsio import JsonlAppender, read_jsonl, read_log_bytes  # noqa: E402
+from hpcrl.rundir.fsio import JsonlAppender, read_jsonl, read_log_bytes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 LOGS = ("staleness.jsonl.gz", "metrics.jsonl", "rollout-w000.jsonl")

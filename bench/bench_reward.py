@@ -43,11 +43,10 @@ from _common import bench_parser, table  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from hpcrl import metric_names as M  # noqa: E402
-from hpcrl.config.names import SIMULATED_ENGINE  # noqa: E402
 from hpcrl.config.registries import ENGINES  # noqa: E402
-from hpcrl.fsio import read_jsonl  # noqa: E402
-from hpcrl.run_dir import RunDir  # noqa: E402
+from hpcrl.logs import metric_names as M  # noqa: E402
+from hpcrl.rundir.fsio import read_jsonl  # noqa: E402
+from hpcrl.rundir.paths import RunDir  # noqa: E402
 
 
 def build_rm(out: Path, hidden: int, layers: int) -> Path:
@@ -90,7 +89,7 @@ def part_generation(a, work: Path) -> list[list[str]]:
     steps = 160 if a.quick else 480
     common = [f"rollout.total_rollout_steps={steps}", "eval.every_versions=0", "rollout.max_concurrent_groups=2",
               f"rollout.engine={a.engine}", "rollout.response_length=32", "async_training.staleness_threshold=1.0"]
-    if a.engine == "vllm":
+    if ENGINES[a.engine].cpu_min_head_dim > 32:  # vLLM's CPU attention: builtin:tiny's heads are 32 wide
         common += ["model.path=builtin:tiny-h64", "rollout.gpu_memory_utilization=0.05"]
     rm = build_rm(work / "rm", 128, 2)
     modes = {"(a) rule (toy_copy)": ["reward.name=toy_copy"],
@@ -203,7 +202,7 @@ def part_scoring(a, work: Path) -> list[list[str]]:
 def main() -> None:
     p = bench_parser(__doc__, "shorter runs (both parts in a few minutes)")
     p.add_argument("--part", choices=("both", "generation", "scoring"), default="both")
-    p.add_argument("--engine", choices=[e for e in ENGINES if e != SIMULATED_ENGINE], default="vllm")
+    p.add_argument("--engine", choices=[e for e, spec in ENGINES.items() if not spec.simulated], default="vllm")
     p.add_argument("--device", default="cpu")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)

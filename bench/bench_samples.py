@@ -43,10 +43,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _common import bench_parser, table  # noqa: E402
-from hpcrl.run_dir import RunDir  # noqa: E402
+from hpcrl.rundir.paths import RunDir  # noqa: E402
 from hpcrl.samples.reader import SampleReader  # noqa: E402
 from hpcrl.samples.schema import Group, Trajectory  # noqa: E402
-from hpcrl.fsio import file_sha256  # noqa: E402
+from hpcrl.rundir.fsio import file_sha256  # noqa: E402
 from hpcrl.samples.writer import ShardWriter  # noqa: E402
 
 WRITER = "w000"

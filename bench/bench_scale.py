@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from hpcrl.analysis.exactly_once import audit  # noqa: E402
 from hpcrl.config import load_config  # noqa: E402
-from hpcrl.run_dir import RunDir  # noqa: E402
+from hpcrl.rundir.paths import RunDir  # noqa: E402
 
 OPS = ("open_write", "open_read", "listdir", "stat", "rename", "remove", "mkdir", "fsync")
 

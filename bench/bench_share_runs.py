@@ -42,13 +42,13 @@ from hpcrl.analysis.ceiling import ceiling  # noqa: E402
 from hpcrl.analysis.exactly_once import audit  # noqa: E402
 from hpcrl.config import load_config  # noqa: E402
 from hpcrl.control.fleet_log import read_fleet_events  # noqa: E402
-from hpcrl.fsio import read_jsonl  # noqa: E402
-from hpcrl.logs import read_staleness  # noqa: E402
+from hpcrl.rundir.fsio import read_jsonl  # noqa: E402
+from hpcrl.logs.run_logs import read_staleness  # noqa: E402
 from hpcrl.plan.events import Pipeline, predict  # noqa: E402
 from hpcrl.plan.model import Draws  # noqa: E402
 from hpcrl.plan.prompts import prompt_lengths  # noqa: E402
 from hpcrl.plan.sweep import knobs_of  # noqa: E402
-from hpcrl.run_dir import RunDir  # noqa: E402
+from hpcrl.rundir.paths import RunDir  # noqa: E402
 
 CONFIG = REPO / "configs" / "simulated.yaml"
 RULES = {"cap 16, first come": ["rollout.max_concurrent_groups=16", "rollout.budget_share=first_come"],

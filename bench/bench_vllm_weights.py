@@ -9,7 +9,7 @@ engine's pause -> load -> resume of a new version by three paths:
   ``collective_rpc("hpcrl_load_mapped")`` (what a broadcast version costs the engine);
 - **folder**: ``reload_weights`` from the version's folder, page cache warm (what the engine
   costs when the version came as files, before the subscriber's own read and check);
-- **files**: ``FilesystemSubscriber.take`` (read + hash check) then ``reload_weights`` from
+- **files**: ``WeightSubscriber.take`` (read + hash check) then ``reload_weights`` from
   the folder: the whole rollout-side cost of the filesystem path;
 
 and, as the limit, **raw copy**: ``copy_`` of the same bytes into preallocated tensors of the
@@ -36,11 +36,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import bench_parser, table  # noqa: E402
+from hpcrl.config import RunConfig  # noqa: E402
 from hpcrl.rollout.engine import EngineOptions, EngineRunner  # noqa: E402
 from hpcrl.rollout.engines import make_engine  # noqa: E402
-from hpcrl.run_dir import RunDir  # noqa: E402
+from hpcrl.rundir.paths import RunDir  # noqa: E402
 from hpcrl.weights.base import MappedBuffer, WeightVersion  # noqa: E402
-from hpcrl.weights.filesystem import FilesystemPublisher, FilesystemSubscriber, dedupe_tied  # noqa: E402
+from hpcrl.weights.publisher import WeightPublisher, dedupe_tied
+from hpcrl.weights.subscriber import WeightSubscriber  # noqa: E402
 from hpcrl.weights.shared_memory import shared_buffer  # noqa: E402
 from hpcrl.weights.wire import Entry, plan, views  # noqa: E402
 
@@ -94,11 +96,12 @@ def main(argv=None) -> int:
     dtype = getattr(torch, a.dtype)
     model = build_model(base / "model", a.layers, a.hidden, dtype)
     runner = EngineRunner()
+    cfg = RunConfig()
+    cfg.rollout.max_model_len, cfg.rollout.max_num_seqs = 256, 8
     engine = make_engine("vllm", EngineOptions(base / "model", max_new_tokens=8, temperature=1.0, top_p=1.0,
-                                               device=a.device, dtype=a.dtype, max_model_len=256, max_num_seqs=8),
-                         runner, timeout_s=TIMEOUT_S)
+                                               device=a.device, dtype=a.dtype), cfg, runner, timeout_s=TIMEOUT_S)
     rd = RunDir(base / "run").create()
-    publisher, subscriber = FilesystemPublisher(rd, keep_versions=2), FilesystemSubscriber(rd, "w000")
+    publisher, subscriber = WeightPublisher(rd, keep_versions=2), WeightSubscriber(rd, "w000")
     times: dict[str, list[float]] = {"raw copy": [], "mapped": [], "folder": [], "files": []}
     params = {k: torch.empty_like(v) for k, v in model.state_dict().items()}
     nbytes = 0

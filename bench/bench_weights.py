@@ -4,10 +4,10 @@ For state dicts shaped like a transformer (tied embedding, per layer q/k/v/o
 and gate/up/down, norms) of a few total sizes it measures, in one process on one
 disk so the machine's noise cancels out of the ratios:
 
-- ``FilesystemPublisher.publish`` (safetensors streamed into vNNNNNN.tmp and
+- ``WeightPublisher.publish`` (safetensors streamed into vNNNNNN.tmp and
   hashed (xxh3_128) while written, config.json, fsync, rename, manifest.json
   last), also with ``checksum=False`` to show what the hash costs;
-- ``FilesystemSubscriber.take`` as the rollout job uses it: announce "loading",
+- ``WeightSubscriber.take`` as the rollout job uses it: announce "loading",
   check sizes, map the file, hash it against the manifest, then copy every
   tensor into preallocated parameters inside ``apply`` (what
   ``engine.load_weights`` does), then announce "loaded"; also with
@@ -45,8 +45,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _common import bench_parser, table  # noqa: E402
-from hpcrl.run_dir import WEIGHT_TENSORS, RunDir  # noqa: E402
-from hpcrl.weights.filesystem import FilesystemPublisher, FilesystemSubscriber  # noqa: E402
+from hpcrl.rundir.paths import WEIGHT_TENSORS, RunDir  # noqa: E402
+from hpcrl.weights.publisher import WeightPublisher
+from hpcrl.weights.subscriber import WeightSubscriber  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -94,13 +95,13 @@ def stored_bytes(sd: dict[str, torch.Tensor]) -> int:
 
 # ---------------------------------------------------------------- ours
 
-def time_publish(wt: FilesystemPublisher, version: int, sd: dict, config_json: str) -> float:
+def time_publish(wt: WeightPublisher, version: int, sd: dict, config_json: str) -> float:
     t0 = time.perf_counter()
     wt.publish(version, sd, config_json, trainer_step=version, consumed_groups=0)
     return time.perf_counter() - t0
 
 
-def time_load(sub: FilesystemSubscriber, version: int, params: dict[str, torch.Tensor]) -> float:
+def time_load(sub: WeightSubscriber, version: int, params: dict[str, torch.Tensor]) -> float:
     """Seconds for ``take`` as the rollout job calls it: announce, check sizes, map and (if the
     subscriber verifies) hash the file, copy into ``params`` as the engine does, release the announcement."""
     t0 = time.perf_counter()
@@ -150,8 +151,8 @@ def bench_size(base: Path, size_mb: float, dtype: torch.dtype, repeats: int) -> 
     raw_dir = rd.weights / "raw"
     raw_dir.mkdir()
     res = {k: [] for k in ("publish", "publish_nock", "load", "load_noverify", "raw_write", "raw_read")}
-    wt, sub = FilesystemPublisher(rd, keep_versions=2), FilesystemSubscriber(rd, "w000")
-    wt_nock, sub_noverify = FilesystemPublisher(rd, keep_versions=2, checksum=False), FilesystemSubscriber(rd, "w000",
+    wt, sub = WeightPublisher(rd, keep_versions=2), WeightSubscriber(rd, "w000")
+    wt_nock, sub_noverify = WeightPublisher(rd, keep_versions=2, checksum=False), WeightSubscriber(rd, "w000",
                                                                                                        verify=False)
     file_bytes = 0
     # round 0 is a warm-up (first-touch allocations, cold directory entries), not reported
@@ -235,7 +236,7 @@ def main(argv=None) -> int:
               "higher = slower)")
         print(table(["MB", "publish", "raw write", "pub/raw", "load", "raw read",
                      "load/raw", "(pub+load)/(raw w+r)", "publish MB/s", "raw w MB/s"], rows))
-        print("    load = FilesystemSubscriber.take + copy into preallocated params, as the rollout job does")
+        print("    load = WeightSubscriber.take + copy into preallocated params, as the rollout job does")
         print()
         print("hash cost (xxh3_128): computed while publishing; verified on every load before apply")
         print(table(["MB", "publish ms", "no-hash ms", "hash ms", "share", "no-hash/raw write",

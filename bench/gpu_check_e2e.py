@@ -19,9 +19,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from hpcrl.analysis.exactly_once import audit  # noqa: E402
-from hpcrl.fsio import read_jsonl  # noqa: E402
-from hpcrl.logs import read_metrics  # noqa: E402
-from hpcrl.run_dir import RunDir  # noqa: E402
+from hpcrl.rundir.fsio import read_jsonl  # noqa: E402
+from hpcrl.logs.run_logs import read_metrics  # noqa: E402
+from hpcrl.rundir.paths import RunDir  # noqa: E402
 
 OVERRIDES = ["model.path=builtin:tiny-h64", "rollout.engine=vllm", "weights.transport=broadcast",
              "rollout.total_rollout_steps=160", "eval.every_versions=0"]

@@ -34,11 +34,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from hpcrl import metric_names as M  # noqa: E402
+from hpcrl.logs import metric_names as M  # noqa: E402
 from hpcrl.analysis.exactly_once import audit  # noqa: E402
-from hpcrl.fsio import read_jsonl  # noqa: E402
-from hpcrl.logs import read_metrics  # noqa: E402
-from hpcrl.run_dir import RunDir  # noqa: E402
+from hpcrl.rundir.fsio import read_jsonl  # noqa: E402
+from hpcrl.logs.run_logs import read_metrics  # noqa: E402
+from hpcrl.rundir.paths import RunDir  # noqa: E402
 
 SHAPES = {
     "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,

@@ -61,11 +61,11 @@ sys.path.insert(0, str(REPO))
 
 from hpcrl.analysis.exactly_once import audit  # noqa: E402
 from hpcrl.config import load_config  # noqa: E402
-from hpcrl.fsio import read_json, read_jsonl  # noqa: E402
+from hpcrl.rundir.fsio import read_json, read_jsonl  # noqa: E402
 from hpcrl.launcher.prepare import prepare_run_dir  # noqa: E402
 from hpcrl.launcher.submit import job_python  # noqa: E402
-from hpcrl.logs import read_staleness  # noqa: E402
-from hpcrl.run_dir import RunDir  # noqa: E402
+from hpcrl.logs.run_logs import read_staleness  # noqa: E402
+from hpcrl.rundir.paths import RunDir  # noqa: E402
 
 log = logging.getLogger("soak")
 KINDS = ("random", "commit", "instants", "shard-header", "shard-data", "weight-header", "weight-data", "broadcast",

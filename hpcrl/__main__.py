@@ -1,3 +1,4 @@
+"""``python -m hpcrl``: the ``hpcrl`` command (:mod:`hpcrl.cli`)."""
 import sys
 
 from hpcrl.cli import entry

@@ -18,7 +18,7 @@ import torch
 
 from hpcrl.config import TimeoutsConfig, WeightsConfig
 from hpcrl.control.records import HeartbeatThread
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 from hpcrl.weights import make_publisher, make_subscriber
 from hpcrl.weights.group import BroadcastFailed
 

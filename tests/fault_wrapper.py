@@ -15,7 +15,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hpcrl import fsio  # noqa: E402
+from hpcrl.rundir import fsio  # noqa: E402
 
 _term_after = int(os.environ.get("TEST_TERM_AFTER_MANIFEST_APPEND", "0"))
 _slow_s = float(os.environ.get("TEST_SLOW_MANIFEST_FSYNC_S", "0"))

@@ -59,7 +59,7 @@ def settings() -> dict[str, list[str]]:
 
 def mixed_groups(vocab: int, seed: int = 0, skewed: bool = False):
     """Four groups of four with prompts of 2-7 tokens and responses of 1-40 (tool tokens inside some); ``skewed``:
-    one response of 120 tokens and the others of 1-3, so that the rank with the long one runs stand-ins."""
+    one response of 120 tokens and the others of 1-7, so that the rank with the long one runs stand-ins."""
     from hpcrl.samples.schema import Group, Trajectory
 
     rng = np.random.default_rng(seed)
@@ -68,7 +68,7 @@ def mixed_groups(vocab: int, seed: int = 0, skewed: bool = False):
         prompt = rng.integers(3, vocab, size=int(rng.integers(2, 8)))
         trajs = []
         for j in range(4):
-            n = int(rng.choice([1, 3, 9, 17, 40])) if not skewed else (120 if g == j == 0 else int(rng.integers(1, 4)))
+            n = int(rng.choice([1, 3, 9, 17, 40])) if not skewed else (120 if g == j == 0 else int(rng.integers(1, 8)))
             mask = np.ones(n, np.int8)
             if n > 5:
                 mask[2:4] = 0  # a tool's tokens
@@ -142,7 +142,7 @@ def one_setting(out: Path, name: str, overrides: list[str], rank: int, world: in
 
     from conftest import make_run
     from hpcrl.control.startup import StartupSteps
-    from hpcrl.run_dir import RunDir
+    from hpcrl.rundir.paths import RunDir
     from hpcrl.trainer.batch import build_batch
     from hpcrl.trainer.lora import AdapterOff
     from hpcrl.trainer.parts import build_parts
@@ -188,39 +188,58 @@ ZERO_STAGES = {0: [], 2: ["actor.offload_optimizer=true"], 3: ["actor.offload_pa
 partitioned as it loads) with parameter and optimizer offload and the reference as a ZeRO-3 engine of its own."""
 
 
+ZERO_BUDGET = "actor.ppo_max_token_len_per_gpu=20"
+"""The ZeRO check's budget: with it sdpa cuts some of one rank's micro-batches into two packs where the other rank
+runs stand-ins of one."""
+
+
 def zero_stages(out: Path, rank: int, world: int) -> None:
-    """The update of ``seqmean+kl/tokens12-skewed`` (stand-ins, a reference) under each of :data:`ZERO_STAGES`:
+    """The update of ``seqmean+kl/tokens12-skewed`` at :data:`ZERO_BUDGET` (stand-ins, a reference) under each of
+    :data:`ZERO_STAGES`:
     rank 0 writes ``zero.json`` with each stage's gradient norm, policy loss and weights' largest difference from
-    ZeRO 0's after the step (DeepSpeed holds no whole gradient to compare under ZeRO 2-3)."""
+    ZeRO 0's after the step (DeepSpeed holds no whole gradient to compare under ZeRO 2-3), and each rank's count of
+    policy and reference forwards (ZeRO-3 gathers parameters in each: every rank must run as many)."""
     from conftest import make_run
     from hpcrl.control.startup import StartupSteps
-    from hpcrl.run_dir import RunDir
+    from hpcrl.rundir.paths import RunDir
     from hpcrl.trainer.batch import build_batch
     from hpcrl.trainer.gather import zero3_state_dict
+    from hpcrl.trainer import update as update_module
     from hpcrl.trainer.parts import build_parts
 
     got = {}
     for stage, extra in ZERO_STAGES.items():
         folder = out / f"zero{stage}"
         if rank == 0:
-            make_run(folder, *BASE, *ALGOS["seqmean+kl"], *PACKINGS["tokens12-skewed"], f"actor.zero_stage={stage}",
+            make_run(folder, *BASE, *ALGOS["seqmean+kl"], *PACKINGS["tokens12-skewed"], ZERO_BUDGET, f"actor.zero_stage={stage}",
                      *extra, name="run")
         dist.barrier()
         rd = RunDir(folder / "run")
         torch.manual_seed(0)
         parts, _ = build_parts(rd.load_config(), rd, rank, world, StartupSteps(_Beat(), "trainer", 300))
+        forwards = []  # this rank's forwards of the policy and of the reference, each micro-batch's after a "|"
+        for name, m in (("policy", parts.engine.module), ("reference", parts.reference)):
+            m.register_forward_pre_hook(lambda *_, name=name: forwards.append(name))
+        run_model = update_module.run_model
+        update_module.run_model = lambda *a, **kw: (forwards.append("|"), run_model(*a, **kw))[1]
         stats = parts.updater.run(build_batch(mixed_groups(64, skewed=True), parts.layout.pad_id, 0))
+        update_module.run_model = run_model
+        every = [None] * world
+        dist.all_gather_object(every, forwards)
+        stats["forwards_per_rank"] = [len(f) for f in every]
+        stats["same_forwards"] = all(f == every[0] for f in every)
         module = parts.engine.module
         weights = zero3_state_dict(module, rank, "")[0] if stage == 3 else module.state_dict()
         got[stage] = (stats["actor/grad_norm"], stats["actor/pg_loss"], {k: v.detach().float().clone()
-                                                                        for k, v in weights.items()})
+                                                                        for k, v in weights.items()},
+                      stats["forwards_per_rank"], stats["same_forwards"])
         if parts.lead is not None:
             parts.lead.close()
     if rank == 0:
         base = got[0][2]
         (out / "zero.json").write_text(json.dumps({str(st): {
-            "grad_norm": g, "pg_loss": pg, "weights_max_diff": max(float((w[k] - v).abs().max()) for k, v in base.items())}
-            for st, (g, pg, w) in got.items()}))
+            "grad_norm": g, "pg_loss": pg, "weights_max_diff": max(float((w[k] - v).abs().max()) for k, v in base.items()),
+            "forwards_per_rank": n, "same_forwards": same} for st, (g, pg, w, n, same) in got.items()}))
 
 
 def main(out: str, *names: str) -> int:

@@ -2,13 +2,15 @@
 import pytest
 import torch
 
-from hpcrl.config.names import ADV_ESTIMATORS, GROUP_ESTIMATORS
+from hpcrl.config.registries import ADV_ESTIMATORS
 from hpcrl.samples.schema import Group, Trajectory
-from hpcrl.trainer.advantages import (compute_advantages, discounted_returns, gae, gdpo, grpo, masked_whiten,
-                                      place_scores, rloo)
+from hpcrl.trainer.advantages import compute_advantages, masked_whiten, place_scores
+from hpcrl.trainer.estimators import discounted_returns, gae, gdpo, grpo, rloo
 from hpcrl.trainer.batch import build_batch
 from hpcrl.trainer.pf_ppo import pf_ppo_indices, pf_ppo_weights
 from hpcrl.trainer.token_baseline import score_norm_sq
+
+GROUP_ESTIMATORS = tuple(name for name, spec in ADV_ESTIMATORS.items() if spec.group)
 
 
 def reference_discounted(r, mask, gamma):

@@ -12,13 +12,13 @@ import pytest
 
 from conftest import wait_until
 from hpcrl.config import load_config
-from hpcrl.fsio import read_jsonl
-from hpcrl.logs import read_jsonl_frame, read_metrics
+from hpcrl.rundir.fsio import read_jsonl
+from hpcrl.logs.run_logs import read_jsonl_frame, read_metrics
 from hpcrl.rollout.agent_loop import GroupContext, run_group
 from hpcrl.rollout.engine import EngineOptions, EngineRunner
 from hpcrl.rollout.gate import EngineGate, GroupAborted
 from hpcrl.rollout.loops import TOOL_AGENT
-from hpcrl.rollout.resume import InFlightStates
+from hpcrl.rollout.in_flight import InFlightStates
 from hpcrl.rollout.rewards import toy_calc
 from hpcrl.rollout.tool_agent import FINISH_TOOL_ERROR, ToolAgentLoop, template_prefix
 from hpcrl.rollout.trajectory import GENERATING, PROCESSING_TOOLS, TrajectoryState

@@ -17,7 +17,7 @@ started when the session starts, in the background at the lowest priority, and t
 import pytest
 
 from conftest import BackgroundRuns, check_exactly_once, start_rollout, start_trainer
-from hpcrl.logs import read_metrics
+from hpcrl.logs.run_logs import read_metrics
 from test_learning import fifths
 
 RUNS = {

@@ -27,8 +27,8 @@ from PIL import Image
 from conftest import REPO, make_run, python, start_rollout, start_trainer, wait_until
 from hpcrl.analysis.recommend import HIGH, recommend
 from hpcrl.analysis.status import status_main
-from hpcrl.fsio import JsonlTail
-from hpcrl.logs import read_jsonl_frame
+from hpcrl.rundir.fsio import JsonlTail
+from hpcrl.logs.run_logs import read_jsonl_frame
 from hpcrl.cli import main
 
 RUN_PLOTS = ["lag_distribution.png", "lag_over_time.png", "partial_spans.png", "idle_ratios.png", "timeline.png",
@@ -326,7 +326,7 @@ def synthetic_run(tmp_path, rewards, wait_s=0.6, rollout_idle=0.1):
 
     from hpcrl.analysis.load import RunData
     from hpcrl.config.knobs import Knobs
-    from hpcrl import metric_names as M
+    from hpcrl.logs import metric_names as M
 
     n = len(rewards)
     metrics = pd.DataFrame({"step": range(1, n + 1), "time_s": [100.0 + i for i in range(1, n + 1)],
@@ -345,7 +345,7 @@ def synthetic_run(tmp_path, rewards, wait_s=0.6, rollout_idle=0.1):
 
 def test_the_report_opens_with_plain_answers(tmp_path):
     """Is it learning, how stale, which job waits, what to change: in words, each with its numbers."""
-    from hpcrl import metric_names as M
+    from hpcrl.logs import metric_names as M
     from hpcrl.analysis.glance import glance
 
     rising = synthetic_run(tmp_path, list(np.linspace(0.1, 0.9, 20)))

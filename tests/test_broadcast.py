@@ -18,8 +18,8 @@ import torch
 from conftest import REPO, TINY, BackgroundCommand, check_exactly_once
 from hpcrl.config import TimeoutsConfig, WeightsConfig
 from hpcrl.control.records import HeartbeatThread
-from hpcrl.fsio import write_json_atomic
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.fsio import write_json_atomic
+from hpcrl.rundir.paths import RunDir
 from hpcrl.weights import make_publisher, make_subscriber
 from hpcrl.weights.group import BroadcastFailed, backend_choice, choose_backend
 from hpcrl.weights.rendezvous import BroadcastRendezvous
@@ -154,12 +154,14 @@ def test_each_broadcast_version_logs_its_backend_and_why_on_both_ends(tmp_path, 
 
 def test_a_reader_on_cpu_is_refused_by_an_nccl_trainer_in_one_line(tmp_path, caplog):
     """nccl cannot be formed on CPU; the runtime check that stands behind the config's refusal."""
-    from hpcrl.weights.broadcast import BroadcastPublisher
+    from hpcrl.weights.broadcast import BroadcastSender
+    from hpcrl.weights.publisher import WeightPublisher
 
     rd = RunDir(tmp_path).create()
     rd.secret.write_text("s")
     _BEATS.append(HeartbeatThread(rd, RunDir.trainer_job(), "trainer", 0.5).start())
-    tt = BroadcastPublisher(rd, 3, required=True, bucket_mib=1, connect_s=2.0, broadcast_s=5.0, backend="nccl")
+    tt = WeightPublisher(rd, 3, sender=BroadcastSender(rd, required=True, bucket_mib=1, connect_s=2.0, broadcast_s=5.0,
+                                                       backend="nccl"))
     tt.publish(0, {"w": torch.ones(3)}, "{}", 0, 0)
     caplog.set_level(logging.INFO)
     with pytest.raises(BroadcastFailed, match="weights.broadcast_backend=nccl, but it receives into cpu memory"):
@@ -405,7 +407,7 @@ def test_receiver_sigkilled_between_publishes_costs_the_trainer_nothing(tiny_run
     assert publish(wt, 1, model)[0].members == 1, "a live member receives"
     peer.kill()
     peer.wait(10)
-    time.sleep(wt._sender.stale_s + 1)
+    time.sleep(wt.sender._sender.stale_s + 1)
     caplog.set_level(logging.INFO)
     out, took = publish(wt, 2, model)
     assert took < FAST.broadcast_s / 2, f"publish took {took:.1f}s with a member killed while idle"
@@ -537,7 +539,7 @@ def test_both_jobs_sigkilled_with_broadcast_resume_with_the_same_commands_rollou
     restarted with the same command announces itself at start, the rollout job joins it, the run finishes
     exactly once and the versions after the restart come by broadcast."""
     from conftest import start_rollout, start_trainer, wait_until
-    from hpcrl.fsio import read_jsonl
+    from hpcrl.rundir.fsio import read_jsonl
 
     rd = tiny_run("weights.transport=broadcast", "rollout.total_rollout_steps=120", "timeouts.wait_weights_s=120",
                   "trainer.checkpoint_every_updates=5")

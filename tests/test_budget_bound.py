@@ -12,7 +12,7 @@ import pytest
 from hpcrl.analysis.budget_bound import BudgetChain, Link, links, order_statistic_mean
 from hpcrl.config import load_config
 from hpcrl.control.admission import Admission
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 
 SIM = "configs/simulated.yaml"
 
@@ -90,7 +90,7 @@ def test_chain_step_by_hand():
 def test_chain_against_the_planners_event_simulation(jobs, s, partial):
     """On the planner's own phase times (no control-plane latency) the chain is never more than a few per cent
     above the simulated step (it is an expectation), and where the budget binds (s < 1) it is the step."""
-    from hpcrl.plan.pipeline import Knobs, predict
+    from plan_reference import Knobs, predict
 
     sim = load_config(SIM).simulated
     k = Knobs(rollout_jobs=jobs, trainer_gpus=1, staleness_threshold=s, partial_rollout=partial,

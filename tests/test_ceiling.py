@@ -4,7 +4,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from hpcrl import metric_names as M
+from hpcrl.logs import metric_names as M
 from hpcrl.analysis.ceiling import ceiling
 
 

@@ -11,7 +11,7 @@ from hpcrl.control import changes
 from hpcrl.control.changes import ChangeWatch, bump
 from hpcrl.control.fleet import request_drain
 from hpcrl.control.records import request_stop
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 from hpcrl.samples import reader as reader_module
 from hpcrl.samples.reader import SampleReader
 from hpcrl.config import WeightsConfig

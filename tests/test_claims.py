@@ -10,7 +10,7 @@ import pytest
 from hpcrl.control import claims
 from hpcrl.control.admission import Admission, read_claims, release_writer
 from hpcrl.control.claims import ClaimBook, ClaimLost
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 from hpcrl.samples.skips import SkipLog
 from hpcrl.samples.writer import ShardWriter
 from test_samples import make_group

@@ -113,7 +113,7 @@ def test_exponent_floats_without_a_dot_are_floats(tmp_path):
     (["actor.policy_loss.loss_mode=dppo_tv", "actor.clip_ratio_c=null"], "a number > 1 with loss_mode=dppo_tv"),
     (["actor.tau_neg=0"], "actor.tau_neg"),
     (["algorithm.adv_estimator=optimal_token_baseline", "rollout.n=1"], "at least 2 with adv_estimator=optimal"),
-    (["algorithm.use_pf_ppo=true"], "verl resamples only with gae"),
+    (["algorithm.use_pf_ppo=true"], "verl resamples only with an estimator on a critic"),
     (["algorithm.adv_estimator=gae", "algorithm.use_pf_ppo=true", "algorithm.pf_ppo.reweight_method=top"],
      "'max_random'"),
     (["algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[format, accuracy]"], "one reward per trajectory"),

@@ -20,8 +20,8 @@ import contextlib
 import pytest
 import torch
 
-from hpcrl.config.names import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, PF_PPO_REWEIGHT_METHODS, RS_OPTIONS
-from hpcrl.config.registries import POLICY_LOSS_MODES
+from hpcrl.config.names import KL_ESTIMATORS, LOSS_AGG_MODES, PF_PPO_REWEIGHT_METHODS, RS_OPTIONS
+from hpcrl.config.registries import ADV_ESTIMATORS, POLICY_LOSS_MODES
 from hpcrl.trainer.advantages import compute_advantages, masked_whiten, place_scores
 from hpcrl.trainer.kl import AdaptiveKLController, apply_kl_in_reward, kl_estimate
 from hpcrl.trainer.losses import agg_counts, agg_loss, entropy_from_logp, value_loss

@@ -11,11 +11,11 @@ from hpcrl.config import ConfigError, load_config
 from hpcrl.control.admission import Admission
 from hpcrl.control.fatal import read_fatal_record
 from hpcrl.control.records import FilteredGroups, read_filtered_groups, read_heartbeats
-from hpcrl.launcher.resume import check_changes
-from hpcrl.logs import read_metrics, read_staleness
-from hpcrl.fsio import write_json_atomic
+from hpcrl.launcher.resume_changes import check_changes
+from hpcrl.logs.run_logs import read_metrics, read_staleness
+from hpcrl.rundir.fsio import write_json_atomic
 from hpcrl.rollout.shaping import RewardShaping, overlong_penalty
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 from hpcrl.samples.schema import Group, Trajectory
 from hpcrl.samples.writer import shard_image
 from hpcrl.samples.schema import arrays_from_layout, arrays_to_groups

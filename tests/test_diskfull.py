@@ -1,6 +1,6 @@
 """A filesystem that misbehaves: full (ENOSPC, EDQUOT), failing (EIO, ESTALE) or slow, at every writer.
 
-The fast tests drive ``fsio.guarded`` and its users with injected errors (``HPCRL_FAULT_POINT``'s ``write``
+The fast tests drive ``disk.guarded`` and its users with injected errors (``HPCRL_FAULT_POINT``'s ``write``
 point) and a real small filesystem: a tmpfs mounted by the test (root only, CI runs as root; skipped with the
 reason otherwise) that ``faults.fill`` fills until the kernel says ENOSPC. The slow ones run the tiny task on such
 a filesystem: it fills up at each writer in turn (checkpoint, publish, metrics log, shard commit, in-flight save,
@@ -25,14 +25,14 @@ import pytest
 
 from conftest import REPO, Job, check_exactly_once, make_run, python, start_rollout, start_trainer, wait_until
 from test_job_life import WaitingJob
-from hpcrl import fsio
+from hpcrl.rundir import disk, fsio
 from hpcrl.control.job import DiskRoom, Stop, run
 from hpcrl.control.records import HeartbeatState, HeartbeatThread, read_heartbeats
 from hpcrl.process import faults
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 from hpcrl.samples.reader import SampleReader, delete_consumed
 from hpcrl.samples.writer import ShardWriter
-from hpcrl.weights.filesystem import FilesystemPublisher
+from hpcrl.weights.publisher import WeightPublisher
 
 
 @pytest.fixture
@@ -47,8 +47,8 @@ def fault(monkeypatch):
 @pytest.fixture
 def policy(monkeypatch):
     """A short wait for space, so a test that never frees it ends in seconds."""
-    monkeypatch.setattr(fsio, "POLICY", fsio.DiskPolicy(full_wait_s=2.0, backoff_max_s=0.5))
-    return fsio.POLICY
+    monkeypatch.setattr(disk, "POLICY", disk.DiskPolicy(full_wait_s=2.0, backoff_max_s=0.5))
+    return disk.POLICY
 
 
 def mount_tmpfs(folder: Path, size: str) -> Path:
@@ -81,18 +81,18 @@ def free_later(path: Path, after_s: float) -> threading.Timer:
 def test_a_failing_write_is_retried_and_a_full_disk_waited_out_then_given_up_in_one_line(tmp_path, fault, policy,
                                                                                         caplog):
     fault("write:1:errno=EIO", "write:2:errno=ESTALE", "write:4:errno=ENOSPC")
-    with caplog.at_level(logging.INFO, logger="hpcrl.fsio"):
+    with caplog.at_level(logging.INFO, logger="hpcrl.rundir.disk"):
         fsio.write_json_atomic(tmp_path / "a.json", {"a": 1})  # EIO, ESTALE, then written
         assert json.loads((tmp_path / "a.json").read_text()) == {"a": 1}
         fsio.write_json_atomic(tmp_path / "b.json", {"b": 2})  # ENOSPC once, then written
-    said = [r.getMessage() for r in caplog.records if r.name == "hpcrl.fsio"]
+    said = [r.getMessage() for r in caplog.records if r.name == "hpcrl.rundir.disk"]
     assert [m.split(" (")[0] for m in said[:2]] == ["Input/output error", "Stale file handle"], said
     assert re.search(r"No space left on device .* writing .*b\.json \(a file\): needs \d+ B, .* free of .*; waiting "
                      r"for space \(0s so far, at most 2s: timeouts.disk_full_s\)", "\n".join(said)), said
     assert any("b.json after" in m and "waiting for space" in m for m in said), said
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "b.json"], "no temporary file is left"
     fault(*[f"write:{i}:errno=EIO" for i in range(1, 8)])
-    with pytest.raises(fsio.WriteFailed, match=r"I/O error at .*c\.json: a file failed 6 times"):
+    with pytest.raises(disk.WriteFailed, match=r"I/O error at .*c\.json: a file failed 6 times"):
         fsio.write_json_atomic(tmp_path / "c.json", {})
     assert not list(tmp_path.glob("c.json*"))
 
@@ -106,12 +106,12 @@ def test_on_a_full_filesystem_a_log_waits_for_space_and_is_never_left_torn(small
     log.append({"i": 1, "pad": "x" * 100_000})  # a partial write, cut back, then the whole line once freed
     assert time.monotonic() - t0 >= 1.4
     faults.fill(str(small_fs / "filler"))
-    with pytest.raises(fsio.WriteFailed, match=r"disk full at .*log\.jsonl: log lines needs 97\.7 KiB, .* free of "
+    with pytest.raises(disk.WriteFailed, match=r"disk full at .*log\.jsonl: log lines needs 97\.7 KiB, .* free of "
                                                r"8\.0 MiB; waited \d+s \(timeouts.disk_full_s\)"):
         log.append({"i": 2, "pad": "y" * 100_000})
     log.close()
     assert [json.loads(line)["i"] for line in (small_fs / "log.jsonl").read_text().splitlines()] == [0, 1]
-    with pytest.raises(fsio.WriteFailed):
+    with pytest.raises(disk.WriteFailed):
         fsio.write_bytes_atomic(small_fs / "r.json", b"z" * 50_000, wait=False)  # a heartbeat does not wait
     assert sorted(p.name for p in small_fs.iterdir()) == ["filler", "log.jsonl"], "no temporary file is left"
 
@@ -120,7 +120,7 @@ def test_on_a_full_filesystem_a_log_waits_for_space_and_is_never_left_torn(small
 def test_a_job_log_still_takes_the_lines_said_while_the_disk_is_full(small_fs, handler):
     """What a job says while it waits for space must reach its log: the line a user (and the suite) looks for.
     The log's last page is full, so a plain FileHandler has no slack to put the line in and loses it."""
-    from hpcrl.logs import JobLogFile
+    from hpcrl.logs.run_logs import JobLogFile
 
     path = small_fs / "trainer.log"
     path.write_bytes(b"x" * 4095 + b"\n")  # the next line needs a new page
@@ -170,7 +170,7 @@ def test_an_evaluation_commit_waits_for_space_and_its_two_logs_stay_consistent(s
     version's samples wait for space, then the row; a restarted writer finds both whole. The responses are random
     hex, so their compressed member (~5 KB) cannot hide in the slack of the file's last page."""
     from hpcrl.eval.writer import EvalLogWriter
-    from hpcrl.eval_log import EvalRow, EvalSample, read_eval_rows, read_eval_samples
+    from hpcrl.logs.eval_log import EvalRow, EvalSample, read_eval_rows, read_eval_samples
 
     rows, samples = small_fs / "eval.jsonl", small_fs / "eval_samples.jsonl.gz"
 
@@ -196,7 +196,7 @@ def test_the_evaluation_keeps_the_responses_of_its_newest_versions_and_gives_bac
     """``eval.keep_samples_versions``: the samples file's head before the newest K versions with samples is released
     (a hole: the file's size and the offsets the rows hold stay); rows and metrics stay; a restarted writer goes on."""
     from hpcrl.eval.writer import EvalLogWriter
-    from hpcrl.eval_log import EvalRow, EvalSample, read_eval_rows, read_eval_samples
+    from hpcrl.logs.eval_log import EvalRow, EvalSample, read_eval_rows, read_eval_samples
 
     rows, samples = small_fs / "eval.jsonl", small_fs / "eval_samples.jsonl.gz"
 
@@ -307,7 +307,7 @@ def test_a_job_stopped_by_another_jobs_full_disk_saves_without_waiting_for_space
     from hpcrl.control.fatal import write_fatal
     from hpcrl.control.job import StopWatch
 
-    monkeypatch.setattr(fsio, "POLICY", fsio.DiskPolicy(full_wait_s=60.0, backoff_max_s=0.5))
+    monkeypatch.setattr(disk, "POLICY", disk.DiskPolicy(full_wait_s=60.0, backoff_max_s=0.5))
     rd = RunDir(small_fs / "run").create()
     write_fatal(rd, "rollout-w000", f"disk full at {rd.root}: waited 60s", "disk")
     room = DiskRoom(rd, "trainer")
@@ -326,10 +326,10 @@ def test_a_job_stopped_by_another_jobs_full_disk_saves_without_waiting_for_space
 
 PUBLISHER = r"""
 import sys, torch
-from hpcrl.run_dir import RunDir
-from hpcrl.weights.filesystem import FilesystemPublisher
+from hpcrl.rundir.paths import RunDir
+from hpcrl.weights.publisher import WeightPublisher
 rd = RunDir(sys.argv[1])
-pub = FilesystemPublisher(rd, keep_versions=2)
+pub = WeightPublisher(rd, keep_versions=2)
 v = max(pub.published_versions(), default=-1)
 pub.withdraw_after(v)  # what the trainer does at start: the sweep, then nothing newer than its checkpoint
 state = {f"w{i}": torch.full((64, 1024), float(i)) for i in range(24)}
@@ -359,7 +359,7 @@ def test_a_trainer_killed_during_retention_leaves_no_version_folder_without_its_
         lacking = [n for n in names if RunDir.parse_weight_version(n) is not None
                    and not rd.weight_manifest(RunDir.parse_weight_version(n)).exists()]
         found["half_written"] += len(lacking)
-        FilesystemPublisher(rd, keep_versions=2).withdraw_after(10**9)  # a restarted trainer's sweep
+        WeightPublisher(rd, keep_versions=2).withdraw_after(10**9)  # a restarted trainer's sweep
         names = [p.name for p in rd.weights.iterdir()]
         assert all(rd.weight_manifest(RunDir.parse_weight_version(n)).exists() for n in names), names
         assert not [n for n in names if RunDir.parse_weight_version(n) is None], names

@@ -13,7 +13,7 @@ import pytest
 
 from hpcrl.cli import _parser
 from hpcrl.config import RunConfig
-from hpcrl.config.names import VERL_KEYS
+from hpcrl.config.verl_keys import VERL_KEYS
 from hpcrl.config.verl import entry_of
 
 REPO = Path(__file__).resolve().parents[1]

@@ -19,9 +19,9 @@ from hpcrl.analysis.fleet import fleet_history
 from hpcrl.control.admission import read_claims
 from hpcrl.control.fleet_log import read_fleet_events
 from hpcrl.control.records import read_heartbeats
-from hpcrl.fsio import read_jsonl
-from hpcrl.logs import read_staleness
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.fsio import read_jsonl
+from hpcrl.logs.run_logs import read_staleness
+from hpcrl.rundir.paths import RunDir
 
 SIMULATED = ["rollout.engine=simulated", "trainer.simulated=true", "eval.every_versions=0",
              "simulated.time_scale=20", "simulated.lengths=geometric", "simulated.length_mean=30",

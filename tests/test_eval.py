@@ -15,8 +15,8 @@ import pytest
 from conftest import Job, start_rollout, start_trainer, wait_until
 from hpcrl.cli import main as cli_main
 from hpcrl.control.records import read_heartbeats
-from hpcrl.eval_log import DAMAGED, EVALUATED, JOB, OFFLINE, read_eval_rows, read_eval_samples
-from hpcrl.run_dir import EVAL_JOB, WEIGHT_TENSORS, RunDir
+from hpcrl.logs.eval_log import DAMAGED, EVALUATED, JOB, OFFLINE, read_eval_rows, read_eval_samples
+from hpcrl.rundir.paths import EVAL_JOB, WEIGHT_TENSORS, RunDir
 
 pytestmark = pytest.mark.slow
 PROMPTS = 24

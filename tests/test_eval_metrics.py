@@ -19,7 +19,7 @@ import pytest
 
 from hpcrl.eval import metrics
 from hpcrl.eval.evaluate import summarize
-from hpcrl.eval_log import EvalSample, split_metric
+from hpcrl.logs.eval_log import EvalSample, split_metric
 
 VERL = "verl==0.9.1"
 

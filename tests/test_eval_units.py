@@ -14,10 +14,10 @@ from conftest import REPO, TINY
 from hpcrl.config import ConfigError, load_config
 from hpcrl.eval.schedule import DuePolicy, all_handled, plan_next
 from hpcrl.eval.writer import EvalLogWriter
-from hpcrl.eval_log import EVALUATED, SKIPPED, EvalRow, EvalSample, read_eval_rows, read_eval_samples
+from hpcrl.logs.eval_log import EVALUATED, SKIPPED, EvalRow, EvalSample, read_eval_rows, read_eval_samples
 from hpcrl.launcher.sbatch_lines import sbatch_lines
 from hpcrl.launcher.submit import plan_jobs
-from hpcrl.run_dir import EVAL_JOB, RunDir
+from hpcrl.rundir.paths import EVAL_JOB, RunDir
 
 # ---- config ------------------------------------------------------------------------------------
 
@@ -197,7 +197,7 @@ def test_the_evaluation_jobs_metrics_reach_tensorboard_in_a_run_of_their_own(tmp
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from hpcrl.trackers import open_trackers
+    from hpcrl.logs.trackers import open_trackers
 
     rd = RunDir(tmp_path).create()
     cfg = load_config(TINY, ["logging.backends=[jsonl,tensorboard]"])

@@ -12,7 +12,7 @@ import torch
 from conftest import BackgroundCommand, make_run
 from hpcrl.cli import main as cli_main
 from hpcrl.config import WeightsConfig
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 from hpcrl.tiny.model import build_tokenizer, quiet_progress_bars
 from hpcrl.trainer.parts import model_files
 from hpcrl.weights import WeightVersionBad, make_publisher, make_subscriber

@@ -12,9 +12,9 @@ import pytest
 
 from conftest import check_exactly_once, start_rollout, start_trainer, wait_until
 from hpcrl.process import termination
-from hpcrl.fsio import read_json, read_jsonl, wait_for
-from hpcrl.logs import read_staleness
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.fsio import read_json, read_jsonl, wait_for
+from hpcrl.logs.run_logs import read_staleness
+from hpcrl.rundir.paths import RunDir
 
 
 def n_updates(rd) -> int:
@@ -155,15 +155,18 @@ def test_usr2_while_waiting_keeps_the_groups_already_taken(tiny_run):
 
     from hpcrl.samples.writer import ShardWriter
 
-    rd = tiny_run("rollout.total_rollout_steps=8", "rollout.n=3", "timeouts.wait_log_interval_s=0.5")
+    # staleness 1: a writer may commit 8 groups under version 0 (lag bound 1), as this one does before the trainer
+    # starts; with 0 the trainer would rightly drop groups 4-7 for their lag.
+    rd = tiny_run("rollout.total_rollout_steps=8", "rollout.n=3", "timeouts.wait_log_interval_s=0.5",
+                  "async_training.staleness_threshold=1")
     writer = ShardWriter(rd, "w000", seal_groups=1, seal_interval_s=60)
     for i in range(6):  # one full update (4 groups) + 2 of the next
         writer.add(make_group(i))
         writer.seal()
     trainer = start_trainer(rd)
     wait_until(lambda: n_updates(rd) >= 1, 120, "the first update", jobs=(trainer,))
-    wait_until(lambda: "waiting" in (rd.job_logs / "trainer.log").read_text(), 30, "the trainer to wait",
-               jobs=(trainer,))
+    wait_until(lambda: "committed groups (2/4)" in (rd.job_logs / "trainer.log").read_text(), 30,
+               "the trainer to wait with 2 of 4 groups", jobs=(trainer,))
     trainer.kill(signal.SIGUSR2)
     assert trainer.wait(60) == 0, trainer.tail()
     log_text = (rd.job_logs / "trainer.log").read_text()
@@ -227,7 +230,7 @@ SEAL_UNDER_SIGTERM = textwrap.dedent("""
     import fault_wrapper  # SIGTERM right after the manifest append #TEST_TERM_AFTER_MANIFEST_APPEND returns
     from test_samples import make_group
     from hpcrl.process import termination
-    from hpcrl.run_dir import RunDir
+    from hpcrl.rundir.paths import RunDir
     from hpcrl.samples.writer import ShardWriter
     termination.install()
     w = ShardWriter(RunDir({root!r}), "w000", seal_groups=2, seal_interval_s=60)
@@ -248,7 +251,7 @@ def test_sigterm_right_after_a_manifest_line_is_durable_commits_each_prompt_once
     """The handler's SystemExit landed in seal() after the manifest line, before the buffer was
     cleared; close() then sealed the same groups again under the same shard index (seen: the same
     prompt committed and trained twice, the committed shard overwritten and then skipped)."""
-    from hpcrl.run_dir import RunDir
+    from hpcrl.rundir.paths import RunDir
     from hpcrl.samples.reader import SampleReader
     from test_samples import drain
 

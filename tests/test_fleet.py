@@ -13,14 +13,14 @@ from hpcrl.control.admission import Admission, read_claims
 from hpcrl.control.fleet import acknowledge_scale, drain_requested, read_scale_request, request_drain, request_scale
 from hpcrl.control.fleet_log import FleetLog, read_fleet_events
 from hpcrl.control.records import Heartbeat
-from hpcrl.fsio import write_json_atomic
+from hpcrl.rundir.fsio import write_json_atomic
 from hpcrl.launcher.fleet import Fleet, active_writers, fleet_ids
 from hpcrl.launcher.jobs import JobHandle
 from hpcrl.launcher.sbatch_lines import rollout_lines, sbatch_lines
 from hpcrl.launcher.scale_cmd import scale_command
 from hpcrl.launcher.submit import LauncherJobs, plan_jobs
 from hpcrl.process.pids import pid_running
-from hpcrl.run_dir import FLEET_LAUNCHER, FLEET_SCALE, RunDir
+from hpcrl.rundir.paths import FLEET_LAUNCHER, FLEET_SCALE, RunDir
 
 
 def _beat(rd: RunDir, writer: str, state: str = "generating") -> None:
@@ -490,7 +490,7 @@ def test_a_launchers_slurm_jobs_are_asked_about_in_one_squeue_and_an_ended_one_n
 
 
 def test_an_autoscale_decision_is_logged_with_its_numbers_whether_or_not_the_queue_lets_it_through(tmp_path, launcher):
-    from hpcrl.fsio import JsonlAppender
+    from hpcrl.rundir.fsio import JsonlAppender
     from hpcrl.launcher.autoscale import Autoscaler
 
     rd = make_run(tmp_path, "resources.rollout_autoscale.max_jobs=3", "resources.rollout_autoscale.versions=2")

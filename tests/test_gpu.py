@@ -64,9 +64,12 @@ def test_an_engine_on_cuda_samples_with_the_trainers_log_probs_and_takes_a_new_v
     from hpcrl.weights.base import WeightVersion
 
     runner = EngineRunner()
-    opts = EngineOptions(model_dir, max_new_tokens=8, temperature=0.7, top_p=1.0, device="cuda", dtype=dtype,
-                         max_model_len=128, max_num_seqs=32, gpu_memory_utilization=0.2)
-    engine = make_engine(name, opts, runner, timeout_s=600)
+    from hpcrl.config import RunConfig
+
+    opts = EngineOptions(model_dir, max_new_tokens=8, temperature=0.7, top_p=1.0, device="cuda", dtype=dtype)
+    cfg = RunConfig()
+    cfg.rollout.max_model_len, cfg.rollout.max_num_seqs, cfg.rollout.gpu_memory_utilization = 128, 32, 0.2
+    engine = make_engine(name, opts, cfg, runner, timeout_s=600)
     try:
         batch = build_batch(sampled(engine, runner, [[30, 5], [31, 7, 8, 9]]), pad_id=0, trainer_version=0)
         with torch.no_grad():

@@ -11,8 +11,8 @@ import pytest
 from conftest import REPO, TINY, python
 from hpcrl.config import ConfigError, DataConfig, load_config
 from hpcrl.launcher.prepare import prepare_run_dir
-from hpcrl.fsio import JsonlAppender, read_jsonl
-from hpcrl.logs import read_jsonl_frame, read_staleness
+from hpcrl.rundir.fsio import JsonlAppender, read_jsonl
+from hpcrl.logs.run_logs import read_jsonl_frame, read_staleness
 from hpcrl.rollout.dataset import PromptStream, load_rows
 
 

@@ -10,7 +10,7 @@ from hpcrl.control.changes import RESCAN_S, ChangeWatch
 from hpcrl.control.fatal import write_fatal
 from hpcrl.control.job import Stop, StopWatch, run
 from hpcrl.control.records import HeartbeatState, HeartbeatThread, read_heartbeats
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 
 
 class WaitingJob:

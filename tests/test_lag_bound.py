@@ -12,16 +12,16 @@ import numpy as np
 import pytest
 
 from conftest import check_exactly_once, start_rollout, start_trainer, wait_until
-from hpcrl import metric_names as M
+from hpcrl.logs import metric_names as M
 from hpcrl.config.knobs import late_for_bound, latest_trainer_version
 from hpcrl.control.admission import Admission
 from hpcrl.control.records import read_heartbeats
-from hpcrl.fsio import read_jsonl
-from hpcrl.logs import read_staleness
+from hpcrl.rundir.fsio import read_jsonl
+from hpcrl.logs.run_logs import read_staleness
 from hpcrl.rollout.engine import FINISH_STOP
-from hpcrl.rollout.resume import InFlightStates
+from hpcrl.rollout.in_flight import InFlightStates
 from hpcrl.rollout.trajectory import GENERATING, TrajectoryState
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 from hpcrl.samples.skips import SkipLog
 from hpcrl.samples.writer import CommitRefused, ShardWriter
 from test_samples import make_group
@@ -111,6 +111,16 @@ def test_the_trainer_drops_a_group_beyond_the_bound_with_its_reason():
     empty = make_group(4, n=1)
     empty.trajectories[0].token_versions = np.zeros(0, dtype=int)
     assert why(empty, 1) == "", "a group without a token has no lag to bound"
+
+
+def test_the_trainers_waiting_line_names_what_it_dropped():
+    """A wait whose groups all go to a drop reason must not read as 'nothing committed' (0/4 for two minutes)."""
+    from hpcrl.trainer.dynamic_sampling import describe_dropped
+
+    assert describe_dropped({}) == ""
+    groups = [make_group(i) for i in range(3)]
+    assert describe_dropped({"lag_bound": groups[:2], "filter_groups": groups[2:]}) == \
+        "; 3 dropped: filter_groups 1, lag_bound 2"
 
 
 SLOW_JOB = {"HPCRL_FAULT_POINT": "change_look:every:sleep=0.5"}

@@ -19,7 +19,7 @@ import pytest
 from conftest import start_trainer
 from hpcrl.process.leftovers import MARK_ENV, job_mark, sweep_leftovers
 from hpcrl.process.network import free_port, interface_to
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 from hpcrl.trainer.arrival import LaunchError, check_in
 from hpcrl.trainer.distributed import choose_interfaces, master_address
 from hpcrl.weights.group import gloo_interface

@@ -20,11 +20,11 @@ PKG = Path(__file__).resolve().parents[1] / "hpcrl"
 
 BOTTOM_ORDER = [
     ("config",),
-    ("json_record.py", "metric_names.py", "process", "tiny"),
-    ("fsio.py",),
-    ("run_dir.py",),
-    ("samples", "logs.py"),
-    ("control", "trackers.py", "eval_log.py"),
+    ("process", "tiny"),
+    ("rundir",),
+    ("logs",),
+    ("samples",),
+    ("control",),
     ("weights",),
 ]
 """The bottom layer, lowest first: the run directory's contracts every job and the launcher build on.
@@ -199,11 +199,14 @@ def test_config_imports_only_the_config():
 
 def test_fsio_records_and_the_process_primitives_import_nothing_of_hpcrl():
     """``process/`` may use its own primitives (the one pid rule, ``process/pids.py``), nothing else of hpcrl."""
-    assert not [m for _, m in _imports(PKG / "json_record.py") if m.startswith("hpcrl")]
+    assert not [m for _, m in _imports(PKG / "rundir" / "json_record.py") if m.startswith("hpcrl")]
     for p in _files("process"):
         assert not [m for _, m in _imports(p) if m.startswith("hpcrl") and not m.startswith("hpcrl.process")], p
-    assert {m for _, m in _imports(PKG / "fsio.py") if m.startswith("hpcrl")} <= {"hpcrl.process", "hpcrl.process.faults"}, \
-        "fsio imports only the fault points (its writes can be made to fail in tests)"
+    assert {m for _, m in _imports(PKG / "rundir" / "disk.py") if m.startswith("hpcrl")} <= {"hpcrl.process",
+                                                                                            "hpcrl.process.faults"}, \
+        "disk imports only the fault points (its writes can be made to fail in tests)"
+    assert not [m for _, m in _imports(PKG / "rundir" / "fsio.py") if m.startswith("hpcrl")
+                and not m.startswith("hpcrl.rundir.disk")], "fsio imports only the guarded writes"
 
 
 JOB_LIFE = {"setup_logging", "mark_job", "sweep_leftovers", "PreemptionFlag", "requeue_self", "preempted_by_slurm",
@@ -226,7 +229,7 @@ def test_every_job_lives_in_the_one_lifecycle():
     """A second job skeleton fails here: a call that sets up a job's logging, sweeps an earlier attempt's leftovers,
     takes USR2, installs the SIGTERM handler, writes a final heartbeat or requeues, anywhere but control/job.py (the
     modules that define them excepted)."""
-    home = {PKG / "control" / "job.py", PKG / "logs.py", PKG / "process" / "leftovers.py",
+    home = {PKG / "control" / "job.py", PKG / "logs" / "run_logs.py", PKG / "process" / "leftovers.py",
             PKG / "process" / "preemption.py", PKG / "process" / "termination.py", PKG / "control" / "records.py"}
     bad = [f"{p.relative_to(PKG.parent)}:{node.lineno} calls {_called(node)}"
            for p in _files(".") if p not in home for node in ast.walk(ast.parse(p.read_text()))
@@ -272,14 +275,14 @@ def _message_ids(tree: ast.AST) -> set[int]:
 def test_no_path_or_job_name_literal_outside_run_dir():
     bad = []
     for p in _files("."):
-        if p.name == "run_dir.py":
+        if p == PKG / "rundir" / "paths.py":
             continue
         tree = ast.parse(p.read_text())
         skip = _docstring_ids(tree) | _message_ids(tree)
         bad += [f"{p.relative_to(PKG.parent)}:{n.lineno}: {n.value!r}" for n in ast.walk(tree)
                 if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in skip
                 and RUN_DIR_LITERALS.search(n.value)]
-    assert not bad, "paths and job names belong to hpcrl/run_dir.py:\n" + "\n".join(bad)
+    assert not bad, "paths and job names belong to hpcrl/rundir/paths.py:\n" + "\n".join(bad)
 
 
 def _public_objects(module):
@@ -299,7 +302,7 @@ def _public_objects(module):
 def test_cross_job_modules_document_every_public_class_and_function():
     """A method may inherit its docstring from the interface it implements (inspect.getdoc)."""
     missing = []
-    for p in _files(*BOTTOM, "logs.py"):
+    for p in _files(*BOTTOM):
         module = importlib.import_module(_module(p))
         for qualname, obj in _public_objects(module):
             cls = getattr(module, qualname.split(".")[0])
@@ -316,7 +319,7 @@ def test_no_file_over_500_lines():
 
 
 # ---- the allowed-name tables of the config have implementations, and only those --------
-# (the registries of hpcrl/config/names.py, name -> implementation, are checked in tests/test_rules_once.py)
+# (the registries of hpcrl/config/registries.py, name -> implementation, are checked in tests/test_rules_once.py)
 
 def _calls(fn, names_, bogus="no-such-name"):
     """Every listed name is accepted by ``fn``; a bogus one is refused with ValueError."""
@@ -331,7 +334,7 @@ def test_advantage_estimators_match_the_implementation():
 
     r, m, g = torch.tensor([[0.0, 1.0], [1.0, 0.0]]), torch.ones(2, 2), torch.tensor([0, 0])
     inputs = {"values": torch.zeros(2, 2), "w_token": torch.ones(2, 2), "reward_baselines": torch.zeros(2)}
-    _calls(lambda e: compute_advantages(e, r, m, g, gamma=1.0, lam=1.0, **inputs), names.ADV_ESTIMATORS)
+    _calls(lambda e: compute_advantages(e, r, m, g, gamma=1.0, lam=1.0, **inputs), registries.ADV_ESTIMATORS)
 
 
 def test_kl_estimators_and_controllers_match_the_implementation():

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from conftest import REPO, TINY, BackgroundCommand, check_exactly_once, python
-from hpcrl.eval_log import EVALUATED, JOB, read_eval_rows
-from hpcrl.logs import read_metrics, read_staleness
-from hpcrl.run_dir import RunDir
+from hpcrl.logs.eval_log import EVALUATED, JOB, read_eval_rows
+from hpcrl.logs.run_logs import read_metrics, read_staleness
+from hpcrl.rundir.paths import RunDir
 
 pytestmark = pytest.mark.slow
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from hpcrl.config import ConfigError, load_config
-from hpcrl.config.lora import DEFAULT_TARGET_MODULES, vllm_max_lora_rank
+from hpcrl.config.lora import DEFAULT_TARGET_MODULES
 from hpcrl.launcher.lora_check import check_lora
 from hpcrl.rollout.engine import EngineOptions
 from hpcrl.rollout.transformers_engine import TransformersEngine
-from hpcrl.run_dir import WEIGHT_ADAPTER_CONFIG, WEIGHT_ADAPTER_TENSORS, RunDir
+from hpcrl.rundir.paths import WEIGHT_ADAPTER_CONFIG, WEIGHT_ADAPTER_TENSORS, RunDir
 from hpcrl.tiny.model import build_tiny_model
 from hpcrl.weights import WeightVersion, WeightVersionBad, make_publisher, make_subscriber
 from hpcrl.weights.adapter import BaseModelChanged, base_model_hash, verify_base
@@ -68,8 +68,12 @@ def test_bad_lora_values_and_options_lora_cannot_go_with_are_refused(override, k
 
 
 def test_vllm_serves_ranks_up_to_512_rounded_up_to_its_allowed_ranks():
+    from hpcrl.config.registries import ENGINES
+    from hpcrl.rollout.vllm_engine import VLLM_MAX_LORA_RANKS, vllm_max_lora_rank
+
     assert [vllm_max_lora_rank(r) for r in (1, 2, 8, 9, 300, 512)] == [1, 8, 8, 16, 320, 512]
-    with pytest.raises(ConfigError, match="at most 512 with the vllm engine"):
+    assert ENGINES["vllm"].max_lora_rank == VLLM_MAX_LORA_RANKS[-1]  # the spec says what the engine starts with
+    with pytest.raises(ConfigError, match="at most 512 with rollout.engine=vllm"):
         cfg_of("actor.lora_rank=1024", "rollout.engine=vllm")
 
 
@@ -237,7 +241,7 @@ def test_the_broadcast_sends_the_adapter_alone(tmp_path):
                 if v == 1:  # a member from the publish after it joined
                     adapter_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
                     assert published.path == wv.path == "broadcast"
-                    assert published.broadcast_bytes == wv.nbytes == adapter_bytes
+                    assert published.sent_bytes == wv.nbytes == adapter_bytes
                     assert wv.adapter == json.loads(rd.weight_file(1, WEIGHT_ADAPTER_CONFIG).read_text())
                     assert all(torch.equal(wv.tensors[k], tensors[k]) for k in tensors)
     finally:

@@ -15,10 +15,10 @@ import yaml
 
 from conftest import (REPO, TINY, BackgroundCommand, check_exactly_once, python, start_rollout, start_trainer,
                       wait_until)
-from hpcrl.eval_log import EVALUATED, read_eval_rows
-from hpcrl.fsio import read_json, read_jsonl
-from hpcrl.logs import read_metrics
-from hpcrl.run_dir import EVAL_JOB, RunDir
+from hpcrl.logs.eval_log import EVALUATED, read_eval_rows
+from hpcrl.rundir.fsio import read_json, read_jsonl
+from hpcrl.logs.run_logs import read_metrics
+from hpcrl.rundir.paths import EVAL_JOB, RunDir
 
 pytestmark = pytest.mark.slow
 

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from hpcrl.config import WeightsConfig
+from hpcrl.config import RunConfig, WeightsConfig
 from hpcrl.config.lora import DEFAULT_TARGET_MODULES
 from hpcrl.process.environment import environment_restored
 from hpcrl.rollout.engine import FINISH_ABORT, EngineOptions, EngineRunner
 from hpcrl.rollout.engines import make_engine
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 from hpcrl.tiny.model import build_tiny_model
 from hpcrl.trainer.models import load_reference
 from hpcrl.weights import make_publisher, make_subscriber
@@ -56,10 +56,11 @@ def setup(tmp_path_factory):
         peft_models.append(m.eval())
     runner = EngineRunner()
     opts = EngineOptions(base, max_new_tokens=8, temperature=TEMPERATURE, top_p=1.0, device="cpu", dtype="float32",
-                         max_model_len=128, max_num_seqs=64, lora_rank=8,
-                         gpu_memory_utilization=None)
+                         lora_rank=8)
+    cfg = RunConfig()
+    cfg.rollout.max_model_len, cfg.rollout.max_num_seqs = 128, 64
     with environment_restored():
-        engine = make_engine("vllm", opts, runner, timeout_s=600)
+        engine = make_engine("vllm", opts, cfg, runner, timeout_s=600)
         yield runner, engine, make_subscriber(WeightsConfig(), rd, "w000"), peft_models
         engine.close()
         runner.close()

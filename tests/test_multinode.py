@@ -21,8 +21,8 @@ import time
 import pytest
 
 from conftest import REPO, TINY, check_exactly_once, wait_until
-from hpcrl.fsio import read_json, read_jsonl
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.fsio import read_json, read_jsonl
+from hpcrl.rundir.paths import RunDir
 
 CLUSTER = REPO / "sbatch" / "private-multinode.sh"
 NODES = ("hpcrl-n1", "hpcrl-n2", "hpcrl-n3")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, TINY, BackgroundCommand
-from hpcrl.eval_log import EVALUATED, read_eval_rows
+from hpcrl.logs.eval_log import EVALUATED, read_eval_rows
 
 pytestmark = pytest.mark.slow
 NOTEBOOK = REPO / "analysis" / "runs.ipynb"

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import check_exactly_once
-from hpcrl.logs import read_metrics, read_staleness
+from hpcrl.logs.run_logs import read_metrics, read_staleness
 from hpcrl.rollout.agent_loop import GroupContext, run_group
 from hpcrl.rollout.engine import EngineOptions, EngineRunner
 from hpcrl.rollout.gate import EngineGate

@@ -7,8 +7,8 @@ import pytest
 
 from hpcrl.config import load_config
 from hpcrl.config.simulated import SimulatedConfig
-from hpcrl.fsio import JsonlAppender
-from hpcrl.plan.pipeline import Knobs, predict, prompt_seed
+from hpcrl.rundir.fsio import JsonlAppender
+from plan_reference import Knobs, predict, prompt_seed
 from hpcrl.plan.command import plan_command
 from hpcrl.plan.sweep import SweepSpec
 
@@ -107,7 +107,7 @@ def test_config_file_parses():
 def test_probe_fits_the_update_model_switch_and_lengths_from_a_runs_logs(tmp_path):
     from hpcrl.config import dump_config
     from hpcrl.plan.probe import probe_model
-    from hpcrl.run_dir import RunDir
+    from hpcrl.rundir.paths import RunDir
 
     rd = RunDir(tmp_path / "probe")
     cfg = load_config("configs/simulated.yaml", ["simulated.time_scale=10", "simulated.trainer_gpus=2"])

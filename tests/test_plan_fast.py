@@ -1,4 +1,4 @@
-"""The fast simulation (hpcrl/plan/events.py) against the reference one (hpcrl/plan/pipeline.py), and the KV-cache
+"""The fast simulation (hpcrl/plan/events.py) against the reference one (tests/plan_reference.py), and the KV-cache
 rule in both and in the simulated engine."""
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 
 from hpcrl.config import load_config
 from hpcrl.config.simulated import SimulatedConfig
-from hpcrl.plan import events, pipeline
+import plan_reference as reference
+from hpcrl.plan import events
 from hpcrl.plan.model import Draws, Knobs, ServiceOrder
 from hpcrl.plan.sweep import knobs_of
 
@@ -19,7 +20,7 @@ SIM = "configs/simulated.yaml"
 
 def _both(sim, k, updates, draws=None, overhead_s=0.0):
     fast = events.predict(sim, k, updates, draws=draws, overhead_s=overhead_s)
-    ref = pipeline.predict(sim, k, updates, draws=draws, overhead_s=overhead_s)
+    ref = reference.predict(sim, k, updates, draws=draws, overhead_s=overhead_s)
     return fast, ref
 
 
@@ -105,7 +106,7 @@ def test_kv_cache_preempts_the_newest_and_the_engine_agrees_with_the_planner(tmp
     assert b.adm > 4  # somebody was admitted again after a preemption
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 64, "eos_token_id": 1}))
     eng = SimulatedEngine(EngineOptions(model_dir=tmp_path, max_new_tokens=200, temperature=1.0, top_p=1.0,
-                                        device="cpu", dtype="float32", max_num_seqs=256, simulated=sim))
+                                        device="cpu", dtype="float32"), sim, max_num_seqs=256)
     out = asyncio.run(eng.generate([5, 6, 7], n=4, seed=1))
     assert [len(s.response_ids) for s in out] == [100] * 4
     assert eng.busy_model_s == pytest.approx(busy)

@@ -6,7 +6,7 @@ import time
 
 from conftest import make_run
 from hpcrl.control.records import Heartbeat
-from hpcrl.fsio import write_json_atomic
+from hpcrl.rundir.fsio import write_json_atomic
 from hpcrl.launcher.progress import Console, steady_seconds_per_update
 
 

@@ -22,10 +22,10 @@ from hpcrl.control.admission import Admission, read_claims
 from hpcrl.control.claims import ClaimLost
 from hpcrl.control.reclaim import judge, same_beat, slurm_state
 from hpcrl.control.records import Heartbeat, read_heartbeats, slurm_job_of
-from hpcrl.fsio import read_jsonl, write_json_atomic
-from hpcrl.rollout.resume import InFlightStates, SavedGroup, SavedGroups, SCHEMA
+from hpcrl.rundir.fsio import read_jsonl, write_json_atomic
+from hpcrl.rollout.in_flight import InFlightStates, SavedGroup, SavedGroups, SCHEMA
 from hpcrl.rollout.trajectory import TrajectoryState
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 from hpcrl.samples.skips import SkipLog
 from hpcrl.samples.writer import ShardWriter
 from test_samples import make_group

@@ -1,4 +1,4 @@
-"""Records that cross a job boundary are checked by type when read (hpcrl/json_record.py): anything
+"""Records that cross a job boundary are checked by type when read (hpcrl/rundir/json_record.py): anything
 that is not the record is a RecordError naming the record and the field, never a crash deep inside."""
 import json
 from dataclasses import dataclass, field
@@ -7,8 +7,8 @@ from typing import Optional
 import pytest
 
 from hpcrl.control.records import Heartbeat, TrainerDone, read_heartbeats, read_trainer_done
-from hpcrl.json_record import JsonRecord, RecordError
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.json_record import JsonRecord, RecordError
+from hpcrl.rundir.paths import RunDir
 from hpcrl.weights.manifest import WeightManifest
 
 
@@ -92,7 +92,7 @@ def test_two_threads_rewriting_one_record_never_trip_over_each_other(tmp_path):
     thread's temp file failed and the rollout job died)."""
     import threading
 
-    from hpcrl.fsio import write_json_atomic
+    from hpcrl.rundir.fsio import write_json_atomic
 
     path, errors = tmp_path / "beat.json", []
 

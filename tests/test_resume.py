@@ -12,7 +12,7 @@ from hpcrl.cli import main as cli_main
 from hpcrl.config import ConfigError
 from hpcrl.control.fatal import write_fatal
 from hpcrl.control.records import TrainerDone
-from hpcrl.fsio import write_json_atomic
+from hpcrl.rundir.fsio import write_json_atomic
 from hpcrl.launcher.api import plan_run
 from hpcrl.launcher.prepare import prepare_run_dir
 

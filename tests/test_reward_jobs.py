@@ -14,10 +14,10 @@ import torch
 from conftest import REPO, BackgroundCommand, Job, check_exactly_once, start_rollout, start_trainer, wait_until
 from hpcrl.control.fatal import read_fatal_record
 from hpcrl.control.records import read_heartbeats
-from hpcrl.eval_log import read_eval_samples
-from hpcrl.fsio import read_json, read_jsonl
+from hpcrl.logs.eval_log import read_eval_samples
 from hpcrl.rollout.parts import scoring_groups
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.fsio import read_json, read_jsonl
+from hpcrl.rundir.paths import RunDir
 from hpcrl.samples.reader import read_shard
 from hpcrl.samples.schema import ShardManifestLine
 from hpcrl.tiny.model import build_tokenizer, quiet_progress_bars, tiny_config
@@ -184,7 +184,7 @@ def test_a_policy_trained_on_a_learned_reward_alone_learns_the_rule(background_r
     policy never trained on, go from ~0 to >= 0.6; the reward job scored every group once and ended by itself."""
     from pathlib import Path
 
-    from hpcrl.eval_log import EVALUATED, JOB, read_eval_rows
+    from hpcrl.logs.eval_log import EVALUATED, JOB, read_eval_rows
 
     out = background_runs.launched("reward:tiny-rm", timeout_s=1200)
     assert out.returncode == 0, out.stdout[-3000:]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import TINY
-from hpcrl.config import ConfigError, RewardConfig, load_config
+from hpcrl.config import ConfigError, RewardConfig, RunConfig, load_config
 from hpcrl.config.reward_model import RewardModelConfig
 from hpcrl.reward.client import RewardClient
 from hpcrl.reward.inputs import DiscriminativeInputs, InputTooLong, JudgeInputs, Truncation, same_tokenizer
@@ -23,7 +23,7 @@ from hpcrl.reward.server import RewardServer
 from hpcrl.reward.wire import (MAX_FRAME_BYTES, RewardService, RewardWaitStopped, RewardWaitTimeout, ScoreItem,
                                WireError, client_handshake, recv_frame, send_frame, server_handshake)
 from hpcrl.rollout.reward_fn import RewardLoadError, RewardScorer, load_reward
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 from hpcrl.tiny.model import build_tiny_model, build_tokenizer, quiet_progress_bars, tiny_config
 
 RM = ["reward_model.enable=true", "reward_model.path=builtin:tiny-rm", "reward.name=by_data_source"]
@@ -257,7 +257,8 @@ def _offline_judge(folder, prompt_ids: list[int], max_new_tokens: int) -> str:
 def test_a_generative_judges_served_scores_equal_an_offline_call(tmp_path, judge_folder):
     """The judge (the transformers engine, greedy) behind the socket: each verdict is transformers' own greedy
     ``generate`` of the same prompt, parsed by the same parser."""
-    cfg = RewardModelConfig(enable=True, path=str(judge_folder), max_new_tokens=12, prompt_template="{prompt} {response} ?")
+    cfg = RunConfig(reward_model=RewardModelConfig(enable=True, path=str(judge_folder), max_new_tokens=12,
+                                                   prompt_template="{prompt} {response} ?"))
     judge = GenerativeJudge(judge_folder, cfg, "cpu", "float32", start_s=120, generate_s=120)
     rd = _run_dir(tmp_path)
     svc = Service(rd, judge)

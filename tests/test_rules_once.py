@@ -104,8 +104,9 @@ def test_the_admission_budget_is_computed_only_in_config_knobs():
 
 
 SHARE_USERS = [REPO / "hpcrl" / "control" / "admission.py", REPO / "hpcrl" / "plan" / "events.py",
-               REPO / "hpcrl" / "plan" / "pipeline.py"]
-"""Where a group start is decided: the admission lock and ``hpcrl plan``'s two simulations."""
+               REPO / "tests" / "plan_reference.py"]
+"""Where a group start is decided: the admission lock, ``hpcrl plan``'s simulation and its reference (the tests'
+oracle)."""
 
 
 def _calls(tree: ast.AST, name: str) -> bool:
@@ -130,7 +131,8 @@ def test_the_budget_share_is_decided_by_one_function():
     missing = [str(p.relative_to(REPO)) for p in SHARE_USERS if not _calls(_tree(p), "may_start")]
     assert not missing, f"these decide group starts without hpcrl.config.knobs.may_start: {missing}"
     config = REPO / "hpcrl" / "config"  # its checks of the value itself
-    found = [f"{p.relative_to(REPO)}:{line}" for p in SCANNED if config not in p.parents
+    found = [f"{p.relative_to(REPO)}:{line}" for p in dict.fromkeys([*SCANNED, *SHARE_USERS])
+             if config not in p.parents
              for line in _cap_comparisons(p)]
     assert not found, ("a per-job cap compared outside the share rule; call hpcrl.config.knobs.may_start (or read "
                        "Knobs.group_bound):\n" + "\n".join(found))
@@ -266,7 +268,8 @@ REGISTRIES_HOME = REPO / "hpcrl" / "config" / "registries.py"
 def _registries() -> dict:
     from hpcrl.config import names, registries
 
-    return {"ENGINES": registries.ENGINES, "AGENT_LOOPS": registries.AGENT_LOOPS,
+    return {"ENGINES": registries.ENGINES, "ADV_ESTIMATORS": registries.ADV_ESTIMATORS,
+            "AGENT_LOOPS": registries.AGENT_LOOPS,
             "TOOL_PARSERS": registries.TOOL_PARSERS, "WEIGHT_TRANSPORTS": registries.WEIGHT_TRANSPORTS,
             "REWARDS": {**registries.REWARDS, names.BY_DATA_SOURCE: ""},
             "POLICY_LOSS_MODES": registries.POLICY_LOSS_MODES}
@@ -344,11 +347,23 @@ def _defines(path: str) -> bool:
     return any(isinstance(n, (ast.ClassDef, ast.FunctionDef)) and n.name == attribute for n in tree.body)
 
 
+def _paths(entry) -> list[str]:
+    """The ``module:attribute`` paths a registry entry names: the entry itself, each of a tuple, or each of a spec's
+    fields that is one (an engine's class and its LoRA probe, ...)."""
+    import dataclasses
+    import re
+
+    values = [entry] if isinstance(entry, str) else list(entry) if isinstance(entry, tuple) else \
+        [getattr(entry, f.name) for f in dataclasses.fields(entry)]
+    return [v for v in values if isinstance(v, str) and re.fullmatch(r"[\w.]+:\w+", v)]
+
+
 def test_every_registry_entry_names_an_implementation():
     from hpcrl.config import names, registries
 
     entries = [(f"{registry}[{name!r}]", path) for registry, reg in _registries().items()
-               for name, value in reg.items() if value for path in ((value,) if isinstance(value, str) else value)]
+               for name, value in reg.items() if value for path in _paths(value)]
+    assert ("ENGINES['vllm']", "hpcrl.rollout.vllm_engine:cannot_serve_lora") in entries  # a spec's every path
     missing = [f"{where} = {path!r}" for where, path in entries if not _defines(path)]
     assert not missing, "registry entries without an implementation:\n" + "\n".join(missing)
     assert not _defines("hpcrl.rollout.engines:NoSuchEngine") and not _defines("hpcrl.no_such_module:X")
@@ -360,11 +375,12 @@ def test_config_validation_reads_the_registries_themselves():
     registry is put back as it was, in its order: the allowed names are listed in it.)"""
     import pytest
 
-    from hpcrl.config import (AgentConfig, ConfigError, PolicyLossConfig, RewardConfig, RolloutConfig, WeightsConfig,
-                              registries)
+    from hpcrl.config import (AgentConfig, AlgorithmConfig, ConfigError, PolicyLossConfig, RewardConfig,
+                              RolloutConfig, WeightsConfig, registries)
     from hpcrl.config.evaluation import EvalRewardConfig
 
     checks = [(registries.ENGINES, "transformers", lambda v: RolloutConfig(engine=v).validate()),
+              (registries.ADV_ESTIMATORS, "grpo", lambda v: AlgorithmConfig(adv_estimator=v).validate()),
               (registries.AGENT_LOOPS, "single_turn", lambda v: AgentConfig(default=v).validate()),
               (registries.TOOL_PARSERS, "hermes", lambda v: AgentConfig(tool_parser=v).validate()),
               (registries.WEIGHT_TRANSPORTS, "broadcast", lambda v: WeightsConfig(transport=v).validate()),

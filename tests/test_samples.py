@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from hpcrl.rollout.dataset import ClaimedPrompts
-from hpcrl.run_dir import RunDir
-from hpcrl.fsio import read_jsonl
+from hpcrl.rundir.paths import RunDir
+from hpcrl.rundir.fsio import read_jsonl
 from hpcrl.samples.reader import SampleReader, read_shard
 from hpcrl.samples.schema import Group, ShardManifestLine, Trajectory
 from hpcrl.samples.writer import ShardWriter
@@ -135,7 +135,7 @@ KILL_WRITER = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {tests!r})
     from test_samples import make_group
-    from hpcrl.run_dir import RunDir
+    from hpcrl.rundir.paths import RunDir
     from hpcrl.samples.writer import ShardWriter
     rd = RunDir({root!r})
     w = ShardWriter(rd, "w000", seal_groups=1, seal_interval_s=60)

@@ -13,7 +13,7 @@ from hpcrl.config.knobs import AUTO, group_bound, may_start, share_level
 from hpcrl.config.names import FIRST_COME, SHARE_BY_LOAD
 from hpcrl.config.simulated import SimulatedConfig
 from hpcrl.control.admission import Admission, read_claims, release_writer
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 from hpcrl.samples.skips import SkipLog
 from hpcrl.samples.writer import ShardWriter
 from test_samples import make_group

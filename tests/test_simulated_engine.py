@@ -30,9 +30,8 @@ def _fixed_lengths(tmp_path, length: int) -> str:
 
 def _engine(tmp_path, max_num_seqs=256, cap=64, **sim) -> SimulatedEngine:
     opts = EngineOptions(model_dir=_model_dir(tmp_path), max_new_tokens=cap, temperature=1.0, top_p=1.0,
-                         device="cpu", dtype="float32", max_num_seqs=max_num_seqs,
-                         simulated=SimulatedConfig(**sim))
-    return SimulatedEngine(opts)
+                         device="cpu", dtype="float32")
+    return SimulatedEngine(opts, SimulatedConfig(**sim), max_num_seqs)
 
 
 def test_one_batch_takes_length_steps_of_base_plus_per_seq_and_prefill(tmp_path):

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from conftest import check_exactly_once
-from hpcrl import metric_names as M
+from hpcrl.logs import metric_names as M
 
 SIMULATED = ["rollout.engine=simulated", "trainer.simulated=true", "eval.every_versions=0",
              "simulated.time_scale=50", "simulated.lengths=geometric", "simulated.length_mean=30",

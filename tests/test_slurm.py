@@ -15,10 +15,10 @@ import time
 import pytest
 
 from conftest import REPO, TINY, check_exactly_once, wait_until
-from hpcrl.eval_log import EVALUATED, read_eval_rows
-from hpcrl.fsio import read_json, read_jsonl
-from hpcrl.logs import read_metrics, read_staleness
-from hpcrl.run_dir import RunDir
+from hpcrl.logs.eval_log import EVALUATED, read_eval_rows
+from hpcrl.rundir.fsio import read_json, read_jsonl
+from hpcrl.logs.run_logs import read_metrics, read_staleness
+from hpcrl.rundir.paths import RunDir
 from test_learning import fifths
 
 pytestmark = pytest.mark.slow
@@ -58,6 +58,14 @@ def n_updates(rd) -> int:
 def squeue_ids(env) -> set:
     out = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, env=env)
     return set(out.stdout.split())
+
+
+def jobs_state(slurm, rd) -> str:
+    """What a failed wait on an sbatch run prints: the queue, then each job log's last lines."""
+    queue = subprocess.run(["squeue", "-o", "%i %j %T %R %M"], capture_output=True, text=True, env=slurm).stdout
+    logs = [f"--- {p.name}:\n" + "".join(p.read_text(errors="replace").splitlines(True)[-15:])
+            for p in sorted(rd.job_logs.glob("*")) if p.is_file()] if rd.job_logs.exists() else []
+    return queue + "\n".join(logs)
 
 
 def reward_rises(rd, margin=0.2):
@@ -118,7 +126,9 @@ def test_sbatch_two_rank_trainer_and_two_rollout_tasks(slurm, tmp_path):
                                          # value head + frozen reference across 2 ZeRO-3 ranks
                                          "algorithm.adv_estimator=gae", "actor.use_kl_loss=true")
     rd = RunDir(run)
-    wait_until(lambda: read_json(rd.trainer_done), 400, "trainer_done.json")
+    wait_until(lambda: read_json(rd.trainer_done) or trainer_id not in squeue_ids(slurm), 400, "trainer_done.json",
+               poll_s=1.0, describe=lambda: jobs_state(slurm, rd))
+    assert read_json(rd.trainer_done), f"the trainer job left the queue without finishing:\n{jobs_state(slurm, rd)}"
     wait_until(lambda: not squeue_ids(slurm) & {trainer_id, f"{array_id}_0", f"{array_id}_1", eval_id}, 90,
                "jobs to leave")
     # the evaluation job (sbatch/eval.sbatch, tiny.yaml's eval section): v0, every 20th version and the last

@@ -24,13 +24,13 @@ from conftest import REPO, TINY, check_exactly_once, start_trainer, wait_until
 from hpcrl.analysis.fleet import fleet_history
 from hpcrl.control.reclaim import judge, slurm_state
 from hpcrl.control.records import Heartbeat, read_heartbeats
-from hpcrl.fsio import read_json, read_jsonl
+from hpcrl.rundir.fsio import read_json, read_jsonl
 from hpcrl.launcher.autoscale import can_start_soon, sbatch_test_only
 from hpcrl.launcher import sbatch_lines
 from hpcrl.launcher.sbatch_lines import rollout_lines
 from hpcrl.process import faults
 from hpcrl.rollout.trajectory import PROCESSING_TOOLS
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 from hpcrl.samples.reader import read_shard
 from hpcrl.samples.schema import ShardManifestLine
 from test_agent import AGENT

@@ -14,8 +14,8 @@ import pytest
 
 from conftest import REPO, check_exactly_once, start_rollout, start_trainer, wait_until
 from hpcrl.control.records import Heartbeat, HeartbeatState
-from hpcrl.fsio import write_json_atomic
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.fsio import write_json_atomic
+from hpcrl.rundir.paths import RunDir
 
 
 def beat(rd: RunDir, job: str) -> dict:

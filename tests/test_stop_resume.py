@@ -16,8 +16,8 @@ import pytest
 
 from conftest import REPO, TINY, BackgroundCommand, check_exactly_once, python
 from hpcrl.control.records import read_latest_checkpoint
-from hpcrl.logs import read_metrics
-from hpcrl.run_dir import RunDir
+from hpcrl.logs.run_logs import read_metrics
+from hpcrl.rundir.paths import RunDir
 from test_users import hpcrl, verl_parquet
 
 pytestmark = pytest.mark.slow
@@ -145,7 +145,7 @@ def test_reward_errors_show_on_the_console_in_status_and_in_the_report(backgroun
 
 HELD = '''
 import os, signal, subprocess, sys, threading, time
-from hpcrl.cli import _hold_sigint, _release_sigint
+from hpcrl.launcher.run_cmd import _hold_sigint, _release_sigint
 from hpcrl.launcher.submit import _sigint_ignored
 threading.Thread(target=time.sleep, args=(30,), daemon=True).start()  # a launcher has other threads
 held = _hold_sigint()

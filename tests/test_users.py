@@ -15,7 +15,7 @@ from hpcrl.config import DataConfig, load_config
 from hpcrl.rollout.data import PromptEncoder
 from hpcrl.rollout.dataset import load_rows
 from hpcrl.rollout.reward_fn import RewardScorer, load_reward
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 from hpcrl.tiny.model import build_tiny_model, load_tokenizer
 
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
@@ -161,8 +161,8 @@ def test_verl_format_run_learns_through_the_launcher(background_runs):
     assert "verl actor_rollout_ref.rollout.n -> rollout.n" in out.stdout
     assert "actor.ppo_micro_batch_size=4 groups of rollout.n=8 per rank" in out.stdout
     assert f"next: hpcrl report {run}" in out.stdout and "eta " in out.stdout
-    from hpcrl.logs import read_metrics
-    from hpcrl.metric_names import COUNTERS
+    from hpcrl.logs.run_logs import read_metrics
+    from hpcrl.logs.metric_names import COUNTERS
 
     m = read_metrics(RunDir(run))
     assert m[list(COUNTERS)].notna().all().all(), "every counter (corrupt_groups_skipped too) in every row"

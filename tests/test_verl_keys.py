@@ -7,7 +7,7 @@ import yaml
 from conftest import REPO, TINY
 from hpcrl.cli import main as cli_main
 from hpcrl.config import ConfigError, load_config
-from hpcrl.config.names import VERL_KEYS, VerlKey
+from hpcrl.config.verl_keys import VERL_KEYS, VerlKey
 from hpcrl.config.verl import CONVERSIONS, Schema, entry_of
 from hpcrl.config import RunConfig
 
@@ -81,8 +81,8 @@ def test_units_that_differ_are_converted():
     ("actor_rollout_ref.model.exclude_modules=[lm_head]", "list the ones to adapt"),
     ("reward_model.model.external_lib=my_rm_lib", "loaded by transformers' own classes"),
     ("reward.reward_manager.module.path=my_manager.py", "a reward-loop class of your own does not run here"),
-    ("reward_model.rollout.name=sglang", "vllm (the judge's engine on GPUs"),
-    ("actor_rollout_ref.rollout.name=sglang", "vllm or hf"),
+    ("reward_model.rollout.name=sglang", "hf or vllm (reward_model.engine: transformers or vllm)"),
+    ("actor_rollout_ref.rollout.name=sglang", "hf or vllm"),
     ("data.train_files=[a.parquet,b.parquet]", "concatenate the files into one"),
     ("data.train_batch_size=6", "multiple of actor.ppo_mini_batch_size=4"),
     ("trainer.logger=[console,mlflow]", "drop mlflow"),

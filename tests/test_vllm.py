@@ -17,15 +17,15 @@ import pytest
 import torch
 
 from conftest import TINY, BackgroundCommand, check_exactly_once
-from hpcrl.config import WeightsConfig
+from hpcrl.config import RunConfig, WeightsConfig
 from hpcrl.control.records import HeartbeatThread
-from hpcrl.eval_log import EVALUATED, read_eval_rows
-from hpcrl.logs import read_metrics
+from hpcrl.logs.eval_log import EVALUATED, read_eval_rows
+from hpcrl.logs.run_logs import read_metrics
 from hpcrl.process.environment import environment_restored
 from hpcrl.rollout.engine import FINISH_ABORT, EngineOptions, EngineRunner
 from hpcrl.rollout.engines import make_engine
 from hpcrl.rollout.load_paths import LoadPaths
-from hpcrl.run_dir import EVAL_JOB, RunDir
+from hpcrl.rundir.paths import EVAL_JOB, RunDir
 from hpcrl.samples.schema import Group, Trajectory
 from hpcrl.tiny.model import build_tiny_model
 from hpcrl.trainer.batch import build_batch
@@ -50,9 +50,11 @@ def models(tmp_path_factory):
 def vllm_engine(models):
     runner = EngineRunner()
     opts = EngineOptions(models[0], max_new_tokens=8, temperature=TEMPERATURE, top_p=1.0, device="cpu",
-                         dtype="float32", max_model_len=128, max_num_seqs=64)
+                         dtype="float32")
+    cfg = RunConfig()
+    cfg.rollout.max_model_len, cfg.rollout.max_num_seqs = 128, 64
     with environment_restored():
-        engine = make_engine("vllm", opts, runner, timeout_s=600)
+        engine = make_engine("vllm", opts, cfg, runner, timeout_s=600)
         yield runner, engine
         engine.close()
         runner.close()
@@ -62,18 +64,19 @@ def test_on_cpu_the_kv_cache_holds_what_the_engine_can_have_in_flight(models):
     """No configured share on CPU: KV_HEADROOM x max_num_seqs x max_model_len tokens (the tiny model: 2 layers,
     1 KV head of 64, float32: 1 KiB a token), not a tenth of the host's memory; a configured share or a GPU: the
     share alone, as before."""
-    from hpcrl.rollout.vllm_engine import KV_HEADROOM, memory_args
+    from hpcrl.rollout.vllm_engine import KV_HEADROOM, VLLMOptions, memory_args
 
-    opts = EngineOptions(models[0], max_new_tokens=8, temperature=1.0, top_p=1.0, device="cpu", dtype="float32",
-                         max_model_len=128, max_num_seqs=64)
-    assert memory_args(opts) == {"gpu_memory_utilization": 0.1, "kv_cache_memory_bytes": KV_HEADROOM * 64 * 128 * 1024}
-    opts.max_model_len = None  # the model's own limit (128) and bfloat16: half the bytes
+    opts = EngineOptions(models[0], max_new_tokens=8, temperature=1.0, top_p=1.0, device="cpu", dtype="float32")
+    vopts = VLLMOptions(max_model_len=128, max_num_seqs=64)
+    assert memory_args(opts, vopts) == {"gpu_memory_utilization": 0.1,
+                                        "kv_cache_memory_bytes": KV_HEADROOM * 64 * 128 * 1024}
+    vopts.max_model_len = None  # the model's own limit (128) and bfloat16: half the bytes
     opts.dtype = "bfloat16"
-    assert memory_args(opts)["kv_cache_memory_bytes"] == KV_HEADROOM * 64 * 128 * 512
-    opts.gpu_memory_utilization = 0.2
-    assert memory_args(opts) == {"gpu_memory_utilization": 0.2}
-    opts.gpu_memory_utilization, opts.device = None, "cuda"
-    assert memory_args(opts) == {"gpu_memory_utilization": 0.5}
+    assert memory_args(opts, vopts)["kv_cache_memory_bytes"] == KV_HEADROOM * 64 * 128 * 512
+    vopts.gpu_memory_utilization = 0.2
+    assert memory_args(opts, vopts) == {"gpu_memory_utilization": 0.2}
+    vopts.gpu_memory_utilization, opts.device = None, "cuda"
+    assert memory_args(opts, vopts) == {"gpu_memory_utilization": 0.5}
 
 
 OMP_WAIT_POLICY_AT_START = os.environ.get("OMP_WAIT_POLICY")
@@ -87,7 +90,7 @@ def test_a_sigkilled_vllm_rollout_leaves_no_engine_behind_and_its_successor_goes
     (rollout/vllm_sockets.py); the restarted job recovers and the run ends exactly-once."""
     from conftest import start_rollout, start_trainer, wait_until
     from hpcrl.process.reaper import descendants
-    from hpcrl.fsio import read_jsonl
+    from hpcrl.rundir.fsio import read_jsonl
 
     rd = tiny_run("model.path=builtin:tiny-h64", "rollout.engine=vllm", "rollout.total_rollout_steps=96",
                   "async_training.staleness_threshold=0.5", "rollout.max_concurrent_groups=3")

@@ -9,10 +9,10 @@ from conftest import TINY
 from hpcrl.analysis.export import export
 from hpcrl.config import WeightsConfig, load_config
 from hpcrl.process import faults
-from hpcrl.run_dir import WEIGHT_DELTA, WEIGHT_TENSORS, RunDir
+from hpcrl.rundir.paths import WEIGHT_DELTA, WEIGHT_TENSORS, RunDir
 from hpcrl.weights import WeightVersionBad, make_publisher, make_subscriber
 from hpcrl.weights.delta import decode_into, encode
-from hpcrl.weights.filesystem import FilesystemPublisher
+from hpcrl.weights.publisher import WeightPublisher
 from test_weights import damage_weights
 
 
@@ -35,7 +35,7 @@ def step(sd: dict, k: int) -> dict:
     return out
 
 
-def publisher(tmp_path, **cfg) -> FilesystemPublisher:
+def publisher(tmp_path, **cfg) -> WeightPublisher:
     return make_publisher(WeightsConfig(**cfg), RunDir(tmp_path).create())
 
 
@@ -252,7 +252,7 @@ def test_hpcrl_eval_of_a_delta_folder_says_what_it_is_and_what_to_do(tmp_path, c
 
 def test_lora_adapter_versions_are_always_written_whole(tmp_path):
     """A LoRA run publishes its adapter alone (tiny): never a delta, and never held as a delta base."""
-    from hpcrl.run_dir import WEIGHT_ADAPTER_TENSORS
+    from hpcrl.rundir.paths import WEIGHT_ADAPTER_TENSORS
     from hpcrl.weights.manifest import AdapterBase
 
     wt = publisher(tmp_path)

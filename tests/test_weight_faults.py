@@ -11,8 +11,8 @@ import pytest
 
 from conftest import check_exactly_once, start_rollout, start_trainer, wait_until
 from hpcrl.control.records import read_heartbeats
-from hpcrl.fsio import read_jsonl
-from hpcrl.logs import read_staleness
+from hpcrl.rundir.fsio import read_jsonl
+from hpcrl.logs.run_logs import read_staleness
 from test_weight_deltas import damage_delta
 from test_weights import damage_weights
 

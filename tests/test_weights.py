@@ -9,10 +9,11 @@ from safetensors.torch import load_file
 
 from hpcrl.config import WeightsConfig
 from hpcrl.control.records import HeartbeatThread, LoadingAnnouncement
-from hpcrl.fsio import write_json_atomic
-from hpcrl.run_dir import WEIGHT_TENSORS, RunDir
+from hpcrl.rundir.fsio import write_json_atomic
+from hpcrl.rundir.paths import WEIGHT_TENSORS, RunDir
 from hpcrl.weights import WeightVersionBad, make_publisher, make_subscriber
-from hpcrl.weights.filesystem import FilesystemPublisher, VersionFolders
+from hpcrl.weights.folders import VersionFolders
+from hpcrl.weights.publisher import WeightPublisher
 
 
 def state(seed: int) -> dict:
@@ -21,7 +22,7 @@ def state(seed: int) -> dict:
             "c.half": torch.randn(7, generator=g).to(torch.bfloat16), "d.steps": torch.arange(3)}
 
 
-def transport(tmp_path, keep_versions: int = 3) -> FilesystemPublisher:
+def transport(tmp_path, keep_versions: int = 3) -> WeightPublisher:
     """The trainer's side of a files-only run in ``tmp_path``."""
     return make_publisher(WeightsConfig(keep_versions=keep_versions), RunDir(tmp_path).create())
 
@@ -130,7 +131,7 @@ def test_load_newest_falls_back_past_damage_it_finds_itself(tmp_path, caplog):
 
 
 def test_unhashed_version_still_has_its_size_checked(tmp_path):
-    wt = FilesystemPublisher(RunDir(tmp_path).create(), keep_versions=2, checksum=False)
+    wt = WeightPublisher(RunDir(tmp_path).create(), keep_versions=2, checksum=False)
     wt.publish(0, state(0), "{}", 0, 0)
     damage_weights(wt.run_dir, 0, "truncated")
     with pytest.raises(WeightVersionBad, match="torn"):

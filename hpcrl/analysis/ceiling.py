@@ -29,7 +29,7 @@ from typing import Optional
 
 import pandas as pd
 
-from hpcrl import metric_names as M
+from hpcrl.logs import metric_names as M
 from hpcrl.analysis.budget_bound import BudgetChain
 
 

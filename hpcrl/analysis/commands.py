@@ -49,7 +49,7 @@ def add_analysis_commands(sub) -> None:
 
 def _cmd_summary(run_dir: str) -> int:
     from hpcrl.analysis.tables import per_version_summary
-    from hpcrl.logs import read_staleness
+    from hpcrl.logs.run_logs import read_staleness
 
     st = read_staleness(run_dir)
     table = per_version_summary(st)
@@ -87,7 +87,7 @@ def run_analysis_command(a: argparse.Namespace) -> int:
     from hpcrl.analysis.load import RunFormatError
     from hpcrl.analysis.report import build_report
 
-    from hpcrl.run_dir import RunDir
+    from hpcrl.rundir.paths import RunDir
 
     try:
         rep = build_report(a.run_dirs, a.out or RunDir(a.run_dirs[0]).report)

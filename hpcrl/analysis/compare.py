@@ -12,7 +12,7 @@ import numpy as np
 from hpcrl.analysis import tables
 from hpcrl.analysis.load import RunData
 from hpcrl.analysis.plots import empty_note, label, new_figure, rolling, rolling_ratio, save
-from hpcrl import metric_names as M
+from hpcrl.logs import metric_names as M
 
 PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"]
 

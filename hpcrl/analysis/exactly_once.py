@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 
 from hpcrl.control.admission import read_claims
 from hpcrl.control.records import read_trainer_done
-from hpcrl.fsio import read_jsonl
-from hpcrl.logs import read_staleness
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.fsio import read_jsonl
+from hpcrl.logs.run_logs import read_staleness
+from hpcrl.rundir.paths import RunDir
 
 
 @dataclass

@@ -28,8 +28,8 @@ from typing import Optional
 
 from hpcrl.analysis.export_tokenizer import AUTO_TOKENIZER, make_auto_tokenizer_load_it
 from hpcrl.analysis.export_adapter import BaseModelChanged, export_adapter
-from hpcrl.fsio import fsync_path, read_json
-from hpcrl.run_dir import WEIGHT_ADAPTER_CONFIG, WEIGHT_DELTA, WEIGHT_MODEL_CONFIG, WEIGHT_MODEL_FILES, WEIGHT_TENSORS, RunDir
+from hpcrl.rundir.fsio import fsync_path, read_json
+from hpcrl.rundir.paths import WEIGHT_ADAPTER_CONFIG, WEIGHT_DELTA, WEIGHT_MODEL_CONFIG, WEIGHT_MODEL_FILES, WEIGHT_TENSORS, RunDir
 from hpcrl.weights.delta_versions import DeltaReader
 from hpcrl.weights.manifest import WeightManifest
 from hpcrl.weights.file_hash import DamagedFile, check_file

@@ -17,7 +17,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from hpcrl.run_dir import WEIGHT_MODEL_FILES, RunDir
+from hpcrl.rundir.paths import WEIGHT_MODEL_FILES, RunDir
 from hpcrl.weights.adapter import BaseModelChanged, verify_base
 from hpcrl.weights.manifest import WeightManifest
 from hpcrl.weights.file_hash import check_file

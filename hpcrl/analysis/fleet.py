@@ -21,8 +21,8 @@ from typing import Optional
 from hpcrl.control.fleet_log import (AUTOSCALE, DRAIN_REQUESTED, ENDED, JOINED, RESUBMITTED, SCALE_APPLIED,
                                      SCALE_REFUSED, SCALE_REQUESTED, FleetEvent, read_fleet_events)
 from hpcrl.control.records import has_ended, read_heartbeats, read_trainer_done
-from hpcrl.fsio import read_jsonl
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.fsio import read_jsonl
+from hpcrl.rundir.paths import RunDir
 
 DECISIONS = (SCALE_REQUESTED, SCALE_APPLIED, SCALE_REFUSED, AUTOSCALE, DRAIN_REQUESTED)
 """Events that say why the fleet changed (the rest say what each job did)."""

@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from hpcrl import metric_names as M
+from hpcrl.logs import metric_names as M
 from hpcrl.analysis import tables
 from hpcrl.analysis.load import RunData
 from hpcrl.analysis.recommend import Recommendation, recommend_run

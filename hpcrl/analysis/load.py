@@ -42,15 +42,15 @@ from hpcrl.config import ConfigError, RunConfig, config_from_dict
 from hpcrl.config.knobs import Knobs
 from hpcrl.control.fatal import read_fatal
 from hpcrl.control.records import Heartbeat, TrainerDone, read_heartbeats, read_trainer_done
-from hpcrl.eval_log import EVALUATED, JOB, read_eval_rows
-from hpcrl.logs import read_jsonl_frame
-from hpcrl.metric_names import STALENESS_COLUMNS
-from hpcrl.run_dir import RunDir
-from hpcrl import metric_names as M
+from hpcrl.logs.eval_log import EVALUATED, JOB, read_eval_rows
+from hpcrl.logs.run_logs import read_jsonl_frame
+from hpcrl.logs.metric_names import STALENESS_COLUMNS
+from hpcrl.rundir.paths import RunDir
+from hpcrl.logs import metric_names as M
 
 log = logging.getLogger(__name__)
 
-# Columns each log must have for the full report (hpcrl/metric_names.py). A run written by an
+# Columns each log must have for the full report (hpcrl/logs/metric_names.py). A run written by an
 # older hpcrl may lack some: the sections that need them are skipped with a message naming them.
 METRICS_COLUMNS = list(M.METRICS_COLUMNS)
 ROLLOUT_COLUMNS = list(M.ROLLOUT_COLUMNS)
@@ -88,7 +88,7 @@ class RunData:
     """One row per evaluated version (``logs/eval.jsonl``: the evaluation job's rows, else ``hpcrl eval``'s),
     by version; its metrics are columns (``val-core/...``)."""
     eval_rows: list = field(default_factory=list)
-    """Every row of ``logs/eval.jsonl`` (:class:`hpcrl.eval_log.EvalRow`), skipped and damaged included."""
+    """Every row of ``logs/eval.jsonl`` (:class:`hpcrl.logs.eval_log.EvalRow`), skipped and damaged included."""
     eval_enabled: bool = False
     """The config asks for an evaluation job."""
 

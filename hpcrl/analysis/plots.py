@@ -14,7 +14,7 @@ from matplotlib.figure import Figure
 
 from hpcrl.analysis import tables
 from hpcrl.analysis.load import RunData
-from hpcrl import metric_names as M
+from hpcrl.logs import metric_names as M
 
 COLORS = {"wait": "#bbbbbb", "update": "#1f77b4", "sync": "#ff7f0e", "generate": "#2ca02c", "load": "#d62728",
           "trainer": "#1f77b4", "rollout": "#2ca02c"}

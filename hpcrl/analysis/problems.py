@@ -1,7 +1,7 @@
 """What went wrong in the rollout jobs, counted: reward functions that raised, tool calls that failed,
 prompts filtered or cut by ``data.max_prompt_length``; with the first message and sample id of each
 kind. Read from the rollout jobs' per-version rows (``logs/rollout-<writer>.jsonl``:
-:data:`hpcrl.metric_names.PROBLEM_COUNTS` and the ``*/first_error`` texts); shown by ``hpcrl status``
+:data:`hpcrl.logs.metric_names.PROBLEM_COUNTS` and the ``*/first_error`` texts); shown by ``hpcrl status``
 and the report (``hpcrl run`` counts them per version line, :mod:`hpcrl.launcher.progress`).
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from hpcrl import metric_names as M
+from hpcrl.logs import metric_names as M
 
 
 @dataclass

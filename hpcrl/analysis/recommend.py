@@ -33,8 +33,8 @@ from hpcrl.analysis.ceiling import Ceiling, run_ceiling
 from hpcrl.analysis.fleet import fleet_history
 from hpcrl.analysis.load import RunData
 from hpcrl.config.knobs import AUTO, Knobs, admission_budget, max_lag_bound
-from hpcrl.run_dir import RunDir
-from hpcrl import metric_names as M
+from hpcrl.rundir.paths import RunDir
+from hpcrl.logs import metric_names as M
 
 HIGH = 0.3
 """An idle ratio above this is a side waiting for the other a significant share of its time."""

@@ -27,8 +27,8 @@ from hpcrl.analysis.glance import glance
 from hpcrl.analysis.load import LOG_PATHS, RunData, load_run
 from hpcrl.analysis.problems import problems_of, problems_table
 from hpcrl.analysis.recommend import recommend_run
-from hpcrl.run_dir import RunDir
-from hpcrl import metric_names as M
+from hpcrl.rundir.paths import RunDir
+from hpcrl.logs import metric_names as M
 
 log = logging.getLogger(__name__)
 

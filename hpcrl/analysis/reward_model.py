@@ -6,9 +6,9 @@ import math
 
 import pandas as pd
 
-from hpcrl import metric_names as M
-from hpcrl.fsio import read_jsonl
-from hpcrl.run_dir import RunDir
+from hpcrl.logs import metric_names as M
+from hpcrl.rundir.fsio import read_jsonl
+from hpcrl.rundir.paths import RunDir
 
 
 def reward_job_lines(rd: RunDir) -> list[str]:

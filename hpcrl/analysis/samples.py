@@ -24,7 +24,7 @@ from typing import Optional
 import numpy as np
 
 from hpcrl.control.fatal import read_fatal
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 from hpcrl.samples.reader import ShardCorrupt, read_shard
 from hpcrl.samples.schema import ShardManifestLine
 

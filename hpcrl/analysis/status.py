@@ -42,12 +42,13 @@ from hpcrl.config.knobs import Knobs
 from hpcrl.control.admission import read_claims
 from hpcrl.control.fleet import drained_writers
 from hpcrl.control.records import HeartbeatState, JobStats, TrainerDone, has_ended, read_heartbeats, read_trainer_done
-from hpcrl.eval_log import EVALUATED, JOB, SKIPPED, EvalRow
+from hpcrl.logs.eval_log import EVALUATED, JOB, SKIPPED, EvalRow
 from hpcrl.control.fatal import read_fatal
-from hpcrl.fsio import JsonlTail, free_bytes, size_text, tree_bytes
+from hpcrl.rundir.fsio import JsonlTail
+from hpcrl.rundir.disk import free_bytes, size_text, tree_bytes
 from hpcrl.process.pids import pid_running
-from hpcrl.run_dir import EVAL_JOB, RunDir
-from hpcrl import metric_names as M
+from hpcrl.rundir.paths import EVAL_JOB, RunDir
+from hpcrl.logs import metric_names as M
 
 RECENT = 20
 """Updates the ETA and the recent trainer idle ratio are averaged over."""

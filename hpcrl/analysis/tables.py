@@ -20,7 +20,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from hpcrl import metric_names as M
+from hpcrl.logs import metric_names as M
 from hpcrl.analysis.load import LOG_PATHS, RunData
 
 STEP_PARTS = [M.WAIT_SAMPLES_S, M.UPDATE_S, M.PARAM_SYNC_S]

@@ -17,9 +17,9 @@ import pandas as pd
 from hpcrl.analysis.load import RunData
 from hpcrl.analysis.plots import empty_note, new_figure, save
 from hpcrl.analysis.tables import best_and_last
-from hpcrl.eval_log import EVALUATED, SKIPPED, read_eval_samples, split_metric
-from hpcrl.metric_names import VAL_CORE
-from hpcrl.run_dir import RunDir
+from hpcrl.logs.eval_log import EVALUATED, SKIPPED, read_eval_samples, split_metric
+from hpcrl.logs.metric_names import VAL_CORE
+from hpcrl.rundir.paths import RunDir
 
 MAX_PANELS = 4
 """Rows of the validation figure at most (one per kind of core metric)."""

@@ -14,8 +14,8 @@ module             what it holds
 ``actor``          actor: optimizer, PPO loss, and how the trainer fits long responses (token budgets,
                    packing, chunked log-probs, checkpointing, offload, sequence parallelism)
 ``runtime``        timeouts, logging (what may change on a live run)
-``verl``           verl's config keys read as hpcrl's (the table is ``names.VERL_KEYS``; one entry: ``verl_key``;
-                   the reward model's entries: ``verl_reward``)
+``verl``           verl's config keys read as hpcrl's (the table is ``verl_keys.VERL_KEYS``; the reward model's
+                   entries: ``verl_reward``)
 ``verl_units``     verl's values whose units differ, converted (micro-batches, GPUs, epochs)
 ``algorithm``      algorithm (advantages, KL, rollout correction) and critic
 ``combinations``   the algorithm rules that span sections (what an estimator or loss needs)

@@ -276,11 +276,8 @@ class AlgorithmConfig:
     """``algorithm``: advantage estimator, KL in the reward, rollout correction (verl's names)."""
 
     adv_estimator: str = "grpo"
-    """Advantage estimator (verl's names): ``gae`` (critic = value head), ``grpo``,
-    ``rloo``, ``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``, ``opo``,
-    ``grpo_passk``, ``gpg``, ``optimal_token_baseline``, ``tir_optimal_token_baseline``, ``gdpo``,
-    ``remax`` (the rollout job adds one greedy response per prompt: its reward is the baseline).
-    Equations in ``hpcrl/trainer/advantages.py`` and docs/algorithms.md."""
+    """Advantage estimator (verl's names): a name of ``config/registries.py:ADV_ESTIMATORS`` (the reference lists
+    each with what it is). Equations in ``hpcrl/trainer/estimators.py`` and docs/algorithms.md."""
     norm_adv_by_std_in_grpo: bool = True
     """grpo, grpo_passk: divide by the group's reward std (+1e-6); false = Dr. GRPO (mean only)."""
     gamma: float = 1.0
@@ -312,7 +309,7 @@ class AlgorithmConfig:
 
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
-        check_choice("algorithm.adv_estimator", self.adv_estimator, names.ADV_ESTIMATORS)
+        check_choice("algorithm.adv_estimator", self.adv_estimator, registries.ADV_ESTIMATORS)
         check_choice("algorithm.norm_adv_by_std_in_grpo", self.norm_adv_by_std_in_grpo, (True, False))
         check_float("algorithm.gamma", self.gamma, 0.0, 1.0)
         check_float("algorithm.lam", self.lam, 0.0, 1.0)

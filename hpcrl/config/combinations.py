@@ -4,19 +4,24 @@ naming the key, what is allowed with what, and the fix."""
 from __future__ import annotations
 
 from hpcrl.config.checks import fail
-from hpcrl.config.names import GROUP_ESTIMATORS
+from hpcrl.config import registries
 
 
 def check_algorithm_combinations(cfg) -> None:
     """Raise ConfigError for the first algorithm option that the rest of ``cfg`` (a RunConfig) contradicts."""
     alg, actor = cfg.algorithm, cfg.actor
     est, mode = alg.adv_estimator, actor.policy_loss.loss_mode
-    if cfg.rollout.n < 2 and est in GROUP_ESTIMATORS:
+    spec = registries.estimator_spec(est)
+    if spec is None:
+        return  # reported by the section's own check
+    if cfg.rollout.n < 2 and spec.group:
+        loners = " or ".join(n for n, s in registries.ADV_ESTIMATORS.items() if not s.group)
         fail("rollout.n", cfg.rollout.n, f"at least 2 with adv_estimator={est} (a group of one has no baseline)",
-             "raise rollout.n, or use adv_estimator=gae or reinforce_plus_plus")
-    if alg.use_pf_ppo and est != "gae":
-        fail("algorithm.use_pf_ppo", True, f"false with adv_estimator={est} (verl resamples only with gae)",
-             "set algorithm.adv_estimator=gae, or use_pf_ppo=false")
+             f"raise rollout.n, or use adv_estimator={loners}")
+    if alg.use_pf_ppo and not spec.values:
+        critics = " or ".join(n for n, s in registries.ADV_ESTIMATORS.items() if s.values)
+        fail("algorithm.use_pf_ppo", True, f"false with adv_estimator={est} (verl resamples only with an estimator "
+             f"on a critic's values: {critics})", f"set algorithm.adv_estimator={critics}, or use_pf_ppo=false")
     if mode in ("dppo_tv", "dppo_kl") and actor.clip_ratio_c is None:
         fail("actor.clip_ratio_c", None, f"a number > 1 with loss_mode={mode} (C, the truncation of its "
              "detached ratio)", "e.g. actor.clip_ratio_c=20 (the DPPO paper prefers a large C)")

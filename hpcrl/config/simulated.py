@@ -19,7 +19,7 @@ from typing import Optional
 
 import numpy as np
 
-from hpcrl.config import names
+from hpcrl.config import names, registries
 from hpcrl.config.checks import check_float, check_int, fail, reported
 
 LENGTH_DISTRIBUTIONS = ("geometric", "lognormal")
@@ -90,7 +90,7 @@ class SimulatedConfig:
         return self.update_base_s + self.update_per_token_s * n_tokens / self.trainer_gpus
 
     def draw_lengths(self, rng: np.random.Generator, count: int, empirical: Optional[np.ndarray] = None) -> np.ndarray:
-        """``count`` response lengths (>= 1 token, before any cap); ``empirical``: ``hpcrl.logs.read_lengths``."""
+        """``count`` response lengths (>= 1 token, before any cap); ``empirical``: ``hpcrl.logs.run_logs.read_lengths``."""
         if empirical is not None:
             return rng.choice(empirical, size=count).astype(np.int64)
         if self.lengths == "geometric":
@@ -126,7 +126,7 @@ def check_simulated_combination(cfg) -> None:
     tiny model and the simulated engine; the simulated engine with a real model feeds the real trainer (the sizing
     probe: its responses are random tokens of the model's vocabulary, its trainer's memory and seconds real), and
     nothing evaluates it."""
-    engine_sim = cfg.rollout.engine == names.SIMULATED_ENGINE
+    engine_sim = registries.simulated_engine(cfg.rollout.engine)
     if cfg.trainer.simulated and cfg.model.path not in names.BUILTIN_MODELS:
         fail("model.path", cfg.model.path, f"{' or '.join(names.BUILTIN_MODELS)} with trainer.simulated=true (a "
              "simulated trainer models GPU time and trains on nothing real; with a real model, trainer.simulated="
@@ -140,9 +140,11 @@ def check_simulated_combination(cfg) -> None:
         fail("simulated.kv_cache_tokens", kv, f"0 (no limit) or at least rollout.response_length + "
              f"data.max_prompt_length + 1 = {longest + 1} (one whole sequence must fit, as vLLM refuses a "
              "max_model_len its cache cannot hold)", f"set simulated.kv_cache_tokens={longest + 1} or more")
-    if cfg.eval.engine == names.SIMULATED_ENGINE and not engine_sim:
-        fail("eval.engine", cfg.eval.engine, "transformers, vllm or null with a real rollout engine",
+    eval_sim = registries.simulated_engine(cfg.eval.engine)
+    if eval_sim and not engine_sim:
+        real = ", ".join(n for n in registries.ENGINES if not registries.simulated_engine(n))
+        fail("eval.engine", cfg.eval.engine, f"{real} or null with a real rollout engine",
              "set eval.engine=null (the rollout engine)")
-    if (engine_sim or cfg.eval.engine == names.SIMULATED_ENGINE) and cfg.eval.enabled and not reported("eval.engine"):
+    if (engine_sim or eval_sim) and cfg.eval.enabled and not reported("eval.engine"):
         fail("eval.every_versions", cfg.eval.every_versions, "0 with rollout.engine=simulated (there is "
              "nothing real to evaluate)", "set eval.every_versions=0")

@@ -1,6 +1,6 @@
 """verl's config keys read as hpcrl's: a verl user's YAML file and ``key=value`` overrides work unchanged.
 
-The table is :data:`hpcrl.config.names.VERL_KEYS` (one entry per verl key or ``prefix.*``); this module
+The table is :data:`hpcrl.config.verl_keys.VERL_KEYS` (one entry per verl key or ``prefix.*``); this module
 applies it where :func:`hpcrl.config.run.load_config` builds the tree, before the dataclasses are built:
 
 1. the YAML file and the overrides become leaves (``actor_rollout_ref.rollout.n`` = 8), overrides last,
@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hpcrl.config.checks import ConfigError, bad, collecting, report
-from hpcrl.config.names import RENAMED_KEYS, VERL_KEYS, VerlKey
+from hpcrl.config.names import RENAMED_KEYS
+from hpcrl.config.verl_keys import VERL_KEYS, VerlKey
 from hpcrl.config.verl_units import CONVERSIONS, LATE, PAIRED, conversion
 
 WILDCARD = ".*"

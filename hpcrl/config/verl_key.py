@@ -1,5 +1,5 @@
-"""One entry of verl's key table (:data:`hpcrl.config.names.VERL_KEYS`), in a module of its own so that the table's
-parts (``names.py``, ``verl_reward.py``) can be written in several files."""
+"""One entry of verl's key table (:data:`hpcrl.config.verl_keys.VERL_KEYS`), in a module of its own so that the table's
+parts (``verl_keys.py``, ``verl_reward.py``) can be written in several files."""
 from __future__ import annotations
 
 from typing import NamedTuple, Optional

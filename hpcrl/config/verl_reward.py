@@ -1,4 +1,4 @@
-"""verl's reward-model keys as hpcrl reads them: a part of :data:`hpcrl.config.names.VERL_KEYS`.
+"""verl's reward-model keys as hpcrl reads them: a part of :data:`hpcrl.config.verl_keys.VERL_KEYS`.
 
 verl 0.9.1 has them twice: the older top-level ``reward_model.*`` (``enable``, ``model.path``, the micro-batch and
 max-length keys, ``reward_manager`` and the reward-loop keys, ``rollout.*`` of a judge's engine), which its
@@ -95,4 +95,4 @@ REWARD_MODEL_KEYS: dict[str, str | VerlKey] = {
                                      keys=("enable", "enable_resource_pool", "n_gpus_per_node", "nnodes", "model_path",
                                            "rollout")),
 }
-"""The reward model's entries of :data:`hpcrl.config.names.VERL_KEYS` (module docstring)."""
+"""The reward model's entries of :data:`hpcrl.config.verl_keys.VERL_KEYS` (module docstring)."""

@@ -13,7 +13,6 @@ from typing import Any, Callable
 
 from hpcrl.config import registries
 from hpcrl.config.checks import bad
-from hpcrl.config.names import SIMULATED_ENGINE
 
 Made = tuple[list[tuple[str, Any]], str]
 """(hpcrl key, value) pairs a conversion makes, and the note saying so."""
@@ -109,14 +108,14 @@ def _rollout_gpus(value: Any, t, key: str) -> Made:
          f"resources.rollout.gpus_per_node={replica} (one per vLLM replica)")
 
 
-_ENGINES = {"vllm": "vllm", "hf": "transformers"}
-"""verl's ``rollout.name`` values -> hpcrl's engine (hpcrl's own names go in ``rollout.engine``)."""
-
-
 def _engine(value: Any, t, key: str) -> Made:
-    if value not in _ENGINES:
-        raise bad(key, value, "vllm or hf (rollout.engine: vllm or transformers)", "use vllm")
-    return [("rollout.engine", _ENGINES[value])], f"rollout.engine={_ENGINES[value]}"
+    """verl's ``rollout.name`` -> the engine whose spec has that :attr:`~hpcrl.config.registries.EngineSpec.verl_name`
+    (hpcrl's own names go in ``rollout.engine``)."""
+    ours = {s.verl_name: name for name, s in registries.ENGINES.items() if s.verl_name}
+    if value not in ours:
+        raise bad(key, value, " or ".join(ours) + " (rollout.engine: " + " or ".join(ours.values()) + ")",
+                  f"use {' or '.join(ours)}")
+    return [("rollout.engine", ours[value])], f"rollout.engine={ours[value]}"
 
 
 def _temperature(value: Any, t, key: str) -> Made:
@@ -214,10 +213,11 @@ def _rm_nodes(value: Any, t, key: str) -> Made:
 def _rm_engine(value: Any, t, key: str) -> Made:
     if value in (None, "???"):
         return [], f"reward_model.engine stays {t.get('reward_model.engine')}"
-    if value not in registries.ENGINES or value == SIMULATED_ENGINE:
-        raise bad(key, value, "vllm (the judge's engine on GPUs; transformers on CPU)",
-                  "set reward_model.engine=auto (vLLM where the reward job sees a GPU)")
-    return [("reward_model.engine", value)], f"reward_model.engine={value}"
+    ours = {s.verl_name: name for name, s in registries.ENGINES.items() if s.verl_name and not s.simulated}
+    if value not in ours:  # verl's names, as for actor_rollout_ref.rollout.name (_engine)
+        raise bad(key, value, " or ".join(ours) + " (reward_model.engine: " + " or ".join(ours.values()) + ")",
+                  "set reward_model.engine=auto (vLLM where the reward job sees a GPU, transformers elsewhere)")
+    return [("reward_model.engine", ours[value])], f"reward_model.engine={ours[value]}"
 
 
 PAIRED = (_rollout_gpus,)
@@ -264,4 +264,4 @@ CONVERSIONS: dict[str, Callable[[Any, Any, str], Made]] = {
     "reward_model.rollout.name": _rm_engine,
     "reward.reward_model.rollout.name": _rm_engine,
 }
-"""Table keys (:data:`~hpcrl.config.names.VERL_KEYS`) whose value is converted, not copied."""
+"""Table keys (:data:`~hpcrl.config.verl_keys.VERL_KEYS`) whose value is converted, not copied."""

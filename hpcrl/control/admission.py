@@ -1,6 +1,6 @@
 """The admission budget shared by every rollout job of a run.
 
-ARCHITECTURE.md "Admission budget with skips": per weight version the fleet may *start* at most
+docs/weights-and-samples.md "Admission budget with skips": per weight version the fleet may *start* at most
 ``B = floor((1 + s) * K * R)`` groups, counting carry-over (groups in flight or
 committed but not yet consumed). Counting from the start of the run this is one
 inequality, checked before each group starts::
@@ -74,9 +74,9 @@ from hpcrl.control.claims import ClaimBook
 from hpcrl.control.fleet_log import ENDED, JOINED, FleetLog, slurm_job_id
 from hpcrl.control.reclaim import GoneWriters, same_beat
 from hpcrl.control.records import HeartbeatState, read_filtered_groups
-from hpcrl.fsio import read_json, read_jsonl, write_json_atomic
-from hpcrl.json_record import JsonRecord
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.fsio import read_json, read_jsonl, write_json_atomic
+from hpcrl.rundir.json_record import JsonRecord
+from hpcrl.rundir.paths import RunDir
 from hpcrl.samples.skips import SkipLog
 from hpcrl.samples.writer import CommitRefused
 

@@ -30,7 +30,7 @@ import time
 from typing import Optional
 
 from hpcrl.process import faults
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 
 log = logging.getLogger(__name__)
 

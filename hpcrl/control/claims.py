@@ -1,6 +1,6 @@
 """Which prompts each rollout job generates: a shared claim, so that the fleet may grow and shrink.
 
-ARCHITECTURE.md "Prompt claims". The prompt stream (``rollout/dataset.py``) is one sequence of indices
+docs/weights-and-samples.md "Prompt claims". The prompt stream (``rollout/dataset.py``) is one sequence of indices
 ``0, 1, 2, ...`` for the whole fleet. A writer generates a prompt index only after it has *claimed* it in
 ``control/admission.json`` (:class:`~hpcrl.control.admission.AdmissionRecord`), under the same lock as the
 admission budget, in the same step that reserves the group's start:
@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-from hpcrl.json_record import JsonRecord
+from hpcrl.rundir.json_record import JsonRecord
 
 
 class ClaimLost(RuntimeError):

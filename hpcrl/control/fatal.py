@@ -3,7 +3,7 @@
 A job that cannot start because of its *inputs* (the model folder, the tokenizer, the
 reward file, the prompt file), or whose run directory's filesystem stayed full, fails the same way on every
 resubmission. Such a job writes
-``control/fatal.json`` (:attr:`hpcrl.run_dir.RunDir.fatal`) with a one-line message before
+``control/fatal.json`` (:attr:`hpcrl.rundir.paths.RunDir.fatal`) with a one-line message before
 it exits; every other job of the run stops at its next safe point when it sees the record (``control/job.py``:
 the trainer checkpoints, a rollout job seals its groups, as for a stop request), whether a launcher follows the run
 or not; the launcher's follower reads it, prints the line, waits for the jobs to end (cancelling what is still
@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from typing import Iterator, Optional
 
 from hpcrl.control.changes import bump
-from hpcrl.fsio import read_json, write_json_atomic
-from hpcrl.json_record import JsonRecord
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.fsio import read_json, write_json_atomic
+from hpcrl.rundir.json_record import JsonRecord
+from hpcrl.rundir.paths import RunDir
 
 
 class FatalInputError(RuntimeError):

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from hpcrl.control.changes import bump
-from hpcrl.fsio import read_json, write_json_atomic
-from hpcrl.json_record import JsonRecord
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.fsio import read_json, write_json_atomic
+from hpcrl.rundir.json_record import JsonRecord
+from hpcrl.rundir.paths import RunDir
 
 
 @dataclass

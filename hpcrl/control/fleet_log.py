@@ -3,7 +3,7 @@
 A live run's fleet changes by requests (``hpcrl scale``, ``Run.scale``, ``resources.rollout_autoscale``) that the
 launcher following the run turns into submissions and drain records, and by its jobs (a rollout job joins the
 fleet, leaves it drained, is preempted and requeued, is killed and resubmitted). Each source appends what it did
-to a file of its own in ``logs/fleet/`` (:meth:`~hpcrl.run_dir.RunDir.fleet_log`), one :class:`FleetEvent` a line:
+to a file of its own in ``logs/fleet/`` (:meth:`~hpcrl.rundir.paths.RunDir.fleet_log`), one :class:`FleetEvent` a line:
 
 =========================  ==========================================  ============================================
 file                       written by (one process at a time)          events
@@ -38,10 +38,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from hpcrl.fsio import JsonlAppender, read_jsonl
+from hpcrl.rundir.fsio import JsonlAppender, read_jsonl
 from hpcrl.control.records import slurm_job_of
-from hpcrl.json_record import JsonRecord
-from hpcrl.run_dir import FLEET_LAUNCHER, RunDir
+from hpcrl.rundir.json_record import JsonRecord
+from hpcrl.rundir.paths import FLEET_LAUNCHER, RunDir
 
 log = logging.getLogger(__name__)
 

@@ -31,9 +31,9 @@ when ``control/changes.jsonl`` grew (``control/changes.py``: every writer of a s
 to it), or, for a job without one, at most every :data:`POLL_S`. Any other exception is a failure: logged with its trace into the
 job's log (where the launcher looks), except :class:`CannotStart`, which is one line and exit status 1.
 
-**A full disk** (``fsio.guarded``): every write waits for space up to ``timeouts.disk_full_s`` (set here, with
+**A full disk** (``disk.guarded``): every write waits for space up to ``timeouts.disk_full_s`` (set here, with
 ``timeouts.slow_write_s``, for the whole process). A job holds a little room on the run directory's filesystem
-while it lives (``control/reserve/<job>``); when a write gives up (:class:`hpcrl.fsio.WriteFailed`) it gives the
+while it lives (``control/reserve/<job>``); when a write gives up (:class:`hpcrl.rundir.disk.WriteFailed`) it gives the
 room back, so its fatal record (``control/fatal.json``, input ``disk``: the launcher stops the run instead of
 resubmitting it into the same wall, ``hpcrl status`` says "disk full at ...") and its last heartbeat can still be
 written; its shutdown then saves what fits without waiting again.
@@ -46,16 +46,16 @@ import os
 import time
 from typing import Callable, Optional, Protocol
 
-from hpcrl import fsio
+from hpcrl.rundir import disk
 from hpcrl.control.changes import ChangeWatch
 from hpcrl.control.fatal import read_fatal, read_fatal_record, write_fatal
 from hpcrl.control.fleet import drain_requested
 from hpcrl.control.records import HeartbeatState, stop_requested
-from hpcrl.logs import setup_logging
+from hpcrl.logs.run_logs import setup_logging
 from hpcrl.process import termination
 from hpcrl.process.leftovers import mark_job, sweep_leftovers
 from hpcrl.process.preemption import PreemptionFlag, preempted_by_slurm, requeue_self
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ class StopWatch:
         if self._fatal is not None:
             record = read_fatal_record(self.run_dir)
             if record is not None and record.input == "disk":  # it stayed full past disk_full_s: save what fits now
-                fsio.POLICY.full_wait_s = 0.0
+                disk.POLICY.full_wait_s = 0.0
             return Stop.STOPPED
         if self.writer is not None and drain_requested(self.run_dir, self.writer):
             return Stop.DRAINED
@@ -210,13 +210,13 @@ class DiskRoom:
         """Free the room (at every end of the job, and before its fatal record)."""
         self.path.unlink(missing_ok=True)
 
-    def record(self, failed: fsio.WriteFailed) -> None:
+    def record(self, failed: disk.WriteFailed) -> None:
         """The run cannot go on: give the room back, then the fatal record; later writes do not wait again."""
         self.give_back()
-        fsio.POLICY.full_wait_s = 0.0
+        disk.POLICY.full_wait_s = 0.0
         try:
             write_fatal(self.run_dir, self.job, str(failed), "disk")
-        except (OSError, fsio.WriteFailed) as e:
+        except (OSError, disk.WriteFailed) as e:
             log.error("could not record the failure in %s either (%s)", self.run_dir.fatal, e)
 
 
@@ -233,7 +233,7 @@ def run(job: Steps, room: Optional[DiskRoom] = None) -> None:
     except CannotStart as e:
         log.error("%s cannot start: %s", job.name, e)
         raise SystemExit(1) from None
-    except fsio.WriteFailed as e:
+    except disk.WriteFailed as e:
         log.error("%s cannot go on: %s (free space, then `hpcrl run --resume`)", job.name, e)
         if room is not None:
             room.record(e)
@@ -261,7 +261,7 @@ def _shut_down(job: Steps, final_state: HeartbeatState, room: Optional[DiskRoom]
     """``job.shutdown``; a write it cannot make on a full disk ends the job as failed with the fatal record."""
     try:
         job.shutdown(final_state)
-    except fsio.WriteFailed as e:
+    except disk.WriteFailed as e:
         log.error("%s could not save what it holds: %s", job.name, e)
         if room is not None:
             room.record(e)
@@ -278,7 +278,7 @@ def job_main(run_dir: str, job: str, command: tuple[str, ...], build: Callable[[
     name = log_name or job
     tag = " [sizing probe]" if cfg.is_sizing_probe else " [simulated]" if cfg.is_simulated else ""
     setup_logging(name + tag, cfg.logging.level, rd.job_log(name))
-    fsio.POLICY.full_wait_s, fsio.POLICY.slow_write_s = cfg.timeouts.disk_full_s, cfg.timeouts.slow_write_s
+    disk.POLICY.full_wait_s, disk.POLICY.slow_write_s = cfg.timeouts.disk_full_s, cfg.timeouts.slow_write_s
     mark_job(rd.root, job)
     sweep_leftovers(rd.root, job, command)
     termination.install()

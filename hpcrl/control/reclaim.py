@@ -1,6 +1,6 @@
 """Which rollout writers are gone for good: their claims are reclaimed by the writers that still run.
 
-ARCHITECTURE.md "Prompt claims". In a run no launcher follows (plain sbatch), a rollout job that dies for good
+docs/weights-and-samples.md "Prompt claims". In a run no launcher follows (plain sbatch), a rollout job that dies for good
 (scancel, a node failure, a time limit without requeue) would keep its open prompt claims and its admission count
 forever: the fleet's budget shrinks by its groups in flight and their prompts are never generated. So every
 writer, before it admits a group (``Admission.try_start``) and at most every :data:`CHECK_EVERY_S` seconds,
@@ -24,7 +24,7 @@ claim book's ``left`` says who reclaimed it and why (``reclaimed by w000: heartb
 123 ended (COMPLETED)``; ``hpcrl status`` shows it). Under the lock the writer's heartbeat is read again and must
 be the one judged here: a new job of that writer beats before it joins, so one that came back meanwhile keeps its
 claims. A writer that comes back after it was reclaimed joins with nothing of its own and drops the groups its
-predecessor saved in flight (``rollout/resume.py``); a zombie of it (a process still alive after all) commits
+predecessor saved in flight (``rollout/in_flight.py``); a zombie of it (a process still alive after all) commits
 nothing (``ClaimLost``).
 """
 from __future__ import annotations
@@ -37,10 +37,10 @@ from typing import Callable, Optional
 
 from hpcrl.control.claims import ClaimBook
 from hpcrl.control.records import Heartbeat
-from hpcrl.fsio import read_json
+from hpcrl.rundir.fsio import read_json
 from hpcrl.process.pids import pid_running
 from hpcrl.process.squeue import squeue_states
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 
 log = logging.getLogger(__name__)
 

@@ -28,9 +28,10 @@ from typing import Optional
 
 from hpcrl.control.changes import bump
 from hpcrl.process import termination
-from hpcrl.fsio import WriteFailed, make_dirs, read_json, write_json_atomic
-from hpcrl.json_record import JsonRecord
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.fsio import read_json, write_json_atomic
+from hpcrl.rundir.disk import WriteFailed, make_dirs
+from hpcrl.rundir.json_record import JsonRecord
+from hpcrl.rundir.paths import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +122,7 @@ class Heartbeat(JsonRecord):
     """One job's liveness record, ``control/heartbeat/<job>.json``; rewritten every few seconds."""
 
     job: str
-    """Job name from :class:`~hpcrl.run_dir.RunDir` (``trainer``, ``rollout-w000``, ...)."""
+    """Job name from :class:`~hpcrl.rundir.paths.RunDir` (``trainer``, ``rollout-w000``, ...)."""
     role: str
     """``trainer``, ``rollout`` or ``eval``."""
     host: str

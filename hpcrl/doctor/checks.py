@@ -52,20 +52,21 @@ def check_cuda() -> Check:
                                                                             "torch": torch.__version__})
 
 
-def check_vllm(timeout_s: float = 180.0) -> Check:
-    """vLLM imports (in a child process, bounded) and its version."""
-    code = "import vllm, sys; sys.stdout.write(vllm.__version__)"
+def check_package(package: str, timeout_s: float = 180.0) -> Check:
+    """An engine's package (an ``EngineSpec.package``: vLLM) imports, in a child process, bounded; and its
+    version."""
+    code = f"import {package}, sys; sys.stdout.write(getattr({package}, '__version__', '?'))"
     t0 = time.monotonic()
     try:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        return Check("vllm", FAIL, f"import vllm did not finish in {timeout_s:.0f}s")
+        return Check(package, FAIL, f"import {package} did not finish in {timeout_s:.0f}s")
     import_s = time.monotonic() - t0
     if out.returncode != 0:
         last = (out.stderr.strip().splitlines() or ["no output"])[-1]
-        return Check("vllm", FAIL, f"import vllm failed: {last[:160]}")
+        return Check(package, FAIL, f"import {package} failed: {last[:160]}")
     version = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else "?"
-    return Check("vllm", OK, f"vllm {version} imports ({import_s:.1f}s)", {"vllm": version, "import_s": import_s})
+    return Check(package, OK, f"{package} {version} imports ({import_s:.1f}s)", {package: version, "import_s": import_s})
 
 
 def check_shm(min_gib: float, folder: Path = Path("/dev/shm")) -> Check:

@@ -5,8 +5,8 @@
     hpcrl doctor --gloo-rank 1 --gloo-peer nodeA --gloo-port 29555  # on node B
 
 Always required: gloo (loopback, or the pair between two nodes), ``/dev/shm`` with ``--shm-min-gib`` free, and
-a durable write+fsync+rename in ``--dir``. ``cuda`` and ``vllm`` are checked and reported, required only when
-named in ``--require`` (a CPU node reports them as failed and still passes). ``hostname`` only warns.
+a durable write+fsync+rename in ``--dir``. ``cuda`` and each engine's package (``vllm``: the registry's
+``EngineSpec.package``) are checked and reported, required only when named in ``--require`` (a CPU node reports them as failed and still passes). ``hostname`` only warns.
 """
 from __future__ import annotations
 
@@ -15,10 +15,13 @@ import json
 import sys
 from pathlib import Path
 
+from hpcrl.config.registries import ENGINES
 from hpcrl.doctor.checks import FAIL, OK, SKIP, Check, check_cuda, check_filesystem, check_gloo, check_hostname, \
-    check_shm, check_vllm
+    check_package, check_shm
 
-OPTIONAL = ("cuda", "vllm")
+PACKAGES = tuple(dict.fromkeys(s.package for s in ENGINES.values() if s.package))
+"""The packages the engines of the registry need beyond hpcrl's own (``EngineSpec.package``: vllm)."""
+OPTIONAL = ("cuda", *PACKAGES)
 """Checks that are required only when ``--require`` names them."""
 
 
@@ -64,7 +67,8 @@ def run_checks(a: argparse.Namespace) -> list[Check]:
     required, skipped = set(_names(a.require)), set(_names(a.skip))
     peer = a.gloo_peer if a.gloo_peer else None
     port = a.gloo_port or free_port()
-    makers = {"hostname": check_hostname, "cuda": check_cuda, "vllm": lambda: check_vllm(max(a.timeout_s, 180.0)),
+    makers = {"hostname": check_hostname, "cuda": check_cuda,
+              **{pkg: (lambda pkg=pkg: check_package(pkg, max(a.timeout_s, 180.0))) for pkg in PACKAGES},
               "gloo": lambda: check_gloo(peer, a.gloo_rank, port, a.timeout_s),
               "shm": lambda: check_shm(a.shm_min_gib), "filesystem": lambda: check_filesystem(Path(a.dir).resolve())}
     out = []

@@ -18,7 +18,7 @@ from typing import Callable, Optional
 from hpcrl.config import RunConfig
 from hpcrl.eval import metrics
 from hpcrl.eval.data import response_length
-from hpcrl.eval_log import EvalSample, finite_metrics
+from hpcrl.logs.eval_log import EvalSample, finite_metrics
 from hpcrl.process import faults
 from hpcrl.rollout.agent_loop import AgentLoop, GroupContext, group_seed, run_group
 from hpcrl.rollout.engine import FINISH_LENGTH, Engine, EngineRunner

@@ -15,7 +15,7 @@ The loop (:meth:`EvalJob.loop`) repeats these named steps:
 4. **wait** when nothing is due: poll, log what it waits for, fail after ``timeouts.wait_weights_s`` without
    any new version.
 
-Crash safety: a version is handled once its row is in ``logs/eval.jsonl`` (``eval_log.py``). A restarted job
+Crash safety: a version is handled once its row is in ``logs/eval.jsonl`` (``logs/eval_log.py``). A restarted job
 reads the rows, cuts samples that have no row (``writer.py``) and goes on: a finished version is never
 evaluated again, the one it was killed in is evaluated again if it is still on disk (its pin protects it until
 the dead job's heartbeat is stale) and recorded as skipped if not. A version the trainer published again after
@@ -37,11 +37,11 @@ from hpcrl.eval.data import sampling
 from hpcrl.eval.evaluate import Evaluator
 from hpcrl.eval.parts import EvalInputs, build_inputs, eval_subscriber, start_evaluator
 from hpcrl.eval.writer import EvalLogWriter
-from hpcrl.eval_log import DAMAGED, EVALUATED, JOB, SKIPPED, EvalRow
+from hpcrl.logs.eval_log import DAMAGED, EVALUATED, JOB, SKIPPED, EvalRow
+from hpcrl.logs.trackers import Trackers, open_trackers
 from hpcrl.process.preemption import PreemptionFlag
 from hpcrl.reward.scoring import model_rewards
-from hpcrl.run_dir import EVAL_JOB, RunDir
-from hpcrl.trackers import Trackers, open_trackers
+from hpcrl.rundir.paths import EVAL_JOB, RunDir
 from hpcrl.weights import WeightSubscriber, WeightVersionBad, WeightVersionGone
 
 log = logging.getLogger("hpcrl.eval")

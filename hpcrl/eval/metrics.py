@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from hpcrl import metric_names as M
+from hpcrl.logs import metric_names as M
 
 N_BOOTSTRAP = 1000
 """Bootstrap draws per (prompt, key, k), as verl."""

@@ -27,8 +27,8 @@ from hpcrl.config import ConfigError, RunConfig, config_from_dict, load_config, 
 from hpcrl.config import registries
 from hpcrl.control.records import HeartbeatThread, live_jobs
 from hpcrl.eval.writer import EvalLogWriter
-from hpcrl.eval_log import EVALUATED, OFFLINE, EvalRow
-from hpcrl.run_dir import EVAL_JOB, EVAL_OFFLINE_JOB, WEIGHT_DELTA, RunDir
+from hpcrl.logs.eval_log import EVALUATED, OFFLINE, EvalRow
+from hpcrl.rundir.paths import EVAL_JOB, EVAL_OFFLINE_JOB, WEIGHT_DELTA, RunDir
 
 log = logging.getLogger("hpcrl.eval")
 

@@ -27,7 +27,7 @@ from hpcrl.rollout.engine import EngineRunner
 from hpcrl.rollout.engines import make_engine
 from hpcrl.rollout.loops import make_loops
 from hpcrl.rollout.reward_fn import RewardScorer, load_reward
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 from hpcrl.tiny.model import load_tokenizer
 from hpcrl.weights import WeightSubscriber, make_subscriber
 from hpcrl.weights.adapter import verify_base
@@ -79,7 +79,7 @@ def start_evaluator(cfg: RunConfig, inputs: EvalInputs, model_dir: Path, closers
     closers.callback(runner.close)
     step = steps.step(f"starting the {name} engine", t.engine_start_s + 10) if steps else contextlib.nullcontext()
     with step:
-        engine = make_engine(name, eval_engine_options(cfg, model_dir), runner, t.engine_start_s)
+        engine = make_engine(name, eval_engine_options(cfg, model_dir), cfg, runner, t.engine_start_s)
     closers.callback(engine.close)
     closers.callback(stop_reaper, start_reaper(f"the evaluation's {name} engine processes"))
     evaluator = Evaluator(cfg, inputs.tokenizer, inputs.rows, inputs.scorer, inputs.loops, runner, engine, source)

@@ -1,4 +1,4 @@
-"""The one writer of ``logs/eval.jsonl`` and ``logs/eval_samples.jsonl.gz`` (the records: ``hpcrl/eval_log.py``).
+"""The one writer of ``logs/eval.jsonl`` and ``logs/eval_samples.jsonl.gz`` (the records: ``hpcrl/logs/eval_log.py``).
 
 At open it recovers what a killed predecessor left: a torn last row is cut, and samples appended after the
 last row (a version whose row never came) are cut back to that row's ``samples_bytes``; so the version is
@@ -6,7 +6,7 @@ evaluated again, whole, and nothing is counted twice. :meth:`EvalLogWriter.commi
 samples, then its row (the commit point), both inside ``termination.deferred``: SIGTERM cannot split them.
 
 Retention (``eval.keep_samples_versions``): after each commit, the samples of all but the newest K versions that
-have samples are released from the head of the (compressed) samples file (``fsio.release_head``: a hole, so the
+have samples are released from the head of the (compressed) samples file (``disk.release_head``: a hole, so the
 offsets the rows hold stay true); their rows and metrics stay.
 """
 from __future__ import annotations
@@ -15,9 +15,10 @@ import logging
 import time
 from pathlib import Path
 
-from hpcrl.eval_log import EvalRow, EvalSample, committed_samples_bytes, read_eval_rows
-from hpcrl.fsio import JsonlAppender, is_compressed, release_head, truncate_torn_tail
-from hpcrl.logs import log_size, truncate_to
+from hpcrl.logs.eval_log import EvalRow, EvalSample, committed_samples_bytes, read_eval_rows
+from hpcrl.rundir.fsio import JsonlAppender, is_compressed, truncate_torn_tail
+from hpcrl.rundir.disk import release_head
+from hpcrl.logs.run_logs import log_size, truncate_to
 from hpcrl.process import faults, termination
 
 log = logging.getLogger(__name__)

@@ -31,9 +31,9 @@ from hpcrl.launcher.follow import RunFollower
 from hpcrl.launcher.inputs import check_inputs, derive_total_steps
 from hpcrl.launcher.prepare import check_run_dir, occupied_message, prepare_run_dir
 from hpcrl.launcher.progress import Console
-from hpcrl.launcher.resume import change_lines, check_changes, finished_message
+from hpcrl.launcher.resume_changes import change_lines, check_changes, finished_message
 from hpcrl.launcher.submit import LauncherJobs, PlannedJob, missing_slurm_commands, plan_jobs, resolve_executor
-from hpcrl.run_dir import FLEET_LAUNCHER, RunDir
+from hpcrl.rundir.paths import FLEET_LAUNCHER, RunDir
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def plan_run(config: Optional[os.PathLike | str | RunConfig], run_dir: os.PathLi
     """Check the config (a file + overrides, a RunConfig, or with ``resume`` and no config the frozen one
     plus the overrides) and plan the jobs; check the model, data, reward and GPUs (:mod:`hpcrl.launcher.inputs`,
     every problem at once), that the run directory can be written and is free (or, with ``resume``, holds a run)
-    and, with ``resume``, that only what may change on a live run changes (:mod:`hpcrl.launcher.resume`). Raises
+    and, with ``resume``, that only what may change on a live run changes (:mod:`hpcrl.launcher.resume_changes`). Raises
     ConfigError / ValueError; creates nothing. ``--dry-run`` (``dry_run``: Slurm's commands need not be here, a
     note says so) and the real run both come through here."""
     rd = RunDir(run_dir)

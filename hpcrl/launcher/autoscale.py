@@ -31,13 +31,13 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Callable, Optional
 
-from hpcrl import metric_names as M
+from hpcrl.logs import metric_names as M
 from hpcrl.config.resources import RolloutAutoscale
 from hpcrl.control.fleet_log import AUTOSCALE
-from hpcrl.fsio import JsonlTail
+from hpcrl.rundir.fsio import JsonlTail
 from hpcrl.launcher.fleet import Fleet
 from hpcrl.launcher.sbatch_lines import test_only_argv
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 
 
 @dataclass

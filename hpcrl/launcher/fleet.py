@@ -41,7 +41,7 @@ from hpcrl.control.fleet import drain_requested, drained_writers, request_drain
 from hpcrl.control.fleet_log import (CANCELLED, DRAIN_REQUESTED, LEFT, SCALE_APPLIED, SUBMITTED, FleetLog,
                                      read_fleet_events)
 from hpcrl.control.records import HeartbeatState, read_heartbeats
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 
 log = logging.getLogger(__name__)
 

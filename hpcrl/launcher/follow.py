@@ -18,14 +18,14 @@ from hpcrl.control.fleet import acknowledge_scale, read_scale_request
 from hpcrl.control.fleet_log import RESUBMITTED, SCALE_REFUSED
 from hpcrl.control.records import (HeartbeatState, read_heartbeats, read_latest_checkpoint, read_trainer_done,
                                    stop_requested)
-from hpcrl.eval_log import EVALUATED, JOB, EvalRow
-from hpcrl.fsio import JsonlTail
+from hpcrl.logs.eval_log import EVALUATED, JOB, EvalRow
+from hpcrl.rundir.fsio import JsonlTail
 from hpcrl.launcher.autoscale import Autoscaler
 from hpcrl.launcher.fleet import Fleet, StartError
 from hpcrl.launcher.progress import Console, hms
 from hpcrl.launcher.reward_scale import resize_reward_jobs
 from hpcrl.launcher.submit import LauncherJobs
-from hpcrl.run_dir import EVAL_JOB, RunDir
+from hpcrl.rundir.paths import EVAL_JOB, RunDir
 
 log = logging.getLogger(__name__)
 

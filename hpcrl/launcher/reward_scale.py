@@ -17,7 +17,7 @@ from typing import Callable
 from hpcrl.config import RunConfig
 from hpcrl.control.changes import bump
 from hpcrl.launcher.fleet import StartError
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 
 SBATCH_TIMEOUT_S = 60.0
 

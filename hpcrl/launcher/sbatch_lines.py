@@ -13,9 +13,9 @@ import shlex
 from pathlib import Path
 
 from hpcrl.config import JobResources, RunConfig
-from hpcrl.fsio import write_bytes_atomic
+from hpcrl.rundir.fsio import write_bytes_atomic
 from hpcrl.launcher.fleet import fleet_ids
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "sbatch"
 """The repository's sbatch scripts (``trainer.sbatch``, ``rollout.sbatch``, ``eval.sbatch``, ``reward.sbatch``)."""

@@ -27,7 +27,7 @@ from hpcrl.launcher.fleet import Fleet, StartError, Submitted, active_writers
 from hpcrl.launcher.reward_scale import resize_reward_jobs, sbatch_start
 from hpcrl.launcher.sbatch_lines import SCRIPTS, rollout_arrays, rollout_lines
 from hpcrl.launcher.submit import job_python
-from hpcrl.run_dir import FLEET_SCALE, RunDir
+from hpcrl.rundir.paths import FLEET_SCALE, RunDir
 
 SBATCH_TIMEOUT_S = 60.0
 """Deadline of one ``sbatch`` submission."""

@@ -36,7 +36,7 @@ from hpcrl.launcher.fleet import StartError, Submitted, fleet_ids
 from hpcrl.launcher.jobs import KILL_WAIT_S, JobHandle, SlurmQueue
 from hpcrl.launcher.sbatch_lines import reward_jobs, slurm_options
 from hpcrl.process.leftovers import MARK_ENV, job_mark
-from hpcrl.run_dir import EVAL_JOB, RunDir
+from hpcrl.rundir.paths import EVAL_JOB, RunDir
 
 
 GONE_MARGIN_S = 30.0

@@ -2,8 +2,7 @@
 
 The phase model is the config's ``simulated`` section (plain numbers: a paper's table fits in it), or is
 measured from a probe run's logs (``--probe RUN``, :mod:`hpcrl.plan.probe`). The candidates and their search are
-:mod:`hpcrl.plan.sweep`; each is predicted by the fast event simulation (:mod:`hpcrl.plan.events`, or with
-``--reference`` the slow one it is tested against). Printed: the best candidates, the configuration the config
+:mod:`hpcrl.plan.sweep`; each is predicted by the fast event simulation (:mod:`hpcrl.plan.events`). Printed: the best candidates, the configuration the config
 itself asks for, and the synchronous colocated baseline (:mod:`hpcrl.plan.baseline`) on the same GPUs, each per
 update and per parameter-sync period, with the overrides and resources to launch the best.
 """
@@ -16,7 +15,6 @@ from typing import Optional
 
 from hpcrl.config import ConfigError, RunConfig, given_keys, load_config
 from hpcrl.config.names import FIRST_COME, SHARE_BY_LOAD
-from hpcrl.plan import pipeline
 from hpcrl.plan.baseline import sync_baseline
 from hpcrl.plan.events import predict
 from hpcrl.plan.memory import ModelShape, memory_lines, model_shape
@@ -115,7 +113,7 @@ def trainer_memory(cfg: RunConfig, model_config: Optional[str]) -> tuple[Optiona
 
 
 def plan_command(config: str, overrides: list[str], spec: SweepSpec, probe: Optional[str] = None, top: int = 10,
-                 show_all: bool = False, prompt_tokens: Optional[int] = None, reference: bool = False,
+                 show_all: bool = False, prompt_tokens: Optional[int] = None,
                  model_config: Optional[str] = None) -> list[str]:
     """The lines ``hpcrl plan`` prints; ConfigError when the config's trainer cannot fit its GPUs."""
     t0 = time.monotonic()
@@ -142,7 +140,7 @@ def plan_command(config: str, overrides: list[str], spec: SweepSpec, probe: Opti
                          f"{spec.gpus_per_engine} GPUs; raise --gpus or lower --gpus-per-engine")
     req_key = None if requested is None else Candidate(requested).key
     found = search(sim, cands, draws, spec.updates, cfg.data.seed, BEST_SHOWN, exhaustive=show_all, must=(req_key,),
-                   predict_fn=pipeline.predict if reference else predict)
+                   predict_fn=predict)
     done = found.predicted
     sync = sync_baseline(sim, done[0].knobs, spec.gpus, spec.gpus_per_engine, draws, spec.updates)
     K = cfg.async_training.trigger_parameter_sync_step
@@ -154,8 +152,7 @@ def plan_command(config: str, overrides: list[str], spec: SweepSpec, probe: Opti
              f"per update, K={K} updates per sync; {spec.gpus} GPUs on nodes of {spec.gpus_per_node}, "
              f"{spec.gpus_per_engine} per engine; "
              f"{spec.updates} updates simulated per row",
-             f"searched {len(cands)} candidates, simulated {len(done)} with the "
-             f"{'reference' if reference else 'fast'} simulation in {time.monotonic() - t0:.1f}s"
+             f"searched {len(cands)} candidates, simulated {len(done)} in {time.monotonic() - t0:.1f}s"
              + ("" if show_all else f" (coarse to fine over the splits of each async setting; {found.bounded} skipped "
                 f"as their upper bound is below the best {BEST_SHOWN}, the rest lie between splits simulated; --all "
                 "simulates every one)"), ""]

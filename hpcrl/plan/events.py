@@ -1,6 +1,7 @@
-"""The fast event simulation ``hpcrl plan`` runs: the same events as :mod:`hpcrl.plan.pipeline`, without scans.
+"""The event simulation ``hpcrl plan`` runs: the whole pipeline in modelled seconds.
 
-The reference simulation looks at every sequence of every engine at every event. Here:
+It simulates the events :mod:`hpcrl.plan.model`'s docstring lists. The reference simulation
+(``tests/plan_reference.py``, the tests' oracle) looks at every sequence of every engine at every event. Here:
 
 - **an engine keeps a step clock.** Every running sequence gains one token per decoding step, so a sequence
   admitted at step ``P0`` with ``r`` tokens to go finishes at step ``P0 + r`` whatever else runs; a heap of
@@ -22,8 +23,7 @@ from typing import Optional
 
 from hpcrl.config.knobs import may_start
 from hpcrl.config.simulated import SimulatedConfig
-from hpcrl.plan.model import EPS_S, INF, Draws, Knobs, Prediction, ServiceOrder, draws_for
-from hpcrl.plan.pipeline import steady_prediction
+from hpcrl.plan.model import EPS_S, INF, Draws, Knobs, Prediction, ServiceOrder, draws_for, steady_prediction
 
 
 class Seq:
@@ -451,6 +451,7 @@ class Pipeline:
 
 def predict(sim: SimulatedConfig, k: Knobs, updates: int, data_seed: int = 0, empirical=None,
             overhead_s: float = 0.0, draws: Optional[Draws] = None) -> Prediction:
-    """:func:`hpcrl.plan.pipeline.predict`, fast (module docstring); ``draws`` shared by the candidates of a sweep."""
+    """The reference's ``predict`` (tests/plan_reference.py), fast (module docstring); ``draws`` shared by the
+    candidates of a sweep."""
     draws = draws if draws is not None else draws_for(sim, k, data_seed, empirical)
     return Pipeline(sim, k, draws, data_seed, overhead_s).run(updates)

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import numpy as np
 
-from hpcrl import metric_names as M
+from hpcrl.logs import metric_names as M
 from hpcrl.config.simulated import SimulatedConfig, empirical_run
-from hpcrl.logs import read_lengths
-from hpcrl.run_dir import RunDir
+from hpcrl.logs.run_logs import read_lengths
+from hpcrl.rundir.paths import RunDir
 
 
 def empirical_lengths(spec: str):

@@ -15,8 +15,7 @@ def prompt_lengths(cfg: RunConfig, prompt_tokens: Optional[int]) -> tuple[Union[
         if prompt_tokens < 1:
             raise ValueError(f"--prompt-tokens must be >= 1, got {prompt_tokens}")
         return prompt_tokens, f"prompts {prompt_tokens} tokens (--prompt-tokens)"
-    from hpcrl.launcher.inputs import load_model_tokenizer
-    from hpcrl.rollout.data import encode_rows
+    from hpcrl.rollout.data import encode_rows, load_model_tokenizer
     from hpcrl.rollout.dataset import load_rows
 
     try:

@@ -27,7 +27,7 @@ startup           trainer or rollout, as each start-up step begins (``control/st
 op_build          trainer, as DeepSpeed's op build begins (in the build's own process)
 eval_prompt       evaluation, before each held-out prompt's generation is started
 tool_call         rollout, as an agent's tool call begins (in its worker thread: ``sleep`` holds the call)
-write             any job, as each write to the run directory begins (``fsio.guarded``)
+write             any job, as each write to the run directory begins (``disk.guarded``)
 metrics_log       trainer, before an update's metrics row is appended
 states_save       rollout, before the states of its groups in flight are saved
 eval_commit       evaluation, before a version's samples and row are appended

@@ -30,10 +30,10 @@ from typing import Any, Callable, Optional
 
 from hpcrl.control.fatal import read_fatal
 from hpcrl.control.records import read_heartbeats
-from hpcrl.fsio import read_json
+from hpcrl.rundir.fsio import read_json
 from hpcrl.reward.wire import (GENERATE, SCORE, Reply, Request, RewardService, RewardWaitStopped, RewardWaitTimeout,
                                ScoreItem, Scored, WireError, client_handshake, read_run_secret, recv_frame, send_frame)
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 
 log = logging.getLogger("hpcrl.reward")
 

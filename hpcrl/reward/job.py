@@ -30,20 +30,20 @@ from typing import Optional
 
 import torch
 
-from hpcrl import metric_names as M
 from hpcrl.control.changes import ChangeWatch, bump
 from hpcrl.control.fatal import fatal_inputs
 from hpcrl.control.job import Stop, StopWatch, job_main
 from hpcrl.control.records import HeartbeatState, HeartbeatThread, JobStats, read_heartbeats
 from hpcrl.control.startup import StartupSteps
-from hpcrl.fsio import read_json, write_json_atomic
-from hpcrl.logs import MetricsLog
+from hpcrl.logs import metric_names as M
+from hpcrl.logs.run_logs import MetricsLog
 from hpcrl.process.preemption import PreemptionFlag
 from hpcrl.reward.models import RewardModel, load_reward_model
 from hpcrl.reward.scoring import eval_scores_with_model
 from hpcrl.reward.server import RewardServer
 from hpcrl.reward.wire import RewardService, read_run_secret
-from hpcrl.run_dir import EVAL_JOB, RunDir
+from hpcrl.rundir.fsio import read_json, write_json_atomic
+from hpcrl.rundir.paths import EVAL_JOB, RunDir
 from hpcrl.tiny.model import load_tokenizer
 
 log = logging.getLogger("hpcrl.reward")
@@ -90,7 +90,7 @@ class RewardJob:
             with fatal_inputs(rd, self.job, f"loading the reward model {folder}", "reward_model"):
                 policy_tokenizer = load_tokenizer(rd.model_dir(cfg.model.path))
                 torch.set_num_threads(rm.torch_threads)
-                self.model = load_reward_model(rm, folder, policy_tokenizer, t.engine_start_s, t.generate_s)
+                self.model = load_reward_model(cfg, folder, policy_tokenizer)
         log.info("serving %s", self.model.describe())
         epoch = secrets.token_hex(8)
         self.server = RewardServer(self.model, read_run_secret(rd), self.job, epoch)

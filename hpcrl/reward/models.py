@@ -10,8 +10,9 @@ without padding, so a score does not depend on its batch (to float rounding). A 
 (``score`` or ``classifier``, a linear layer) is scored by its own pooling instead, which reads the last token that
 is not the pad token.
 
-**Generative.** Each response's judge prompt goes to the engine ``reward_model.engine`` names (``rollout/engine.py``:
-vLLM on GPUs, the transformers engine on CPU) at ``reward_model.temperature`` (0: greedy) with a seed derived from
+**Generative.** Each response's judge prompt goes to the engine ``reward_model.engine`` names (``auto``: the rollout
+job's, ``rollout.engine``), started by ``rollout/engines.py`` as the rollout job starts its own, the judge's settings
+in place of the rollout section's engine options (:func:`judge_run_config`), at ``reward_model.temperature`` (0: greedy) with a seed derived from
 ``reward_model.seed`` and the prompt's tokens, so the same response always gets the same verdict; the decoded text
 goes through ``reward_model.score_parser``.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import dataclasses
 import hashlib
 import json
 import logging
@@ -186,25 +188,24 @@ class GenerativeJudge(RewardModel):
 
     kind, batched = GENERATIVE, False
 
-    def __init__(self, folder: Path, cfg: RewardModelConfig, device: str, dtype: str, start_s: float,
-                 generate_s: float):
+    def __init__(self, folder: Path, run: Any, device: str, dtype: str, start_s: float, generate_s: float):
+        """``run``: the RunConfig (its ``reward_model`` section; its engine options, :func:`judge_run_config`)."""
         from hpcrl.rollout.engine import EngineOptions, EngineRunner
         from hpcrl.rollout.engines import make_engine
 
+        cfg = run.reward_model
         self.folder, self.cfg, self.generate_s = Path(folder), cfg, generate_s
         self.tokenizer = load_tokenizer(folder)
         limit = cfg.max_length or _max_positions(folder)
         self.inputs = JudgeInputs(self.tokenizer, cfg.prompt_template, Truncation(
             limit - cfg.max_new_tokens if limit else None, cfg.truncation))
         self.parser = load_parser(cfg.score_parser)
-        self.engine_name = cfg.engine if cfg.engine != "auto" else ("vllm" if device == "cuda" else "transformers")
+        self.engine_name = cfg.engine if cfg.engine != "auto" else run.rollout.engine
         self.runner = EngineRunner()
         opts = EngineOptions(model_dir=self.folder, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                             top_p=cfg.top_p, device=device, dtype=dtype, seed=cfg.seed,
-                             gpu_memory_utilization=cfg.gpu_memory_utilization, max_model_len=limit,
-                             tensor_parallel_size=cfg.tensor_parallel_size, max_num_seqs=cfg.max_num_seqs)
+                             top_p=cfg.top_p, device=device, dtype=dtype, seed=cfg.seed)
         try:
-            self.engine = make_engine(self.engine_name, opts, self.runner, start_s)
+            self.engine = make_engine(self.engine_name, opts, judge_run_config(run, limit), self.runner, start_s)
         except BaseException:
             self.runner.close()
             raise
@@ -257,11 +258,21 @@ def _max_positions(folder: Path) -> Optional[int]:
         return None
 
 
-def load_reward_model(cfg: RewardModelConfig, folder: Path, policy_tokenizer, start_s: float,
-                      generate_s: float) -> RewardModel:
-    """The reward model of ``reward_model.*`` from ``folder`` (the policy's tokenizer decides how a discriminative
-    model's inputs are built); RewardModelLoadError for a folder that is not one, anything transformers or the
-    engine raise for one that does not load."""
+def judge_run_config(run: Any, max_model_len: Optional[int]) -> Any:
+    """The run config a judge's engine is built from (``Engine.build(opts, cfg)``): the rollout section's engine
+    options replaced by the judge's (``reward_model.gpu_memory_utilization``, ``tensor_parallel_size``,
+    ``max_num_seqs``; its context ``max_model_len``), so that an engine reads its own options where it always does."""
+    rm = run.reward_model
+    return dataclasses.replace(run, rollout=dataclasses.replace(
+        run.rollout, gpu_memory_utilization=rm.gpu_memory_utilization, max_model_len=max_model_len,
+        tensor_parallel_size=rm.tensor_parallel_size, data_parallel_size=1, max_num_seqs=rm.max_num_seqs))
+
+
+def load_reward_model(run: Any, folder: Path, policy_tokenizer) -> RewardModel:
+    """The reward model of ``run.reward_model`` (``run``: the RunConfig) from ``folder`` (the policy's tokenizer
+    decides how a discriminative model's inputs are built); RewardModelLoadError for a folder that is not one,
+    anything transformers or the engine raise for one that does not load."""
+    cfg, t = run.reward_model, run.timeouts
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise RewardModelLoadError(f"reward_model.path {folder} has no config.json; fix: point it at a local HF "
@@ -274,4 +285,4 @@ def load_reward_model(cfg: RewardModelConfig, folder: Path, policy_tokenizer, st
     dtype = resolve_dtype(cfg.dtype, device)
     if kind == DISCRIMINATIVE:
         return DiscriminativeRM(folder, policy_tokenizer, cfg, device, dtype)
-    return GenerativeJudge(folder, cfg, device, dtype, start_s, generate_s)
+    return GenerativeJudge(folder, run, device, dtype, t.engine_start_s, t.generate_s)

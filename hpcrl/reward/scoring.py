@@ -18,12 +18,12 @@ import threading
 import time
 from typing import Any, Callable, Optional, Protocol
 
-from hpcrl import metric_names as M
+from hpcrl.logs import metric_names as M
 from hpcrl.reward.client import RewardClient
 from hpcrl.reward.models import RewardModel, load_reward_model
 from hpcrl.reward.server import Batcher, ServerStats
 from hpcrl.reward.wire import ScoreItem, Scored
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 
 log = logging.getLogger("hpcrl.reward")
 
@@ -149,6 +149,6 @@ def model_rewards(cfg, run_dir: RunDir, job: str, tokenizer, local: bool = False
     if rm.placement == "job" and not local:
         return ModelRewards(RewardClient(run_dir, job, rm.request_timeout_s, rm.wait_s, t.wait_log_interval_s),
                             tokenizer)
-    model = load_reward_model(rm, run_dir.reward_model_dir(rm.path), tokenizer, t.engine_start_s, t.generate_s)
+    model = load_reward_model(cfg, run_dir.reward_model_dir(rm.path), tokenizer)
     log.info("the reward model in this job: %s", model.describe())
     return ModelRewards(LocalBackend(model), tokenizer)

@@ -28,8 +28,8 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Optional
 
-from hpcrl.json_record import JsonRecord, RecordError
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.json_record import JsonRecord, RecordError
+from hpcrl.rundir.paths import RunDir
 
 MAX_FRAME_BYTES = 256 << 20
 """The largest frame either side reads (a request of a few thousand long responses fits)."""

@@ -17,16 +17,20 @@ prompt added; ``data.apply_chat_template``) and applies ``data.max_prompt_length
 policy of ``data.truncation``: ``filter`` drops the row, ``left``/``right`` cut tokens from
 that side, ``error`` refuses the file. The counts are logged by the rollout job and printed
 by the launcher. The launcher runs the same code before submission, so an ``error`` or a
-file with no prompt left fails before any job starts.
+file with no prompt left fails before any job starts; :func:`load_model_tokenizer` is the tokenizer it (and
+``hpcrl plan``) encodes with, with a one-line error for a model folder the jobs could not load.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from hpcrl.config import DataConfig, registries
+from hpcrl.config import DataConfig, RunConfig, registries
+from hpcrl.config.checks import bad
+from hpcrl.config.names import BUILTIN_MODELS
 
 
 def _plain(value: Any) -> Any:
@@ -153,3 +157,37 @@ def encode_rows(tokenizer, cfg: DataConfig, rows: list[dict]) -> tuple[list[dict
     kept, counts = enc.prepare(rows, cfg.source)
     return kept, counts, enc.template
 
+
+WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+"""Files that count as a model's weights."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+"""Files that hold a tokenizer's vocabulary (transformers 5 builds an *empty* tokenizer from
+config.json alone, so "it loads" is not enough)."""
+
+
+def load_model_tokenizer(cfg: RunConfig):
+    """The tokenizer of ``model.path`` (``builtin:tiny``: built in memory); ConfigError in one
+    line for a folder without config.json, weights or a loadable tokenizer."""
+    from hpcrl.tiny.model import build_tokenizer, load_tokenizer
+
+    if cfg.model.path in BUILTIN_MODELS:
+        return build_tokenizer()
+    folder = Path(cfg.model.path).expanduser()
+    fix = "point model.path at a folder written by save_pretrained() (model and tokenizer)"
+    if not folder.is_dir():
+        raise bad("model.path", cfg.model.path, f"{' or '.join(BUILTIN_MODELS)} or an existing local HF model folder", fix)
+    if not (folder / "config.json").is_file():
+        raise bad("model.path", cfg.model.path, "a HF model folder containing config.json", fix)
+    if not any(any(folder.glob(p)) for p in WEIGHT_PATTERNS):
+        raise bad("model.path", cfg.model.path, "a HF model folder with weights (*.safetensors or pytorch_model*.bin)",
+                  fix)
+    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise bad("model.path", cfg.model.path, f"a HF model folder with a tokenizer ({' or '.join(TOKENIZER_FILES)})",
+                  "save the tokenizer into it: AutoTokenizer.from_pretrained(base).save_pretrained(folder)")
+    try:
+        return load_tokenizer(folder)
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds; one line for the user
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise bad("model.path", cfg.model.path, "a HF model folder whose tokenizer loads",
+                  f"save the tokenizer into it (tokenizer.save_pretrained(folder)); loading failed with "
+                  f"{type(e).__name__}: {first[:200]}") from None

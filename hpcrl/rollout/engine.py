@@ -1,8 +1,10 @@
 """Generation engines. The rollout loop needs only :class:`Engine` and :class:`EngineRunner`.
 
-One file per backend behind this interface: ``transformers_engine.py`` (CPU or GPU, any HF
-causal LM, the numerical reference) and ``vllm_engine.py`` (vLLM's ``AsyncLLM`` in the rollout
-process: no HTTP server, no Ray) and ``simulated_engine.py`` (no model: sleeps as a GPU would take); ``engines.py`` builds the one ``rollout.engine`` names. The interface is async: vLLM batches the requests that are
+One file per backend behind this interface, each declared in ``config/registries.py:ENGINES`` by a spec of what
+it is and supports: ``transformers_engine.py`` (CPU or GPU, any HF causal LM, the numerical reference),
+``vllm_engine.py`` (vLLM's ``AsyncLLM`` in the rollout process: no HTTP server, no Ray) and
+``simulated_engine.py`` (no model: sleeps as a GPU would take); ``engines.py`` builds the one ``rollout.engine``
+names. The interface is async: vLLM batches the requests that are
 in flight together, and :meth:`Engine.abort_all` stops them within about one decoding step,
 handing back what each had generated (what partial rollout needs).
 
@@ -49,7 +51,8 @@ class Sample:
 
 @dataclass
 class EngineOptions:
-    """What every engine is built from (``rollout.*`` resolved for this job)."""
+    """What every engine reads (``rollout.*``'s sampling fields resolved for this job); a backend takes its own
+    fields from the run's config in :meth:`Engine.build`."""
 
     model_dir: Path
     max_new_tokens: int
@@ -61,27 +64,23 @@ class EngineOptions:
     dtype: str
     """``float32``, ``bfloat16`` or ``float16``."""
     seed: int = 0
-    gpu_memory_utilization: Optional[float] = None
-    """vLLM: share of GPU memory (on CPU: of host memory for the KV cache); None: the device's default
-    (``rollout.gpu_memory_utilization``: :func:`hpcrl.rollout.vllm_engine.memory_args`)."""
-    max_model_len: Optional[int] = None
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
-    enforce_eager: bool = True
-    max_num_seqs: int = 256
     top_k: int = -1
     """Sample among the k most likely tokens; -1 or 0 = all."""
     lora_rank: int = 0
     """The largest LoRA rank the engine serves (``actor.lora_rank``): its weight versions are adapters applied to
     the base in ``model_dir``; 0: full-weight versions only."""
-    simulated: Optional[Any] = None
-    """The ``simulated`` section (:class:`hpcrl.config.simulated.SimulatedConfig`): the simulated engine's
-    latency and length model; None for the other engines."""
 
 
 class Engine(abc.ABC):
-    """What the rollout loop needs from a generation engine (one file per backend). Every
-    coroutine runs on the :class:`EngineRunner`'s event loop."""
+    """What the rollout loop needs from a generation engine (one file per backend, and its
+    :class:`~hpcrl.config.registries.EngineSpec` in the registry). Every coroutine runs on the
+    :class:`EngineRunner`'s event loop."""
+
+    @classmethod
+    def build(cls, opts: EngineOptions, cfg: Any) -> "Engine":
+        """The engine a job starts: ``opts`` (the fields every engine reads) and, from ``cfg`` (the
+        :class:`~hpcrl.config.RunConfig`), whatever options of its own the backend has; the default has none."""
+        return cls(opts)
 
     @abc.abstractmethod
     async def generate(self, prompt_ids: list[int], n: int, seed: int,

@@ -11,7 +11,7 @@ prompt + tokens so far with what is left of its token budget.
 
 What a thread waits for: the gate to open, at most ``timeouts.generate_s``. When the job stops,
 :meth:`EngineGate.stop` wakes it and the unfinished group is dropped (its state is saved for the
-job's successor, ``resume.py``).
+job's successor, ``in_flight.py``).
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ import logging
 from typing import Callable
 
 from hpcrl.control.admission import Admission
-from hpcrl.rollout.resume import InFlightStates
+from hpcrl.rollout.in_flight import InFlightStates
 from hpcrl.rollout.version_stats import VersionStats
 from hpcrl.samples.writer import CommitRefused, ShardWriter
 

@@ -4,15 +4,13 @@ The loop (:meth:`RolloutJob.loop`) repeats these named steps:
 
 1. **stop?** USR2 (seal and requeue), ``control/trainer_done.json`` (seal, exit 0), the launcher's
    ``control/stop.json`` (Ctrl-C: seal, save the groups in flight, exit 0 as ``stopped``) or a drain record for this
-   writer (``control/fleet.py``: finish the groups in flight, seal, release the budget and claims, exit 0 as
-   ``drained``);
+   writer (``control/fleet.py``: finish, seal, release the budget and the claims, exit 0 as ``drained``);
 2. **new weights?** a newer complete version exists (or an *older* newest one: the trainer rolled back to a
    checkpoint): stop admitting, let the groups in flight finish, seal them, load the version; with
    ``partial_rollout``, abort them instead and let them continue under the new version (``rollout/gate.py``);
-3. **admit**: while the admission rule allows (the shared budget, this job's share of it by load and its bound,
-   ``rollout.max_concurrent_groups``, over the groups generating: ``reward_model.scoring_groups`` more may wait for
-   their rewards), reserve a start and claim its prompt index (``control/admission.py``, ``control/claims.py``): one
-   this writer holds already, else a new one;
+3. **admit**: while the admission rule allows (the shared budget, this job's share of it by load and its bound
+   ``rollout.max_concurrent_groups``, of groups generating: ``reward_model.scoring_groups`` more may wait for rewards),
+   reserve a start and claim its prompt index (``control/admission.py``, ``control/claims.py``): its own, else new;
 4. **collect** finished groups (n responses and all their rewards) into the shard buffer;
 5. **seal** the buffer when it is full, old, or nothing is in flight (the commit). A group the commit refuses
    because it could be trained beyond the lag bound (the job missed a version) is taken out of the shard and,
@@ -42,12 +40,13 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Optional
 
-from hpcrl import metric_names as M
+from hpcrl.logs import metric_names as M
+from hpcrl.config.registries import estimator_spec
 from hpcrl.control.changes import ChangeWatch
 from hpcrl.control.job import Stop, StopWatch, job_main
 from hpcrl.control.records import HeartbeatState, HeartbeatThread, JobStats, describe_heartbeats, ended_state
 from hpcrl.control.startup import StartupSteps
-from hpcrl.fsio import wait_for
+from hpcrl.rundir.fsio import wait_for
 from hpcrl.process import faults, termination
 from hpcrl.process.preemption import PreemptionFlag
 from hpcrl.rollout.agent_loop import GroupContext, group_seed, run_group
@@ -58,7 +57,7 @@ from hpcrl.rollout.loops import loop_name
 from hpcrl.rollout.parts import RolloutParts, build_parts, scoring_groups
 from hpcrl.rollout.trajectory import TrajectoryState
 from hpcrl.rollout.version_stats import GroupInfo, VersionStats, sample_columns
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 from hpcrl.samples.schema import Group, Trajectory
 from hpcrl.samples.writer import CommitRefused
 from hpcrl.weights import WeightVersion
@@ -127,16 +126,17 @@ class RolloutJob:
     # ---- the group task (runs in a pool thread)
     def _generate_group(self, prompt_index: int) -> tuple[Group, GroupInfo]:
         """The group of ``prompt_index`` with its rewards, by the row's agent loop (``agent_name``, else
-        ``agent.default``), continued from a saved state if the previous job left one. With ``adv_estimator=remax``
-        one more trajectory of the group is decoded greedily (as verl's remax branch adds one greedy request per
-        prompt); its reward is the group's ``reward_baseline``, it is not trained. GroupAborted if the job stops
-        meanwhile (its state stays live for :meth:`shutdown` to save)."""
+        ``agent.default``), continued from a saved state if the previous job left one. With an estimator whose
+        spec needs a greedy baseline (remax) one more trajectory of the group is decoded greedily (as verl's remax
+        branch adds one greedy request per prompt); its reward is the group's ``reward_baseline``, it is not trained.
+        GroupAborted if the job stops meanwhile (its state stays live for :meth:`shutdown` to save)."""
         p, ro = self.parts, self.cfg.rollout
         row = p.stream[prompt_index]
         created = time.time()
         prompt_ids = list(row["prompt_ids"])  # chat template and max_prompt_length applied in the build
         loop = p.loops[loop_name(row, self.cfg.agent)]
-        baseline = [TrajectoryState(greedy=True)] if self.cfg.algorithm.adv_estimator == "remax" else []
+        baseline = [TrajectoryState(greedy=True)] if estimator_spec(self.cfg.algorithm.adv_estimator).greedy_baseline \
+            else []
         trajs, resumed = p.states.start(prompt_index, loop.name, [TrajectoryState() for _ in range(ro.n)] + baseline)
         ctx = GroupContext(p.engine, self.gate, prompt_ids, group_seed(self.cfg.data.seed, prompt_index),
                            ro.response_length)

@@ -24,7 +24,7 @@ from hpcrl.config import RunConfig
 from hpcrl.control.admission import Admission
 from hpcrl.control.fatal import fatal_inputs
 from hpcrl.control.startup import StartupSteps
-from hpcrl.logs import MetricsLog
+from hpcrl.logs.run_logs import MetricsLog
 from hpcrl.process.reaper import start_reaper, stop_reaper
 from hpcrl.reward.scoring import model_rewards
 from hpcrl.rollout.agent_loop import AgentLoop
@@ -33,10 +33,10 @@ from hpcrl.rollout.dataset import ClaimedPrompts, PromptStream, load_rows
 from hpcrl.rollout.engine import Engine, EngineOptions, EngineRunner
 from hpcrl.rollout.engines import make_engine
 from hpcrl.rollout.loops import make_loops
-from hpcrl.rollout.resume import InFlightStates
+from hpcrl.rollout.in_flight import InFlightStates
 from hpcrl.rollout.reward_fn import RewardScorer, load_reward
 from hpcrl.rollout.shaping import RewardShaping
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 from hpcrl.samples.skips import SkipLog
 from hpcrl.samples.writer import ShardWriter
 from hpcrl.tiny.model import load_tokenizer
@@ -47,8 +47,8 @@ log = logging.getLogger("hpcrl.rollout")
 
 
 def engine_options(cfg: RunConfig, model_dir) -> EngineOptions:
-    """``rollout.*`` resolved for this job: ``device: auto`` becomes cuda when a GPU is visible, ``dtype: auto``
-    bfloat16 there (float32 on cpu)."""
+    """``rollout.*``'s fields every engine reads, resolved for this job: ``device: auto`` becomes cuda when a GPU is
+    visible, ``dtype: auto`` bfloat16 there (float32 on cpu); an engine's own fields it reads itself (``build``)."""
     ro = cfg.rollout
     device = ro.device if ro.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
@@ -56,11 +56,7 @@ def engine_options(cfg: RunConfig, model_dir) -> EngineOptions:
                            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): check resources.rollout.gpus_per_node")
     return EngineOptions(model_dir=model_dir, max_new_tokens=ro.response_length, temperature=ro.temperature,
                          top_p=ro.top_p, device=device, dtype=ro.dtype_on(device), seed=cfg.model.seed,
-                         gpu_memory_utilization=ro.gpu_memory_utilization, max_model_len=ro.max_model_len,
-                         tensor_parallel_size=ro.tensor_parallel_size, data_parallel_size=ro.data_parallel_size,
-                         enforce_eager=ro.enforce_eager, max_num_seqs=ro.max_num_seqs,
-                         lora_rank=cfg.actor.lora_rank or 0,
-                         simulated=cfg.simulated if ro.engine == "simulated" else None)
+                         lora_rank=cfg.actor.lora_rank or 0)
 
 
 def scoring_groups(cfg: RunConfig) -> int:
@@ -140,7 +136,7 @@ def build_parts(cfg: RunConfig, run_dir: RunDir, writer: str, steps: StartupStep
             runner = EngineRunner()
             closers.callback(runner.close)
             with steps.step(f"starting the {cfg.rollout.engine} engine", t.engine_start_s + 10):  # its own limit first
-                engine = make_engine(cfg.rollout.engine, engine_options(cfg, mdir), runner, t.engine_start_s)
+                engine = make_engine(cfg.rollout.engine, engine_options(cfg, mdir), cfg, runner, t.engine_start_s)
             closers.callback(engine.close)
             closers.callback(stop_reaper, start_reaper(f"the {cfg.rollout.engine} engine's processes"))
         log.info("%s", counts.line(cfg.data, template))

@@ -45,7 +45,7 @@ from hpcrl.config import RewardConfig
 from hpcrl.config.names import BY_DATA_SOURCE
 from hpcrl.reward.wire import RewardUnavailable
 from hpcrl.rollout.rewards import builtin_rule, right_answer, scorer_for
-from hpcrl import metric_names as M
+from hpcrl.logs import metric_names as M
 
 log = logging.getLogger(__name__)
 

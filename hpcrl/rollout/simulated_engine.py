@@ -32,8 +32,8 @@ from typing import Optional
 import numpy as np
 
 from hpcrl.config.simulated import SimulatedConfig, empirical_run
-from hpcrl.logs import read_lengths
-from hpcrl.run_dir import RunDir
+from hpcrl.logs.run_logs import read_lengths
+from hpcrl.rundir.paths import RunDir
 from hpcrl.rollout.engine import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Engine, EngineOptions, Sample
 from hpcrl.weights.base import WeightVersion
 
@@ -80,11 +80,15 @@ class _Seq:
 class SimulatedEngine(Engine):
     """Continuous batching, slept (module docstring)."""
 
-    def __init__(self, opts: EngineOptions):
-        assert opts.simulated is not None, "the simulated engine needs the simulated section"
-        self.sim: SimulatedConfig = opts.simulated
+    @classmethod
+    def build(cls, opts: EngineOptions, cfg) -> "SimulatedEngine":
+        """With the ``simulated`` section's model and ``rollout.max_num_seqs`` (the batch it models)."""
+        return cls(opts, cfg.simulated, cfg.rollout.max_num_seqs)
+
+    def __init__(self, opts: EngineOptions, sim: SimulatedConfig, max_num_seqs: int = 256):
+        self.sim = sim
         self.max_new_tokens = opts.max_new_tokens
-        self.max_num_seqs = opts.max_num_seqs
+        self.max_num_seqs = max_num_seqs
         model = json.loads((Path(opts.model_dir) / "config.json").read_text())
         self.vocab = int(model["vocab_size"])
         eos = model.get("eos_token_id")

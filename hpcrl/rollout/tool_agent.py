@@ -22,7 +22,7 @@
 
 The whole state (:class:`~hpcrl.rollout.trajectory.TrajectoryState`) is plain data with a JSON
 form, so a trajectory stopped anywhere -- mid-generation or mid-tool-call -- is saved and resumed
-by a restarted job (``hpcrl/rollout/resume.py``); tool calls that were running are simply run again.
+by a restarted job (``hpcrl/rollout/in_flight.py``); tool calls that were running are simply run again.
 
 What it waits for: the engine (every call is bounded by the caller's ``EngineRunner``
 deadline), the tools (each bounded by its own wall-clock limit), and between two turns the

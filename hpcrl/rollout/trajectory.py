@@ -9,14 +9,14 @@ when partial rollout cuts it at a weight switch); the tool agent adds tool turns
 its mask (1: sampled by the model, 0: a tool's response), its log-prob under the distribution it was
 sampled from (0 on tool tokens) and the weight version that produced it. Because the whole state is
 data, a group stopped anywhere (mid-generation, mid-tool-call) is saved by the rollout job and
-continued by its successor (``resume.py``).
+continued by its successor (``in_flight.py``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
 
-from hpcrl.json_record import JsonRecord, RecordError
+from hpcrl.rundir.json_record import JsonRecord, RecordError
 from hpcrl.rollout.engine import FINISH_LENGTH, FINISH_STOP
 
 PENDING, GENERATING, PROCESSING_TOOLS, TERMINATED = "pending", "generating", "processing_tools", "terminated"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from hpcrl import metric_names as M
+from hpcrl.logs import metric_names as M
 from hpcrl.rollout.engine import FINISH_LENGTH
 from hpcrl.rollout.trajectory import TrajectoryState
 from hpcrl.samples.schema import Group
@@ -73,7 +73,7 @@ class VersionStats:
     first_tool_error: str = ""
     """``<sample id>: <message>`` of the version's first tool error."""
     sample: dict = field(default_factory=dict)
-    """One response of the version (:data:`hpcrl.metric_names.SAMPLE_ID` ...), for the console."""
+    """One response of the version (:data:`hpcrl.logs.metric_names.SAMPLE_ID` ...), for the console."""
     prompts: dict = field(default_factory=dict)
     """What max_prompt_length did to the prompt file (filtered, truncated): the same in every row of a job."""
 

@@ -34,12 +34,12 @@ import json
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
-from hpcrl.config.lora import vllm_max_lora_rank
 from hpcrl.rollout.adapters import check_kind
 from hpcrl.rollout.engine import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Engine, EngineOptions, Sample
 from hpcrl.rollout.load_paths import FOLDER, MAPPED, LoadPaths
@@ -58,23 +58,75 @@ KV_HEADROOM = 2
 """The CPU KV cache holds this many times the tokens the engine can have in flight (vLLM's cache blocks round each
 sequence up, and a model whose attention this estimate does not know still fits)."""
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ``max_lora_rank`` values vLLM accepts (the same in 0.25.0 and 0.32.0): an engine serves ranks up to the
+smallest of these that is >= ``actor.lora_rank`` (the largest is the registry spec's ``max_lora_rank``)."""
 
 
-def memory_share(opts: EngineOptions) -> float:
+def vllm_max_lora_rank(rank: int) -> int:
+    """The ``max_lora_rank`` a vLLM engine is started with to serve adapters of ``rank``; ValueError past 512."""
+    for allowed in VLLM_MAX_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(f"vLLM serves LoRA ranks up to {VLLM_MAX_LORA_RANKS[-1]}, got {rank}")
+
+
+def cannot_serve_lora() -> str:
+    """Why this machine's vLLM build cannot serve LoRA adapters ('' if it can): its platform has LoRA kernels
+    (``get_punica_wrapper``) and ``AsyncLLM`` has ``add_lora``/``remove_lora`` (the registry spec's ``lora_probe``,
+    asked by the launcher, which restores the environment vLLM's import changes)."""
+    try:
+        import vllm
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.async_llm import AsyncLLM
+    except ImportError as e:
+        return f"it does not import: {e}"
+    missing = [m for m in ("add_lora", "remove_lora") if not hasattr(AsyncLLM, m)]
+    if missing:
+        return f"vllm {vllm.__version__}'s AsyncLLM has no {', '.join(missing)}"
+    try:
+        current_platform.get_punica_wrapper()
+    except NotImplementedError:
+        return f"vllm {vllm.__version__} has no LoRA kernels for its {current_platform.device_type or 'unknown'} platform"
+    return ""
+
+
+@dataclass
+class VLLMOptions:
+    """The vLLM engine's own options (``rollout.*``'s vLLM fields; hpcrl/config/sections.py says what each does)."""
+
+    gpu_memory_utilization: Optional[float] = None
+    """Share of GPU memory (on CPU: of host memory for the KV cache); None: the device's default
+    (:func:`memory_args`)."""
+    max_model_len: Optional[int] = None
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enforce_eager: bool = True
+    max_num_seqs: int = 256
+
+    @classmethod
+    def from_config(cls, rollout) -> "VLLMOptions":
+        """From the ``rollout`` section (a RolloutConfig)."""
+        return cls(gpu_memory_utilization=rollout.gpu_memory_utilization, max_model_len=rollout.max_model_len,
+                   tensor_parallel_size=rollout.tensor_parallel_size, data_parallel_size=rollout.data_parallel_size,
+                   enforce_eager=rollout.enforce_eager, max_num_seqs=rollout.max_num_seqs)
+
+
+def memory_share(opts: EngineOptions, vopts: VLLMOptions) -> float:
     """``gpu_memory_utilization`` for vLLM: the configured one, else the device's default."""
-    if opts.gpu_memory_utilization is not None:
-        return opts.gpu_memory_utilization
+    if vopts.gpu_memory_utilization is not None:
+        return vopts.gpu_memory_utilization
     return GPU_MEMORY_SHARE if opts.device == "cuda" else CPU_MEMORY_SHARE
 
 
-def cpu_kv_cache_bytes(opts: EngineOptions) -> Optional[int]:
+def cpu_kv_cache_bytes(opts: EngineOptions, vopts: VLLMOptions) -> Optional[int]:
     """On CPU with no configured share: a KV cache for what the engine can hold in flight (``max_num_seqs``
     sequences of ``max_model_len`` tokens, times :data:`KV_HEADROOM`), when that is less than the default share of
     host memory. On this 24 GiB host the default share gave the tiny model 1.7 GiB (1.8 M tokens) for at most 33 k
     in flight, written at every start: each engine held ~2 GiB beside the trainer and its start cost ~0.8 CPU-s more
     (64 MiB instead: 0.8 CPU-s and 0.4 s less, two starts each). None (the share decides, as before): a configured
     share, a GPU, or a model config this estimate cannot read."""
-    if opts.device != "cpu" or opts.gpu_memory_utilization is not None:
+    if opts.device != "cpu" or vopts.gpu_memory_utilization is not None:
         return None
     try:
         cfg = json.loads((Path(opts.model_dir) / "config.json").read_text())
@@ -82,7 +134,7 @@ def cpu_kv_cache_bytes(opts: EngineOptions) -> Optional[int]:
         heads = int(cfg["num_attention_heads"])
         head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
         per_token = 2 * int(cfg["num_hidden_layers"]) * int(cfg.get("num_key_value_heads") or heads) * head_dim
-        tokens = opts.max_num_seqs * int(opts.max_model_len or cfg["max_position_embeddings"])
+        tokens = vopts.max_num_seqs * int(vopts.max_model_len or cfg["max_position_embeddings"])
         need = KV_HEADROOM * tokens * per_token * DTYPE_BYTES[opts.dtype]
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -90,15 +142,15 @@ def cpu_kv_cache_bytes(opts: EngineOptions) -> Optional[int]:
     return need if need < share else None
 
 
-def memory_args(opts: EngineOptions) -> dict:
+def memory_args(opts: EngineOptions, vopts: VLLMOptions) -> dict:
     """vLLM's memory arguments for this engine: the share, and on CPU the KV cache's size where
     :func:`cpu_kv_cache_bytes` gives one (``kv_cache_memory_bytes``, read by vLLM's CPU worker; never passed on a
     GPU, so vLLM 0.25.0 never sees it)."""
-    kv = cpu_kv_cache_bytes(opts)
-    return {"gpu_memory_utilization": memory_share(opts), **({"kv_cache_memory_bytes": kv} if kv else {})}
+    kv = cpu_kv_cache_bytes(opts, vopts)
+    return {"gpu_memory_utilization": memory_share(opts, vopts), **({"kv_cache_memory_bytes": kv} if kv else {})}
 
 
-def engine_core_environment(opts: EngineOptions) -> None:
+def engine_core_environment(opts: EngineOptions, vopts: VLLMOptions) -> None:
     """The environment vLLM's engine core process starts with, on CPU (GPUs are left alone); set in this process's
     environment before vLLM reads its config and spawns the engine core, which inherits it.
 
@@ -117,7 +169,7 @@ def engine_core_environment(opts: EngineOptions) -> None:
       torch's own runtime in the trainer and the transformers engine showed no difference."""
     if opts.device != "cpu":
         return
-    if opts.tensor_parallel_size == 1 and opts.data_parallel_size == 1:
+    if vopts.tensor_parallel_size == 1 and vopts.data_parallel_size == 1:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -140,37 +192,43 @@ def _eos_id(model_dir: Path) -> Optional[int]:
 class VLLMEngine(Engine):
     """vLLM's AsyncLLM serving the model in ``opts.model_dir``; see the module docstring."""
 
-    def __init__(self, opts: EngineOptions):
+    @classmethod
+    def build(cls, opts: EngineOptions, cfg) -> "VLLMEngine":
+        """With ``rollout.*``'s vLLM fields (:class:`VLLMOptions`)."""
+        return cls(opts, VLLMOptions.from_config(cfg.rollout))
+
+    def __init__(self, opts: EngineOptions, vopts: Optional[VLLMOptions] = None):
+        vopts = vopts or VLLMOptions()
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # flashinfer is not a dependency
         if opts.device == "cuda" and _cuda_initialized():
             # vLLM forks its engine core; a fork of a process that touched CUDA dies ("Cannot re-initialize CUDA
             # in forked subprocess"): start it with spawn instead
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
             log.info("CUDA is initialised in this process: vLLM's workers start with spawn")
-        engine_core_environment(opts)
+        engine_core_environment(opts, vopts)
         use_own_socket_folder()
         from vllm import SamplingParams
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self._SamplingParams = SamplingParams
-        memory = memory_args(opts)
+        memory = memory_args(opts, vopts)
         lora = {}
         if opts.lora_rank:  # one adapter at a time; the CPU cache holds the old one until it is removed
             lora = dict(enable_lora=True, max_lora_rank=vllm_max_lora_rank(opts.lora_rank), max_loras=1,
                         max_cpu_loras=2)
         args = AsyncEngineArgs(model=str(opts.model_dir), skip_tokenizer_init=True, dtype=opts.dtype,
-                               max_model_len=opts.max_model_len, **memory,
-                               tensor_parallel_size=opts.tensor_parallel_size,
-                               data_parallel_size=opts.data_parallel_size, enforce_eager=opts.enforce_eager,
-                               max_num_seqs=opts.max_num_seqs, seed=opts.seed,
+                               max_model_len=vopts.max_model_len, **memory,
+                               tensor_parallel_size=vopts.tensor_parallel_size,
+                               data_parallel_size=vopts.data_parallel_size, enforce_eager=vopts.enforce_eager,
+                               max_num_seqs=vopts.max_num_seqs, seed=opts.seed,
                                logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION, **lora)
         t0 = time.time()
         self.llm = AsyncLLM.from_engine_args(args)
         kv = memory.get("kv_cache_memory_bytes")
         log.info("vLLM engine up in %.1fs (dtype %s, %s, tp %d, dp %d, eager %s%s)", time.time() - t0, opts.dtype,
                  f"KV cache {kv / 2**20:.0f} MiB" if kv else f"memory share {memory['gpu_memory_utilization']:.2f}",
-                 opts.tensor_parallel_size, opts.data_parallel_size, opts.enforce_eager,
+                 vopts.tensor_parallel_size, vopts.data_parallel_size, vopts.enforce_eager,
                  f", LoRA up to rank {lora['max_lora_rank']}" if lora else "")
         self.opts = opts
         self.eos_id = _eos_id(opts.model_dir)

@@ -40,8 +40,8 @@ from typing import Optional
 
 import h5py
 
-from hpcrl.fsio import read_jsonl
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.fsio import read_jsonl
+from hpcrl.rundir.paths import RunDir
 from hpcrl.samples.schema import (DATASET_DTYPES, OPTIONAL_DTYPES, SCHEMA_VERSION, Group, ShardFormatError,
                                  ShardManifestLine, arrays_from_layout, arrays_to_groups)
 from hpcrl.samples.skips import SkipLog, SkippedShard

@@ -53,7 +53,7 @@ from typing import Optional
 
 import numpy as np
 
-from hpcrl.json_record import JsonRecord
+from hpcrl.rundir.json_record import JsonRecord
 
 SCHEMA_VERSION = 1
 

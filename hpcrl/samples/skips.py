@@ -27,9 +27,9 @@ import logging
 from dataclasses import dataclass
 from typing import Optional
 
-from hpcrl.fsio import JsonlAppender, JsonlTail, truncate_torn_tail
-from hpcrl.json_record import JsonRecord
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.fsio import JsonlAppender, JsonlTail, truncate_torn_tail
+from hpcrl.rundir.json_record import JsonRecord
+from hpcrl.rundir.paths import RunDir
 
 log = logging.getLogger(__name__)
 

@@ -39,9 +39,9 @@ from typing import Callable, ContextManager, Optional
 import h5py
 
 from hpcrl.process import faults, termination
-from hpcrl.fsio import (JsonlAppender, fsync_path, guarded, make_dirs, read_jsonl, truncate_torn_tail,
-                        write_file_durably)
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.fsio import JsonlAppender, fsync_path, read_jsonl, truncate_torn_tail, write_file_durably
+from hpcrl.rundir.disk import guarded, make_dirs
+from hpcrl.rundir.paths import RunDir
 from hpcrl.samples.schema import SCHEMA_VERSION, Group, ShardManifestLine, groups_to_arrays
 from hpcrl.samples.skips import SkipLog
 

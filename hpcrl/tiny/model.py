@@ -64,6 +64,11 @@ def quiet_progress_bars() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
+def builtin_head_dim(path: str) -> int:
+    """The head dim of a built-in ``model.path`` (``builtin:tiny``: 32, ``builtin:tiny-h64``: 64)."""
+    return 64 if path.endswith("-h64") else 32
+
+
 def tiny_config(head_dim: int = 32, tokenizer=None):
     """The tiny model's Qwen2Config (``head_dim`` 32 or 64)."""
     from transformers import Qwen2Config

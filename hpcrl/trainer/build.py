@@ -82,11 +82,11 @@ def checkpoint_layers(model) -> None:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def layout_of(actor, model_config, attn: str) -> Layout:
-    """How micro-batches reach this model (:class:`hpcrl.trainer.forward.Layout`)."""
+def layout_of(actor, model_config, attn: str, world: int) -> Layout:
+    """How micro-batches reach this model (:class:`hpcrl.trainer.forward.Layout`) on one of ``world`` ranks."""
     pad_id = model_config.pad_token_id if model_config.pad_token_id is not None else 0
     return Layout(actor.use_remove_padding, attn, pad_id, chunk_rows(actor.logprob_chunk_mib, model_config.vocab_size),
-                  actor.ulysses_sequence_parallel_size)
+                  actor.ulysses_sequence_parallel_size, same_forwards=actor.zero_stage == 3 and world > 1)
 
 
 def frozen_engine(module: torch.nn.Module, actor, cuda: bool) -> torch.nn.Module:

@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from hpcrl.control.records import LatestCheckpoint, read_latest_checkpoint
-from hpcrl.fsio import free_bytes, guarded, make_dirs, size_text, tree_bytes, wait_for_room, write_json_atomic
-from hpcrl.json_record import JsonRecord
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.fsio import write_json_atomic
+from hpcrl.rundir.disk import free_bytes, guarded, make_dirs, size_text, tree_bytes, wait_for_room
+from hpcrl.rundir.json_record import JsonRecord
+from hpcrl.rundir.paths import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ def save(engine, run_dir: RunDir, state: TrainerState, keep: int, adapter_only: 
     delete all but the newest ``keep``; ``adapter_only`` (a LoRA run): without the frozen base weights (``model.path``
     has them). A full disk is met before DeepSpeed writes anything: with less room free
     than the newest checkpoint took, the oldest one beyond the newest goes first, then the save waits for room
-    (``fsio.wait_for_room``: timeouts.disk_full_s); each file is written through ``fsio.guarded``."""
+    (``disk.wait_for_room``: timeouts.disk_full_s); each file is written through ``disk.guarded``."""
     tag = tag_for(state.step)
     need = _make_room(run_dir, keep)
     wait_for_room(f"checkpoint {tag}", run_dir.checkpoints, need)

@@ -34,8 +34,8 @@ import numpy as np
 
 from hpcrl.control.changes import bump
 from hpcrl.control.records import FilteredGroups
-from hpcrl.fsio import write_json_atomic
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.fsio import write_json_atomic
+from hpcrl.rundir.paths import RunDir
 from hpcrl.samples.schema import Group
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,15 @@ Dropped = dict[str, list[Group]]
 def count_dropped(dropped: Dropped) -> int:
     """How many groups ``dropped`` holds, every reason."""
     return sum(len(groups) for groups in dropped.values())
+
+
+def describe_dropped(dropped: Dropped) -> str:
+    """``dropped`` for the trainer's waiting line: ``""`` when none, else ``"; 4 dropped: lag_bound 4"`` (a wait
+    whose groups all go to a drop reads as such, not as nothing committed)."""
+    n = count_dropped(dropped)
+    if not n:
+        return ""
+    return f"; {n} dropped: " + ", ".join(f"{why} {len(groups)}" for why, groups in sorted(dropped.items()) if groups)
 
 
 def metric_values(g: Group, reads_reward: bool) -> list[float]:

@@ -149,6 +149,9 @@ class Layout:
     """Rows of logits per chunk (:func:`hpcrl.trainer.logprobs.chunk_rows`)."""
     sp: int = 1
     """``actor.ulysses_sequence_parallel_size``: ranks a pack is split over (hpcrl/trainer/sequence_parallel.py)."""
+    same_forwards: bool = False
+    """Every forward is a collective of all ranks (ZeRO-3 gathers each layer's parameters as it runs), so every rank
+    runs as many forwards per micro-batch as the rank with the most packs: :func:`run_model` adds stand-in packs."""
 
 
 def run_model(module, micro: Batch, temperature: float, layout: Layout, device, extra: Optional[str] = None,
@@ -160,6 +163,10 @@ def run_model(module, micro: Batch, temperature: float, layout: Layout, device, 
                      device=device, sp=layout.sp)
     outs = [module(pack, temperature=temperature, chunk_rows=layout.chunk_rows, extra=extra, extra_grad=extra_grad,
                    sp=layout.sp) for _, pack in packs]
+    for _ in range(_stand_ins_needed(len(packs), layout, device)):
+        ran = module(_stand_in_pack(layout, device), temperature=temperature, chunk_rows=layout.chunk_rows, extra=extra,
+                     extra_grad=extra_grad, sp=layout.sp)
+        outs[0] = tuple(o if o is None or r is None else o + 0.0 * r.sum() for o, r in zip(outs[0], ran))  # in the graph
     order = torch.tensor([b for rows, _ in packs for b in rows])  # the packs' rows, in the order they ran
     lens = micro.resp_lens[order]
     back = torch.empty_like(order)
@@ -172,6 +179,25 @@ def run_model(module, micro: Batch, temperature: float, layout: Layout, device, 
         return ran if torch.equal(order, torch.arange(len(order))) else ran[back.to(ran.device)]
 
     return put(0), put(1), put(2)
+
+
+def _stand_ins_needed(n_packs: int, layout: Layout, device) -> int:
+    """How many packs fewer than the rank with the most this rank runs for this micro-batch (0 unless
+    ``layout.same_forwards``): the kernels without packing cut a micro-batch into as many packs as its lengths ask."""
+    if not layout.same_forwards:
+        return 0
+    most = torch.tensor([n_packs], device=device)
+    torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+    return int(most.item()) - n_packs
+
+
+def _stand_in_pack(layout: Layout, device) -> Pack:
+    """A forward of pad tokens predicting one pad token (added to the micro-batch's outputs times 0: its gradient is
+    zeros, its collectives those of any forward and backward)."""
+    ids = torch.full((1, max(2, layout.sp)), layout.pad_id, dtype=torch.long, device=device)
+    positions = torch.arange(ids.shape[1], device=device)[None]
+    return Pack(ids, positions, None, torch.tensor([0], device=device),
+                torch.tensor([layout.pad_id], device=device))
 
 
 def logprobs_of(model, batch: Batch, temperature: float, extra: Optional[str] = None, chunk_mib: float = 256.0

@@ -1,11 +1,11 @@
 """Trainer job: consume committed groups, update the policy with DeepSpeed, publish weights.
 
-One local update (:meth:`TrainerJob.run`):
+One local update (:meth:`TrainerJob.loop`):
 
-1. **take** ``R = ppo_mini_batch_size * require_batches`` groups in commit order
-   (groups over ``max_staleness``, and any whose newest token lags by more than the lag bound, which the rollout
-   jobs' commit check keeps out, are dropped, counted and replaced; with ``algorithm.filter_groups`` so are
-   groups whose metric has no spread, their admission places given back: ``dynamic_sampling.py``);
+1. **take** ``R = ppo_mini_batch_size * require_batches`` groups in commit order (``intake.py``: groups over
+   ``max_staleness``, and any whose newest token lags by more than the lag bound, which the rollout jobs' commit
+   check keeps out, are dropped, counted and replaced; with ``algorithm.filter_groups`` so are groups whose metric
+   has no spread, their admission places given back: ``dynamic_sampling.py``);
 2. **update** (:class:`hpcrl.trainer.update.PolicyUpdate`): proximal / reference
    log-probs and values under the weights at the start of the update,
    off-policy corrections, advantages (``algorithm.adv_estimator``), then
@@ -38,25 +38,25 @@ from typing import Optional
 
 import torch
 
-from hpcrl import metric_names as M
-from hpcrl.control.changes import ChangeWatch, backoff_s, bump
-from hpcrl.control.fatal import write_fatal
+from hpcrl.logs import metric_names as M
+from hpcrl.control.changes import ChangeWatch, bump
 from hpcrl.control.job import Stop, StopWatch, job_main
-from hpcrl.control.records import HeartbeatState, HeartbeatThread, JobStats, TrainerDone, describe_heartbeats
+from hpcrl.control.records import HeartbeatState, HeartbeatThread, JobStats, TrainerDone
 from hpcrl.control.startup import StartupSteps
-from hpcrl.fsio import write_json_atomic
-from hpcrl.logs import log_size
+from hpcrl.rundir.fsio import write_json_atomic
+from hpcrl.logs.run_logs import log_size
 from hpcrl.process import faults, termination
 from hpcrl.process.preemption import PreemptionFlag
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 from hpcrl.samples.reader import delete_consumed
 from hpcrl.samples.schema import Group
 from hpcrl.trainer import checkpoint, memory
 from hpcrl.trainer.batch import build_batch
 from hpcrl.trainer.distributed import init_distributed, rank_environment, rank_from_environment
 from hpcrl.trainer.dynamic_sampling import (DROPPED as FILTERED, LAG_BOUND, MAX_STALENESS, Dropped, DynamicSampling,
-                                            count_dropped, sort_taken)
+                                            count_dropped)
 from hpcrl.trainer.gather import zero3_state_dict
+from hpcrl.trainer.intake import GroupIntake
 from hpcrl.trainer.lora import adapter_state_dict
 from hpcrl.trainer.models import POLICY_PREFIX, policy_state_dict
 from hpcrl.trainer.ops import prepare_ops
@@ -64,15 +64,6 @@ from hpcrl.trainer.parts import LeadParts, TrainerParts, build_parts
 from hpcrl.trainer.share import ABORT, BATCH, PREEMPT, REPUBLISH, STOP, share_groups, share_json
 
 log = logging.getLogger("hpcrl.trainer")
-
-TRAINER_STATS_PER_S = 2000
-"""The trainer's look for new samples stats every writer's manifest; its looks are spaced so that this many stats
-a second is the most they cost the filesystem's metadata server (Lustre's is quoted at 10^4-10^5 operations/s)."""
-SAMPLE_LOOK_MAX_S = 0.2
-"""While no group is committed, the trainer's looks back off to at most this far apart (``timeouts.poll_max_s`` if
-lower; the spacing above if higher): a trainer waiting for its last groups is idle for that long at most (backing
-off to 0.5 s cost 0.17 s per update of 2.9 s in bench/bench_scale.py)."""
-
 
 class _NoHeartbeat:
     """Ranks other than 0 do not write heartbeats."""
@@ -122,9 +113,10 @@ class TrainerJob:
         """The state right after the last completed update: what a checkpoint taken now holds."""
         self._last_checkpoint_step = 0
         self._sync_stats: dict = {}  # metrics of the last publish (gather, files, broadcast)
-        self._taken: tuple[list[Group], Dropped] = ([], {})  # kept/dropped while a republish interrupts
         self.sampling = DynamicSampling(self.cfg, run_dir)
         """``algorithm.filter_groups``: which taken groups may enter an update, and the bound on how many it takes."""
+        self.intake = GroupIntake(self.cfg, run_dir, self.watch, self.heartbeat, self.sampling)
+        """Rank 0's: each update's groups from the shards (``intake.py``)."""
         self._gathers_logged = False
         self._shards_removed: dict[str, int] = {}  # writer -> manifest lines whose consumed shards are removed
 
@@ -172,70 +164,6 @@ class TrainerJob:
         self.heartbeat.write()  # out of start-up now: the launcher's Ctrl-C waits for a checkpoint from here on
 
     # ---- steps
-    def _take_groups(self) -> tuple[int, list[Group], Dropped, float]:
-        """Rank 0: (BATCH, R groups to train on, those dropped (for staleness, for no spread), seconds waited);
-        (PREEMPT or STOP, ...) if USR2 or a stop arrived meanwhile, or dynamic sampling took its last batch in vain
-        (recorded as fatal); (REPUBLISH, ...) if a rollout job marked our newest weight version damaged (the groups
-        taken so far wait in ``self._taken``)."""
-        cfg = self.cfg
-        need = cfg.groups_per_update
-        kept, dropped = self._taken
-        self._taken = ([], {})
-        t0 = time.monotonic()
-        last_log = quiet_since = taken_since = t0
-        while len(kept) < need:
-            if self.watch.check() is not None:
-                return self._stop_status(), [], dropped, time.monotonic() - t0
-            if self._newest_weights_bad():
-                self._taken = (kept, dropped)
-                return REPUBLISH, [], {}, time.monotonic() - t0
-            lines = self.lead.reader.lines_seen
-            self.lead.reader.poll()
-            if self.lead.reader.lines_seen > lines:
-                quiet_since = time.monotonic()
-            sleep_s = self._poll_pause(time.monotonic() - quiet_since)
-            self._count_skipped()
-            room = self.sampling.room(len(kept) + count_dropped(dropped))
-            taken = self.lead.reader.take(min(need - len(kept), room))
-            if taken:  # a group dropped is progress too: the wait is for the next group (timeouts.wait_samples_s)
-                taken_since = time.monotonic()
-            sort_taken(taken, kept, dropped, self.state.param_version, self.cfg, self.sampling,
-                       self.state.counters.get(M.DROPPED_FILTER_GROUPS, 0))
-            cause = self.sampling.exhausted(len(kept) + count_dropped(dropped), len(kept), self.state.step)
-            if cause is not None:
-                log.error("stopping the run: %s", cause)
-                write_fatal(self.run_dir, RunDir.trainer_job(), cause, "data")
-                self.watch.check()  # says why the trainer stops, as for any fatal record
-                return STOP, [], dropped, time.monotonic() - t0
-            if len(kept) >= need:
-                break
-            waited = time.monotonic() - t0
-            if time.monotonic() - taken_since > cfg.timeouts.wait_samples_s:
-                raise TimeoutError(f"trainer: waited {waited:.0f}s for committed groups in {self.run_dir.samples} "
-                                   f"(have {len(kept)}/{need}, none new for {time.monotonic() - taken_since:.0f}s; "
-                                   f"{describe_heartbeats(self.run_dir, 'rollout')})")
-            if time.monotonic() - last_log > cfg.timeouts.wait_log_interval_s:
-                log.info("waiting %.0fs for committed groups (%d/%d) in %s; %s", waited, len(kept), need,
-                         self.run_dir.samples, describe_heartbeats(self.run_dir, "rollout"))
-                last_log = time.monotonic()
-            self.heartbeat.update(state=HeartbeatState.WAITING_SAMPLES)
-            time.sleep(sleep_s)
-        self.heartbeat.update(state=HeartbeatState.TRAINING)
-        return BATCH, kept, dropped, time.monotonic() - t0
-
-    def _poll_pause(self, quiet_s: float) -> float:
-        """Rank 0: seconds until the next look for samples, ``quiet_s`` after the last look that found some. Each
-        look stats every writer's manifest, so looks are at least ``writers / TRAINER_STATS_PER_S`` apart (0.38 s
-        for 768 writers, 0.05 s up to 100); from there they back off while nothing is committed
-        (``control.changes.backoff_s``), up to :data:`SAMPLE_LOOK_MAX_S`."""
-        t = self.cfg.timeouts
-        floor_s = min(max(t.poll_interval_s, self.lead.reader.writers_seen / TRAINER_STATS_PER_S), t.poll_max_s)
-        return backoff_s(quiet_s, floor_s, max(floor_s, min(SAMPLE_LOOK_MAX_S, t.poll_max_s)))
-
-    def _stop_status(self) -> int:
-        """Rank 0: the status that tells every rank why the run stops (the watch has a reason)."""
-        return STOP if self.watch.seen == Stop.STOPPED else PREEMPT
-
     def _newest_weights_bad(self) -> bool:
         """Rank 0, when the run directory changed: has a rollout job marked our newest version damaged?
         Then its readers fell back to an older version whose admission budget is spent, and
@@ -257,24 +185,16 @@ class TrainerJob:
                 raise RuntimeError("trainer rank 0 failed; this rank stops too (see rank 0's log)")
             return status, kept, {}, 0.0
         if self.watch.check() is not None:
-            status = self._stop_status()
+            status = self.intake.stop_status()
             share_groups(status, None)
             return status, [], {}, 0.0
         try:
-            status, kept, dropped, wait_s = self._take_groups()
+            status, kept, dropped, wait_s = self.intake.take(self.lead.reader, self.state, self._newest_weights_bad)
         except BaseException:
             share_groups(ABORT, None)
             raise
         share_groups(status, kept)
         return status, kept, dropped, wait_s
-
-    def _count_skipped(self) -> None:
-        if self.lead.reader.skipped:  # recorded in control/skipped_shards.jsonl: their writers and admission look
-            bump(self.run_dir, f"{len(self.lead.reader.skipped)} shard(s) skipped", "trainer")
-        while self.lead.reader.skipped:
-            s = self.lead.reader.skipped.pop(0)  # not consumed: recorded, its budget returned, its prompts regenerated
-            c = self.state.counters
-            c[M.CORRUPT_GROUPS_SKIPPED] = c.get(M.CORRUPT_GROUPS_SKIPPED, 0) + s["n_groups"]
 
     def _update(self, groups: list[Group], version_seen: int) -> dict:
         """Train on the groups; lag is measured against ``version_seen``, the version this update starts from."""

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from hpcrl import metric_names as M
+from hpcrl.logs import metric_names as M
 
 GIB = 2**30
 _CLEAR_REFS = Path("/proc/self/clear_refs")

@@ -17,13 +17,14 @@ from typing import Any, Optional
 import torch
 
 from hpcrl.config import RunConfig
+from hpcrl.config.registries import estimator_spec
 from hpcrl.control.fatal import fatal_inputs
 from hpcrl.control.startup import StartupSteps
-from hpcrl.logs import MetricsLog, StalenessLog, truncate_to
-from hpcrl.run_dir import WEIGHT_MODEL_FILES, RunDir
+from hpcrl.logs.run_logs import MetricsLog, StalenessLog, truncate_to
+from hpcrl.rundir.paths import WEIGHT_MODEL_FILES, RunDir
 from hpcrl.samples.reader import SampleReader
 from hpcrl.samples.skips import SkipLog
-from hpcrl.trackers import open_trackers
+from hpcrl.logs.trackers import open_trackers
 from hpcrl.trainer import build, checkpoint, sequence_parallel
 from hpcrl.trainer.forward import Layout
 from hpcrl.trainer.lora import AdapterOff, adapter_config_json, wrap_policy
@@ -101,14 +102,14 @@ def _deepspeed(cfg: RunConfig, run_dir: RunDir, rank: int, world: int):
         policy = build.load_causal_lm(path, build.training_dtype(actor, cuda), attn,
                                        config if actor.zero_stage == 3 else None)
     config_json = policy.config.to_json_string()
-    layout = build.layout_of(actor, policy.config, attn)
+    layout = build.layout_of(actor, policy.config, attn, world)
     mpu = sequence_parallel.register(policy, attn, actor.ulysses_sequence_parallel_size)
     if actor.gradient_checkpointing:
         build.checkpoint_layers(policy)
     if cfg.lora:  # only the adapter is trained (hpcrl/trainer/lora.py)
         policy = wrap_policy(policy, actor, cfg.model.seed)
         config_json = adapter_config_json(policy, str(path))
-    model = PolicyWithValueHead(policy, value_head=cfg.algorithm.adv_estimator == "gae")
+    model = PolicyWithValueHead(policy, value_head=estimator_spec(cfg.algorithm.adv_estimator).values)
     groups = [{"params": [p for p in policy.parameters() if p.requires_grad], "lr": actor.lr}]
     if model.value_head is not None:
         groups.append({"params": list(model.value_head.parameters()), "lr": cfg.critic.lr})

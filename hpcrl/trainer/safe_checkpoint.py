@@ -21,7 +21,8 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngi
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from hpcrl.fsio import fsync_path, guarded
+from hpcrl.rundir.fsio import fsync_path
+from hpcrl.rundir.disk import guarded
 
 _TREE_KEY = "hpcrl_tree"
 
@@ -112,7 +113,7 @@ def _decode(obj, tensors, map_location):
 
 def save_tree(state, path: str) -> None:
     """``state`` as a safetensors file at ``path`` (tmp -> fsync -> replace), waiting out a full disk
-    (``fsio.guarded``: a failed try's tmp is removed)."""
+    (``disk.guarded``: a failed try's tmp is removed)."""
     tensors: dict = {}
     tree = _encode(state, "<root>", tensors)
     tmp = f"{path}.tmp"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 
-from hpcrl import metric_names as M
+from hpcrl.logs import metric_names as M
 from hpcrl.config.simulated import SimulatedConfig
 from hpcrl.trainer.batch import Batch
 

@@ -6,7 +6,8 @@
    update (before its first optimizer step), each rank its share of the rows in chunks of
    ``actor.log_prob_max_token_len_per_gpu`` tokens (or of ``ppo_micro_batch_size`` groups), summed across ranks:
    the proximal log-probs ``prox_logp`` (when ``compute_prox_log_prob`` or
-   ``use_rollout_log_probs=false``), the critic's ``old_values`` (gae), and the
+   ``use_rollout_log_probs=false``), the critic's ``old_values`` and the score norms ``w_token`` (when the
+   estimator's spec needs them: ``config/registries.py:ADV_ESTIMATORS``), and the
    frozen reference model's ``ref_logp`` (when a KL term is on);
 2. **anchor**: ``logp_old = prox_logp`` if computed, else the engine's
    ``behav_logp`` (bypass: the engine's policy is the PPO anchor);
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import torch
 
+from hpcrl.config.registries import estimator_spec
 from hpcrl.trainer import offpolicy
 from hpcrl.trainer.advantages import compute_advantages, masked_mean, place_scores
 from hpcrl.trainer.batch import Batch, stand_in
@@ -50,8 +52,6 @@ from hpcrl.trainer.packing import micro_batches
 from hpcrl.trainer.pf_ppo import pf_ppo_indices
 from hpcrl.trainer.policy_losses import LossParams, policy_loss
 
-TOKEN_BASELINES = ("optimal_token_baseline", "tir_optimal_token_baseline")
-"""Estimators that need the trainer's score norms w_t from the start-of-update forward pass."""
 TRUNCATED_SHARE = "response_length/clip_ratio"
 """verl's name of the share of responses that hit the length limit (here: of the update's, overlong filtering on)."""
 
@@ -135,18 +135,18 @@ class PolicyUpdate:
         """Step 1 on every rank: each computes its share of the rows (``actor.log_prob_max_token_len_per_gpu``
         tokens per forward, or micro-batches of groups) and the shares are summed across ranks."""
         cfg = self.cfg
-        est = cfg.algorithm.adv_estimator
-        need_trainer = cfg.uses_prox_log_prob or est == "gae" or est in TOKEN_BASELINES
+        needs = estimator_spec(cfg.algorithm.adv_estimator)  # what the estimator reads beyond rewards and masks
+        need_trainer = cfg.uses_prox_log_prob or needs.values or needs.score_norms
         if not need_trainer and self.reference is None:
             return
-        wanted = {"prox": cfg.uses_prox_log_prob, "values": est == "gae", "w": est in TOKEN_BASELINES,
+        wanted = {"prox": cfg.uses_prox_log_prob, "values": needs.values, "w": needs.score_norms,
                   "ref": self.reference is not None}
         out = {k: torch.zeros(batch.targets.shape) for k, want in wanted.items() if want}
         for rows in self._mine(batch, cfg.actor.log_prob_token_budget):
             micro = self._micro(batch, rows)
             got = {}
             if need_trainer:
-                extra = "score_norm" if est in TOKEN_BASELINES else None
+                extra = "score_norm" if needs.score_norms else None
                 got["prox"], got["w"], got["values"] = run_model(self.engine.module, micro, cfg.actor.temperature,
                                                                  self.layout, self.engine.device, extra=extra)
             if self.reference is not None:

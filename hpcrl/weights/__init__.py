@@ -1,5 +1,6 @@
-"""Weights between jobs, by role: a publisher (trainer) and a subscriber (every reader), one file per
-backend (:mod:`hpcrl.weights.base` is the interface, :mod:`hpcrl.weights.registry` builds one).
+"""Weights between jobs, by role: the store's publisher (trainer) and subscriber (every reader), with the run's
+transport as their fast path (:mod:`hpcrl.weights.transport` is its interface, one file per transport;
+:mod:`hpcrl.weights.registry` builds them).
 
 These names are imported on first use: the launcher reads the torch-free modules of this package (adapter,
 manifest, file_hash) on a login node, where importing torch, which publishers and subscribers need, costs seconds."""
@@ -7,7 +8,8 @@ from __future__ import annotations
 
 import importlib
 
-_MODULE_OF = {"Published": "base", "WeightPublisher": "base", "WeightSubscriber": "base", "WeightVersion": "base",
+_MODULE_OF = {"Published": "base", "WeightPublisher": "publisher", "WeightSubscriber": "subscriber",
+              "WeightVersion": "base",
               "WeightVersionBad": "base", "WeightVersionGone": "base", "make_publisher": "registry",
               "make_subscriber": "registry"}
 

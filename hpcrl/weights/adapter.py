@@ -10,8 +10,8 @@ An adapter version is a folder in peft's own layout, so ``PeftModel.from_pretrai
                      manifest.json              last, as for full versions: sizes and hashes of both files, and
                                                 ``adapter`` naming the base (its path and the hash of its weights)
 
-Written, verified, pinned, retained and broadcast exactly as full versions are (``filesystem.py``,
-``broadcast.py``): only the two file names differ (:func:`version_files`). The base is named by the hash of its
+Written, verified, pinned, retained and broadcast exactly as full versions are (``publisher.py``,
+``subscriber.py``, ``broadcast.py``): only the two file names differ (:func:`version_files`). The base is named by the hash of its
 weight files (:func:`base_model_hash`), computed once at launch into the frozen config (``model.base_hash``) and
 checked by every job before it applies an adapter to the folder it loaded (:func:`verify_base`).
 """
@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from hpcrl.run_dir import WEIGHT_ADAPTER_CONFIG, WEIGHT_ADAPTER_TENSORS, WEIGHT_MODEL_CONFIG, WEIGHT_TENSORS
+from hpcrl.rundir.paths import WEIGHT_ADAPTER_CONFIG, WEIGHT_ADAPTER_TENSORS, WEIGHT_MODEL_CONFIG, WEIGHT_TENSORS
 from hpcrl.weights.manifest import AdapterBase, FileEntry
 from hpcrl.weights.file_hash import CHUNK_BYTES, HASH_ALGORITHM, HASHES, DamagedFile, check_file
 

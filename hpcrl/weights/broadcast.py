@@ -1,13 +1,13 @@
-"""Weight exchange by broadcast in fixed-size buckets, on top of the filesystem path.
+"""The broadcast transport: a committed weight version in fixed-size buckets from trainer rank 0 to the readers that
+joined, a faster copy beside the files (:mod:`hpcrl.weights.transport`).
 
-The backend's two roles are here (:class:`BroadcastPublisher`, :class:`BroadcastSubscriber`); the
-threads that do the work are ``sender.py`` (trainer) and ``receiver.py`` (reader), on three parts
-they share: ``rendezvous.py`` (finding the trainer, the secret handshake), ``group.py`` (the group,
-its backend, deadlines) and ``wire.py`` (store keys, the header, the bucketed byte stream).
+The transport's two sides are here (:class:`BroadcastSender`, :class:`BroadcastReceiver`); the threads that do the
+work are ``sender.py`` (trainer) and ``receiver.py`` (reader), on three parts they share: ``rendezvous.py`` (finding
+the trainer, the secret handshake), ``group.py`` (the group, its backend, deadlines) and ``wire.py`` (store keys,
+the header, the bucketed byte stream).
 
-Every version is still published as files first (:class:`FilesystemPublisher`: late joiners,
-restarts, retention, bad markers and exactly-once are unchanged); the broadcast is a faster
-copy of a *committed* version, never the only one.
+Every version is still committed as files first by the store (late joiners, restarts, retention, bad markers and
+exactly-once are the store's); the broadcast is a faster copy of a *committed* version, never the only one.
 
 Publisher (trainer rank 0), per publish (``seq`` counts publishes of this trainer process)::
 
@@ -25,12 +25,12 @@ broadcast_connect_s)`` is dropped before the group is formed, so a rollout job k
 publishes costs nothing; one that dies within that window before a publish costs at most
 ``broadcast_s``, once. A dropped member that is alive joins again (a fresh handshake).
 
-Subscriber (a rollout job): a receiver thread follows ``latest``; for a header it is a member of,
+Receiver (a rollout job): a receiver thread follows ``latest``; for a header it is a member of,
 it receives the buckets straight into one flat buffer (no copy), acknowledges, and keeps the
-tensors until :meth:`BroadcastSubscriber.take` asks for that version. ``take`` waits for a version
-whose header is due (``broadcast_connect_s``) or in flight (``broadcast_s``), checks that the header
-belongs to the manifest on disk (same ``published_s``), pins the version's folder and hands over the
-tensors; anything else (not a member yet, a failed or timed-out broadcast, a dead trainer, a
+tensors until :meth:`BroadcastReceiver.receive` asks for that version. ``receive`` waits for a version
+whose header is due (``broadcast_connect_s``) or in flight (``broadcast_s``) and hands it to the store, which
+checks that the header belongs to the manifest on disk (same ``published_s``), pins the version's folder and
+hands over the tensors; anything else (not a member yet, a failed or timed-out broadcast, a dead trainer, a
 rollback) takes the files. If the trainer dies mid-broadcast the receiver times out, logs it, and
 joins again when a trainer publishes a new rendezvous.
 
@@ -50,17 +50,15 @@ from typing import Optional
 import torch
 
 from hpcrl.config import TimeoutsConfig, WeightsConfig
-from hpcrl.run_dir import RunDir
-from hpcrl.weights.base import Published, WeightVersion
-from hpcrl.weights.delta_versions import DeltaWriter
-from hpcrl.weights.filesystem import FilesystemPublisher, FilesystemSubscriber, dedupe_tied, delta_writer
-from hpcrl.weights.group import BroadcastFailed, BroadcastRefused
-from hpcrl.weights.manifest import AdapterBase
-from hpcrl.weights.receiver import Receiver
-from hpcrl.fsio import wait_for
+from hpcrl.rundir.fsio import wait_for
 from hpcrl.process import termination
+from hpcrl.rundir.paths import RunDir
+from hpcrl.weights.group import BroadcastFailed, BroadcastRefused
+from hpcrl.weights.manifest import WeightManifest
+from hpcrl.weights.receiver import Receiver
 from hpcrl.weights.rendezvous import BroadcastRendezvous, describe_rendezvous, is_live, read_rendezvous
 from hpcrl.weights.sender import Sender
+from hpcrl.weights.transport import Received, Sent, TransportReceiver, TransportSender
 from hpcrl.weights.wire import ALIGN_BYTES
 
 log = logging.getLogger(__name__)
@@ -80,24 +78,24 @@ def _start(required: bool, what: str, fn):
         return None
 
 
-class BroadcastPublisher(FilesystemPublisher):
-    """Files for every version, plus a bucketed broadcast to the readers that joined (module docstring).
-    ``required`` (``weights.transport=broadcast``): a trainer that cannot start the broadcast fails with the
-    reason; ``auto``: it logs the reason and publishes files only."""
+class BroadcastSender(TransportSender):
+    """The trainer's side: the store, the admission thread and a bucketed broadcast of each committed version to the
+    readers that joined (module docstring). ``required`` (``weights.transport=broadcast``): a trainer that cannot
+    start the broadcast fails with the reason; ``auto``: it logs the reason and publishes files only."""
 
-    def __init__(self, run_dir: RunDir, keep_versions: int, required: bool, bucket_mib: float, connect_s: float,
-                 broadcast_s: float, backend: str = "auto", deltas: Optional[DeltaWriter] = None):
-        super().__init__(run_dir, keep_versions, deltas=deltas)
+    def __init__(self, run_dir: RunDir, required: bool, bucket_mib: float, connect_s: float, broadcast_s: float,
+                 backend: str = "auto"):
+        self.run_dir = run_dir
         self.required, self.connect_s, self.broadcast_s, self.backend = required, connect_s, broadcast_s, backend
         self.bucket_bytes = max(int(bucket_mib * 2**20), ALIGN_BYTES)
         self._sender: Optional[Sender] = None
         self._tried = False
 
     @classmethod
-    def from_config(cls, cfg: WeightsConfig, run_dir: RunDir, timeouts: TimeoutsConfig) -> "BroadcastPublisher":
-        """The publisher of ``weights.transport=broadcast`` (required) or ``auto``."""
-        return cls(run_dir, cfg.keep_versions, cfg.transport == "broadcast", cfg.bucket_mib,
-                   timeouts.broadcast_connect_s, timeouts.broadcast_s, cfg.broadcast_backend, delta_writer(cfg))
+    def from_config(cls, cfg: WeightsConfig, run_dir: RunDir, timeouts: TimeoutsConfig) -> "BroadcastSender":
+        """The sender of ``weights.transport=broadcast`` (required) or ``auto``."""
+        return cls(run_dir, cfg.transport == "broadcast", cfg.bucket_mib, timeouts.broadcast_connect_s,
+                   timeouts.broadcast_s, cfg.broadcast_backend)
 
     def start(self) -> None:
         """Start the store and write the rendezvous (a resumed trainer announces its new epoch at once)."""
@@ -106,20 +104,11 @@ class BroadcastPublisher(FilesystemPublisher):
             self._sender = _start(self.required, "starting the broadcast store", lambda: Sender(
                 self.run_dir, self.bucket_bytes, self.connect_s, self.broadcast_s, self.backend))
 
-    def publish(self, version: int, state_dict: dict[str, torch.Tensor], model_config_json: str,
-                trainer_step: int, consumed_groups: int, model_files: Optional[dict[str, bytes]] = None,
-                adapter: Optional[AdapterBase] = None) -> Published:
-        self.start()  # before the first version's files, if the trainer did not: a joiner finds it with v0
-        t0 = time.monotonic()
-        tensors, aliases = dedupe_tied(state_dict)  # an adapter version: the adapter's tensors only
-        manifest = self.write_version(version, tensors, aliases, model_config_json, trainer_step, consumed_groups,
-                                      model_files, adapter, originals=state_dict)
-        files_s = time.monotonic() - t0
+    def send(self, version: int, host_tensors: dict[str, torch.Tensor], device_tensors: dict[str, torch.Tensor],
+             aliases: dict[str, str], manifest: WeightManifest) -> Sent:
         if self._sender is None:
-            return Published(manifest, files_s)
-        on_device = next(iter(state_dict.values())).device.type != "cpu" if state_dict else False
-        device_tensors = dedupe_tied(state_dict, to_cpu=False)[0] if on_device else tensors
-        return Published(manifest, files_s, **self._sender.send(version, tensors, device_tensors, aliases, manifest))
+            return Sent()
+        return self._sender.send(version, host_tensors, device_tensors, aliases, manifest)
 
     def waiting_members(self) -> int:
         return self._sender.waiting_members() if self._sender is not None else 0
@@ -130,25 +119,23 @@ class BroadcastPublisher(FilesystemPublisher):
             self._sender.close()
 
 
-class BroadcastSubscriber(FilesystemSubscriber):
-    """Versions by broadcast where this reader is a member, from the files otherwise (module docstring).
-    ``required``: a reader that cannot join a live trainer at its first take fails with the reason (one whose
-    rendezvous names a dead trainer waits for a live one, bounded); ``auto``: it logs the reason and uses files."""
+class BroadcastReceiver(TransportReceiver):
+    """A reader's side: versions by broadcast where this reader is a member (module docstring). ``required``: a
+    reader that cannot join a live trainer at its first receive fails with the reason (one whose rendezvous names a
+    dead trainer waits for a live one, bounded); ``auto``: it logs the reason and the store uses files."""
 
-    def __init__(self, run_dir: RunDir, reader: str, required: bool, timeouts: TimeoutsConfig, device: str = "cpu",
-                 keep_bases: bool = False):
-        """``device``: where this reader's engine wants the tensors (``cuda``: it can receive by NCCL);
-        ``keep_bases``: as :class:`FilesystemSubscriber`'s (for the versions it reads from files)."""
-        super().__init__(run_dir, reader, keep_bases=keep_bases)
+    def __init__(self, run_dir: RunDir, reader: str, required: bool, timeouts: TimeoutsConfig, device: str = "cpu"):
+        """``device``: where this reader's engine wants the tensors (``cuda``: it can receive by NCCL)."""
+        self.run_dir, self.reader = run_dir, reader
         self.required, self.timeouts, self.device = required, timeouts, device
         self._receiver: Optional[Receiver] = None
         self._tried = False
 
     @classmethod
     def from_config(cls, cfg: WeightsConfig, run_dir: RunDir, reader: str, timeouts: TimeoutsConfig,
-                    device: str = "cpu") -> "BroadcastSubscriber":
-        """The subscriber of ``weights.transport=broadcast`` (required) or ``auto``."""
-        return cls(run_dir, reader, cfg.transport == "broadcast", timeouts, device, keep_bases=cfg.delta)
+                    device: str = "cpu") -> "BroadcastReceiver":
+        """The receiver of ``weights.transport=broadcast`` (required) or ``auto``."""
+        return cls(run_dir, reader, cfg.transport == "broadcast", timeouts, device)
 
     def _live_rendezvous(self) -> Optional[BroadcastRendezvous]:
         rdv = read_rendezvous(self.run_dir)
@@ -200,7 +187,7 @@ class BroadcastSubscriber(FilesystemSubscriber):
             time.sleep(0.2)
 
     def _join_once(self) -> None:
-        """At the first take: join (required: a live trainer, or fail), then follow the publishes on a thread."""
+        """At the first receive: join (required: a live trainer, or fail), then follow the publishes on a thread."""
         self._tried = True
         t = self.timeouts
         r = Receiver(self.run_dir, self.reader, self.device, t.broadcast_connect_s, t.broadcast_s)
@@ -211,33 +198,15 @@ class BroadcastSubscriber(FilesystemSubscriber):
             r.failed_epoch = rdv.epoch if rdv is not None else None
         self._receiver = r.start()
 
-    def take(self, version: int) -> WeightVersion:
+    def receive(self, version: int) -> Optional[Received]:
         if not self._tried:
             self._join_once()
-        t0 = time.monotonic()
         staged = self._receiver.take(version) if self._receiver is not None else None
-        manifest = self.read_manifest(version) if staged is not None else None
-        if staged is None or manifest is None or manifest.published_s != staged.header.published_s:
-            wv = super().take(version)
-            wv.transfer_s = time.monotonic() - t0  # the wait for a broadcast that did not come counts
-            return wv
-        self.folders.pin(self.reader, version, True)
-        try:
-            adapter = self.adapter_config(version, manifest)
-        except BaseException:
-            self.folders.pin(self.reader, version, False)
-            self._receiver.recycle(staged)
-            raise
-
-        def release() -> None:
-            self.folders.pin(self.reader, version, False)
-            self._receiver.recycle(staged)
-
-        folder = self.run_dir.weight_version_dir(version) if manifest.base is None else None  # a delta's: no model
-        return WeightVersion(version, manifest, folder, staged.state,
-                             path="broadcast", transfer_s=time.monotonic() - t0 + staged.transfer_s,
-                             nbytes=staged.header.total_bytes, mapped=staged.mapped(), adapter=adapter,
-                             _release=release)
+        if staged is None:
+            return None
+        receiver = self._receiver
+        return Received(staged.state, staged.header.published_s, "broadcast", staged.transfer_s,
+                        staged.header.total_bytes, staged.mapped(), _release=lambda: receiver.recycle(staged))
 
     def close(self) -> None:
         """Stop the receiver thread and wait for it (bounded)."""

@@ -1,5 +1,6 @@
-"""Delta weight versions on the filesystem path (``weights.delta``): which versions are deltas, and how a
-reader rebuilds one. The codec is ``delta.py``; the folders, pins and markers are ``filesystem.py``'s.
+"""Delta weight versions in the store (``weights.delta``): which versions are deltas, and how a reader rebuilds one.
+The codec is ``delta.py``; the folders, pins and markers are the store's (``folders.py``, ``publisher.py``,
+``subscriber.py``).
 
 Writer (trainer rank 0, :class:`DeltaWriter`): it holds the newest *full* version it wrote (the base) in
 host memory. Version ``v`` is written as a delta against it unless the base is ``weights.full_every``
@@ -28,8 +29,8 @@ from typing import Callable, Optional
 
 import torch
 
-from hpcrl.fsio import read_json
-from hpcrl.run_dir import WEIGHT_DELTA, WEIGHT_TENSORS, RunDir
+from hpcrl.rundir.fsio import read_json
+from hpcrl.rundir.paths import WEIGHT_DELTA, WEIGHT_TENSORS, RunDir
 from hpcrl.weights.base import MappedBuffer
 from hpcrl.weights.delta import CODEC, DeltaMismatch, decode_into, encode, parallel, tensor_hash
 from hpcrl.weights.manifest import DeltaBase, FileEntry, TensorEntry, WeightManifest

@@ -12,7 +12,7 @@ record                 written by                       read by
 =====================  ===============================  ===========================================
 
 A version folder without ``manifest.json`` does not exist for readers. Both records
-are written tmp -> fsync -> rename (``hpcrl.fsio.write_json_atomic``).
+are written tmp -> fsync -> rename (``hpcrl.rundir.fsio.write_json_atomic``).
 
 A *full* version holds ``model.safetensors``; a *delta* version (``base`` set) holds ``model.delta``
 instead: each tensor's bits XOR its base version's, compressed (``weights/delta.py``), and every
@@ -24,7 +24,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from hpcrl.json_record import JsonRecord
+from hpcrl.rundir.json_record import JsonRecord
 
 
 @dataclass

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from hpcrl.process.threads import Tracked, spawn
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 from hpcrl.weights.base import MappedBuffer
 from hpcrl.weights.group import BroadcastFailed, call_with_deadline, first_line, gloo_interface, group_device, \
     make_group
@@ -36,7 +36,7 @@ trainer up to ``timeouts.broadcast_s``); it joins again when a new trainer publi
 
 @dataclass
 class Staged:
-    """A version received by broadcast, waiting for :meth:`~hpcrl.weights.broadcast.BroadcastSubscriber.take`."""
+    """A version received by broadcast, waiting for :meth:`~hpcrl.weights.broadcast.BroadcastReceiver.receive`."""
 
     header: BroadcastHeader
     state: dict[str, torch.Tensor]

@@ -34,10 +34,10 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 from hpcrl.control.records import read_heartbeats
-from hpcrl.fsio import read_json, write_json_atomic
-from hpcrl.json_record import JsonRecord
+from hpcrl.rundir.fsio import read_json, write_json_atomic
+from hpcrl.rundir.json_record import JsonRecord
 from hpcrl.process.pids import pid_running
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 from hpcrl.weights.group import BroadcastFailed, BroadcastRefused, call_with_deadline
 from hpcrl.weights.wire import StoreKeys
 

@@ -17,11 +17,12 @@ from typing import Optional
 import torch
 
 from hpcrl.process.threads import spawn
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 from hpcrl.weights.group import backend_choice, call_with_deadline, first_line, gloo_interface, group_device, \
     make_group
 from hpcrl.weights.manifest import WeightManifest
 from hpcrl.weights.rendezvous import Admitted, admit_one, connect_store, put_record, read_secret, start_store
+from hpcrl.weights.transport import FILES, Sent
 from hpcrl.weights.wire import BEAT_S, POLL_S, BroadcastHeader, StoreKeys, plan, send_buckets
 
 log = logging.getLogger(__name__)
@@ -108,9 +109,9 @@ class Sender:
             return len(self.members)
 
     def send(self, version: int, host_tensors: dict[str, torch.Tensor], device_tensors: dict[str, torch.Tensor],
-             aliases: dict[str, str], manifest: WeightManifest) -> dict:
+             aliases: dict[str, str], manifest: WeightManifest) -> Sent:
         """Broadcast the committed ``version`` to the members (from ``device_tensors`` with NCCL, else from
-        ``host_tensors``); the :class:`Published` fields of the broadcast."""
+        ``host_tensors``); what it did."""
         self._drop_silent(version)
         with self.lock:
             self.seq += 1
@@ -131,7 +132,7 @@ class Sender:
         put_record(self.store, StoreKeys.header(seq), header)  # also without members: a new joiner learns the version
         self.store.set(StoreKeys.LATEST, str(seq))
         if not members:
-            return {"path": "filesystem", "members": 0, "transfer_s": 0.0, "backend": backend}
+            return Sent(backend=backend)
         try:
             call_with_deadline(lambda: self._transfer(tensors, header, len(members) + 1, [m.host for m in members]),
                                self.broadcast_s,
@@ -152,8 +153,7 @@ class Sender:
                    f"no acknowledgement of weight version {version} in {self.broadcast_s:.0f}s")
         if seq > 2:
             self.store.delete_key(StoreKeys.header(seq - 2))
-        return {"path": "broadcast" if acked else "filesystem", "members": len(acked), "transfer_s": transfer_s,
-                "broadcast_bytes": total if acked else 0, "backend": backend}
+        return Sent("broadcast" if acked else FILES, len(acked), transfer_s, total if acked else 0, backend)
 
     def _transfer(self, tensors, header: BroadcastHeader, world: int, hosts: list[str]) -> None:
         if self.group is None:

@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from hpcrl.json_record import JsonRecord, RecordError
+from hpcrl.rundir.json_record import JsonRecord, RecordError
 from hpcrl.process import faults
 
 ALIGN_BYTES = 64

@@ -28,8 +28,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from hpcrl.fsio import read_jsonl
-from hpcrl.json_record import JsonRecord, RecordError
+from hpcrl.rundir.fsio import read_jsonl
+from hpcrl.rundir.json_record import JsonRecord, RecordError
 
 log = logging.getLogger(__name__)
 

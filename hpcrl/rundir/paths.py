@@ -376,7 +376,7 @@ class RunDir:
 
     @property
     def staleness(self) -> Path:
-        """``logs/staleness.jsonl.gz`` (``hpcrl/logs.py``): one row per consumed trajectory, compressed."""
+        """``logs/staleness.jsonl.gz`` (``hpcrl/logs/run_logs.py``): one row per consumed trajectory, compressed."""
         return self._compressed_log("staleness.jsonl")
 
     def rollout_metrics(self, writer: str) -> Path:
@@ -476,7 +476,7 @@ class RunDir:
     def freeze_config(self, cfg: RunConfig, changes: tuple[str, ...] = ()) -> None:
         """Write the resolved config as ``config.yaml`` (tmp -> fsync -> replace), under the history of its
         changes: the comment block of the file it replaces, plus ``changes`` (one line each, oldest first)."""
-        from hpcrl.fsio import write_bytes_atomic
+        from hpcrl.rundir.fsio import write_bytes_atomic
 
         history = self.config_history() + list(changes)
         head = "".join(f"{_HISTORY_MARK}{line}\n" for line in history)

@@ -8,7 +8,7 @@
   is written when v+1 has been loaded: its ``wall_s`` runs from v's load to then
   (so it includes the drain before v+1), ``timing_s/load_weights`` is v's own load.
 - ``logs/staleness.jsonl.gz`` (trainer): one row per consumed trajectory; columns in
-  :data:`hpcrl.metric_names.STALENESS_COLUMNS`. The one log that grows with the batch (a row per trajectory:
+  :data:`hpcrl.logs.metric_names.STALENESS_COLUMNS`. The one log that grows with the batch (a row per trajectory:
   ~370 bytes each), so it is compressed, a gzip member per update (``zcat`` or ``pandas.read_json(path,
   lines=True)`` read it); 23x smaller on the tiny run. A run from an older hpcrl has ``logs/staleness.jsonl``,
   read (and continued) as it is.
@@ -27,10 +27,11 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from hpcrl.fsio import JsonlAppender, allocate_ahead, read_jsonl, read_log_bytes
+from hpcrl.rundir.fsio import JsonlAppender, read_jsonl, read_log_bytes
+from hpcrl.rundir.disk import allocate_ahead
 from hpcrl.process import faults
-from hpcrl.metric_names import STALENESS_COLUMNS  # noqa: F401 (the staleness log's columns, re-exported)
-from hpcrl.run_dir import RunDir
+from hpcrl.logs.metric_names import STALENESS_COLUMNS  # noqa: F401 (the staleness log's columns, re-exported)
+from hpcrl.rundir.paths import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ def read_jsonl_frame(path: os.PathLike | str, on_bad_line: Optional[Callable[[in
     per row against ~0.3 kB here (bench/bench_report.py).
 
     pyarrow parses the complete lines; a torn last line (a writer killed mid-row) is cut
-    off and reported through ``on_bad_line`` like :func:`hpcrl.fsio.read_jsonl` does. A
+    off and reported through ``on_bad_line`` like :func:`hpcrl.rundir.fsio.read_jsonl` does. A
     file pyarrow refuses (an invalid line in the middle, a NaN) is read again line by
     line by that tolerant reader, which skips and reports the bad lines.
     """
@@ -119,7 +120,7 @@ def read_jsonl_frame(path: os.PathLike | str, on_bad_line: Optional[Callable[[in
 
 
 def read_staleness(run_dir: os.PathLike | str | RunDir):
-    """The staleness log as a pandas DataFrame (columns :data:`hpcrl.metric_names.STALENESS_COLUMNS`)."""
+    """The staleness log as a pandas DataFrame (columns :data:`hpcrl.logs.metric_names.STALENESS_COLUMNS`)."""
     rd = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
     return read_jsonl_frame(rd.staleness, on_bad_line=_warn(rd.staleness)).reindex(columns=STALENESS_COLUMNS)
 
@@ -144,7 +145,7 @@ def read_metrics(run_dir: os.PathLike | str | RunDir):
 
 class MetricsLog:
     """An append-only JSONL log of metric rows (trainer metrics, a rollout job's per-version rows),
-    optionally also sent to experiment trackers (:mod:`hpcrl.trackers`)."""
+    optionally also sent to experiment trackers (:mod:`hpcrl.logs.trackers`)."""
 
     def __init__(self, path: Path, trackers=None):
         self._out = JsonlAppender(path)
@@ -166,7 +167,7 @@ class MetricsLog:
 
 class JobLogFile(logging.FileHandler):
     """A job's log file (``RUN/logs/jobs/<job>.log``) that keeps :data:`ROOM_AHEAD_BYTES` allocated past its end
-    (:func:`hpcrl.fsio.allocate_ahead`), so that what a job says while the disk is full (that it waits for space, and
+    (:func:`hpcrl.rundir.disk.allocate_ahead`), so that what a job says while the disk is full (that it waits for space, and
     for what; its last error) lands in the log the user and ``hpcrl status`` read: without it a line lands only if it
     fits the slack of the file's last page. The room is topped up once half of it is used; while the disk stays
     full, at each line (one system call)."""

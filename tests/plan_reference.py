@@ -1,33 +1,10 @@
-"""An event simulation of the whole pipeline in modelled seconds: what ``hpcrl plan`` predicts with.
-
-It replays, without sleeping, what the jobs do (hpcrl/rollout/main.py, hpcrl/trainer/main.py) on the phase
-model of the ``simulated`` section:
-
-- each rollout job has one engine batch with the simulated engine's arithmetic (a decoding step is
-  ``decode_base_s + decode_per_seq_s * running``, prefill per prompt token, at most ``max_num_seqs``, and with
-  ``kv_cache_tokens`` the KV-cache rule of ``SimulatedConfig.kv_admits``: the newest sequence is preempted
-  when a step would not fit);
-- a job starts a group (n sequences) while the admission rule allows, the same function the admission lock
-  applies (``hpcrl.config.knobs.may_start``): the shared budget has a start left (``started < consumed_groups(v)
-  + B``, v the version it holds), the job is below its bound (``rollout.max_concurrent_groups``, ``auto``: what
-  its engine decodes at once) and, sharing by load, below the even share of what the fleet may have in flight;
-  the group generates prompt index ``started`` (the shared claim hands indices out in order); jobs acting at the
-  same instant ask in :class:`~hpcrl.plan.model.ServiceOrder`;
-- a finished group is committed at once, except while its job drains for a new version (no partial rollout),
-  which commits what it collected when the drain ends, as ``RolloutJob._drain`` does; the trainer takes R
-  committed groups in commit order, updates for
-  ``update_model_s(tokens)``, publishes every K updates for ``publish_s`` (the version's ``consumed_groups`` =
-  what it consumed);
-- a job that sees a newer version drains its groups (or, with partial rollout, aborts them and keeps their
-  tokens), loads for ``weight_load_s`` with nothing running, then continues.
-
-Response lengths are drawn as the simulated engine draws them (the same seed per prompt index), so a
-simulated run and its prediction see the same lengths. Control-plane latencies (polling, file writes) are
-``overhead_s`` per version at most; everything else is the model.
-
-This is the reference simulation: every event scans every engine (O(jobs x running) per event), which is
-slow at cluster sizes; ``hpcrl plan`` runs :mod:`hpcrl.plan.events`, which must agree with it
+"""The reference event simulation of ``hpcrl plan`` (a test helper, not part of the package): the whole pipeline in
+modelled seconds, the oracle :mod:`hpcrl.plan.events` (what ``hpcrl plan`` runs) is held equal to
 (``tests/test_plan_fast.py``).
+
+It replays the events :mod:`hpcrl.plan.model`'s docstring lists. Every event scans every engine (O(jobs x running)
+per event), which is slow at cluster sizes, and plain to check line by line against the jobs: that is what it is
+for.
 """
 from __future__ import annotations
 
@@ -39,7 +16,8 @@ import numpy as np
 
 from hpcrl.config.knobs import may_start
 from hpcrl.config.simulated import SimulatedConfig
-from hpcrl.plan.model import EPS_S, INF, Draws, Knobs, Prediction, ServiceOrder, draws_for, prompt_seed
+from hpcrl.plan.model import (EPS_S, INF, Draws, Knobs, Prediction, ServiceOrder, draws_for, prompt_seed,
+                              steady_prediction)
 
 __all__ = ["Knobs", "Prediction", "Pipeline", "predict", "prompt_seed"]
 
@@ -310,21 +288,6 @@ class Pipeline:
     def _prediction(self, updates: int) -> Prediction:
         return steady_prediction(self.update_ends, updates, [j.batch.busy_s for j in self.jobs], self.lags,
                                  self.latencies, self.k)
-
-
-def steady_prediction(update_ends: list, updates: int, busy_s: list, lags: list, latencies: list,
-                      k: Knobs) -> Prediction:
-    """The prediction over updates 2..N from a simulation's record (both simulations)."""
-    t0, t1 = update_ends[0][0], update_ends[updates - 1][0]
-    window = t1 - t0
-    busy_trainer = sum(u for _, _, u in update_ends[1:updates])
-    busy_rollout = float(np.mean(busy_s)) * (updates - 1) / updates
-    return Prediction(updates=updates - 1, window_s=window, tokens=sum(tok for _, tok, _ in update_ends[1:updates]),
-                      trainer_busy=busy_trainer / window if window else 0.0,
-                      rollout_busy=min(1.0, busy_rollout / window) if window else 0.0,
-                      lag_mean=float(np.mean(lags)) if lags else 0.0, lag_max=max(lags, default=0),
-                      group_latencies_s=latencies[:(updates - 1) * k.groups_per_update],
-                      updates_per_version=k.trigger_parameter_sync_step)
 
 
 def predict(sim: SimulatedConfig, k: Knobs, updates: int, data_seed: int = 0, empirical=None,

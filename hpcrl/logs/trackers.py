@@ -23,7 +23,7 @@ import math
 from typing import Optional
 
 from hpcrl.config import RunConfig
-from hpcrl.run_dir import RunDir
+from hpcrl.rundir.paths import RunDir
 
 log = logging.getLogger(__name__)
 

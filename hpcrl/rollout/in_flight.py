@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional
 
-from hpcrl.fsio import make_dirs, read_json, write_json_atomic
-from hpcrl.json_record import JsonRecord, RecordError
+from hpcrl.rundir.fsio import read_json, write_json_atomic
+from hpcrl.rundir.disk import make_dirs
+from hpcrl.rundir.json_record import JsonRecord, RecordError
 from hpcrl.process import faults
 from hpcrl.rollout.trajectory import TrajectoryState
 

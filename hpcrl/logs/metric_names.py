@@ -190,7 +190,7 @@ REWARD_JOB_ITEMS_PER_S = "reward_job/items_per_s"
 REWARD_JOB_QUEUE_MAX = "reward_job/queue_max"
 """Most items one batch of the model took (requests of several clients together)."""
 
-# ---- evaluation: the metrics of a logs/eval.jsonl row (hpcrl/eval_log.py), verl's names ----
+# ---- evaluation: the metrics of a logs/eval.jsonl row (hpcrl/logs/eval_log.py), verl's names ----
 VAL_CORE = "val-core"
 """verl's section of the headline validation metrics: ``val-core/<data_source>/<key>/<stat>`` (``hpcrl/eval/metrics.py``
 says which are core)."""

@@ -110,7 +110,7 @@ def check_changes(frozen: RunConfig, new: RunConfig, fatal: Optional[FatalRecord
 
 def change_lines(found: list[Change], fatal: Optional[FatalRecord]) -> list[str]:
     """The lines a resume says and adds to the frozen config's history (with the time, by
-    :meth:`hpcrl.run_dir.RunDir.freeze_config`'s caller)."""
+    :meth:`hpcrl.rundir.paths.RunDir.freeze_config`'s caller)."""
     why = f" (after: {fatal.input or 'input'} failed)" if fatal else ""
     return [f"{c.line()}{why}" for c in found]
 
