@@ -150,6 +150,41 @@ def test_hybrid_functions_take_the_models_score_and_client_by_name(tmp_path):
     assert scorer.pop_metrics()["reward/errors"] == 1  # no score from the model: 0, counted
 
 
+def test_a_group_waiting_for_the_model_is_counted_apart_from_those_generating():
+    """RewardScorer.waiting: the groups a rollout job's bound and share leave out (rollout/main.py admits another in
+    their place), one while the model is asked and none after, also when the model fails."""
+    entered, release = threading.Event(), threading.Event()
+
+    class Model:
+        def group_scores(self, row, responses, what, stop):
+            entered.set()
+            assert release.wait(10)
+            if row["answer"] == "fail":
+                raise RewardWaitTimeout("no reward job")
+            return [0.5] * len(responses)
+
+    scorer = RewardScorer(load_reward(RewardConfig(), with_model=True), Model())
+    row = {"data_source": "", "answer": "", "extra_info": None, "prompt": "p", "prompt_ids": [1]}
+    for answer in ("", "fail"):
+        entered.clear(), release.clear()
+        out = []
+        t = threading.Thread(target=lambda: out.append(_try(lambda: scorer.score_group(
+            ["w000/1/0", "w000/1/1"], {**row, "answer": answer}, [([2], "x"), ([3], "y")], [None, None]))))
+        t.start()
+        assert entered.wait(10) and scorer.waiting == 1
+        release.set()
+        t.join(10)
+        assert scorer.waiting == 0
+        assert out == ([[(0.5, {}), (0.5, {})]] if not answer else ["RewardWaitTimeout"])
+
+
+def _try(fn):
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - the test compares the exception's type
+        return type(e).__name__
+
+
 # ---- the models and the service ---------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
