@@ -7,6 +7,8 @@ import dataclasses
 import gc
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -119,3 +121,45 @@ def test_peaks_are_reset_per_update():
     assert set(memory.peaks()) == {"perf/max_memory_allocated_gb", "perf/max_memory_reserved_gb",
                                    "perf/cpu_memory_used_gb"}
     json.dumps(memory.peaks())
+
+
+RECOMPUTES = r"""
+import os, sys, json, pathlib, tempfile
+sys.path[:0] = [os.path.join(os.getcwd(), "tests"), os.getcwd()]
+os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+import deepspeed
+deepspeed.init_distributed(dist_backend="gloo")
+from conftest import make_run
+from layout_peer import _Beat, mixed_groups
+from hpcrl.control.startup import StartupSteps
+from hpcrl.rundir.paths import RunDir
+from hpcrl.trainer.batch import build_batch
+from hpcrl.trainer.parts import build_parts
+folder = pathlib.Path(tempfile.mkdtemp())
+make_run(folder, "model.path=builtin:tiny-h64", "rollout.n=4", "actor.ppo_mini_batch_size=4",
+         f"actor.gradient_checkpointing={sys.argv[1]}", name="run")
+rd = RunDir(folder / "run")
+parts, _ = build_parts(rd.load_config(), rd, 0, 1, StartupSteps(_Beat(), "trainer", 300))
+batch = build_batch(mixed_groups(64), parts.layout.pad_id, 0)
+parts.updater.prepare(batch)
+calls, forwards = [], []  # the training passes' only (a pre-hook: the recompute stops early, before a post-hook)
+parts.engine.module.policy.model.layers[0].register_forward_pre_hook(lambda *_: calls.append(1))
+parts.engine.module.register_forward_pre_hook(lambda *_: forwards.append(1))
+parts.updater.train(batch)
+print(json.dumps({"layer_runs": len(calls), "forwards": len(forwards)}))
+"""
+
+
+@pytest.mark.parametrize("checkpointing", ["true", "false"])
+def test_the_trainers_checkpointed_layers_are_recomputed_in_the_backward(checkpointing):
+    """``actor.gradient_checkpointing``: in the trainer's own update each layer runs twice per forward (again in the
+    backward); without it once. (transformers loads a model in eval mode, where it skips the checkpointing: the
+    trainer's measured peaks were those of no checkpointing until the trainer set training mode.)"""
+    from hpcrl.process.network import free_port
+
+    out = subprocess.run([sys.executable, "-c", RECOMPUTES, checkpointing, str(free_port())], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["forwards"] > 0
+    assert got["layer_runs"] == got["forwards"] * (2 if checkpointing == "true" else 1), got

@@ -110,6 +110,7 @@ def _deepspeed(cfg: RunConfig, run_dir: RunDir, rank: int, world: int):
         policy = wrap_policy(policy, actor, cfg.model.seed)
         config_json = adapter_config_json(policy, str(path))
     model = PolicyWithValueHead(policy, value_head=estimator_spec(cfg.algorithm.adv_estimator).values)
+    model.train()  # transformers loads in eval mode, where it skips the layers' checkpointing (and LoRA's dropout)
     groups = [{"params": [p for p in policy.parameters() if p.requires_grad], "lr": actor.lr}]
     if model.value_head is not None:
         groups.append({"params": list(model.value_head.parameters()), "lr": cfg.critic.lr})
