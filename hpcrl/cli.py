@@ -9,7 +9,7 @@
     hpcrl export RUN_DIR [--version last|N] --out DIR [--merge]   # a weight version as a Hugging Face folder
     hpcrl plan CONFIG [key=value ...] --gpus N [--splits ..] [--staleness ..]  # best split and async knobs
     hpcrl doctor [--dir D] [--require cuda,vllm] [--json F]         # what this node offers a run
-    hpcrl scale RUN_DIR --rollout-jobs N                          # grow or shrink a live run's rollout fleet
+    hpcrl scale RUN_DIR --rollout-jobs N [--reward-jobs M]        # grow or shrink a live run's rollout fleet
 
 internal, listed last by ``hpcrl --help`` (the scripts and the jobs run them):
 
@@ -18,6 +18,7 @@ internal, listed last by ``hpcrl --help`` (the scripts and the jobs run them):
     hpcrl trainer RUN_DIR                                         # job entry points (hpcrl run, sbatch/ scripts)
     hpcrl rollout RUN_DIR --writer-rank W
     hpcrl eval-job RUN_DIR
+    hpcrl reward-job RUN_DIR --index I
 
 ``hpcrl --help`` lists them and ``hpcrl COMMAND --help`` explains each option (tests/test_cli_help.py: every
 command and option has help).
@@ -158,10 +159,12 @@ INTERNAL = "internal ({}): "
 def _add_run_command(sub) -> None:
     add_run_arguments(sub.add_parser("run", help="launch a run (trainer + rollout jobs) and follow it",
                                      description=RUN_DESCRIPTION))
-    sc = sub.add_parser("scale", help="grow or shrink the rollout fleet of a live run (new jobs join; the newest "
-                        "drain: finish their groups, seal, hand back their prompts, exit)")
+    sc = sub.add_parser("scale", help="grow or shrink the rollout fleet (and the reward jobs) of a live run (new jobs "
+                        "join; the newest drain: finish their groups, seal, hand back their prompts, exit)")
     sc.add_argument("run_dir", metavar="RUN_DIR", help="the live run's directory (--run-dir of `hpcrl run`)")
-    sc.add_argument("--rollout-jobs", type=int, required=True, help="the number of rollout jobs from now on")
+    sc.add_argument("--rollout-jobs", type=int, default=None, help="the number of rollout jobs from now on")
+    sc.add_argument("--reward-jobs", type=int, default=None, help="the number of reward jobs from now on "
+                    "(reward_model.placement=job; the ones beyond it end, their clients go to the others)")
     sc.add_argument("--wait-s", type=float, default=30.0,
                     help="how long to wait for the launcher following the run before acting here (default 30)")
     sc.add_argument("--scripts", default=None, help="folder holding rollout.sbatch (runs launched with sbatch)")
@@ -190,6 +193,9 @@ def _add_internal_commands(sub) -> None:
     ro.add_argument("--writer-rank", type=int, default=0, help="this job's writer number (w000 is 0; default 0)")
     ej = sub.add_parser("eval-job", help=job + "run the evaluation job in this process")
     ej.add_argument("run_dir", metavar="RUN_DIR", help=JOB_RUN_DIR_HELP)
+    rj = sub.add_parser("reward-job", help=job + "run one reward job (serves reward_model.*) in this process")
+    rj.add_argument("run_dir", metavar="RUN_DIR", help=JOB_RUN_DIR_HELP)
+    rj.add_argument("--index", type=int, default=0, help="this reward job's number (reward-0 is 0; default 0)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -261,7 +267,7 @@ def main(argv=None) -> int:
     if a.cmd == "scale":
         from hpcrl.launcher.scale_cmd import scale_command
 
-        return scale_command(a.run_dir, a.rollout_jobs, a.wait_s, a.scripts)
+        return scale_command(a.run_dir, a.rollout_jobs, a.wait_s, a.scripts, a.reward_jobs)
     if a.cmd == "trainer":
         from hpcrl.trainer.main import trainer_main
 
@@ -271,6 +277,11 @@ def main(argv=None) -> int:
         from hpcrl.eval.job import eval_main
 
         eval_main(a.run_dir)
+        return 0
+    if a.cmd == "reward-job":
+        from hpcrl.reward.job import reward_main
+
+        reward_main(a.run_dir, a.index)
         return 0
     from hpcrl.rollout.main import rollout_main
 

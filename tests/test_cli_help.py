@@ -54,7 +54,7 @@ def test_every_option_with_a_default_says_which():
 def test_the_commands_users_rarely_type_are_marked_and_listed_last():
     listed = list(commands())
     internal = [name for name, (line, _) in commands().items() if line.startswith("internal (")]
-    assert sorted(internal) == ["build-ops", "eval-job", "rollout", "sbatch-lines", "trainer"], internal
+    assert sorted(internal) == ["build-ops", "eval-job", "reward-job", "rollout", "sbatch-lines", "trainer"], internal
     assert listed[-len(internal):] == internal, listed
 
 

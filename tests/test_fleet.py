@@ -48,8 +48,8 @@ def test_scale_logs_the_fleet_it_found_before_a_launcher_could_apply_the_request
     _beat(rd, "w000")
     written = scale_cmd.request_scale
 
-    def applied_at_once(rd_, n, by):  # what a launcher's poll does between the request and the next line
-        req = written(rd_, n, by)
+    def applied_at_once(rd_, n, by, *reward_jobs):  # what a launcher's poll does between the request and the next line
+        req = written(rd_, n, by, *reward_jobs)
         rd_.writer_dir("w001").mkdir(parents=True)
         _beat(rd_, "w001")
         acknowledge_scale(rd_, req)

@@ -30,7 +30,8 @@ BOTTOM_ORDER = [
 """The bottom layer, lowest first: the run directory's contracts every job and the launcher build on.
 A module may import its own package and anything on a lower level, nothing on its own level or above."""
 BOTTOM = [part for level in BOTTOM_ORDER for part in level]
-UPPER = ("hpcrl.trainer", "hpcrl.rollout", "hpcrl.eval", "hpcrl.launcher", "hpcrl.analysis", "hpcrl.cli")
+UPPER = ("hpcrl.trainer", "hpcrl.rollout", "hpcrl.eval", "hpcrl.reward", "hpcrl.launcher", "hpcrl.analysis",
+         "hpcrl.cli")
 """The jobs, the launcher and the analysis: nothing below may import them."""
 
 
@@ -161,6 +162,17 @@ def test_trainer_and_rollout_never_import_each_other():
            for side, other in (("trainer", "hpcrl.rollout"), ("rollout", "hpcrl.trainer"))
            for p in _files(side) for line, m in _imports(p) if m == other or m.startswith(other + ".")]
     assert not bad, "the two jobs only meet in the run directory:\n" + "\n".join(bad)
+
+
+def test_the_reward_job_meets_the_others_only_through_its_service():
+    """hpcrl/reward/ imports rollout's engine interface (a judge) and nothing of the trainer or the evaluation; the
+    trainer imports nothing of it; the rollout and evaluation jobs reach it through ``reward/scoring.py`` (and the
+    exceptions and records of ``reward/wire.py``), never the server or the job."""
+    sides = (("reward", ("hpcrl.trainer", "hpcrl.eval")), ("trainer", ("hpcrl.reward",)),
+             ("rollout", ("hpcrl.reward.job", "hpcrl.reward.server")), ("eval", ("hpcrl.reward.job", "hpcrl.reward.server")))
+    bad = [f"{p.relative_to(PKG.parent)}:{line} imports {m}" for side, others in sides for p in _files(side)
+           for line, m in _imports(p) for o in others if m == o or m.startswith(o + ".")]
+    assert not bad, "the reward job is reached through its service:\n" + "\n".join(bad)
 
 
 def test_the_evaluation_job_imports_no_trainer_and_no_job_imports_it():

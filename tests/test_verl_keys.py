@@ -79,7 +79,9 @@ def test_units_that_differ_are_converted():
 
 @pytest.mark.parametrize("override, fragment", [
     ("actor_rollout_ref.model.exclude_modules=[lm_head]", "list the ones to adapt"),
-    ("reward_model.enable=true", "no reward model"),
+    ("reward_model.model.external_lib=my_rm_lib", "loaded by transformers' own classes"),
+    ("reward.reward_manager.module.path=my_manager.py", "a reward-loop class of your own does not run here"),
+    ("reward_model.rollout.name=sglang", "hf or vllm (reward_model.engine: transformers or vllm)"),
     ("actor_rollout_ref.rollout.name=sglang", "hf or vllm"),
     ("data.train_files=[a.parquet,b.parquet]", "concatenate the files into one"),
     ("data.train_batch_size=6", "multiple of actor.ppo_mini_batch_size=4"),

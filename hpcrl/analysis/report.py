@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hpcrl.analysis import compare, fleet, plots, tables, training_plots, validation
+from hpcrl.analysis import compare, fleet, plots, reward_model, tables, training_plots, validation
 from hpcrl.analysis.ceiling import run_ceiling, speedup_line
 from hpcrl.analysis.doc import Doc
 from hpcrl.analysis.glance import glance
@@ -174,6 +174,10 @@ def _reward(x: _Section) -> None:
     row = tables.summary_row(x.d)
     x.doc.para(f"Final reward {row['final reward']:.3f} (mean `reward/mean` of the last "
                f"{tables.final_window(len(x.d.metrics))} update(s)).")
+    model = [line for line in (reward_model.rollout_wait_line(x.d.rollout),
+                               *reward_model.reward_job_lines(RunDir(x.d.root))) if line]
+    if model:
+        x.doc.bullets(model)
     x.img("reward.png", "reward against version and wall time")
 
 

@@ -187,6 +187,9 @@ class StatusView:
             writer = RunDir.writer_of_job(j.job)
             if j.job == EVAL_JOB:
                 idle, detail = math.nan, _eval_detail(j)
+            elif RunDir.reward_index(j.job) is not None:  # a reward job (hpcrl/reward/job.py)
+                idle = _num(j.stats.idle_ratio)
+                detail = f"{j.stats.items_scored or 0} responses scored"
             elif writer is None:
                 if last:  # the heartbeat file is rewritten every few seconds; the metrics row is newer
                     published = _num(last.get(M.PARAM_SYNC_S)) > 0

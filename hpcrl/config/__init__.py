@@ -14,11 +14,13 @@ module             what it holds
 ``actor``          actor: optimizer, PPO loss, and how the trainer fits long responses (token budgets,
                    packing, chunked log-probs, checkpointing, offload, sequence parallelism)
 ``runtime``        timeouts, logging (what may change on a live run)
-``verl``           verl's config keys read as hpcrl's (the table is ``verl_keys.VERL_KEYS``)
+``verl``           verl's config keys read as hpcrl's (the table is ``verl_keys.VERL_KEYS``; the reward model's
+                   entries: ``verl_reward``)
 ``verl_units``     verl's values whose units differ, converted (micro-batches, GPUs, epochs)
 ``algorithm``      algorithm (advantages, KL, rollout correction) and critic
 ``combinations``   the algorithm rules that span sections (what an estimator or loss needs)
 ``evaluation``     eval: the evaluation job (which versions, sampling, engine, reward)
+``reward_model``   reward_model: a learned reward (kind, placement, inputs, the judge, waits)
 ``resources``      job sizes and Slurm options per role
 ``simulated``      simulated: the phase model of a simulated engine and trainer
 ``knobs``          the async knobs (s, K, R) and their arithmetic: the admission budget B, the lag bound

@@ -91,6 +91,16 @@ SINGLE_TURN = "single_turn"
 TOOL_AGENT = "tool_agent"
 """The tool agent's name (hpcrl/rollout/tool_agent.py; a key of ``registries.AGENT_LOOPS``)."""
 
+BUILTIN_REWARD_MODELS = ("builtin:tiny-rm", "builtin:tiny-judge")
+"""``reward_model.path`` values built into ``RUN/reward_model`` at launch (hpcrl/tiny/reward_model.py): ``tiny-rm`` a
+tiny sequence classifier trained to predict the toy task's rule reward, ``tiny-judge`` a random tiny causal LM."""
+
+REWARD_MODEL_KINDS = ("auto", "discriminative", "generative")
+"""``reward_model.kind`` (hpcrl/reward/models.py)."""
+
+REWARD_MODEL_PLACEMENTS = ("job", "rollout")
+"""``reward_model.placement``: reward jobs of their own, or inside each rollout job."""
+
 BUILTIN_DATA = ("builtin:toy", "builtin:toy_calc", "builtin:toy_heldout")
 """``data.source`` and ``data.val_files`` values generated in hpcrl/rollout/dataset.py (``toy_heldout``: the toy
 task in phrasings it never trains on, its held-out split)."""

@@ -154,6 +154,12 @@ def reward_names() -> tuple[str, ...]:
     return (BY_DATA_SOURCE, *REWARDS)
 
 
+SCORE_PARSERS: dict[str, str] = {
+    "last_number": "hpcrl.reward.parsers:last_number",
+    "yes_no": "hpcrl.reward.parsers:yes_no",
+}
+"""Registry of ``reward_model.score_parser``: how a generative judge's text becomes a score, ``fn(text) -> float``
+or None (hpcrl/reward/parsers.py)."""
 @dataclass(frozen=True)
 class EstimatorSpec:
     """An advantage estimator and what it needs beyond the rewards and masks: the trainer, the rollout job and the

@@ -9,7 +9,8 @@ from hpcrl.config.checks import check_float, check_int, fail
 
 @dataclass
 class JobResources:
-    """The size and Slurm options of one job (``resources.trainer``, ``resources.rollout``, ``resources.eval``)."""
+    """The size and Slurm options of one job (``resources.trainer``, ``resources.rollout``, ``resources.eval``,
+    ``resources.reward``)."""
 
     nodes: int = 1
     """Nodes for this job."""
@@ -154,6 +155,11 @@ class ResourcesConfig:
     """Resources of each rollout job."""
     eval: JobResources = field(default_factory=JobResources)
     """Resources of the evaluation job (only submitted when ``eval.every_versions`` > 0)."""
+    reward: JobResources = field(default_factory=JobResources)
+    """Resources of each reward job (``reward_model.placement: job``)."""
+    reward_jobs: int = 1
+    """Number of reward jobs serving the reward model (``reward_model.placement: job``; verl:
+    ``reward.reward_model.nnodes``, one job per node). Rollout jobs spread their requests over them by load."""
     rollout_jobs: int = 1
     """Number of rollout jobs (each one sample writer; a Slurm job array in sbatch/). ``hpcrl scale`` changes it on
     a live run."""
@@ -171,6 +177,8 @@ class ResourcesConfig:
         self.trainer.validate("resources.trainer")
         self.rollout.validate("resources.rollout")
         self.eval.validate("resources.eval")
+        self.reward.validate("resources.reward")
+        check_int("resources.reward_jobs", self.reward_jobs, 0)
         check_int("resources.rollout_jobs", self.rollout_jobs, 1)
         self.rollout_preemptible.validate()
         self.rollout_autoscale.validate()
@@ -181,6 +189,9 @@ class ResourcesConfig:
         if self.eval.world_size != 1:
             fail("resources.eval.tasks_per_node", self.eval.tasks_per_node, "1 task on 1 node for the evaluation "
                  "job", "give it more GPUs per node (vLLM's tensor_parallel_size) instead")
+        if self.reward.world_size != 1:
+            fail("resources.reward.tasks_per_node", self.reward.tasks_per_node, "1 task on 1 node per reward job",
+                 "add capacity with resources.reward_jobs instead")
 
 
 

@@ -34,6 +34,7 @@ from hpcrl.config.knobs import Knobs
 from hpcrl.config.names import BUILTIN_MODELS
 from hpcrl.config.lora import check_lora_combination
 from hpcrl.config.resources import ResourcesConfig
+from hpcrl.config.reward_model import RewardModelConfig, check_reward_model_combination
 from hpcrl.config.runtime import LoggingConfig, TimeoutsConfig
 from hpcrl.config.simulated import SimulatedConfig, check_simulated_combination
 from hpcrl.config.sections import (AgentConfig, AsyncConfig, DataConfig, ModelConfig, RewardConfig,
@@ -50,6 +51,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
@@ -133,6 +135,7 @@ class RunConfig:
             check_dapo_combination(self)
             check_simulated_combination(self)
             check_lora_combination(self)
+            check_reward_model_combination(self)
             self._check_eval()
             if problems.errors:
                 problems.suggest_defaults(Schema.of(RunConfig).defaults)

@@ -1,26 +1,14 @@
 """verl's config keys as hpcrl reads them (:data:`VERL_KEYS`, one flat table: verl's dotted key -> hpcrl's key, or a
 :class:`VerlKey` that says more), defined once, at the bottom layer. ``verl.py`` applies the table where ``run.py``
-builds the config tree, ``verl_units.py`` converts the values whose units differ, and docs/verl.md shows it.
+builds the config tree, ``verl_units.py`` converts the values whose units differ, and docs/verl.md shows it. The
+reward model's entries are written in ``verl_reward.py``; :class:`VerlKey` lives in ``verl_key.py``, which both import.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from hpcrl.config.verl_key import VerlKey
+from hpcrl.config.verl_reward import REWARD_MODEL_KEYS
 
-
-class VerlKey(NamedTuple):
-    """How hpcrl reads one of verl's config keys (an entry of :data:`VERL_KEYS`)."""
-
-    target: Optional[str]
-    """hpcrl's dotted key that takes the value (with a key ending in ``.*``: the same rest of the key
-    under this prefix), or None: the key has no meaning here."""
-    note: str = ""
-    """Said once when the key is used: how the value is read, or what hpcrl does instead."""
-    refuse: bool = False
-    """The key cannot be honoured: a value other than false/null/0/empty is refused with ``note`` as the
-    reason (what hpcrl offers instead), before anything is submitted."""
-    keys: tuple = ()
-    """A ``.*`` entry: the keys verl has under its prefix (a key below one of them is that key's value); another
-    is refused as unknown, with the nearest. Empty: every key under the prefix is taken."""
+__all__ = ["VERL_KEYS", "VerlKey"]
 
 
 _SHARDING = "the trainer shards with DeepSpeed ZeRO (actor.zero_stage 0-3; FSDP's full sharding is ZeRO-3)"
@@ -350,13 +338,9 @@ VERL_KEYS: dict[str, str | VerlKey] = {
     "reward.reward_manager.name": VerlKey("reward.name", "naive: one call per response, the scorer chosen by "
                                           "data_source (reward.name=by_data_source) unless reward.path is set"),
     "reward.reward_manager.*": VerlKey(None, "the naive reward manager: one call per response in the rollout job"),
-    "reward_model.enable": VerlKey(None, "rewards are rules or your function (reward.*); no reward model",
-                                   refuse=True),
-    "reward.reward_model.enable": VerlKey(None, "rewards are rules or your function (reward.*); no reward model",
-                                          refuse=True),
-    "reward_model.*": VerlKey(None, "rewards are rules or your function (reward.*); no reward model"),
-    "reward.reward_model.*": VerlKey(None, "rewards are rules or your function (reward.*); no reward model"),
-    "reward.num_workers": VerlKey(None, "rewards run in the rollout job's group threads"),
+    **REWARD_MODEL_KEYS,
+    "reward.num_workers": VerlKey(None, "rule rewards run in the rollout job's group threads; a reward job batches "
+                                  "the model's requests itself (reward_model.micro_batch_size)"),
     "reward.sandbox_fusion.*": VerlKey(None, "code runs in the python tool's sandbox (agent.tools)"),
     "sandbox_fusion.*": VerlKey(None, "code runs in the python tool's sandbox (agent.tools)"),
     # ---- infrastructure hpcrl does without

@@ -194,6 +194,32 @@ def _standalone_memory(value: Any, t, key: str) -> Made:
     return [("rollout.gpu_memory_utilization", value)], f"rollout.gpu_memory_utilization={value}"
 
 
+def _rm_resource_pool(value: Any, t, key: str) -> Made:
+    if value is None:
+        return [], f"reward_model.placement stays {t.get('reward_model.placement')}"
+    placement = "job" if value else "rollout"
+    what = "reward jobs of their own (resources.reward_jobs)" if value else "the model in each rollout job"
+    return [("reward_model.placement", placement)], f"reward_model.placement={placement}: {what}"
+
+
+def _rm_nodes(value: Any, t, key: str) -> Made:
+    if not value:
+        return [], f"resources.reward_jobs stays {t.get('resources.reward_jobs')}"
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise bad(key, value, "a number of nodes >= 0 (one reward job each)")
+    return [("resources.reward_jobs", value)], f"resources.reward_jobs={value} (one reward job per node)"
+
+
+def _rm_engine(value: Any, t, key: str) -> Made:
+    if value in (None, "???"):
+        return [], f"reward_model.engine stays {t.get('reward_model.engine')}"
+    ours = {s.verl_name: name for name, s in registries.ENGINES.items() if s.verl_name and not s.simulated}
+    if value not in ours:  # verl's names, as for actor_rollout_ref.rollout.name (_engine)
+        raise bad(key, value, " or ".join(ours) + " (reward_model.engine: " + " or ".join(ours.values()) + ")",
+                  "set reward_model.engine=auto (vLLM where the reward job sees a GPU, transformers elsewhere)")
+    return [("reward_model.engine", ours[value])], f"reward_model.engine={ours[value]}"
+
+
 PAIRED = (_rollout_gpus,)
 """Conversions that read several keys at once: run once for all of them."""
 LATE = (_train_batch_size, _micro_per_gpu, _micro_global, _total_training_steps, _concurrent_samples)
@@ -231,5 +257,11 @@ CONVERSIONS: dict[str, Callable[[Any, Any, str], Made]] = {
     "async_training.concurrent_samples_per_replica": _concurrent_samples,
     "reward_model.reward_manager": _reward_manager,
     "reward.reward_manager.name": _reward_manager,
+    "reward_model.enable_resource_pool": _rm_resource_pool,
+    "reward.reward_model.enable_resource_pool": _rm_resource_pool,
+    "reward_model.nnodes": _rm_nodes,
+    "reward.reward_model.nnodes": _rm_nodes,
+    "reward_model.rollout.name": _rm_engine,
+    "reward.reward_model.rollout.name": _rm_engine,
 }
 """Table keys (:data:`~hpcrl.config.verl_keys.VERL_KEYS`) whose value is converted, not copied."""

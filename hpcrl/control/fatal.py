@@ -44,9 +44,10 @@ class FatalRecord(JsonRecord):
     """Which input failed: one of :data:`INPUTS` (``""``: not said, a record of an older hpcrl)."""
 
 
-INPUTS = ("model", "data", "reward", "agent", "disk")
+INPUTS = ("model", "data", "reward", "agent", "disk", "reward_model")
 """The inputs a job loads at start, each under its own :func:`fatal_inputs` block, and ``disk``: the run
-directory's filesystem stayed full (or failing) past ``timeouts.disk_full_s`` (``control/job.py``)."""
+directory's filesystem stayed full (or failing) past ``timeouts.disk_full_s`` (``control/job.py``); ``reward_model``: a
+reward job could not load the reward model (``hpcrl/reward/job.py``)."""
 
 
 def write_fatal(run_dir: RunDir, job: str, message: str, failed_input: str = "") -> None:

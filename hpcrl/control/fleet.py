@@ -40,12 +40,14 @@ class ScaleRequest(JsonRecord):
     """``control/scale.json``: the number of rollout jobs the fleet should have; the launcher following the run
     submits new jobs or drains the newest ones, and acknowledges by writing ``applied_s``."""
 
-    rollout_jobs: int
-    """The fleet size asked for (>= 1)."""
+    rollout_jobs: Optional[int]
+    """The fleet size asked for (>= 1; None: unchanged, a request for reward jobs only)."""
     requested_s: float
     by: str
     applied_s: float = 0.0
     """When the launcher acted on it (0: not yet)."""
+    reward_jobs: Optional[int] = None
+    """The reward jobs asked for (``resources.reward_jobs``; None: unchanged)."""
 
 
 def request_drain(run_dir: RunDir, writer: str, by: str) -> None:
@@ -68,9 +70,11 @@ def drained_writers(run_dir: RunDir) -> set[str]:
     return {p.stem for p in folder.glob("*.json")} if folder.is_dir() else set()
 
 
-def request_scale(run_dir: RunDir, rollout_jobs: int, by: str) -> ScaleRequest:
-    """Ask the launcher following the run for ``rollout_jobs`` rollout jobs."""
-    req = ScaleRequest(rollout_jobs, time.time(), by)
+def request_scale(run_dir: RunDir, rollout_jobs: Optional[int], by: str, reward_jobs: Optional[int] = None
+                  ) -> ScaleRequest:
+    """Ask the launcher following the run for ``rollout_jobs`` rollout jobs and ``reward_jobs`` reward jobs (None:
+    unchanged)."""
+    req = ScaleRequest(rollout_jobs, time.time(), by, reward_jobs=reward_jobs)
     write_json_atomic(run_dir.scale_request, req.to_json())
     return req
 

@@ -45,6 +45,7 @@ class HeartbeatState(str, enum.Enum):
     TRAINING = "training"                # trainer: inside an update
     WAITING_SAMPLES = "waiting_samples"  # trainer: waiting for committed groups
     EVALUATING = "evaluating"            # evaluation job: a version is being evaluated
+    SERVING = "serving"                  # reward job: its model answers requests
     DONE = "done"                        # ended normally (trainer finished / rollout told to stop)
     FAILED = "failed"                    # ended by an exception
     STOPPED = "stopped"                  # ended by SIGTERM (scancel, the launcher's cancel, Ctrl-C)
@@ -86,7 +87,10 @@ class JobStats(JsonRecord):
     reward_mean: Optional[float] = None
     """Trainer: mean reward of the last update's groups."""
     idle_ratio: Optional[float] = None
-    """Trainer: share of the last update's wall time spent waiting for samples."""
+    """Trainer: share of the last update's wall time spent waiting for samples. Reward job: share of its serving
+    time its model was not computing."""
+    items_scored: Optional[int] = None
+    """Reward job: responses scored (and free prompts answered) so far."""
     groups_committed: Optional[int] = None
     """Rollout: groups this writer has committed (its manifest)."""
     last_version: Optional[int] = None

@@ -111,11 +111,13 @@ class Evaluator:
         run_group(loop, ctx, trajs, self.runner, self.cfg.timeouts.generate_s,
                   f"evaluating held-out prompt {row['prompt_id']} with version {version}")
         prompt = self.tokenizer.decode(row["prompt_ids"], skip_special_tokens=True)
+        texts = [self.tokenizer.decode(t.tokens, skip_special_tokens=True) for t in trajs]
+        scored = self.scorer.score_group([f"eval/v{version}/{row['prompt_id']}/{j}" for j in range(len(trajs))], row,
+                                         [(t.tokens, text) for t, text in zip(trajs, texts)],
+                                         [loop.reward_info(t) for t in trajs], stop=lambda: self.gate.stopping)
         out = []
         for j, t in enumerate(trajs):
-            text = self.tokenizer.decode(t.tokens, skip_special_tokens=True)
-            reward, extras = self.scorer.score_full(f"eval/v{version}/{row['prompt_id']}/{j}", row, text,
-                                                    loop.reward_info(t))
+            text, (reward, extras) = texts[j], scored[j]
             out.append(EvalSample(version=version, prompt_id=row["prompt_id"], data_source=row["data_source"],
                                   index=j, prompt=prompt, response=text, ground_truth=row["answer"], reward=reward,
                                   extras=extras, response_tokens=int(sum(t.mask)), finish_reason=t.finish_reason or "",

@@ -38,9 +38,10 @@ from hpcrl.eval.evaluate import Evaluator
 from hpcrl.eval.parts import EvalInputs, build_inputs, eval_subscriber, start_evaluator
 from hpcrl.eval.writer import EvalLogWriter
 from hpcrl.logs.eval_log import DAMAGED, EVALUATED, JOB, SKIPPED, EvalRow
-from hpcrl.process.preemption import PreemptionFlag
-from hpcrl.rundir.paths import EVAL_JOB, RunDir
 from hpcrl.logs.trackers import Trackers, open_trackers
+from hpcrl.process.preemption import PreemptionFlag
+from hpcrl.reward.scoring import model_rewards
+from hpcrl.rundir.paths import EVAL_JOB, RunDir
 from hpcrl.weights import WeightSubscriber, WeightVersionBad, WeightVersionGone
 
 log = logging.getLogger("hpcrl.eval")
@@ -89,9 +90,12 @@ class EvalJob:
     def start(self) -> None:
         """The start-up steps: the held-out prompts and reward, the weight subscriber, the evaluation log read back
         (the engine starts at the first version evaluated, under its pin)."""
-        cfg, rd = self.cfg, self.run_dir
-        with self.startup.step("loading the tokenizer, held-out prompts and reward"):
-            self.inputs = build_inputs(cfg, rd.model_dir(cfg.model.path))
+        cfg, rd, t = self.cfg, self.run_dir, self.cfg.timeouts
+        with self.startup.step("loading the tokenizer, held-out prompts and reward", t.job_start_s + t.engine_start_s):
+            self.inputs = build_inputs(cfg, rd.model_dir(cfg.model.path),
+                                       lambda tokenizer: model_rewards(cfg, rd, EVAL_JOB, tokenizer))
+        if self.inputs.scorer.model is not None:
+            self.closers.callback(self.inputs.scorer.model.close)
         for line in self.inputs.lines:
             log.info("%s", line)
         self.weights = eval_subscriber(cfg, rd, EVAL_JOB)

@@ -118,6 +118,7 @@ def _evaluate_run(a: argparse.Namespace, emit: Callable[[str], None]) -> int:
     """A run's versions (module docstring). Version 0 no longer on disk is the base model, of which it is a copy."""
     from hpcrl.eval.data import sampling
     from hpcrl.eval.parts import build_inputs, eval_subscriber, start_evaluator
+    from hpcrl.reward.scoring import model_rewards
     from hpcrl.weights import WeightVersionBad, WeightVersionGone
 
     rd = RunDir(a.run_dir)
@@ -131,7 +132,9 @@ def _evaluate_run(a: argparse.Namespace, emit: Callable[[str], None]) -> int:
         closers.callback(weights.close)
         on_disk = [v for v in weights.published_versions() if not weights.is_bad(v)]
         versions = _versions(a.versions, on_disk)
-        inputs = build_inputs(cfg, base)
+        inputs = build_inputs(cfg, base, lambda tokenizer: model_rewards(cfg, rd, EVAL_OFFLINE_JOB, tokenizer, local=True))
+        if inputs.scorer.model is not None:
+            closers.callback(inputs.scorer.model.close)
         for line in inputs.lines:
             emit(line)
         heartbeat = HeartbeatThread(rd, EVAL_OFFLINE_JOB, "eval", cfg.timeouts.heartbeat_interval_s).start()

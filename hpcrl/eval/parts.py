@@ -12,7 +12,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -21,6 +21,7 @@ from hpcrl.control.startup import StartupSteps
 from hpcrl.eval.data import engine_name, eval_engine_options, eval_reward, load_heldout
 from hpcrl.eval.evaluate import Evaluator
 from hpcrl.process.reaper import start_reaper, stop_reaper
+from hpcrl.reward.scoring import eval_scores_with_model
 from hpcrl.rollout.agent_loop import AgentLoop
 from hpcrl.rollout.engine import EngineRunner
 from hpcrl.rollout.engines import make_engine
@@ -47,12 +48,19 @@ class EvalInputs:
     loops: dict[str, AgentLoop]
 
 
-def build_inputs(cfg: RunConfig, tokenizer_dir: Path) -> EvalInputs:
-    """The tokenizer in ``tokenizer_dir``, the held-out rows (``data.val_files``), the reward and agent loops."""
+def build_inputs(cfg: RunConfig, tokenizer_dir: Path, model: Optional[Callable[[Any], Any]] = None) -> EvalInputs:
+    """The tokenizer in ``tokenizer_dir``, the held-out rows (``data.val_files``), the reward and agent loops.
+    ``model(tokenizer)`` builds the reward model (``hpcrl/reward/scoring.py``) when the evaluation scores with it
+    (:func:`~hpcrl.reward.scoring.eval_scores_with_model`); ValueError if it does and none is given."""
     torch.set_num_threads(cfg.rollout.torch_threads)
     tokenizer = load_tokenizer(tokenizer_dir)
     rows, lines = load_heldout(cfg, tokenizer)
-    return EvalInputs(tokenizer, rows, lines, RewardScorer(load_reward(eval_reward(cfg))),
+    with_model = eval_scores_with_model(cfg)
+    if with_model and model is None:
+        raise ValueError("the evaluation scores with the reward model (reward_model.enable) and none was given; "
+                         "to score with a rule instead, set eval.reward.name")
+    return EvalInputs(tokenizer, rows, lines, RewardScorer(load_reward(eval_reward(cfg), with_model=with_model),
+                                                           model(tokenizer) if with_model else None),
                       make_loops(cfg.agent, tokenizer, rows))
 
 

@@ -23,6 +23,7 @@ from hpcrl.rundir.fsio import JsonlTail
 from hpcrl.launcher.autoscale import Autoscaler
 from hpcrl.launcher.fleet import Fleet, StartError
 from hpcrl.launcher.progress import Console, hms
+from hpcrl.launcher.reward_scale import resize_reward_jobs
 from hpcrl.launcher.submit import LauncherJobs
 from hpcrl.rundir.paths import EVAL_JOB, RunDir
 
@@ -168,7 +169,7 @@ class RunFollower:
                 continue
             if read_trainer_done(self.rd) is not None:
                 return None
-            if self.fleet.reap(name, handle):  # a drained rollout job left the fleet
+            if self.fleet.reap(name, handle) or self._reward_job_left(name, handle):  # drained: left the fleet
                 continue
             if self._restart(name, handle, "ended before the trainer finished"):
                 continue
@@ -189,11 +190,23 @@ class RunFollower:
             return
         self._scale_seen = req.requested_s
         try:
-            self.fleet.resize(req.rollout_jobs, req.by)
+            if req.rollout_jobs is not None:
+                self.fleet.resize(req.rollout_jobs, req.by)
+            if req.reward_jobs is not None:
+                resize_reward_jobs(self.cfg, self.rd, req.reward_jobs, req.by, self.jobs.start_reward, self.emit)
         except (ValueError, OSError, StartError) as e:
             self.emit(f"scale request {self.rd.scale_request} not applied: {e}")
-            self.fleet.log.record(SCALE_REFUSED, by=req.by, to_jobs=req.rollout_jobs, why=str(e))
+            self.fleet.log.record(SCALE_REFUSED, by=req.by, to_jobs=req.rollout_jobs or 0, why=str(e))
         acknowledge_scale(self.rd, req)
+
+    def _reward_job_left(self, name: str, handle) -> bool:
+        """A reward job that ended because the reward jobs were made fewer (``drained``) is not resubmitted."""
+        beat = read_heartbeats(self.rd).get(name)
+        if RunDir.reward_index(name) is None or beat is None or beat.state != HeartbeatState.DRAINED.value:
+            return False
+        self.emit(f"job {name} ({handle.job_id}) ended: the reward jobs are fewer now")
+        self.jobs.forget(name)
+        return True
 
     def _warn_stale_heartbeats(self) -> None:
         """Warn of a job whose heartbeat is older than ``timeouts.heartbeat_stale_s`` (once a minute per job). The
@@ -224,6 +237,7 @@ class RunFollower:
                 self._finish_rollouts()
                 self._print_new_versions(every_log=True)
                 self._finish_eval(done.param_version, deadline, poll_s)
+                self.jobs.end_all(60.0, log.info, self._reward_jobs())  # they end once no client is left
                 last = self._print_new_evals()
                 self.console.close()
                 val = (f"; validation v{last.version} {last.score:.3f}" if last is not None and last.score is not None
@@ -280,8 +294,13 @@ class RunFollower:
 
     def _finish_rollouts(self, grace_s: float = 60.0) -> None:
         """Rollout jobs stop on their own once trainer_done exists; give them ``grace_s``, then cancel. (The
-        evaluation job is waited for by :meth:`_finish_eval`.)"""
-        self.jobs.end_all(grace_s, log.info, [n for n in self.jobs.handles if n != EVAL_JOB])
+        evaluation job is waited for by :meth:`_finish_eval`, the reward jobs, which may serve it, after it.)"""
+        self.jobs.end_all(grace_s, log.info, [n for n in self.jobs.handles
+                                              if n != EVAL_JOB and n not in self._reward_jobs()])
+
+    def _reward_jobs(self) -> list[str]:
+        """The reward jobs followed."""
+        return [n for n in self.jobs.handles if RunDir.reward_index(n) is not None]
 
     def end_all(self, grace_s: float, names: Optional[list[str]] = None) -> None:
         """End the jobs (``LauncherJobs.end_all``: ``grace_s`` to stop by themselves, then cancelled) and wait

@@ -8,7 +8,8 @@ line, instead of after ``resources.max_restarts`` resubmissions:
 - **data**: ``data.source`` reads, every row parses (verl's format), prompts tokenize with
   that tokenizer, through its chat template, within ``data.max_prompt_length``'s policy;
 - **reward**: ``reward.path`` imports, its function can be called as verl calls it, and it returns a
-  score on a real row of each data source (shown to the user);
+  score on a real row of each data source (shown to the user); with ``reward_model.enable`` the model's folder,
+  kind and parser, and what the function takes of it (``hpcrl/reward/checks.py``);
 - **agent**: if any prompt uses the tool agent, its tools build from ``agent.tools``, its
   parser accepts them, and the tokenizer's chat template can append tool responses;
 - **evaluation** (``eval.every_versions`` > 0): ``data.val_files`` read and tokenize like the data,
@@ -132,7 +133,8 @@ def check_eval(cfg: RunConfig, tokenizer, training_reward_failed: bool = False,
     except (ValueError, OSError) as e:
         raise ConfigError(f"config data.val_files: {e}") from None
     reward = eval_reward(cfg)
-    warnings = check_answers(reward, rows, cfg.data, "data.val_files", cfg.data.val_files)
+    model_only = reward is cfg.reward and cfg.reward_model.enable  # scored by the reward model (hpcrl/reward/)
+    warnings = [] if model_only else check_answers(reward, rows, cfg.data, "data.val_files", cfg.data.val_files)
     warnings += unknown_tokens(cfg, tokenizer, rows, "data.val_files")
     key = "reward" if reward is cfg.reward else "eval.reward"
     other_task = another_task(train_rows or [], rows)
@@ -258,6 +260,7 @@ def check_inputs(cfg: RunConfig, kind: Optional[str] = None) -> InputsFound:
 
 
 def _check_inputs(cfg: RunConfig, kind: Optional[str]) -> InputsFound:
+    from hpcrl.reward.checks import check_reward_model
     from hpcrl.rollout.data import encode_rows
     from hpcrl.rollout.reward_fn import RewardProbe, load_reward, probe_reward
 
@@ -277,10 +280,13 @@ def _check_inputs(cfg: RunConfig, kind: Optional[str]) -> InputsFound:
     lines = ([encoded[1].line(cfg.data, encoded[2])] if encoded else []) + lines_lora
     warnings = unknown_tokens(cfg, tokenizer, encoded[0], "data.source") if encoded else []
     probe = None
-    if rows:
+    model_only = cfg.reward_model.enable and cfg.reward.path is None  # the reward is the model's: no answer needed
+    if rows and not model_only:
         warnings += _attempt(check_answers, cfg.reward, rows, cfg.data, "data.source", [cfg.data.source],
                              skip=("data.", "reward.")) or []
-    if rows and not reported("data.answer_key"):
+    if cfg.reward_model.enable:
+        lines += _attempt(check_reward_model, cfg, skip=("reward_model.", "reward.")) or []
+    elif rows and not reported("data.answer_key"):
         probe = _attempt(probe_reward, cfg.reward, encoded[0] if encoded else rows, tokenizer, skip=("reward.",))
     elif not rows:
         _attempt(load_reward, cfg.reward, skip=("reward.",))

@@ -1,7 +1,8 @@
 """Everything that happens on the login node before a job is submitted.
 
 The config is validated (by :func:`hpcrl.config.load_config`), the model, data
-and reward are checked (:mod:`hpcrl.launcher.inputs`), the run directory is created, ``builtin:tiny`` is built into ``RUN/base_model``, the
+and reward are checked (:mod:`hpcrl.launcher.inputs`), the run directory is created, ``builtin:tiny`` is built into ``RUN/base_model``
+(a built-in reward model into ``RUN/reward_model``: ``builtin:tiny-rm`` trained there, in under a minute), the
 config is frozen into ``RUN/config.yaml`` (a LoRA run's with the hash of its base model's weights) and the
 broadcast secret is written (mode 0600). Nothing is submitted if any of this fails.
 """
@@ -57,6 +58,11 @@ def prepare_run_dir(cfg: RunConfig, run_dir: Path, resume: bool, inputs_checked:
         from hpcrl.tiny.model import build_tiny_model, builtin_head_dim
 
         build_tiny_model(rd.base_model, seed=cfg.model.seed, head_dim=builtin_head_dim(cfg.model.path))
+    rm_folder = rd.reward_model_dir(cfg.reward_model.path or "")
+    if cfg.reward_model.enable and cfg.reward_model.builtin and not rm_folder.exists():
+        from hpcrl.reward.checks import build_builtin_reward_model
+
+        build_builtin_reward_model(cfg, rm_folder)
     _check_base(cfg, rd)
     secret = rd.secret
     if not secret.exists():

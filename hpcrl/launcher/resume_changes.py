@@ -30,6 +30,7 @@ SAFE = ("resources.", "timeouts.", "logging.", "rollout.total_rollout_steps", "d
 """Keys (or prefixes) that may change on every resume."""
 AFTER_FAILED_INPUT = {
     "reward": ("reward.",),
+    "reward_model": ("reward_model.",),
     "data": ("data.source", "data.prompt_key", "data.answer_key", "data.apply_chat_template", "data.max_prompt_length",
              "data.truncation", "algorithm.filter_groups.max_num_gen_batches"),
 }

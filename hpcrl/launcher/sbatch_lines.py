@@ -18,7 +18,7 @@ from hpcrl.launcher.fleet import fleet_ids
 from hpcrl.rundir.paths import RunDir
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "sbatch"
-"""The repository's sbatch scripts (``trainer.sbatch``, ``rollout.sbatch``, ``eval.sbatch``)."""
+"""The repository's sbatch scripts (``trainer.sbatch``, ``rollout.sbatch``, ``eval.sbatch``, ``reward.sbatch``)."""
 
 
 def slurm_options(r: JobResources) -> dict[str, object]:
@@ -54,7 +54,22 @@ def sbatch_lines(cfg: RunConfig, rd: RunDir, scripts: Path, python: str) -> list
     if cfg.eval.enabled:
         lines.append(shlex.join(["sbatch", "--parsable", *_options("eval", cfg.resources.eval, rd, python),
                                  str(scripts / "eval.sbatch"), str(rd.root)]))
+    if reward_jobs(cfg):
+        lines.append(reward_line(cfg, rd, scripts, python, list(range(reward_jobs(cfg)))))
     return lines
+
+
+def reward_line(cfg: RunConfig, rd: RunDir, scripts: Path, python: str, ids: list[int]) -> str:
+    """The sbatch command of a reward job array of these indices (the array task id is the job's index)."""
+    return shlex.join(["sbatch", "--parsable", f"--array={','.join(map(str, ids))}",
+                       *_options("reward", cfg.resources.reward, rd, python), str(scripts / "reward.sbatch"),
+                       str(rd.root)])
+
+
+def reward_jobs(cfg: RunConfig) -> int:
+    """How many reward jobs the run submits (``resources.reward_jobs`` with ``reward_model.placement: job``)."""
+    rm = cfg.reward_model
+    return cfg.resources.reward_jobs if rm.enable and rm.placement == "job" else 0
 
 
 def rollout_arrays(cfg: RunConfig, writer_ids: list[int]) -> list[list[int]]:
@@ -91,6 +106,6 @@ def write_setup_files(cfg: RunConfig, rd: RunDir) -> None:
     """``RUN/sbatch/<role>.setup.sh`` from ``resources.<role>.setup`` (sourced by the scripts)."""
     rd.sbatch_dir.mkdir(exist_ok=True)
     for role, r in (("trainer", cfg.resources.trainer), ("rollout", cfg.resources.rollout),
-                    ("eval", cfg.resources.eval)):
+                    ("eval", cfg.resources.eval), ("reward", cfg.resources.reward)):
         body = "# written by hpcrl from resources.%s.setup\n%s\n" % (role, "\n".join(r.setup))
         write_bytes_atomic(rd.sbatch_setup(role), body.encode())

@@ -1,4 +1,5 @@
-"""``hpcrl scale RUN --rollout-jobs N``: change the rollout fleet of a live run.
+"""``hpcrl scale RUN --rollout-jobs N [--reward-jobs M]``: change the rollout fleet (and the reward jobs,
+``reward_scale.py``) of a live run.
 
 The command writes ``control/scale.json``; the launcher following the run (``hpcrl run``, or a Python session's
 ``Run``) acts on it within a poll and acknowledges it. When no launcher acknowledges within ``--wait-s`` (the run
@@ -23,6 +24,7 @@ from hpcrl.control.fleet import read_scale_request, request_scale
 from hpcrl.control.fleet_log import SCALE_REQUESTED, FleetLog
 from hpcrl.control.records import read_trainer_done
 from hpcrl.launcher.fleet import Fleet, StartError, Submitted, active_writers
+from hpcrl.launcher.reward_scale import resize_reward_jobs, sbatch_start
 from hpcrl.launcher.sbatch_lines import SCRIPTS, rollout_arrays, rollout_lines
 from hpcrl.launcher.submit import job_python
 from hpcrl.rundir.paths import FLEET_SCALE, RunDir
@@ -67,36 +69,51 @@ class SbatchArrays:
         """Nothing is followed here."""
 
 
-def scale_command(run_dir: str, n: int, wait_s: float, scripts: str | None) -> int:
-    """The command (module docstring); exit status 0 when the fleet was changed (or asked to change)."""
+def scale_command(run_dir: str, n: int | None, wait_s: float, scripts: str | None, reward_jobs: int | None = None
+                  ) -> int:
+    """The command (module docstring; ``reward_jobs``: ``launcher/reward_scale.py``); exit status 0 when the fleet
+    was changed (or asked to change)."""
     rd = RunDir(run_dir)
-    if n < 1:
+    if n is None and reward_jobs is None:
+        print("hpcrl scale: error: give --rollout-jobs N, --reward-jobs N or both", file=sys.stderr)
+        return 2
+    if reward_jobs is not None and reward_jobs < 1:
+        print(f"hpcrl scale: error: --reward-jobs must be >= 1, got {reward_jobs}", file=sys.stderr)
+        return 2
+    if n is not None and n < 1:
         print(f"hpcrl scale: error: --rollout-jobs must be >= 1, got {n}; to stop the run press Ctrl-C in `hpcrl "
               "run`, or scancel its jobs", file=sys.stderr)
         return 2
     if read_trainer_done(rd) is not None:
         print(f"hpcrl scale: error: the run in {rd.root} has finished; nothing to scale", file=sys.stderr)
         return 2
-    by = f"hpcrl scale --rollout-jobs {n}"
+    by = "hpcrl scale" + (f" --rollout-jobs {n}" if n is not None else "") + (
+        f" --reward-jobs {reward_jobs}" if reward_jobs is not None else "")
     before = len(active_writers(rd, rd.load_config()))  # counted first: a launcher may apply the request at once
-    req = request_scale(rd, n, by)
+    req = request_scale(rd, n, by, reward_jobs)
     log = FleetLog(rd, FLEET_SCALE)
-    log.record(SCALE_REQUESTED, by=by, from_jobs=before, to_jobs=n)
+    if n is not None:
+        log.record(SCALE_REQUESTED, by=by, from_jobs=before, to_jobs=n)
     deadline = time.monotonic() + wait_s
-    print(f"asked for {n} rollout job(s) ({rd.scale_request}); waiting up to {wait_s:.0f}s for the launcher")
+    what = " and ".join(x for x in (f"{n} rollout job(s)" if n is not None else "",
+                                    f"{reward_jobs} reward job(s)" if reward_jobs is not None else "") if x)
+    print(f"asked for {what} ({rd.scale_request}); waiting up to {wait_s:.0f}s for the launcher")
     while time.monotonic() < deadline:
         now = read_scale_request(rd)
         if now is not None and now.requested_s == req.requested_s and now.applied_s:
-            print(f"the launcher following the run applied it: {n} rollout job(s)")
+            print(f"the launcher following the run applied it: {what}")
             return 0
         time.sleep(0.5)
     print(f"no launcher acknowledged in {wait_s:.0f}s (the run was launched with sbatch/submit.sh, or `hpcrl run` "
           "has exited): acting here")
     cfg = rd.load_config()  # as the launcher may have left it
-    fleet = Fleet(rd, cfg, log, print, SbatchArrays(cfg, rd, Path(scripts) if scripts else SCRIPTS))
+    folder = Path(scripts) if scripts else SCRIPTS
     try:
-        fleet.resize(n, by)
-    except StartError as e:
+        if n is not None:
+            Fleet(rd, cfg, log, print, SbatchArrays(cfg, rd, folder)).resize(n, by)
+        if reward_jobs is not None:
+            resize_reward_jobs(cfg, rd, reward_jobs, by, sbatch_start(cfg, rd, folder, job_python()), print)
+    except (StartError, ValueError) as e:
         print(f"hpcrl scale: error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -1,5 +1,5 @@
-"""Submit the jobs of a run through submitit: the trainer, the rollout jobs and, with ``eval.every_versions``
-> 0, the evaluation job.
+"""Submit the jobs of a run through submitit: the trainer, the rollout jobs, with ``eval.every_versions`` > 0 the
+evaluation job, and with ``reward_model.placement: job`` the reward jobs.
 
 ``executor``: ``local`` runs both jobs as local processes (submitit's
 LocalExecutor), ``slurm`` submits them to Slurm, ``auto`` picks Slurm when
@@ -34,7 +34,7 @@ from hpcrl.control.fleet_log import SUBMITTED, FleetLog
 from hpcrl.control.records import HeartbeatState, read_heartbeats
 from hpcrl.launcher.fleet import StartError, Submitted, fleet_ids
 from hpcrl.launcher.jobs import KILL_WAIT_S, JobHandle, SlurmQueue
-from hpcrl.launcher.sbatch_lines import slurm_options
+from hpcrl.launcher.sbatch_lines import reward_jobs, slurm_options
 from hpcrl.process.leftovers import MARK_ENV, job_mark
 from hpcrl.rundir.paths import EVAL_JOB, RunDir
 
@@ -114,13 +114,20 @@ def plan_rollout(cfg: RunConfig, rd: RunDir, writer_id: int) -> PlannedJob:
 
 def plan_jobs(cfg: RunConfig, rd: RunDir) -> list[PlannedJob]:
     """The trainer, one rollout job per writer of the fleet (``launcher/fleet.py``: ``0..rollout_jobs-1`` for a new
-    run) and the evaluation job (if on), with their resources."""
+    run), the evaluation job (if on) and the reward jobs (``reward_model.placement: job``), with their resources."""
     jobs = [PlannedJob(RunDir.trainer_job(), "hpcrl.trainer.main.trainer_main", (str(rd.root),),
                        cfg.resources.trainer)]
     jobs += [plan_rollout(cfg, rd, w) for w in fleet_ids(rd, cfg.resources.rollout_jobs)]
     if cfg.eval.enabled:
         jobs.append(PlannedJob(EVAL_JOB, "hpcrl.eval.job.eval_main", (str(rd.root),), cfg.resources.eval))
+    jobs += [plan_reward(cfg, rd, i) for i in range(reward_jobs(cfg))]
     return jobs
+
+
+def plan_reward(cfg: RunConfig, rd: RunDir, index: int) -> PlannedJob:
+    """Reward job ``index`` (``reward_model.placement: job``)."""
+    return PlannedJob(RunDir.reward_job(index), "hpcrl.reward.job.reward_main", (str(rd.root), index),
+                      cfg.resources.reward)
 
 
 def slurm_parameters(job: PlannedJob) -> dict:
@@ -152,11 +159,12 @@ def _executor(kind: str, folder: Path, job: PlannedJob):
 
 def _function(name: str):
     from hpcrl.eval.job import eval_main
+    from hpcrl.reward.job import reward_main
     from hpcrl.rollout.main import rollout_main
     from hpcrl.trainer.main import trainer_main
 
     return {"hpcrl.trainer.main.trainer_main": trainer_main, "hpcrl.rollout.main.rollout_main": rollout_main,
-            "hpcrl.eval.job.eval_main": eval_main}[name]
+            "hpcrl.eval.job.eval_main": eval_main, "hpcrl.reward.job.reward_main": reward_main}[name]
 
 
 @contextmanager
@@ -246,6 +254,11 @@ class LauncherJobs:
             except Exception as e:  # submitit's FailedSubmissionError, sbatch's refusal, an OSError
                 raise StartError(f"{planned.name} could not be submitted ({type(e).__name__}: {e})") from e
             yield Submitted(RunDir.writer_name(i), handle.job_id)
+
+    def start_reward(self, indices: list[int]) -> list[str]:
+        """Submit the reward jobs of these indices (``hpcrl scale --reward-jobs``), followed like the others; their
+        job ids."""
+        return [self.submit(plan_reward(self.cfg, self.rd, i)).job_id for i in indices]
 
     def cancel(self, job: str) -> bool:
         """Cancel ``job`` (SIGTERM / scancel); it is still followed until it ends."""

@@ -156,6 +156,19 @@ SAMPLE_RESPONSE = "sample/response"
 """Text: its response, cut to 500 characters (``hpcrl samples RUN`` decodes them all from the shards)."""
 SAMPLE_REWARD = "sample/reward"
 """Its reward."""
+TIMING_REWARD = "timing_s/reward"
+"""Seconds the version's groups waited for the reward model after they finished generating, summed (verl's timing
+name of reward computation; the engine generated other groups meanwhile)."""
+REWARD_MODEL_GROUPS = "reward_model/groups"
+"""Groups scored by the reward model in the version."""
+REWARD_MODEL_S_PER_GROUP = "reward_model/seconds_per_group"
+"""Mean seconds from a group's request to the reward model until all its scores were in."""
+REWARD_MODEL_PROBLEMS = "reward_model/problems"
+"""Responses the reward model gave no score (an input too long, a judge's text without a verdict, a failed job)."""
+REWARD_MODEL_FIRST_PROBLEM = "reward_model/first_problem"
+"""Text: the first of them (only in rows with problems)."""
+REWARD_MODEL_RETRIES = "reward_model/retries"
+"""Requests sent again since the job started (a reward job gone, a damaged or late reply)."""
 PROBLEM_COUNTS = (REWARD_ERRORS, TOOL_ERRORS)
 """Per-version counts of things that went wrong, shown on the console, in ``hpcrl status`` and the report."""
 REWARD_EXTRA_PREFIX = "reward_extra/"
@@ -164,6 +177,18 @@ REWARD_EXTRA_PREFIX = "reward_extra/"
 ROLLOUT_COLUMNS = (WRITER, PARAM_VERSION, GROUPS, TOKENS, WALL_S, ROLLOUT_IDLE_RATIO, LOAD_WEIGHTS_S, TOKENS_PER_S,
                    TIME_S)
 """Columns every rollout row has (the report needs them)."""
+
+# ---- reward jobs: logs/reward-<i>.jsonl, a row a minute and a last one (hpcrl/reward/job.py) ----
+REWARD_JOB_ITEMS = "reward_job/items"
+"""Responses scored (and free prompts answered) since the job started."""
+REWARD_JOB_REQUESTS = "reward_job/requests"
+"""Requests answered since the job started."""
+REWARD_JOB_IDLE_RATIO = "reward_job/idle_ratio"
+"""Share of the job's serving time its model was not computing."""
+REWARD_JOB_ITEMS_PER_S = "reward_job/items_per_s"
+"""Responses scored per second of the model's computing time."""
+REWARD_JOB_QUEUE_MAX = "reward_job/queue_max"
+"""Most items one batch of the model took (requests of several clients together)."""
 
 # ---- evaluation: the metrics of a logs/eval.jsonl row (hpcrl/logs/eval_log.py), verl's names ----
 VAL_CORE = "val-core"

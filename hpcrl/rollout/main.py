@@ -3,23 +3,21 @@
 The loop (:meth:`RolloutJob.loop`) repeats these named steps:
 
 1. **stop?** USR2 (seal and requeue), ``control/trainer_done.json`` (seal, exit 0), the launcher's
-   ``control/stop.json`` (Ctrl-C: seal, save the groups in flight, exit 0 as ``stopped``) or a drain record
-   for this writer (``control/fleet.py``: finish the groups in flight, seal, release the budget and the prompt
-   claims, exit 0 as ``drained``);
-2. **new weights?** a newer complete version exists (or an *older* newest one: the
-   trainer rolled back to a checkpoint): stop admitting, let the groups in flight
-   finish, seal them, load the version; with ``partial_rollout``, abort them instead
-   and let them continue under the new version (``rollout/gate.py``);
-3. **admit**: while the admission rule allows (the shared budget, this job's share of it by load and its bound,
-   ``rollout.max_concurrent_groups``), reserve a start and claim its prompt index (``control/admission.py``,
-   ``control/claims.py``): one this writer holds already, else a new one;
-4. **collect** finished groups (n responses + rewards) into the shard buffer;
+   ``control/stop.json`` (Ctrl-C: seal, save the groups in flight, exit 0 as ``stopped``) or a drain record for this
+   writer (``control/fleet.py``: finish, seal, release the budget and the claims, exit 0 as ``drained``);
+2. **new weights?** a newer complete version exists (or an *older* newest one: the trainer rolled back to a
+   checkpoint): stop admitting, let the groups in flight finish, seal them, load the version; with
+   ``partial_rollout``, abort them instead and let them continue under the new version (``rollout/gate.py``);
+3. **admit**: while the admission rule allows (the shared budget, this job's share of it by load and its bound
+   ``rollout.max_concurrent_groups``, of groups generating: ``reward_model.scoring_groups`` more may wait for rewards),
+   reserve a start and claim its prompt index (``control/admission.py``, ``control/claims.py``): its own, else new;
+4. **collect** finished groups (n responses and all their rewards) into the shard buffer;
 5. **seal** the buffer when it is full, old, or nothing is in flight (the commit). A group the commit refuses
    because it could be trained beyond the lag bound (the job missed a version) is taken out of the shard and,
    once the newest version is loaded, carried into it (partial rollout: its trajectories' last sampled tokens
    are generated again there) or generated again from scratch, each counted (``fully_async/lag_bound/*``);
-6. **wait** when nothing was admitted, collected or is in flight: the version's
-   budget is spent, so only a newer version (or trainer_done) lets the job go on.
+6. **wait** when nothing was admitted, collected or is in flight: the version's budget is spent, so only a
+   newer version (or trainer_done) lets the job go on.
 
 Steps 1, 2, the re-admission of a job whose budget is spent, and the skipped prompts look at the run
 directory only when ``control/changes.jsonl`` grew (``control/changes.py``: one stat, backing off from
@@ -27,13 +25,11 @@ directory only when ``control/changes.jsonl`` grew (``control/changes.py``: one 
 of what they look for appends to it after the change. Step 2 also looks when the commit refused a group (a newer
 version exists then); a job refused by its share tries again when one of its own groups finishes.
 
-What it waits for: weight version 0 at start, and a newer version whenever the
-budget is spent; each wait logs what it waits for and the trainer's heartbeat, and
-fails after ``timeouts.wait_weights_s``. If the trainer dies, this job keeps its
-committed shards and waits so (the restarted trainer re-publishes and the job
-reloads). If *this* job dies, nothing committed is lost: its successor (same
-writer name) recovers from the manifest, releases the budget its predecessor held
-for groups in flight, and regenerates exactly the prompts that were never committed.
+What it waits for: weight version 0 at start, and a newer version whenever the budget is spent; each wait logs
+what it waits for and the trainer's heartbeat, and fails after ``timeouts.wait_weights_s``. If the trainer dies,
+this job keeps its committed shards and waits so (the restarted trainer re-publishes and the job reloads). If
+*this* job dies, nothing committed is lost: its successor (same writer name) recovers from the manifest, releases
+the budget its predecessor held for groups in flight, and regenerates exactly the prompts that were never committed.
 """
 from __future__ import annotations
 
@@ -58,7 +54,7 @@ from hpcrl.rollout.engine import FINISH_LENGTH
 from hpcrl.rollout.gate import EngineGate
 from hpcrl.rollout.late import LateGroups
 from hpcrl.rollout.loops import loop_name
-from hpcrl.rollout.parts import RolloutParts, build_parts
+from hpcrl.rollout.parts import RolloutParts, build_parts, scoring_groups
 from hpcrl.rollout.trajectory import TrajectoryState
 from hpcrl.rollout.version_stats import GroupInfo, VersionStats, sample_columns
 from hpcrl.rundir.paths import RunDir
@@ -114,11 +110,12 @@ class RolloutJob:
         self.consumed_at_version = 0
         """Groups the trainer had consumed when it published that version (the admission budget's base)."""
         self.in_flight: dict[Future, int] = {}
-        """Groups generating (or parked at the gate) -> their prompt index."""
+        """Groups generating (or parked at the gate, or waiting for their rewards) -> their prompt index."""
         self.stats: Optional[VersionStats] = None
         """Counters of the current version, written as a row when the next one is loaded."""
         self.bound = self.cfg.knobs.group_bound
-        """Groups this job may have in flight at most (``rollout.max_concurrent_groups``, ``auto``)."""
+        """Groups this job may have generating at most (``rollout.max_concurrent_groups``, ``auto``)."""
+        self.max_in_flight = self.bound + scoring_groups(self.cfg)  # the rest waiting for their rewards
         self.late = LateGroups(self.cfg.async_training.partial_rollout)
         """Groups the commit refused (lag bound), to start again once the newest version is loaded."""
         self._budget_spent = False  # the last try to admit found the budget spent: try again after a change
@@ -145,11 +142,14 @@ class RolloutJob:
                            ro.response_length)
         run_group(loop, ctx, trajs, p.runner, self.cfg.timeouts.generate_s,
                   f"generating the group of prompt {prompt_index}")
+        ids = [f"{self.writer}/{prompt_index}/{'greedy' if t.greedy else j}" for j, t in enumerate(trajs)]
+        texts = [p.tokenizer.decode(t.tokens, skip_special_tokens=True) for t in trajs]
+        # generated: the engine may take another group while this one waits for its rewards (scorer.waiting)
+        scores = p.scorer.score_group(ids, row, [(t.tokens, text) for t, text in zip(trajs, texts)],
+                                      [loop.reward_info(t) for t in trajs], stop=lambda: self.gate.stopping)
         out, sample, reward_baseline = [], {}, None
-        for j, t in enumerate(trajs):
-            sample_id = f"{self.writer}/{prompt_index}/{'greedy' if t.greedy else j}"
-            text = p.tokenizer.decode(t.tokens, skip_special_tokens=True)
-            shaped = p.shaping.shape(*p.scorer.score_full(sample_id, row, text, loop.reward_info(t)), len(t.tokens))
+        for t, sample_id, text, score in zip(trajs, ids, texts, scores):
+            shaped = p.shaping.shape(*score, len(t.tokens))
             reward = shaped.reward
             if t.greedy:
                 reward_baseline = reward
@@ -180,13 +180,13 @@ class RolloutJob:
         return how, time.monotonic() - t0
 
     def _load_newest(self) -> None:
-        """Load the newest intact version; a damaged one is marked bad and skipped (the trainer
-        publishes again); if none is intact, wait for one. The caller has drained the groups in flight.
+        """Load the newest intact version; a damaged one is marked bad and skipped (the trainer publishes again); if
+        none is intact, wait for one. The caller has drained the groups in flight.
 
-        If the engine fails to take a version, the job stays on the one it has (re-applied, since
-        a half-done load may have changed part of the weights) and says so; it tries again after
-        ``timeouts.retry_failed_load_s``. Without a version to fall back on (start-up), or if re-applying
-        fails too, the job fails (its restart starts a fresh engine)."""
+        If the engine fails to take a version, the job stays on the one it has (re-applied, since a half-done load
+        may have changed part of the weights) and says so; it tries again after ``timeouts.retry_failed_load_s``.
+        Without a version to fall back on (start-up), or if re-applying fails too, the job fails (its restart
+        starts a fresh engine)."""
         t0 = time.time()
         faults.point("weight_load")
         try:
@@ -234,9 +234,8 @@ class RolloutJob:
                  self.version, load_s, wv.path, how, wv.manifest.trainer_step, wv.manifest.consumed_groups)
 
     def _switch_weights_if_newer(self, changed: bool) -> None:
-        """Step 2: load a newer version; also an *older* newest one: the trainer was restarted
-        from a checkpoint and withdrew the versions published after it. Looked for only if the run
-        directory ``changed``."""
+        """Step 2: load a newer version; also an *older* newest one: the trainer was restarted from a checkpoint and
+        withdrew the versions published after it. Looked for only if the run directory ``changed``."""
         if not changed:
             return
         v = self.parts.weights.newest_usable()
@@ -256,8 +255,8 @@ class RolloutJob:
         self._load_newest()
 
     def _interrupt(self) -> None:
-        """Partial rollout: stop the generations in flight where they are (their groups stay in
-        flight and continue under the new version once the gate opens)."""
+        """Partial rollout: stop the generations in flight where they are (their groups stay in flight and continue
+        under the new version once the gate opens)."""
         t0 = time.monotonic()
         self.gate.close()
         if any(not f.done() for f in self.in_flight):
@@ -271,26 +270,29 @@ class RolloutJob:
         self.stats.pause_s += time.monotonic() - t0
         log.debug("paused %d groups in flight in %.3fs for a weight switch", carried, time.monotonic() - t0)
 
+    def _generating(self) -> int:  # what the bound and the share count: a group waiting for rewards holds no slot
+        return len(self.in_flight) - self.parts.scorer.waiting
+
     def _admit(self, changed: bool) -> bool:
-        """Step 3: start groups while the concurrency limit and the shared budget allow; True if any.
-        Prompts of shards the trainer skipped as damaged are generated again first. Once the budget is
-        spent, it is tried again only after the run directory ``changed`` (a new version, a skipped shard,
-        a writer's budget handed back: each bumps ``control/changes.jsonl``)."""
+        """Step 3: start groups while the concurrency limit and the shared budget allow; True if any. Prompts of
+        shards the trainer skipped as damaged are generated again first. Once the budget is spent, it is tried again
+        only after the run directory ``changed`` (a new version, a skipped shard, a writer's budget handed back: each
+        bumps ``control/changes.jsonl``)."""
         p = self.parts
         if changed:
             p.positions.requeue(p.shards.take_skipped_prompts())
-        elif self._budget_spent or (self._share_full is not None and len(self.in_flight) >= self._share_full):
+        elif self._budget_spent or (self._share_full is not None and self._generating() >= self._share_full):
             return False
         admitted = False
         self._budget_spent, self._share_full = False, None
-        while len(self.in_flight) < self.bound:
+        while self._generating() < self.bound and len(self.in_flight) < self.max_in_flight:
             index = p.admission.try_start(self.consumed_at_version, own=p.positions.peek(),
-                                          in_flight=len(self.in_flight), look_for_skips=changed and not admitted)
+                                          in_flight=self._generating(), look_for_skips=changed and not admitted)
             if index is None:
                 if p.admission.refused == "budget":
                     self._budget_spent = True
                 else:  # at its share: a group of its own finishing (or a change) lets it try again
-                    self._share_full = len(self.in_flight)
+                    self._share_full = self._generating()
                 break
             p.positions.taken(index)
             self._submit(index)
@@ -315,9 +317,9 @@ class RolloutJob:
         return bool(done)
 
     def _wait_parked(self) -> None:
-        """Wait until every group in flight is either done or parked at the closed gate: then no
-        generate call is running, and no group that has all its tokens from this version (it may
-        still be scoring them) can commit after the next version is loaded."""
+        """Wait until every group in flight is either done or parked at the closed gate: then no generate call is
+        running, and no group that has all its tokens from this version (it may still be scoring them) can commit
+        after the next version is loaded."""
         deadline = time.monotonic() + self.cfg.timeouts.generate_s
         while sum(f.done() for f in self.in_flight) + self.gate.parked < len(self.in_flight):
             if time.monotonic() > deadline:
@@ -358,8 +360,8 @@ class RolloutJob:
         self.in_flight[self.parts.pool.submit(self._generate_group, index)] = index
 
     def _wait_if_blocked(self, progressed: bool) -> None:
-        """Step 6: with nothing in flight and no progress, the budget of this version is spent:
-        sleep one poll (idle time) and fail once the wait exceeds timeouts.wait_weights_s."""
+        """Step 6: with nothing in flight and no progress, the budget of this version is spent: sleep one poll (idle
+        time) and fail once the wait exceeds timeouts.wait_weights_s."""
         if progressed or self.in_flight:
             if self._blocked_since is not None:
                 self.heartbeat.update(state=HeartbeatState.GENERATING)
@@ -440,8 +442,8 @@ class RolloutJob:
                 log.warning("could not abort the engine's generations: %s", e)
 
     def _keep_what_finished(self) -> None:
-        """Stop the groups in flight; keep the complete ones and save the states of the rest for this
-        writer's next job."""
+        """Stop the groups in flight; keep the complete ones and save the states of the rest for this writer's next
+        job."""
         p = self.parts
         for fut in self.in_flight:
             fut.cancel()

@@ -26,6 +26,7 @@ from hpcrl.control.fatal import fatal_inputs
 from hpcrl.control.startup import StartupSteps
 from hpcrl.logs.run_logs import MetricsLog
 from hpcrl.process.reaper import start_reaper, stop_reaper
+from hpcrl.reward.scoring import model_rewards
 from hpcrl.rollout.agent_loop import AgentLoop
 from hpcrl.rollout.data import PromptCounts, encode_rows
 from hpcrl.rollout.dataset import ClaimedPrompts, PromptStream, load_rows
@@ -58,6 +59,15 @@ def engine_options(cfg: RunConfig, model_dir) -> EngineOptions:
                          lora_rank=cfg.actor.lora_rank or 0)
 
 
+def scoring_groups(cfg: RunConfig) -> int:
+    """Groups a rollout job may hold waiting for the reward model beyond those it generates (``reward_model.
+    scoring_groups``; none without a reward model: a rule scores in microseconds)."""
+    rm = cfg.reward_model
+    if not rm.enable:
+        return 0
+    return rm.scoring_groups if rm.scoring_groups is not None else cfg.knobs.group_bound
+
+
 @dataclass
 class RolloutParts:
     """What one rollout job holds for its whole life (module docstring)."""
@@ -85,7 +95,7 @@ class RolloutParts:
     metrics: MetricsLog
     """``logs/rollout-<writer>.jsonl``: one row per weight version."""
     pool: ThreadPoolExecutor
-    """One thread per group in flight."""
+    """One thread per group in flight (generating, or waiting for the reward model: :func:`scoring_groups`)."""
     closers: contextlib.ExitStack
     """Closes the engine (and its processes), its loop and the subscriber, last built first."""
 
@@ -111,9 +121,16 @@ def build_parts(cfg: RunConfig, run_dir: RunDir, writer: str, steps: StartupStep
                 rows = load_rows(cfg.data, cfg.rollout.response_length)
                 rows, counts, template = encode_rows(tokenizer, cfg.data, rows)
             with fatal_inputs(run_dir, job, "loading the reward", "reward"):
-                scorer = RewardScorer(load_reward(cfg.reward))
+                reward = load_reward(cfg.reward, with_model=cfg.reward_model.enable)
             with fatal_inputs(run_dir, job, "building the agent loops", "agent"):
                 loops = make_loops(cfg.agent, tokenizer, rows)
+        model = None
+        if cfg.reward_model.enable:  # hpcrl/reward/: the reward jobs' client, or the model in this job
+            with steps.step("reaching the reward model", t.job_start_s + t.engine_start_s), \
+                    fatal_inputs(run_dir, job, "loading the reward model", "reward_model"):
+                model = model_rewards(cfg, run_dir, job, tokenizer)
+            closers.callback(model.close)
+        scorer = RewardScorer(reward, model)
         with fatal_inputs(run_dir, job, f"loading the model {mdir} into the {cfg.rollout.engine} engine", "model"):
             verify_base(mdir, cfg.model.base_hash)  # LoRA: the adapters apply to this base only
             runner = EngineRunner()
@@ -140,7 +157,9 @@ def build_parts(cfg: RunConfig, run_dir: RunDir, writer: str, steps: StartupStep
             positions=ClaimedPrompts(held),
             states=InFlightStates(run_dir.in_flight_states(writer), cfg.async_training.partial_rollout, held),
             metrics=MetricsLog(run_dir.rollout_metrics(writer)),
-            # its bound, plus room for groups the commit refused and starts again (threads are made as needed)
-            pool=ThreadPoolExecutor(k.group_bound + k.admission_budget, thread_name_prefix="group"),
+            # its bound and the groups waiting for their rewards, plus room for groups the commit refused and
+            # starts again (threads are made as needed)
+            pool=ThreadPoolExecutor(k.group_bound + scoring_groups(cfg) + k.admission_budget,
+                                    thread_name_prefix="group"),
             closers=closers.pop_all())
     return parts

@@ -43,6 +43,7 @@ from typing import Any, Callable, Optional
 
 from hpcrl.config import RewardConfig
 from hpcrl.config.names import BY_DATA_SOURCE
+from hpcrl.reward.wire import RewardUnavailable
 from hpcrl.rollout.rewards import builtin_rule, right_answer, scorer_for
 from hpcrl.logs import metric_names as M
 
@@ -54,6 +55,10 @@ with only the names it accepts; returns a number or a dict with ``score``."""
 
 VERL_ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info")
 """The keyword arguments verl passes to a reward function (besides ``reward_kwargs``)."""
+MODEL_ARGUMENTS = ("rm_score", "reward_model")
+"""What a function may take by name when ``reward_model.enable`` (hpcrl/reward/scoring.py): the model's score of this
+response (fetched with its group's one request), and the model itself for calls of its own (verl's hybrid rewards
+call the reward model's router; hpcrl hands a client)."""
 EXPECTED = "compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs)"
 """The signature a reward function is expected to have (any subset of the names, in any order, as
 long as ``solution_str`` and ``ground_truth`` are among them)."""
@@ -103,9 +108,10 @@ def _import(cfg: RewardConfig) -> Callable:
 
 
 class BoundReward:
-    """A reward function and how it is called: the keyword arguments it accepts, plus ``reward.kwargs``."""
+    """A reward function and how it is called: the keyword arguments it accepts, plus ``reward.kwargs`` (and, with
+    ``with_model``, :data:`MODEL_ARGUMENTS` it names)."""
 
-    def __init__(self, fn: Callable, kwargs: dict, where: str):
+    def __init__(self, fn: Callable, kwargs: dict, where: str, with_model: bool = False):
         self.fn = fn
         self.where = where
         """``reward.path FILE compute_score`` or ``reward.name NAME``: for messages."""
@@ -121,7 +127,8 @@ class BoundReward:
         if missing:
             raise RewardLoadError(f"{where}: {self.signature} cannot take {' and '.join(missing)} by name; expected "
                                   f"{EXPECTED} (verl's; parameters it lacks are simply not passed)")
-        offered = set(VERL_ARGUMENTS) | set(kwargs)
+        model = MODEL_ARGUMENTS if with_model else ()
+        offered = set(VERL_ARGUMENTS) | set(kwargs) | set(model)
         unfilled = [p.name for p in params if p.default is p.empty and p.kind is not p.VAR_KEYWORD
                     and p.kind is not p.VAR_POSITIONAL and p.name not in offered]
         if unfilled:
@@ -132,22 +139,34 @@ class BoundReward:
         if unused:
             raise RewardLoadError(f"{where}: reward.kwargs {', '.join(unused)} are not parameters of "
                                   f"{self.signature}; remove them or add the parameters")
-        self.passed = tuple(n for n in (*VERL_ARGUMENTS, *kwargs) if takes_any or n in by_name)
-        """The names passed on each call."""
+        self.passed = tuple(n for n in (*VERL_ARGUMENTS, *kwargs) if takes_any or n in by_name) + tuple(
+            n for n in model if n in by_name)
+        """The names passed on each call (the model's only when named: a ``**kwargs`` function is not sent them)."""
         self.kwargs = dict(kwargs)
 
-    def __call__(self, data_source: str, solution_str: str, ground_truth: str, extra_info: Optional[dict]) -> Any:
+    def __call__(self, data_source: str, solution_str: str, ground_truth: str, extra_info: Optional[dict],
+                 rm_score: Optional[float] = None, reward_model: Any = None) -> Any:
         offered = {"data_source": data_source, "solution_str": solution_str, "ground_truth": ground_truth,
-                   "extra_info": extra_info, **self.kwargs}
+                   "extra_info": extra_info, "rm_score": rm_score, "reward_model": reward_model, **self.kwargs}
         return self.fn(**{k: offered[k] for k in self.passed})
 
 
-def load_reward(cfg: RewardConfig) -> BoundReward:
-    """The run's reward, ready to call: the user's function from reward.path, or the built-in reward.name;
-    RewardLoadError (one line) if it cannot be imported or called as verl calls it."""
+def model_score(solution_str, ground_truth, rm_score=None):
+    """The reward of ``reward_model.enable`` without ``reward.path``: the reward model's score (verl's rule)."""
+    if rm_score is None:
+        raise ValueError("the reward model gave no score for this response (reward_model/first_problem says why)")
+    return rm_score
+
+
+def load_reward(cfg: RewardConfig, with_model: bool = False) -> BoundReward:
+    """The run's reward, ready to call: the user's function from reward.path, or the built-in reward.name, or (with
+    ``with_model``, ``reward_model.enable``, and no reward.path) the reward model's score; RewardLoadError (one line)
+    if it cannot be imported or called as verl calls it."""
+    if cfg.path is None and with_model:
+        return BoundReward(model_score, {}, "reward_model (its score)", with_model=True)
     if cfg.path is None:
         return BoundReward(_builtin(cfg.name), cfg.kwargs, f"reward.name {cfg.name}")
-    return BoundReward(_import(cfg), cfg.kwargs, f"reward.path {cfg.path} {cfg.function}")
+    return BoundReward(_import(cfg), cfg.kwargs, f"reward.path {cfg.path} {cfg.function}", with_model)
 
 
 def split_result(result: Any) -> tuple[float, dict[str, float]]:
@@ -263,30 +282,59 @@ def check_reward(cfg: RewardConfig, rows: list[dict], tokenizer=None) -> str:
 
 class RewardScorer:
     """Calls the reward for the rollout job's group threads; counts failures (with the first one's message
-    and sample id) and the extra metrics."""
+    and sample id) and the extra metrics. ``model``: the reward model (``hpcrl/reward/scoring.py``), asked for a
+    group's scores in one request when the reward needs them (``rm_score``)."""
 
-    def __init__(self, fn: ComputeScore):
+    def __init__(self, fn: ComputeScore, model: Any = None):
         self.fn = fn
+        self.model = model
         self._lock = threading.Lock()
         self._errors = 0
         self._first_error = ""
         self._sums: dict[str, float] = defaultdict(float)
         self._counts: dict[str, int] = defaultdict(int)
+        self.waiting = 0
+        """Groups in :meth:`score_group` now (the rollout job's generating count leaves them out)."""
 
     def score(self, sample_id: str, row: dict, response: str, agent_info: Optional[dict] = None) -> float:
         """The reward of one response; 0.0 (counted and logged) if the function raises or returns junk.
         A tool agent's counters (``num_turns``, ``tool_calls``, ``tool_errors``) join ``extra_info``."""
         return self.score_full(sample_id, row, response, agent_info)[0]
 
-    def score_full(self, sample_id: str, row: dict, response: str,
-                   agent_info: Optional[dict] = None) -> tuple[float, dict[str, Any]]:
+    def score_group(self, sample_ids: list[str], row: dict, responses: list[tuple[list[int], str]],
+                    agent_infos: list[Optional[dict]], stop: Callable[[], bool] = lambda: False
+                    ) -> list[tuple[float, dict[str, Any]]]:
+        """:meth:`score_full` of each ``(tokens, text)`` response of one group, the reward model's scores fetched
+        first in one request when the reward takes them (``stop``: the job is stopping; a wait for a reward job then
+        ends with RewardWaitStopped)."""
+        passed = getattr(self.fn, "passed", ())
+        scores = [None] * len(responses)
+        with self._lock:
+            self.waiting += 1
+        try:
+            if self.model is not None and "rm_score" in passed:
+                scores = self.model.group_scores(row, responses, f"scoring {sample_ids[0].rpartition('/')[0]}", stop)
+            handle = self.model.handle(row, stop) if self.model is not None and "reward_model" in passed else None
+            return [self.score_full(sid, row, text, info, rm_score, handle)
+                    for sid, (_, text), info, rm_score in zip(sample_ids, responses, agent_infos, scores)]
+        finally:
+            with self._lock:
+                self.waiting -= 1
+
+    def score_full(self, sample_id: str, row: dict, response: str, agent_info: Optional[dict] = None,
+                   rm_score: Optional[float] = None, reward_model: Any = None) -> tuple[float, dict[str, Any]]:
         """:meth:`score` and the fields of a dict result (``score`` included, as verl records them): every JSON
         scalar (numbers, and strings such as verl's ``pred``, which the evaluation's majority vote reads);
         ``(0.0, {})`` on failure."""
         extra_info = row["extra_info"] if not agent_info else {**(row["extra_info"] or {}), **agent_info}
         try:
-            result = self.fn(row["data_source"], response, row["answer"], extra_info)
+            if rm_score is None and reward_model is None:  # a reward of its own: called as verl calls it
+                result = self.fn(row["data_source"], response, row["answer"], extra_info)
+            else:
+                result = self.fn(row["data_source"], response, row["answer"], extra_info, rm_score, reward_model)
             reward, extra = split_result(result)
+        except RewardUnavailable:
+            raise  # no reward job answered: this group is not scored (never a 0 in its place)
         except Exception as e:  # noqa: BLE001 - a user's function must not stop the job
             message = f"{sample_id}: {type(e).__name__}: {e}"
             with self._lock:
@@ -317,6 +365,8 @@ class RewardScorer:
             if self._first_error:
                 out[M.REWARD_FIRST_ERROR] = self._first_error
             out.update({M.REWARD_EXTRA_PREFIX + k: self._sums[k] / self._counts[k] for k in self._sums})
+            if self.model is not None:
+                out.update(self.model.pop_metrics())
             self._errors = 0
             self._first_error = ""
             self._sums.clear()

@@ -22,6 +22,7 @@ Layout (ARCHITECTURE.md, "The run directory")::
       control/reserve/<job>        room a job holds on the filesystem for its last records (control/job.py)
       control/scale.json           the fleet size asked for by hpcrl scale      (hpcrl scale)
       control/broadcast.json       host/port/epoch of the weight broadcast      (trainer)
+      control/reward/<job>.json, reward_model/  a reward job's address (it writes); builtin:tiny-rm (launcher)
       checkpoints/<tag>/, checkpoints/latest.json                               (trainer)
       logs/metrics.jsonl, logs/staleness.jsonl.gz, logs/rollout-<writer>.jsonl, logs/jobs/<job>.log,
       logs/tensorboard/, logs/wandb/  (logging.backends)                        (trainer)
@@ -48,7 +49,7 @@ from typing import Optional
 import yaml
 
 from hpcrl.config import RunConfig, config_from_dict, dump_config
-from hpcrl.config.names import BUILTIN_MODELS
+from hpcrl.config.names import BUILTIN_MODELS, BUILTIN_REWARD_MODELS
 
 TRAINER_JOB = "trainer"
 """Job name of the trainer's rank 0 (heartbeat, log file, launcher handle)."""
@@ -56,6 +57,7 @@ EVAL_JOB = "eval"
 """Job name of the evaluation job, and its name as a reader of weights (pins, bad markers)."""
 EVAL_OFFLINE_JOB = "eval-offline"
 """Job and reader name of an offline ``hpcrl eval`` of a run's versions (while it holds a version)."""
+_REWARD_JOB_RE = re.compile(r"^reward-(\d+)$")  # reward jobs: reward-0, reward-1, ... (RunDir.reward_job)
 _WRITER_RE = re.compile(r"^w(\d{3,})$")
 _ROLLOUT_PREFIX = "rollout-"
 _VERSION_RE = re.compile(r"^v(\d{6})$")
@@ -125,6 +127,16 @@ class RunDir:
         return TRAINER_JOB if rank == 0 else f"{TRAINER_JOB}-rank{rank}"
 
     @staticmethod
+    def reward_job(index: int) -> str:
+        """Job name of reward job ``index``: ``reward-0``, ``reward-1``, ... (also its service's name)."""
+        return f"reward-{index}"
+
+    @staticmethod
+    def reward_index(job: str) -> Optional[int]:
+        """The index of a reward job's name (``reward-3`` -> 3), None for other names."""
+        return int(m.group(1)) if (m := _REWARD_JOB_RE.match(job)) else None
+
+    @staticmethod
     def writer_of_job(job: str) -> Optional[str]:
         """The writer a job name belongs to (``rollout-w000`` -> ``w000``), None for other jobs."""
         if job.startswith(_ROLLOUT_PREFIX) and _WRITER_RE.match(job[len(_ROLLOUT_PREFIX):]):
@@ -148,6 +160,10 @@ class RunDir:
     def model_dir(self, model_path: str) -> Path:
         """The folder of ``model.path``: ``base_model/`` for ``builtin:tiny[-h64]``, else the path itself (``~`` expanded)."""
         return self.base_model if model_path in BUILTIN_MODELS else Path(model_path).expanduser()
+
+    def reward_model_dir(self, path: str) -> Path:
+        """The folder of ``reward_model.path``: ``reward_model/`` for a built-in one (built at launch), else the path."""
+        return self.root / "reward_model" if path in BUILTIN_REWARD_MODELS else Path(path).expanduser()
 
     @property
     def sbatch_dir(self) -> Path:
@@ -269,6 +285,10 @@ class RunDir:
         """``control/broadcast.json``: host, port and epoch of the trainer's weight-broadcast store
         (trainer rank 0 writes it, tmp -> rename; rollout jobs read it to join)."""
         return self.control / "broadcast.json"
+
+    def reward_service(self, job: str = "") -> Path:
+        """``control/reward/<job>.json``: where reward job ``job`` listens (tmp -> rename); the folder without one."""
+        return self.control / "reward" / (f"{job}.json" if job else "")
 
     @property
     def drain_requests(self) -> Path:
@@ -427,6 +447,14 @@ class RunDir:
     def eval_samples(self) -> Path:
         """``logs/eval_samples.jsonl.gz``: one row per evaluated response (prompt, response, score), compressed."""
         return self._compressed_log("eval_samples.jsonl")
+
+    def reward_metrics(self, job: str) -> Path:
+        """``logs/<reward job>.jsonl``: one row a minute (and a last one) of what reward job ``job`` scored."""
+        return self.logs / f"{job}.jsonl"
+
+    def reward_metrics_logs(self) -> dict[str, Path]:
+        """Every reward job's log that exists, by job name."""
+        return {p.stem: p for p in sorted(self.logs.glob("*.jsonl")) if _REWARD_JOB_RE.match(p.stem)}
 
     def job_log(self, job: str) -> Path:
         """The Python log of one job (rank): ``logs/jobs/<job>.log``."""
