@@ -151,13 +151,14 @@ def _port() -> int:
 
 def predicted_gib(path: str, case: str, layers: int, budget: int, checkpointing: bool, bf16: bool) -> float:
     """hpcrl's prediction of the update's working memory (activations, logits) for this case, GiB."""
-    from hpcrl.plan.memory import ModelShape, update_working_bytes
+    from hpcrl.plan.memory import ZERO0_GRADIENT_COPIES, ModelShape, update_working_bytes
 
     shape = ModelShape(vocab=VOCAB, hidden=HIDDEN, intermediate=MLP, layers=layers, heads=HEADS, kv_heads=KV_HEADS,
                        params=0, tied=True)
     ls = lengths_of(case)
     d = 2 if bf16 else 4
-    grads = shape.total_params * 4  # DeepSpeed sets .grad to None after each step: an update allocates them again
+    # DeepSpeed sets .grad to None after each step: an update allocates them again (ZeRO 0, as plan/memory.py)
+    grads = shape.total_params * 4 * ZERO0_GRADIENT_COPIES
     b = len(ls)
     if path == "old":
         return (grads + update_working_bytes(shape, tokens=b * (PROMPT + max(ls)), rows=b, response_tokens=b * max(ls),

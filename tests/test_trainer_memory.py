@@ -15,7 +15,8 @@ import torch
 
 from conftest import REPO
 from hpcrl.config import ConfigError, load_config
-from hpcrl.plan.memory import ModelShape, layer_bytes_per_token, memory_lines, predict, update_working_bytes
+from hpcrl.plan.memory import (CHECKPOINTED_LAYER_HD, ModelShape, layer_bytes_per_token, memory_lines, predict,
+                               update_working_bytes)
 from hpcrl.trainer import memory
 
 SHAPE_7B = REPO / "configs" / "shapes" / "qwen2.5-7b.json"
@@ -106,7 +107,7 @@ def test_the_activation_term_is_within_a_quarter_of_a_measured_peak(checkpointin
                                     response_tokens=0, checkpointing=checkpointing, dtype_bytes=4, chunk_mib=1.0)
         assert abs(want - measured[layers]) <= 0.25 * measured[layers], (layers, want / 2**20, measured[layers] / 2**20)
     slope = (measured[4] - measured[2]) / 2 / 2048
-    per_layer = 3 * 512 * 4 if checkpointing else layer_bytes_per_token(shape, 4)
+    per_layer = CHECKPOINTED_LAYER_HD * 512 * 4 if checkpointing else layer_bytes_per_token(shape, 4)
     assert abs(per_layer - slope) <= 0.5 * slope, (per_layer, slope)
 
 

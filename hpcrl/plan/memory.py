@@ -10,21 +10,22 @@ bytes, P the model's parameters, Pt the trained ones: P, or the LoRA adapter's):
 
 - **parameters**: P d; ZeRO-3 P d / W plus what is gathered at once (the larger of the embedding and two
   layers); with ``offload_param`` only that working set (the rest sits in host memory);
-- **gradients**: Pt x 4 (ZeRO 0, fp32 accumulation), Pt d + Pt 4 / W (ZeRO 1), Pt 4 / W (ZeRO 2), Pt (d + 4) / W
-  (ZeRO 3), plus DeepSpeed's communication buckets (:data:`BUCKET_ELEMENTS` elements, twice);
+- **gradients**: Pt x 4 x 1.5 (ZeRO 0: fp32 accumulation and the step's temporaries, :data:`ZERO0_GRADIENT_COPIES`),
+  Pt d + Pt 4 / W (ZeRO 1), Pt 4 / W (ZeRO 2), Pt (d + 4) / W (ZeRO 3), plus DeepSpeed's communication buckets
+  (:data:`BUCKET_ELEMENTS` elements, twice);
 - **optimizer**: Adam's two moments and, in bf16, the fp32 master weights: Pt (8 + 4) / W for ZeRO >= 1 (Pt 8,
   ZeRO 0 fp32); nothing with ``offload_optimizer``;
 - **reference** (a KL term, full fine-tuning): a second copy of the parameters under the same rules;
 - **activations** of the largest micro-batch (N tokens, N / sp on each GPU of a sequence-parallel group): per token
   and layer :func:`layer_bytes_per_token`, plus what sits outside the layers (embeddings, final norm, the backward's
-  temporaries: (9 d + 32) h per token); with ``gradient_checkpointing`` each layer's input (3 h d per token and
-  layer) plus, at the peak, one layer recomputed with its backward's temporaries ((12 d + 40) h more per token).
-  Measured on CPU in fp32 (per token, two and four layers, hidden 256 / 512 / 896, MLP 4 h / 5.4 h): 118.6 KiB per
-  layer at hidden 896 (predicted 121.5), totals within 8 %;
-- **log-probs**: two blocks of ``actor.logprob_chunk_mib`` of float32 logits (a chunk and its log-softmax; their
-  gradients reuse what the backward's recompute frees), or the whole response's if that is smaller, and one chunk's
-  weight gradient of the output layer before it is added up (V h d). Fitted to the trainer's own update on the
-  Qwen2.5-0.5B shape (bench/bench_trainer_memory.py: measured and predicted side by side).
+  temporaries: (9 d + 32) h per token); with ``gradient_checkpointing`` what each layer keeps
+  (:data:`CHECKPOINTED_LAYER_HD` h d per token and layer: its input and what the recompute holds) plus, at the
+  peak, one layer recomputed with its backward's temporaries ((12 d + 40) h more per token). Measured on CPU in fp32 (per token, two and four layers, hidden 256 / 512 / 896, MLP
+  4 h / 5.4 h): 118.6 KiB per layer at hidden 896 (predicted 121.5), totals within 8 %;
+- **log-probs**: one chunk of ``actor.logprob_chunk_mib`` of float32 logits (its log-softmax and gradients reuse
+  what the chunk's recompute frees), or the whole response's if that is smaller. The checkpointed terms were fitted
+  to the trainer's own update on the Qwen2.5-0.5B shape with 2 and 24 layers (bench/bench_trainer_memory.py:
+  measured and predicted side by side; within 25 % of each case there).
 
 N is the largest micro-batch a config can form: with ``use_dynamic_bsz`` the larger of the budget and the
 longest sequence (prompt + ``rollout.response_length``: a longer row runs alone), else ``ppo_micro_batch_size``
@@ -47,6 +48,13 @@ from hpcrl.config.names import BUILTIN_MODELS
 GIB = 2**30
 BUCKET_ELEMENTS = 50_000_000
 """DeepSpeed's reduce and all-gather buckets, elements (hpcrl/trainer/build.py sets them)."""
+CHECKPOINTED_LAYER_HD = 5.75
+"""Bytes a checkpointed layer keeps per token, in units of hidden x dtype bytes: its input (1), and what the
+non-reentrant recompute and the rotary and norm inputs hold (measured: the full-depth 0.5B shape, fp32, one response
+of 2,048 and of 8,192 tokens through the trainer's update, bench/bench_trainer_memory.py)."""
+ZERO0_GRADIENT_COPIES = 1.5
+"""Without ZeRO, float32 gradients held at the update's peak, in copies of the trained parameters (the step's
+temporaries: fitted with :data:`CHECKPOINTED_LAYER_HD` to the 2- and 24-layer 0.5B shapes)."""
 HEADROOM = 0.10
 """Share of the GPU's memory the check leaves for the allocator's fragmentation, the CUDA context and NCCL."""
 CONTEXT_GIB = 1.0
@@ -114,16 +122,15 @@ def update_working_bytes(shape: ModelShape, *, tokens: int, rows: int, response_
     six float32 ``[B, L, V]`` copies around the log-softmax)."""
     d, h = dtype_bytes, shape.hidden
     per_layer = layer_bytes_per_token(shape, d)
-    if checkpointing:  # each layer's input, and at the peak one layer recomputed with its backward's temporaries
-        acts = tokens * (shape.layers * 3 * h * d + per_layer + (12 * d + 40) * h)
+    if checkpointing:  # what each checkpointed layer keeps, and at the peak one layer recomputed with its backward's
+        # temporaries
+        acts = tokens * (shape.layers * CHECKPOINTED_LAYER_HD * h * d + per_layer + (12 * d + 40) * h)
     else:  # every layer's activations, and what sits outside them (embeddings, final norm, backward temporaries)
         acts = tokens * (shape.layers * per_layer + (9 * d + 32) * h)
     if chunk_mib is None:  # the whole [B, T, V] logits, then [B, L, V] gathered and three float32 copies of it
         logits = tokens * shape.vocab * d + response_tokens * shape.vocab * (d + 12)
-    else:  # a chunk's logits and log-softmax (their gradients reuse what the recompute frees), and the output
-        # layer's weight gradient of a chunk before it is added to the parameter's
-        block = min(chunk_mib * 2**20, response_tokens * shape.vocab * 4.0)
-        logits = 2 * block + shape.vocab * h * d
+    else:  # one chunk's float32 logits (its log-softmax and gradients reuse what the chunk's recompute frees)
+        logits = min(chunk_mib * 2**20, response_tokens * shape.vocab * 4.0)
     return acts + logits
 
 
@@ -188,7 +195,8 @@ def predict(cfg, shape: ModelShape, world: int, cuda: bool = True) -> MemoryTerm
     else:
         params = live + (0 if actor.offload_param else P * d / W)
     bucket = 2 * BUCKET_ELEMENTS * d if stage >= 2 else 0
-    grads = {0: Pt * 4, 1: Pt * d + Pt * 4 / W, 2: Pt * 4 / W, 3: Pt * (d + 4) / W}[stage] + bucket
+    grads = {0: Pt * 4 * ZERO0_GRADIENT_COPIES, 1: Pt * d + Pt * 4 / W, 2: Pt * 4 / W,
+             3: Pt * (d + 4) / W}[stage] + bucket
     if cfg.lora:
         grads = Pt * 4 + bucket
     master = 4 if d == 2 else 0
