@@ -129,6 +129,25 @@ class StartError(RuntimeError):
     """New writers' jobs could not be started (the message says why and what to do)."""
 
 
+SBATCH_TIMEOUT_S = 60.0
+"""How long one ``sbatch`` may take to answer before the start is refused."""
+
+
+def submit_array(line: str) -> str:
+    """Run one ``sbatch --parsable`` line (``shutil.which("sbatch")`` checked by the caller): the array's job id, or
+    StartError naming the line and what went wrong."""
+    import shlex
+    import subprocess
+
+    try:
+        out = subprocess.run(shlex.split(line), capture_output=True, text=True, timeout=SBATCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise StartError(f"`{line}` gave no answer in {SBATCH_TIMEOUT_S:g}s") from None
+    if out.returncode != 0:
+        raise StartError(f"`{line}` failed: {out.stderr.strip()}")
+    return out.stdout.strip().split(";")[0]  # --parsable: "id" or "id;cluster"
+
+
 @dataclass
 class Submitted:
     """One writer's job started by a :class:`Starter`."""

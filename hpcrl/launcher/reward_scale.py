@@ -9,17 +9,14 @@ array (or prints the line when sbatch is not on PATH). A drained reward job is n
 """
 from __future__ import annotations
 
-import shlex
 import shutil
-import subprocess
 from typing import Callable
 
 from hpcrl.config import RunConfig
 from hpcrl.control.changes import bump
-from hpcrl.launcher.fleet import StartError
+from hpcrl.launcher.fleet import StartError, submit_array
 from hpcrl.rundir.paths import RunDir
 
-SBATCH_TIMEOUT_S = 60.0
 
 Start = Callable[[list[int]], list[str]]
 """Starts the reward jobs of these indices; their job ids."""
@@ -58,13 +55,7 @@ def sbatch_start(cfg: RunConfig, rd: RunDir, scripts, python: str) -> Start:
         line = reward_line(cfg, rd, scripts, python, ids)
         if shutil.which("sbatch") is None:
             raise StartError(f"sbatch is not on PATH: submit the new reward jobs with\n{line}")
-        try:
-            out = subprocess.run(shlex.split(line), capture_output=True, text=True, timeout=SBATCH_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            raise StartError(f"`{line}` gave no answer in {SBATCH_TIMEOUT_S:g}s") from None
-        if out.returncode != 0:
-            raise StartError(f"`{line}` failed: {out.stderr.strip()}")
-        array = out.stdout.strip().split(";")[0]
+        array = submit_array(line)
         return [f"{array}_{i}" for i in ids]
 
     return start

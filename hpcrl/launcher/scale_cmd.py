@@ -11,9 +11,7 @@ prints those lines when sbatch is not on PATH.
 """
 from __future__ import annotations
 
-import shlex
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,13 +21,12 @@ from hpcrl.config import RunConfig
 from hpcrl.control.fleet import read_scale_request, request_scale
 from hpcrl.control.fleet_log import SCALE_REQUESTED, FleetLog
 from hpcrl.control.records import read_trainer_done
-from hpcrl.launcher.fleet import Fleet, StartError, Submitted, active_writers
+from hpcrl.launcher.fleet import Fleet, StartError, Submitted, active_writers, submit_array
 from hpcrl.launcher.reward_scale import resize_reward_jobs, sbatch_start
 from hpcrl.launcher.sbatch_lines import SCRIPTS, rollout_arrays, rollout_lines
 from hpcrl.launcher.submit import job_python
 from hpcrl.rundir.paths import FLEET_SCALE, RunDir
 
-SBATCH_TIMEOUT_S = 60.0
 """Deadline of one ``sbatch`` submission."""
 
 
@@ -51,13 +48,7 @@ class SbatchArrays:
         if shutil.which("sbatch") is None:
             raise StartError("sbatch is not on PATH: submit the new rollout jobs with\n" + "\n".join(lines))
         for ids, line in zip(rollout_arrays(self.cfg, writer_ids), lines):
-            try:
-                out = subprocess.run(shlex.split(line), capture_output=True, text=True, timeout=SBATCH_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                raise StartError(f"`{line}` gave no answer in {SBATCH_TIMEOUT_S:g}s") from None
-            if out.returncode != 0:
-                raise StartError(f"`{line}` failed: {out.stderr.strip()}")
-            array = out.stdout.strip().split(";")[0]  # --parsable: "id" or "id;cluster"
+            array = submit_array(line)
             for i in ids:
                 yield Submitted(RunDir.writer_name(i), f"{array}_{i}", f"rollout job array {array}: {line}")
 
