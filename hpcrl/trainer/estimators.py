@@ -40,13 +40,6 @@ grpo_passk). The config refuses ``rollout.n < 2`` for these estimators anyway. G
 and stds are computed in float64, so a group of equal scores gets exactly 0: verl's float32
 statistics of eight scores of 0.6 give every one of them grpo advantage +0.056 (a rounding
 step over a std of 6e-8 + 1e-6), which sharpens the policy on whatever the group sampled.
-
-Deviations from verl, on purpose: a group of one has no baseline, so every group
-estimator gives it advantage 0 (verl falls back to the raw score, or raises for
-grpo_passk). The config refuses ``rollout.n < 2`` for these estimators anyway. Group means
-and stds are computed in float64, so a group of equal scores gets exactly 0: verl's float32
-statistics of eight scores of 0.6 give every one of them grpo advantage +0.056 (a rounding
-step over a std of 6e-8 + 1e-6), which sharpens the policy on whatever the group sampled.
 """
 from __future__ import annotations
 
