@@ -175,7 +175,7 @@ def test_a_vllm_build_without_lora_kernels_is_refused_at_launch_in_one_line(monk
     msg = str(e.value)
     import vllm
 
-    assert msg.startswith("config rollout.engine: got 'vllm' with actor.lora_rank=8; this vLLM build cannot serve "
+    assert msg.startswith("config rollout.engine: got 'vllm' with actor.lora_rank=8; this build cannot serve "
                           f"LoRA adapters (vllm {vllm.__version__} has no LoRA kernels for its cpu platform)")
     assert "\n" not in msg
     assert "fix: rollout.engine=transformers" in msg
