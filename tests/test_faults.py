@@ -326,3 +326,18 @@ def test_skipped_shard_gives_its_budget_back_and_its_prompts_are_regenerated(tin
         assert (st.drop_duplicates("group_id").group_id == f"w000/{p}").sum() == 1
         assert not (st.shard[st.group_id == f"w000/{p}"] == victim["shard"]).any()
     check_exactly_once(rd, cfg.rollout.max_concurrent_groups)
+
+
+@pytest.mark.slow
+def test_an_update_that_outlasts_stuck_update_s_shows_every_threads_stack_and_goes_on(tiny_run):
+    """A publish held 3 s (as a rank would be by a collective the other rank never joins) with
+    ``timeouts.stuck_update_s=1``: the trainer's output holds each thread's stack, the held call in it, once; the run
+    then finishes as usual."""
+    rd = tiny_run("rollout.total_rollout_steps=12", "timeouts.stuck_update_s=1")
+    trainer = start_trainer(rd, env={"HPCRL_FAULT_POINT": "publish:2:sleep=3"})
+    rollout = start_rollout(rd)
+    assert trainer.wait(120) == 0, trainer.tail()
+    assert rollout.wait(60) == 0, rollout.tail()
+    out = trainer.log_path.read_text()
+    assert out.count("Timeout (0:00:01)!") == 1, out[-3000:]
+    assert "most recent call first" in out and "in _publish" in out, out[-3000:]

@@ -63,8 +63,11 @@ def squeue_ids(env) -> set:
 def jobs_state(slurm, rd) -> str:
     """What a failed wait on an sbatch run prints: the queue, then each job log's last lines."""
     queue = subprocess.run(["squeue", "-o", "%i %j %T %R %M"], capture_output=True, text=True, env=slurm).stdout
-    logs = [f"--- {p.name}:\n" + "".join(p.read_text(errors="replace").splitlines(True)[-15:])
-            for p in sorted(rd.job_logs.glob("*")) if p.is_file()] if rd.job_logs.exists() else []
+    def tail(p):  # a Slurm output holds a stuck rank's stacks (timeouts.stuck_update_s)
+        return "".join(p.read_text(errors="replace").splitlines(True)[-(80 if "slurm" in p.name else 15):])
+
+    logs = [f"--- {p.name}:\n{tail(p)}" for p in sorted(rd.job_logs.glob("*")) if p.is_file()] \
+        if rd.job_logs.exists() else []
     return queue + "\n".join(logs)
 
 
@@ -124,7 +127,8 @@ def test_sbatch_two_rank_trainer_and_two_rollout_tasks(slurm, tmp_path):
                                          "actor.zero_stage=3", "actor.ppo_micro_batch_size=2",
                                          "rollout.total_rollout_steps=400", "async_training.staleness_threshold=0.5",
                                          # value head + frozen reference across 2 ZeRO-3 ranks
-                                         "algorithm.adv_estimator=gae", "actor.use_kl_loss=true")
+                                         "algorithm.adv_estimator=gae", "actor.use_kl_loss=true",
+                                         "timeouts.stuck_update_s=60")  # a rank stuck in a collective shows where
     rd = RunDir(run)
     wait_until(lambda: read_json(rd.trainer_done) or trainer_id not in squeue_ids(slurm), 400, "trainer_done.json",
                poll_s=1.0, describe=lambda: jobs_state(slurm, rd))

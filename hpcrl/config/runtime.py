@@ -72,6 +72,10 @@ class TimeoutsConfig:
     wait_samples_s and wait_weights_s, so the other jobs outwait it."""
     slow_write_s: float = 10.0
     """A write to the run directory (with its fsync) slower than this is named in the job's log."""
+    stuck_update_s: float = 1800.0
+    """A trainer update (with its publish and checkpoint) still running after this long writes every thread's
+    stack to the job's stderr (its Slurm output), once, and goes on: where a collective that one rank never joins
+    waits. 0: never."""
 
     def validate(self) -> None:
         """Raise ConfigError (the key, what is allowed, the fix) for a value out of range."""
@@ -80,6 +84,7 @@ class TimeoutsConfig:
                      "engine_start_s", "generate_s", "retry_failed_load_s", "broadcast_connect_s", "broadcast_s", "stop_s",
                      "disk_full_s", "slow_write_s"):
             check_float(f"timeouts.{name}", getattr(self, name), 0.0, lo_open=True)
+        check_float("timeouts.stuck_update_s", self.stuck_update_s, 0.0)
         if self.poll_max_s < self.poll_interval_s:
             fail("timeouts.poll_max_s", self.poll_max_s,
                  f">= timeouts.poll_interval_s = {self.poll_interval_s} (the back-off starts there)")

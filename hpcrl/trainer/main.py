@@ -31,8 +31,11 @@ so every committed group is trained on exactly once.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import faulthandler
 import logging
 import os
+import sys
 import time
 from typing import Optional
 
@@ -80,6 +83,20 @@ class _NoHeartbeat:
     def stop(self, final_state: str) -> None:
         pass
 
+
+
+@contextlib.contextmanager
+def stack_dump_after(seconds: float):
+    """Every thread's stack to stderr if the block still runs after ``seconds`` (``timeouts.stuck_update_s``; 0:
+    never): faulthandler writes it from its own thread, so a rank stuck inside a C++ collective is shown too."""
+    if seconds <= 0:
+        yield
+        return
+    faulthandler.dump_traceback_later(seconds, repeat=False, file=sys.stderr)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 class TrainerJob:
     """One rank of the trainer job. Rank 0 reads samples, writes logs, heartbeats and weight
@@ -325,14 +342,15 @@ class TrainerJob:
             if status == REPUBLISH:  # every rank: the gather of ZeRO-3 weights is collective
                 self._publish(self.state.param_version + 1)
                 continue
-            upd, update_s = self._train_step(kept, dropped, version_seen)
-            published = self._publish_due()
-            sync_s = self._publish(version_seen + 1) if published else 0.0
-            if self.rank == 0:
-                self._log_step(kept, dropped, upd, wait_s, update_s, sync_s, version_seen, published)
-            self._mark_update_boundary()
-            if published:
-                self._checkpoint_if_due()
+            with stack_dump_after(self.cfg.timeouts.stuck_update_s):
+                upd, update_s = self._train_step(kept, dropped, version_seen)
+                published = self._publish_due()
+                sync_s = self._publish(version_seen + 1) if published else 0.0
+                if self.rank == 0:
+                    self._log_step(kept, dropped, upd, wait_s, update_s, sync_s, version_seen, published)
+                self._mark_update_boundary()
+                if published:
+                    self._checkpoint_if_due()
         self._finish()
         return Stop.DONE
 
