@@ -230,6 +230,10 @@ def zero_stages(out: Path, rank: int, world: int) -> None:
         stats["same_forwards"] = all(f == every[0] for f in every)
         module = parts.engine.module
         weights = zero3_state_dict(module, rank, "")[0] if stage == 3 else module.state_dict()
+        if stage == 3:  # more updates: once ZeRO-3 has traced a step, the start of a forward checks the trace with
+            # a collective, which a rank that asks how many packs the others run after its own never meets
+            for seed in (1, 2):
+                parts.updater.run(build_batch(mixed_groups(64, seed=seed, skewed=True), parts.layout.pad_id, 0))
         got[stage] = (stats["actor/grad_norm"], stats["actor/pg_loss"], {k: v.detach().float().clone()
                                                                         for k, v in weights.items()},
                       stats["forwards_per_rank"], stats["same_forwards"])

@@ -161,12 +161,14 @@ def run_model(module, micro: Batch, temperature: float, layout: Layout, device, 
     :class:`~hpcrl.trainer.models.PolicyWithValueHead`, or such a module itself (the reference)."""
     packs = packs_of(micro, remove_padding=layout.remove_padding, attn=layout.attn, pad_id=layout.pad_id,
                      device=device, sp=layout.sp)
+    stand_ins = _stand_ins_needed(len(packs), layout, device)  # before any forward: a forward's hooks are collectives
     outs = [module(pack, temperature=temperature, chunk_rows=layout.chunk_rows, extra=extra, extra_grad=extra_grad,
                    sp=layout.sp) for _, pack in packs]
-    for _ in range(_stand_ins_needed(len(packs), layout, device)):
+    for _ in range(stand_ins):
         ran = module(_stand_in_pack(layout, device), temperature=temperature, chunk_rows=layout.chunk_rows, extra=extra,
                      extra_grad=extra_grad, sp=layout.sp)
-        outs[0] = tuple(o if o is None or r is None else o + 0.0 * r.sum() for o, r in zip(outs[0], ran))  # in the graph
+        outs[0] = tuple(o if o is None or r is None else o + 0.0 * r.sum()  # in the graph: its backward runs too
+                        for o, r in zip(outs[0], ran))
     order = torch.tensor([b for rows, _ in packs for b in rows])  # the packs' rows, in the order they ran
     lens = micro.resp_lens[order]
     back = torch.empty_like(order)
@@ -183,7 +185,9 @@ def run_model(module, micro: Batch, temperature: float, layout: Layout, device, 
 
 def _stand_ins_needed(n_packs: int, layout: Layout, device) -> int:
     """How many packs fewer than the rank with the most this rank runs for this micro-batch (0 unless
-    ``layout.same_forwards``): the kernels without packing cut a micro-batch into as many packs as its lengths ask."""
+    ``layout.same_forwards``): the kernels without packing cut a micro-batch into as many packs as its lengths ask.
+    Asked before the micro-batch's first forward: ZeRO-3's hook at the start of a forward may itself be a collective
+    (its trace check), which a rank asking here after its last pack would never meet."""
     if not layout.same_forwards:
         return 0
     most = torch.tensor([n_packs], device=device)
