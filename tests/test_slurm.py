@@ -81,7 +81,7 @@ def test_submitit_run_learns_and_survives_a_scancelled_rollout(slurm, tmp_path):
     """`hpcrl run --executor slurm`: the rollout job is scancel'd mid-run; the trainer
     says what it waits for, the launcher resubmits the rollout, the run completes and learns."""
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "hpcrl", "run", str(TINY), "rollout.total_rollout_steps=600",
+    cmd = [sys.executable, "-m", "hpcrl", "run", str(TINY), "rollout.total_rollout_steps=480",
            "timeouts.wait_log_interval_s=1", "--run-dir", str(run), "--executor", "slurm", "--timeout-min", "8"]
     launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=slurm)
     lines = []
@@ -157,7 +157,7 @@ def test_sbatch_trainer_preempted_with_usr2_requeues_and_resumes(slurm, tmp_path
     """USR2 (what Slurm sends before a time limit or on preemption): the trainer checkpoints,
     requeues itself, resumes; nothing lost or doubled."""
     run = tmp_path / "run"
-    trainer_id, array_id, _ = submit_sbatch(slurm, run, "rollout.total_rollout_steps=480",
+    trainer_id, array_id, _ = submit_sbatch(slurm, run, "rollout.total_rollout_steps=320",
                                          "timeouts.wait_weights_s=600", "timeouts.wait_samples_s=600")
     rd = RunDir(run)
     wait_until(lambda: n_updates(rd) >= 30, 180, "30 trainer updates")

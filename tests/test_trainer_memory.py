@@ -67,42 +67,53 @@ def test_the_terms_follow_zero_offload_checkpointing_and_sequence_parallelism(mo
 
 
 MEASURE = r"""
-import gc, json, sys, torch
+import gc, json, os, sys, torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from hpcrl.trainer import memory
-torch.set_num_threads(2)
-layers, ckpt = int(sys.argv[1]), sys.argv[2] == "1"
-model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=512, intermediate_size=2048, num_hidden_layers=layers,
-                                     num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096))
-if ckpt:
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-model.train()
-ids = torch.randint(0, 64, (1, 2048), generator=torch.Generator().manual_seed(0))
-model.model(input_ids=ids[:, :8], use_cache=False).last_hidden_state.sum().backward()  # the gradients exist
-gc.collect()
-before = memory.current_gib()
-memory.reset_peaks()
-model.model(input_ids=ids, use_cache=False).last_hidden_state.sum().backward()
-print(json.dumps((memory.host_peak_gib() - before) * 2**30))
+ckpt = sys.argv[1] == "1"
+
+def peak_bytes(layers):
+    torch.set_num_threads(2)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=512, intermediate_size=2048,
+                                         num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2,
+                                         max_position_embeddings=4096))
+    if ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ids = torch.randint(0, 64, (1, 2048), generator=torch.Generator().manual_seed(0))
+    model.model(input_ids=ids[:, :8], use_cache=False).last_hidden_state.sum().backward()  # the gradients exist
+    gc.collect()
+    before = memory.current_gib()
+    memory.reset_peaks()
+    model.model(input_ids=ids, use_cache=False).last_hidden_state.sum().backward()
+    return (memory.host_peak_gib() - before) * 2**30
+
+for layers in map(int, sys.argv[2:]):  # each in a child forked before any tensor: an allocator of its own
+    read, write = os.pipe()
+    if os.fork() == 0:
+        os.close(read)
+        os.write(write, json.dumps(peak_bytes(layers)).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as got:
+        print(json.dumps([layers, float(got.read())]))
+    assert os.wait()[1] == 0
 """
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_the_activation_term_is_within_a_quarter_of_a_measured_peak(checkpointing):
-    """A Qwen2 of two and four layers (hidden 512, MLP 2048) trained on 2,048 tokens in fp32, each in a fresh
-    process (the allocator keeps what an earlier step freed): the measured peak above the model and its gradients
-    against the prediction's activation term (no logits here), and the per-layer slope against the per-layer term."""
-    import subprocess
-    import sys
-
+    """A Qwen2 of two and four layers (hidden 512, MLP 2048) trained on 2,048 tokens in fp32, each in a process of
+    its own (the allocator keeps what an earlier step freed), forked from one that only imported: the measured peak
+    above the model and its gradients against the prediction's activation term (no logits here), and the per-layer
+    slope against the per-layer term."""
     shape = ModelShape(vocab=64, hidden=512, intermediate=2048, layers=2, heads=8, kv_heads=2, params=0)
-    measured = {}
+    out = subprocess.run([sys.executable, "-c", MEASURE, str(int(checkpointing)), "2", "4"], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    measured = dict(json.loads(line) for line in out.stdout.strip().splitlines()[-2:])
     for layers in (2, 4):
-        out = subprocess.run([sys.executable, "-c", MEASURE, str(layers), str(int(checkpointing))], cwd=REPO,
-                             capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stderr[-2000:]
-        measured[layers] = float(out.stdout.strip().splitlines()[-1])
         want = update_working_bytes(dataclasses.replace(shape, layers=layers), tokens=2048, rows=1,
                                     response_tokens=0, checkpointing=checkpointing, dtype_bytes=4, chunk_mib=1.0)
         assert abs(want - measured[layers]) <= 0.25 * measured[layers], (layers, want / 2**20, measured[layers] / 2**20)
@@ -127,7 +138,7 @@ def test_peaks_are_reset_per_update():
 RECOMPUTES = r"""
 import os, sys, json, pathlib, tempfile
 sys.path[:0] = [os.path.join(os.getcwd(), "tests"), os.getcwd()]
-os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
 import deepspeed
 deepspeed.init_distributed(dist_backend="gloo")
 from conftest import make_run
@@ -136,31 +147,38 @@ from hpcrl.control.startup import StartupSteps
 from hpcrl.rundir.paths import RunDir
 from hpcrl.trainer.batch import build_batch
 from hpcrl.trainer.parts import build_parts
-folder = pathlib.Path(tempfile.mkdtemp())
-make_run(folder, "model.path=builtin:tiny-h64", "rollout.n=4", "actor.ppo_mini_batch_size=4",
-         f"actor.gradient_checkpointing={sys.argv[1]}", name="run")
-rd = RunDir(folder / "run")
-parts, _ = build_parts(rd.load_config(), rd, 0, 1, StartupSteps(_Beat(), "trainer", 300))
-batch = build_batch(mixed_groups(64), parts.layout.pad_id, 0)
-parts.updater.prepare(batch)
-calls, forwards = [], []  # the training passes' only (a pre-hook: the recompute stops early, before a post-hook)
-parts.engine.module.policy.model.layers[0].register_forward_pre_hook(lambda *_: calls.append(1))
-parts.engine.module.register_forward_pre_hook(lambda *_: forwards.append(1))
-parts.updater.train(batch)
-print(json.dumps({"layer_runs": len(calls), "forwards": len(forwards)}))
+for setting in sys.argv[2:]:  # one process for both: the imports are most of its time
+    folder = pathlib.Path(tempfile.mkdtemp())
+    make_run(folder, "model.path=builtin:tiny-h64", "rollout.n=4", "actor.ppo_mini_batch_size=4",
+             f"actor.gradient_checkpointing={setting}", name="run")
+    rd = RunDir(folder / "run")
+    parts, _ = build_parts(rd.load_config(), rd, 0, 1, StartupSteps(_Beat(), "trainer", 300))
+    batch = build_batch(mixed_groups(64), parts.layout.pad_id, 0)
+    parts.updater.prepare(batch)
+    calls, forwards = [], []  # the training passes' only (a pre-hook: the recompute stops early, before a post-hook)
+    parts.engine.module.policy.model.layers[0].register_forward_pre_hook(lambda *_: calls.append(1))
+    parts.engine.module.register_forward_pre_hook(lambda *_: forwards.append(1))
+    parts.updater.train(batch)
+    print(json.dumps([setting, {"layer_runs": len(calls), "forwards": len(forwards)}]))
 """
 
 
+@pytest.fixture(scope="module")
+def layer_runs() -> dict:
+    """Setting of ``actor.gradient_checkpointing`` -> how often the first layer and the model ran in one update."""
+    from hpcrl.process.network import free_port
+
+    out = subprocess.run([sys.executable, "-c", RECOMPUTES, str(free_port()), "true", "false"], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return dict(json.loads(line) for line in out.stdout.strip().splitlines()[-2:])
+
+
 @pytest.mark.parametrize("checkpointing", ["true", "false"])
-def test_the_trainers_checkpointed_layers_are_recomputed_in_the_backward(checkpointing):
+def test_the_trainers_checkpointed_layers_are_recomputed_in_the_backward(layer_runs, checkpointing):
     """``actor.gradient_checkpointing``: in the trainer's own update each layer runs twice per forward (again in the
     backward); without it once. (transformers loads a model in eval mode, where it skips the checkpointing: the
     trainer's measured peaks were those of no checkpointing until the trainer set training mode.)"""
-    from hpcrl.process.network import free_port
-
-    out = subprocess.run([sys.executable, "-c", RECOMPUTES, checkpointing, str(free_port())], cwd=REPO,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got = layer_runs[checkpointing]
     assert got["forwards"] > 0
     assert got["layer_runs"] == got["forwards"] * (2 if checkpointing == "true" else 1), got
