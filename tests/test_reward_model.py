@@ -48,6 +48,33 @@ def test_the_section_checks_its_values_and_the_combinations_in_one_pass():
     assert cfg.reward_model.placement == "rollout"
 
 
+def test_a_judges_engine_is_checked_before_submission_like_the_rollout_engine(tmp_path, monkeypatch):
+    """A generative judge on an engine whose package this Python lacks (vLLM's spec pointed at a package nobody has)
+    is refused by the launch check, in the same pass as its other problems, with the fix; a discriminative model
+    runs no engine; ``auto`` is the rollout engine's, whose problem that key says once."""
+    from hpcrl.config import registries
+    from hpcrl.launcher.inputs import check_inputs
+
+    monkeypatch.setitem(registries.ENGINES, "vllm",
+                        dataclasses.replace(registries.ENGINES["vllm"], package="hpcrl_no_such_package"))
+    judge = [*RM[:1], "reward_model.path=builtin:tiny-judge", "reward.name=by_data_source", "eval.every_versions=0"]
+    (tmp_path / "p.py").write_text("x = 1\n")
+    with pytest.raises(ConfigError) as e:
+        check_inputs(load_config(TINY, [*judge, "reward_model.engine=vllm",
+                                        f"reward_model.score_parser={tmp_path}/p.py:nothing"]), "local")
+    lines = str(e.value).splitlines()
+    assert any(line.startswith("config reward_model.engine: got 'vllm'; allowed: an engine this Python can import "
+                               "(hpcrl_no_such_package is not installed); fix: ") and
+               line.endswith(", or reward_model.engine=transformers") for line in lines), lines
+    assert any("reward_model.score_parser" in line for line in lines), "every problem in one pass"
+    with pytest.raises(ConfigError) as e:
+        check_inputs(load_config(TINY, [*judge, "rollout.engine=vllm", "model.path=builtin:tiny-h64"]), "local")
+    assert [line.split(":")[0] for line in str(e.value).splitlines() if "is not installed" in line] == \
+        ["config rollout.engine"], str(e.value)
+    check_inputs(load_config(TINY, [*RM, "reward_model.engine=vllm", "eval.every_versions=0"]), "local")
+    check_inputs(load_config(TINY, [*judge, "reward_model.engine=transformers"]), "local")
+
+
 def test_verls_reward_model_keys_are_read_as_they_are_or_refused_one_by_one():
     notes: list[str] = []
     cfg = load_config(TINY, ["reward.name=by_data_source", "reward_model.enable=true", "reward_model.model.path=/rm",
