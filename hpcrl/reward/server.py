@@ -1,12 +1,13 @@
 """The reward service: one TCP socket, one thread per client connection, one model.
 
 A connection first passes the handshake (``wire.py``), then sends requests one at a time. A discriminative model's
-items go to the :class:`Batcher`: one thread takes everything that is waiting (several rollout jobs' groups) and
-scores it in one call, so requests from many clients share forwards; a generative judge's requests are scored in
+items go to the :class:`Batcher`: one thread pools everything that is waiting (several rollout jobs' groups) and
+scores it in forwards of similar lengths (the least padding), so requests from many clients share forwards and
+each is answered as its last item is scored; a generative judge's requests are scored in
 their connection's thread, all in flight at once (the engine batches them). Every request is answered with the same
 ``id``; an item the model cannot score has a None score and its reason; a request the server cannot read ends its
 connection (named in the log). The server keeps what the job reports: items and requests served, the model's busy
-seconds (so its idle share), the largest queue.
+seconds (so its idle share), the most items waiting at once.
 
 What it waits for: nothing but its clients (a connection idle for a while is simply kept; the socket's accept
 loop wakes every :data:`ACCEPT_POLL_S` to see whether the server is closing).
