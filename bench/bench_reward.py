@@ -7,9 +7,14 @@ of its own (``reward_model.placement=job``), every group sent as it finishes gen
 generation tokens/s, its response tokens over the seconds it had a group in flight (each version row's
 ``wall_s * (1 - rollouter/idle_ratio)``, the first version's row left out: start-up), and (b) / (a); the target is
 >= 0.9 (the engine keeps generating while a group waits for its scores: ``reward_model.scoring_groups``). Default
-engine: vLLM's CPU build on ``builtin:tiny-h64`` (``--engine transformers`` for the other). On this 2-core machine the
-reward job, the trainer, the rollout job and vLLM's engine core share the cores, so (b) pays for the reward job's
-CPU too.
+engine: vLLM's CPU build on ``builtin:tiny-h64`` (``--engine transformers`` for the other). On a cluster the reward
+job has an allocation of its own; here every job shares the machine's cores, so by default (``--pin``) each leg's
+jobs are pinned alike, as separate allocations would keep them: the rollout job and its engine (vLLM's engine core
+inherits the mask) on the first CPU this process may use, the trainer and (in (b)) the reward job on the others
+(``HPCRL_PYTHON`` is a script that starts each job under ``taskset``, chosen by the job's name). Without pinning
+(``--no-pin``) (b) also pays for the reward job's CPU, which then competes with the engine for the same cores: the
+ratio measures CPU contention, not whether scoring blocks generation. Other processes on the machine still share the
+rollout job's CPU: read the load average with the figure.
 
 **Scoring** (``--part scoring``): one discriminative model (Qwen2-shaped, ``--hidden``/``--layers``, random) scores the
 same responses (``--items`` of them, prompt 8 + response 16..``--tokens`` tokens) (a) by a bare transformers forward, as
@@ -24,10 +29,14 @@ Run::
     .venv/bin/python bench/bench_reward.py --quick                 # both parts, short
     .venv/bin/python bench/bench_reward.py --part scoring --hidden 512 --layers 4
     .venv/bin/python bench/bench_reward.py --part generation --engine transformers
+    .venv/bin/python bench/bench_reward.py --part generation --quick --no-pin   # the jobs share every core
 """
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -35,6 +44,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -76,10 +86,31 @@ def busy_tokens_per_s(rd: RunDir) -> float:
     return sum(r[M.TOKENS] for r in rows) / busy if busy > 0 else float("nan")
 
 
-def launch(folder: Path, overrides: list[str], timeout_min: int) -> RunDir:
+def pinning_python(work: Path) -> dict[str, str]:
+    """The environment of a launch whose jobs run pinned (module docstring): ``HPCRL_PYTHON`` a script that starts
+    the rollout job on the first CPU this process may use and every other job on the rest (submitit's local job
+    folder ends in the job's name: ``.../rollout-w000``)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit(f"--pin needs 2 CPUs, this process may use {cpus}; run with --no-pin")
+    script = work / "pinned-python"
+    script.write_text(f"""#!/bin/sh
+# bench_reward.py: each job of the run on its own CPUs, as its own allocation would keep it
+case "$*" in
+  */rollout-*) exec taskset -c {cpus[0]} {shlex.quote(sys.executable)} "$@" ;;
+  *) exec taskset -c {",".join(map(str, cpus[1:]))} {shlex.quote(sys.executable)} "$@" ;;
+esac
+""")
+    script.chmod(0o755)
+    print(f"pinned: the rollout job and its engine on CPU {cpus[0]}, the other jobs on CPU(s) "
+          f"{','.join(map(str, cpus[1:]))}", flush=True)
+    return dict(os.environ, HPCRL_PYTHON=str(script))
+
+
+def launch(folder: Path, overrides: list[str], timeout_min: int, env: Optional[dict] = None) -> RunDir:
     cmd = [sys.executable, "-m", "hpcrl", "run", str(REPO / "configs" / "tiny.yaml"), *overrides,
            "--run-dir", str(folder), "--executor", "local", "--timeout-min", str(timeout_min)]
-    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
     if out.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
     return RunDir(folder)
@@ -95,10 +126,10 @@ def part_generation(a, work: Path) -> list[list[str]]:
     modes = {"(a) rule (toy_copy)": ["reward.name=toy_copy"],
              "(b) reward job (DisRM)": ["reward.name=by_data_source", "reward_model.enable=true",
                                         f"reward_model.path={rm}", "reward_model.placement=job"]}
-    rates = {}
+    rates, env = {}, pinning_python(work) if a.pin else None
     for i, (name, extra) in enumerate(modes.items()):
         t0 = time.monotonic()
-        rd = launch(work / f"gen{i}", common + extra, 30)
+        rd = launch(work / f"gen{i}", common + extra, 30, env)
         rates[name] = busy_tokens_per_s(rd)
         print(f"{name}: {rates[name]:.0f} tokens/s while generating ({time.monotonic() - t0:.0f}s in all)",
               flush=True)
@@ -203,6 +234,8 @@ def main() -> None:
     p = bench_parser(__doc__, "shorter runs (both parts in a few minutes)")
     p.add_argument("--part", choices=("both", "generation", "scoring"), default="both")
     p.add_argument("--engine", choices=[e for e, spec in ENGINES.items() if not spec.simulated], default="vllm")
+    p.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                   help="generation part: the rollout job on a CPU of its own, the other jobs on the rest")
     p.add_argument("--device", default="cpu")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)

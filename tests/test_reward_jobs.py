@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from conftest import REPO, BackgroundCommand, Job, check_exactly_once, start_rollout, start_trainer, wait_until
+from conftest import Job, check_exactly_once, start_rollout, start_trainer, wait_until
 from hpcrl.control.fatal import read_fatal_record
 from hpcrl.control.records import read_heartbeats
 from hpcrl.logs.eval_log import read_eval_samples
@@ -23,25 +23,6 @@ from hpcrl.samples.schema import ShardManifestLine
 from hpcrl.tiny.model import build_tokenizer, quiet_progress_bars, tiny_config
 
 pytestmark = pytest.mark.slow
-
-
-def tiny_rm_run(folder) -> list[str]:
-    """docs/reward-models.md's command: `hpcrl run configs/tiny-rm.yaml --executor local`, 200 of its 300 updates
-    (the suite's time; held-out rule scores of two full runs: 0.65 at v140, 0.78 at v160, 0.79 at v200, 0.83 at v300;
-    0.81 at v160, 0.88 at v300)."""
-    return ["run", str(REPO / "configs" / "tiny-rm.yaml"), "--run-dir", str(folder / "tiny-rm"), "--executor", "local",
-            "--timeout-min", "30", "rollout.total_rollout_steps=800"]
-
-
-BACKGROUND_RUNS = {"reward:tiny-rm": BackgroundCommand.hpcrl_args(tiny_rm_run)}
-"""In the background when the session starts (conftest.BackgroundRuns): the learned-reward run, launched like a
-user's; its test reads the finished run."""
-
-
-def background_keys(item) -> tuple[str, ...]:
-    """The background runs a test item reads (none: it runs its own jobs)."""
-    return ("reward:tiny-rm",) if item.originalname == "test_a_policy_trained_on_a_learned_reward_alone_learns_the_rule" \
-        else ()
 
 
 def random_rm(folder) -> str:
@@ -177,24 +158,3 @@ def test_reward_jobs_shrink_and_grow_with_hpcrl_scale(tiny_run, tmp_path, capsys
         assert "--array=1" in err and "reward.sbatch" in err, err
     jobs[0].kill(signal.SIGTERM)
 
-
-def test_a_policy_trained_on_a_learned_reward_alone_learns_the_rule(background_runs):
-    """configs/tiny-rm.yaml: a tiny sequence classifier trained at launch to predict the toy task's rule serves the
-    only reward, from a reward job of its own (a separate process); the held-out prompts, scored by the rule the
-    policy never trained on, go from ~0 to >= 0.6; the reward job scored every group once and ended by itself."""
-    from pathlib import Path
-
-    from hpcrl.logs.eval_log import EVALUATED, JOB, read_eval_rows
-
-    out = background_runs.launched("reward:tiny-rm", timeout_s=1200)
-    assert out.returncode == 0, out.stdout[-3000:]
-    rd = RunDir(Path(out.args[out.args.index("--run-dir") + 1]))
-    rows = [r for r in read_eval_rows(rd.eval_log) if r.source == JOB and r.status == EVALUATED]
-    first, last = rows[0], rows[-1]
-    print(f"held-out rule score v{first.version} {first.score:.3f} -> v{last.version} {last.score:.3f}")
-    assert first.version == 0 and first.score <= 0.1 and last.score >= 0.6, [(r.version, r.score) for r in rows]
-    cfg = rd.load_config()
-    check_exactly_once(rd, cfg.rollout.max_concurrent_groups + scoring_groups(cfg))
-    job_rows = list(read_jsonl(rd.reward_metrics(RunDir.reward_job(0))))
-    assert job_rows[-1]["reward_job/items"] >= cfg.total_updates * cfg.groups_per_update * cfg.rollout.n
-    assert read_heartbeats(rd)[RunDir.reward_job(0)].state == "done"

@@ -4,6 +4,7 @@ a generative judge), with real sockets and real models, in this process (no job 
 model behind a socket are marked slow)."""
 from __future__ import annotations
 
+import dataclasses
 import socket
 import threading
 import time
@@ -16,7 +17,7 @@ from hpcrl.config import ConfigError, RewardConfig, RunConfig, load_config
 from hpcrl.config.reward_model import RewardModelConfig
 from hpcrl.reward.client import RewardClient
 from hpcrl.reward.inputs import DiscriminativeInputs, InputTooLong, JudgeInputs, Truncation, same_tokenizer
-from hpcrl.reward.models import DiscriminativeRM, GenerativeJudge, micro_batches, model_kind
+from hpcrl.reward.models import DiscriminativeRM, GenerativeJudge, model_kind
 from hpcrl.reward.parsers import last_number, load_parser, parse_score, yes_no
 from hpcrl.reward.scoring import LocalBackend, ModelRewards
 from hpcrl.reward.server import RewardServer
@@ -45,6 +46,33 @@ def test_the_section_checks_its_values_and_the_combinations_in_one_pass():
         load_config(TINY, [*RM, "resources.reward_jobs=0"])
     cfg = load_config(TINY, [*RM, "resources.reward_jobs=0", "reward_model.placement=rollout"])
     assert cfg.reward_model.placement == "rollout"
+
+
+def test_a_judges_engine_is_checked_before_submission_like_the_rollout_engine(tmp_path, monkeypatch):
+    """A generative judge on an engine whose package this Python lacks (vLLM's spec pointed at a package nobody has)
+    is refused by the launch check, in the same pass as its other problems, with the fix; a discriminative model
+    runs no engine; ``auto`` is the rollout engine's, whose problem that key says once."""
+    from hpcrl.config import registries
+    from hpcrl.launcher.inputs import check_inputs
+
+    monkeypatch.setitem(registries.ENGINES, "vllm",
+                        dataclasses.replace(registries.ENGINES["vllm"], package="hpcrl_no_such_package"))
+    judge = [*RM[:1], "reward_model.path=builtin:tiny-judge", "reward.name=by_data_source", "eval.every_versions=0"]
+    (tmp_path / "p.py").write_text("x = 1\n")
+    with pytest.raises(ConfigError) as e:
+        check_inputs(load_config(TINY, [*judge, "reward_model.engine=vllm",
+                                        f"reward_model.score_parser={tmp_path}/p.py:nothing"]), "local")
+    lines = str(e.value).splitlines()
+    assert any(line.startswith("config reward_model.engine: got 'vllm'; allowed: an engine this Python can import "
+                               "(hpcrl_no_such_package is not installed); fix: ") and
+               line.endswith(", or reward_model.engine=transformers") for line in lines), lines
+    assert any("reward_model.score_parser" in line for line in lines), "every problem in one pass"
+    with pytest.raises(ConfigError) as e:
+        check_inputs(load_config(TINY, [*judge, "rollout.engine=vllm", "model.path=builtin:tiny-h64"]), "local")
+    assert [line.split(":")[0] for line in str(e.value).splitlines() if "is not installed" in line] == \
+        ["config rollout.engine"], str(e.value)
+    check_inputs(load_config(TINY, [*RM, "reward_model.engine=vllm", "eval.every_versions=0"]), "local")
+    check_inputs(load_config(TINY, [*judge, "reward_model.engine=transformers"]), "local")
 
 
 def test_verls_reward_model_keys_are_read_as_they_are_or_refused_one_by_one():
@@ -125,8 +153,6 @@ def test_score_parsers_builtin_and_your_own(tmp_path):
     (tmp_path / "p.py").write_text("def parse(text):\n    return len(text)\n\ndef bad(text):\n    return 'x'\n")
     assert parse_score(load_parser(f"{tmp_path}/p.py:parse"), "abc") == (3.0, "")
     assert parse_score(load_parser(f"{tmp_path}/p.py:bad"), "abc")[0] is None
-    assert micro_batches([3, 9, 5, 9, 1], 2, None) == [[1, 3], [2, 0], [4]]
-    assert micro_batches([4, 4, 4], 8, 8) == [[0, 1], [2]]
 
 
 def test_hybrid_functions_take_the_models_score_and_client_by_name(tmp_path):
@@ -273,7 +299,7 @@ def test_a_discriminative_models_served_scores_equal_an_offline_call(tmp_path, d
         for k, items in enumerate(groups):
             got = [s.score for s in results[k]]
             assert got == pytest.approx(_offline_disrm(disrm_folder, items), abs=1e-5)
-        assert svc.server.stats.items == 32 and svc.server.stats.batches <= 4
+        assert svc.server.stats.items == 32 and svc.server.stats.requests == 4
     finally:
         svc.close(rd)
 

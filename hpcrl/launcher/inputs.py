@@ -9,7 +9,8 @@ line, instead of after ``resources.max_restarts`` resubmissions:
   that tokenizer, through its chat template, within ``data.max_prompt_length``'s policy;
 - **reward**: ``reward.path`` imports, its function can be called as verl calls it, and it returns a
   score on a real row of each data source (shown to the user); with ``reward_model.enable`` the model's folder,
-  kind and parser, and what the function takes of it (``hpcrl/reward/checks.py``);
+  kind and parser, and what the function takes of it (``hpcrl/reward/checks.py``), and a generative judge's engine
+  can run here like the rollout engine (its package installed);
 - **agent**: if any prompt uses the tool agent, its tools build from ``agent.tools``, its
   parser accepts them, and the tokenizer's chat template can append tool responses;
 - **evaluation** (``eval.every_versions`` > 0): ``data.val_files`` read and tokenize like the data,
@@ -51,10 +52,13 @@ def check_engine(cfg: RunConfig) -> None:
     check_engine_for(cfg, cfg.rollout.engine, "rollout.engine")
 
 
-def check_engine_for(cfg: RunConfig, engine: str, key: str) -> None:
-    """What the spec of the engine ``key`` names (``rollout.engine``, ``eval.engine``) asks of this launch: the
-    package it needs imports in this Python (the jobs run the same one), and off a GPU the model's attention head
-    dim is at least the engine's CPU minimum (vLLM's CPU attention: 64; ``builtin:tiny`` has 32)."""
+def check_engine_for(cfg: RunConfig, engine: str, key: str, model_key: str = "model.path",
+                     device: Optional[str] = None) -> None:
+    """What the spec of the engine ``key`` names (``rollout.engine``, ``eval.engine``, ``reward_model.engine``) asks
+    of this launch: the package it needs imports in this Python (the jobs run the same one), and off a GPU the
+    attention head dim of the model at ``model_key`` (the policy's, or the judge's ``reward_model.path``) is at least
+    the engine's CPU minimum (vLLM's CPU attention: 64; ``builtin:tiny`` has 32). ``device``: the engine's
+    (default ``rollout.device``)."""
     import importlib.util
 
     spec = registries.engine_spec(engine)
@@ -64,14 +68,35 @@ def check_engine_for(cfg: RunConfig, engine: str, key: str) -> None:
         raise bad(key, engine, f"an engine this Python can import ({spec.package} is not installed)",
                   f"{spec.install or 'pip install ' + spec.package}, or {key}="
                   f"{next(n for n, s in registries.ENGINES.items() if not s.package and not s.simulated)}")
-    head_dim = model_head_dim(cfg.model.path)
-    if spec.cpu_min_head_dim and cfg.rollout.device != "cuda" and head_dim is not None \
+    path = cfg.reward_model.path if model_key == "reward_model.path" else cfg.model.path
+    head_dim = model_head_dim(path)
+    if spec.cpu_min_head_dim and (device or cfg.rollout.device) != "cuda" and head_dim is not None \
             and head_dim < spec.cpu_min_head_dim:
         wide = [m for m in BUILTIN_MODELS if (model_head_dim(m) or 0) >= spec.cpu_min_head_dim]
-        raise bad("model.path", cfg.model.path, f"a model whose attention head dim is >= {spec.cpu_min_head_dim} "
+        raise bad(model_key, path, f"a model whose attention head dim is >= {spec.cpu_min_head_dim} "
                   f"with {key}={engine} off a GPU (this one's is {head_dim})",
-                  f"set model.path={wide[0]}" if cfg.model.path in BUILTIN_MODELS and wide else
-                  "set rollout.device=cuda (with GPUs), or another engine")
+                  f"set model.path={wide[0]}" if path in BUILTIN_MODELS and wide else
+                  f"set {'reward_model' if model_key == 'reward_model.path' else 'rollout'}.device=cuda (with GPUs), "
+                  "or another engine")
+
+
+def check_judge_engine(cfg: RunConfig) -> None:
+    """A generative judge's engine (``reward_model.engine``; ``auto``: ``rollout.engine``'s, whose problems that key
+    already says) can run here, on the judge's model (:func:`check_engine_for`). A discriminative model needs none
+    (a transformers forward); a folder whose kind cannot be told is reported by ``reward/checks.py``."""
+    from hpcrl.reward.models import GENERATIVE, RewardModelLoadError, model_kind
+
+    rm = cfg.reward_model
+    if not rm.enable or (rm.engine == "auto" and reported("rollout.engine")):
+        return
+    try:
+        kind = (GENERATIVE if rm.path == "builtin:tiny-judge" else "discriminative") if rm.builtin else \
+            model_kind(Path(rm.path).expanduser(), rm.kind)
+    except RewardModelLoadError:
+        return
+    if kind == GENERATIVE:
+        check_engine_for(cfg, rm.engine if rm.engine != "auto" else cfg.rollout.engine, "reward_model.engine",
+                         "reward_model.path", rm.device)
 
 
 def model_head_dim(path: str) -> Optional[int]:
@@ -286,6 +311,8 @@ def _check_inputs(cfg: RunConfig, kind: Optional[str]) -> InputsFound:
                              skip=("data.", "reward.")) or []
     if cfg.reward_model.enable:
         lines += _attempt(check_reward_model, cfg, skip=("reward_model.", "reward.")) or []
+        _attempt(check_judge_engine, cfg, skip=("reward_model.path", "reward_model.kind", "reward_model.engine",
+                                                "reward_model.device"))
     elif rows and not reported("data.answer_key"):
         probe = _attempt(probe_reward, cfg.reward, encoded[0] if encoded else rows, tokenizer, skip=("reward.",))
     elif not rows:

@@ -2,8 +2,9 @@
 judge (a causal LM on an hpcrl engine, its verdict parsed into a score). Both take :class:`ScoreItem` lists and give
 one :class:`Scored` per item; a reward job serves one of them, or a rollout job holds one (``reward_model.placement``).
 
-**Discriminative.** Inputs (``inputs.py``) are sorted by length and cut into micro-batches of at most
-``reward_model.micro_batch_size`` sequences and ``max_batch_tokens`` padded tokens, padded on the right, and the
+**Discriminative.** Inputs (``inputs.py``) are sorted by length and cut into the micro-batches of least padding (of at
+most ``reward_model.micro_batch_size`` sequences and ``max_batch_tokens`` padded tokens; on a CPU, split further
+where that saves more padding than a forward costs: :func:`micro_batches`), padded on the right, and the
 model's score head is applied to the hidden state of each sequence's last token (verl's DisRM score: the last
 token's logit of the last label). Right padding under a causal mask leaves every real token's hidden state as it is
 without padding, so a score does not depend on its batch (to float rounding). A model whose head is not found
@@ -73,17 +74,36 @@ def resolve_dtype(dtype: str, device: str) -> str:
     return dtype if dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
 
 
-def micro_batches(lengths: list[int], max_seqs: int, max_tokens: Optional[int]) -> list[list[int]]:
-    """Indices of ``lengths`` longest first, cut into batches of at most ``max_seqs`` sequences and (when set)
-    ``max_tokens`` padded tokens (a sequence longer than that is a batch alone)."""
-    batches: list[list[int]] = []
-    for i in sorted(range(len(lengths)), key=lambda k: -lengths[k]):
-        if batches and len(batches[-1]) < max_seqs and (
-                max_tokens is None or lengths[batches[-1][0]] * (len(batches[-1]) + 1) <= max_tokens):
-            batches[-1].append(i)
-        else:
-            batches.append([i])
-    return batches
+CPU_FORWARD_TOKENS = 64
+"""What one forward costs beyond its tokens on a CPU, in padded tokens (measured with bench/bench_reward.py's model:
+~5 ms a forward, ~0.08 ms a token): a micro-batch is split where that saves more padding than this. On a GPU a
+forward's tokens are nearly free below the micro-batch's limits: the fewest forwards (:data:`FEWEST_FORWARDS`)."""
+FEWEST_FORWARDS = 1 << 40
+
+
+def micro_batches(lengths: list[int], max_seqs: int, max_tokens: Optional[int],
+                  forward_tokens: int = FEWEST_FORWARDS) -> list[list[int]]:
+    """Indices of ``lengths`` longest first, cut into the batches of least cost: each at most ``max_seqs``
+    sequences and (when set) ``max_tokens`` padded tokens (a longer sequence is a batch alone), each costing its
+    padded tokens (its count times its longest) plus ``forward_tokens`` (a forward's own cost; the default: the
+    fewest batches, then the least padding). Exact, by dynamic programming over the cut points of the sorted
+    lengths, in O(len(lengths) * max_seqs)."""
+    order = sorted(range(len(lengths)), key=lambda k: -lengths[k])
+    ls = [lengths[k] for k in order]
+    best, cut = [0] + [0] * len(ls), [0] * (len(ls) + 1)  # best[j]: the least cost of the first j; cut[j]: its start
+    for j in range(1, len(ls) + 1):
+        best[j] = -1
+        for i in range(max(0, j - max_seqs), j):  # the last batch is ls[i:j], padded to ls[i]
+            if j - i > 1 and max_tokens is not None and (j - i) * ls[i] > max_tokens:
+                continue
+            cost = best[i] + forward_tokens + (j - i) * ls[i]
+            if best[j] < 0 or cost < best[j]:  # ties: the longer batch (found first)
+                best[j], cut[j] = cost, i
+    batches, j = [], len(ls)
+    while j:
+        batches.append(order[cut[j]:j])
+        j = cut[j]
+    return batches[::-1]
 
 
 class RewardModel(abc.ABC):
@@ -91,8 +111,9 @@ class RewardModel(abc.ABC):
 
     kind: str = ""
     batched: bool = False
-    """Items of several requests go into one call (a discriminative forward); else each request is its own call
-    (a judge's engine batches concurrent requests itself)."""
+    """Items of several requests are batched together (a discriminative forward: the model has :meth:`prepare`,
+    :meth:`plan` and :meth:`forward`, which ``server.Batcher`` drives); else each request is its own call (a judge's
+    engine batches concurrent requests itself)."""
 
     @abc.abstractmethod
     def score(self, items: list[ScoreItem]) -> list[Scored]:
@@ -134,22 +155,31 @@ class DiscriminativeRM(RewardModel):
         return (f"discriminative {type(self.model).__name__} from {self.folder} on {self.device}; inputs: "
                 f"{self.inputs.describe()}; score: {'the head at the last token' if self.head is not None else 'its own pooling'}")
 
+    def prepare(self, item: ScoreItem) -> list[int] | Scored:
+        """The item's model input, or its :class:`Scored` problem (too long, empty, unreadable)."""
+        try:
+            ids = self.inputs.ids(item)
+        except (InputTooLong, ValueError, TypeError) as e:
+            return Scored(None, problem=str(e))
+        return ids if ids else Scored(None, problem="an empty input")
+
+    def plan(self, lengths: list[int]) -> list[list[int]]:
+        """Inputs of these lengths cut into forwards (:func:`micro_batches`, a forward's cost for this device)."""
+        forward_tokens = CPU_FORWARD_TOKENS if torch.device(self.device).type == "cpu" else FEWEST_FORWARDS
+        return micro_batches(lengths, self.cfg.micro_batch_size, self.cfg.max_batch_tokens, forward_tokens)
+
     def score(self, items: list[ScoreItem]) -> list[Scored]:
         out: list[Scored] = [Scored(None)] * len(items)
         seqs: list[list[int]] = []
         where: list[int] = []
         for i, item in enumerate(items):
-            try:
-                ids = self.inputs.ids(item)
-            except (InputTooLong, ValueError, TypeError) as e:
-                out[i] = Scored(None, problem=str(e))
-                continue
-            if not ids:
-                out[i] = Scored(None, problem="an empty input")
+            ids = self.prepare(item)
+            if isinstance(ids, Scored):
+                out[i] = ids
                 continue
             seqs.append(ids)
             where.append(i)
-        for batch in micro_batches([len(s) for s in seqs], self.cfg.micro_batch_size, self.cfg.max_batch_tokens):
+        for batch in self.plan([len(s) for s in seqs]):
             for k, value in zip(batch, self.forward([seqs[k] for k in batch])):
                 out[where[k]] = Scored(value)
         return out

@@ -1,12 +1,13 @@
 """The reward service: one TCP socket, one thread per client connection, one model.
 
 A connection first passes the handshake (``wire.py``), then sends requests one at a time. A discriminative model's
-items go to the :class:`Batcher`: one thread takes everything that is waiting (several rollout jobs' groups) and
-scores it in one call, so requests from many clients share forwards; a generative judge's requests are scored in
+items go to the :class:`Batcher`: one thread pools everything that is waiting (several rollout jobs' groups) and
+scores it in forwards of similar lengths (the least padding), so requests from many clients share forwards and
+each is answered as its last item is scored; a generative judge's requests are scored in
 their connection's thread, all in flight at once (the engine batches them). Every request is answered with the same
 ``id``; an item the model cannot score has a None score and its reason; a request the server cannot read ends its
 connection (named in the log). The server keeps what the job reports: items and requests served, the model's busy
-seconds (so its idle share), the largest queue.
+seconds (so its idle share), the most items waiting at once.
 
 What it waits for: nothing but its clients (a connection idle for a while is simply kept; the socket's accept
 loop wakes every :data:`ACCEPT_POLL_S` to see whether the server is closing).
@@ -60,8 +61,24 @@ class ServerStats:
         return max(0.0, 1.0 - self.model_s / alive)
 
 
+class _Request:
+    """A request in the batcher: its future, its items' results so far, how many are still to score."""
+
+    def __init__(self, n: int, fut: Future):
+        self.fut, self.out, self.left = fut, [Scored(None)] * n, n
+
+    def done(self) -> None:
+        """Answer it (its items in its own order)."""
+        if not self.fut.done():
+            self.fut.set_result(self.out)
+
+
 class Batcher:
-    """One thread that scores, in one model call, every item waiting when it looks (a discriminative model)."""
+    """One thread that scores every waiting request's items with a batched (discriminative) model, one forward at a
+    time: all the items waiting, sorted by length, are cut into the forwards of least padding (``model.plan``), and
+    the next forward is the one holding the oldest item (none waits behind newer ones for ever); requests that arrive
+    meanwhile join the plan before the next forward, and a request is answered as soon as its last item is scored,
+    its scores in its own order whatever order its items were scored in."""
 
     def __init__(self, model: RewardModel, stats: ServerStats):
         self.model, self.stats = model, stats
@@ -80,37 +97,70 @@ class Batcher:
         self._queue.put((items, fut))
         return fut
 
-    def _run(self) -> None:
+    def _take(self, pool: list, block: bool) -> bool:
+        """Move the waiting requests' items into ``pool`` ((request, item index, input ids), oldest first); items the
+        model cannot take are answered at once. True once :meth:`close` was called."""
+        closing = False
         while True:
-            first = self._queue.get()
-            if first is None:
-                return
-            work = [first]
-            while True:
-                try:
-                    nxt = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    self._queue.put(None)
-                    break
-                work.append(nxt)
-            items = [it for its, _ in work for it in its]
+            try:
+                got = self._queue.get(block=block)
+            except queue.Empty:
+                return closing
+            block = False
+            if got is None:
+                closing = True
+                continue
+            items, fut = got
+            req, mine = _Request(len(items), fut), []
+            try:
+                for k, item in enumerate(items):
+                    ids = self.model.prepare(item)
+                    if isinstance(ids, Scored):
+                        req.out[k], req.left = ids, req.left - 1
+                    else:
+                        mine.append((req, k, ids))
+            except Exception as e:  # noqa: BLE001 - the client gets the error and retries or counts it
+                log.exception("the reward model could not read a request's items")
+                fut.set_exception(e)
+                continue
+            pool.extend(mine)
+            if req.left == 0:  # nothing the model can take: answered now
+                req.done()
+                self.stats.add(0, 1, 0.0, batches=0)
+
+    def _run(self) -> None:
+        pool: list = []
+        closing = False
+        while True:
+            closing = self._take(pool, block=not pool and not closing) or closing
+            if not pool:
+                if closing:
+                    return
+                continue
             with self.stats.lock:
-                self.stats.queue_max = max(self.stats.queue_max, len(items))
+                self.stats.queue_max = max(self.stats.queue_max, len(pool))
+            batch = next(b for b in self.model.plan([len(ids) for _, _, ids in pool]) if 0 in b)
             t0 = time.monotonic()
             try:
-                scored = self.model.score(items)
+                scores = self.model.forward([pool[k][2] for k in batch])
             except Exception as e:  # noqa: BLE001 - the clients get the error and retry or count it
-                log.exception("the reward model failed on %d items", len(items))
-                for _, fut in work:
-                    fut.set_exception(e)
+                log.exception("the reward model failed on %d items", len(batch))
+                failed = {id(pool[k][0]) for k in batch}
+                for req, _, _ in pool:
+                    if id(req) in failed and not req.fut.done():
+                        req.fut.set_exception(e)
+                pool[:] = [p for p in pool if id(p[0]) not in failed]
                 continue
-            self.stats.add(len(items), len(work), time.monotonic() - t0)
-            at = 0
-            for its, fut in work:
-                fut.set_result(scored[at:at + len(its)])
-                at += len(its)
+            answered = 0
+            for k, value in zip(batch, scores):
+                req, index, _ = pool[k]
+                req.out[index], req.left = Scored(value), req.left - 1
+                if req.left == 0:
+                    req.done()
+                    answered += 1
+            taken = set(batch)
+            pool[:] = [p for k, p in enumerate(pool) if k not in taken]
+            self.stats.add(len(batch), answered, time.monotonic() - t0)
 
     def close(self) -> None:
         """Stop after the work already queued."""
