@@ -14,7 +14,7 @@ from typing import Optional
 
 import numpy as np
 
-from hpcrl.config.knobs import may_start
+from hpcrl.config.knobs import starts_allowed
 from hpcrl.config.simulated import SimulatedConfig
 from hpcrl.plan.model import (EPS_S, INF, Draws, Knobs, Prediction, ServiceOrder, draws_for, prompt_seed,
                               steady_prediction)
@@ -171,8 +171,8 @@ class _Job:
                 self.draining = not self.k.commit_while_draining
             return  # draining: no admission until the load
         k = self.k
-        while may_start(k.budget_share, len(self.in_flight), k.group_bound, self.consumed_at + k.budget - pipe.started,
-                        pipe.uncommitted, k.rollout_jobs):
+        for _ in range(starts_allowed(k.budget_share, len(self.in_flight), k.group_bound,
+                                      self.consumed_at + k.budget - pipe.started, pipe.uncommitted, k.rollout_jobs)):
             g = _Group(pipe.started, self.version, created_s=now)
             pipe.started += 1
             pipe.uncommitted += 1

@@ -125,11 +125,12 @@ def _cap_comparisons(code) -> list[int]:
 
 
 def test_the_budget_share_is_decided_by_one_function():
-    """The share rule (``config/knobs.py: may_start``) is the one description both the admission lock and the
+    """The share rule (``config/knobs.py: may_start``) and how many starts a job takes when it asks
+    (``starts_allowed``: all the rule allows, in one turn) are the one description both the admission lock and the
     planner apply (as the budget's formula is): each calls it, and nothing compares with the per-job cap itself."""
     assert _cap_comparisons("while self.in_flight < k.max_concurrent_groups and pipe.started < limit:\n    pass")
-    missing = [str(p.relative_to(REPO)) for p in SHARE_USERS if not _calls(_tree(p), "may_start")]
-    assert not missing, f"these decide group starts without hpcrl.config.knobs.may_start: {missing}"
+    missing = [str(p.relative_to(REPO)) for p in SHARE_USERS if not _calls(_tree(p), "starts_allowed")]
+    assert not missing, f"these decide group starts without hpcrl.config.knobs.starts_allowed: {missing}"
     config = REPO / "hpcrl" / "config"  # its checks of the value itself
     found = [f"{p.relative_to(REPO)}:{line}" for p in dict.fromkeys([*SCANNED, *SHARE_USERS])
              if config not in p.parents

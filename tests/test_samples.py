@@ -168,15 +168,15 @@ def test_sigkill_mid_write_never_leaves_a_torn_listed_shard(tmp_path):
 
 def test_claimed_prompts_are_generated_first_in_order():
     held = ClaimedPrompts([7, 5])
-    assert held.peek() == 5
+    assert held.peek() == [5]
     held.taken(5)
     held.requeue([2])
-    assert held.peek() == 2
+    assert held.peek() == [2]
     held.taken(2)
     held.taken(9)  # a new claim: the held ones stay
-    assert held.peek() == 7
+    assert held.peek() == [7]
     held.taken(7)
-    assert held.peek() is None
+    assert held.peek() == []
 
 
 def test_a_recorded_skip_is_final_and_hands_the_prompts_back(tmp_path):
@@ -260,7 +260,7 @@ def test_a_running_writer_regenerates_prompts_skipped_while_it_runs(tmp_path):
     assert w.take_skipped_prompts() == [0, 1] and w.take_skipped_prompts() == []
     held = ClaimedPrompts([])
     held.requeue([0, 1])
-    assert held.peek() == 0
+    assert held.peek() == [0]
     w.add(make_group(0))
     w.close()
 

@@ -104,6 +104,41 @@ def test_the_share_is_rederived_when_a_job_joins_leaves_or_a_version_lands(tmp_p
     assert (len(_starts(b, 4)), len(_starts(c, 4))) == (1, 2)
 
 
+def _turns(jobs: list[Admission], bound: int) -> list[int]:
+    """Jobs that ask at the same moment, taking turns at the admission lock: in each round every job gets one
+    acquisition and asks, as the rollout job's group loop does, for all it has room for (``Admission.start``),
+    until a round starts nothing; the groups each job started."""
+    got = [0] * len(jobs)
+    while True:
+        round_ = [len(adm.start(0, bound - got[i], in_flight=got[i])) for i, adm in enumerate(jobs)]
+        if not any(round_):
+            return got
+        got = [g + r for g, r in zip(got, round_)]
+
+
+@pytest.mark.parametrize("share", [FIRST_COME, SHARE_BY_LOAD])
+def test_jobs_asking_together_spread_a_version_as_the_planner_serves_them(tmp_path, share):
+    """Jobs that load a version together and ask at once: the real lock serves each one turn after another, and
+    in its turn a job takes every start the rule allows; the planner serves each job all the rule allows in turn
+    (``starts_allowed`` in both). The same spread over the jobs: first come with a cap of 4 gives B=10 to three of
+    four jobs (4, 4, 2), by load each takes up to the even share of 3 (3, 3, 3, 1). (When the lock gave one start
+    per acquisition, the turns interleaved: 3, 3, 2, 2 either way, the spread of bench_share_runs' runs.)"""
+    from hpcrl.plan import events
+    from hpcrl.plan.model import Draws, Knobs
+
+    rd = RunDir(tmp_path).create()
+    real = _turns([_join(rd, f"w00{i}", 10, share=share, bound=4)[0] for i in range(4)], bound=4)
+    sim = SimulatedConfig()
+    k = Knobs(rollout_jobs=4, staleness_threshold=1.5, ppo_mini_batch_size=4, n=2, max_concurrent_groups=4,
+              budget_share=share, partial_rollout=True)
+    assert k.budget == 10
+    pipe = events.Pipeline(sim, k, Draws(sim, 2, 1536, prompts=2))
+    pipe.run(2)
+    planned = [sum(1 for v, rank in pipe.starts if v == 0 and rank == r) for r in range(4)]
+    assert sorted(real, reverse=True) == sorted(planned, reverse=True) == \
+        ([4, 4, 2, 0] if share == FIRST_COME else [3, 3, 3, 1])
+
+
 def test_the_planner_and_the_admission_take_the_same_starts(tmp_path):
     """What a version's budget gives each of 4 jobs asking in turn, by the admission lock and by the planner's job
     (both call ``may_start``): the same numbers."""

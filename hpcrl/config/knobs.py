@@ -16,8 +16,8 @@ verl's ``fully_async_policy`` names: ``staleness_threshold`` (s), ``trigger_para
 
 :func:`admission_budget` is the only place the budget is computed (``tests/test_rules_once.py`` fails on a copy of
 the formula anywhere else): :class:`Knobs`, ``RunConfig``, ``hpcrl plan`` and the analysis all call it. The share
-is written once too: ``control/admission.py`` applies :func:`may_start` under its lock, ``hpcrl plan``'s
-simulations call the same function.
+is written once too: ``control/admission.py`` applies :func:`starts_allowed` (:func:`may_start` start after
+start) under one acquisition of its lock, ``hpcrl plan``'s simulations call the same function.
 """
 from __future__ import annotations
 
@@ -69,11 +69,27 @@ def may_start(rule: str, own_in_flight: int, bound: int, budget_left: int, fleet
     (:func:`group_bound`) and, sharing by load, below the even share of the ``jobs`` live jobs
     (:func:`share_level`). First come: the bound alone (the first jobs to ask may take the whole budget).
 
-    The one description of the rule: ``control/admission.py`` calls it under the admission lock with the
-    record's counts, ``hpcrl plan`` with its simulated jobs'."""
+    The one description of the rule: through :func:`starts_allowed`, ``control/admission.py`` applies it under the
+    admission lock with the record's counts, ``hpcrl plan`` with its simulated jobs'."""
     if budget_left <= 0 or own_in_flight >= bound:
         return False
     return rule == FIRST_COME or own_in_flight < share_level(fleet_in_flight, budget_left, jobs)
+
+
+def starts_allowed(rule: str, own_in_flight: int, bound: int, budget_left: int, fleet_in_flight: int, jobs: int,
+                   most: Optional[int] = None) -> int:
+    """How many groups a rollout job that asks once may start (at most ``most``; None: no limit of its own):
+    :func:`may_start` applied start after start, each one moving a group from ``budget_left`` into the job's and
+    the fleet's in flight. A job takes them all in one turn, so jobs that ask at the same instant are served one
+    after another, each as far as the rule lets it: ``control/admission.py`` starts them under one acquisition
+    of the admission lock (one read and one write of the record), ``hpcrl plan`` in one service of the job. With
+    ``first_come`` the first job to ask takes up to its bound; by load the share does not move as a job starts
+    (:func:`share_level`), so the order changes nothing."""
+    n = 0
+    while (most is None or n < most) and may_start(rule, own_in_flight + n, bound, budget_left - n,
+                                                   fleet_in_flight + n, jobs):
+        n += 1
+    return n
 
 
 def latest_trainer_version(position: int, version: int, consumed: int, groups_per_version: int) -> int:

@@ -39,7 +39,11 @@ in flight, ``started - committed`` each; ``left``: the starts the inequality abo
 writers in the claim book), and fewer than its bound (``rollout.max_concurrent_groups``, ``auto``: what its engine
 decodes at once). The share is derived again at every start, so a job joining, leaving or reclaimed and a version
 landing change it at once; a job that does not ask leaves its share to the others as they commit (the level falls
-with ``F``, their own in flight falls faster). ``first_come``: the bound alone (hpcrl's rule before).
+with ``F``, their own in flight falls faster). ``first_come``: the bound alone (hpcrl's rule before). A job that
+asks takes every start the rule allows in one acquisition of the lock (:meth:`Admission.start`,
+:func:`hpcrl.config.knobs.starts_allowed`): jobs that ask at the same moment are served one after another, each as
+far as the rule lets it, which is what ``hpcrl plan`` simulates (one read and one write of the record per turn,
+not per group).
 
 **The lag bound at commit** (:meth:`Admission.committing`). The record also counts what each writer committed,
 so under the lock a shard's groups know their places in the commit order the trainer consumes in; a group whose
@@ -64,9 +68,9 @@ import time
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
-from hpcrl.config.knobs import late_for_bound, may_start
+from hpcrl.config.knobs import late_for_bound, starts_allowed
 from hpcrl.config.names import SHARE_BY_LOAD
 from hpcrl.control import claims
 from hpcrl.control.changes import bump
@@ -235,7 +239,7 @@ class Admission:
         """Prompts committed without the lag check (the job found no newer version to carry them into)."""
         self._lock_fd: Optional[int] = None  # the lock file, opened at the first lock and kept (closed by leave)
         self.refused = ""
-        """Why the last :meth:`try_start` returned None: ``budget`` (spent for this version: only a change in the run
+        """Why the last :meth:`start` started fewer than asked (empty: it did not): ``budget`` (spent for this version: only a change in the run
         directory can give more) or ``share`` (this job is at its share or bound: a group of its own must finish)."""
         self.skips = SkipLog(run_dir)
         self.lease = f"{socket.gethostname()}:{os.getpid()}:{time.time():.3f}"
@@ -306,14 +310,16 @@ class Admission:
                                      "committed_groups": committed_groups})
         return gaps
 
-    def try_start(self, consumed_groups_at_version: int, own: Optional[int] = None,
-                  in_flight: Optional[int] = None, look_for_skips: bool = True) -> Optional[int]:
-        """Reserve one group start if the budget and this job's share allow (module docstring), and claim its
-        prompt (``own``: one this writer holds already); the prompt index, or None (:attr:`refused` says why).
-        ``in_flight``: the groups the job is generating (the record's count also holds those finished and not yet
-        sealed). ClaimLost if the claims were released. Every few seconds the claims of gone writers are reclaimed
-        first (:meth:`reclaim_gone_writers`). ``look_for_skips``: read what the skip log gained (a job passes it when
-        ``control/changes.jsonl`` grew, as the trainer bumps it after each skip: one stat less per start)."""
+    def start(self, consumed_groups_at_version: int, most: int, own: Sequence[int] = (),
+              in_flight: Optional[int] = None, look_for_skips: bool = True) -> list[int]:
+        """Reserve as many group starts, up to ``most``, as the budget and this job's share allow (module
+        docstring; :func:`~hpcrl.config.knobs.starts_allowed`), all under one acquisition of the lock, and claim
+        their prompts (``own``: prompts this writer holds already, taken first); the prompt indices, in order.
+        Fewer than ``most``: :attr:`refused` says why. ``in_flight``: the groups the job is generating (the
+        record's count also holds those finished and not yet sealed). ClaimLost if the claims were released. Every
+        few seconds the claims of gone writers are reclaimed first (:meth:`reclaim_gone_writers`).
+        ``look_for_skips``: read what the skip log gained (a job passes it when ``control/changes.jsonl`` grew, as
+        the trainer bumps it after each skip: one stat less per start)."""
         self.reclaim_gone_writers()
         if look_for_skips:
             self.skips.poll()  # only grows: a record read late gives less budget, never more
@@ -324,13 +330,22 @@ class Admission:
             live = set(state.prompts.claims) | {self.writer}
             fleet = sum(state.in_flight(w) for w in live)
             mine = state.in_flight(self.writer) if in_flight is None else in_flight
-            if not may_start(self.share, mine, self.bound, left, fleet, len(live)):
-                self.refused = "budget" if left <= 0 else "share"
-                return None
-            index = claims.claim(state.prompts, self.writer, self.lease, own)
-            state.started[self.writer] = state.started.get(self.writer, 0) + 1
+            n = starts_allowed(self.share, mine, self.bound, left, fleet, len(live), most)
+            self.refused = "" if n == most else "budget" if left - n <= 0 else "share"
+            if n == 0:
+                return []
+            held = list(own[:n])
+            indices = [claims.claim(state.prompts, self.writer, self.lease, held[i] if i < len(held) else None)
+                       for i in range(n)]
+            state.started[self.writer] = state.started.get(self.writer, 0) + n
             write_json_atomic(self.run_dir.admission, state.to_json())
-            return index
+            return indices
+
+    def try_start(self, consumed_groups_at_version: int, own: Optional[int] = None,
+                  in_flight: Optional[int] = None, look_for_skips: bool = True) -> Optional[int]:
+        """One start (:meth:`start` with ``most=1``): its prompt index, or None (:attr:`refused` says why)."""
+        got = self.start(consumed_groups_at_version, 1, () if own is None else (own,), in_flight, look_for_skips)
+        return got[0] if got else None
 
     @contextmanager
     def committing(self, prompts: list[int], newest_tokens: Optional[list[int]] = None) -> Iterator[None]:

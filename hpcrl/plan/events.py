@@ -21,7 +21,7 @@ import heapq
 from collections import deque
 from typing import Optional
 
-from hpcrl.config.knobs import may_start
+from hpcrl.config.knobs import starts_allowed
 from hpcrl.config.simulated import SimulatedConfig
 from hpcrl.plan.model import EPS_S, INF, Draws, Knobs, Prediction, ServiceOrder, draws_for, steady_prediction
 
@@ -274,7 +274,8 @@ class _Job:
             return
         k, draws, batch = self.k, self.draws, self.batch
         limit, bound, jobs = self.consumed_at + k.budget, k.group_bound, k.rollout_jobs
-        while may_start(k.budget_share, self.in_flight, bound, limit - pipe.started, pipe.uncommitted, jobs):
+        for _ in range(starts_allowed(k.budget_share, self.in_flight, bound, limit - pipe.started, pipe.uncommitted,
+                                      jobs)):  # all the rule allows, in one turn (as the admission lock serves a job)
             index = pipe.started
             pipe.started += 1
             pipe.uncommitted += 1

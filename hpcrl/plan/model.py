@@ -12,8 +12,10 @@ Both simulations run the whole pipeline in modelled seconds. They replay, withou
   applies (``hpcrl.config.knobs.may_start``): the shared budget has a start left (``started < consumed_groups(v)
   + B``, v the version it holds), the job is below its bound (``rollout.max_concurrent_groups``, ``auto``: what
   its engine decodes at once) and, sharing by load, below the even share of what the fleet may have in flight;
-  the group generates prompt index ``started`` (the shared claim hands indices out in order); jobs acting at the
-  same instant ask in :class:`~hpcrl.plan.model.ServiceOrder`;
+  the group generates prompt index ``started`` (the shared claim hands indices out in order); a job that asks
+  takes every start the rule allows in one turn (``hpcrl.config.knobs.starts_allowed``, as the admission lock
+  serves it in one acquisition), and jobs acting at the same instant ask in
+  :class:`~hpcrl.plan.model.ServiceOrder`;
 - a finished group is committed at once, except while its job drains for a new version (no partial rollout),
   which commits what it collected when the drain ends, as ``RolloutJob._drain`` does; the trainer takes R
   committed groups in commit order, updates for
@@ -154,9 +156,9 @@ class ServiceOrder:
     """The order in which rollout jobs that act at the same instant take the admission budget.
 
     A real job notices a new weight version at its own poll and loads it; jobs that finish the load together
-    start groups one by one under the admission lock, each as far as the admission rule lets it
-    (``hpcrl.config.knobs.may_start``: by load, an even share; first come, up to its bound), in the order they got
-    there, which differs from version to version. Modelled as a seeded random order of the jobs per version."""
+    take turns at the admission lock, each starting in its one turn as many groups as the admission rule lets it
+    (``hpcrl.config.knobs.starts_allowed``: by load, up to an even share; first come, up to its bound), in the
+    order they got there, which differs from version to version. Modelled as a seeded random order of the jobs per version."""
 
     def __init__(self, jobs: int, data_seed: int = 0):
         self.jobs, self.seed = jobs, data_seed

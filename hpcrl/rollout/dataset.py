@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 
@@ -150,9 +149,9 @@ class ClaimedPrompts:
         """Generate these again first (their shard was skipped by the trainer)."""
         self._held = sorted(set(self._held) | set(indices))
 
-    def peek(self) -> Optional[int]:
-        """The next held prompt, or None: claim a new one."""
-        return self._held[0] if self._held else None
+    def peek(self, most: int = 1) -> list[int]:
+        """The next ``most`` held prompts, in order (fewer or none: claim new ones for the rest)."""
+        return self._held[:most]
 
     def taken(self, index: int) -> None:
         """``index`` was admitted (held or newly claimed): not generated again from here."""

@@ -274,7 +274,8 @@ class RolloutJob:
         return len(self.in_flight) - self.parts.scorer.waiting
 
     def _admit(self, changed: bool) -> bool:
-        """Step 3: start groups while the concurrency limit and the shared budget allow; True if any. Prompts of
+        """Step 3: start every group the concurrency limit, the shared budget and this job's share allow, in one turn
+        at the admission lock (``Admission.start``); True if any. Prompts of
         shards the trainer skipped as damaged are generated again first. Once the budget is spent, it is tried again
         only after the run directory ``changed`` (a new version, a skipped shard, a writer's budget handed back: each
         bumps ``control/changes.jsonl``)."""
@@ -283,21 +284,21 @@ class RolloutJob:
             p.positions.requeue(p.shards.take_skipped_prompts())
         elif self._budget_spent or (self._share_full is not None and self._generating() >= self._share_full):
             return False
-        admitted = False
         self._budget_spent, self._share_full = False, None
-        while self._generating() < self.bound and len(self.in_flight) < self.max_in_flight:
-            index = p.admission.try_start(self.consumed_at_version, own=p.positions.peek(),
-                                          in_flight=self._generating(), look_for_skips=changed and not admitted)
-            if index is None:
-                if p.admission.refused == "budget":
-                    self._budget_spent = True
-                else:  # at its share: a group of its own finishing (or a change) lets it try again
-                    self._share_full = self._generating()
-                break
+        room = min(self.bound - self._generating(), self.max_in_flight - len(self.in_flight))
+        if room <= 0:
+            return False
+        started = p.admission.start(self.consumed_at_version, room, own=p.positions.peek(room),
+                                    in_flight=self._generating(), look_for_skips=changed)
+        for index in started:  # every start the rule allows, in one turn at the lock (as hpcrl plan serves a job)
             p.positions.taken(index)
             self._submit(index)
-            admitted = True
-        return admitted
+        if len(started) < room:
+            if p.admission.refused == "budget":
+                self._budget_spent = True
+            else:  # at its share: a group of its own finishing (or a change) lets it try again
+                self._share_full = self._generating()
+        return bool(started)
 
     def _collect(self, timeout_s: float) -> bool:
         """Step 4: move finished groups into the shard buffer (waiting up to ``timeout_s``); True if any.
