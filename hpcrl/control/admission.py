@@ -239,8 +239,9 @@ class Admission:
         """Prompts committed without the lag check (the job found no newer version to carry them into)."""
         self._lock_fd: Optional[int] = None  # the lock file, opened at the first lock and kept (closed by leave)
         self.refused = ""
-        """Why the last :meth:`start` started fewer than asked (empty: it did not): ``budget`` (spent for this version: only a change in the run
-        directory can give more) or ``share`` (this job is at its share or bound: a group of its own must finish)."""
+        """Why the last :meth:`start` started fewer than asked (empty: it did not): ``budget`` (spent for this
+        version: only a change in the run directory can give more) or ``share`` (this job is at its share or bound:
+        a group of its own must finish)."""
         self.skips = SkipLog(run_dir)
         self.lease = f"{socket.gethostname()}:{os.getpid()}:{time.time():.3f}"
         """This job's lease on the writer's claims (``control/claims.py``)."""

@@ -158,7 +158,8 @@ class ServiceOrder:
     A real job notices a new weight version at its own poll and loads it; jobs that finish the load together
     take turns at the admission lock, each starting in its one turn as many groups as the admission rule lets it
     (``hpcrl.config.knobs.starts_allowed``: by load, up to an even share; first come, up to its bound), in the
-    order they got there, which differs from version to version. Modelled as a seeded random order of the jobs per version."""
+    order they got there, which differs from version to version. Modelled as a seeded random order of the jobs per
+    version."""
 
     def __init__(self, jobs: int, data_seed: int = 0):
         self.jobs, self.seed = jobs, data_seed
