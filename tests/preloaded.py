@@ -49,8 +49,9 @@ a process that imports it, as the test process does: a launcher started with tha
 jobs). ``CUDA_VISIBLE_DEVICES`` (submitit's local jobs set it) too where the server sees no CUDA device: no value can
 make one appear; and ``PYTHONPATH`` when none of its folders holds a preloaded package and its ``sitecustomize`` is
 the server's (:func:`_shadows_preloaded`): the child puts its folders on ``sys.path`` where a cold start would."""
-FREE_ENV_NAMES = ("SHLVL", "_")
-"""Set by every shell for the programs it starts (its depth, the program's path); read by no library."""
+FREE_ENV_NAMES = ("SHLVL", "_", "TORCH_EXTENSIONS_DIR")
+"""Set by every shell for the programs it starts (its depth, the program's path), read by no library; and the folder
+of built ops, which torch and hpcrl read when an op is loaded (none is at import: the server loads none)."""
 FORWARDED = (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2,
              signal.SIGALRM)
 """The signals :func:`as_python` passes on to the job it stands for."""

@@ -61,6 +61,10 @@ def rescored(rd: RunDir, folder: str) -> tuple[list[float], list[float]]:
     return got, want
 
 
+def updates_done(rd: RunDir) -> int:
+    return sum(1 for _ in read_jsonl(rd.metrics)) if rd.metrics.exists() else 0
+
+
 def test_reward_job_sigkilled_three_times_at_random_moments(tiny_run, tmp_path):
     folder = random_rm(tmp_path / "rm")
     rd = tiny_run("reward.name=by_data_source", "reward_model.enable=true", f"reward_model.path={folder}",
@@ -73,9 +77,14 @@ def test_reward_job_sigkilled_three_times_at_random_moments(tiny_run, tmp_path):
     trainer, rollout = start_trainer(rd), start_rollout(rd)
     evaluation = Job(["eval-job", str(rd.root)], rd.root / "eval.out")  # it scores validation with the model too
     reward = start_reward(rd)
-    wait_until(lambda: rd.metrics.exists(), 120, "the first update", jobs=(trainer, rollout, reward, evaluation))
-    for attempt in range(1, 4):
-        time.sleep(rng.uniform(0.2, 2.5))  # anywhere: mid-request, mid-batch, during the successor's start-up
+    # Moments tied to the trainer's progress, not the clock: a run whose reward job answers fast is over in seconds.
+    # Updates drawn in the run's first half (two may coincide: a kill during the successor's start-up), each plus
+    # a fraction of a second (mid-request, mid-batch); with no staleness the trainer can't outrun a dead reward job.
+    kill_after = sorted(rng.randint(1, cfg.total_updates // 2) for _ in range(3))
+    for attempt, updates in enumerate(kill_after, start=1):
+        wait_until(lambda: updates_done(rd) >= updates, 120, f"update {updates}",
+                   jobs=(trainer, rollout, reward, evaluation))
+        time.sleep(rng.uniform(0.0, 0.5))
         reward.kill(signal.SIGKILL)
         assert trainer.proc.poll() is None, "the run must still be going when the reward job is killed"
         reward = start_reward(rd, attempt=attempt)
