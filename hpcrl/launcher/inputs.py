@@ -52,15 +52,17 @@ def check_engine(cfg: RunConfig) -> None:
     check_engine_for(cfg, cfg.rollout.engine, "rollout.engine")
 
 
-def check_engine_for(cfg: RunConfig, engine: str, key: str, model_key: str = "model.path",
-                     device: Optional[str] = None) -> None:
+def check_engine_for(cfg: RunConfig, engine: str, key: str, model: Optional[tuple[str, str]] = None,
+                     device: Optional[tuple[str, str]] = None) -> None:
     """What the spec of the engine ``key`` names (``rollout.engine``, ``eval.engine``, ``reward_model.engine``) asks
     of this launch: the package it needs imports in this Python (the jobs run the same one), and off a GPU the
-    attention head dim of the model at ``model_key`` (the policy's, or the judge's ``reward_model.path``) is at least
-    the engine's CPU minimum (vLLM's CPU attention: 64; ``builtin:tiny`` has 32). ``device``: the engine's
-    (default ``rollout.device``)."""
+    attention head dim of its model is at least the engine's CPU minimum (vLLM's CPU attention: 64; ``builtin:tiny``
+    has 32). ``model`` and ``device``: (key, value) of the engine's model and device (default: the policy's,
+    ``model.path`` and ``rollout.device``), the keys named in the fix."""
     import importlib.util
 
+    model_key, path = model or ("model.path", cfg.model.path)
+    device_key, on = device or ("rollout.device", cfg.rollout.device)
     spec = registries.engine_spec(engine)
     if spec is None:
         return
@@ -68,16 +70,13 @@ def check_engine_for(cfg: RunConfig, engine: str, key: str, model_key: str = "mo
         raise bad(key, engine, f"an engine this Python can import ({spec.package} is not installed)",
                   f"{spec.install or 'pip install ' + spec.package}, or {key}="
                   f"{next(n for n, s in registries.ENGINES.items() if not s.package and not s.simulated)}")
-    path = cfg.reward_model.path if model_key == "reward_model.path" else cfg.model.path
     head_dim = model_head_dim(path)
-    if spec.cpu_min_head_dim and (device or cfg.rollout.device) != "cuda" and head_dim is not None \
-            and head_dim < spec.cpu_min_head_dim:
+    if spec.cpu_min_head_dim and on != "cuda" and head_dim is not None and head_dim < spec.cpu_min_head_dim:
         wide = [m for m in BUILTIN_MODELS if (model_head_dim(m) or 0) >= spec.cpu_min_head_dim]
         raise bad(model_key, path, f"a model whose attention head dim is >= {spec.cpu_min_head_dim} "
                   f"with {key}={engine} off a GPU (this one's is {head_dim})",
                   f"set model.path={wide[0]}" if path in BUILTIN_MODELS and wide else
-                  f"set {'reward_model' if model_key == 'reward_model.path' else 'rollout'}.device=cuda (with GPUs), "
-                  "or another engine")
+                  f"set {device_key}=cuda (with GPUs), or another engine")
 
 
 def check_judge_engine(cfg: RunConfig) -> None:
@@ -96,7 +95,7 @@ def check_judge_engine(cfg: RunConfig) -> None:
         return
     if kind == GENERATIVE:
         check_engine_for(cfg, rm.engine if rm.engine != "auto" else cfg.rollout.engine, "reward_model.engine",
-                         "reward_model.path", rm.device)
+                         model=("reward_model.path", rm.path), device=("reward_model.device", rm.device))
 
 
 def model_head_dim(path: str) -> Optional[int]:

@@ -25,6 +25,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any, Optional
 
@@ -90,14 +91,14 @@ def micro_batches(lengths: list[int], max_seqs: int, max_tokens: Optional[int],
     lengths, in O(len(lengths) * max_seqs)."""
     order = sorted(range(len(lengths)), key=lambda k: -lengths[k])
     ls = [lengths[k] for k in order]
-    best, cut = [0] + [0] * len(ls), [0] * (len(ls) + 1)  # best[j]: the least cost of the first j; cut[j]: its start
+    best = [0] + [math.inf] * len(ls)  # best[j]: the least cost of the first j; cut[j]: where its last batch starts
+    cut = [0] * (len(ls) + 1)
     for j in range(1, len(ls) + 1):
-        best[j] = -1
         for i in range(max(0, j - max_seqs), j):  # the last batch is ls[i:j], padded to ls[i]
             if j - i > 1 and max_tokens is not None and (j - i) * ls[i] > max_tokens:
                 continue
             cost = best[i] + forward_tokens + (j - i) * ls[i]
-            if best[j] < 0 or cost < best[j]:  # ties: the longer batch (found first)
+            if cost < best[j]:  # ties: the longer batch (found first)
                 best[j], cut[j] = cost, i
     batches, j = [], len(ls)
     while j:
