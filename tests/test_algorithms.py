@@ -16,7 +16,7 @@ started when the session starts, in the background at the lowest priority, and t
 """
 import pytest
 
-from conftest import BackgroundRuns, check_exactly_once, start_rollout, start_trainer
+from conftest import BackgroundRuns, check_exactly_once
 from hpcrl.logs.run_logs import read_metrics
 from test_learning import fifths
 
@@ -90,21 +90,22 @@ RARE_STEPS = 96
 """Groups each of them generates: 12 updates (4 versions) at K=3 and 2 batches per update, 24 (12) at K=2."""
 
 
+def rare_overrides(name: str) -> list[str]:
+    overrides, K, rb, epochs = RARE[name]
+    return [f"rollout.total_rollout_steps={RARE_STEPS}", "actor.bf16=true", f"actor.ppo_epochs={epochs}",
+            "actor.ppo_micro_batch_size=2", "async_training.staleness_threshold=1.0",
+            f"async_training.trigger_parameter_sync_step={K}", f"async_training.require_batches={rb}", *overrides]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(RARE))
-def test_less_travelled_paths_run_end_to_end(tiny_run, name):
+def test_less_travelled_paths_run_end_to_end(background_runs, name):
     """bf16, several PPO epochs, micro-batches, K > 1 updates per weight version,
     proximal or recomputed log-probs with importance weights, and the reference model
-    (KL loss) or the value head (GAE): short runs that must finish with sane metrics."""
-    overrides, K, rb, epochs = RARE[name]
-    rd = tiny_run(f"rollout.total_rollout_steps={RARE_STEPS}", "actor.bf16=true", f"actor.ppo_epochs={epochs}",
-                  "actor.ppo_micro_batch_size=2", "async_training.staleness_threshold=1.0",
-                  f"async_training.trigger_parameter_sync_step={K}", f"async_training.require_batches={rb}",
-                  *overrides)
+    (KL loss) or the value head (GAE): short runs that must finish with sane metrics (run in the background)."""
+    _, K, rb, epochs = RARE[name]
+    rd = background_runs.finish(f"rare:{name}")
     cfg = rd.load_config()
-    trainer, rollout = start_trainer(rd), start_rollout(rd)
-    assert trainer.wait(300) == 0, trainer.tail()
-    assert rollout.wait(120) == 0, rollout.tail()
     m = read_metrics(rd)
     updates = RARE_STEPS // (4 * rb)
     assert m.step.tolist() == list(range(1, updates + 1))
@@ -180,8 +181,10 @@ BACKGROUND_RUNS = {
                           *loss_mode_overrides(PAIRED[e])] for e in RUNS},
     **{run_key(mode): [f"rollout.total_rollout_steps={4 * LOSS_UPDATES}", f"actor.lr={LOSS_LR}",
                        *loss_mode_overrides(mode)] for mode in LOSS_RUNS if mode not in PAIRED.values()},
+    **{f"rare:{name}": rare_overrides(name) for name in RARE},
 }
-"""The learning runs of this module's two parametrized tests (conftest.BackgroundRuns)."""
+"""The runs of this module's three parametrized end-to-end tests (conftest.BackgroundRuns): none is started or
+stopped at a chosen moment, so they run in the cores the rest of the suite leaves idle."""
 
 
 def background_keys(item) -> tuple[str, ...]:
@@ -190,6 +193,8 @@ def background_keys(item) -> tuple[str, ...]:
         return (f"estimator:{item.callspec.params['estimator']}",)
     if item.originalname == "test_policy_loss_mode_learns_the_toy_task":
         return (run_key(item.callspec.params["mode"]),)
+    if item.originalname == "test_less_travelled_paths_run_end_to_end":
+        return (f"rare:{item.callspec.params['name']}",)
     return ()
 
 
