@@ -99,25 +99,37 @@ for layers in map(int, sys.argv[2:]):  # each in a child forked before any tenso
         print(json.dumps([layers, float(got.read())]))
     assert os.wait()[1] == 0
 """
+"""Prints ``[layers, peak bytes]`` for each layer count on its command line (after the checkpointing flag)."""
+
+
+def measured_peaks(checkpointing: bool, layers: tuple[int, ...], times: int = 2) -> dict[int, float]:
+    """The least of ``times`` measured peaks of each layer count: the host's high-water mark only ever adds to the
+    tensors' own peak (what glibc's heap could not reuse), and by a different amount from one process to the next
+    (a checkpointed 2 -> 6 layer slope read 8.2-16.9 KB per token and layer in six runs, 14 % under its least at
+    2 -> 4 layers in CI)."""
+    out = subprocess.run([sys.executable, "-c", MEASURE, str(int(checkpointing)), *map(str, layers * times)],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    peaks: dict[int, float] = {}
+    for layer_count, peak in map(json.loads, out.stdout.strip().splitlines()[-len(layers) * times:]):
+        peaks[layer_count] = min(peaks.get(layer_count, peak), peak)
+    return peaks
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_the_activation_term_is_within_a_quarter_of_a_measured_peak(checkpointing):
-    """A Qwen2 of two and four layers (hidden 512, MLP 2048) trained on 2,048 tokens in fp32, each in a process of
-    its own (the allocator keeps what an earlier step freed), forked from one that only imported: the measured peak
-    above the model and its gradients against the prediction's activation term (no logits here), and the per-layer
-    slope against the per-layer term."""
+    """A Qwen2 of two and six layers (hidden 512, MLP 2048) trained on 2,048 tokens in fp32 (twice with
+    checkpointing, whose per-layer term is small), each in a process of its own (the allocator keeps what an earlier
+    step freed), forked from one that only imported: the least measured peak above the model and its gradients
+    against the prediction's activation term (no logits here), and the per-layer slope against the per-layer term."""
     shape = ModelShape(vocab=64, hidden=512, intermediate=2048, layers=2, heads=8, kv_heads=2, params=0)
-    out = subprocess.run([sys.executable, "-c", MEASURE, str(int(checkpointing)), "2", "4"], cwd=REPO,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    measured = dict(json.loads(line) for line in out.stdout.strip().splitlines()[-2:])
-    for layers in (2, 4):
+    measured = measured_peaks(checkpointing, (2, 6), times=2 if checkpointing else 1)  # without: 25x the slope
+    for layers in (2, 6):
         want = update_working_bytes(dataclasses.replace(shape, layers=layers), tokens=2048, rows=1,
                                     response_tokens=0, checkpointing=checkpointing, dtype_bytes=4, chunk_mib=1.0)
         assert abs(want - measured[layers]) <= 0.25 * measured[layers], (layers, want / 2**20, measured[layers] / 2**20)
-    slope = (measured[4] - measured[2]) / 2 / 2048
+    slope = (measured[6] - measured[2]) / 4 / 2048
     per_layer = CHECKPOINTED_LAYER_HD * 512 * 4 if checkpointing else layer_bytes_per_token(shape, 4)
     assert abs(per_layer - slope) <= 0.5 * slope, (per_layer, slope)
 
