@@ -51,7 +51,10 @@ BUCKET_ELEMENTS = 50_000_000
 CHECKPOINTED_LAYER_HD = 5.75
 """Bytes a checkpointed layer keeps per token, in units of hidden x dtype bytes: its input (1), and what the
 non-reentrant recompute and the rotary and norm inputs hold (measured: the full-depth 0.5B shape, fp32, one response
-of 2,048 and of 8,192 tokens through the trainer's update, bench/bench_trainer_memory.py)."""
+of 2,048 and of 8,192 tokens through the trainer's update, bench/bench_trainer_memory.py). Measured as the host's
+high-water mark, which includes glibc heap the process could not reuse: a plain transformers step with every large
+tensor its own mapping (``MALLOC_MMAP_THRESHOLD_=131072``) kept 1.0 per layer, so on a GPU's allocator this term may
+be ~5x too large (conservative) until it is refitted against ``torch.cuda.max_memory_allocated``."""
 ZERO0_GRADIENT_COPIES = 1.5
 """Without ZeRO, float32 gradients held at the update's peak, in copies of the trained parameters (the step's
 temporaries: fitted with :data:`CHECKPOINTED_LAYER_HD` to the 2- and 24-layer 0.5B shapes)."""
