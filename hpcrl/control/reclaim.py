@@ -3,8 +3,7 @@
 docs/weights-and-samples.md "Prompt claims". In a run no launcher follows (plain sbatch), a rollout job that dies
 for good (scancel, a node failure, a time limit without requeue) would keep its open prompt claims and its
 admission count forever: the fleet's budget shrinks by its groups in flight and their prompts are never generated.
-So every
-writer, before it admits groups (``Admission.start``) and at most every :data:`CHECK_EVERY_S` seconds,
+So every writer, before it admits groups (``Admission.start``) and at most every :data:`CHECK_EVERY_S` seconds,
 reads the heartbeats of the :data:`WATCHED` writers that follow it in the claim book, in a ring (w003 watches
 w004, w005, w006; the last ones watch the first): every writer is watched by that many others, and a check costs
 that many reads whatever the fleet's size (every writer reading every heartbeat was 768 x 768 reads per check

@@ -83,14 +83,13 @@ def check_judge_engine(cfg: RunConfig) -> None:
     """A generative judge's engine (``reward_model.engine``; ``auto``: ``rollout.engine``'s, whose problems that key
     already says) can run here, on the judge's model (:func:`check_engine_for`). A discriminative model needs none
     (a transformers forward); a folder whose kind cannot be told is reported by ``reward/checks.py``."""
-    from hpcrl.reward.models import GENERATIVE, RewardModelLoadError, model_kind
+    from hpcrl.reward.models import GENERATIVE, RewardModelLoadError, configured_kind
 
     rm = cfg.reward_model
     if not rm.enable or (rm.engine == "auto" and reported("rollout.engine")):
         return
     try:
-        kind = (GENERATIVE if rm.path == "builtin:tiny-judge" else "discriminative") if rm.builtin else \
-            model_kind(Path(rm.path).expanduser(), rm.kind)
+        kind = configured_kind(rm)
     except RewardModelLoadError:
         return
     if kind == GENERATIVE:

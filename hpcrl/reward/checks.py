@@ -20,13 +20,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 def check_reward_model(cfg: RunConfig) -> list[str]:
     """The checks of the module docstring; the line saying what the reward is."""
-    from hpcrl.reward.models import GENERATIVE, RewardModelLoadError, model_kind
+    from hpcrl.reward.models import GENERATIVE, RewardModelLoadError, configured_kind
     from hpcrl.reward.parsers import ParserLoadError, load_parser
     from hpcrl.rollout.reward_fn import RewardLoadError, load_reward
 
     rm = cfg.reward_model
     if rm.builtin:
-        kind = GENERATIVE if rm.path == "builtin:tiny-judge" else "discriminative"
+        kind = configured_kind(rm)
         where = f"{rm.path} (built into the run directory at launch)"
     else:
         folder = Path(rm.path).expanduser()
@@ -36,7 +36,7 @@ def check_reward_model(cfg: RunConfig) -> list[str]:
         if not any((folder / f).is_file() for f in TOKENIZER_FILES):
             raise bad("reward_model.path", rm.path, f"a folder with a tokenizer ({' or '.join(TOKENIZER_FILES)})", fix)
         try:
-            kind = model_kind(folder, rm.kind)
+            kind = configured_kind(rm)
         except RewardModelLoadError as e:
             raise bad("reward_model.kind", rm.kind, "discriminative or generative", str(e)) from None
         where = str(folder)

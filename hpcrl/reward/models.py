@@ -65,6 +65,14 @@ def model_kind(folder: Path, kind: str) -> str:
                                "nor a causal LM; fix: set reward_model.kind to discriminative or generative")
 
 
+def configured_kind(rm: RewardModelConfig) -> str:
+    """The kind of model ``reward_model`` names: a built-in one's by its name, a folder's by :func:`model_kind`
+    (RewardModelLoadError)."""
+    if rm.builtin:
+        return GENERATIVE if rm.path == "builtin:tiny-judge" else DISCRIMINATIVE
+    return model_kind(Path(rm.path).expanduser(), rm.kind)
+
+
 def resolve_device(device: str) -> str:
     """``auto`` -> cuda where this process sees a GPU, else cpu."""
     return device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")

@@ -145,11 +145,11 @@ class Batcher:
                 scores = self.model.forward([pool[k][2] for k in batch])
             except Exception as e:  # noqa: BLE001 - the clients get the error and retry or count it
                 log.exception("the reward model failed on %d items", len(batch))
-                failed = {id(pool[k][0]) for k in batch}
-                for req, _, _ in pool:
-                    if id(req) in failed and not req.fut.done():
+                failed = {pool[k][0] for k in batch}
+                for req in failed:
+                    if not req.fut.done():
                         req.fut.set_exception(e)
-                pool[:] = [p for p in pool if id(p[0]) not in failed]
+                pool[:] = [p for p in pool if p[0] not in failed]
                 continue
             answered = 0
             for k, value in zip(batch, scores):
